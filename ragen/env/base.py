@@ -1,0 +1,99 @@
+"""RAGEN's environment interface.
+
+An env module written for RAGEN imports these names and runs unchanged:
+
+- ``BaseEnv``: ``reset(seed=None, **kwargs) -> observation text`` and
+  ``step(action) -> (observation, reward, done, info)``; ``info`` carries at
+  least ``action_is_valid``, ``action_is_effective`` and ``success``.
+- ``BaseDiscreteActionEnv``: actions are integer ids; ``ACTION_LOOKUP`` maps
+  id -> action name and ``get_all_actions()`` lists the ids.
+- ``BaseLanguageBasedEnv``: the action is the answer text itself.
+- ``BaseEnvConfig``: the dataclass every env config derives from.
+
+Each env owns its random generator, seeded in ``reset`` (``make_rng`` builds
+it); nothing random is global, so instances in different threads or processes
+never disturb each other. ``BaseDiscreteActionEnv.is_valid_action`` is the one
+test of whether a step's action is an id of ``ACTION_LOOKUP``.
+"""
+
+from __future__ import annotations
+
+import numbers
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from .config_checks import check_number
+
+
+@dataclass
+class BaseEnvConfig:
+    """Base of every env config; subclasses add their own fields."""
+
+    invalid_act: str = ""
+    invalid_act_score: float = 0.0
+
+    def __post_init__(self) -> None:
+        self.invalid_act_score = check_number("invalid_act_score", self.invalid_act_score)
+
+
+class BaseEnv(ABC):
+    def __init__(self, config: Any = None) -> None:
+        self.config = config
+
+    @abstractmethod
+    def reset(self, seed: int | None = None, **kwargs: Any) -> str:
+        """Start an episode and return the first observation text."""
+
+    @abstractmethod
+    def step(self, action: Any) -> tuple[str, float, bool, dict]:
+        """Apply one action: (observation, reward, done, info)."""
+
+    def compute_reward(self, *args: Any, **kwargs: Any) -> float:
+        return 0.0
+
+    def render(self, mode: str = "text") -> str:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        pass
+
+
+class BaseDiscreteActionEnv(BaseEnv):
+    ACTION_LOOKUP: dict[int, str] = {}
+
+    def get_all_actions(self) -> list[int]:
+        return list(self.ACTION_LOOKUP)
+
+    def is_valid_action(self, action: Any) -> bool:
+        """Whether ``action`` is one of the integer ids of ``ACTION_LOOKUP``.
+
+        Text, ``None``, floats and bools are not ids (bool is an int subclass,
+        but ``True`` as an action is a parsing bug, not "action 1").
+        """
+        return (
+            isinstance(action, numbers.Integral)
+            and not isinstance(action, bool)
+            and int(action) in self.ACTION_LOOKUP
+        )
+
+
+def make_rng(seed: int | None) -> tuple[int, np.random.Generator]:
+    """(seed, generator) for an episode: the env's own RNG, never a global one.
+
+    ``None`` draws a fresh seed from OS entropy and returns it, so the episode
+    can still be replayed. Negative seeds are valid and differ from positive
+    ones (numpy accepts only non-negative seeds, so they are taken mod 2**64).
+    """
+    if seed is None:
+        seed = int(np.random.SeedSequence().entropy)
+    elif isinstance(seed, bool) or not isinstance(seed, numbers.Integral):
+        raise TypeError(f"seed must be an integer or None, got {seed!r}")
+    seed = int(seed)
+    return seed, np.random.default_rng(seed % 2**64 if seed < 0 else seed)
+
+
+class BaseLanguageBasedEnv(BaseEnv):
+    pass

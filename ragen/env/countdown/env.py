@@ -1,0 +1,151 @@
+"""The Countdown env: combine the given numbers into an equation for the target.
+
+Concepts:
+
+- **Puzzle**: numbers and a target. ``generate_puzzle`` draws the numbers, then
+  folds them in a random order with random operations whose intermediate
+  results stay positive integers, and uses the result as the target (kept only
+  if it lies in ``1..max_target``); the fold is a known solution, so every
+  puzzle is solvable. It is a pure function of the settings and the seed.
+- **Action**: the answer text, an equation that uses each number exactly once
+  (see ``equation``; it is parsed, never evaluated as code).
+- **Reward** (RAGEN's): ``score`` (1.0) for a correct equation (``success``),
+  ``format_score`` (0.1) for a well-formed equation that is wrong (wrong value,
+  wrong numbers, division by zero). One step ends the episode.
+- **Observation**: ``"Target: <target>, nums: [<numbers>]"``.
+
+Text that is not a well-formed equation (or no text) is an invalid action:
+``info["action_is_valid"]`` is False, reward ``config.invalid_act_score`` (0),
+and the episode goes on.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from ..base import BaseLanguageBasedEnv, make_rng
+from .config import CountdownEnvConfig
+from .equation import parse_equation, uses_numbers_exactly
+
+__all__ = ["CountdownEnv", "CountdownPuzzle", "generate_puzzle"]
+
+# Folds tried per seed; about a third land in range even for small max_target.
+_MAX_DRAWS = 10_000
+
+
+class CountdownPuzzle(NamedTuple):
+    numbers: tuple[int, ...]
+    target: int
+    solution: str
+
+
+def _fold(numbers: list[int], rng: np.random.Generator) -> tuple[int, str]:
+    """Combine the numbers pairwise in random order; (value, expression)."""
+    items = [(n, str(n)) for n in numbers]
+    while len(items) > 1:
+        i, j = (int(k) for k in rng.choice(len(items), size=2, replace=False))
+        (a, ea), (b, eb) = items[i], items[j]
+        for k in sorted((i, j), reverse=True):
+            items.pop(k)
+        # only operations whose result is a positive integer, as in the game
+        ops = ["+", "*"]
+        if a != b:
+            ops.append("-")
+        if (b > 1 and a % b == 0) or (a > 1 and b % a == 0):
+            ops.append("/")
+        op = ops[int(rng.integers(len(ops)))]
+        if (op == "-" and a < b) or (op == "/" and not (b > 1 and a % b == 0)):
+            (a, ea), (b, eb) = (b, eb), (a, ea)
+        if op == "+":
+            value = a + b
+        elif op == "*":
+            value = a * b
+        elif op == "-":
+            value = a - b
+        else:
+            value = a // b
+        items.append((value, f"({ea} {op} {eb})"))
+    value, expr = items[0]
+    return value, expr[1:-1] if expr.startswith("(") else expr
+
+
+@lru_cache(maxsize=4096)
+def generate_puzzle(num_count: int, max_number: int, max_target: int, seed: int) -> CountdownPuzzle:
+    """The puzzle for ``seed`` (pure, memoised): numbers, target and one solution."""
+    _, rng = make_rng(seed)
+    for _ in range(_MAX_DRAWS):
+        numbers = [int(n) for n in rng.integers(1, max_number + 1, size=num_count)]
+        target, solution = _fold(numbers, rng)
+        if 1 <= target <= max_target:
+            return CountdownPuzzle(tuple(numbers), target, solution)
+    raise RuntimeError(
+        f"no Countdown target in 1..{max_target} from {num_count} numbers up to {max_number} for seed {seed}"
+    )
+
+
+class CountdownEnv(BaseLanguageBasedEnv):
+    config_cls = CountdownEnvConfig
+
+    def __init__(self, config: CountdownEnvConfig | None = None) -> None:
+        super().__init__(config if config is not None else CountdownEnvConfig())
+        self.render_mode = self.config.render_mode
+        self.seed: int | None = None
+        self.np_random: np.random.Generator | None = None
+        self.puzzle: CountdownPuzzle | None = None
+        self.render_cache: str | None = None
+        self._done = False
+        self._success = False
+
+    @property
+    def numbers(self) -> list[int]:
+        return list(self.puzzle.numbers) if self.puzzle else []
+
+    @property
+    def target(self) -> int | None:
+        return self.puzzle.target if self.puzzle else None
+
+    def reset(self, seed: int | None = None, **kwargs: Any) -> str:
+        self.seed, self.np_random = make_rng(seed)
+        cfg = self.config
+        self.puzzle = generate_puzzle(cfg.num_count, cfg.max_number, cfg.max_target, self.seed)
+        self.render_cache = f"Target: {self.puzzle.target}, nums: {list(self.puzzle.numbers)}"
+        self._done = False
+        self._success = False
+        return self.render_cache
+
+    def compute_reward(self, action: Any) -> float:
+        """RAGEN's score for an answer: score, format_score or 0."""
+        return self._judge(action)[0]
+
+    def _judge(self, action: Any) -> tuple[float, bool, bool]:
+        """(reward, well formed, correct) for an answer text."""
+        result = parse_equation(action)
+        if not result.well_formed:
+            return 0.0, False, False
+        correct = (
+            result.value is not None
+            and result.value == self.puzzle.target
+            and uses_numbers_exactly(result, self.puzzle.numbers)
+        )
+        return (self.config.score if correct else self.config.format_score), True, correct
+
+    def step(self, action: Any) -> tuple[str, float, bool, dict]:
+        if self.puzzle is None:
+            raise RuntimeError("CountdownEnv.step() called before reset()")
+        reward, valid, correct = self._judge(action)
+        if not valid:
+            info = {"action_is_valid": False, "action_is_effective": False, "success": self._success}
+            return self.render_cache, float(self.config.invalid_act_score), self._done, info
+        if self._done:
+            info = {"action_is_valid": True, "action_is_effective": False, "success": self._success}
+            return self.render_cache, 0.0, True, info
+        self._done, self._success = True, correct
+        self.render_cache = "Correct!" if correct else f"Incorrect. Target: {self.puzzle.target}"
+        info = {"action_is_valid": True, "action_is_effective": True, "success": correct}
+        return self.render_cache, reward, True, info
+
+    def render(self, mode: str | None = None) -> str:
+        return self.render_cache or ""

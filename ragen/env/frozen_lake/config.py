@@ -1,0 +1,68 @@
+"""Configuration of the FrozenLake env (RAGEN's ``FrozenLakeEnvConfig`` fields).
+
+``size`` is the side of the square map, ``p`` the probability that a tile is
+frozen (not a hole), ``is_slippery`` makes moves slide sideways with
+probability 2/3 as in gymnasium, ``map_seed`` fixes one map for every episode
+(otherwise each reset seed draws its own map), ``max_steps`` ends an episode
+that has not reached the goal or a hole.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from ..base import BaseEnvConfig
+from ..config_checks import EnvConfigError, check_bool, check_int, check_lookup, check_number, check_str
+
+__all__ = ["FrozenLakeEnvConfig"]
+
+
+def _default_grid_lookup() -> dict[int, str]:
+    # 0 player, 1 frozen (start included), 2 hole, 3 goal, 4 player in hole, 5 player on goal
+    return {0: "P", 1: "_", 2: "O", 3: "G", 4: "X", 5: "√"}
+
+
+def _default_grid_vocab() -> dict[str, str]:
+    return {
+        "P": "player",
+        "_": "empty",
+        "O": "hole",
+        "G": "goal",
+        "X": "player in hole",
+        "√": "player on goal",
+    }
+
+
+def _default_action_lookup() -> dict[int, str]:
+    return {1: "Left", 2: "Down", 3: "Right", 4: "Up"}
+
+
+@dataclass
+class FrozenLakeEnvConfig(BaseEnvConfig):
+    size: int = 4
+    p: float = 0.8
+    is_slippery: bool = True
+    map_seed: int | None = None
+    max_steps: int = 100
+    render_mode: str = "text"
+    grid_lookup: dict[int, str] = field(default_factory=_default_grid_lookup)
+    grid_vocab: dict[str, str] = field(default_factory=_default_grid_vocab)
+    action_lookup: dict[int, str] = field(default_factory=_default_action_lookup)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self.size = check_int("size", self.size, minimum=2, maximum=64)
+        self.p = check_number("p", self.p, maximum=1.0)
+        if self.p <= 0.0:
+            raise EnvConfigError("p", f"the frozen probability must be in (0, 1], got {self.p}")
+        self.is_slippery = check_bool("is_slippery", self.is_slippery)
+        if self.map_seed is not None:
+            self.map_seed = check_int("map_seed", self.map_seed)
+        self.max_steps = check_int("max_steps", self.max_steps, minimum=1)
+        self.render_mode = check_str("render_mode", self.render_mode, choices=("text",))
+        self.grid_lookup = check_lookup("grid_lookup", self.grid_lookup, keys=range(6))
+        if not isinstance(self.grid_vocab, Mapping):
+            raise EnvConfigError("grid_vocab", f"expected a mapping of symbols to names, got {self.grid_vocab!r}")
+        self.grid_vocab = dict(self.grid_vocab)
+        self.action_lookup = check_lookup("action_lookup", self.action_lookup, keys=(1, 2, 3, 4), unique_values=True)

@@ -1,0 +1,90 @@
+"""Configuration of the Sokoban env (RAGEN's ``SokobanEnvConfig`` fields).
+
+Room size is ``dim_room = (rows, cols)``, or ``dim_x`` (rows) and ``dim_y``
+(cols) as in RAGEN's yaml files; when both spellings are given, ``dim_x``/
+``dim_y`` win. ``search_depth`` bounds the generator's reverse search, counted
+in pulls (pushes of the solution). Values are checked in ``__post_init__``;
+errors name the field.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from ..base import BaseEnvConfig
+from ..config_checks import EnvConfigError, check_int, check_lookup, check_str
+from .generator import room_fits
+
+__all__ = ["SokobanEnvConfig"]
+
+
+def _default_grid_lookup() -> dict[int, str]:
+    return {0: "#", 1: "_", 2: "O", 3: "√", 4: "X", 5: "P", 6: "S"}
+
+
+def _default_grid_vocab() -> dict[str, str]:
+    return {
+        "#": "wall",
+        "_": "empty",
+        "O": "target",
+        "√": "box on target",
+        "X": "box",
+        "P": "player",
+        "S": "player on target",
+    }
+
+
+def _default_action_lookup() -> dict[int, str]:
+    return {1: "Up", 2: "Down", 3: "Left", 4: "Right"}
+
+
+@dataclass
+class SokobanEnvConfig(BaseEnvConfig):
+    dim_room: tuple[int, int] = (6, 6)
+    max_steps: int = 100
+    num_boxes: int = 3
+    search_depth: int = 300
+    grid_lookup: dict[int, str] = field(default_factory=_default_grid_lookup)
+    grid_vocab: dict[str, str] = field(default_factory=_default_grid_vocab)
+    action_lookup: dict[int, str] = field(default_factory=_default_action_lookup)
+    dim_x: int | None = None
+    dim_y: int | None = None
+    render_mode: str = "text"
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.dim_x is not None or self.dim_y is not None:
+            rows, cols = self.dim_room
+            self.dim_room = (
+                rows if self.dim_x is None else self.dim_x,
+                cols if self.dim_y is None else self.dim_y,
+            )
+        dim = self.dim_room
+        if isinstance(dim, (str, bytes)) or not hasattr(dim, "__len__") or len(dim) != 2:
+            raise EnvConfigError("dim_room", f"expected (rows, cols), got {dim!r}")
+        names = ("dim_x" if self.dim_x is not None else "dim_room", "dim_y" if self.dim_y is not None else "dim_room")
+        rows = check_int(names[0], dim[0])
+        cols = check_int(names[1], dim[1])
+        for name, value in zip(names, (rows, cols)):
+            if value < 3:
+                raise EnvConfigError(name, f"the room must be at least 3x3 (walls included), got {rows}x{cols}")
+        self.dim_room = (rows, cols)
+        self.dim_x, self.dim_y = rows, cols
+        self.num_boxes = check_int("num_boxes", self.num_boxes, minimum=1)
+        if not room_fits(rows, cols, self.num_boxes):
+            raise EnvConfigError(
+                "num_boxes",
+                f"{self.num_boxes} boxes do not fit in a {rows}x{cols} room "
+                f"(at most {max(0, (rows - 2) * (cols - 2) - 2)}: the player and one free cell need room too)",
+            )
+        self.max_steps = check_int("max_steps", self.max_steps, minimum=1)
+        self.search_depth = check_int("search_depth", self.search_depth, minimum=1)
+        self.grid_lookup = check_lookup("grid_lookup", self.grid_lookup, keys=range(7))
+        if not isinstance(self.grid_vocab, Mapping) or not all(
+            isinstance(k, str) and isinstance(v, str) for k, v in self.grid_vocab.items()
+        ):
+            raise EnvConfigError("grid_vocab", f"expected a mapping of symbols to names, got {self.grid_vocab!r}")
+        self.grid_vocab = dict(self.grid_vocab)
+        self.action_lookup = check_lookup("action_lookup", self.action_lookup, keys=(1, 2, 3, 4), unique_values=True)
+        self.render_mode = check_str("render_mode", self.render_mode, choices=("text",))
