@@ -1,0 +1,217 @@
+"""ContextManager: from env state to prompts, from answers to actions, and from
+trajectories to training tensors.
+
+- ``build_messages``: the chat prompt of one turn (system message with the env's
+  instruction, then per turn a user message with the state, actions left and the
+  last reward, and the model's earlier answers), cut to ``max_context_window``
+  past turns.
+- ``parse_response``: ``<think>...</think><answer>...</answer>`` (or ``<answer>``
+  only when ``enable_think`` is off) -> action strings split on ``action_sep``,
+  at most ``max_actions_per_turn``. Never raises.
+- ``formulate_rollouts``: token ids of each whole episode with a loss mask over
+  the model's own tokens only, and rewards at the end of each answer
+  (``use_turn_scores``) or at the last answer token.
+- ``normalize_rewards``: RAGEN's grouping (``state`` / ``inductive`` / ``batch``)
+  and method (``identity`` / ``mean`` / ``mean_std`` / ``asym_clip``).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import numpy as np
+
+from ragen.llm_agent.types import EnvSpec, Trajectory, Turn
+
+FORMAT_THINK = "<think> [Your thoughts] </think> <answer> [your answer] </answer>"
+FORMAT_ANSWER = "<answer> [your answer] </answer>"
+_THINK_RE = re.compile(r"<think>(.*?)</think>\s*<answer>(.*?)</answer>", re.DOTALL)
+_ANSWER_RE = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
+# Tokens some chat models leak into answers; they are never part of an action.
+_SPECIAL_TOKENS = ("<|im_start|>", "<|im_end|>", "<|endoftext|>", "</s>", "<s>")
+GROUPINGS = ("state", "inductive", "batch")
+METHODS = ("identity", "mean", "mean_std", "asym_clip")
+
+
+@dataclass(frozen=True)
+class ContextConfig:
+    """The agent_proxy keys that shape prompts and parsing (plain, picklable)."""
+
+    action_sep: str = "||"
+    max_actions_per_turn: int = 5
+    enable_think: bool = True
+    max_context_window: int = -1  # past turns kept in the prompt; -1: all
+    use_turn_scores: bool = False
+    reward_grouping: str = "state"
+    reward_method: str = "identity"
+
+    def __post_init__(self) -> None:
+        if not self.action_sep:
+            raise ValueError("agent_proxy.action_sep must be a non-empty string")
+        if self.max_actions_per_turn < 1:
+            raise ValueError(f"agent_proxy.max_actions_per_turn must be >= 1, got {self.max_actions_per_turn}")
+        if self.reward_grouping not in GROUPINGS:
+            raise ValueError(
+                f"agent_proxy.reward_normalization.grouping: unknown {self.reward_grouping!r}; choose one of {GROUPINGS}"
+            )
+        if self.reward_method not in METHODS:
+            raise ValueError(
+                f"agent_proxy.reward_normalization.method: unknown {self.reward_method!r}; choose one of {METHODS}"
+            )
+
+
+class ContextManager:
+    def __init__(self, config: ContextConfig) -> None:
+        self.config = config
+
+    # ----- prompts -------------------------------------------------------------
+    def system_message(self, spec: EnvSpec) -> dict[str, str]:
+        return {"role": "system", "content": ("You're a helpful assistant. " + spec.env_instruction).strip()}
+
+    def user_message(
+        self,
+        turn_index: int,
+        observation: str,
+        actions_left: int,
+        action_names: Sequence[str] | None,
+        last_reward: float | None,
+        max_tokens: int | None,
+    ) -> dict[str, str]:
+        cfg = self.config
+        parts = []
+        if last_reward is not None:
+            parts.append(f"Reward:\n{last_reward:g}")
+        parts.append(f"Turn {turn_index + 1}:\nState:\n{observation}")
+        parts.append(f"You have {actions_left} actions left.")
+        if action_names:
+            parts.append("Available actions: " + ", ".join(action_names))
+            parts.append(
+                f"You can take up to {cfg.max_actions_per_turn} actions per turn, separated by {cfg.action_sep}."
+            )
+        fmt = FORMAT_THINK if cfg.enable_think else FORMAT_ANSWER
+        line = f"Always output: {fmt} with no extra text. Strictly follow this format."
+        if max_tokens:
+            line += f" Max response length: {max_tokens} words (tokens)."
+        parts.append(line)
+        return {"role": "user", "content": "\n".join(parts)}
+
+    def episode_messages(self, spec: EnvSpec, turns: Sequence[Turn],
+                         action_names: Sequence[str] | None) -> list[dict[str, str]]:
+        """System message, then a user message and the model's answer per turn."""
+        messages = [self.system_message(spec)]
+        last_reward = None
+        for i, t in enumerate(turns):
+            messages.append(self.user_message(i, t.observation, t.actions_left, action_names, last_reward,
+                                              spec.max_tokens))
+            messages.append({"role": "assistant", "content": t.response})
+            last_reward = t.reward + t.penalty
+        return messages
+
+    def build_messages(
+        self,
+        spec: EnvSpec,
+        turns: Sequence[Turn],
+        observation: str,
+        actions_left: int,
+        action_names: Sequence[str] | None,
+    ) -> list[dict[str, str]]:
+        """The prompt for the next turn: the episode so far, cut to
+        ``max_context_window`` past turns, and the new state."""
+        messages = self.episode_messages(spec, turns, action_names)
+        window = self.config.max_context_window
+        if 0 <= window < len(turns):
+            messages = messages[:1] + (messages[len(messages) - 2 * window:] if window else [])
+        last_reward = turns[-1].reward + turns[-1].penalty if turns else None
+        messages.append(self.user_message(len(turns), observation, actions_left, action_names, last_reward,
+                                          spec.max_tokens))
+        return messages
+
+    # ----- parsing -------------------------------------------------------------
+    def parse_response(self, text: str) -> list[str]:
+        """Action strings of an answer; [] when it does not follow the format."""
+        cfg = self.config
+        match = (_THINK_RE if cfg.enable_think else _ANSWER_RE).search(text or "")
+        if not match:
+            return []
+        content = match.group(match.lastindex)
+        for tok in _SPECIAL_TOKENS:
+            content = content.replace(tok, "")
+        actions = [a.strip() for a in content.split(cfg.action_sep) if a.strip()]
+        return actions[: cfg.max_actions_per_turn]
+
+    # ----- training ------------------------------------------------------------
+    def formulate_rollouts(self, episodes: Sequence[dict[str, Any]], tokenizer: Any,
+                           max_length: int | None = None) -> list[dict[str, Any]]:
+        """Token ids, loss mask and per-token rewards of each episode.
+
+        ``episodes``: dicts with ``messages`` (system, user, assistant, ...) and
+        ``turn_rewards`` (one float per assistant message). The sequence is
+        built piece by piece so that the loss mask is exact: prompt pieces
+        (system, user, the template's headers) get mask 0, each answer and the
+        template's end-of-turn token after it get mask 1.
+        """
+        out = []
+        for ep in episodes:
+            ids, mask, rewards = self._tokenize_episode(ep["messages"], ep["turn_rewards"], tokenizer)
+            if max_length is not None and len(ids) > max_length:
+                ids, mask, rewards = ids[:max_length], mask[:max_length], rewards[:max_length]
+            out.append({"input_ids": ids, "loss_mask": mask, "token_rewards": rewards})
+        return out
+
+    def _tokenize_episode(self, messages, turn_rewards, tokenizer):
+        ids: list[int] = []
+        mask: list[int] = []
+        rewards: list[float] = []
+        rendered = ""
+        answer_ends: list[int] = []
+        for k, msg in enumerate(messages):
+            if msg["role"] != "assistant":
+                continue
+            before = tokenizer.apply_chat_template(messages[:k], add_generation_prompt=True, tokenize=False)
+            after = tokenizer.apply_chat_template(messages[: k + 1], tokenize=False)
+            prompt_piece = before[len(rendered):]
+            answer_piece = after[len(before):].rstrip("\n")  # the template's trailing newline is not the model's
+            p = tokenizer(prompt_piece, add_special_tokens=False)["input_ids"]
+            a = tokenizer(answer_piece, add_special_tokens=False)["input_ids"]
+            ids += p + a
+            mask += [0] * len(p) + [1] * len(a)
+            rewards += [0.0] * (len(p) + len(a))
+            answer_ends.append(len(ids) - 1)
+            rendered = before + answer_piece
+        if answer_ends:
+            if self.config.use_turn_scores:
+                for end, r in zip(answer_ends, turn_rewards):
+                    rewards[end] += float(r)
+            else:
+                rewards[answer_ends[-1]] += float(sum(turn_rewards))
+        return ids, mask, rewards
+
+    def normalize_rewards(self, scores: Sequence[float], group_ids: Sequence[Any], tags: Sequence[str]) -> np.ndarray:
+        """RAGEN's reward normalization of episode scores."""
+        cfg = self.config
+        x = np.asarray(scores, dtype=np.float64)
+        if cfg.reward_grouping == "state":
+            keys = list(group_ids)
+        elif cfg.reward_grouping == "inductive":
+            keys = list(tags)
+        else:
+            keys = [0] * len(x)
+        out = np.empty_like(x)
+        for key in dict.fromkeys(keys):
+            idx = np.array([i for i, k in enumerate(keys) if k == key])
+            out[idx] = _normalize(x[idx], cfg.reward_method)
+        return out
+
+
+def _normalize(x: np.ndarray, method: str) -> np.ndarray:
+    if method == "identity":
+        return x.copy()
+    if method == "mean":
+        return x - x.mean()
+    std = x.std()
+    z = (x - x.mean()) / (std + 1e-6) if len(x) > 1 else x - x.mean()
+    if method == "mean_std":
+        return z
+    return np.clip(z, -1.0, 3.0)  # asym_clip: keep rare large successes, bound failures

@@ -1,0 +1,184 @@
+"""EnvStateManager: which envs a rollout plays, with which seeds, and what
+their trajectories add up to.
+
+One manager per split (``train`` / ``val``), from ``es_manager.<split>``:
+``env_groups`` groups of ``group_size`` envs; ``env_configs.tags`` with
+``n_groups`` (summing to ``env_groups``) says which ``custom_envs`` tag each
+group plays. Members of a group share one seed (so one initial state, as GRPO
+needs); groups differ. Seeds start at ``seed.<split>`` and advance every rollout.
+
+``make_specs()`` returns the ``EnvSpec`` list of the next rollout (plain data,
+sent to workers); the turn loop in ``ragen.llm_agent.rollout_loop`` steps them;
+``compute_metrics`` reduces the trajectories to stable metric names.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import Counter, defaultdict
+from typing import Any, Mapping, Sequence
+
+from ragen.llm_agent.types import EnvSpec, StopReason, Trajectory
+
+
+def to_plain(value: Any) -> Any:
+    """OmegaConf containers (or any mapping/sequence) -> plain dicts and lists."""
+    try:
+        from omegaconf import DictConfig, ListConfig, OmegaConf
+
+        if isinstance(value, (DictConfig, ListConfig)):
+            return OmegaConf.to_container(value, resolve=True)
+    except ImportError:  # pragma: no cover - hydra is a dependency
+        pass
+    if isinstance(value, Mapping):
+        return {k: to_plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [to_plain(v) for v in value]
+    return value
+
+
+class EnvStateManager:
+    def __init__(self, split: str, split_cfg: Mapping, custom_envs: Mapping, seed: int) -> None:
+        self.split = split
+        key = f"es_manager.{split}"
+        cfg = to_plain(split_cfg)
+        if not isinstance(cfg, dict):
+            raise ValueError(f"{key} must be a mapping, got {type(cfg).__name__}")
+        self.env_groups = _positive_int(cfg.get("env_groups"), f"{key}.env_groups")
+        self.group_size = _positive_int(cfg.get("group_size"), f"{key}.group_size")
+        env_configs = cfg.get("env_configs") or {}
+        tags = list(env_configs.get("tags") or [])
+        n_groups = list(env_configs.get("n_groups") or [])
+        if not tags:
+            raise ValueError(f"{key}.env_configs.tags is empty: name at least one tag of custom_envs")
+        if len(tags) != len(n_groups):
+            raise ValueError(f"{key}.env_configs: {len(tags)} tags but {len(n_groups)} n_groups entries")
+        for i, n in enumerate(n_groups):
+            _positive_int(n, f"{key}.env_configs.n_groups[{i}]")
+        if sum(n_groups) != self.env_groups:
+            raise ValueError(
+                f"{key}.env_configs.n_groups sums to {sum(n_groups)} but {key}.env_groups is {self.env_groups}"
+            )
+        custom_envs = to_plain(custom_envs) or {}
+        self.tag_specs: dict[str, dict[str, Any]] = {}
+        for tag in tags:
+            if tag not in custom_envs:
+                raise ValueError(
+                    f"{key}.env_configs.tags: tag {tag!r} is not in custom_envs (known: {sorted(custom_envs)})"
+                )
+            self.tag_specs[tag] = _validate_tag(tag, custom_envs[tag])
+        self.group_tags = [tag for tag, n in zip(tags, n_groups) for _ in range(n)]
+        self.base_seed = int(seed)
+        self._rollouts = 0
+        self._lock = threading.Lock()
+
+    @property
+    def num_envs(self) -> int:
+        return self.env_groups * self.group_size
+
+    def make_specs(self, rollout_index: int | None = None) -> list[EnvSpec]:
+        """Specs of the next rollout; seeds advance by ``env_groups`` each time."""
+        with self._lock:
+            if rollout_index is None:
+                rollout_index = self._rollouts
+            self._rollouts = rollout_index + 1
+        specs = []
+        for g, tag in enumerate(self.group_tags):
+            ts = self.tag_specs[tag]
+            seed = self.base_seed + rollout_index * self.env_groups + g
+            for m in range(self.group_size):
+                specs.append(
+                    EnvSpec(
+                        env_id=g * self.group_size + m,
+                        group_id=g,
+                        tag=tag,
+                        seed=seed,
+                        env_type=ts["env_type"],
+                        env_config=ts["env_config"],
+                        config_type=ts["config_type"],
+                        max_actions_per_traj=ts["max_actions_per_traj"],
+                        env_instruction=ts["env_instruction"],
+                        max_tokens=ts["max_tokens"],
+                    )
+                )
+        return specs
+
+    @property
+    def rollouts_done(self) -> int:
+        return self._rollouts
+
+    def state_dict(self) -> dict[str, int]:
+        return {"rollouts": self._rollouts}
+
+    def load_state_dict(self, state: Mapping[str, int]) -> None:
+        self._rollouts = int(state["rollouts"])
+
+
+def _positive_int(value: Any, key: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{key} must be an integer >= 1, got {value!r}")
+    if value < 1:
+        raise ValueError(f"{key} must be >= 1, got {value}")
+    return value
+
+
+def _validate_tag(tag: str, spec: Any) -> dict[str, Any]:
+    from ragen.env import make_env_config
+
+    key = f"custom_envs.{tag}"
+    if not isinstance(spec, dict):
+        raise ValueError(f"{key} must be a mapping")
+    if "env_type" not in spec:
+        raise ValueError(f"{key}.env_type is missing")
+    allowed = {"env_type", "config_type", "max_actions_per_traj", "env_instruction", "max_tokens", "env_config"}
+    unknown = set(spec) - allowed
+    if unknown:
+        raise ValueError(f"{key}: unknown keys {sorted(unknown)}; allowed: {sorted(allowed)}")
+    env_config = spec.get("env_config") or {}
+    # Builds (and so validates) the config now, before any model loads.
+    make_env_config(spec["env_type"], env_config, config_type=spec.get("config_type"), tag=tag)
+    max_actions = _positive_int(spec.get("max_actions_per_traj", 10), f"{key}.max_actions_per_traj")
+    max_tokens = spec.get("max_tokens")
+    if max_tokens is not None:
+        max_tokens = _positive_int(max_tokens, f"{key}.max_tokens")
+    return {
+        "env_type": spec["env_type"],
+        "config_type": spec.get("config_type"),
+        "env_config": env_config,
+        "max_actions_per_traj": max_actions,
+        "env_instruction": spec.get("env_instruction", "") or "",
+        "max_tokens": max_tokens,
+    }
+
+
+def compute_metrics(trajectories: Sequence[Trajectory], prefix: str = "rollout") -> dict[str, float]:
+    """Stable metric names: ``<prefix>/success``, ``<prefix>/<tag>/success``,
+    ``<prefix>/stop/<reason>``, ... over one rollout's trajectories."""
+    m: dict[str, float] = {}
+    if not trajectories:
+        return m
+    n = len(trajectories)
+    by_tag: dict[str, list[Trajectory]] = defaultdict(list)
+    for t in trajectories:
+        by_tag[t.tag].append(t)
+
+    def reduce(trajs: Sequence[Trajectory], p: str) -> None:
+        k = len(trajs)
+        m[f"{p}/success"] = sum(t.success for t in trajs) / k
+        m[f"{p}/reward"] = sum(t.reward for t in trajs) / k
+        m[f"{p}/num_actions"] = sum(t.num_actions for t in trajs) / k
+        m[f"{p}/num_turns"] = sum(len(t.turns) for t in trajs) / k
+        parsed = sum(len(tn.actions) for t in trajs for tn in t.turns)
+        executed = sum(len(tn.executed_actions) for t in trajs for tn in t.turns)
+        m[f"{p}/valid_action_ratio"] = executed / parsed if parsed else 0.0
+        m[f"{p}/n_trajectories"] = float(k)
+
+    reduce(trajectories, prefix)
+    for tag, trajs in sorted(by_tag.items()):
+        reduce(trajs, f"{prefix}/{tag}")
+    stops = Counter(t.stop_reason for t in trajectories)
+    for reason in StopReason:
+        m[f"{prefix}/stop/{reason.value}"] = float(stops.get(reason, 0))
+    m[f"{prefix}/env_steps"] = float(sum(t.num_actions for t in trajectories))
+    assert sum(stops.values()) == n
+    return m

@@ -1,0 +1,294 @@
+"""ParallelRolloutManager: a rollout's envs played by joblib workers.
+
+- Partitioning: whole groups stay in one shard; every env is in exactly one
+  shard (remainders included); there are at least as many shards as workers,
+  more when ``max_env_num_per_worker`` asks for it.
+- Workers (loky processes by default; threading, multiprocessing, sequential;
+  dask and ray through joblib's backends) build their envs locally, keep them
+  between rollouts (``EnvPool`` per process and thread), run the turn loop of
+  ``rollout_loop`` for their shard and return plain-data trajectories. They
+  reach the driver's ``SharedLLMInferenceManager`` through a picklable client.
+  Inside a shard, ``pipeline_depth`` micro-batches overlap env stepping with
+  generation.
+- The executor is kept between rollouts (an entered ``joblib.Parallel``).
+- Fallback: a shard that fails (an env raising, a worker process that dies, a
+  shard past ``rollout_timeout_s``) is re-run sequentially, with the same
+  seeds, in one spare process owned by the driver (so an env that kills its
+  process cannot take the driver down); there an env that fails again ends its
+  own trajectory with stop reason ``error`` or ``timeout``, and the others are
+  kept. ``fallback_to_sequential: false`` raises ``RolloutError`` instead.
+- The driver merges trajectories in env_id order and checks that every spec
+  has exactly one.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from dataclasses import replace
+from typing import Any, Sequence
+
+import joblib
+
+from ragen.llm_agent.es_manager import compute_metrics
+from ragen.llm_agent.rollout_loop import EnvPool, LoopConfig, run_envs
+from ragen.llm_agent.shared_llm import SharedLLMClient, SharedLLMInferenceManager
+from ragen.llm_agent.types import EnvSpec, RolloutResult, StopReason, Trajectory
+
+logger = logging.getLogger(__name__)
+
+BACKENDS = ("loky", "threading", "multiprocessing", "sequential", "dask", "ray")
+_LOCAL = threading.local()
+
+
+class RolloutError(RuntimeError):
+    pass
+
+
+def _worker_pool() -> EnvPool:
+    """This process's (and thread's) env instances, kept between rollouts."""
+    pools = getattr(_LOCAL, "pools", None)
+    if pools is None:
+        pools = _LOCAL.pools = {}
+    return pools.setdefault(os.getpid(), EnvPool())
+
+
+def run_shard(shard_id: int, specs: list[EnvSpec], client: SharedLLMClient, config: LoopConfig,
+              isolate_errors: bool = False, fault: dict[str, int] | None = None) -> dict[str, Any]:
+    """One shard in a worker. Failures come back as data, not exceptions, so
+    joblib does not cancel the other shards."""
+    t0 = time.perf_counter()
+    try:
+        trajectories, stats = run_envs(specs, client, config, pool=_worker_pool(),
+                                       isolate_errors=isolate_errors, fault=fault)
+        error = None
+    except Exception as exc:
+        trajectories, stats, error = [], None, f"{type(exc).__name__}: {exc}"
+    return {"shard": shard_id, "trajectories": trajectories, "stats": stats.as_dict() if stats else {},
+            "error": error, "pid": os.getpid(), "wall_s": time.perf_counter() - t0}
+
+
+def partition(specs: Sequence[EnvSpec], n_workers: int, max_env_num_per_worker: int | None = None) -> list[list[EnvSpec]]:
+    """Whole groups per shard, as even as groups allow, every env assigned."""
+    groups: dict[int, list[EnvSpec]] = {}
+    for s in specs:
+        groups.setdefault(s.group_id, []).append(s)
+    members = list(groups.values())
+    if not members:
+        return []
+    n_shards = max(1, n_workers)
+    if max_env_num_per_worker:
+        per_group = max(len(g) for g in members)
+        per_shard = max(1, max_env_num_per_worker // per_group)
+        n_shards = max(n_shards, -(-len(members) // per_shard))
+    n_shards = min(n_shards, len(members))
+    shards: list[list[EnvSpec]] = []
+    start = 0
+    for i in range(n_shards):
+        end = start + len(members) // n_shards + (1 if i < len(members) % n_shards else 0)
+        shards.append([s for g in members[start:end] for s in g])
+        start = end
+    return shards
+
+
+class ParallelRolloutManager:
+    def __init__(
+        self,
+        shared: SharedLLMInferenceManager,
+        n_jobs: int = -1,
+        backend: str = "loky",
+        max_env_num_per_worker: int | None = None,
+        fallback_to_sequential: bool = True,
+        rollout_timeout_s: float | None = None,
+        fallback_env_timeout_s: float = 60.0,
+        engine_timeout_s: float | None = None,
+    ) -> None:
+        if backend not in BACKENDS:
+            raise ValueError(f"agent_proxy.parallel_backend: unknown {backend!r}; choose one of {BACKENDS}")
+        if not isinstance(n_jobs, int) or n_jobs == 0 or n_jobs < -1:
+            raise ValueError(f"agent_proxy.parallel_n_jobs must be -1 or >= 1, got {n_jobs!r}")
+        if max_env_num_per_worker is not None and max_env_num_per_worker < 1:
+            raise ValueError(f"agent_proxy.max_env_num_per_worker must be >= 1, got {max_env_num_per_worker}")
+        self.shared = shared
+        self.backend = backend
+        self.n_jobs = n_jobs
+        self.max_env_num_per_worker = max_env_num_per_worker
+        self.fallback_to_sequential = fallback_to_sequential
+        self.rollout_timeout_s = rollout_timeout_s
+        self.fallback_env_timeout_s = fallback_env_timeout_s
+        self._client = shared.client(timeout_s=engine_timeout_s)
+        self._parallel: joblib.Parallel | None = None
+        self._fallback_executor = None
+        with joblib.parallel_config(backend=backend):
+            self.n_workers = 1 if backend == "sequential" else joblib.effective_n_jobs(n_jobs)
+
+    # ----- executor --------------------------------------------------------------
+    def _executor(self) -> joblib.Parallel:
+        if self._parallel is None:
+            self._parallel = joblib.Parallel(
+                n_jobs=1 if self.backend == "sequential" else self.n_jobs,
+                backend=self.backend, batch_size=1,
+                # results as shards finish, so a failure keeps the finished ones; the
+                # multiprocessing backend returns all at once (and cannot see a killed
+                # worker: set rollout_timeout_s with it)
+                return_as="list" if self.backend == "multiprocessing" else "generator_unordered",
+                pre_dispatch="all", timeout=self.rollout_timeout_s,
+            )
+            self._parallel.__enter__()
+        return self._parallel
+
+    def _drop_executor(self) -> None:
+        if self._parallel is not None:
+            try:
+                self._parallel.__exit__(None, None, None)
+            except Exception:
+                logger.debug("closing the joblib executor failed", exc_info=True)
+            self._parallel = None
+
+    # ----- rollout ---------------------------------------------------------------
+    def rollout(self, specs: Sequence[EnvSpec], config: LoopConfig,
+                fault: dict[str, Any] | None = None) -> RolloutResult:
+        """``fault``: ``{"shard": i, "exit_at_turn": k}`` kills the worker of
+        shard i at turn k (fault injection)."""
+        t_start = time.perf_counter()
+        stats_before = self.shared.stats.snapshot()
+        shards = partition(specs, self.n_workers, self.max_env_num_per_worker)
+        results: dict[int, dict[str, Any]] = {}
+        failures: dict[int, str] = {}
+        tasks = (
+            joblib.delayed(run_shard)(i, shard, self._client, config, False,
+                                      {"exit_at_turn": fault["exit_at_turn"]} if fault and fault.get("shard") == i else None)
+            for i, shard in enumerate(shards)
+        )
+        try:
+            for res in self._executor()(tasks):
+                if res["error"]:
+                    failures[res["shard"]] = res["error"]
+                else:
+                    results[res["shard"]] = res
+        except Exception as exc:  # a dead worker, a timeout: the executor is gone
+            cause = f"{type(exc).__name__}: {exc}".strip()
+            self._drop_executor()
+            for i in range(len(shards)):
+                if i not in results and i not in failures:
+                    failures[i] = cause
+        fallback_s = 0.0
+        if failures:
+            if not self.fallback_to_sequential:
+                raise RolloutError("; ".join(f"shard {i} failed: {c}" for i, c in sorted(failures.items())))
+            t0 = time.perf_counter()
+            for i, cause in sorted(failures.items()):
+                ids = [s.env_id for s in shards[i]]
+                logger.warning("[Fallback] shard %d (%d envs, env_id %d..%d) failed: %s; re-running it "
+                               "sequentially with the same seeds", i, len(ids), min(ids), max(ids), cause)
+                results[i] = self._fallback(i, shards[i], config)
+                results[i]["cause"] = cause
+            fallback_s = time.perf_counter() - t0
+        trajectories = sorted((t for r in results.values() for t in r["trajectories"]), key=lambda t: t.env_id)
+        _check_complete(specs, trajectories)
+        metrics = compute_metrics(trajectories)
+        metrics.update(self._timing_metrics(results, stats_before, failures, len(shards)))
+        metrics["timing/fallback_s"] = fallback_s
+        metrics["timing/rollout_s"] = time.perf_counter() - t_start
+        return RolloutResult(trajectories=trajectories, specs=sorted(specs, key=lambda s: s.env_id), metrics=metrics)
+
+    def _fallback(self, shard_id: int, specs: list[EnvSpec], config: LoopConfig) -> dict[str, Any]:
+        config = replace(config, env_timeout_s=config.env_timeout_s or self.fallback_env_timeout_s,
+                         pipeline_depth=1)
+        result = _run_isolated(self._fallback_pool, shard_id, specs, self._client, config)
+        if result["error"]:  # not an env's fault (the engine, the manager): nothing to isolate
+            raise RolloutError(f"shard {shard_id} failed again in the fallback: {result['error']}")
+        return result
+
+    def _fallback_pool(self, reset: bool = False):
+        from loky import ProcessPoolExecutor
+
+        if reset and self._fallback_executor is not None:
+            self._fallback_executor.shutdown(wait=False, kill_workers=True)
+            self._fallback_executor = None
+        if self._fallback_executor is None:
+            self._fallback_executor = ProcessPoolExecutor(max_workers=1)
+        return self._fallback_executor
+
+    def _timing_metrics(self, results, before, failures, n_shards) -> dict[str, float]:
+        after = self.shared.stats
+        sizes = after.batch_sizes[len(before.batch_sizes):]
+        m = {
+            "timing/env_reset_s": sum(r["stats"].get("env_reset_s", 0.0) for r in results.values()),
+            "timing/env_step_s": sum(r["stats"].get("env_step_s", 0.0) for r in results.values()),
+            "timing/wait_llm_s": sum(r["stats"].get("wait_s", 0.0) for r in results.values()),
+            "timing/engine_s": after.engine_time_s - before.engine_time_s,
+            "engine/calls": float(after.engine_calls - before.engine_calls),
+            "engine/requests": float(after.requests - before.requests),
+            "engine/mean_batch_size": (sum(sizes) / len(sizes)) if sizes else 0.0,
+            "engine/max_batch_size": float(max(sizes)) if sizes else 0.0,
+            "ipc/bytes_in": float(after.bytes_in - before.bytes_in),
+            "ipc/bytes_out": float(after.bytes_out - before.bytes_out),
+            "ipc/messages": float(after.messages_in - before.messages_in),
+            "parallel/shards": float(n_shards),
+            "parallel/fallbacks": float(len(failures)),
+            "parallel/workers_used": float(len({r["pid"] for r in results.values()})),
+        }
+        m["timing/env_s"] = m["timing/env_reset_s"] + m["timing/env_step_s"]
+        for r in results.values():
+            m[f"worker/shard{r['shard']}_wall_s"] = r["wall_s"]
+        return m
+
+    def close(self) -> None:
+        self._drop_executor()
+        if self._fallback_executor is not None:
+            self._fallback_executor.shutdown(wait=True, kill_workers=True)
+            self._fallback_executor = None
+
+    def __enter__(self) -> "ParallelRolloutManager":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+def _run_isolated(pool_factory, shard_id: int, specs: list[EnvSpec], client: SharedLLMClient,
+                  config: LoopConfig) -> dict[str, Any]:
+    """Run specs one group after another in the spare process, with per-env
+    isolation; if the process dies, split until the env that kills it is
+    found: that env gets an ``error`` trajectory, the others their results."""
+    from loky.process_executor import BrokenProcessPool
+
+    timeout = None if config.env_timeout_s is None else config.env_timeout_s * (config.max_turn + 2) * max(1, len(specs))
+    try:
+        future = pool_factory().submit(run_shard, shard_id, specs, client, config, True, None)
+        return future.result(timeout=timeout)
+    except (BrokenProcessPool, TimeoutError, OSError) as exc:
+        pool_factory(reset=True)
+        cause = f"{type(exc).__name__}: {exc}".strip() or type(exc).__name__
+        groups: dict[int, list[EnvSpec]] = {}
+        for s in specs:
+            groups.setdefault(s.group_id, []).append(s)
+        parts = list(groups.values()) if len(groups) > 1 else [[s] for s in specs]
+        if len(parts) == 1:
+            s = specs[0]
+            reason = StopReason.TIMEOUT if isinstance(exc, TimeoutError) else StopReason.ERROR
+            logger.warning("[Fallback] env_id %d (tag %s) failed again in the fallback process: %s",
+                           s.env_id, s.tag, cause)
+            traj = Trajectory(env_id=s.env_id, group_id=s.group_id, tag=s.tag, seed=s.seed,
+                              stop_reason=reason, error=f"worker process failed: {cause}")
+            return {"shard": shard_id, "trajectories": [traj], "stats": {}, "error": None,
+                    "pid": -1, "wall_s": 0.0}
+        out = {"shard": shard_id, "trajectories": [], "stats": {}, "error": None, "pid": -1, "wall_s": 0.0}
+        for part in parts:
+            r = _run_isolated(pool_factory, shard_id, part, client, config)
+            out["trajectories"] += r["trajectories"]
+            for k, v in r["stats"].items():
+                out["stats"][k] = out["stats"].get(k, 0.0) + v
+        return out
+
+
+def _check_complete(specs: Sequence[EnvSpec], trajectories: Sequence[Trajectory]) -> None:
+    want = sorted(s.env_id for s in specs)
+    got = [t.env_id for t in trajectories]
+    if want != got:
+        missing = sorted(set(want) - set(got))
+        extra = sorted(set(got) - set(want))
+        raise RolloutError(f"rollout lost or duplicated trajectories: missing env_ids {missing}, extra {extra}")

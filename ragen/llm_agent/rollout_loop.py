@@ -1,0 +1,386 @@
+"""The multi-turn turn loop, shared by the sequential and the parallel rollout.
+
+``run_envs(specs, client, config)`` plays every spec to the end and returns
+one ``Trajectory`` per spec, in spec order. Per turn: prompt from the env's
+state (``ContextManager``) -> the model's answer (through an ``LLMClient``) ->
+actions parsed and mapped (names -> ids through the env's ``ACTION_LOOKUP``;
+unknown names dropped) -> ``env.step`` for each action within the budget.
+
+``LLMClient`` is what the loop talks to: ``submit`` a list of requests and get a
+ticket, ``wait_any`` for the next finished ticket. ``DirectClient`` calls an
+engine in-process (the sequential rollout: one engine call per turn over all
+active envs, RAGEN's loop); ``SharedLLMClient`` (``shared_llm``) reaches the
+driver's ``SharedLLMInferenceManager`` from worker processes.
+
+Envs are split into ``pipeline_depth`` micro-batches of whole groups, each with
+its own request in flight ("stream"): while one micro-batch waits for the
+model, another steps its envs. A trajectory depends only on its own env and the
+answers to its own requests, so the split never changes results.
+
+``EnvPool`` keeps env instances between rollouts (reset with new seeds).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import os
+import time
+import traceback
+from collections import defaultdict, deque
+from dataclasses import dataclass, field
+from typing import Any, Protocol, Sequence
+
+from ragen.llm.types import Completion, Engine, GenerationRequest, SamplingParams
+from ragen.llm_agent.ctx_manager import ContextConfig, ContextManager
+from ragen.llm_agent.types import EnvSpec, StopReason, Trajectory, Turn
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class LoopConfig:
+    """Everything the loop needs besides specs and a client (plain, picklable)."""
+
+    context: ContextConfig = field(default_factory=ContextConfig)
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    max_turn: int = 5
+    format_penalty: float = -0.1
+    env_timeout_s: float | None = None  # per reset/step; None: no limit
+    pipeline_depth: int = 1
+
+
+class LLMClient(Protocol):
+    def submit(self, requests: list[GenerationRequest], sampling: SamplingParams) -> int: ...
+
+    def wait_any(self) -> tuple[int, list[Completion]]: ...
+
+    def open_streams(self, n: int) -> None: ...
+
+    def close_stream(self) -> None: ...
+
+    def reset(self) -> None:
+        """Forget requests in flight (after a failure)."""
+
+
+class DirectClient:
+    """An engine called in the caller's thread; tickets answered in order."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self._queue: deque[tuple[int, list[GenerationRequest], SamplingParams]] = deque()
+        self._next = 0
+        self.engine_time_s = 0.0
+        self.engine_calls = 0
+        self.batch_sizes: list[int] = []
+
+    def submit(self, requests: list[GenerationRequest], sampling: SamplingParams) -> int:
+        self._next += 1
+        self._queue.append((self._next, requests, sampling))
+        return self._next
+
+    def wait_any(self) -> tuple[int, list[Completion]]:
+        ticket, requests, sampling = self._queue.popleft()
+        t0 = time.perf_counter()
+        completions = self.engine.generate(requests, sampling)
+        self.engine_time_s += time.perf_counter() - t0
+        self.engine_calls += 1
+        self.batch_sizes.append(len(requests))
+        return ticket, completions
+
+    def open_streams(self, n: int) -> None:
+        pass
+
+    def close_stream(self) -> None:
+        pass
+
+    def reset(self) -> None:
+        self._queue.clear()
+
+
+class EnvTimeout(Exception):
+    pass
+
+
+class ShardError(Exception):
+    """An env failed in a worker; the shard is re-run by the fallback."""
+
+
+class EnvPool:
+    """Env instances kept between rollouts, by ``EnvSpec.pool_key``."""
+
+    def __init__(self) -> None:
+        self._free: dict[tuple, list[Any]] = defaultdict(list)
+
+    def acquire(self, spec: EnvSpec) -> Any:
+        free = self._free.get(spec.pool_key)
+        if free:
+            return free.pop()
+        from ragen.env import make_env
+
+        return make_env(spec.env_type, spec.env_config, config_type=spec.config_type, tag=spec.tag)
+
+    def release(self, spec: EnvSpec, env: Any) -> None:
+        self._free[spec.pool_key].append(env)
+
+    def __len__(self) -> int:
+        return sum(len(v) for v in self._free.values())
+
+    def close(self) -> None:
+        for envs in self._free.values():
+            for env in envs:
+                try:
+                    env.close()
+                except Exception:  # closing is best effort
+                    logger.debug("env close failed", exc_info=True)
+        self._free.clear()
+
+
+class _Caller:
+    """Runs env calls, with a time limit when one is set.
+
+    A call past its limit leaves its thread behind (a thread cannot be killed);
+    the env is then abandoned and a fresh thread serves the next calls.
+    """
+
+    def __init__(self, timeout_s: float | None) -> None:
+        self.timeout_s = timeout_s
+        self._pool: concurrent.futures.ThreadPoolExecutor | None = None
+
+    def __call__(self, fn, *args, **kwargs):
+        if not self.timeout_s:
+            return fn(*args, **kwargs)
+        if self._pool is None:
+            self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="ragen-env")
+        future = self._pool.submit(fn, *args, **kwargs)
+        try:
+            return future.result(timeout=self.timeout_s)
+        except concurrent.futures.TimeoutError:
+            self._pool.shutdown(wait=False)
+            self._pool = None
+            raise EnvTimeout(f"env call {getattr(fn, '__name__', fn)} took longer than {self.timeout_s} s") from None
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=False)
+
+
+def _plain_info(info: Any) -> dict[str, Any]:
+    """Keep the JSON-able scalars of an env's info (numpy scalars converted)."""
+    out: dict[str, Any] = {}
+    if not isinstance(info, dict):
+        return out
+    for k, v in info.items():
+        if hasattr(v, "item") and callable(v.item):
+            try:
+                v = v.item()
+            except (ValueError, TypeError):
+                continue
+        if isinstance(v, (bool, int, float, str)) or v is None:
+            out[str(k)] = v
+    return out
+
+
+class _EnvSlot:
+    """One env's live state during the loop."""
+
+    def __init__(self, spec: EnvSpec) -> None:
+        self.spec = spec
+        self.env: Any = None
+        self.traj = Trajectory(env_id=spec.env_id, group_id=spec.group_id, tag=spec.tag, seed=spec.seed)
+        self.observation = ""
+        self.actions_left = spec.max_actions_per_traj
+        self.active = True
+        self.lookup: dict[str, Any] | None = None  # lower-case action name -> action id
+
+    def finish(self, reason: StopReason, error: str | None = None) -> None:
+        self.active = False
+        self.traj.stop_reason = reason
+        self.traj.error = error
+        self.traj.final_observation = self.observation
+
+
+@dataclass
+class LoopStats:
+    env_reset_s: float = 0.0
+    env_step_s: float = 0.0
+    wait_s: float = 0.0
+    requests: int = 0
+    submits: int = 0
+    env_errors: int = 0
+
+    def as_dict(self) -> dict[str, float]:
+        return {k: float(v) for k, v in self.__dict__.items()}
+
+
+def run_envs(
+    specs: Sequence[EnvSpec],
+    client: LLMClient,
+    config: LoopConfig,
+    pool: EnvPool | None = None,
+    isolate_errors: bool = True,
+    fault: dict[str, int] | None = None,
+) -> tuple[list[Trajectory], LoopStats]:
+    """Play every spec to the end; one trajectory per spec, in spec order.
+
+    ``isolate_errors``: an env that raises (or times out) ends its own
+    trajectory with stop reason ``error`` (``timeout``) and the others go on;
+    otherwise the first failure raises ``ShardError`` (workers do this, so the
+    fallback re-runs the shard). ``fault``: ``{"exit_at_turn": k}`` makes the
+    calling process exit at turn k (fault injection for benchmarks and tests).
+    """
+    ctx = ContextManager(config.context)
+    pool = pool if pool is not None else EnvPool()
+    call = _Caller(config.env_timeout_s)
+    stats = LoopStats()
+    slots = [_EnvSlot(s) for s in specs]
+    try:
+        t0 = time.perf_counter()
+        for slot in slots:
+            _guard(slot, stats, isolate_errors, _reset, slot, pool, call)
+        stats.env_reset_s += time.perf_counter() - t0
+
+        streams = _split_streams(slots, config.pipeline_depth)
+        client.open_streams(len(streams))
+        open_streams = len(streams)
+        inflight: dict[int, list[_EnvSlot]] = {}
+        try:
+            for stream in streams:
+                _submit(stream, client, ctx, config, inflight, stats)
+            for stream in streams:
+                if not any(s.active for s in stream):
+                    client.close_stream()
+                    open_streams -= 1
+            while inflight:
+                t0 = time.perf_counter()
+                ticket, completions = client.wait_any()
+                stats.wait_s += time.perf_counter() - t0
+                batch = inflight.pop(ticket)
+                if len(completions) != len(batch):
+                    raise RuntimeError(f"engine answered {len(completions)} completions for {len(batch)} requests")
+                if fault and batch and len(batch[0].traj.turns) + 1 >= fault.get("exit_at_turn", 1 << 30):
+                    logger.warning("fault injection: process %d exits now", os.getpid())
+                    os._exit(3)
+                t0 = time.perf_counter()
+                for slot, completion in zip(batch, completions):
+                    _guard(slot, stats, isolate_errors, _apply, slot, completion, ctx, config, call)
+                stats.env_step_s += time.perf_counter() - t0
+                if not _submit(batch, client, ctx, config, inflight, stats):
+                    client.close_stream()
+                    open_streams -= 1
+        finally:
+            for _ in range(open_streams):
+                client.close_stream()
+        for slot in slots:
+            if slot.env is not None:
+                pool.release(slot.spec, slot.env)
+        return [s.traj for s in slots], stats
+    except BaseException:
+        client.reset()
+        raise
+    finally:
+        call.close()
+
+
+def _split_streams(slots: list[_EnvSlot], depth: int) -> list[list[_EnvSlot]]:
+    """``depth`` micro-batches of whole groups (fewer when there are fewer groups)."""
+    groups: dict[int, list[_EnvSlot]] = {}
+    for s in slots:
+        groups.setdefault(s.spec.group_id, []).append(s)
+    members = list(groups.values())
+    depth = max(1, min(depth, len(members)))
+    streams: list[list[_EnvSlot]] = [[] for _ in range(depth)]
+    per = len(members) / depth
+    for i, g in enumerate(members):
+        streams[min(depth - 1, int(i / per))].extend(g)
+    return [s for s in streams if s]
+
+
+def _submit(stream, client, ctx, config, inflight, stats) -> bool:
+    active = [s for s in stream if s.active]
+    if not active:
+        return False
+    requests = [
+        GenerationRequest(
+            messages=ctx.build_messages(s.spec, s.traj.turns, s.observation, s.actions_left, s.traj.action_names),
+            env_id=s.spec.env_id,
+            turn=len(s.traj.turns),
+            seed=s.spec.seed,
+            max_tokens=s.spec.max_tokens,
+        )
+        for s in active
+    ]
+    ticket = client.submit(requests, config.sampling)
+    inflight[ticket] = active
+    stats.requests += len(requests)
+    stats.submits += 1
+    return True
+
+
+def _guard(slot: _EnvSlot, stats: LoopStats, isolate: bool, fn, *args) -> None:
+    if not slot.active:
+        return
+    try:
+        fn(*args)
+    except (Exception, EnvTimeout) as exc:  # an env's own code failed
+        stats.env_errors += 1
+        reason = StopReason.TIMEOUT if isinstance(exc, EnvTimeout) else StopReason.ERROR
+        message = f"{type(exc).__name__}: {exc}"
+        slot.env = None  # a failed env's state is unknown: never reuse it
+        if not isolate:
+            raise ShardError(f"env_id {slot.spec.env_id} (tag {slot.spec.tag}): {message}") from exc
+        logger.warning("env_id %d (tag %s) failed: %s", slot.spec.env_id, slot.spec.tag, message)
+        logger.debug("%s", traceback.format_exc())
+        slot.finish(reason, message)
+
+
+def _reset(slot: _EnvSlot, pool: EnvPool, call: _Caller) -> None:
+    slot.env = pool.acquire(slot.spec)
+    slot.observation = str(call(slot.env.reset, seed=slot.spec.seed))
+    lookup = getattr(slot.env, "ACTION_LOOKUP", None)
+    if lookup:
+        slot.traj.action_names = [str(v) for v in lookup.values()]
+        slot.lookup = {str(v).lower(): k for k, v in lookup.items()}
+
+
+def _apply(slot: _EnvSlot, completion: Completion, ctx: ContextManager, config: LoopConfig, call: _Caller) -> None:
+    actions = ctx.parse_response(completion.text)
+    if slot.lookup is not None:
+        valid = [(a, slot.lookup[a.lower()]) for a in actions if a.lower() in slot.lookup]
+    else:
+        valid = [(a, a) for a in actions]
+    budget = slot.actions_left
+    shown = slot.observation
+    reward, done, info, executed = 0.0, False, {}, []
+    for name, action in valid[:budget]:
+        obs, r, done, step_info = call(slot.env.step, action)
+        slot.observation = str(obs)
+        reward += float(r)
+        info.update(_plain_info(step_info))
+        executed.append(name)
+        slot.actions_left -= 1
+        if done:
+            break
+    penalty = config.format_penalty if (not valid or len(valid) != len(actions)) else 0.0
+    slot.traj.turns.append(
+        Turn(
+            observation=shown,
+            actions_left=budget,
+            response=completion.text,
+            actions=actions,
+            executed_actions=executed,
+            reward=reward,
+            penalty=penalty,
+            info=info,
+            policy_version=completion.policy_version,
+            finish_reason=completion.finish_reason,
+        )
+    )
+    if info.get("success"):
+        slot.traj.success = True
+    if done:
+        slot.finish(StopReason.DONE)
+    elif slot.actions_left <= 0:
+        slot.finish(StopReason.ACTION_BUDGET)
+    elif len(slot.traj.turns) >= config.max_turn:
+        slot.finish(StopReason.MAX_TURNS)

@@ -1,0 +1,457 @@
+"""SharedLLMInferenceManager: one engine in the driver, served to every worker.
+
+- The manager owns the one engine (the one the trainer updates) and a lock
+  around every engine call (``engine_lock``; the trainer takes it to swap
+  weights). It listens on a socket (loopback unless told otherwise); each
+  client proves it holds the manager's random per-run key (HMAC over a nonce)
+  before anything else is read.
+- Coalescing: requests from all workers queue up, and one batcher thread turns
+  them into engine calls. While the engine is idle it waits for more requests
+  until every open stream (a worker's micro-batch with work left) has one
+  queued, the batch reaches ``max_batch_size``, or the oldest request has
+  waited ``coalesce_wait_s``. So the engine sees batches as large as the
+  sequential loop gives it, and a stream busy stepping envs does not hold the
+  others back for long.
+- ``SharedLLMClient`` is small and picklable (address and key); each process
+  and thread opens its own connection on first use.
+
+Wire format: frames of a 4-byte big-endian length and a JSON object. Client ->
+manager: ``{"op": "open"|"close", "n": k}`` (streams), ``{"op": "gen",
+"ticket": t, "requests": [...], "sampling": {...}}``. Manager -> client:
+``{"ticket": t, "completions": [...]}`` or ``{"ticket": t, "error": msg}``.
+A malformed message gets an error reply and the connection goes on; an
+oversized frame or a failed handshake closes that connection only.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import logging
+import os
+import secrets
+import socket
+import struct
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+from ragen.llm.types import Completion, Engine, GenerationRequest, SamplingParams
+
+logger = logging.getLogger(__name__)
+
+_MAGIC = b"RAGEN1"
+_NONCE_BYTES = 32
+_HEADER = struct.Struct(">I")
+
+
+class EngineError(RuntimeError):
+    """The shared engine failed on a request (raised in the client)."""
+
+
+class ProtocolError(RuntimeError):
+    pass
+
+
+def _recv_exact(sock: socket.socket, n: int) -> bytes:
+    buf = bytearray()
+    while len(buf) < n:
+        chunk = sock.recv(n - len(buf))
+        if not chunk:
+            raise EOFError("connection closed")
+        buf += chunk
+    return bytes(buf)
+
+
+def _send_frame(sock: socket.socket, obj: Any) -> int:
+    data = json.dumps(obj, separators=(",", ":")).encode()
+    sock.sendall(_HEADER.pack(len(data)) + data)
+    return len(data) + _HEADER.size
+
+
+def _recv_frame(sock: socket.socket, max_bytes: int) -> tuple[bytes, int]:
+    (n,) = _HEADER.unpack(_recv_exact(sock, _HEADER.size))
+    if n > max_bytes:
+        raise ProtocolError(f"frame of {n} bytes exceeds the limit of {max_bytes}")
+    return _recv_exact(sock, n), n + _HEADER.size
+
+
+def _digest(key: bytes, nonce: bytes) -> bytes:
+    return hmac.new(key, nonce, hashlib.sha256).digest()
+
+
+@dataclass(eq=False)  # identity: one per connection
+class _Conn:
+    sock: socket.socket
+    peer: str
+    send_lock: threading.Lock = field(default_factory=threading.Lock)
+    streams: int = 0
+    alive: bool = True
+
+    def send(self, obj: Any) -> int:
+        with self.send_lock:
+            return _send_frame(self.sock, obj)
+
+
+@dataclass
+class _Pending:
+    conn: _Conn
+    ticket: int
+    requests: list[GenerationRequest]
+    sampling: SamplingParams
+    sampling_key: str
+    arrived: float
+
+
+@dataclass
+class ManagerStats:
+    engine_calls: int = 0
+    requests: int = 0
+    engine_time_s: float = 0.0
+    batch_sizes: list[int] = field(default_factory=list)
+    messages_in: int = 0
+    bytes_in: int = 0
+    bytes_out: int = 0
+    refused_clients: int = 0
+    bad_messages: int = 0
+
+    def snapshot(self) -> "ManagerStats":
+        return ManagerStats(**{**self.__dict__, "batch_sizes": list(self.batch_sizes)})
+
+
+class SharedLLMInferenceManager:
+    def __init__(
+        self,
+        engine: Engine,
+        max_batch_size: int = 256,
+        coalesce_wait_s: float = 0.02,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        max_message_bytes: int = 64 << 20,
+        handshake_timeout_s: float = 5.0,
+    ) -> None:
+        if max_batch_size < 1:
+            raise ValueError(f"agent_proxy.max_batch_size must be >= 1, got {max_batch_size}")
+        if coalesce_wait_s < 0:
+            raise ValueError(f"agent_proxy.coalesce_wait_s must be >= 0, got {coalesce_wait_s}")
+        self.engine = engine
+        self.engine_lock = threading.Lock()
+        self.max_batch_size = int(max_batch_size)
+        self.coalesce_wait_s = float(coalesce_wait_s)
+        self.max_message_bytes = int(max_message_bytes)
+        self.handshake_timeout_s = handshake_timeout_s
+        self.stats = ManagerStats()
+        self._key = secrets.token_bytes(32)
+        self._cond = threading.Condition()
+        self._pending: deque[_Pending] = deque()
+        self._streams = 0
+        self._conns: set[_Conn] = set()
+        self._closed = False
+        self._listener = socket.create_server((host, port))
+        self.address: tuple[str, int] = self._listener.getsockname()[:2]
+        self._threads = [
+            threading.Thread(target=self._accept_loop, name="ragen-llm-accept", daemon=True),
+            threading.Thread(target=self._batch_loop, name="ragen-llm-batcher", daemon=True),
+        ]
+        for t in self._threads:
+            t.start()
+        logger.info("shared LLM manager listening on %s:%d", *self.address)
+
+    def __repr__(self) -> str:  # never shows the key
+        return f"SharedLLMInferenceManager(address={self.address}, engine={type(self.engine).__name__})"
+
+    def client(self, timeout_s: float | None = None) -> "SharedLLMClient":
+        return SharedLLMClient(address=self.address, authkey=self._key, timeout_s=timeout_s)
+
+    @property
+    def policy_version(self) -> int:
+        return self.engine.policy_version
+
+    # ----- connections ---------------------------------------------------------
+    def _accept_loop(self) -> None:
+        while not self._closed:
+            try:
+                sock, peer = self._listener.accept()
+            except OSError:
+                return  # listener closed
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            threading.Thread(target=self._serve, args=(sock, f"{peer[0]}:{peer[1]}"),
+                             name="ragen-llm-conn", daemon=True).start()
+
+    def _serve(self, sock: socket.socket, peer: str) -> None:
+        conn = _Conn(sock, peer)
+        try:
+            sock.settimeout(self.handshake_timeout_s)
+            nonce = secrets.token_bytes(_NONCE_BYTES)
+            sock.sendall(_MAGIC + nonce)
+            answer = _recv_exact(sock, hashlib.sha256().digest_size)
+            if not hmac.compare_digest(answer, _digest(self._key, nonce)):
+                self.stats.refused_clients += 1
+                logger.warning("refused a client from %s: wrong key", peer)
+                return
+            conn.send({"ok": True})
+            sock.settimeout(None)
+            with self._cond:
+                self._conns.add(conn)
+            while not self._closed:
+                data, n = _recv_frame(sock, self.max_message_bytes)
+                self.stats.messages_in += 1
+                self.stats.bytes_in += n
+                self._handle(conn, data)
+        except ProtocolError as exc:
+            self.stats.bad_messages += 1
+            logger.warning("closing the connection from %s: %s", peer, exc)
+        except (EOFError, OSError):
+            pass  # the client went away (a worker that finished, died or timed out)
+        finally:
+            with self._cond:
+                conn.alive = False
+                self._conns.discard(conn)
+                self._streams -= conn.streams
+                conn.streams = 0
+                self._pending = deque(p for p in self._pending if p.conn is not conn)
+                self._cond.notify_all()
+            try:
+                sock.close()
+            except OSError:
+                pass
+
+    def _handle(self, conn: _Conn, data: bytes) -> None:
+        ticket = None
+        try:
+            msg = json.loads(data)
+            if not isinstance(msg, dict):
+                raise ValueError("a message must be a JSON object")
+            op = msg.get("op")
+            if op in ("open", "close"):
+                n = msg.get("n")
+                if not isinstance(n, int) or isinstance(n, bool) or not 0 <= n <= 1 << 16:
+                    raise ValueError(f"'n' must be a small non-negative integer, got {n!r}")
+                with self._cond:
+                    delta = n if op == "open" else -min(n, conn.streams)
+                    conn.streams += delta
+                    self._streams += delta
+                    self._cond.notify_all()
+                return
+            if op != "gen":
+                raise ValueError(f"unknown op {op!r}")
+            ticket = msg.get("ticket")
+            if not isinstance(ticket, int) or isinstance(ticket, bool):
+                raise ValueError("'ticket' must be an integer")
+            raw = msg.get("requests")
+            if not isinstance(raw, list) or not all(isinstance(r, dict) for r in raw):
+                raise ValueError("'requests' must be a list of objects")
+            requests = [GenerationRequest.from_dict(r) for r in raw]
+            for r in requests:
+                if not isinstance(r.messages, list) or not all(
+                    isinstance(m, dict) and isinstance(m.get("content"), str) for m in r.messages
+                ):
+                    raise ValueError("each request needs 'messages': a list of {role, content}")
+            sampling_raw = msg.get("sampling") or {}
+            if not isinstance(sampling_raw, dict):
+                raise ValueError("'sampling' must be an object")
+            sampling = SamplingParams.from_dict(sampling_raw)
+        except (ValueError, TypeError) as exc:  # json errors are ValueErrors
+            self.stats.bad_messages += 1
+            logger.warning("bad message from %s: %s", conn.peer, exc)
+            conn.send({"ticket": ticket, "error": f"bad message: {exc}"})
+            return
+        if not requests:
+            conn.send({"ticket": ticket, "completions": []})
+            return
+        with self._cond:
+            self._pending.append(_Pending(conn, ticket, requests, sampling,
+                                          json.dumps(sampling.to_dict(), sort_keys=True), time.monotonic()))
+            self._cond.notify_all()
+
+    # ----- batching ------------------------------------------------------------
+    def _next_batch(self) -> list[_Pending] | None:
+        with self._cond:
+            while True:
+                if self._closed:
+                    return None
+                if self._pending:
+                    n_req = sum(len(p.requests) for p in self._pending)
+                    deadline = self._pending[0].arrived + self.coalesce_wait_s
+                    now = time.monotonic()
+                    if len(self._pending) >= self._streams or n_req >= self.max_batch_size or now >= deadline:
+                        break
+                    self._cond.wait(deadline - now)
+                else:
+                    self._cond.wait()
+            key = self._pending[0].sampling_key
+            batch, size, rest = [], 0, deque()
+            for p in self._pending:
+                if p.sampling_key == key and (not batch or size + len(p.requests) <= self.max_batch_size):
+                    batch.append(p)
+                    size += len(p.requests)
+                else:
+                    rest.append(p)
+            self._pending = rest
+            return batch
+
+    def _batch_loop(self) -> None:
+        while True:
+            batch = self._next_batch()
+            if batch is None:
+                return
+            requests = [r for p in batch for r in p.requests]
+            try:
+                completions = self.generate(requests, batch[0].sampling)
+            except Exception as exc:  # the engine failed: every waiting client hears it
+                logger.exception("engine call failed for %d requests", len(requests))
+                for p in batch:
+                    self._reply(p.conn, {"ticket": p.ticket, "error": f"{type(exc).__name__}: {exc}"})
+                continue
+            i = 0
+            for p in batch:
+                part = completions[i: i + len(p.requests)]
+                i += len(p.requests)
+                self._reply(p.conn, {"ticket": p.ticket, "completions": [c.to_dict() for c in part]})
+
+    def generate(self, requests: list[GenerationRequest], sampling: SamplingParams) -> list[Completion]:
+        """One engine call (in chunks of ``max_batch_size``) under the engine lock."""
+        out: list[Completion] = []
+        with self.engine_lock:
+            t0 = time.perf_counter()
+            for i in range(0, len(requests), self.max_batch_size):
+                chunk = requests[i: i + self.max_batch_size]
+                got = self.engine.generate(chunk, sampling)
+                if len(got) != len(chunk):
+                    raise RuntimeError(f"engine returned {len(got)} completions for {len(chunk)} requests")
+                out += got
+                self.stats.engine_calls += 1
+                self.stats.batch_sizes.append(len(chunk))
+            self.stats.engine_time_s += time.perf_counter() - t0
+            self.stats.requests += len(requests)
+        return out
+
+    def _reply(self, conn: _Conn, obj: Any) -> None:
+        if not conn.alive:
+            return
+        try:
+            self.stats.bytes_out += conn.send(obj)
+        except OSError:
+            pass  # the client left; its cleanup runs in its own thread
+
+    def close(self) -> None:
+        with self._cond:
+            if self._closed:
+                return
+            self._closed = True
+            self._cond.notify_all()
+            conns = list(self._conns)
+        try:
+            self._listener.shutdown(socket.SHUT_RDWR)  # wakes the blocked accept()
+        except OSError:
+            pass
+        self._listener.close()
+        for c in conns:
+            try:
+                c.sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+        for t in self._threads:
+            t.join(timeout=5)
+
+    def __enter__(self) -> "SharedLLMInferenceManager":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+_LOCAL = threading.local()
+
+
+@dataclass(frozen=True)
+class SharedLLMClient:
+    """Picklable handle on a manager; connections are per process and thread."""
+
+    address: tuple[str, int]
+    authkey: bytes = field(repr=False)
+    timeout_s: float | None = None  # for one answer; None: wait as long as it takes
+
+    def _state(self) -> dict[str, Any]:
+        cache = getattr(_LOCAL, "conns", None)
+        if cache is None:
+            cache = _LOCAL.conns = {}
+        key = (os.getpid(), tuple(self.address), self.authkey)
+        state = cache.get(key)
+        if state is None:
+            state = {"sock": self._connect(), "ticket": 0, "outstanding": set()}
+            cache[key] = state
+        return state
+
+    def _connect(self) -> socket.socket:
+        sock = socket.create_connection(tuple(self.address), timeout=30)
+        hello = _recv_exact(sock, len(_MAGIC) + _NONCE_BYTES)
+        if not hello.startswith(_MAGIC):
+            raise ProtocolError(f"{self.address} is not a ragen LLM manager")
+        sock.sendall(_digest(self.authkey, hello[len(_MAGIC):]))
+        try:
+            data, _ = _recv_frame(sock, 1 << 10)
+        except EOFError:
+            raise ConnectionRefusedError(f"the LLM manager at {self.address} refused the key") from None
+        if not json.loads(data).get("ok"):
+            raise ConnectionRefusedError(f"the LLM manager at {self.address} refused the connection")
+        sock.settimeout(None)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        return sock
+
+    def reset(self) -> None:
+        """Drop this thread's connection (after a failure, answers may be stale)."""
+        cache = getattr(_LOCAL, "conns", {})
+        state = cache.pop((os.getpid(), tuple(self.address), self.authkey), None)
+        if state is not None:
+            state["sock"].close()
+
+    def open_streams(self, n: int) -> None:
+        _send_frame(self._state()["sock"], {"op": "open", "n": n})
+
+    def close_stream(self) -> None:
+        _send_frame(self._state()["sock"], {"op": "close", "n": 1})
+
+    def submit(self, requests: list[GenerationRequest], sampling: SamplingParams) -> int:
+        state = self._state()
+        state["ticket"] += 1
+        ticket = state["ticket"]
+        _send_frame(state["sock"], {"op": "gen", "ticket": ticket,
+                                    "requests": [r.to_dict() for r in requests],
+                                    "sampling": sampling.to_dict()})
+        state["outstanding"].add(ticket)
+        return ticket
+
+    def wait_any(self) -> tuple[int, list[Completion]]:
+        state = self._state()
+        sock = state["sock"]
+        sock.settimeout(self.timeout_s)
+        try:
+            while True:
+                try:
+                    data, _ = _recv_frame(sock, 1 << 31)
+                except socket.timeout:
+                    self.reset()
+                    raise TimeoutError(f"no answer from the LLM manager within {self.timeout_s} s") from None
+                msg = json.loads(data)
+                ticket = msg.get("ticket")
+                if ticket not in state["outstanding"]:
+                    continue  # an answer to a request abandoned after a failure
+                state["outstanding"].discard(ticket)
+                if "error" in msg:
+                    raise EngineError(msg["error"])
+                return ticket, [Completion.from_dict(c) for c in msg["completions"]]
+        finally:
+            if not sock._closed:  # type: ignore[attr-defined]
+                sock.settimeout(None)
+
+    def generate(self, requests: list[GenerationRequest], sampling: SamplingParams) -> list[Completion]:
+        """Submit and wait: a blocking call for callers with one request list."""
+        ticket = self.submit(requests, sampling)
+        while True:
+            got, completions = self.wait_any()
+            if got == ticket:
+                return completions

@@ -1,0 +1,92 @@
+"""The vocabulary of a rollout.
+
+- ``EnvSpec``: everything a worker needs to build and reset one env (tag, type,
+  config, seed, ids); plain data, so it crosses process boundaries.
+- ``Turn``: one exchange: the state shown, the model's answer, the actions
+  parsed from it and executed, the reward, and the policy version that answered.
+- ``Trajectory``: one env's episode: its turns and a ``StopReason``.
+- ``StopReason``: why an episode ended; also used in metric names
+  (``rollout/stop/<reason>``).
+- ``RolloutResult``: the trajectories of one rollout, in env_id order, with
+  the rollout's metrics and timings.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Any
+
+
+class StopReason(StrEnum):
+    DONE = "done"  # the env said done (solved or failed)
+    MAX_TURNS = "max_turns"  # agent_proxy.max_turn reached
+    ACTION_BUDGET = "action_budget"  # max_actions_per_traj used up
+    ERROR = "error"  # the env raised; see Trajectory.error
+    TIMEOUT = "timeout"  # an env call or the rollout ran past its limit
+
+
+@dataclass(frozen=True)
+class EnvSpec:
+    env_id: int
+    group_id: int
+    tag: str
+    seed: int
+    env_type: str
+    env_config: dict[str, Any]
+    config_type: str | None = None
+    max_actions_per_traj: int = 10
+    env_instruction: str = ""
+    max_tokens: int | None = None
+
+    @property
+    def pool_key(self) -> tuple:
+        """Envs with equal keys are interchangeable: a worker reuses them."""
+        return (self.tag, self.env_type, self.config_type, repr(sorted(self.env_config.items())))
+
+
+@dataclass(frozen=True)
+class Turn:
+    observation: str  # the state shown in this turn's prompt
+    actions_left: int  # the action budget shown in this turn's prompt
+    response: str  # the model's answer, as generated
+    actions: list[str]  # action strings parsed from the answer
+    executed_actions: list[str]  # the valid ones, executed in order
+    reward: float  # env reward summed over this turn's actions
+    penalty: float  # format penalty (no valid action, or some invalid)
+    info: dict[str, Any]  # the env's info after the last executed action
+    policy_version: int
+    finish_reason: str = "stop"
+
+
+@dataclass
+class Trajectory:
+    env_id: int
+    group_id: int
+    tag: str
+    seed: int
+    turns: list[Turn] = field(default_factory=list)
+    final_observation: str = ""
+    stop_reason: StopReason = StopReason.DONE
+    success: bool = False
+    error: str | None = None
+    action_names: list[str] | None = None  # the env's ACTION_LOOKUP names, listed in prompts
+
+    @property
+    def reward(self) -> float:
+        return sum(t.reward + t.penalty for t in self.turns)
+
+    @property
+    def num_actions(self) -> int:
+        return sum(len(t.executed_actions) for t in self.turns)
+
+    @property
+    def policy_versions(self) -> list[int]:
+        return sorted({t.policy_version for t in self.turns})
+
+
+@dataclass
+class RolloutResult:
+    trajectories: list[Trajectory]
+    specs: list[EnvSpec]  # aligned with trajectories
+    metrics: dict[str, float] = field(default_factory=dict)

@@ -1,0 +1,36 @@
+from setuptools import find_packages, setup
+
+setup(
+    name="ragen",
+    version="0.1.0",
+    description="Process-parallel rollout engine for multi-turn RL of language-model agents (RAGEN-compatible)",
+    long_description=open("README.md", encoding="utf-8").read(),
+    long_description_content_type="text/markdown",
+    python_requires=">=3.10",
+    packages=find_packages(include=["ragen", "ragen.*"]),
+    package_data={"ragen": ["py.typed"]},
+    install_requires=[
+        "numpy>=1.24",
+        "joblib>=1.4",
+        "loky>=3.4",
+        "hydra-core>=1.3",
+        "omegaconf>=2.3",
+        # Any torch >= 2.1 works (GPU users keep theirs); on a CPU-only machine
+        # install torch==2.13.0 first, as the README's commands do.
+        "torch>=2.1",
+        "transformers>=4.46",
+        "tokenizers>=0.20",
+        "gguf>=0.10",  # to load the embedded default model (a GGUF file)
+        "accelerate>=0.34",
+        "safetensors",
+        "peft>=0.13",
+        "tqdm",
+        "matplotlib",
+    ],
+    extras_require={
+        "dev": ["pytest>=8", "pytest-timeout", "hypothesis>=6"],
+        "vllm": ["vllm"],
+        "dask": ["dask[distributed]"],
+        "ray": ["ray[default]"],
+    },
+)

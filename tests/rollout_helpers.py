@@ -1,0 +1,57 @@
+"""Shared helpers of the rollout tests: env sets, engines and comparisons."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+from omegaconf import OmegaConf
+
+from ragen.llm.scripted import ScriptedEngine
+from ragen.llm.types import SamplingParams
+from ragen.llm_agent.ctx_manager import ContextConfig
+from ragen.llm_agent.es_manager import EnvStateManager
+from ragen.llm_agent.rollout_loop import DirectClient, EnvPool, LoopConfig, run_envs
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def custom_envs(**extra) -> dict:
+    envs = OmegaConf.to_container(OmegaConf.load(ROOT / "config" / "envs.yaml"), resolve=True)["custom_envs"]
+    envs.update(extra)
+    return envs
+
+
+def fault_tag(fault: str = "none", fault_seed: int = -1, marker: str = "", **kw) -> dict:
+    return {
+        "env_type": "tests.fault_envs:FaultEnv",
+        "config_type": "tests.fault_envs:FaultEnvConfig",
+        "max_actions_per_traj": 8,
+        "env_instruction": "Bring the value to 0.",
+        "env_config": {"fault": fault, "fault_seed": fault_seed, "marker": marker, **kw},
+    }
+
+
+def specs_for(tags: list[str], n_groups: list[int], group_size: int, envs: dict, seed: int = 7):
+    es = EnvStateManager("train", {"env_groups": sum(n_groups), "group_size": group_size,
+                                   "env_configs": {"tags": tags, "n_groups": n_groups}}, envs, seed)
+    return es.make_specs()
+
+
+def loop_config(max_turn: int = 4, depth: int = 1, **kw) -> LoopConfig:
+    return LoopConfig(context=ContextConfig(max_actions_per_turn=3), sampling=SamplingParams(max_tokens=64),
+                      max_turn=max_turn, pipeline_depth=depth, **kw)
+
+
+def sequential(specs, config: LoopConfig, engine=None):
+    engine = engine or ScriptedEngine(malformed_rate=0.1)
+    trajectories, _ = run_envs(specs, DirectClient(engine), config, pool=EnvPool(), isolate_errors=True)
+    return trajectories
+
+
+def digest(trajectories) -> str:
+    rows = [[t.env_id, t.stop_reason.value, t.final_observation,
+             [[tn.observation, tn.response, tn.executed_actions, tn.reward, tn.penalty] for tn in t.turns]]
+            for t in trajectories]
+    return hashlib.sha256(json.dumps(rows, sort_keys=True).encode()).hexdigest()

@@ -1,0 +1,151 @@
+"""ParallelRolloutManager: the same trajectories as the sequential loop, on
+every backend and layout, and nothing lost when workers fail."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from ragen.llm.scripted import ScriptedEngine
+from ragen.llm_agent.parallel_rollout import ParallelRolloutManager, RolloutError, partition
+from ragen.llm_agent.shared_llm import SharedLLMInferenceManager
+from ragen.llm_agent.types import StopReason
+
+from tests.rollout_helpers import custom_envs, fault_tag, loop_config, sequential, specs_for
+
+
+@pytest.fixture(scope="module")
+def engine():
+    return ScriptedEngine(malformed_rate=0.1)
+
+
+@pytest.fixture(scope="module")
+def mixed_specs():
+    # 7 groups over several tags, uneven over 2 or 3 workers
+    envs = custom_envs()
+    return specs_for(["SimpleSokoban", "FrozenLake", "Bandit", "Countdown"], [2, 2, 2, 1], 2, envs)
+
+
+@pytest.fixture(scope="module")
+def reference(mixed_specs, engine):
+    return sequential(mixed_specs, loop_config(), engine)
+
+
+def test_partition_keeps_groups_whole_and_assigns_every_env():
+    envs = custom_envs()
+    specs = specs_for(["Bandit"], [7], 3, envs)
+    shards = partition(specs, 3)
+    assert len(shards) == 3
+    assert sorted(s.env_id for sh in shards for s in sh) == [s.env_id for s in specs]
+    for sh in shards:
+        groups = {s.group_id for s in sh}
+        for g in groups:
+            assert sum(s.group_id == g for s in sh) == 3
+    assert sorted(len(sh) for sh in shards) == [6, 6, 9]
+    assert len(partition(specs, 2, max_env_num_per_worker=3)) == 7
+
+
+@pytest.mark.parametrize("backend,n_jobs", [
+    ("loky", 1), ("loky", 2), ("loky", 3), ("loky", -1),
+    ("threading", 2), ("threading", 3), ("multiprocessing", 2), ("multiprocessing", -1), ("sequential", 1),
+])
+def test_parallel_equals_sequential(backend, n_jobs, mixed_specs, reference, engine):
+    with SharedLLMInferenceManager(engine, coalesce_wait_s=0.005) as shared, \
+            ParallelRolloutManager(shared, n_jobs=n_jobs, backend=backend) as prm:
+        for depth in (1, 2):
+            result = prm.rollout(mixed_specs, loop_config(depth=depth))
+            assert result.trajectories == reference
+            assert result.metrics["parallel/fallbacks"] == 0
+
+
+@pytest.mark.parametrize("group_size,n_groups", [(1, [5, 2]), (16, [2, 1])])
+def test_group_sizes(group_size, n_groups, engine):
+    specs = specs_for(["SimpleSokoban", "FrozenLake"], n_groups, group_size, custom_envs())
+    ref = sequential(specs, loop_config(), engine)
+    with SharedLLMInferenceManager(engine) as shared, ParallelRolloutManager(shared, n_jobs=3, backend="loky") as prm:
+        assert prm.rollout(specs, loop_config(depth=2)).trajectories == ref
+    # group members share their initial state
+    for t in ref:
+        first = next(r for r in ref if r.group_id == t.group_id)
+        assert t.turns[0].observation == first.turns[0].observation
+
+
+def test_workers_keep_their_envs_between_rollouts(engine):
+    specs = specs_for(["Bandit"], [4], 2, custom_envs())
+    with SharedLLMInferenceManager(engine) as shared, ParallelRolloutManager(shared, n_jobs=2) as prm:
+        first = prm.rollout(specs, loop_config())
+        second = prm.rollout(specs, loop_config())
+        assert first.trajectories == second.trajectories
+        pids = {k: v for k, v in second.metrics.items() if k.startswith("worker/")}
+        assert pids  # per-shard timings are reported
+
+
+# ----- faults -------------------------------------------------------------------
+
+def _fault_run(tmp_path, fault, transient, backend="loky", **prm_kw):
+    marker = str(tmp_path / "marker") if transient else ""
+    clean = specs_for(["Fault"], [6], 2, custom_envs(Fault=fault_tag()))
+    faulty = specs_for(["Fault"], [6], 2, custom_envs(Fault=fault_tag(fault, fault_seed=clean[4].seed,
+                                                                          marker=marker, hang_s=30)))
+    engine = ScriptedEngine()
+    ref = sequential(clean, loop_config(), engine)
+    with SharedLLMInferenceManager(engine) as shared, \
+            ParallelRolloutManager(shared, n_jobs=2, backend=backend, fallback_env_timeout_s=2, **prm_kw) as prm:
+        result = prm.rollout(faulty, loop_config())
+    return ref, result, clean[4].group_id
+
+
+def _strip(trajs):
+    return [(t.env_id, t.stop_reason, [(x.response, x.reward) for x in t.turns]) for t in trajs]
+
+
+@pytest.mark.parametrize("fault", ["exit_step", "kill_step", "raise_step", "raise_reset"])
+def test_transient_fault_gives_the_fault_free_rollout(tmp_path, fault):
+    ref, result, _ = _fault_run(tmp_path, fault, transient=True)
+    assert result.metrics["parallel/fallbacks"] >= 1
+    assert _strip(result.trajectories) == _strip(ref)
+
+
+@pytest.mark.parametrize("fault", ["exit_step", "raise_step", "raise_reset"])
+def test_persistent_fault_ends_only_that_group_in_error(tmp_path, fault):
+    ref, result, bad_group = _fault_run(tmp_path, fault, transient=False)
+    assert len(result.trajectories) == len(ref)
+    for got, want in zip(result.trajectories, ref):
+        if got.group_id == bad_group:
+            assert got.stop_reason == StopReason.ERROR and got.error
+        else:
+            assert _strip([got]) == _strip([want])
+
+
+def test_hanging_env_times_out_and_nothing_hangs(tmp_path):
+    t0 = time.monotonic()
+    ref, result, bad_group = _fault_run(tmp_path, "hang_step", transient=False, rollout_timeout_s=5)
+    assert time.monotonic() - t0 < 25
+    for got, want in zip(result.trajectories, ref):
+        if got.group_id == bad_group:
+            assert got.stop_reason == StopReason.TIMEOUT
+        else:
+            assert _strip([got]) == _strip([want])
+
+
+def test_transient_hang_recovers(tmp_path):
+    ref, result, _ = _fault_run(tmp_path, "hang_step", transient=True, rollout_timeout_s=5)
+    assert _strip(result.trajectories) == _strip(ref)
+
+
+def test_fallback_off_raises(tmp_path):
+    with pytest.raises(RolloutError, match="shard"):
+        _fault_run(tmp_path, "raise_step", transient=False, fallback_to_sequential=False)
+
+
+def test_injected_worker_exit_recovers(engine, mixed_specs, reference):
+    with SharedLLMInferenceManager(engine) as shared, ParallelRolloutManager(shared, n_jobs=2) as prm:
+        result = prm.rollout(mixed_specs, loop_config(), fault={"shard": 0, "exit_at_turn": 2})
+        assert result.metrics["parallel/fallbacks"] >= 1
+        assert result.trajectories == reference
+        # the executor is rebuilt and the next rollout is parallel again
+        again = prm.rollout(mixed_specs, loop_config())
+        assert again.metrics["parallel/fallbacks"] == 0
+        assert again.trajectories == reference

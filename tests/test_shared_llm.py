@@ -1,0 +1,136 @@
+"""SharedLLMInferenceManager: coalescing, the lock, and a server that keeps
+serving through bad clients."""
+
+from __future__ import annotations
+
+import pickle
+import socket
+import struct
+import threading
+
+import pytest
+
+from ragen.llm.scripted import ScriptedEngine
+from ragen.llm.types import GenerationRequest, SamplingParams
+from ragen.llm_agent.shared_llm import EngineError, SharedLLMInferenceManager
+
+
+def _requests(n, env0=0):
+    return [GenerationRequest(messages=[{"role": "user", "content": "Available actions: Up, Down"}],
+                              env_id=env0 + i, turn=0, seed=1) for i in range(n)]
+
+
+class CountingEngine(ScriptedEngine):
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        self.calls = []
+
+    def generate(self, requests, sampling):
+        self.calls.append(len(requests))
+        return super().generate(requests, sampling)
+
+
+def test_four_shards_at_once_make_at_most_two_engine_calls():
+    engine = CountingEngine(base_s=0.05)
+    with SharedLLMInferenceManager(engine, coalesce_wait_s=0.5) as shared:
+        client = shared.client()
+        barrier = threading.Barrier(4)
+        out = {}
+
+        def shard(i):
+            client.open_streams(1)
+            barrier.wait()
+            out[i] = client.generate(_requests(8, env0=8 * i), SamplingParams())
+            client.close_stream()
+
+        threads = [threading.Thread(target=shard, args=(i,)) for i in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    assert len(engine.calls) <= 2
+    assert sum(engine.calls) == 32
+    for i in range(4):
+        assert [c.env_id for c in out[i]] == list(range(8 * i, 8 * i + 8))
+
+
+def test_batches_respect_max_batch_size():
+    engine = CountingEngine()
+    with SharedLLMInferenceManager(engine, max_batch_size=5) as shared:
+        got = shared.client().generate(_requests(12), SamplingParams())
+    assert len(got) == 12 and max(engine.calls) <= 5
+
+
+def test_answers_equal_direct_engine_calls():
+    engine = ScriptedEngine(malformed_rate=0.3)
+    reqs = _requests(10)
+    with SharedLLMInferenceManager(engine) as shared:
+        assert shared.client().generate(reqs, SamplingParams()) == engine.generate(reqs, SamplingParams())
+
+
+def test_client_pickles_without_showing_the_key():
+    with SharedLLMInferenceManager(ScriptedEngine()) as shared:
+        client = shared.client()
+        assert "authkey" not in repr(client) and repr(shared._key) not in repr(client)
+        clone = pickle.loads(pickle.dumps(client))
+        assert clone.generate(_requests(1), SamplingParams())[0].text
+
+
+def test_wrong_key_is_refused_and_server_goes_on():
+    with SharedLLMInferenceManager(ScriptedEngine()) as shared:
+        bad = type(shared.client())(address=shared.address, authkey=b"x" * 32)
+        with pytest.raises(ConnectionRefusedError):
+            bad.generate(_requests(1), SamplingParams())
+        assert shared.client().generate(_requests(2), SamplingParams())
+
+
+def _raw(shared):
+    s = socket.create_connection(shared.address, timeout=5)
+    return s
+
+
+def test_garbage_and_oversized_frames_do_not_stop_the_server():
+    with SharedLLMInferenceManager(ScriptedEngine(), max_message_bytes=1024) as shared:
+        # garbage instead of a handshake
+        s = _raw(shared)
+        s.recv(64)
+        s.sendall(b"\x00garbage" * 100)
+        s.close()
+        # a client that connects and says nothing does not block others
+        silent = _raw(shared)
+        client = shared.client()
+        assert len(client.generate(_requests(3), SamplingParams())) == 3
+        # an authenticated client sending a malformed message gets an error, then goes on
+        sock = client._state()["sock"]
+        payload = b"{not json"
+        sock.sendall(struct.pack(">I", len(payload)) + payload)
+        with pytest.raises(EngineError, match="bad message"):
+            # the error reply has ticket null; mark it outstanding to receive it
+            client._state()["outstanding"].add(None)
+            client.wait_any()
+        assert len(client.generate(_requests(2), SamplingParams())) == 2
+        # an oversized frame closes only that connection
+        sock.sendall(struct.pack(">I", 10**9))
+        client.reset()
+        assert len(shared.client().generate(_requests(2), SamplingParams())) == 2
+        assert shared.stats.bad_messages >= 2
+        silent.close()
+
+
+def test_client_disconnecting_mid_request_is_survived():
+    engine = ScriptedEngine(base_s=0.3)
+    with SharedLLMInferenceManager(engine) as shared:
+        client = shared.client()
+        client.submit(_requests(4), SamplingParams())
+        client.reset()  # leaves with its request in flight
+        assert len(shared.client().generate(_requests(2), SamplingParams())) == 2
+
+
+def test_engine_failure_reaches_the_client():
+    class Broken(ScriptedEngine):
+        def generate(self, requests, sampling):
+            raise RuntimeError("GPU on fire")
+
+    with SharedLLMInferenceManager(Broken()) as shared:
+        with pytest.raises(EngineError, match="GPU on fire"):
+            shared.client().generate(_requests(1), SamplingParams())
