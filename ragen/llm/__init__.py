@@ -1,0 +1,92 @@
+"""Language-model engines behind one ``generate`` interface.
+
+An *engine* turns a batch of ``GenerationRequest``s into ``Completion``s (see
+``ragen.llm.types``). ``make_engine(engine_cfg, model_path)`` picks one by the
+config's ``name``:
+
+- ``scripted``: a deterministic fake policy with a GPU-like cost model, for
+  tests and benchmarks (``ragen.llm.scripted``; no torch).
+- ``hf``: transformers on CPU or GPU with a batch-independent sampler; the
+  trainer updates its model in place (``ragen.llm.hf``).
+- ``vllm``: an adapter over ``vllm.LLM`` (``ragen.llm.vllm_engine``).
+- ``openai``: an OpenAI-compatible chat-completions server, e.g. ``vllm
+  serve`` (``ragen.llm.openai_engine``).
+
+``model_path`` is resolved by ``ragen.llm.default_model.resolve_model_path``:
+``"default"`` is the embedded SmolLM2-135M-Instruct. Heavy imports (torch,
+transformers, vllm) happen only inside the engine that is chosen.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Mapping
+from typing import Any
+
+from ragen.llm.types import Completion, Engine, GenerationRequest, SamplingParams, request_seed
+
+__all__ = [
+    "Completion",
+    "Engine",
+    "GenerationRequest",
+    "SamplingParams",
+    "request_seed",
+    "make_engine",
+    "ENGINE_CLASSES",
+    "ScriptedEngine",
+    "HFEngine",
+    "VLLMEngine",
+    "OpenAIEngine",
+]
+
+# name -> "module:Class"; modules are imported only when their engine is chosen.
+ENGINE_CLASSES: dict[str, str] = {
+    "hf": "ragen.llm.hf:HFEngine",
+    "vllm": "ragen.llm.vllm_engine:VLLMEngine",
+    "openai": "ragen.llm.openai_engine:OpenAIEngine",
+    "scripted": "ragen.llm.scripted:ScriptedEngine",
+}
+
+
+def _load_class(name: str) -> type:
+    module_name, _, class_name = ENGINE_CLASSES[name].partition(":")
+    return getattr(importlib.import_module(module_name), class_name)
+
+
+def _plain(value: Any) -> Any:
+    """OmegaConf containers -> dict/list, so engines see plain data."""
+    if isinstance(value, Mapping):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)) or type(value).__name__ == "ListConfig":
+        return [_plain(v) for v in value]
+    return value
+
+
+def make_engine(engine_cfg: Mapping[str, Any], model_path: str | None = None) -> Engine:
+    """Build the engine named by ``engine_cfg["name"]``.
+
+    The other keys are that engine's options (see ``config/engine/<name>.yaml``);
+    an unknown key is an error rather than silently ignored.
+    """
+    cfg = _plain(engine_cfg)
+    name = cfg.pop("name", None)
+    if name not in ENGINE_CLASSES:
+        raise ValueError(
+            f"engine.name={name!r} is not a known engine; choose one of {sorted(ENGINE_CLASSES)}"
+        )
+    cls = _load_class(name)
+    unknown = sorted(set(cfg) - set(cls.config_keys))
+    if unknown:
+        raise ValueError(
+            f"engine.{unknown[0]} is not an option of engine {name!r} "
+            f"(unknown: {unknown}); its options are {sorted(cls.config_keys)}"
+        )
+    return cls.from_config(cfg, model_path)
+
+
+def __getattr__(attr: str) -> Any:
+    # Lazy engine classes: `from ragen.llm import HFEngine` imports torch only then.
+    for name, target in ENGINE_CLASSES.items():
+        if target.endswith(":" + attr):
+            return _load_class(name)
+    raise AttributeError(f"module {__name__!r} has no attribute {attr!r}")

@@ -1,0 +1,314 @@
+"""A transformers engine with a batch-independent sampler.
+
+``HFEngine`` renders each request with the tokenizer's chat template
+(``add_generation_prompt=True``), left-pads a chunk of prompts and runs its own
+decode loop (a forward pass with the KV cache per token; position ids from the
+attention mask's cumulative sum, so left padding does not shift positions).
+
+*Batch independence*: each request samples with its own random stream, seeded
+by ``request_seed(sampling.seed, request.key)``; a token is drawn by inverting
+the request's CDF at that stream's next uniform. A request therefore gets the
+same tokens alone or in any batch, in any order (up to float noise from
+different matmul shapes). ``temperature == 0`` is greedy.
+
+*Stopping*: at EOS or the chat end token (``<|im_end|>``), at a
+``sampling.stop`` string (cut from the text, like OpenAI/vLLM; its tokens stay in
+the ids) -> ``"stop"``; at ``max_tokens`` (the request's, else the sampling's)
+-> ``"length"``. The final EOS token is kept in ``response_token_ids`` (the
+policy learns to stop) and left out of the text.
+
+*One model*: ``.model``, ``.tokenizer`` and ``.device`` are the objects the
+trainer updates in place; the engine can also be built around an existing
+model and tokenizer, so there is never a second copy. ``policy_version``
+counts updates (``bump_policy_version`` or ``load_weights``). Generation runs
+under ``torch.no_grad`` in eval mode and restores every module's train/eval
+flag afterwards.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import threading
+import time
+from typing import Any, Iterable, Mapping, Sequence
+
+import torch
+
+from ragen.llm.default_model import resolve_model_path
+from ragen.llm.types import Completion, Engine, GenerationRequest, SamplingParams, request_seed
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+}
+_CHAT_END_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>")
+
+
+def resolve_device(device: str | torch.device = "auto") -> torch.device:
+    if str(device) == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        return torch.device(device)
+    except (RuntimeError, TypeError) as exc:
+        raise ValueError(f"engine.device={device!r} is not a torch device (use auto, cpu, cuda, cuda:0)") from exc
+
+
+def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if dtype not in _DTYPES:
+        raise ValueError(f"engine.dtype={dtype!r} is not one of {['auto', *_DTYPES]}")
+    return _DTYPES[dtype]
+
+
+def dtype_kwarg(dtype: torch.dtype) -> dict[str, torch.dtype]:
+    """``from_pretrained``'s dtype argument: ``dtype`` since transformers 4.56, ``torch_dtype`` before."""
+    import transformers
+    from packaging.version import Version
+
+    new = Version(transformers.__version__.split("+")[0]) >= Version("4.56")
+    return {"dtype" if new else "torch_dtype": dtype}
+
+
+class HFEngine(Engine):
+    """transformers causal LM behind ``generate``; see the module docstring."""
+
+    name = "hf"
+    config_keys = ("device", "dtype", "max_batch_size")
+
+    def __init__(
+        self,
+        model_path: str | None = None,
+        *,
+        model: Any = None,
+        tokenizer: Any = None,
+        device: str | torch.device = "auto",
+        dtype: str | torch.dtype = "auto",
+        max_batch_size: int = 64,
+    ) -> None:
+        super().__init__()
+        if int(max_batch_size) < 1:
+            raise ValueError(f"engine.max_batch_size={max_batch_size} must be >= 1")
+        self.max_batch_size = int(max_batch_size)
+        if model is None:
+            from transformers import AutoModelForCausalLM, AutoTokenizer
+
+            path = resolve_model_path(model_path)
+            self.device = resolve_device(device)
+            torch_dtype = resolve_dtype(dtype, self.device)
+            if tokenizer is None:
+                tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+            model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, **dtype_kwarg(torch_dtype))
+            model.to(self.device)
+            model.eval()
+            logger.info("HFEngine loaded %s on %s (%s)", path, self.device, torch_dtype)
+        else:
+            if tokenizer is None:
+                raise ValueError("HFEngine(model=...) needs the model's tokenizer too (tokenizer=...)")
+            # A shared model stays where its owner put it: no copy, no move.
+            self.device = next(model.parameters()).device
+        self.model = model
+        self.tokenizer = tokenizer
+        if not getattr(tokenizer, "chat_template", None):
+            raise ValueError(
+                "the tokenizer has no chat template; HFEngine renders requests with "
+                "tokenizer.apply_chat_template (set tokenizer.chat_template)"
+            )
+        self.stop_token_ids = self._stop_token_ids()
+        pad = tokenizer.pad_token_id
+        self.pad_token_id = int(pad if pad is not None else min(self.stop_token_ids, default=0))
+        params = inspect.signature(model.forward).parameters
+        self._logits_kwarg = next((k for k in ("logits_to_keep", "num_logits_to_keep") if k in params), None)
+        # generate() flips the model to eval and back: one call at a time.
+        self._lock = threading.Lock()
+
+    @classmethod
+    def from_config(cls, cfg: Mapping[str, Any], model_path: str | None = None) -> "HFEngine":
+        return cls(model_path, **cfg)
+
+    # -- weights ----------------------------------------------------------
+
+    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]] | Mapping[str, torch.Tensor]) -> int:
+        """Copy tensors into the model by parameter/buffer name; bump the policy version.
+
+        The trainer usually updates ``.model`` in place and calls
+        ``bump_policy_version()``; this is for weights that live elsewhere.
+        """
+        items = named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors
+        targets = dict(self.model.named_parameters())
+        targets.update(dict(self.model.named_buffers()))
+        with torch.no_grad():
+            for name, tensor in items:
+                if name not in targets:
+                    raise KeyError(f"load_weights: the model has no parameter or buffer named {name!r}")
+                targets[name].copy_(tensor.to(device=targets[name].device, dtype=targets[name].dtype))
+        return self.bump_policy_version()
+
+    # -- generation -------------------------------------------------------
+
+    def encode_prompt(self, messages: Sequence[Mapping[str, str]]) -> list[int]:
+        text = self.tokenizer.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=True)
+        # The template already holds its special tokens; do not add a BOS again.
+        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    def generate(self, requests: Sequence[GenerationRequest], sampling: SamplingParams) -> list[Completion]:
+        if not requests:
+            return []
+        with self._lock:
+            return self._generate(requests, sampling)
+
+    def _generate(self, requests: Sequence[GenerationRequest], sampling: SamplingParams) -> list[Completion]:
+        began = time.perf_counter()
+        prompts = [self.encode_prompt(r.messages) for r in requests]
+        limits = [max(0, r.max_tokens if r.max_tokens is not None else sampling.max_tokens) for r in requests]
+        seeds = [request_seed(sampling.seed, r.key) for r in requests]
+        # Similar lengths together: less padding; results do not depend on the grouping.
+        order = sorted(range(len(requests)), key=lambda i: len(prompts[i]))
+        results: list[tuple[list[int], str] | None] = [None] * len(requests)
+        modes = {module: module.training for module in self.model.modules()}
+        self.model.eval()
+        try:
+            with torch.no_grad():
+                for first in range(0, len(order), self.max_batch_size):
+                    chunk = order[first : first + self.max_batch_size]
+                    outputs = self._generate_chunk(
+                        [prompts[i] for i in chunk], [limits[i] for i in chunk], [seeds[i] for i in chunk], sampling
+                    )
+                    for i, output in zip(chunk, outputs):
+                        results[i] = output
+        finally:
+            for module, training in modes.items():
+                module.training = training
+        completions = []
+        for request, prompt, (response_ids, finish_reason) in zip(requests, prompts, results):
+            text, finish_reason = self._response_text(response_ids, finish_reason, sampling.stop)
+            completions.append(
+                Completion(
+                    text=text,
+                    prompt_token_ids=prompt,
+                    response_token_ids=response_ids,
+                    finish_reason=finish_reason,
+                    policy_version=self.policy_version,
+                    env_id=request.env_id,
+                    turn=request.turn,
+                )
+            )
+        logger.debug(
+            "HFEngine: %d requests, %d response tokens in %.2f s",
+            len(requests), sum(len(c.response_token_ids) for c in completions), time.perf_counter() - began,
+        )
+        return completions
+
+    def _generate_chunk(
+        self, prompts: list[list[int]], limits: list[int], seeds: list[int], sampling: SamplingParams
+    ) -> list[tuple[list[int], str]]:
+        batch = len(prompts)
+        responses: list[list[int]] = [[] for _ in range(batch)]
+        reasons: list[str | None] = ["length" if limit == 0 else None for limit in limits]
+        steps = max(limits)
+        if steps == 0:
+            return [([], "length") for _ in range(batch)]
+        width = max(len(p) for p in prompts)
+        input_ids = torch.full((batch, width), self.pad_token_id, dtype=torch.long)
+        mask = torch.zeros((batch, width), dtype=torch.long)
+        for row, prompt in enumerate(prompts):  # left padding
+            input_ids[row, width - len(prompt) :] = torch.tensor(prompt, dtype=torch.long)
+            mask[row, width - len(prompt) :] = 1
+        input_ids, mask = input_ids.to(self.device), mask.to(self.device)
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        uniforms = None
+        if not sampling.greedy:
+            # One CPU stream per request, drawn up front: row i's t-th token uses
+            # uniforms[i, t] whatever else is in the batch.
+            uniforms = torch.stack(
+                [torch.rand(steps, generator=torch.Generator().manual_seed(s), dtype=torch.float64) for s in seeds]
+            ).to(self.device)
+        stop_strings = [s for s in sampling.stop if s]
+        tail = 4 * max((len(s) for s in stop_strings), default=0) + 2
+        extra = {self._logits_kwarg: 1} if self._logits_kwarg else {}
+        past = None
+        for step in range(steps):
+            out = self.model(
+                input_ids=input_ids,
+                attention_mask=mask,
+                position_ids=positions,
+                past_key_values=past,
+                use_cache=True,
+                **extra,
+            )
+            past = out.past_key_values
+            logits = out.logits[:, -1, :].float()
+            tokens = self._choose(logits, sampling, None if uniforms is None else uniforms[:, step])
+            for row, token in enumerate(tokens.tolist()):
+                if reasons[row] is not None:
+                    continue
+                responses[row].append(token)
+                if token in self.stop_token_ids:
+                    reasons[row] = "stop"
+                elif stop_strings and self._hits_stop_string(responses[row][-tail:], stop_strings):
+                    reasons[row] = "stop"
+                elif len(responses[row]) >= limits[row]:
+                    reasons[row] = "length"
+            if all(r is not None for r in reasons):
+                break
+            # Finished rows keep decoding (their tokens are ignored): cheaper than
+            # re-slicing the cache, and it leaves the other rows untouched.
+            input_ids = tokens[:, None]
+            mask = torch.cat([mask, mask.new_ones((batch, 1))], dim=-1)
+            positions = mask.sum(-1, keepdim=True) - 1
+        return [(resp, reason or "length") for resp, reason in zip(responses, reasons)]
+
+    @staticmethod
+    def _choose(logits: torch.Tensor, sampling: SamplingParams, uniforms: torch.Tensor | None) -> torch.Tensor:
+        """Next token per row: argmax, or the inverse CDF of the filtered distribution at ``uniforms``."""
+        if sampling.greedy or uniforms is None:
+            return logits.argmax(dim=-1)
+        logits = logits / float(sampling.temperature)
+        vocab = logits.shape[-1]
+        if 0 < sampling.top_k < vocab:
+            kth = torch.topk(logits, sampling.top_k, dim=-1).values[:, -1:]
+            logits = logits.masked_fill(logits < kth, float("-inf"))
+        probs = torch.softmax(logits, dim=-1)
+        if sampling.top_p < 1.0:
+            sorted_probs, index = torch.sort(probs, dim=-1, descending=True, stable=True)
+            cumulative = sorted_probs.cumsum(dim=-1)
+            # Drop a token when the mass before it already reaches top_p (the first always stays).
+            sorted_probs = sorted_probs.masked_fill(cumulative - sorted_probs >= sampling.top_p, 0.0)
+            probs = torch.zeros_like(probs).scatter(-1, index, sorted_probs)
+        cdf = probs.double().cumsum(dim=-1)
+        targets = (uniforms.double() * cdf[:, -1]).unsqueeze(-1)
+        return torch.searchsorted(cdf, targets, right=True).squeeze(-1).clamp(max=vocab - 1)
+
+    def _hits_stop_string(self, ids: list[int], stop_strings: list[str]) -> bool:
+        text = self.tokenizer.decode(ids, skip_special_tokens=True)
+        return any(s in text for s in stop_strings)
+
+    def _response_text(self, ids: list[int], finish_reason: str, stop: Sequence[str]) -> tuple[str, str]:
+        body = ids[:-1] if ids and ids[-1] in self.stop_token_ids else ids
+        text = self.tokenizer.decode(body, skip_special_tokens=True)
+        cuts = [text.find(s) for s in stop if s and s in text]
+        if cuts:
+            return text[: min(cuts)], "stop"
+        return text, finish_reason
+
+    def _stop_token_ids(self) -> set[int]:
+        ids: set[int] = set()
+        eos = self.tokenizer.eos_token_id
+        if eos is not None:
+            ids.add(int(eos))
+        generation_config = getattr(self.model, "generation_config", None)
+        config_eos = getattr(generation_config, "eos_token_id", None)
+        if config_eos is not None:
+            ids.update(int(t) for t in (config_eos if isinstance(config_eos, (list, tuple)) else [config_eos]))
+        vocab = self.tokenizer.get_vocab()
+        ids.update(int(vocab[t]) for t in _CHAT_END_TOKENS if t in vocab)
+        return ids

@@ -1,0 +1,206 @@
+"""An engine over an OpenAI-compatible chat-completions server (e.g. ``vllm serve``).
+
+``OpenAIEngine`` posts each request to ``{base_url}/chat/completions`` with the
+standard library only (``urllib.request`` + ``json``):
+
+- *Concurrency*: a thread pool of ``max_concurrency`` workers, so at most that
+  many requests are in flight; results come back in request order.
+- *Per-request seed*: ``seed = request_seed(sampling.seed, request.key)``, plus
+  ``temperature``, ``top_p``, ``max_tokens`` (the request's, else the
+  sampling's), ``stop``; ``top_k`` only when set (not an OpenAI field; vLLM
+  accepts it).
+- *Retries*: connection errors, timeouts, HTTP 429 and 5xx are retried
+  ``max_retries`` times with exponential backoff (``backoff_s``, doubling);
+  other 4xx are not (the request itself is wrong). ``timeout_s`` is the socket
+  timeout of one attempt.
+- *Failure is data, not an exception*: a request that still fails after its
+  retries becomes a ``Completion`` with ``finish_reason="error"`` and empty
+  text, and the error is logged as a warning. The rest of the batch is
+  unaffected, and the rollout records the error as that env's stop reason.
+- *Token ids*: the chat API does not return them, so they are empty lists,
+  unless the server sends them (vLLM does when ``return_token_ids`` is set).
+- *Model name*: ``model``, else ``model_path`` (when not ``default``), else
+  the server's first model from ``GET {base_url}/models``.
+
+The policy version is the caller's bookkeeping: the engine cannot see the
+server's weights, so whoever updates them calls ``bump_policy_version()``.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import logging
+import socket
+import threading
+import time
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Mapping, Sequence
+
+from ragen.llm.types import Completion, Engine, GenerationRequest, SamplingParams, request_seed
+
+logger = logging.getLogger(__name__)
+
+
+class _RetryableError(Exception):
+    pass
+
+
+class OpenAIEngine(Engine):
+    """OpenAI-compatible chat completions behind ``generate``; see the module docstring."""
+
+    name = "openai"
+    config_keys = (
+        "base_url",
+        "api_key",
+        "model",
+        "max_concurrency",
+        "timeout_s",
+        "max_retries",
+        "backoff_s",
+        "return_token_ids",
+    )
+
+    def __init__(
+        self,
+        base_url: str = "http://127.0.0.1:8000/v1",
+        *,
+        api_key: str | None = "EMPTY",
+        model: str | None = None,
+        max_concurrency: int = 16,
+        timeout_s: float = 60.0,
+        max_retries: int = 3,
+        backoff_s: float = 0.5,
+        return_token_ids: bool = False,
+    ) -> None:
+        super().__init__()
+        if int(max_concurrency) < 1:
+            raise ValueError(f"engine.max_concurrency={max_concurrency} must be >= 1")
+        if float(timeout_s) <= 0:
+            raise ValueError(f"engine.timeout_s={timeout_s} must be > 0")
+        if int(max_retries) < 0:
+            raise ValueError(f"engine.max_retries={max_retries} must be >= 0")
+        self.base_url = str(base_url).rstrip("/")
+        self.api_key = api_key
+        self.model = model
+        self.max_concurrency = int(max_concurrency)
+        self.timeout_s = float(timeout_s)
+        self.max_retries = int(max_retries)
+        self.backoff_s = float(backoff_s)
+        self.return_token_ids = bool(return_token_ids)
+        self._pool = ThreadPoolExecutor(max_workers=self.max_concurrency, thread_name_prefix="openai-engine")
+        self._model_lock = threading.Lock()
+
+    @classmethod
+    def from_config(cls, cfg: Mapping[str, Any], model_path: str | None = None) -> "OpenAIEngine":
+        cfg = dict(cfg)
+        if cfg.get("model") is None and model_path not in (None, "default"):
+            cfg["model"] = str(model_path)
+        return cls(**cfg)
+
+    # -- generation -------------------------------------------------------
+
+    def generate(self, requests: Sequence[GenerationRequest], sampling: SamplingParams) -> list[Completion]:
+        if not requests:
+            return []
+        version = self.policy_version
+        try:
+            model = self._model_name()
+        except Exception as exc:
+            logger.warning("OpenAIEngine: cannot find a model name at %s/models: %s", self.base_url, exc)
+            return [self._error(r, version) for r in requests]
+        return list(self._pool.map(lambda r: self._complete(r, sampling, model, version), requests))
+
+    def _complete(self, request: GenerationRequest, sampling: SamplingParams, model: str, version: int) -> Completion:
+        limit = request.max_tokens if request.max_tokens is not None else sampling.max_tokens
+        if limit <= 0:
+            return Completion("", [], [], "length", version, request.env_id, request.turn)
+        body: dict[str, Any] = {
+            "model": model,
+            "messages": [dict(m) for m in request.messages],
+            "temperature": max(0.0, float(sampling.temperature)),
+            "top_p": float(sampling.top_p),
+            "max_tokens": int(limit),
+            "seed": request_seed(sampling.seed, request.key),
+            "n": 1,
+        }
+        if sampling.stop:
+            body["stop"] = list(sampling.stop)
+        if sampling.top_k > 0:
+            body["top_k"] = int(sampling.top_k)
+        if self.return_token_ids:
+            body["return_token_ids"] = True
+        try:
+            reply = self._post_with_retries("/chat/completions", body)
+            choice = reply["choices"][0]
+            text = (choice.get("message") or {}).get("content") or ""
+        except Exception as exc:
+            logger.warning(
+                "OpenAIEngine: request for env %s turn %s failed (finish_reason='error'): %s",
+                request.env_id, request.turn, exc,
+            )
+            return self._error(request, version)
+        return Completion(
+            text=text,
+            prompt_token_ids=[int(t) for t in reply.get("prompt_token_ids") or choice.get("prompt_token_ids") or []],
+            response_token_ids=[int(t) for t in choice.get("token_ids") or []],
+            finish_reason="length" if choice.get("finish_reason") == "length" else "stop",
+            policy_version=version,
+            env_id=request.env_id,
+            turn=request.turn,
+        )
+
+    @staticmethod
+    def _error(request: GenerationRequest, version: int) -> Completion:
+        return Completion("", [], [], "error", version, request.env_id, request.turn)
+
+    # -- HTTP -------------------------------------------------------------
+
+    def _model_name(self) -> str:
+        with self._model_lock:
+            if self.model is None:
+                models = self._call_with_retries("GET", "/models", None)["data"]
+                if not models:
+                    raise RuntimeError("the server lists no models; set engine.model")
+                self.model = str(models[0]["id"])
+                logger.info("OpenAIEngine: using the server's model %r", self.model)
+            return self.model
+
+    def _post_with_retries(self, route: str, body: dict[str, Any]) -> dict[str, Any]:
+        return self._call_with_retries("POST", route, body)
+
+    def _call_with_retries(self, method: str, route: str, body: dict[str, Any] | None) -> dict[str, Any]:
+        for attempt in range(self.max_retries + 1):
+            try:
+                return self._call(method, route, body)
+            except _RetryableError as exc:
+                if attempt == self.max_retries:
+                    raise RuntimeError(str(exc)) from exc
+                delay = self.backoff_s * (2**attempt)
+                logger.debug("OpenAIEngine: %s; retry %d in %.2f s", exc, attempt + 1, delay)
+                time.sleep(delay)
+        raise AssertionError("unreachable")
+
+    def _call(self, method: str, route: str, body: dict[str, Any] | None) -> dict[str, Any]:
+        headers = {"Content-Type": "application/json"}
+        if self.api_key:
+            headers["Authorization"] = f"Bearer {self.api_key}"
+        data = json.dumps(body).encode() if body is not None else None
+        http_request = urllib.request.Request(self.base_url + route, data=data, headers=headers, method=method)
+        try:
+            with urllib.request.urlopen(http_request, timeout=self.timeout_s) as response:
+                return json.loads(response.read().decode())
+        except urllib.error.HTTPError as exc:
+            detail = exc.read().decode(errors="replace")[:300]
+            message = f"HTTP {exc.code} from {self.base_url}{route}: {detail}"
+            if exc.code == 429 or exc.code >= 500:
+                raise _RetryableError(message) from exc
+            raise RuntimeError(message) from exc
+        except (urllib.error.URLError, http.client.HTTPException, socket.timeout, TimeoutError, ConnectionError) as exc:
+            reason = getattr(exc, "reason", exc)
+            raise _RetryableError(f"{type(exc).__name__} from {self.base_url}{route}: {reason}") from exc
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)

@@ -1,0 +1,126 @@
+"""The vocabulary of language-model engines.
+
+- ``GenerationRequest``: one chat prompt, keyed by ``(seed, env_id, turn)`` so a
+  policy's randomness can be tied to the request, never to batch order.
+- ``SamplingParams``: how to decode (``temperature == 0`` means greedy).
+- ``Completion``: the answer text, prompt and response token ids, why it
+  stopped, and the policy version that produced it.
+- ``Engine``: ``generate(requests, sampling) -> completions``, one completion per
+  request, in request order.
+
+All three data classes are plain, JSON-able data: they cross process
+boundaries (``to_dict`` / ``from_dict``); the engine itself never does.
+
+``request_seed(sampling_seed, key)`` is the one place where a request's
+randomness is derived: every engine seeds its per-request sampler from it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+
+def request_seed(sampling_seed: int, key: Sequence[int]) -> int:
+    """A 31-bit seed from an engine-level seed and a request key.
+
+    A hash, not ``hash()`` (salted per process) and not a running RNG (order
+    dependent), so the same request gets the same seed in every process, batch
+    and order. 31 bits fit every server's ``seed`` field.
+    """
+    text = ",".join(str(int(x)) for x in (sampling_seed, *key))
+    digest = hashlib.blake2b(text.encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & 0x7FFFFFFF
+
+
+def _as_dict(obj: Any) -> dict[str, Any]:
+    # Shallow: these classes hold only JSON-able values, and dataclasses.asdict's
+    # deep copy is the largest cost of sending thousands of prompts.
+    return {f.name: getattr(obj, f.name) for f in dataclasses.fields(obj)}
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    messages: list[dict[str, str]]  # [{"role": "system"|"user"|"assistant", "content": str}]
+    env_id: int = 0
+    turn: int = 0
+    seed: int = 0  # the env's seed for this rollout
+    max_tokens: int | None = None  # per-request cap (the env's max_tokens); None: sampling's
+
+    @property
+    def key(self) -> tuple[int, int, int]:
+        return (self.seed, self.env_id, self.turn)
+
+    def to_dict(self) -> dict[str, Any]:
+        return _as_dict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "GenerationRequest":
+        return cls(**d)
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1  # -1: no top-k
+    max_tokens: int = 128
+    seed: int = 0  # engine-level seed, combined with each request's key
+    stop: list[str] = field(default_factory=list)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature <= 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return _as_dict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "SamplingParams":
+        return cls(**d)
+
+
+@dataclass(frozen=True)
+class Completion:
+    text: str
+    prompt_token_ids: list[int]
+    response_token_ids: list[int]
+    finish_reason: str  # "stop" | "length" | "error"
+    policy_version: int
+    env_id: int = 0
+    turn: int = 0
+
+    def to_dict(self) -> dict[str, Any]:
+        return _as_dict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "Completion":
+        return cls(**d)
+
+
+class Engine(ABC):
+    """One language model behind ``generate``.
+
+    ``policy_version`` counts weight updates: the trainer calls
+    ``bump_policy_version()`` after it changed the weights the engine uses, and
+    every completion records the version that produced it.
+    """
+
+    name: str = "engine"
+
+    def __init__(self) -> None:
+        self.policy_version = 0
+
+    @abstractmethod
+    def generate(self, requests: Sequence[GenerationRequest], sampling: SamplingParams) -> list[Completion]:
+        """One completion per request, in request order."""
+
+    def bump_policy_version(self) -> int:
+        self.policy_version += 1
+        return self.policy_version
+
+    def close(self) -> None:
+        pass

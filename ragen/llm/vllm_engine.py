@@ -1,0 +1,194 @@
+"""A vLLM engine: an adapter over ``vllm.LLM`` (GPU).
+
+``VLLMEngine`` renders each request with the model's chat template (vLLM's
+tokenizer), passes token prompts, and gives every request its own
+``vllm.SamplingParams`` (``n=1``, ``seed=request_seed(sampling.seed, key)``, its
+own ``max_tokens``, the chat end token as a stop token), so a request's sample
+does not depend on the batch. It returns vLLM's token ids and finish reasons.
+
+*Weight updates*: ``load_weights(named_tensors)`` pushes new weights into the
+running engine, resets the prefix cache (cached KV blocks were computed with
+the old weights) and bumps ``policy_version``. Two routes, tried in order:
+
+1. an in-process driver worker
+   (``llm.llm_engine.model_executor.driver_worker[.worker].model_runner.model``):
+   the V0 engine, or V1 with ``VLLM_ENABLE_V1_MULTIPROCESSING=0``;
+2. ``llm.collective_rpc(fn, args=...)`` with a function run on every worker
+   (vLLM >= 0.7.3; the V1 engine's default process layout). Tensors travel
+   pickled on the CPU, which is simple but not the fastest path for big models
+   (a NCCL group is). Newer vLLM accepts pickled functions only with
+   ``VLLM_ALLOW_INSECURE_SERIALIZATION=1``, which this engine sets (unless
+   already set) before it starts vLLM.
+
+vLLM is imported only when the engine is built; it cannot run without a GPU.
+This adapter was written against vLLM's documented ``LLM`` API (0.7-0.10 era);
+it is unit-tested against a stand-in, not against a real vLLM here.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import os
+from typing import Any, Iterable, Mapping, Sequence
+
+from ragen.llm.default_model import resolve_model_path
+from ragen.llm.types import Completion, Engine, GenerationRequest, SamplingParams, request_seed
+
+logger = logging.getLogger(__name__)
+
+_CHAT_END_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>")
+
+
+def _load_weights_on_worker(worker: Any, weights: list[tuple[str, Any]]) -> int:
+    """Runs inside each vLLM worker (sent by ``collective_rpc``)."""
+    model = worker.model_runner.model
+    device = next(model.parameters()).device
+    model.load_weights(weights=[(name, tensor.to(device)) for name, tensor in weights])
+    return len(weights)
+
+
+class VLLMEngine(Engine):
+    """``vllm.LLM`` behind ``generate``; see the module docstring."""
+
+    name = "vllm"
+    config_keys = ("dtype", "gpu_memory_utilization", "enforce_eager", "max_model_len", "tensor_parallel_size")
+
+    def __init__(
+        self,
+        model_path: str | None = None,
+        *,
+        dtype: str = "auto",
+        gpu_memory_utilization: float = 0.5,
+        enforce_eager: bool = False,
+        max_model_len: int = 4096,
+        tensor_parallel_size: int = 1,
+    ) -> None:
+        super().__init__()
+        try:
+            import vllm
+        except Exception as exc:  # ImportError, or a broken CUDA/torch install under it
+            raise ImportError(
+                f"engine.name=vllm needs the 'vllm' package, which could not be imported ({exc}). "
+                "Install it on a GPU machine with `pip install vllm`, or use engine=hf."
+            ) from exc
+        self._vllm = vllm
+        path = resolve_model_path(model_path)
+        os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
+        self.llm = vllm.LLM(
+            model=path,
+            dtype=dtype,
+            gpu_memory_utilization=float(gpu_memory_utilization),
+            enforce_eager=bool(enforce_eager),
+            max_model_len=int(max_model_len),
+            tensor_parallel_size=int(tensor_parallel_size),
+        )
+        self.tokenizer = self.llm.get_tokenizer()
+        self.stop_token_ids = self._stop_token_ids()
+        logger.info("VLLMEngine started %s (vllm %s)", path, getattr(vllm, "__version__", "?"))
+
+    @classmethod
+    def from_config(cls, cfg: Mapping[str, Any], model_path: str | None = None) -> "VLLMEngine":
+        return cls(model_path, **cfg)
+
+    def encode_prompt(self, messages: Sequence[Mapping[str, str]]) -> list[int]:
+        text = self.tokenizer.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=True)
+        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    def generate(self, requests: Sequence[GenerationRequest], sampling: SamplingParams) -> list[Completion]:
+        prompts = [self.encode_prompt(r.messages) for r in requests]
+        limits = [r.max_tokens if r.max_tokens is not None else sampling.max_tokens for r in requests]
+        live = [i for i, limit in enumerate(limits) if limit > 0]  # vLLM rejects max_tokens=0
+        outputs: dict[int, Any] = {}
+        if live:
+            params = [self._sampling_params(sampling, requests[i], limits[i]) for i in live]
+            results = self.llm.generate(
+                [{"prompt_token_ids": prompts[i]} for i in live], params, use_tqdm=False
+            )
+            outputs = dict(zip(live, results))
+        completions = []
+        for i, request in enumerate(requests):
+            text, response_ids, finish_reason = "", [], "length"
+            if i in outputs:
+                sample = outputs[i].outputs[0]
+                text, response_ids = sample.text, list(sample.token_ids)
+                finish_reason = "length" if sample.finish_reason == "length" else "stop"
+                if sample.finish_reason not in ("stop", "length"):
+                    logger.warning("vLLM finished env %s turn %s with %r", request.env_id, request.turn,
+                                   sample.finish_reason)
+            completions.append(
+                Completion(
+                    text=text,
+                    prompt_token_ids=prompts[i],
+                    response_token_ids=response_ids,
+                    finish_reason=finish_reason,
+                    policy_version=self.policy_version,
+                    env_id=request.env_id,
+                    turn=request.turn,
+                )
+            )
+        return completions
+
+    def _sampling_params(self, sampling: SamplingParams, request: GenerationRequest, limit: int) -> Any:
+        return self._vllm.SamplingParams(
+            n=1,
+            temperature=max(0.0, float(sampling.temperature)),
+            top_p=float(sampling.top_p),
+            top_k=int(sampling.top_k) if sampling.top_k > 0 else -1,
+            max_tokens=int(limit),
+            seed=request_seed(sampling.seed, request.key),
+            stop=list(sampling.stop) or None,
+            stop_token_ids=sorted(self.stop_token_ids),
+        )
+
+    def load_weights(self, named_tensors: Iterable[tuple[str, Any]] | Mapping[str, Any]) -> int:
+        """Push new weights (HF parameter names) into the running engine; bump the policy version."""
+        weights = list(named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors)
+        model = self._in_process_model()
+        if model is not None:
+            model.load_weights(weights=weights)
+        elif hasattr(self.llm, "collective_rpc"):
+            cpu_weights = [(name, tensor.detach().to("cpu")) for name, tensor in weights]
+            self.llm.collective_rpc(_load_weights_on_worker, args=(cpu_weights,))
+        else:
+            raise RuntimeError(
+                "this vLLM version exposes neither an in-process driver worker nor LLM.collective_rpc; "
+                "VLLMEngine.load_weights needs one of them (vLLM >= 0.7.3 has collective_rpc)"
+            )
+        if hasattr(self.llm, "reset_prefix_cache"):
+            self.llm.reset_prefix_cache()
+        return self.bump_policy_version()
+
+    def _in_process_model(self) -> Any:
+        executor = getattr(getattr(self.llm, "llm_engine", None), "model_executor", None)
+        worker = getattr(executor, "driver_worker", None)
+        worker = getattr(worker, "worker", worker)  # WorkerWrapperBase wraps the worker
+        runner = getattr(worker, "model_runner", None)
+        return getattr(runner, "model", None)
+
+    def _stop_token_ids(self) -> set[int]:
+        ids = {int(self.tokenizer.eos_token_id)} if self.tokenizer.eos_token_id is not None else set()
+        vocab = self.tokenizer.get_vocab()
+        ids.update(int(vocab[t]) for t in _CHAT_END_TOKENS if t in vocab)
+        return ids
+
+    def close(self) -> None:
+        llm = getattr(self, "llm", None)
+        self.llm = None
+        if llm is None:
+            return
+        shutdown = getattr(getattr(llm, "llm_engine", None), "shutdown", None)
+        if callable(shutdown):
+            try:
+                shutdown()
+            except Exception:  # best effort: the process may be exiting anyway
+                logger.debug("vLLM engine shutdown failed", exc_info=True)
+        del llm
+        gc.collect()
+        try:
+            import torch
+
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+        except ImportError:
+            pass

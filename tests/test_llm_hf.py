@@ -1,0 +1,192 @@
+"""HFEngine on the tiny random model: left padding, batch-independent sampling,
+stop reasons, per-request limits, policy versions and the shared model."""
+
+from __future__ import annotations
+
+import filecmp
+from pathlib import Path
+
+import pytest
+import torch
+
+from ragen.llm import make_engine
+from ragen.llm.hf import HFEngine
+from ragen.llm.tiny_model import TAG_TOKENS, build_tiny_model
+from ragen.llm.types import GenerationRequest, SamplingParams
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=12)
+
+
+def requests(n, env0=0, seed=0, **kw):
+    # Prompts of different lengths, so batching needs real left padding.
+    return [
+        GenerationRequest(
+            messages=[{"role": "user", "content": "Available actions: Up, Down. State " + "#" * (3 * i + 1)}],
+            env_id=env0 + i, seed=seed, **kw,
+        )
+        for i in range(n)
+    ]
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model_path):
+    return make_engine({"name": "hf", "device": "cpu", "max_batch_size": 64}, tiny_model_path)
+
+
+def ids(completions):
+    return [c.response_token_ids for c in completions]
+
+
+def test_greedy_is_the_same_alone_and_left_padded_in_a_batch(engine):
+    reqs = requests(6)
+    batched = engine.generate(reqs, GREEDY)
+    alone = [engine.generate([r], GREEDY)[0] for r in reqs]
+    assert ids(batched) == ids(alone)
+    assert len({tuple(x) for x in ids(batched)}) > 1  # the model does react to its prompt
+    assert [c.text for c in batched] == [c.text for c in alone]
+    # prompt ids are the chat template's encoding, without padding
+    for r, c in zip(reqs, batched):
+        assert c.prompt_token_ids == engine.encode_prompt(r.messages)
+        assert engine.pad_token_id not in c.prompt_token_ids
+
+
+def test_sampling_is_keyed_by_request_not_by_batch(engine, tiny_model_path):
+    sampling = SamplingParams(temperature=1.0, top_p=0.95, top_k=50, max_tokens=10, seed=5)
+    reqs = requests(5)
+    batched = ids(engine.generate(reqs, sampling))
+    alone = [engine.generate([r], sampling)[0].response_token_ids for r in reqs]
+    reordered = ids(engine.generate(reqs[::-1], sampling))[::-1]
+    mixed = ids(engine.generate(requests(4, env0=50) + reqs[2:4], sampling))[-2:]
+    small_chunks = HFEngine(model=engine.model, tokenizer=engine.tokenizer, max_batch_size=2)
+    chunked = ids(small_chunks.generate(reqs, sampling))
+    assert batched == alone == reordered == chunked
+    assert mixed == batched[2:4]
+    # a different seed (engine-level or the request's) changes the samples
+    assert ids(engine.generate(reqs, SamplingParams(**{**sampling.to_dict(), "seed": 6}))) != batched
+    assert ids(engine.generate(requests(5, seed=1), sampling)) != batched
+
+
+def test_top_k_one_and_tiny_top_p_are_greedy(engine):
+    reqs = requests(3)
+    greedy = ids(engine.generate(reqs, GREEDY))
+    assert ids(engine.generate(reqs, SamplingParams(temperature=1.0, top_k=1, max_tokens=12))) == greedy
+    assert ids(engine.generate(reqs, SamplingParams(temperature=0.7, top_p=1e-6, max_tokens=12))) == greedy
+
+
+def test_per_request_max_tokens_and_length_reason(engine):
+    limits = [1, 3, 0, 7]
+    reqs = [GenerationRequest(r.messages, env_id=r.env_id, max_tokens=n) for r, n in zip(requests(4), limits)]
+    completions = engine.generate(reqs, SamplingParams(temperature=1.0, max_tokens=50))
+    for c, limit in zip(completions, limits):
+        assert len(c.response_token_ids) <= limit
+        if c.finish_reason == "length":
+            assert len(c.response_token_ids) == limit
+    assert completions[2].response_token_ids == [] and completions[2].finish_reason == "length"
+    # the request's cap wins; the sampling's applies to the others
+    capped = engine.generate(requests(2), SamplingParams(temperature=0.0, max_tokens=2))
+    assert all(len(c.response_token_ids) <= 2 for c in capped)
+
+
+def test_eos_stops_with_reason_stop(tiny_model_and_tokenizer):
+    model, tokenizer = tiny_model_and_tokenizer
+    engine = HFEngine(model=model, tokenizer=tokenizer)
+    eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    assert eos in engine.stop_token_ids
+    # Make the third generated token of every row EOS: the engine must stop there.
+    calls = {"n": 0}
+
+    def force_eos(_module, _inputs, output):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            output[..., eos] += 1e4
+        return output
+
+    handle = model.lm_head.register_forward_hook(force_eos)
+    try:
+        completions = engine.generate(requests(3), SamplingParams(temperature=0.0, max_tokens=20))
+    finally:
+        handle.remove()
+    for c in completions:
+        assert c.finish_reason == "stop"
+        assert len(c.response_token_ids) == 3 and c.response_token_ids[-1] == eos
+        assert c.text == tokenizer.decode(c.response_token_ids[:-1], skip_special_tokens=True)
+
+
+def test_stop_strings_cut_the_text(engine):
+    reqs = requests(4)
+    full = engine.generate(reqs, SamplingParams(temperature=0.0, max_tokens=16))
+    for r, c in zip(reqs, full):
+        if len(c.text.strip()) < 6:
+            continue
+        start = len(c.text) // 2
+        stop = c.text[start : start + 3]
+        if not stop.strip():
+            continue
+        cut = engine.generate([r], SamplingParams(temperature=0.0, max_tokens=16, stop=[stop]))[0]
+        assert cut.finish_reason == "stop"
+        assert cut.text == c.text[: c.text.find(stop)]
+        assert c.response_token_ids[: len(cut.response_token_ids)] == cut.response_token_ids
+        break
+    else:
+        pytest.fail("no completion long enough to test stop strings")
+
+
+def test_policy_version_and_load_weights(engine, tiny_model_and_tokenizer):
+    model, tokenizer = tiny_model_and_tokenizer
+    local = HFEngine(model=model, tokenizer=tokenizer)
+    reqs = requests(3)
+    before = local.generate(reqs, GREEDY)
+    assert {c.policy_version for c in before} == {0}
+    assert local.bump_policy_version() == 1
+    assert {c.policy_version for c in local.generate(reqs, GREEDY)} == {1}
+    new = {name: torch.randn_like(p) for name, p in model.named_parameters() if "layers.1.mlp" in name}
+    assert local.load_weights(new) == 2
+    after = local.generate(reqs, GREEDY)
+    assert {c.policy_version for c in after} == {2}
+    assert ids(after) != ids(before)
+    with pytest.raises(KeyError, match="no_such"):
+        local.load_weights({"no_such.weight": torch.zeros(1)})
+
+
+def test_shares_the_trainers_model_and_restores_train_mode(tiny_model_and_tokenizer):
+    model, tokenizer = tiny_model_and_tokenizer
+    engine = HFEngine(model=model, tokenizer=tokenizer)
+    assert engine.model is model and engine.tokenizer is tokenizer and engine.device == torch.device("cpu")
+    reqs = requests(2)
+    before = ids(engine.generate(reqs, GREEDY))
+    model.train()
+    model.model.layers[0].eval()  # a mixed state must come back exactly
+    modes = {name: m.training for name, m in model.named_modules()}
+    with torch.no_grad():  # the trainer's in-place update
+        model.model.layers[1].mlp.down_proj.weight.mul_(-3.0)
+    after = ids(engine.generate(reqs, GREEDY))
+    assert after != before
+    assert {name: m.training for name, m in model.named_modules()} == modes
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_hf_config_errors(tiny_model_path):
+    with pytest.raises(ValueError, match=r"engine\.max_batch"):
+        make_engine({"name": "hf", "max_batch": 8}, tiny_model_path)
+    with pytest.raises(ValueError, match=r"engine\.dtype='float8'"):
+        make_engine({"name": "hf", "dtype": "float8"}, tiny_model_path)
+    with pytest.raises(ValueError, match="tokenizer"):
+        HFEngine(model=torch.nn.Linear(2, 2))
+
+
+def test_tiny_model_is_deterministic_and_keeps_answer_tags(tmp_path, tiny_model_path):
+    again = build_tiny_model(tmp_path / "again", seed=0)
+    other = build_tiny_model(tmp_path / "other", seed=1)
+    for name in ("tokenizer.json", "model.safetensors", "config.json"):
+        assert filecmp.cmp(Path(again) / name, Path(tiny_model_path) / name, shallow=False), name
+    assert not filecmp.cmp(Path(other) / "model.safetensors", Path(again) / "model.safetensors", shallow=False)
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(again)
+    text = "<think> go Up </think><answer>Up || Left</answer>"
+    encoded = tokenizer(text, add_special_tokens=False)["input_ids"]
+    assert tokenizer.decode(encoded, skip_special_tokens=True) == text
+    assert all(len(tokenizer(t, add_special_tokens=False)["input_ids"]) == 1 for t in TAG_TOKENS)
+    rendered = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False,
+                                             add_generation_prompt=True)
+    assert rendered == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"

@@ -1,0 +1,188 @@
+"""OpenAIEngine against a small fake OpenAI-compatible server on 127.0.0.1:
+answers, request fields, retries after a 500, a hanging request turned into an
+error completion, and the concurrency bound."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+
+from ragen.llm import make_engine
+from ragen.llm.openai_engine import OpenAIEngine
+from ragen.llm.types import GenerationRequest, SamplingParams, request_seed
+
+HANG_LIMIT_S = 5.0  # a hanging request never holds the server longer than this
+
+
+class FakeServer:
+    """Chat completions keyed by the last user message:
+
+    - ``FAIL_ONCE:<tag>``: HTTP 500 the first time, then an answer;
+    - ``HANG``: no answer until the server stops (or ``HANG_LIMIT_S``);
+    - ``SLOW``: answers after 0.1 s;
+    - ``BAD``: HTTP 400;
+    - anything else: answers at once.
+    """
+
+    def __init__(self, lifetime_s: float = 60.0):
+        self.bodies: list[dict] = []
+        self.failed: set[str] = set()
+        self.in_flight = 0
+        self.max_in_flight = 0
+        self.lock = threading.Lock()
+        self.stopping = threading.Event()
+        server = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args):  # keep test output quiet
+                pass
+
+            def _send(self, code, payload):
+                data = json.dumps(payload).encode()
+                self.send_response(code)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def do_GET(self):
+                if self.path.endswith("/models"):
+                    self._send(200, {"object": "list", "data": [{"id": "fake-model"}]})
+                else:
+                    self._send(404, {"error": "not found"})
+
+            def do_POST(self):
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                prompt = body["messages"][-1]["content"]
+                with server.lock:
+                    server.bodies.append({**body, "auth": self.headers.get("Authorization")})
+                    server.in_flight += 1
+                    server.max_in_flight = max(server.max_in_flight, server.in_flight)
+                try:
+                    if prompt.startswith("FAIL_ONCE:") and prompt not in server.failed:
+                        server.failed.add(prompt)
+                        return self._send(500, {"error": "try again"})
+                    if prompt == "BAD":
+                        return self._send(400, {"error": "bad request"})
+                    if prompt == "HANG":
+                        server.stopping.wait(HANG_LIMIT_S)
+                        return
+                    if prompt == "SLOW":
+                        time.sleep(0.1)
+                    finish = "length" if body["max_tokens"] < 5 else "stop"
+                    choice = {"index": 0, "finish_reason": finish,
+                              "message": {"role": "assistant", "content": f"<answer>{prompt}|{body['seed']}</answer>"}}
+                    reply = {"id": "x", "object": "chat.completion", "model": body["model"], "choices": [choice]}
+                    if body.get("return_token_ids"):
+                        choice["token_ids"] = [1, 2, 3]
+                        reply["prompt_token_ids"] = [7, 8]
+                    self._send(200, reply)
+                except (BrokenPipeError, ConnectionResetError):
+                    pass  # the client gave up (timeout)
+                finally:
+                    with server.lock:
+                        server.in_flight -= 1
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.httpd.daemon_threads = True
+        self.base_url = f"http://127.0.0.1:{self.httpd.server_address[1]}/v1"
+        self.thread = threading.Thread(target=self.httpd.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
+        self.thread.start()
+        # Stops by itself even if a test forgets to.
+        self.watchdog = threading.Timer(lifetime_s, self.stop)
+        self.watchdog.daemon = True
+        self.watchdog.start()
+
+    def stop(self):
+        self.stopping.set()
+        self.httpd.shutdown()
+        self.httpd.server_close()
+        self.watchdog.cancel()
+
+
+@pytest.fixture
+def server():
+    fake = FakeServer()
+    yield fake
+    fake.stop()
+
+
+def req(content, env_id=0, turn=0, seed=0, max_tokens=None):
+    return GenerationRequest([{"role": "user", "content": content}], env_id=env_id, turn=turn, seed=seed,
+                             max_tokens=max_tokens)
+
+
+def test_answers_in_order_with_request_fields(server):
+    engine = make_engine({"name": "openai", "base_url": server.base_url, "api_key": "sk-test", "model": "m1"}, None)
+    sampling = SamplingParams(temperature=0.5, top_p=0.9, top_k=20, max_tokens=64, seed=3, stop=["</answer>"])
+    reqs = [req(f"q{i}", env_id=i, turn=2, seed=9) for i in range(6)] + [req("short", max_tokens=2)]
+    completions = engine.generate(reqs, sampling)
+    for r, c in zip(reqs, completions):
+        assert c.text == f"<answer>{r.messages[-1]['content']}|{request_seed(3, r.key)}</answer>"
+        assert (c.env_id, c.turn, c.policy_version) == (r.env_id, r.turn, 0)
+        assert c.prompt_token_ids == [] and c.response_token_ids == []
+    assert [c.finish_reason for c in completions] == ["stop"] * 6 + ["length"]
+    body = next(b for b in server.bodies if b["messages"][-1]["content"] == "q1")
+    assert body["model"] == "m1" and body["auth"] == "Bearer sk-test"
+    assert (body["temperature"], body["top_p"], body["top_k"], body["max_tokens"], body["n"]) == (0.5, 0.9, 20, 64, 1)
+    assert body["stop"] == ["</answer>"] and "return_token_ids" not in body
+    assert next(b for b in server.bodies if b["messages"][-1]["content"] == "short")["max_tokens"] == 2
+    engine.close()
+
+
+def test_model_name_from_the_server_and_token_ids(server):
+    engine = OpenAIEngine(server.base_url, return_token_ids=True)
+    c = engine.generate([req("hi")], SamplingParams(temperature=0.0))[0]
+    assert server.bodies[-1]["model"] == "fake-model" and "top_k" not in server.bodies[-1]
+    assert (c.prompt_token_ids, c.response_token_ids) == ([7, 8], [1, 2, 3])
+    engine.bump_policy_version()
+    assert engine.generate([req("hi")], SamplingParams())[0].policy_version == 1
+    engine.close()
+    # model_path names the model when the config does not
+    assert make_engine({"name": "openai", "base_url": server.base_url}, "org/my-model").model == "org/my-model"
+
+
+def test_server_error_is_retried(server):
+    engine = OpenAIEngine(server.base_url, model="m", max_retries=2, backoff_s=0.01)
+    completions = engine.generate([req("FAIL_ONCE:a"), req("fine")], SamplingParams())
+    assert [c.finish_reason for c in completions] == ["stop", "stop"]
+    assert completions[0].text.startswith("<answer>FAIL_ONCE:a|")
+    assert sum(b["messages"][-1]["content"] == "FAIL_ONCE:a" for b in server.bodies) == 2
+    engine.close()
+
+
+def test_hanging_and_bad_requests_become_error_completions(server, caplog):
+    engine = OpenAIEngine(server.base_url, model="m", timeout_s=0.3, max_retries=1, backoff_s=0.01)
+    start = time.perf_counter()
+    with caplog.at_level("WARNING", logger="ragen.llm.openai_engine"):
+        completions = engine.generate([req("ok", env_id=0), req("HANG", env_id=1), req("BAD", env_id=2)],
+                                      SamplingParams())
+    assert time.perf_counter() - start < HANG_LIMIT_S  # gave up on the hang, did not wait it out
+    assert [c.finish_reason for c in completions] == ["stop", "error", "error"]
+    assert completions[1].text == "" and completions[1].env_id == 1
+    assert sum(b["messages"][-1]["content"] == "HANG" for b in server.bodies) == 2  # 1 try + 1 retry
+    assert sum(b["messages"][-1]["content"] == "BAD" for b in server.bodies) == 1  # 4xx: no retry
+    messages = " ".join(r.getMessage() for r in caplog.records)
+    assert "env 1" in messages and "timed out" in messages.lower() and "HTTP 400" in messages
+    engine.close()
+
+
+def test_unreachable_server_gives_error_completions():
+    engine = OpenAIEngine("http://127.0.0.1:9/v1", model="m", timeout_s=0.5, max_retries=1, backoff_s=0.01)
+    assert [c.finish_reason for c in engine.generate([req("a"), req("b")], SamplingParams())] == ["error"] * 2
+    no_model = OpenAIEngine("http://127.0.0.1:9/v1", timeout_s=0.5, max_retries=0)
+    assert no_model.generate([req("a")], SamplingParams())[0].finish_reason == "error"
+
+
+def test_concurrency_is_bounded(server):
+    engine = OpenAIEngine(server.base_url, model="m", max_concurrency=3)
+    start = time.perf_counter()
+    completions = engine.generate([req("SLOW", env_id=i) for i in range(9)], SamplingParams())
+    assert all(c.finish_reason == "stop" for c in completions)
+    assert server.max_in_flight == 3  # never more, and the pool was used
+    assert time.perf_counter() - start >= 0.3  # 9 requests / 3 at a time * 0.1 s
+    engine.close()
