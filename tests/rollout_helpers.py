@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
-import json
 from pathlib import Path
 
 from omegaconf import OmegaConf
@@ -48,10 +46,3 @@ def sequential(specs, config: LoopConfig, engine=None):
     engine = engine or ScriptedEngine(malformed_rate=0.1)
     trajectories, _ = run_envs(specs, DirectClient(engine), config, pool=EnvPool(), isolate_errors=True)
     return trajectories
-
-
-def digest(trajectories) -> str:
-    rows = [[t.env_id, t.stop_reason.value, t.final_observation,
-             [[tn.observation, tn.response, tn.executed_actions, tn.reward, tn.penalty] for tn in t.turns]]
-            for t in trajectories]
-    return hashlib.sha256(json.dumps(rows, sort_keys=True).encode()).hexdigest()

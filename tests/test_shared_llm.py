@@ -3,6 +3,7 @@ serving through bad clients."""
 
 from __future__ import annotations
 
+import dataclasses
 import pickle
 import socket
 import struct
@@ -65,7 +66,10 @@ def test_answers_equal_direct_engine_calls():
     engine = ScriptedEngine(malformed_rate=0.3)
     reqs = _requests(10)
     with SharedLLMInferenceManager(engine) as shared:
-        assert shared.client().generate(reqs, SamplingParams()) == engine.generate(reqs, SamplingParams())
+        got = shared.client().generate(reqs, SamplingParams())
+    want = engine.generate(reqs, SamplingParams())
+    # prompt token ids stay in the driver (workers sent the prompt)
+    assert [dataclasses.replace(c, prompt_token_ids=[]) for c in want] == got
 
 
 def test_client_pickles_without_showing_the_key():

@@ -193,3 +193,11 @@ register_env("sokoban", SokobanEnv, SokobanEnvConfig)
 register_env("frozen_lake", FrozenLakeEnv, FrozenLakeEnvConfig)
 register_env("bandit", BanditEnv, BanditEnvConfig)
 register_env("countdown", CountdownEnv, CountdownEnvConfig)
+
+
+def clear_caches() -> None:
+    """Forget memoized generation (Sokoban rooms), so the next resets pay their
+    full cost again: benchmarks call this between timed runs."""
+    from .sokoban.generator import generate_room
+
+    generate_room.cache_clear()

@@ -172,10 +172,13 @@ class LLMAgentProxy:
         """Held around every engine call; the trainer holds it to swap weights."""
         return self._lock
 
-    def rollout(self, split: str = "train", fault: dict[str, Any] | None = None) -> RolloutResult:
+    def rollout(self, split: str = "train", fault: dict[str, Any] | None = None,
+                rollout_index: int | None = None) -> RolloutResult:
+        """The next rollout of ``split`` (or the one numbered ``rollout_index``:
+        same index, same seeds)."""
         if split not in self.setup.es:
             raise ValueError(f"unknown split {split!r}; choose 'train' or 'val'")
-        specs = self.setup.es[split].make_specs()
+        specs = self.setup.es[split].make_specs(rollout_index)
         config = self.setup.loop if split == "train" else self.setup.val_loop
         with self._semaphore:
             if self.parallel is not None:

@@ -18,23 +18,8 @@ import threading
 from collections import Counter, defaultdict
 from typing import Any, Mapping, Sequence
 
+from ragen.env import to_plain
 from ragen.llm_agent.types import EnvSpec, StopReason, Trajectory
-
-
-def to_plain(value: Any) -> Any:
-    """OmegaConf containers (or any mapping/sequence) -> plain dicts and lists."""
-    try:
-        from omegaconf import DictConfig, ListConfig, OmegaConf
-
-        if isinstance(value, (DictConfig, ListConfig)):
-            return OmegaConf.to_container(value, resolve=True)
-    except ImportError:  # pragma: no cover - hydra is a dependency
-        pass
-    if isinstance(value, Mapping):
-        return {k: to_plain(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [to_plain(v) for v in value]
-    return value
 
 
 class EnvStateManager:

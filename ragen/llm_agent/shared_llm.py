@@ -79,6 +79,14 @@ def _recv_frame(sock: socket.socket, max_bytes: int) -> tuple[bytes, int]:
     return _recv_exact(sock, n), n + _HEADER.size
 
 
+def _wire(completion: Completion) -> dict[str, Any]:
+    # Workers sent the prompt and never read its token ids: keep them out of the
+    # reply (they are most of its bytes).
+    d = completion.to_dict()
+    d["prompt_token_ids"] = []
+    return d
+
+
 def _digest(key: bytes, nonce: bytes) -> bytes:
     return hmac.new(key, nonce, hashlib.sha256).digest()
 
@@ -310,7 +318,7 @@ class SharedLLMInferenceManager:
             for p in batch:
                 part = completions[i: i + len(p.requests)]
                 i += len(p.requests)
-                self._reply(p.conn, {"ticket": p.ticket, "completions": [c.to_dict() for c in part]})
+                self._reply(p.conn, {"ticket": p.ticket, "completions": [_wire(c) for c in part]})
 
     def generate(self, requests: list[GenerationRequest], sampling: SamplingParams) -> list[Completion]:
         """One engine call (in chunks of ``max_batch_size``) under the engine lock."""

@@ -13,6 +13,8 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
@@ -90,3 +92,15 @@ class RolloutResult:
     trajectories: list[Trajectory]
     specs: list[EnvSpec]  # aligned with trajectories
     metrics: dict[str, float] = field(default_factory=dict)
+
+
+def rollout_digest(trajectories: list[Trajectory]) -> str:
+    """sha256 over a canonical serialization of every trajectory's env_id,
+    actions, rewards, observations and stop reason: equal digests, equal
+    rollouts."""
+    rows = [
+        [t.env_id, t.stop_reason.value, t.final_observation,
+         [[x.observation, x.response, x.actions, x.executed_actions, x.reward, x.penalty] for x in t.turns]]
+        for t in sorted(trajectories, key=lambda t: t.env_id)
+    ]
+    return hashlib.sha256(json.dumps(rows, sort_keys=True, ensure_ascii=False).encode()).hexdigest()
