@@ -1,0 +1,274 @@
+"""Compare sequential and parallel rollout on your config and hardware.
+
+    python test_parallel_rollout.py --config-name base-parallel [benchmark=env_bound] [overrides]
+
+Runs the same rollouts (same seeds) sequentially and in parallel, each after one
+untimed warm-up (process start-up and model load are reported apart), repeats
+each ``benchmark.repeats`` times and reports medians: wall time, throughput,
+engine calls and batch sizes, env / engine / waiting time, fallbacks; then the
+speedup, the ideal floor ``max(engine time, env time / workers)`` (sequential
+engine time at full batches) and the efficiency against it. A digest of every
+trajectory checks that both modes give the same rollout (or, for a sampling
+engine, that success and reward agree within ``benchmark.metric_tolerance``).
+``benchmark.inject_fault=true`` kills one worker mid-rollout to show the
+fallback. Writes ``benchmark.output`` (JSON) and ``benchmark.plot`` (PNG);
+exits 1 when the results are inconsistent or a run failed.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import hydra
+from omegaconf import DictConfig, OmegaConf
+
+ROOT = Path(__file__).resolve().parent
+MODES = ("sequential", "parallel")
+logger = logging.getLogger("test_parallel_rollout")
+
+
+def fail(message: str) -> None:
+    print(f"error: {message}", file=sys.stderr)
+    raise SystemExit(2)
+
+
+def check_preset_args(argv: list[str]) -> None:
+    """Hydra's own message for an unknown group option spans many lines; say it in one."""
+    presets = sorted(p.stem for p in (ROOT / "config" / "benchmark").glob("*.yaml"))
+    for arg in argv:
+        if arg.startswith("benchmark=") and arg.split("=", 1)[1] not in presets:
+            fail(f"unknown preset {arg.split('=', 1)[1]!r} (benchmark=...); choose one of {presets}")
+
+
+def validate(bench: dict[str, Any]) -> None:
+    modes = list(bench.get("modes") or [])
+    bad = [m for m in modes if m not in MODES]
+    if bad or not modes:
+        fail(f"benchmark.modes: unknown mode(s) {bad or modes}; choose from {list(MODES)}")
+    repeats = bench.get("repeats")
+    if not isinstance(repeats, int) or isinstance(repeats, bool) or repeats < 1:
+        fail(f"benchmark.repeats must be an integer >= 1, got {repeats!r}")
+    if bench.get("split") not in ("train", "val"):
+        fail(f"benchmark.split must be 'train' or 'val', got {bench.get('split')!r}")
+    for key in ("output", "plot"):
+        path = bench.get(key)
+        if not path:
+            continue
+        p = Path(path)
+        existed = p.exists()
+        try:
+            with open(p, "a"):
+                pass
+        except OSError as exc:
+            fail(f"benchmark.{key}: cannot write {str(p)!r}: {exc.strerror or exc}")
+        if not existed:
+            p.unlink()
+
+
+def deterministic(cfg: DictConfig) -> bool:
+    name = cfg.engine.name
+    return name == "scripted" or (name in ("hf", "vllm") and float(cfg.ctx_manager.generation.temperature) == 0.0)
+
+
+def run_mode(mode: str, cfg: DictConfig, engine, bench: dict[str, Any]) -> dict[str, Any]:
+    from ragen.env import clear_caches
+    from ragen.llm_agent import AgentSetup, LLMAgentProxy
+    from ragen.llm_agent.types import rollout_digest
+
+    plain = OmegaConf.to_container(cfg, resolve=True)
+    plain["agent_proxy"]["use_parallel_rollout"] = mode == "parallel"
+    setup = AgentSetup.from_config(plain)
+    split = bench["split"]
+    runs = []
+    fault_info = None
+    t0 = time.perf_counter()
+    with LLMAgentProxy(setup, engine) as proxy:
+        proxy.rollout(split, rollout_index=10_000)  # warm-up: processes, caches, imports
+        warmup_s = time.perf_counter() - t0
+        for r in range(bench["repeats"]):
+            clear_caches()  # every timed run generates its rooms (workers never saw these seeds)
+            t = time.perf_counter()
+            result = proxy.rollout(split, rollout_index=r)
+            wall = time.perf_counter() - t
+            runs.append((wall, result))
+            logger.info("%s run %d: %.3f s", mode, r + 1, wall)
+        if mode == "parallel" and bench["inject_fault"]:
+            clear_caches()
+            faulty = proxy.rollout(split, rollout_index=0, fault={"shard": 0, "exit_at_turn": 1})
+            fault_info = {
+                "recovered": len(faulty.trajectories) == len(runs[0][1].trajectories),
+                "consistent": rollout_digest(faulty.trajectories) == rollout_digest(runs[0][1].trajectories),
+                "fallbacks": int(faulty.metrics.get("parallel/fallbacks", 0)),
+            }
+    walls = [w for w, _ in runs]
+    median_wall = statistics.median(walls)
+    wall, result = min(runs, key=lambda x: abs(x[0] - median_wall))  # the median run's details
+    m = result.metrics
+    return {
+        "mode": mode,
+        "backend": setup.parallel_backend if mode == "parallel" else "none",
+        "n_jobs": (proxy.parallel.n_workers if proxy.parallel else 1),
+        "wall_s": median_wall,
+        "wall_s_all": walls,
+        "warmup_s": warmup_s,
+        "n_trajectories": len(result.trajectories),
+        "trajectories_per_s": len(result.trajectories) / median_wall,
+        "env_steps": int(m.get("rollout/env_steps", 0)),
+        "env_steps_per_s": m.get("rollout/env_steps", 0) / median_wall,
+        "engine_calls": int(m.get("engine/calls", 0)),
+        "mean_batch_size": m.get("engine/mean_batch_size", 0.0),
+        "env_time_s": m.get("timing/env_s", 0.0),
+        "engine_time_s": m.get("timing/engine_s", 0.0),
+        "wait_time_s": m.get("timing/wait_llm_s", 0.0),
+        "fallbacks": int(m.get("parallel/fallbacks", 0)),
+        "digest": rollout_digest(result.trajectories),
+        "digests": [rollout_digest(r.trajectories) for _, r in runs],
+        "metrics": {k: v for k, v in m.items() if k.startswith("rollout/")},
+        "_fault": fault_info,
+    }
+
+
+def compare_metrics(a: dict, b: dict, tol: float) -> bool:
+    for key in ("rollout/success", "rollout/reward"):
+        if abs(a["metrics"].get(key, 0) - b["metrics"].get(key, 0)) > tol * max(1.0, abs(a["metrics"].get(key, 0))):
+            return False
+    return True
+
+
+def print_report(report: dict[str, Any]) -> None:
+    runs = report["runs"]
+    rows = [
+        ("wall time (s, median)", "wall_s", "{:.3f}"),
+        ("trajectories/s", "trajectories_per_s", "{:.1f}"),
+        ("env steps/s", "env_steps_per_s", "{:.1f}"),
+        ("engine calls", "engine_calls", "{}"),
+        ("mean batch size", "mean_batch_size", "{:.1f}"),
+        ("env time (s, CPU in envs)", "env_time_s", "{:.3f}"),
+        ("engine time (s)", "engine_time_s", "{:.3f}"),
+        ("waiting for model (s, summed)", "wait_time_s", "{:.3f}"),
+        ("fallbacks", "fallbacks", "{}"),
+        ("warm-up (s, untimed)", "warmup_s", "{:.2f}"),
+    ]
+    header = f"{'':32}" + "".join(f"{r['mode'] + (' (' + r['backend'] + ' x' + str(r['n_jobs']) + ')' if r['mode'] == 'parallel' else ''):>26}" for r in runs)
+    print(header)
+    for label, key, fmt in rows:
+        print(f"{label:32}" + "".join(f"{fmt.format(r[key]):>26}" for r in runs))
+    tags = sorted({k.split("/")[1] for r in runs for k in r["metrics"] if k.count("/") == 2 and k.split("/")[1] != "stop"})
+    for tag in tags:
+        for stat in ("success", "reward", "num_actions"):
+            key = f"rollout/{tag}/{stat}"
+            print(f"{(tag + ' ' + stat):32}" + "".join(f"{r['metrics'].get(key, float('nan')):>26.3f}" for r in runs))
+    if report["speedup"] is not None:
+        print(f"speedup {report['speedup']:.2f}x   ideal floor {report['ideal_wall_s']:.3f} s   "
+              f"efficiency {report['efficiency']:.0%}")
+    print(f"consistent: {report['consistent']} ({report['consistency_check']})")
+    if report["fault_injection"]:
+        print(f"fault injection: {report['fault_injection']}")
+
+
+def plot(report: dict[str, Any], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    runs = report["runs"]
+    labels = [r["mode"] for r in runs]
+    engine = [min(r["engine_time_s"], r["wall_s"]) for r in runs]
+    env = []
+    for r in runs:
+        workers = max(1, r["n_jobs"]) if r["mode"] == "parallel" else 1
+        env.append(min(r["env_time_s"] / workers, r["wall_s"]))
+    overhead = [max(0.0, r["wall_s"] - e - v) if r["mode"] == "sequential" else max(0.0, r["wall_s"] - max(e, v))
+                for r, e, v in zip(runs, engine, env)]
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    ax.barh(labels, engine, label="engine")
+    ax.barh(labels, env, left=[e if r["mode"] == "sequential" else 0 for r, e in zip(runs, engine)],
+            label="env (per worker)", alpha=0.7)
+    ax.barh(labels, overhead, left=[r["wall_s"] - o for r, o in zip(runs, overhead)], label="overhead", alpha=0.5)
+    if report.get("ideal_wall_s"):
+        ax.axvline(report["ideal_wall_s"], color="k", ls="--", lw=1, label="ideal floor")
+    ax.set_xlabel("seconds (median rollout)")
+    ax.set_title(f"preset {report['preset']}: speedup {report['speedup'] or 0:.2f}x")
+    ax.legend(loc="lower right", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+@hydra.main(config_path="config", config_name="base-parallel", version_base=None)
+def main(cfg: DictConfig) -> None:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    bench = OmegaConf.to_container(cfg.benchmark, resolve=True)
+    validate(bench)
+    from ragen.llm import make_engine
+    from ragen.llm_agent import AgentSetup
+
+    AgentSetup.from_config(OmegaConf.to_container(cfg, resolve=True))  # config errors before any model loads
+    t0 = time.perf_counter()
+    engine = make_engine(cfg.engine, cfg.model_path)
+    load_s = time.perf_counter() - t0
+    runs = []
+    try:
+        for mode in bench["modes"]:
+            runs.append(run_mode(mode, cfg, engine, bench))
+    except Exception as exc:
+        logger.exception("a run failed")
+        print(f"error: the {mode} run failed: {type(exc).__name__}: {exc}", file=sys.stderr)
+        raise SystemExit(1)
+    finally:
+        engine.close()
+    fault = next((r.pop("_fault") for r in runs if r.get("_fault")), None)
+    for r in runs:
+        r.pop("_fault", None)
+    by_mode = {r["mode"]: r for r in runs}
+    seq, par = by_mode.get("sequential"), by_mode.get("parallel")
+    det = deterministic(cfg)
+    if seq and par:
+        if det:
+            consistent = all(d == seq["digests"][i] for i, d in enumerate(par["digests"]))
+            check = "digests of every repeat equal"
+        else:
+            consistent = compare_metrics(seq, par, bench["metric_tolerance"])
+            check = f"sampling engine: success and mean reward within {bench['metric_tolerance']:.0%}"
+        workers = max(1, par["n_jobs"])
+        ideal = max(seq["engine_time_s"], seq["env_time_s"] / workers)
+        speedup, efficiency = seq["wall_s"] / par["wall_s"], ideal / par["wall_s"]
+    else:
+        consistent, check, ideal, speedup, efficiency = True, "one mode only: nothing to compare", None, None, None
+    if fault is not None:
+        consistent = consistent and fault["consistent"]
+    report = {
+        "preset": bench["preset"],
+        "config": OmegaConf.to_container(cfg, resolve=True),
+        "model_load_s": load_s,
+        "runs": runs,
+        "speedup": speedup,
+        "ideal_wall_s": ideal,
+        "efficiency": efficiency,
+        "consistent": consistent,
+        "consistency_check": check,
+        "fault_injection": fault,
+        "cores": os.cpu_count(),
+    }
+    print_report(report)
+    if bench.get("output"):
+        Path(bench["output"]).write_text(json.dumps(report, indent=2, default=str))
+        print(f"wrote {bench['output']}")
+    if bench.get("plot"):
+        plot(report, bench["plot"])
+        print(f"wrote {bench['plot']}")
+    if not consistent or (fault is not None and not fault["recovered"]):
+        raise SystemExit(1)
+
+
+if __name__ == "__main__":
+    check_preset_args(sys.argv[1:])
+    main()
