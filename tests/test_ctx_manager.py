@@ -127,3 +127,26 @@ def test_bad_context_config_names_key():
         ContextConfig(reward_method="median")
     with pytest.raises(ValueError, match="max_actions_per_turn"):
         ContextConfig(max_actions_per_turn=0)
+
+
+_PIECES = st.sampled_from(["<think>", "</think>", "<answer>", "</answer>", " ", "\n", "Up", "||", "x"])
+
+
+@settings(max_examples=500, deadline=None)
+@given(st.lists(_PIECES, max_size=14).map("".join), st.booleans())
+def test_parse_agrees_with_the_reference_regex(text, think):
+    import re
+
+    pattern = r"<think>(.*?)</think>\s*<answer>(.*?)</answer>" if think else r"<answer>(.*?)</answer>"
+    m = re.search(pattern, text, re.DOTALL)
+    want = [] if not m else [a.strip() for a in m.group(m.lastindex).split("||") if a.strip()][:3]
+    assert ContextManager(ContextConfig(max_actions_per_turn=3, enable_think=think)).parse_response(text) == want
+
+
+def test_parse_is_linear_on_long_runs_of_tags():
+    import time
+
+    t0 = time.perf_counter()
+    for text in ("<think>" * 20000, "<think>x</think><answer>" * 5000, "<answer>" * 20000):
+        ctx.parse_response(text)
+    assert time.perf_counter() - t0 < 5  # the backtracking regex took minutes here

@@ -27,10 +27,9 @@ from ragen.llm_agent.types import EnvSpec, Trajectory, Turn
 
 FORMAT_THINK = "<think> [Your thoughts] </think> <answer> [your answer] </answer>"
 FORMAT_ANSWER = "<answer> [your answer] </answer>"
-_THINK_RE = re.compile(r"<think>(.*?)</think>\s*<answer>(.*?)</answer>", re.DOTALL)
-_ANSWER_RE = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
 # Tokens some chat models leak into answers; they are never part of an action.
 _SPECIAL_TOKENS = ("<|im_start|>", "<|im_end|>", "<|endoftext|>", "</s>", "<s>")
+_SPACE = re.compile(r"\s*")
 GROUPINGS = ("state", "inductive", "batch")
 METHODS = ("identity", "mean", "mean_std", "asym_clip")
 
@@ -132,10 +131,9 @@ class ContextManager:
     def parse_response(self, text: str) -> list[str]:
         """Action strings of an answer; [] when it does not follow the format."""
         cfg = self.config
-        match = (_THINK_RE if cfg.enable_think else _ANSWER_RE).search(text or "")
-        if not match:
+        content = _find_answer(text or "", cfg.enable_think)
+        if content is None:
             return []
-        content = match.group(match.lastindex)
         for tok in _SPECIAL_TOKENS:
             content = content.replace(tok, "")
         actions = [a.strip() for a in content.split(cfg.action_sep) if a.strip()]
@@ -203,6 +201,27 @@ class ContextManager:
             idx = np.array([i for i, k in enumerate(keys) if k == key])
             out[idx] = _normalize(x[idx], cfg.reward_method)
         return out
+
+
+def _find_answer(text: str, think: bool) -> str | None:
+    """The content of ``<think>...</think> <answer>...</answer>`` (or of
+    ``<answer>...</answer>`` alone), as the regex
+    ``<think>(.*?)</think>\\s*<answer>(.*?)</answer>`` would find it, in linear
+    time: the backtracking regex takes minutes on a long run of open tags."""
+    if not think:
+        start = text.find("<answer>")
+        end = text.find("</answer>", start + 8) if start >= 0 else -1
+        return text[start + 8:end] if end >= 0 else None
+    if text.find("<think>") < 0:
+        return None
+    close = text.find("</think>", text.find("<think>") + 7)
+    while close >= 0:
+        rest = _SPACE.match(text, close + 8).end()
+        if text.startswith("<answer>", rest):
+            end = text.find("</answer>", rest + 8)
+            return text[rest + 8:end] if end >= 0 else None
+        close = text.find("</think>", close + 8)
+    return None
 
 
 def _normalize(x: np.ndarray, method: str) -> np.ndarray:
