@@ -1,0 +1,53 @@
+"""test_parallel_rollout.py, the benchmark users run: its report, its JSON
+fields, fault injection, and one-line errors for bad input."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from tests.rollout_helpers import ROOT
+
+SMALL = ["engine=scripted", "es_manager.train.env_groups=4", "es_manager.train.group_size=2",
+         "es_manager.train.env_configs.tags=[SimpleSokoban,FrozenLake]", "es_manager.train.env_configs.n_groups=[2,2]",
+         "agent_proxy.max_turn=3", "agent_proxy.parallel_n_jobs=2", "benchmark.repeats=2"]
+
+
+def run(*args, cwd=ROOT):
+    return subprocess.run([sys.executable, str(ROOT / "test_parallel_rollout.py"), *args],
+                          capture_output=True, text=True, timeout=300, cwd=cwd)
+
+
+def test_report_json_and_plot(tmp_path):
+    out, png = tmp_path / "r.json", tmp_path / "r.png"
+    p = run(*SMALL, "benchmark.inject_fault=true", f"benchmark.output={out}", f"benchmark.plot={png}")
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "speedup" in p.stdout and "consistent: True" in p.stdout
+    report = json.loads(out.read_text())
+    assert {"config", "runs", "speedup", "ideal_wall_s", "efficiency", "consistent", "fault_injection"} <= set(report)
+    assert [r["mode"] for r in report["runs"]] == ["sequential", "parallel"]
+    for r in report["runs"]:
+        assert {"mode", "backend", "n_jobs", "wall_s", "n_trajectories", "env_steps", "engine_calls",
+                "mean_batch_size", "env_time_s", "engine_time_s", "fallbacks", "digest", "metrics"} <= set(r)
+        assert r["n_trajectories"] == 8
+    seq, par = report["runs"]
+    assert seq["digest"] == par["digest"] and report["consistent"] is True
+    fault = report["fault_injection"]
+    assert fault["recovered"] is True and fault["consistent"] is True and fault["fallbacks"] >= 1
+    assert png.stat().st_size > 1000
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["benchmark=nope"], "unknown preset 'nope'"),
+    (["benchmark.repeats=0"], "benchmark.repeats"),
+    (["benchmark.modes=[sequential,turbo]"], "benchmark.modes"),
+    (["benchmark.output=/proc/nope/r.json"], "benchmark.output"),
+])
+def test_bad_input_is_one_line_before_anything_runs(args, needle):
+    p = run(*SMALL, *args)
+    assert p.returncode == 2
+    lines = [line for line in p.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and needle in lines[0], p.stderr
