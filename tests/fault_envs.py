@@ -83,3 +83,127 @@ class FaultEnv(BaseDiscreteActionEnv):
 
     def render(self, mode="text"):
         return f"value={self.value}"
+
+
+# ----- broken envs for the env checker (tests/test_env_check.py) -------------------
+# Each breaks one rule of the engine's env contract; the checker must name it.
+
+class _CounterEnv(BaseDiscreteActionEnv):
+    """A correct little env the broken ones below derive from: walk to 0."""
+
+    ACTION_LOOKUP = {1: "Up", 2: "Down"}
+
+    def __init__(self, config=None) -> None:
+        super().__init__(config)
+        self.value = 0
+
+    def _start(self, seed) -> int:
+        return int(np.random.default_rng(seed).integers(1, 50))
+
+    def reset(self, seed=None, **kwargs):
+        self.value = self._start(seed)
+        return f"value={self.value}"
+
+    def _info(self, valid: bool, done: bool) -> dict:
+        return {"action_is_valid": valid, "action_is_effective": valid, "success": done}
+
+    def step(self, action):
+        if not self.is_valid_action(action):
+            return f"value={self.value}", 0.0, False, self._info(False, False)
+        self.value += 1 if action == 1 else -1
+        done = self.value == 0
+        return f"value={self.value}", float(done), done, self._info(True, done)
+
+
+class GlobalRngEnv(_CounterEnv):
+    """RAGEN's old pattern: seeds and draws from numpy's global generator."""
+
+    def _start(self, seed) -> int:
+        np.random.seed(seed)
+        return int(np.random.randint(1, 50))
+
+    def step(self, action):
+        obs, reward, done, info = super().step(action)
+        return obs + f" wind={np.random.randint(3)}", reward, done, info
+
+
+class UnseededEnv(_CounterEnv):
+    """Non-deterministic: its generator ignores the seed."""
+
+    def _start(self, seed) -> int:
+        return int(np.random.default_rng().integers(1, 10**9))
+
+
+class SharedStateEnv(_CounterEnv):
+    """Keeps its move history in a class-level list: shared by every instance."""
+
+    history: list = []
+
+    def reset(self, seed=None, **kwargs):
+        self.history.clear()
+        return super().reset(seed) + " moves=0"
+
+    def step(self, action):
+        self.history.append(action)
+        obs, reward, done, info = super().step(action)
+        return obs + f" moves={len(self.history)}", reward, done, info
+
+
+class WrongTypesEnv(_CounterEnv):
+    """gymnasium's API instead of RAGEN's: (obs, info) from reset, 5-tuples from step."""
+
+    def reset(self, seed=None, **kwargs):
+        return super().reset(seed), {}
+
+    def step(self, action):
+        obs, reward, done, info = super().step(action)
+        return obs, reward, done, False, info
+
+
+class LooseTypesEnv(_CounterEnv):
+    """The right shape with wrong types: reward as text, done as an int."""
+
+    def step(self, action):
+        obs, reward, done, info = super().step(action)
+        return obs, str(reward), int(done), info
+
+
+class MissingInfoEnv(_CounterEnv):
+    def step(self, action):
+        obs, reward, done, _ = super().step(action)
+        return obs, reward, done, {"won": done}
+
+
+class LockEnv(_CounterEnv):
+    """An attribute that does not pickle: a lock."""
+
+    def __init__(self, config=None) -> None:
+        super().__init__(config)
+        import threading
+
+        self.lock = threading.Lock()
+
+
+class LambdaEnv(_CounterEnv):
+    """An attribute that does not pickle: a lambda."""
+
+    def __init__(self, config=None) -> None:
+        super().__init__(config)
+        self.reward_fn = lambda done: float(done)
+
+
+class RaisingOnInvalidEnv(_CounterEnv):
+    def step(self, action):
+        name = self.ACTION_LOOKUP[action]  # KeyError for an unknown id
+        return super().step(1 if name == "Up" else 2)
+
+
+class EmptyLookupEnv(_CounterEnv):
+    ACTION_LOOKUP: dict = {}
+
+
+class ConstantEnv(_CounterEnv):
+    """Ignores the seed: every env group would play the same episode (a warning)."""
+
+    def _start(self, seed) -> int:
+        return 5

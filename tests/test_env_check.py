@@ -1,0 +1,136 @@
+"""The env checker (``ragen.env.check``): built-in envs pass; each broken env in
+``tests.fault_envs`` gets the failure that names its defect, with a fix."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+
+from ragen.env.check import CheckReport, check_env, describe_unpicklable, main, parse_config_args
+
+ROOT = Path(__file__).resolve().parents[1]
+BUILTIN = {
+    "sokoban": {"dim_x": 6, "dim_y": 6, "num_boxes": 1},
+    "frozen_lake": {"size": 4, "is_slippery": True},
+    "bandit": None,
+    "countdown": {"num_count": 3},
+}
+
+
+@pytest.fixture(autouse=True)
+def importable_tests(monkeypatch):
+    monkeypatch.syspath_prepend(str(ROOT))
+
+
+def statuses(report: CheckReport) -> dict[str, str]:
+    return {r.name: r.status for r in report.results}
+
+
+@pytest.mark.parametrize("env_type", list(BUILTIN))
+def test_builtin_envs_pass(env_type):
+    report = check_env(env_type, BUILTIN[env_type], seeds=4)
+    assert report.ok, report.format()
+    assert not report.warnings(), report.format()
+    assert {"build", "action_lookup", "reset", "step", "info_keys", "invalid_action", "determinism", "global_rng",
+            "seeds_differ", "isolation", "shared_state", "pickle_config", "pickle_env", "timing"} <= set(statuses(report))
+    assert report.timings["reset_mean_ms"] > 0 and report.timings["step_p95_ms"] > 0
+
+
+@pytest.mark.parametrize("env,failed,fix", [
+    # (env class in tests.fault_envs, checks that must fail, words the fix must contain)
+    ("GlobalRngEnv", {"global_rng", "isolation"}, "make_rng"),
+    ("UnseededEnv", {"determinism"}, "default_rng(seed)"),
+    ("SharedStateEnv", {"isolation", "shared_state"}, "instance"),
+    ("WrongTypesEnv", {"reset", "step"}, "4-tuple"),
+    ("LooseTypesEnv", {"step"}, "float"),
+    ("MissingInfoEnv", {"info_keys"}, "action_is_valid"),
+    ("LockEnv", {"pickle_env"}, "__getstate__"),
+    ("LambdaEnv", {"pickle_env"}, "module-level functions"),
+    ("RaisingOnInvalidEnv", {"invalid_action"}, "action_is_valid"),
+    ("EmptyLookupEnv", {"action_lookup"}, "ACTION_LOOKUP"),
+])
+def test_broken_env_gets_the_right_failure_and_fix(env, failed, fix):
+    report = check_env(f"tests.fault_envs:{env}", seeds=4)
+    assert not report.ok
+    got = {r.name for r in report.failures()}
+    assert got == failed, report.format()
+    assert any(fix in report[name].fix for name in failed), report.format()
+    for name in failed:
+        assert report[name].message and report[name].fix
+
+
+def test_failure_messages_name_the_culprit():
+    shared = check_env("tests.fault_envs:SharedStateEnv", seeds=3)
+    assert "SharedStateEnv.history" in shared["shared_state"].message
+    assert "SharedStateEnv.history" in shared["isolation"].fix
+    lock = check_env("tests.fault_envs:LockEnv", seeds=2)
+    assert "LockEnv.lock" in lock["pickle_env"].message and "_thread.lock" in lock["pickle_env"].message
+    lam = check_env("tests.fault_envs:LambdaEnv", seeds=2)
+    assert "reward_fn" in lam["pickle_env"].message and "lambda" in lam["pickle_env"].message
+    gym = check_env("tests.fault_envs:WrongTypesEnv", seeds=2)
+    assert "terminated and truncated" in gym["step"].fix
+    loose = check_env("tests.fault_envs:LooseTypesEnv", seeds=2)
+    assert "reward is str" in loose["step"].message and "done is int" in loose["step"].message
+    unseeded = check_env("tests.fault_envs:UnseededEnv", seeds=2)
+    assert "two fresh instances differ at reset" in unseeded["determinism"].message
+    assert unseeded["isolation"].status == "skip"
+
+
+def test_same_episode_for_every_seed_is_a_warning_only():
+    report = check_env("tests.fault_envs:ConstantEnv", seeds=4)
+    assert report.ok
+    assert report["seeds_differ"].status == "warn" and "seed" in report["seeds_differ"].fix
+
+
+def test_unpicklable_env_config_names_the_key():
+    report = check_env("tests.custom_env_example:MyEnv", {"limit": 3, "hook": threading.Lock()}, seeds=2)
+    # MyEnv keeps its config dict, so the env itself does not pickle either
+    assert {r.name for r in report.failures()} == {"pickle_config", "pickle_env"}
+    assert "env_config.hook" in report["pickle_config"].message
+    assert "plain data" in report["pickle_config"].fix
+
+
+def test_build_failure_stops_early_with_the_config_key():
+    report = check_env("sokoban", {"dim_x": 6, "dim_y": 6, "no_such_key": 1})
+    assert [r.name for r in report.results] == ["build", "timing"]
+    assert not report.ok and "no_such_key" in report["build"].message
+
+
+def test_parse_config_values_as_yaml():
+    assert parse_config_args(["size=6", "p=0.8", "is_slippery=false", "names=[a, b]", "room.dim=4", "s=hello"]) == {
+        "size": 6, "p": 0.8, "is_slippery": False, "names": ["a", "b"], "room": {"dim": 4}, "s": "hello"}
+    with pytest.raises(ValueError, match="key=value"):
+        parse_config_args(["oops"])
+
+
+def test_cli_exit_status_and_report(tmp_path, capsys):
+    out = tmp_path / "report.json"
+    assert main(["frozen_lake", "--config", "size=5", "--config", "is_slippery=false", "--seeds", "3",
+                 "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "PASS  determinism" in text and "OK: 0 failed" in text
+    data = json.loads(out.read_text())
+    assert data["ok"] and data["env_config"] == {"size": 5, "is_slippery": False}
+    assert main(["tests.fault_envs:MissingInfoEnv", "--seeds", "2"]) == 1
+    text = capsys.readouterr().out
+    assert "FAIL  info_keys" in text and "fix:" in text and "FAILED: 1 failed" in text
+    # a tag of config/envs.yaml, with an override
+    assert main(["SimpleSokoban", "--config", "max_steps=30", "--seeds", "2"]) == 0
+
+
+def test_cli_as_a_module():
+    proc = subprocess.run([sys.executable, "-m", "ragen.env.check", "sokoban", "--config", "dim_x=2"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1
+    assert "FAIL  build" in proc.stdout and "dim_x" in proc.stdout
+
+
+def test_describe_unpicklable_names_the_key():
+    assert describe_unpicklable({"a": 1, "b": [2]}, "env_config") is None
+    text = describe_unpicklable({"a": 1, "hook": threading.Lock()}, "custom_envs.X.env_config")
+    assert text.startswith("custom_envs.X.env_config.hook (a _thread.lock")
