@@ -105,7 +105,9 @@ def run_mode(mode: str, cfg: DictConfig, engine, bench: dict[str, Any]) -> dict[
             fault_info = {
                 "recovered": len(faulty.trajectories) == len(runs[0][1].trajectories),
                 "consistent": rollout_digest(faulty.trajectories) == rollout_digest(runs[0][1].trajectories),
-                "fallbacks": int(faulty.metrics.get("parallel/fallbacks", 0)),
+                # shards re-run after the failure: parallel retries and sequential fallbacks
+                "fallbacks": int(faulty.metrics.get("parallel/fallbacks", 0)
+                                 + faulty.metrics.get("parallel/retried_shards", 0)),
             }
     walls = [w for w, _ in runs]
     median_wall = statistics.median(walls)

@@ -32,6 +32,7 @@ from typing import Any, Sequence
 
 import joblib
 
+from ragen.llm_agent.cluster import ClusterConfig, open_cluster
 from ragen.llm_agent.es_manager import compute_metrics
 from ragen.llm_agent.rollout_loop import EnvPool, LoopConfig, run_envs
 from ragen.llm_agent.shared_llm import SharedLLMClient, SharedLLMInferenceManager
@@ -104,6 +105,7 @@ class ParallelRolloutManager:
         rollout_timeout_s: float | None = None,
         fallback_env_timeout_s: float = 60.0,
         engine_timeout_s: float | None = None,
+        cluster: ClusterConfig | None = None,
     ) -> None:
         if backend not in BACKENDS:
             raise ValueError(f"agent_proxy.parallel_backend: unknown {backend!r}; choose one of {BACKENDS}")
@@ -121,19 +123,31 @@ class ParallelRolloutManager:
         self._client = shared.client(timeout_s=engine_timeout_s)
         self._parallel: joblib.Parallel | None = None
         self._fallback_executor = None
-        with joblib.parallel_config(backend=backend):
-            self.n_workers = 1 if backend == "sequential" else joblib.effective_n_jobs(n_jobs)
+        self._picklable: set[tuple] = set()  # pool keys whose env config is known to pickle
+        # dask, ray: a cluster client held until close(); the workers get an address they can reach
+        self._cluster = open_cluster(backend, cluster, n_jobs)
+        try:
+            if self._cluster is not None:
+                self._client = self._cluster.worker_client(self._client)
+            with joblib.parallel_config(backend=self._joblib_backend()):
+                self.n_workers = 1 if backend == "sequential" else joblib.effective_n_jobs(n_jobs)
+        except BaseException:
+            self.close()
+            raise
+
+    def _joblib_backend(self):
+        return self._cluster.joblib_backend() if self._cluster is not None else self.backend
 
     # ----- executor --------------------------------------------------------------
     def _executor(self) -> joblib.Parallel:
         if self._parallel is None:
             self._parallel = joblib.Parallel(
                 n_jobs=1 if self.backend == "sequential" else self.n_jobs,
-                backend=self.backend, batch_size=1,
+                backend=self._joblib_backend(), batch_size=1,
                 # results as shards finish, so a failure keeps the finished ones; the
-                # multiprocessing backend returns all at once (and cannot see a killed
-                # worker: set rollout_timeout_s with it)
-                return_as="list" if self.backend == "multiprocessing" else "generator_unordered",
+                # multiprocessing and ray backends return all at once (multiprocessing
+                # cannot see a killed worker: set rollout_timeout_s with it)
+                return_as="list" if self.backend in ("multiprocessing", "ray") else "generator_unordered",
                 pre_dispatch="all", timeout=self.rollout_timeout_s,
             )
             self._parallel.__enter__()
@@ -154,26 +168,23 @@ class ParallelRolloutManager:
         shard i at turn k (fault injection)."""
         t_start = time.perf_counter()
         stats_before = self.shared.stats.snapshot()
+        self._check_picklable(specs)
         shards = partition(specs, self.n_workers, self.max_env_num_per_worker)
-        results: dict[int, dict[str, Any]] = {}
-        failures: dict[int, str] = {}
-        tasks = (
-            joblib.delayed(run_shard)(i, shard, self._client, config, False,
-                                      {"exit_at_turn": fault["exit_at_turn"]} if fault and fault.get("shard") == i else None)
-            for i, shard in enumerate(shards)
-        )
-        try:
-            for res in self._executor()(tasks):
-                if res["error"]:
-                    failures[res["shard"]] = res["error"]
-                else:
-                    results[res["shard"]] = res
-        except Exception as exc:  # a dead worker, a timeout: the executor is gone
-            cause = f"{type(exc).__name__}: {exc}".strip()
-            self._drop_executor()
-            for i in range(len(shards)):
-                if i not in results and i not in failures:
-                    failures[i] = cause
+        results, failures, crashed, timed_out = self._run_parallel(dict(enumerate(shards)), config, fault)
+        retried = 0
+        if crashed and self.fallback_to_sequential and not timed_out:
+            # A dead worker takes the executor down with every shard in flight on the
+            # other workers, which did nothing wrong: all get one parallel retry on a
+            # fresh executor; what fails again goes to the sequential fallback.
+            retried = len(crashed)
+            logger.warning("[Retry] a worker died (%s); re-running shards %s in parallel",
+                           next(iter(crashed.values())), sorted(crashed))
+            again, failed, crashed_again, _ = self._run_parallel({i: shards[i] for i in crashed}, config, None)
+            results.update(again)
+            failures.update(failed)
+            failures.update(crashed_again)
+        else:
+            failures.update(crashed)
         fallback_s = 0.0
         if failures:
             if not self.fallback_to_sequential:
@@ -190,9 +201,56 @@ class ParallelRolloutManager:
         _check_complete(specs, trajectories)
         metrics = compute_metrics(trajectories)
         metrics.update(self._timing_metrics(results, stats_before, failures, len(shards)))
+        metrics["parallel/retried_shards"] = float(retried)
         metrics["timing/fallback_s"] = fallback_s
         metrics["timing/rollout_s"] = time.perf_counter() - t_start
         return RolloutResult(trajectories=trajectories, specs=sorted(specs, key=lambda s: s.env_id), metrics=metrics)
+
+    def _check_picklable(self, specs: Sequence[EnvSpec]) -> None:
+        """Env configs travel to worker processes: say which key cannot, once
+        per config, instead of joblib's anonymous pickling error."""
+        if self.backend in ("threading", "sequential"):
+            return
+        from ragen.env.check import describe_unpicklable
+
+        for spec in specs:
+            if spec.pool_key in self._picklable:
+                continue
+            problem = describe_unpicklable(spec.env_config, f"custom_envs.{spec.tag}.env_config")
+            if problem:
+                raise RolloutError(
+                    f"{problem}: env configs travel to worker processes in every EnvSpec; use plain data, "
+                    "build locks, clients and callables inside the env, or set agent_proxy.parallel_backend=threading"
+                )
+            self._picklable.add(spec.pool_key)
+
+    def _run_parallel(self, shards: dict[int, list[EnvSpec]], config: LoopConfig, fault: dict[str, Any] | None):
+        """Shards on the workers -> (results, failed: shard -> cause, crashed:
+        shard -> cause for the shards the executor lost, whether a shard ran
+        past rollout_timeout_s)."""
+        results: dict[int, dict[str, Any]] = {}
+        failed: dict[int, str] = {}
+        crashed: dict[int, str] = {}
+        tasks = (
+            joblib.delayed(run_shard)(i, shard, self._client, config, False,
+                                      {"exit_at_turn": fault["exit_at_turn"]} if fault and fault.get("shard") == i else None)
+            for i, shard in shards.items()
+        )
+        try:
+            for res in self._executor()(tasks):
+                if res["error"]:
+                    failed[res["shard"]] = res["error"]
+                else:
+                    results[res["shard"]] = res
+        except Exception as exc:  # a dead worker, a timeout: the executor is gone
+            if isinstance(exc, TimeoutError):
+                cause = f"no result within agent_proxy.rollout_timeout_s={self.rollout_timeout_s} s"
+            else:
+                cause = f"{type(exc).__name__}: {exc}".strip()
+            self._drop_executor()
+            crashed = {i: cause for i in shards if i not in results and i not in failed}
+            return results, failed, crashed, isinstance(exc, TimeoutError)
+        return results, failed, crashed, False
 
     def _fallback(self, shard_id: int, specs: list[EnvSpec], config: LoopConfig) -> dict[str, Any]:
         config = replace(config, env_timeout_s=config.env_timeout_s or self.fallback_env_timeout_s,
@@ -214,7 +272,8 @@ class ParallelRolloutManager:
 
     def _timing_metrics(self, results, before, failures, n_shards) -> dict[str, float]:
         after = self.shared.stats
-        sizes = after.batch_sizes[len(before.batch_sizes):]
+        calls = after.engine_calls - before.engine_calls
+        sizes = list(after.batch_sizes)[-calls:] if calls else []
         m = {
             "timing/env_reset_s": sum(r["stats"].get("env_reset_s", 0.0) for r in results.values()),
             "timing/env_step_s": sum(r["stats"].get("env_step_s", 0.0) for r in results.values()),
@@ -228,6 +287,7 @@ class ParallelRolloutManager:
             "ipc/bytes_out": float(after.bytes_out - before.bytes_out),
             "ipc/messages": float(after.messages_in - before.messages_in),
             "parallel/shards": float(n_shards),
+            "parallel/envs_created": sum(r["stats"].get("envs_created", 0.0) for r in results.values()),
             "parallel/fallbacks": float(len(failures)),
             "parallel/workers_used": float(len({r["pid"] for r in results.values()})),
         }
@@ -241,6 +301,9 @@ class ParallelRolloutManager:
         if self._fallback_executor is not None:
             self._fallback_executor.shutdown(wait=True, kill_workers=True)
             self._fallback_executor = None
+        if self._cluster is not None:
+            self._cluster.close()
+            self._cluster = None
 
     def __enter__(self) -> "ParallelRolloutManager":
         return self

@@ -111,6 +111,7 @@ class EnvPool:
 
     def __init__(self) -> None:
         self._free: dict[tuple, list[Any]] = defaultdict(list)
+        self.created = 0
 
     def acquire(self, spec: EnvSpec) -> Any:
         free = self._free.get(spec.pool_key)
@@ -118,6 +119,7 @@ class EnvPool:
             return free.pop()
         from ragen.env import make_env
 
+        self.created += 1
         return make_env(spec.env_type, spec.env_config, config_type=spec.config_type, tag=spec.tag)
 
     def release(self, spec: EnvSpec, env: Any) -> None:
@@ -208,6 +210,7 @@ class LoopStats:
     requests: int = 0
     submits: int = 0
     env_errors: int = 0
+    envs_created: int = 0  # 0 once a worker keeps its envs between rollouts
 
     def as_dict(self) -> dict[str, float]:
         return {k: float(v) for k, v in self.__dict__.items()}
@@ -236,9 +239,11 @@ def run_envs(
     slots = [_EnvSlot(s) for s in specs]
     try:
         t0 = time.perf_counter()
+        created = pool.created
         for slot in slots:
             _guard(slot, stats, isolate_errors, _reset, slot, pool, call)
         stats.env_reset_s += time.perf_counter() - t0
+        stats.envs_created = pool.created - created
 
         streams = _split_streams(slots, config.pipeline_depth)
         client.open_streams(len(streams))

@@ -119,7 +119,7 @@ class ManagerStats:
     engine_calls: int = 0
     requests: int = 0
     engine_time_s: float = 0.0
-    batch_sizes: list[int] = field(default_factory=list)
+    batch_sizes: deque = field(default_factory=lambda: deque(maxlen=8192))  # the most recent calls'
     messages_in: int = 0
     bytes_in: int = 0
     bytes_out: int = 0
@@ -127,7 +127,7 @@ class ManagerStats:
     bad_messages: int = 0
 
     def snapshot(self) -> "ManagerStats":
-        return ManagerStats(**{**self.__dict__, "batch_sizes": list(self.batch_sizes)})
+        return ManagerStats(**{**self.__dict__, "batch_sizes": deque(self.batch_sizes, maxlen=8192)})
 
 
 class SharedLLMInferenceManager:
