@@ -21,10 +21,13 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any, Iterator, Mapping
 
 from ragen.llm.types import Engine, SamplingParams
+from ragen.llm_agent.cluster import ClusterConfig
+from ragen.llm_agent.async_rollout import FullyAsyncRolloutPool, RolloutAhead
 from ragen.llm_agent.ctx_manager import ContextConfig
 from ragen.llm_agent.es_manager import EnvStateManager, compute_metrics, to_plain
 from ragen.llm_agent.parallel_rollout import BACKENDS, ParallelRolloutManager
@@ -56,6 +59,13 @@ def _number(cfg: Mapping, key: str, default: Any, kind=float, minimum: float | N
     return kind(value)
 
 
+def _text(cfg: Mapping, key: str) -> str | None:
+    value = _get(cfg, key)
+    if value is not None and not isinstance(value, str):
+        raise ValueError(f"{key} must be a string or null, got {value!r}")
+    return value or None
+
+
 @dataclass
 class AgentSetup:
     loop: LoopConfig
@@ -73,6 +83,10 @@ class AgentSetup:
     max_concurrent_rollouts: int
     host: str
     port: int
+    rollout_mode: str = "sync"
+    async_generation_ratio: int = 0
+    max_inflight_groups: int = 8
+    cluster: ClusterConfig = ClusterConfig()
 
     @classmethod
     def from_config(cls, cfg: Mapping) -> "AgentSetup":
@@ -121,6 +135,9 @@ class AgentSetup:
         backend = str(_get(cfg, f"{ap}.parallel_backend", "loky"))
         if backend not in BACKENDS:
             raise ValueError(f"{ap}.parallel_backend: unknown {backend!r}; choose one of {BACKENDS}")
+        rollout_mode = str(_get(cfg, f"{ap}.rollout_mode", "sync"))
+        if rollout_mode not in ("sync", "fully_async"):
+            raise ValueError(f"{ap}.rollout_mode: unknown {rollout_mode!r}; choose 'sync' or 'fully_async'")
         n_jobs = _number(cfg, f"{ap}.parallel_n_jobs", -1, int, -1)
         if n_jobs == 0:
             raise ValueError(f"{ap}.parallel_n_jobs must be -1 (one per core) or >= 1, got 0")
@@ -140,6 +157,15 @@ class AgentSetup:
             max_concurrent_rollouts=_number(cfg, f"{ap}.max_concurrent_rollouts", 1, int, 1),
             host=str(_get(cfg, "llm_server.host", "127.0.0.1")),
             port=_number(cfg, "llm_server.port", 0, int, 0),
+            rollout_mode=rollout_mode,
+            async_generation_ratio=_number(cfg, f"{ap}.async_generation_ratio", 0, int, 0),
+            max_inflight_groups=_number(cfg, f"{ap}.max_inflight_groups", 8, int, 1),
+            cluster=ClusterConfig(
+                dask_scheduler_address=_text(cfg, "dask.scheduler_address"),
+                dask_n_workers=_number(cfg, "dask.n_workers", None, int, 1, allow_none=True),
+                ray_address=_text(cfg, "ray.address"),
+                advertise_host=_text(cfg, "llm_server.advertise_host"),
+            ),
         )
 
 
@@ -153,19 +179,93 @@ class LLMAgentProxy:
         self.parallel: ParallelRolloutManager | None = None
         self._pool = EnvPool()
         self._lock = threading.Lock()  # the engine lock of the sequential path
-        if setup.use_parallel_rollout:
+        if setup.use_parallel_rollout or setup.rollout_mode == "fully_async":
             self.shared = SharedLLMInferenceManager(
                 engine, max_batch_size=setup.max_batch_size, coalesce_wait_s=setup.coalesce_wait_s,
                 host=setup.host, port=setup.port,
             )
             self._lock = self.shared.engine_lock
+        if setup.use_parallel_rollout:
             self.parallel = ParallelRolloutManager(
                 self.shared, n_jobs=setup.parallel_n_jobs, backend=setup.parallel_backend,
                 max_env_num_per_worker=setup.max_env_num_per_worker,
                 fallback_to_sequential=setup.fallback_to_sequential,
                 rollout_timeout_s=setup.rollout_timeout_s,
                 engine_timeout_s=setup.engine_timeout_s,
+                cluster=setup.cluster,
             )
+        self._ahead: RolloutAhead | None = None
+        self._pool_async: FullyAsyncRolloutPool | None = None
+        self._async_counts: dict[str, Any] = {"dropped_stale": 0, "staleness": []}
+
+    # ----- training batches (sync, generate-ahead, fully async) -----------------
+    def next_train_batch(self, policy_version: int) -> RolloutResult:
+        """The next training batch under the configured mode: a synchronous
+        rollout (``async_generation_ratio: 0``), one generated ahead in the
+        background (``k > 0``; never more than ``k`` versions old), or
+        ``env_groups`` groups from the fully-async pool."""
+        setup = self.setup
+        if setup.rollout_mode == "fully_async":
+            return self._fully_async_batch(policy_version)
+        if setup.async_generation_ratio == 0:
+            return self.rollout("train")
+        if self._ahead is None:
+            self._ahead = RolloutAhead(lambda: self.rollout("train"), setup.async_generation_ratio)
+        return self._ahead.get(policy_version)
+
+    def _fully_async_batch(self, policy_version: int) -> RolloutResult:
+        es = self.setup.es["train"]
+        if self._pool_async is None:
+            self._pool_async = FullyAsyncRolloutPool(
+                es, self.shared.client(timeout_s=self.setup.engine_timeout_s), self.setup.loop,
+                max_inflight_groups=self.setup.max_inflight_groups, n_jobs=self.setup.parallel_n_jobs,
+                backend="threading" if self.setup.parallel_backend == "threading" else "loky")
+        bound = max(1, self.setup.async_generation_ratio)
+        t0 = time.perf_counter()
+        groups = []
+        while len(groups) < es.env_groups:
+            for index, trajs in self._pool_async.get_batch(es.env_groups - len(groups)):
+                lag = policy_version - min((t.policy_version for tr in trajs for t in tr.turns), default=policy_version)
+                if lag > bound:
+                    self._async_counts["dropped_stale"] += 1
+                    continue
+                self._async_counts["staleness"].append(lag)
+                groups.append((index, trajs))
+        groups.sort(key=lambda g: g[0])
+        trajectories = [t for _, trajs in groups for t in trajs]
+        specs = [s for index, _ in groups for s in es.group_specs(index)]
+        metrics = compute_metrics(trajectories)
+        metrics["timing/rollout_s"] = time.perf_counter() - t0
+        return RolloutResult(trajectories=trajectories, specs=specs, metrics=metrics)
+
+    @contextmanager
+    def generation_paused(self) -> Iterator[None]:
+        """Validation runs in here: background generate-ahead stops first
+        (the fully-async pool keeps generating train groups; evaluation uses
+        the synchronous path)."""
+        if self._ahead is None:
+            yield
+            return
+        with self._ahead.paused():
+            yield
+
+    def async_metrics(self) -> dict[str, float]:
+        """Waiting times, drops and staleness of the asynchronous modes."""
+        m: dict[str, float] = {}
+        lags = list(self._async_counts["staleness"])
+        if self._ahead is not None:
+            st = self._ahead.stats
+            lags += st.staleness
+            m.update({"async/trainer_wait_s": st.trainer_wait_s, "async/generator_wait_s": st.generator_wait_s,
+                      "async/dropped_stale": float(st.dropped_stale), "async/produced": float(st.produced)})
+        if self._pool_async is not None:
+            m.update({f"async/groups_{k}": float(v) for k, v in self._pool_async.counts.items()})
+            m["async/dropped_stale"] = m.get("async/dropped_stale", 0.0) + self._async_counts["dropped_stale"]
+            m["async/queued_groups"] = float(self._pool_async.queued())
+        if lags:
+            m["async/staleness_mean"] = sum(lags) / len(lags)
+            m["async/staleness_max"] = float(max(lags))
+        return m
 
     @property
     def engine_lock(self) -> threading.Lock:
@@ -182,8 +282,17 @@ class LLMAgentProxy:
         config = self.setup.loop if split == "train" else self.setup.val_loop
         with self._semaphore:
             if self.parallel is not None:
-                return self.parallel.rollout(specs, config, fault=fault)
-            return self._sequential(specs, config)
+                result = self.parallel.rollout(specs, config, fault=fault)
+            else:
+                result = self._sequential(specs, config)
+        m = result.metrics
+        logger.info(
+            "[Rollout] %s: %d envs in %.2f s | engine %.2f s, %d calls, mean batch %.1f | env %.2f s | "
+            "waiting for the model %.2f s | fallbacks %d | success %.3f",
+            split, len(specs), m.get("timing/rollout_s", 0.0), m.get("timing/engine_s", 0.0),
+            int(m.get("engine/calls", 0)), m.get("engine/mean_batch_size", 0.0), m.get("timing/env_s", 0.0),
+            m.get("timing/wait_llm_s", 0.0), int(m.get("parallel/fallbacks", 0)), m.get("rollout/success", 0.0))
+        return result
 
     def _sequential(self, specs, config: LoopConfig) -> RolloutResult:
         t0 = time.perf_counter()
@@ -209,6 +318,10 @@ class LLMAgentProxy:
         return RolloutResult(trajectories=trajectories, specs=list(specs), metrics=metrics)
 
     def close(self) -> None:
+        if self._ahead is not None:
+            self._ahead.close()
+        if self._pool_async is not None:
+            self._pool_async.close()
         if self.parallel is not None:
             self.parallel.close()
         if self.shared is not None:

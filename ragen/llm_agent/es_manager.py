@@ -62,31 +62,31 @@ class EnvStateManager:
         return self.env_groups * self.group_size
 
     def make_specs(self, rollout_index: int | None = None) -> list[EnvSpec]:
-        """Specs of the next rollout; seeds advance by ``env_groups`` each time."""
-        with self._lock:
-            if rollout_index is None:
+        """Specs of the next rollout (seeds advance by ``env_groups`` each
+        time), or of rollout number ``rollout_index`` (same index, same seeds)."""
+        if rollout_index is None:
+            with self._lock:
                 rollout_index = self._rollouts
-            self._rollouts = rollout_index + 1
-        specs = []
-        for g, tag in enumerate(self.group_tags):
-            ts = self.tag_specs[tag]
-            seed = self.base_seed + rollout_index * self.env_groups + g
-            for m in range(self.group_size):
-                specs.append(
-                    EnvSpec(
-                        env_id=g * self.group_size + m,
-                        group_id=g,
-                        tag=tag,
-                        seed=seed,
-                        env_type=ts["env_type"],
-                        env_config=ts["env_config"],
-                        config_type=ts["config_type"],
-                        max_actions_per_traj=ts["max_actions_per_traj"],
-                        env_instruction=ts["env_instruction"],
-                        max_tokens=ts["max_tokens"],
-                    )
-                )
-        return specs
+                self._rollouts += 1
+        return [s for g in range(self.env_groups) for s in self._group(rollout_index, g, group_id=g)]
+
+    def group_specs(self, index: int) -> list[EnvSpec]:
+        """Group number ``index`` of an endless stream of groups (fully-async
+        rollout): group ``g`` of rollout ``r`` is number ``r * env_groups + g``,
+        with that rollout's seed; group ids and env_ids are unique in the stream."""
+        rollout_index, g = divmod(index, self.env_groups)
+        return self._group(rollout_index, g, group_id=index)
+
+    def _group(self, rollout_index: int, g: int, group_id: int) -> list[EnvSpec]:
+        ts = self.tag_specs[self.group_tags[g]]
+        seed = self.base_seed + rollout_index * self.env_groups + g
+        return [
+            EnvSpec(env_id=group_id * self.group_size + m, group_id=group_id, tag=self.group_tags[g], seed=seed,
+                    env_type=ts["env_type"], env_config=ts["env_config"], config_type=ts["config_type"],
+                    max_actions_per_traj=ts["max_actions_per_traj"], env_instruction=ts["env_instruction"],
+                    max_tokens=ts["max_tokens"])
+            for m in range(self.group_size)
+        ]
 
     @property
     def rollouts_done(self) -> int:

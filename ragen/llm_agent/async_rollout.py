@@ -1,0 +1,265 @@
+"""Asynchronous rollout: generation that does not wait for the trainer.
+
+- ``RolloutAhead`` (``async_generation_ratio: k``): a background thread keeps
+  generating training rollouts while the trainer trains, at most ``k`` batches
+  ahead (generating or waiting to be trained on). ``get(version)`` hands the
+  trainer the oldest batch; a batch more than ``k`` policy versions older than
+  ``version`` is dropped and counted, never trained on. ``paused()`` stops new
+  generation while validation runs. ``k = 0`` is no thread at all: the
+  synchronous pipeline.
+- Staleness of a batch is ``version - min(policy versions of its turns)``.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Callable, Iterator
+
+from ragen.llm_agent.types import RolloutResult
+
+logger = logging.getLogger(__name__)
+
+
+def staleness(result: RolloutResult, version: int) -> int:
+    versions = [t.policy_version for tr in result.trajectories for t in tr.turns]
+    return version - min(versions) if versions else 0
+
+
+@dataclass
+class AheadStats:
+    trainer_wait_s: float = 0.0  # the trainer waiting for data
+    generator_wait_s: float = 0.0  # generation waiting for the trainer (k batches ahead, or paused)
+    produced: int = 0
+    dropped_stale: int = 0
+    staleness: list[int] = field(default_factory=list)  # of each batch handed out
+
+
+class RolloutAhead:
+    def __init__(self, produce: Callable[[], RolloutResult], ahead: int) -> None:
+        if not isinstance(ahead, int) or isinstance(ahead, bool) or ahead < 0:
+            raise ValueError(f"async_generation_ratio must be an integer >= 0, got {ahead!r}")
+        self.produce = produce
+        self.ahead = ahead
+        self.stats = AheadStats()
+        self._ready: queue.Queue = queue.Queue()
+        self._slots = threading.Semaphore(ahead)
+        self._running = threading.Event()
+        self._running.set()
+        self._idle = threading.Event()
+        self._idle.set()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        if ahead > 0:
+            self._thread = threading.Thread(target=self._loop, name="ragen-rollout-ahead", daemon=True)
+            self._thread.start()
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            t0 = time.perf_counter()
+            while not self._slots.acquire(timeout=0.1):
+                if self._stop.is_set():
+                    return
+            while not self._running.wait(timeout=0.1):
+                if self._stop.is_set():
+                    self._slots.release()
+                    return
+            self.stats.generator_wait_s += time.perf_counter() - t0
+            self._idle.clear()
+            try:
+                if not self._running.is_set():  # paused between the check and here
+                    self._slots.release()
+                    continue
+                result = self.produce()
+                self.stats.produced += 1
+                self._ready.put(result)
+            except BaseException as exc:  # hand the failure to the trainer
+                self._ready.put(exc)
+                return
+            finally:
+                self._idle.set()
+
+    def get(self, version: int) -> RolloutResult:
+        """The next batch no more than ``ahead`` versions old."""
+        while True:
+            if self._thread is None:
+                result = self.produce()
+                self.stats.produced += 1
+            else:
+                t0 = time.perf_counter()
+                result = self._ready.get()
+                self.stats.trainer_wait_s += time.perf_counter() - t0
+                self._slots.release()
+                if isinstance(result, BaseException):
+                    raise result
+            lag = staleness(result, version)
+            if lag > self.ahead:
+                self.stats.dropped_stale += 1
+                logger.warning("dropped a rollout %d policy versions old (async_generation_ratio=%d)", lag, self.ahead)
+                continue
+            self.stats.staleness.append(lag)
+            return result
+
+    @contextmanager
+    def paused(self) -> Iterator[None]:
+        """No new generation inside (validation runs here); the rollout in
+        progress, if any, finishes first."""
+        self._running.clear()
+        self._idle.wait()
+        try:
+            yield
+        finally:
+            self._running.set()
+
+    def close(self) -> None:
+        self._stop.set()
+        self._running.set()
+        if self._thread is not None:
+            self._thread.join(timeout=60)
+            self._thread = None
+
+
+class FullyAsyncRolloutPool:
+    """``rollout_mode: fully_async``: env groups generating at all times.
+
+    A scheduler thread in the driver keeps up to ``max_inflight_groups`` groups
+    in flight on worker processes (loky; ``threading`` for debugging), one task
+    per group, across step boundaries: the next step does not wait for the
+    slowest group of this one. Groups are numbered in the order they are drawn
+    from the train env set (seeds as the synchronous rollouts would use them).
+
+    - ``get_batch(n)``: the ``n`` lowest-numbered completed groups, sorted by
+      number; the others stay queued for the next call.
+    - A group whose turns were answered by more than one policy version (a
+      weight update landed mid-group) or whose worker failed is put back and
+      restarted from its start: never lost, never returned half-done.
+    - ``close()`` stops the scheduler and the worker processes.
+    """
+
+    def __init__(self, es, client, config, max_inflight_groups: int = 8, n_jobs: int = -1,
+                 backend: str = "loky", max_restarts: int = 3) -> None:
+        if max_inflight_groups < 1:
+            raise ValueError(f"agent_proxy.max_inflight_groups must be >= 1, got {max_inflight_groups}")
+        if backend not in ("loky", "threading"):
+            raise ValueError(f"agent_proxy.parallel_backend={backend!r}: fully_async runs on 'loky' or 'threading'")
+        import joblib
+
+        self.es = es
+        self.client = client
+        self.config = config
+        self.max_inflight_groups = max_inflight_groups
+        self.max_restarts = max_restarts
+        self._n_workers = joblib.effective_n_jobs(n_jobs)
+        self._processes = backend == "loky"
+        self._executor = self._new_executor()
+        self._cond = threading.Condition()
+        self._completed: dict[int, list] = {}
+        self._restart: list[int] = []
+        self._attempts: dict[int, int] = {}
+        self._next_group = 0
+        self._stop = False
+        self._error: BaseException | None = None
+        self.counts = {"started": 0, "completed": 0, "restarted": 0, "handed_out": 0}
+        self._thread = threading.Thread(target=self._schedule, name="ragen-fully-async", daemon=True)
+        self._thread.start()
+
+    def _schedule(self) -> None:
+        from concurrent.futures import FIRST_COMPLETED, wait
+
+        from ragen.llm_agent.parallel_rollout import run_shard
+
+        inflight: dict = {}
+        try:
+            while True:
+                with self._cond:
+                    if self._stop:
+                        break
+                    while len(inflight) < self.max_inflight_groups:
+                        if self._restart:
+                            index = self._restart.pop(0)
+                        else:
+                            index = self._next_group
+                            self._next_group += 1
+                        specs = self.es.group_specs(index)
+                        future = self._executor.submit(run_shard, index, specs, self.client, self.config)
+                        inflight[future] = index
+                        self.counts["started"] += 1
+                done, _ = wait(list(inflight), timeout=0.1, return_when=FIRST_COMPLETED)
+                for future in done:
+                    index = inflight.pop(future)
+                    try:
+                        result = future.result()
+                        failure = result["error"]
+                    except Exception as exc:  # the worker died: its pool is broken
+                        result, failure = None, f"{type(exc).__name__}: {exc}"
+                        self._replace_broken_executor()
+                    versions = {t.policy_version for tr in (result or {}).get("trajectories", []) for t in tr.turns}
+                    if failure is None and len(versions) > 1:
+                        failure = f"a weight update landed mid-group (versions {sorted(versions)})"
+                    with self._cond:
+                        if failure is None:
+                            self._completed[index] = result["trajectories"]
+                            self.counts["completed"] += 1
+                        else:
+                            self._attempts[index] = self._attempts.get(index, 0) + 1
+                            if self._attempts[index] > self.max_restarts:
+                                raise RuntimeError(f"group {index} failed {self._attempts[index]} times: {failure}")
+                            logger.info("group %d restarts from its start: %s", index, failure)
+                            self._restart.append(index)
+                            self.counts["restarted"] += 1
+                        self._cond.notify_all()
+        except BaseException as exc:
+            logger.exception("the fully-async scheduler stopped")
+            with self._cond:
+                self._error = exc
+                self._cond.notify_all()
+
+    def _new_executor(self):
+        if self._processes:
+            from loky import ProcessPoolExecutor
+
+            return ProcessPoolExecutor(max_workers=self._n_workers)
+        from concurrent.futures import ThreadPoolExecutor
+
+        return ThreadPoolExecutor(max_workers=self._n_workers, thread_name_prefix="ragen-async")
+
+    def _shutdown_executor(self, wait: bool) -> None:
+        if self._processes:
+            self._executor.shutdown(wait=wait, kill_workers=True)
+        else:
+            self._executor.shutdown(wait=wait)
+
+    def _replace_broken_executor(self) -> None:
+        if self._processes and self._executor._flags.broken:
+            self._shutdown_executor(wait=False)
+            self._executor = self._new_executor()
+
+    def get_batch(self, n: int, timeout: float | None = None) -> list[tuple[int, list]]:
+        """``n`` completed groups ``(index, trajectories)``, lowest index first."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cond:
+            while len(self._completed) < n:
+                if self._error is not None:
+                    raise RuntimeError(f"fully-async rollout failed: {self._error}") from self._error
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if remaining is not None and remaining <= 0:
+                    raise TimeoutError(f"only {len(self._completed)} of {n} groups completed in time")
+                self._cond.wait(remaining if remaining is not None else 1.0)
+            indexes = sorted(self._completed)[:n]
+            self.counts["handed_out"] += n
+            return [(i, self._completed.pop(i)) for i in indexes]
+
+    def queued(self) -> int:
+        with self._cond:
+            return len(self._completed)
+
+    def close(self) -> None:
+        with self._cond:
+            self._stop = True
+            self._cond.notify_all()
+        self._thread.join(timeout=60)
+        self._shutdown_executor(wait=True)

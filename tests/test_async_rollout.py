@@ -1,0 +1,145 @@
+"""Asynchronous rollout: generate-ahead bounded by policy lag, and the
+fully-async pool that never loses or duplicates a group."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+import pytest
+
+from ragen.llm.scripted import ScriptedEngine
+from ragen.llm_agent import AgentSetup, LLMAgentProxy
+from ragen.llm_agent.async_rollout import RolloutAhead, staleness
+
+from tests.rollout_helpers import custom_envs
+
+
+def setup_for(**agent_proxy) -> AgentSetup:
+    cfg = {
+        "custom_envs": custom_envs(),
+        "seed": {"train": 5, "val": 9},
+        "agent_proxy": {"max_turn": 3, "parallel_n_jobs": 2, **agent_proxy},
+        "es_manager": {
+            "train": {"env_groups": 4, "group_size": 2,
+                      "env_configs": {"tags": ["SimpleSokoban", "FrozenLake"], "n_groups": [2, 2]}},
+            "val": {"env_groups": 2, "group_size": 1, "env_configs": {"tags": ["Bandit"], "n_groups": [2]}},
+        },
+    }
+    return AgentSetup.from_config(cfg)
+
+
+def update(proxy, engine):
+    with proxy.engine_lock:
+        return engine.bump_policy_version()
+
+
+def test_k0_is_the_synchronous_pipeline():
+    a, b = ScriptedEngine(), ScriptedEngine()
+    with LLMAgentProxy(setup_for(), a) as sync, LLMAgentProxy(setup_for(async_generation_ratio=0), b) as k0:
+        for _ in range(3):
+            assert k0.next_train_batch(b.policy_version).trajectories == sync.rollout("train").trajectories
+            update(sync, a), update(k0, b)
+        assert threading.active_count() >= 1 and k0._ahead is None
+
+
+def test_k1_never_trains_on_data_more_than_one_version_old():
+    engine = ScriptedEngine(base_s=0.01)
+    with LLMAgentProxy(setup_for(async_generation_ratio=1, use_parallel_rollout=True), engine) as proxy:
+        seeds = []
+        for step in range(6):
+            batch = proxy.next_train_batch(engine.policy_version)
+            assert staleness(batch, engine.policy_version) <= 1
+            seeds.append(batch.trajectories[0].seed)
+            time.sleep(0.05)  # the "training step"
+            if step == 2:
+                with proxy.generation_paused():
+                    proxy.rollout("val")
+            update(proxy, engine)
+        m = proxy.async_metrics()
+    assert seeds == sorted(set(seeds))  # batches come in order, none repeated
+    assert m["async/staleness_max"] <= 1 and m["async/trainer_wait_s"] >= 0 and "async/generator_wait_s" in m
+
+
+def test_ahead_drops_batches_older_than_k():
+    class Fake:
+        def __init__(self, version):
+            self.trajectories = [type("T", (), {"turns": [type("U", (), {"policy_version": version})()]})()]
+
+    versions = iter([0, 0, 5, 5])
+    ahead = RolloutAhead(lambda: Fake(next(versions)), 1)
+    try:
+        got = ahead.get(5)  # versions 0 are 5 behind: dropped until a fresh batch comes
+        assert staleness(got, 5) == 0 and ahead.stats.dropped_stale == 2
+    finally:
+        ahead.close()
+
+
+@pytest.mark.parametrize("backend", ["loky", "threading"])
+def test_fully_async_loses_and_duplicates_nothing(backend):
+    engine = ScriptedEngine(base_s=0.01)
+    setup = setup_for(rollout_mode="fully_async", max_inflight_groups=6, parallel_backend=backend,
+                      async_generation_ratio=1)
+    seen: list[int] = []
+    with LLMAgentProxy(setup, engine) as proxy:
+        for _ in range(5):
+            batch = proxy.next_train_batch(engine.policy_version)
+            groups = sorted({t.group_id for t in batch.trajectories})
+            assert len(groups) == setup.es["train"].env_groups
+            for t in batch.trajectories:  # whole groups, never half-done
+                assert sum(x.group_id == t.group_id for x in batch.trajectories) == 2
+                assert len({x.policy_version for x in t.turns}) <= 1
+            seen += groups
+            time.sleep(0.02)
+            update(proxy, engine)
+        m = proxy.async_metrics()
+        started = m["async/groups_started"]
+        completed = m["async/groups_completed"]
+        restarted = m["async/groups_restarted"]
+        queued = m["async/queued_groups"]
+    assert len(seen) == len(set(seen))  # no group trained twice
+    # every started group: restarted, trained, still queued, dropped as stale, or in flight at close
+    assert completed <= started - restarted
+    assert completed >= len(seen) + m.get("async/dropped_stale", 0)
+    assert completed - len(seen) - m.get("async/dropped_stale", 0) >= 0
+    # the lowest-numbered groups come first
+    assert seen[: setup.es["train"].env_groups] == sorted(seen[: setup.es["train"].env_groups])
+    assert queued >= 0
+
+
+def _children() -> set[int]:
+    me = os.getpid()
+    out = set()
+    for pid in os.listdir("/proc"):
+        if pid.isdigit():
+            try:
+                with open(f"/proc/{pid}/stat") as f:
+                    if int(f.read().rsplit(")", 1)[1].split()[1]) == me:
+                        out.add(int(pid))
+            except (OSError, IndexError, ValueError):
+                pass
+    return out
+
+
+def test_shutdown_mid_step_leaves_nothing_behind():
+    before_threads = {t.ident for t in threading.enumerate()}
+    before_children = _children()
+    engine = ScriptedEngine(base_s=0.05)
+    proxy = LLMAgentProxy(setup_for(rollout_mode="fully_async", max_inflight_groups=4), engine)
+    proxy.next_train_batch(0)
+    ahead_proxy = LLMAgentProxy(setup_for(async_generation_ratio=2, use_parallel_rollout=True), engine)
+    ahead_proxy.next_train_batch(0)
+    time.sleep(0.1)  # both are generating in the background now
+    proxy.close()
+    ahead_proxy.close()
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        extra_threads = [t for t in threading.enumerate() if t.ident not in before_threads and t.is_alive()
+                         and t.name.startswith("ragen")]
+        extra_children = _children() - before_children
+        if not extra_threads and not extra_children:
+            break
+        time.sleep(0.2)
+    assert not extra_threads, extra_threads
+    assert not extra_children, extra_children
