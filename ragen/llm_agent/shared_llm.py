@@ -8,10 +8,12 @@
 - Coalescing: requests from all workers queue up, and one batcher thread turns
   them into engine calls. While the engine is idle it waits for more requests
   until every open stream (a worker's micro-batch with work left) has one
-  queued, the batch reaches ``max_batch_size``, or the oldest request has
-  waited ``coalesce_wait_s``. So the engine sees batches as large as the
-  sequential loop gives it, and a stream busy stepping envs does not hold the
-  others back for long.
+  queued, the batch reaches ``max_batch_size``, or the wait budget is spent:
+  ``coalesce_wait_s``, or more when the engine has a larger fixed cost per call
+  (``CallCostModel``, fitted online; capped by ``max_coalesce_wait_s``). So the
+  engine sees batches as large as the sequential loop gives it, and a stream
+  busy stepping envs does not hold the others back for longer than a separate
+  call would cost.
 - ``SharedLLMClient`` is small and picklable (address and key); each process
   and thread opens its own connection on first use.
 
@@ -130,6 +132,32 @@ class ManagerStats:
         return ManagerStats(**{**self.__dict__, "batch_sizes": deque(self.batch_sizes, maxlen=8192)})
 
 
+class CallCostModel:
+    """Engine call time as ``fixed + per_request * n``, fitted by least
+    squares over recent calls (exponentially forgotten). ``fixed_s()`` is what
+    one more call costs beyond its requests: a GPU's per-step latency, which
+    batching amortizes. 0 until calls of two different sizes were seen."""
+
+    def __init__(self, decay: float = 0.95) -> None:
+        self.decay = decay
+        self._w = self._n = self._t = self._nn = self._nt = 0.0
+
+    def add(self, n: int, seconds: float) -> None:
+        d = self.decay
+        self._w = self._w * d + 1.0
+        self._n = self._n * d + n
+        self._t = self._t * d + seconds
+        self._nn = self._nn * d + n * n
+        self._nt = self._nt * d + n * seconds
+
+    def fixed_s(self) -> float:
+        det = self._w * self._nn - self._n * self._n
+        if det <= 1e-9 * max(1.0, self._nn * self._w):
+            return 0.0
+        slope = (self._w * self._nt - self._n * self._t) / det
+        return max(0.0, (self._t - slope * self._n) / self._w)
+
+
 class SharedLLMInferenceManager:
     def __init__(
         self,
@@ -140,6 +168,7 @@ class SharedLLMInferenceManager:
         port: int = 0,
         max_message_bytes: int = 64 << 20,
         handshake_timeout_s: float = 5.0,
+        max_coalesce_wait_s: float = 1.0,
     ) -> None:
         if max_batch_size < 1:
             raise ValueError(f"agent_proxy.max_batch_size must be >= 1, got {max_batch_size}")
@@ -149,6 +178,9 @@ class SharedLLMInferenceManager:
         self.engine_lock = threading.Lock()
         self.max_batch_size = int(max_batch_size)
         self.coalesce_wait_s = float(coalesce_wait_s)
+        self.max_coalesce_wait_s = float(max_coalesce_wait_s)
+        self.call_cost = CallCostModel()
+        self._engine_free_at = 0.0
         self.max_message_bytes = int(max_message_bytes)
         self.handshake_timeout_s = handshake_timeout_s
         self.stats = ManagerStats()
@@ -283,7 +315,13 @@ class SharedLLMInferenceManager:
                     return None
                 if self._pending:
                     n_req = sum(len(p.requests) for p in self._pending)
-                    deadline = self._pending[0].arrived + self.coalesce_wait_s
+                    # Wait for the streams still stepping their envs up to what a
+                    # separate call for them would cost (the engine's fixed cost per
+                    # call), counted from when the engine became free: merging then
+                    # never loses more than it can save, and streams that fell out of
+                    # step (one half generating while the other steps) fall back in.
+                    budget = max(self.coalesce_wait_s, min(self.max_coalesce_wait_s, self.call_cost.fixed_s()))
+                    deadline = max(self._pending[0].arrived, self._engine_free_at) + budget
                     now = time.monotonic()
                     if len(self._pending) >= self._streams or n_req >= self.max_batch_size or now >= deadline:
                         break
@@ -333,8 +371,11 @@ class SharedLLMInferenceManager:
                 out += got
                 self.stats.engine_calls += 1
                 self.stats.batch_sizes.append(len(chunk))
-            self.stats.engine_time_s += time.perf_counter() - t0
+            elapsed = time.perf_counter() - t0
+            self.stats.engine_time_s += elapsed
             self.stats.requests += len(requests)
+            self.call_cost.add(len(requests), elapsed)
+            self._engine_free_at = time.monotonic()
         return out
 
     def _reply(self, conn: _Conn, obj: Any) -> None:
