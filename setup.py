@@ -28,7 +28,8 @@ setup(
         "matplotlib",
     ],
     extras_require={
-        "dev": ["pytest>=8", "pytest-timeout", "hypothesis>=6"],
+        # dask and ray too: their backends are tested in the default suite
+        "dev": ["pytest>=8", "pytest-timeout", "hypothesis>=6", "dask[distributed]", "ray"],
         "vllm": ["vllm"],
         "dask": ["dask[distributed]"],
         "ray": ["ray[default]"],

@@ -1,0 +1,232 @@
+"""ParallelRolloutManager on Dask (joblib's dask backend): the sequential
+trajectories, envs kept on their workers between rollouts, a worker lost
+mid-rollout survived, and the manager's key kept out of every log."""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import dataclass
+
+import pytest
+
+pytest.importorskip("distributed")
+
+import dask  # noqa: E402
+from distributed import LocalCluster  # noqa: E402
+
+from ragen.llm.scripted import ScriptedEngine  # noqa: E402
+from ragen.llm_agent.agent_proxy import AgentSetup, LLMAgentProxy  # noqa: E402
+from ragen.llm_agent.cluster import ClusterConfig, open_cluster  # noqa: E402
+from ragen.llm_agent.parallel_rollout import ParallelRolloutManager  # noqa: E402
+from ragen.llm_agent.shared_llm import SharedLLMInferenceManager  # noqa: E402
+from tests.fault_envs import FaultEnv, FaultEnvConfig  # noqa: E402
+from tests.rollout_helpers import custom_envs, fault_tag, loop_config, sequential, specs_for  # noqa: E402
+
+
+# ----- a counting env: proves that workers keep their envs -------------------------
+
+@dataclass
+class CountingEnvConfig(FaultEnvConfig):
+    log: str = ""  # one line "<pid>" per env instance created
+
+
+class CountingEnv(FaultEnv):
+    def __init__(self, config: CountingEnvConfig | None = None) -> None:
+        super().__init__(config or CountingEnvConfig())
+        if self.config.log:
+            with open(self.config.log, "a") as f:
+                f.write(f"{os.getpid()}\n")
+
+
+def counting_tag(log: str) -> dict:
+    return {**fault_tag(), "env_type": f"{__name__}:CountingEnv",
+            "config_type": f"{__name__}:CountingEnvConfig", "env_config": {"log": log}}
+
+
+# ----- fixtures --------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def scheduler_address():
+    """A cluster reached by address, as a remote one is: 2 single-threaded
+    worker processes; one retry on another worker, as the README advises."""
+    with dask.config.set({"distributed.scheduler.allowed-failures": 1}):
+        cluster = LocalCluster(n_workers=2, threads_per_worker=1, processes=True,
+                               dashboard_address=None, host="127.0.0.1")
+    yield cluster.scheduler_address
+    cluster.close()
+
+
+@pytest.fixture(scope="module")
+def engine():
+    return ScriptedEngine(malformed_rate=0.1)
+
+
+@pytest.fixture(scope="module")
+def mixed_specs():
+    return specs_for(["SimpleSokoban", "FrozenLake", "Bandit", "Countdown"], [2, 2, 2, 1], 2, custom_envs())
+
+
+@pytest.fixture(scope="module")
+def reference(mixed_specs, engine):
+    return sequential(mixed_specs, loop_config(), engine)
+
+
+def _gone(pid: int, within_s: float = 15.0) -> bool:
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        time.sleep(0.1)
+    return False
+
+
+# ----- same trajectories -----------------------------------------------------------
+
+def test_local_cluster_for_the_run_gives_the_sequential_trajectories(mixed_specs, reference, engine):
+    with SharedLLMInferenceManager(engine, coalesce_wait_s=0.005) as shared:
+        prm = ParallelRolloutManager(shared, n_jobs=2, backend="dask")
+        try:
+            assert prm.n_workers == 2
+            worker_pids = list(prm._cluster.client.run(os.getpid).values())
+            for depth in (1, 2):
+                result = prm.rollout(mixed_specs, loop_config(depth=depth))
+                assert result.trajectories == reference
+                assert result.metrics["parallel/fallbacks"] == 0
+                assert result.metrics["parallel/workers_used"] == 2
+        finally:
+            prm.close()
+    # the cluster started for the run is gone with it
+    assert prm._cluster is None
+    assert all(_gone(pid) for pid in worker_pids)
+
+
+def test_scheduler_address_gives_the_sequential_trajectories(scheduler_address, mixed_specs, reference, engine):
+    with SharedLLMInferenceManager(engine) as shared, \
+            ParallelRolloutManager(shared, backend="dask",
+                                   cluster=ClusterConfig(dask_scheduler_address=scheduler_address)) as prm:
+        assert prm.n_workers == 2  # the cluster's threads, whatever n_jobs says
+        for depth in (1, 2):
+            assert prm.rollout(mixed_specs, loop_config(depth=depth)).trajectories == reference
+
+
+def test_workers_keep_their_envs_between_rollouts(scheduler_address, tmp_path, engine):
+    log = tmp_path / "created"
+    specs = specs_for(["Counting"], [6], 2, custom_envs(Counting=counting_tag(str(log))))
+    ref = sequential(specs, loop_config(), engine)
+    log.unlink()  # the driver's envs of the reference
+    with SharedLLMInferenceManager(engine) as shared, \
+            ParallelRolloutManager(shared, backend="dask",
+                                   cluster=ClusterConfig(dask_scheduler_address=scheduler_address)) as prm:
+        worker_pids = set(prm._cluster.client.run(os.getpid).values())
+        for _ in range(4):
+            result = prm.rollout(specs, loop_config())
+            assert result.trajectories == ref
+            assert result.metrics["parallel/fallbacks"] == 0  # played on the workers
+    created = [int(line) for line in log.read_text().split()]
+    # every env was built on a worker, and each worker built at most one shard's
+    # worth (6 envs) over 4 rollouts: later rollouts reused them (48 otherwise)
+    assert set(created) <= worker_pids
+    assert len(created) <= 2 * 6
+    assert all(created.count(pid) <= 6 for pid in worker_pids)
+
+
+# ----- a worker lost mid-rollout ---------------------------------------------------
+
+def _recovered(metrics) -> float:
+    """Shards the rollout manager ran again after their worker was lost."""
+    return metrics["parallel/fallbacks"] + metrics.get("parallel/retried_shards", 0.0)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("fault", ["exit_step", "kill_step"])
+def test_worker_killed_by_an_env_the_rollout_is_the_fault_free_one(scheduler_address, tmp_path, fault):
+    # the first attempt kills its worker process; Dask runs the shard again elsewhere
+    clean = specs_for(["Fault"], [6], 2, custom_envs(Fault=fault_tag()))
+    faulty = specs_for(["Fault"], [6], 2, custom_envs(Fault=fault_tag(
+        fault, fault_seed=clean[4].seed, marker=str(tmp_path / "marker"))))
+    engine = ScriptedEngine()
+    ref = sequential(clean, loop_config(), engine)
+    t0 = time.monotonic()
+    with SharedLLMInferenceManager(engine) as shared, \
+            ParallelRolloutManager(shared, backend="dask",
+                                   cluster=ClusterConfig(dask_scheduler_address=scheduler_address)) as prm:
+        result = prm.rollout(faulty, loop_config())
+    assert int((tmp_path / "marker").read_text()) != os.getpid()  # a worker died, not the driver
+    assert _recovered(result.metrics) == 0  # Dask itself re-ran the shard on another worker
+    assert result.trajectories == ref
+    assert time.monotonic() - t0 < 60
+
+
+@pytest.mark.timeout(120)
+def test_worker_lost_on_every_try_dask_gives_up_and_nothing_hangs(scheduler_address, mixed_specs, reference,
+                                                                  engine, caplog):
+    # shard 0 kills each worker it runs on: Dask gives up (KilledWorker reaches
+    # joblib) and the rollout manager runs the shard again; the next rollout is
+    # parallel again
+    t0 = time.monotonic()
+    with SharedLLMInferenceManager(engine) as shared, \
+            ParallelRolloutManager(shared, backend="dask",
+                                   cluster=ClusterConfig(dask_scheduler_address=scheduler_address)) as prm:
+        result = prm.rollout(mixed_specs, loop_config(), fault={"shard": 0, "exit_at_turn": 2})
+        assert _recovered(result.metrics) >= 1
+        assert "KilledWorker" in caplog.text  # Dask's verdict reached joblib (and did not hang it)
+        assert result.trajectories == reference
+        again = prm.rollout(mixed_specs, loop_config())
+        assert again.metrics["parallel/fallbacks"] == 0
+        assert again.trajectories == reference
+    assert time.monotonic() - t0 < 60
+
+
+# ----- the manager's endpoint ------------------------------------------------------
+
+def test_wildcard_host_is_advertised_and_the_key_stays_out_of_logs(scheduler_address, mixed_specs, reference,
+                                                                    engine, caplog):
+    caplog.set_level(logging.DEBUG)
+    with SharedLLMInferenceManager(engine, host="0.0.0.0") as shared:
+        key = shared._key
+        cluster = open_cluster("dask", ClusterConfig(dask_scheduler_address=scheduler_address))
+        try:
+            found = cluster.worker_client(shared.client())
+            assert found.address[0] not in ("0.0.0.0", "") and found.address[1] == shared.address[1]
+            explicit = open_cluster("dask", ClusterConfig(dask_scheduler_address=scheduler_address,
+                                                          advertise_host="localhost"))
+            assert explicit.worker_client(shared.client()).address == ("localhost", shared.address[1])
+            explicit.close()
+            with ParallelRolloutManager(shared, backend="dask",
+                                        cluster=ClusterConfig(dask_scheduler_address=scheduler_address)) as prm:
+                assert prm.rollout(mixed_specs, loop_config()).trajectories == reference
+                assert prm.rollout(mixed_specs, loop_config(), fault={"shard": 1, "exit_at_turn": 1}
+                                   ).trajectories == reference
+            logs = [caplog.text, repr(cluster.client.get_scheduler_logs(n=10_000))]
+            logs += [repr(v) for v in cluster.client.get_worker_logs(n=10_000).values()]
+        finally:
+            cluster.close()
+    for text in logs:
+        assert key.hex() not in text and repr(key)[2:-1] not in text
+
+
+def test_agent_proxy_reads_the_cluster_keys(scheduler_address):
+    cfg = {
+        "agent_proxy": {"use_parallel_rollout": True, "parallel_backend": "dask", "max_turn": 3},
+        "custom_envs": custom_envs(),
+        "es_manager": {"train": {"env_groups": 4, "group_size": 2, "env_configs": {"tags": ["Bandit"], "n_groups": [4]}},
+                       "val": {"env_groups": 2, "group_size": 1, "env_configs": {"tags": ["Bandit"], "n_groups": [2]}}},
+        "dask": {"scheduler_address": scheduler_address, "n_workers": None},
+        "llm_server": {"host": "127.0.0.1", "port": 0, "advertise_host": None},
+    }
+    setup = AgentSetup.from_config(cfg)
+    assert setup.cluster == ClusterConfig(dask_scheduler_address=scheduler_address)
+    engine = ScriptedEngine()
+    with LLMAgentProxy(setup, engine) as proxy:
+        parallel = proxy.rollout("train")
+    seq_setup = AgentSetup.from_config({**cfg, "agent_proxy": {**cfg["agent_proxy"], "use_parallel_rollout": False}})
+    with LLMAgentProxy(seq_setup, engine) as proxy:
+        assert parallel.trajectories == proxy.rollout("train").trajectories
+    with pytest.raises(ValueError, match="dask.n_workers"):
+        AgentSetup.from_config({**cfg, "dask": {"n_workers": 0}})
+    with pytest.raises(ValueError, match="dask.scheduler_address"):
+        AgentSetup.from_config({**cfg, "dask": {"scheduler_address": 8786}})

@@ -1,0 +1,161 @@
+"""ParallelRolloutManager on Ray (Ray's joblib backend): the sequential
+trajectories, envs kept on their workers between rollouts, a worker lost
+mid-rollout survived. Skipped when ray is not installed."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+
+import pytest
+
+ray = pytest.importorskip("ray")
+
+from joblib.pool import PicklingPool  # noqa: E402
+
+from ragen.llm.scripted import ScriptedEngine  # noqa: E402
+from ragen.llm_agent.cluster import ClusterConfig  # noqa: E402
+from ragen.llm_agent.parallel_rollout import ParallelRolloutManager  # noqa: E402
+from ragen.llm_agent.shared_llm import SharedLLMInferenceManager  # noqa: E402
+from tests.fault_envs import FaultEnv, FaultEnvConfig  # noqa: E402
+from tests.rollout_helpers import custom_envs, fault_tag, loop_config, sequential, specs_for  # noqa: E402
+
+pytestmark = pytest.mark.timeout(180)
+
+
+@dataclass
+class CountingEnvConfig(FaultEnvConfig):
+    log: str = ""  # one line "<pid>" per env instance created
+
+
+class CountingEnv(FaultEnv):
+    def __init__(self, config: CountingEnvConfig | None = None) -> None:
+        super().__init__(config or CountingEnvConfig())
+        if self.config.log:
+            with open(self.config.log, "a") as f:
+                f.write(f"{os.getpid()}\n")
+
+
+def counting_tag(log: str) -> dict:
+    return {**fault_tag(), "env_type": f"{__name__}:CountingEnv",
+            "config_type": f"{__name__}:CountingEnvConfig", "env_config": {"log": log}}
+
+
+@pytest.fixture(scope="module")
+def engine():
+    return ScriptedEngine(malformed_rate=0.1)
+
+
+@pytest.fixture(scope="module")
+def mixed_specs():
+    return specs_for(["SimpleSokoban", "FrozenLake", "Bandit", "Countdown"], [2, 2, 2, 1], 2, custom_envs())
+
+
+@pytest.fixture(scope="module")
+def reference(mixed_specs, engine):
+    return sequential(mixed_specs, loop_config(), engine)
+
+
+def _strip(trajs):
+    return [(t.env_id, t.stop_reason, [(x.response, x.reward) for x in t.turns]) for t in trajs]
+
+
+def test_local_ray_gives_the_sequential_trajectories_and_keeps_envs(mixed_specs, reference, engine, tmp_path):
+    assert not ray.is_initialized()
+    bases = PicklingPool.__bases__
+    log = tmp_path / "created"
+    counting = specs_for(["Counting"], [4], 2, custom_envs(Counting=counting_tag(str(log))))
+    counting_ref = sequential(counting, loop_config(), engine)
+    log.unlink()  # the driver's envs of the reference
+    with SharedLLMInferenceManager(engine, coalesce_wait_s=0.005) as shared, \
+            ParallelRolloutManager(shared, n_jobs=2, backend="ray") as prm:
+        assert prm.n_workers == 2
+        for depth in (1, 2):
+            result = prm.rollout(mixed_specs, loop_config(depth=depth))
+            assert result.trajectories == reference
+            assert result.metrics["parallel/fallbacks"] == 0
+            assert result.metrics["parallel/workers_used"] == 2
+        for _ in range(3):
+            result = prm.rollout(counting, loop_config())
+            assert result.trajectories == counting_ref
+            assert result.metrics["parallel/fallbacks"] == 0  # played on the actors
+    created = [int(line) for line in log.read_text().split()]
+    assert os.getpid() not in created
+    assert len(set(created)) <= 2 and len(created) <= 8  # 2 actors, each built its shard's envs once
+    # ray started for the run is stopped with it; joblib's own pool is given back
+    assert not ray.is_initialized()
+    assert PicklingPool.__bases__ == bases
+
+
+@pytest.fixture(scope="module")
+def ray_address(tmp_path_factory):
+    """A Ray cluster started by `ray start --head`, reached by address."""
+    exe = shutil.which("ray")
+    if exe is None:
+        pytest.skip("the ray command is not on PATH")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.path.join(root, "tests")]
+                                                       + [p for p in sys.path if p])}
+    log = tmp_path_factory.mktemp("ray") / "head.log"
+    with open(log, "w") as out:
+        head = subprocess.Popen([exe, "start", "--head", "--block", f"--port={port}", "--num-cpus=2",
+                                 "--include-dashboard=false", "--disable-usage-stats"],
+                                env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 90
+        while "Ray runtime started" not in log.read_text():
+            assert head.poll() is None and time.monotonic() < deadline, log.read_text()
+            time.sleep(0.2)
+        # `ray start` (Ray >= 2.59) turns token authentication on; a driver needs it too
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setenv("RAY_AUTH_MODE", "token")
+            yield f"127.0.0.1:{port}"
+    finally:
+        if ray.is_initialized():
+            ray.shutdown()
+        os.killpg(head.pid, signal.SIGTERM)  # our own session: the head and what it started
+        try:
+            head.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            os.killpg(head.pid, signal.SIGKILL)
+            head.wait()
+
+
+def _connect(address: str, shared, **kw) -> ParallelRolloutManager:
+    return ParallelRolloutManager(shared, backend="ray", cluster=ClusterConfig(ray_address=address), **kw)
+
+
+def test_ray_address_gives_the_sequential_trajectories(ray_address, mixed_specs, reference, engine):
+    with SharedLLMInferenceManager(engine) as shared:
+        with _connect(ray_address, shared) as prm:
+            assert prm.n_workers == 2
+            for depth in (1, 2):
+                assert prm.rollout(mixed_specs, loop_config(depth=depth)).trajectories == reference
+        assert not ray.is_initialized()  # disconnected; the cluster itself goes on
+
+
+def test_worker_killed_during_a_rollout_the_rollout_is_the_fault_free_one(ray_address, tmp_path):
+    clean = specs_for(["Fault"], [6], 2, custom_envs(Fault=fault_tag()))
+    faulty = specs_for(["Fault"], [6], 2, custom_envs(Fault=fault_tag(
+        "exit_step", fault_seed=clean[4].seed, marker=str(tmp_path / "marker"))))
+    engine = ScriptedEngine()
+    ref = sequential(clean, loop_config(), engine)
+    t0 = time.monotonic()
+    with SharedLLMInferenceManager(engine) as shared, _connect(ray_address, shared) as prm:
+        result = prm.rollout(faulty, loop_config())  # ActorDiedError: the manager runs the shards again
+        assert int((tmp_path / "marker").read_text()) != os.getpid()  # a worker died, not the driver
+        assert result.metrics["parallel/fallbacks"] + result.metrics.get("parallel/retried_shards", 0.0) >= 1
+        assert result.trajectories == ref
+        again = prm.rollout(clean, loop_config())  # a new actor pool
+        assert again.metrics["parallel/fallbacks"] == 0
+        assert again.trajectories == ref
+    assert time.monotonic() - t0 < 60
