@@ -132,7 +132,8 @@ def run_mode(mode: str, cfg: DictConfig, engine, bench: dict[str, Any]) -> dict[
         "fallbacks": int(m.get("parallel/fallbacks", 0)),
         "digest": rollout_digest(result.trajectories),
         "digests": [rollout_digest(r.trajectories) for _, r in runs],
-        "metrics": {k: v for k, v in m.items() if k.startswith("rollout/")},
+        # outcome metrics of the first repeat: the same seeds in both modes
+        "metrics": {k: v for k, v in runs[0][1].metrics.items() if k.startswith("rollout/")},
         "_fault": fault_info,
     }
 
