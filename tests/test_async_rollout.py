@@ -89,7 +89,8 @@ def test_fully_async_loses_and_duplicates_nothing(backend):
             assert len(groups) == setup.es["train"].env_groups
             for t in batch.trajectories:  # whole groups, never half-done
                 assert sum(x.group_id == t.group_id for x in batch.trajectories) == 2
-                assert len({x.policy_version for x in t.turns}) <= 1
+                versions = [x.policy_version for x in t.turns]
+                assert not versions or max(versions) - min(versions) <= 1  # at most max_version_span apart
             seen += groups
             time.sleep(0.02)
             update(proxy, engine)

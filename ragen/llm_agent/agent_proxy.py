@@ -219,7 +219,8 @@ class LLMAgentProxy:
             self._pool_async = FullyAsyncRolloutPool(
                 es, self.shared.client(timeout_s=self.setup.engine_timeout_s), self.setup.loop,
                 max_inflight_groups=self.setup.max_inflight_groups, n_jobs=self.setup.parallel_n_jobs,
-                backend="threading" if self.setup.parallel_backend == "threading" else "loky")
+                backend="threading" if self.setup.parallel_backend == "threading" else "loky",
+                max_version_span=max(1, self.setup.async_generation_ratio))
         bound = max(1, self.setup.async_generation_ratio)
         t0 = time.perf_counter()
         groups = []

@@ -134,14 +134,17 @@ class FullyAsyncRolloutPool:
 
     - ``get_batch(n)``: the ``n`` lowest-numbered completed groups, sorted by
       number; the others stay queued for the next call.
-    - A group whose turns were answered by more than one policy version (a
-      weight update landed mid-group) or whose worker failed is put back and
-      restarted from its start: never lost, never returned half-done.
+    - A group whose turns were answered by policy versions more than
+      ``max_version_span`` apart (weight updates landed mid-group; the bound is
+      ``max(1, async_generation_ratio)``: restarting on every update would
+      never finish groups longer than a training step) or whose worker failed
+      is put back and restarted from its start: never lost, never returned
+      half-done.
     - ``close()`` stops the scheduler and the worker processes.
     """
 
     def __init__(self, es, client, config, max_inflight_groups: int = 8, n_jobs: int = -1,
-                 backend: str = "loky", max_restarts: int = 3) -> None:
+                 backend: str = "loky", max_restarts: int = 3, max_version_span: int = 1) -> None:
         if max_inflight_groups < 1:
             raise ValueError(f"agent_proxy.max_inflight_groups must be >= 1, got {max_inflight_groups}")
         if backend not in ("loky", "threading"):
@@ -153,7 +156,10 @@ class FullyAsyncRolloutPool:
         self.config = config
         self.max_inflight_groups = max_inflight_groups
         self.max_restarts = max_restarts
-        self._n_workers = joblib.effective_n_jobs(n_jobs)
+        self.max_version_span = max_version_span
+        # One task is one group, and a group mostly waits for the engine: a worker per
+        # in-flight group (not per core) keeps max_inflight_groups really in flight.
+        self._n_workers = max(joblib.effective_n_jobs(n_jobs), max_inflight_groups)
         self._processes = backend == "loky"
         self._executor = self._new_executor()
         self._cond = threading.Condition()
@@ -198,8 +204,8 @@ class FullyAsyncRolloutPool:
                         result, failure = None, f"{type(exc).__name__}: {exc}"
                         self._replace_broken_executor()
                     versions = {t.policy_version for tr in (result or {}).get("trajectories", []) for t in tr.turns}
-                    if failure is None and len(versions) > 1:
-                        failure = f"a weight update landed mid-group (versions {sorted(versions)})"
+                    if failure is None and versions and max(versions) - min(versions) > self.max_version_span:
+                        failure = f"weight updates landed mid-group (versions {sorted(versions)})"
                     with self._cond:
                         if failure is None:
                             self._completed[index] = result["trajectories"]
