@@ -150,3 +150,18 @@ def test_parse_is_linear_on_long_runs_of_tags():
     for text in ("<think>" * 20000, "<think>x</think><answer>" * 5000, "<answer>" * 20000):
         ctx.parse_response(text)
     assert time.perf_counter() - t0 < 5  # the backtracking regex took minutes here
+
+
+def test_format_example_is_shown_but_never_trained_on():
+    from dataclasses import replace
+
+    c = ContextManager(ContextConfig())
+    spec = replace(_spec(), format_example=("example state", "<answer> wolf </answer>", ("owl", "wolf")))
+    prompt = c.build_messages(spec, [_turn(0)], "obs1", 9, ["Up"])
+    assert [m["role"] for m in prompt] == ["system", "user", "assistant", "user", "assistant", "user"]
+    assert "example state" in prompt[1]["content"] and "owl, wolf" in prompt[1]["content"]
+    messages = c.episode_messages(spec, [_turn(0)], ["Up"])
+    [ep] = c.formulate_rollouts([{"messages": messages, "turn_rewards": [2.0]}], CharTokenizer())
+    masked = "".join(chr(i) for i, m in zip(ep["input_ids"], ep["loss_mask"]) if m)
+    assert masked == "<answer>a0</answer><|im_end|>"  # the model's answer only, not the example's
+    assert sum(ep["token_rewards"]) == 2.0

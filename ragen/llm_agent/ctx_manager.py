@@ -98,15 +98,9 @@ class ContextManager:
 
     def episode_messages(self, spec: EnvSpec, turns: Sequence[Turn],
                          action_names: Sequence[str] | None) -> list[dict[str, str]]:
-        """System message, then a user message and the model's answer per turn."""
-        messages = [self.system_message(spec)]
-        last_reward = None
-        for i, t in enumerate(turns):
-            messages.append(self.user_message(i, t.observation, t.actions_left, action_names, last_reward,
-                                              spec.max_tokens))
-            messages.append({"role": "assistant", "content": t.response})
-            last_reward = t.reward + t.penalty
-        return messages
+        """System message, the env's format example if it has one, then a user
+        message and the model's answer per turn."""
+        return self._head(spec) + self._turn_messages(spec, turns, 0, action_names)
 
     def build_messages(
         self,
@@ -118,13 +112,30 @@ class ContextManager:
     ) -> list[dict[str, str]]:
         """The prompt for the next turn: the episode so far, cut to
         ``max_context_window`` past turns, and the new state."""
-        messages = self.episode_messages(spec, turns, action_names)
         window = self.config.max_context_window
-        if 0 <= window < len(turns):
-            messages = messages[:1] + (messages[len(messages) - 2 * window:] if window else [])
+        start = 0 if window < 0 else max(0, len(turns) - window)
         last_reward = turns[-1].reward + turns[-1].penalty if turns else None
-        messages.append(self.user_message(len(turns), observation, actions_left, action_names, last_reward,
-                                          spec.max_tokens))
+        return (self._head(spec) + self._turn_messages(spec, turns, start, action_names)
+                + [self.user_message(len(turns), observation, actions_left, action_names, last_reward,
+                                     spec.max_tokens)])
+
+    def _head(self, spec: EnvSpec) -> list[dict[str, str]]:
+        head = [self.system_message(spec)]
+        if spec.format_example:
+            observation, answer, names = spec.format_example
+            head += [self.user_message(0, observation, spec.max_actions_per_traj, names, None, spec.max_tokens),
+                     {"role": "assistant", "content": answer}]
+        return head
+
+    def _turn_messages(self, spec: EnvSpec, turns: Sequence[Turn], start: int,
+                       action_names: Sequence[str] | None) -> list[dict[str, str]]:
+        messages = []
+        for i in range(start, len(turns)):
+            t = turns[i]
+            last_reward = turns[i - 1].reward + turns[i - 1].penalty if i else None
+            messages.append(self.user_message(i, t.observation, t.actions_left, action_names, last_reward,
+                                              spec.max_tokens))
+            messages.append({"role": "assistant", "content": t.response})
         return messages
 
     # ----- parsing -------------------------------------------------------------
@@ -145,10 +156,11 @@ class ContextManager:
         """Token ids, loss mask and per-token rewards of each episode.
 
         ``episodes``: dicts with ``messages`` (system, user, assistant, ...) and
-        ``turn_rewards`` (one float per assistant message). The sequence is
-        built piece by piece so that the loss mask is exact: prompt pieces
-        (system, user, the template's headers) get mask 0, each answer and the
-        template's end-of-turn token after it get mask 1.
+        ``turn_rewards`` (one float per turn). The sequence is built piece by
+        piece so that the loss mask is exact: prompt pieces (system, user, the
+        template's headers) get mask 0, each answer and the template's
+        end-of-turn token after it get mask 1. Assistant messages before the
+        last ``len(turn_rewards)`` ones are format examples: mask 0.
         """
         out = []
         for ep in episodes:
@@ -164,9 +176,12 @@ class ContextManager:
         rewards: list[float] = []
         rendered = ""
         answer_ends: list[int] = []
+        n_examples = sum(m["role"] == "assistant" for m in messages) - len(turn_rewards)
         for k, msg in enumerate(messages):
             if msg["role"] != "assistant":
                 continue
+            example = n_examples > 0
+            n_examples -= 1
             before = tokenizer.apply_chat_template(messages[:k], add_generation_prompt=True, tokenize=False)
             after = tokenizer.apply_chat_template(messages[: k + 1], tokenize=False)
             prompt_piece = before[len(rendered):]
@@ -174,9 +189,10 @@ class ContextManager:
             p = tokenizer(prompt_piece, add_special_tokens=False)["input_ids"]
             a = tokenizer(answer_piece, add_special_tokens=False)["input_ids"]
             ids += p + a
-            mask += [0] * len(p) + [1] * len(a)
+            mask += [0] * len(p) + [0 if example else 1] * len(a)
             rewards += [0.0] * (len(p) + len(a))
-            answer_ends.append(len(ids) - 1)
+            if not example:
+                answer_ends.append(len(ids) - 1)
             rendered = before + answer_piece
         if answer_ends:
             if self.config.use_turn_scores:

@@ -84,7 +84,7 @@ class EnvStateManager:
             EnvSpec(env_id=group_id * self.group_size + m, group_id=group_id, tag=self.group_tags[g], seed=seed,
                     env_type=ts["env_type"], env_config=ts["env_config"], config_type=ts["config_type"],
                     max_actions_per_traj=ts["max_actions_per_traj"], env_instruction=ts["env_instruction"],
-                    max_tokens=ts["max_tokens"])
+                    max_tokens=ts["max_tokens"], format_example=ts["format_example"])
             for m in range(self.group_size)
         ]
 
@@ -115,7 +115,8 @@ def _validate_tag(tag: str, spec: Any) -> dict[str, Any]:
         raise ValueError(f"{key} must be a mapping")
     if "env_type" not in spec:
         raise ValueError(f"{key}.env_type is missing")
-    allowed = {"env_type", "config_type", "max_actions_per_traj", "env_instruction", "max_tokens", "env_config"}
+    allowed = {"env_type", "config_type", "max_actions_per_traj", "env_instruction", "max_tokens", "env_config",
+               "format_example"}
     unknown = set(spec) - allowed
     if unknown:
         raise ValueError(f"{key}: unknown keys {sorted(unknown)}; allowed: {sorted(allowed)}")
@@ -126,7 +127,16 @@ def _validate_tag(tag: str, spec: Any) -> dict[str, Any]:
     max_tokens = spec.get("max_tokens")
     if max_tokens is not None:
         max_tokens = _positive_int(max_tokens, f"{key}.max_tokens")
+    example = spec.get("format_example")
+    if example is not None:
+        if not isinstance(example, dict) or not isinstance(example.get("observation"), str) \
+                or not isinstance(example.get("answer"), str):
+            raise ValueError(f"{key}.format_example must have 'observation' and 'answer' strings "
+                             "(and optionally 'actions', a list of action names)")
+        names = example.get("actions")
+        example = (example["observation"], example["answer"], tuple(str(n) for n in names) if names else None)
     return {
+        "format_example": example,
         "env_type": spec["env_type"],
         "config_type": spec.get("config_type"),
         "env_config": env_config,

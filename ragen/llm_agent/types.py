@@ -40,6 +40,9 @@ class EnvSpec:
     max_actions_per_traj: int = 10
     env_instruction: str = ""
     max_tokens: int | None = None
+    # one worked exchange shown after the system message: (observation, answer,
+    # action names); it teaches the answer format and is never trained on
+    format_example: tuple[str, str, tuple[str, ...] | None] | None = None
 
     @property
     def pool_key(self) -> tuple:

@@ -1,0 +1,24 @@
+"""The trainer: GRPO/PPO on the agent's rollouts, with the rollout engine's own model.
+
+- ``config``: ``TrainerConfig``, the ``trainer.*`` / ``actor_rollout_ref.*`` /
+  ``algorithm.*`` keys, checked at start-up.
+- ``core``: ``Sample`` (one episode as tokens + loss mask + advantage), group
+  filtering, advantage estimators, token log-probs with shared prompt
+  prefixes, the clipped policy loss and the KL estimators.
+- ``actor``: ``PPOActor``, the update over mini- and micro-batches.
+- ``trainer``: ``AgentTrainer``, the loop: rollout -> samples -> update ->
+  weight sync, validation, checkpoints, resume.
+- ``checkpoint``: atomic checkpoints and finding the latest.
+- ``tracking``: metrics.jsonl, console summary, optional TensorBoard / W&B,
+  the learning-curve PNG.
+
+``train.py`` at the repository root is the Hydra command line over these.
+"""
+
+from ragen.trainer.actor import PPOActor
+from ragen.trainer.config import TrainerConfig
+from ragen.trainer.core import ADV_ESTIMATORS, Sample, compute_advantages, filter_groups, sequence_logprobs
+from ragen.trainer.trainer import AgentTrainer
+
+__all__ = ["ADV_ESTIMATORS", "AgentTrainer", "PPOActor", "Sample", "TrainerConfig", "compute_advantages",
+           "filter_groups", "sequence_logprobs"]

@@ -1,0 +1,226 @@
+"""PPOActor: the policy-gradient update of one batch of ``Sample``s.
+
+One ``update(samples, step)``:
+
+1. *Old log-probs*: log pi_old of every answer token, from the current model
+   before any weight changes. When the whole update is a single optimizer step
+   (one epoch, one mini-batch) they are taken, detached, from that step's own
+   forward pass: the weights are the same, so the values are too, and a second
+   pass over the batch is saved.
+2. *Reference log-probs* (``use_kl_loss`` only): the frozen reference policy,
+   which is the model with its LoRA adapter switched off, or a frozen copy of
+   the initial model for full fine-tuning.
+3. For each of ``ppo_epochs``: the samples (whole groups kept together, their
+   order shuffled by a generator seeded from (seed, step, epoch)) are cut into
+   mini-batches of ``ppo_mini_batch_size``; each mini-batch into micro-batches
+   of ``ppo_micro_batch_size_per_gpu`` whose gradients accumulate; then the
+   gradient is clipped to ``grad_clip`` and the optimizer steps, under the
+   engine's lock when the engine shares these weights.
+
+The loss per token is ``pg - entropy_coeff * entropy + kl_loss_coef * kl``,
+aggregated by ``loss_agg_mode``: ``token-mean`` (every answer token of the
+mini-batch weighs the same) or ``seq-mean-token-mean`` (every episode weighs
+the same). Both are exact whatever the micro-batch split. The model runs in
+eval mode throughout (no dropout), so the policy being scored is the policy
+that generated.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+from typing import Any, Callable, ContextManager, Sequence
+
+import torch
+
+from ragen.trainer.config import TrainerConfig
+from ragen.trainer.core import Sample, group_indices, kl_penalty, policy_loss, sequence_logprobs
+
+logger = logging.getLogger(__name__)
+
+
+class PPOActor:
+    def __init__(
+        self,
+        model: Any,
+        config: TrainerConfig,
+        pad_token_id: int = 0,
+        reference: Callable[[Sequence[Sample]], list[torch.Tensor]] | None = None,
+        weights_lock: Callable[[], ContextManager] | None = None,
+    ) -> None:
+        self.model = model
+        self.config = config
+        self.pad_token_id = int(pad_token_id)
+        self.reference = reference
+        self.weights_lock = weights_lock or contextlib.nullcontext
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        if not self.params:
+            key = "actor_rollout_ref.model.target_modules" if config.use_lora else "actor_rollout_ref.model"
+            raise ValueError(f"the model has no trainable parameters (check {key})")
+        if config.use_kl_loss and reference is None:
+            raise ValueError("actor_rollout_ref.actor.use_kl_loss is true but no reference policy was given")
+        self.optimizer = torch.optim.AdamW(self.params, lr=config.lr, betas=config.betas,
+                                           weight_decay=config.weight_decay)
+
+    @property
+    def num_trainable(self) -> int:
+        return sum(p.numel() for p in self.params)
+
+    # ------------------------------------------------------------ log-probs
+
+    def _forward(self, samples: Sequence[Sample], entropy_grad: bool = False):
+        return sequence_logprobs(self.model, samples, self.pad_token_id, with_entropy_grad=entropy_grad,
+                                 share_prefix=self.config.share_prefix)
+
+    @torch.no_grad()
+    def compute_log_probs(self, samples: Sequence[Sample]) -> list[torch.Tensor]:
+        """Per sample: log-probs of its answer tokens under the current weights."""
+        self.model.eval()
+        out: list[torch.Tensor] = []
+        micro = self.config.ppo_micro_batch_size_per_gpu
+        for start in range(0, len(samples), micro):
+            stats = self._forward(samples[start: start + micro])
+            out += list(torch.split(stats.logp.detach(), stats.counts))
+        return out
+
+    # ------------------------------------------------------------ update
+
+    def _order(self, samples: Sequence[Sample], step: int, epoch: int) -> list[int]:
+        """Sample positions, whole groups together; the group order shuffled per (seed, step, epoch)."""
+        groups = list(group_indices([s.group_key for s in samples]).values())
+        if self.config.shuffle and len(groups) > 1:
+            gen = torch.Generator().manual_seed(
+                (self.config.seed * 1_000_003 + step * 1_009 + epoch) % (2**63 - 1))
+            groups = [groups[i] for i in torch.randperm(len(groups), generator=gen).tolist()]
+        return [i for g in groups for i in g]
+
+    def update(self, samples: Sequence[Sample], step: int = 0) -> dict[str, float]:
+        cfg = self.config
+        samples = [s for s in samples if s.num_loss_tokens > 0]
+        if not samples:
+            logger.warning("step %d: no sample has answer tokens; the update is skipped", step)
+            return {"actor/n_optimizer_steps": 0.0}
+        self.model.eval()
+        n = len(samples)
+        mini = min(cfg.ppo_mini_batch_size, n)
+        micro = min(cfg.ppo_micro_batch_size_per_gpu, mini)
+        n_updates = cfg.ppo_epochs * math.ceil(n / mini)
+        old = None if n_updates == 1 else self.compute_log_probs(samples)
+        ref = None
+        if cfg.use_kl_loss:
+            with torch.no_grad():
+                ref = self.reference(samples)  # type: ignore[misc]
+        sums: dict[str, float] = {"pg": 0.0, "entropy": 0.0, "kl": 0.0, "ppo_kl": 0.0, "clip": 0.0, "tokens": 0.0}
+        grad_norms: list[float] = []
+        skipped = 0
+        for epoch in range(cfg.ppo_epochs):
+            order = self._order(samples, step, epoch)
+            for mb_start in range(0, n, mini):
+                mb = order[mb_start: mb_start + mini]
+                if cfg.loss_agg_mode == "token-mean":
+                    denom = float(sum(samples[i].num_loss_tokens for i in mb))
+                else:
+                    denom = float(len(mb))
+                for mc_start in range(0, len(mb), micro):
+                    idx = mb[mc_start: mc_start + micro]
+                    self._micro_step([samples[i] for i in idx], None if old is None else [old[i] for i in idx],
+                                     None if ref is None else [ref[i] for i in idx], denom, sums)
+                max_norm = cfg.grad_clip if cfg.grad_clip > 0 else float("inf")
+                norm = float(torch.nn.utils.clip_grad_norm_(self.params, max_norm))
+                if math.isfinite(norm):
+                    with self.weights_lock():
+                        self.optimizer.step()
+                    grad_norms.append(norm)
+                else:  # one bad batch must not poison the weights
+                    skipped += 1
+                    logger.warning("step %d: gradient norm is %s; this optimizer step is skipped", step, norm)
+                self.optimizer.zero_grad(set_to_none=True)
+        tokens = max(sums["tokens"], 1.0)
+        metrics = {
+            "actor/pg_loss": sums["pg"] / tokens,
+            "actor/entropy": sums["entropy"] / tokens,
+            "actor/ppo_kl": sums["ppo_kl"] / tokens,
+            "actor/clip_frac": sums["clip"] / tokens,
+            "actor/grad_norm": sum(grad_norms) / len(grad_norms) if grad_norms else float("nan"),
+            "actor/lr": self.optimizer.param_groups[0]["lr"],
+            "actor/n_optimizer_steps": float(len(grad_norms)),
+            "actor/skipped_steps": float(skipped),
+            "actor/n_samples": float(n),
+            "actor/n_tokens": float(sum(s.num_loss_tokens for s in samples)),
+        }
+        if cfg.use_kl_loss:
+            metrics["actor/kl"] = sums["kl"] / tokens
+        return metrics
+
+    def _micro_step(self, samples: Sequence[Sample], old: list[torch.Tensor] | None,
+                    ref: list[torch.Tensor] | None, denom: float, sums: dict[str, float]) -> None:
+        cfg = self.config
+        stats = self._forward(samples, entropy_grad=cfg.entropy_coeff != 0.0)
+        logp = stats.logp
+        device = logp.device
+        old_logp = logp.detach() if old is None else torch.cat(old).to(device)
+        adv = torch.cat([torch.full((c,), float(s.advantage), device=device) for s, c in zip(samples, stats.counts)])
+        pg, clipped = policy_loss(logp, old_logp, adv, cfg.clip_ratio_low, cfg.clip_ratio_high)
+        per_token = pg
+        if cfg.entropy_coeff != 0.0:
+            per_token = per_token - cfg.entropy_coeff * stats.entropy
+        kl = None
+        if ref is not None:
+            kl = kl_penalty(logp, torch.cat(ref).to(device), cfg.kl_loss_type)
+            per_token = per_token + cfg.kl_loss_coef * kl
+        if cfg.loss_agg_mode == "token-mean":
+            loss = per_token.sum() / denom
+        else:
+            loss = sum(part.mean() for part in torch.split(per_token, stats.counts)) / denom
+        loss.backward()
+        with torch.no_grad():
+            sums["pg"] += float(pg.sum())
+            sums["entropy"] += float(stats.entropy.sum())
+            sums["ppo_kl"] += float((old_logp - logp).sum())
+            sums["clip"] += float(clipped.sum())
+            sums["tokens"] += float(logp.numel())
+            if kl is not None:
+                sums["kl"] += float(kl.sum())
+
+
+# ---------------------------------------------------------------- reference policies
+
+
+def adapter_off_reference(peft_model: Any, pad_token_id: int, config: TrainerConfig):
+    """The reference of a LoRA run: the same model with its adapter switched off (no copy)."""
+
+    @torch.no_grad()
+    def ref(samples: Sequence[Sample]) -> list[torch.Tensor]:
+        out: list[torch.Tensor] = []
+        micro = config.ppo_micro_batch_size_per_gpu
+        with peft_model.disable_adapter():
+            for start in range(0, len(samples), micro):
+                stats = sequence_logprobs(peft_model, samples[start: start + micro], pad_token_id,
+                                          share_prefix=config.share_prefix)
+                out += list(torch.split(stats.logp, stats.counts))
+        return out
+
+    return ref
+
+
+def frozen_copy_reference(model: Any, pad_token_id: int, config: TrainerConfig):
+    """The reference of a full fine-tuning run: a frozen copy of the initial weights."""
+    import copy
+
+    frozen = copy.deepcopy(model).eval()
+    for p in frozen.parameters():
+        p.requires_grad_(False)
+
+    @torch.no_grad()
+    def ref(samples: Sequence[Sample]) -> list[torch.Tensor]:
+        out: list[torch.Tensor] = []
+        micro = config.ppo_micro_batch_size_per_gpu
+        for start in range(0, len(samples), micro):
+            stats = sequence_logprobs(frozen, samples[start: start + micro], pad_token_id,
+                                      share_prefix=config.share_prefix)
+            out += list(torch.split(stats.logp, stats.counts))
+        return out
+
+    ref.model = frozen  # type: ignore[attr-defined]
+    return ref

@@ -1,0 +1,129 @@
+"""Checkpoints: everything needed to continue a run as if it had not stopped.
+
+A checkpoint is a folder ``<run dir>/checkpoints/global_step_<N>/`` holding
+
+- ``state.pt``: the trainable weights (the whole model, or only the LoRA
+  adapter's tensors), the optimizer state, the step, the policy version, the
+  torch / numpy / python RNG states and the env state managers' state dicts
+  (their rollout counters decide the next rollout's env seeds);
+- ``meta.json``: the same scalars, readable by a person;
+- ``lora_adapter/`` (LoRA runs): the adapter in peft's format, for use elsewhere.
+
+*Atomic*: a checkpoint is written into a temporary folder that is renamed into
+place, then ``latest_checkpointed_iteration.txt`` (verl's name) is replaced
+atomically. A crash at any moment leaves the previous checkpoint intact and
+findable; a half-written folder is never taken for a checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import random
+import re
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+logger = logging.getLogger(__name__)
+
+LATEST_FILE = "latest_checkpointed_iteration.txt"
+STATE_FILE = "state.pt"
+_STEP_DIR = re.compile(r"^global_step_(\d+)$")
+
+
+def rng_state() -> dict[str, Any]:
+    return {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate(),
+            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    np.random.set_state(state["numpy"])
+    random.setstate(state["python"])
+    if state.get("cuda") is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def checkpoint_root(run_dir: str | os.PathLike) -> Path:
+    return Path(run_dir) / "checkpoints"
+
+
+def step_dir(run_dir: str | os.PathLike, step: int) -> Path:
+    return checkpoint_root(run_dir) / f"global_step_{step}"
+
+
+def _atomic_write_text(path: Path, text: str) -> None:
+    fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def save_checkpoint(run_dir: str | os.PathLike, step: int, state: dict[str, Any],
+                    meta: dict[str, Any] | None = None, peft_model: Any = None,
+                    max_to_keep: int | None = None) -> Path:
+    """Write checkpoint ``step`` atomically; return its folder."""
+    root = checkpoint_root(run_dir)
+    root.mkdir(parents=True, exist_ok=True)
+    final = step_dir(run_dir, step)
+    staging = Path(tempfile.mkdtemp(prefix=f".global_step_{step}.tmp-", dir=root))
+    try:
+        torch.save(state, staging / STATE_FILE)
+        (staging / "meta.json").write_text(json.dumps({"step": step, **(meta or {})}, indent=2, sort_keys=True))
+        if peft_model is not None:
+            peft_model.save_pretrained(str(staging / "lora_adapter"))
+        if final.exists():  # a checkpoint of the same step from an earlier attempt: replace it
+            shutil.rmtree(final)
+        os.rename(staging, final)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    _atomic_write_text(root / LATEST_FILE, str(step))
+    if max_to_keep:
+        for old in list_checkpoints(run_dir)[:-max_to_keep]:
+            shutil.rmtree(step_dir(run_dir, old), ignore_errors=True)
+    logger.info("saved checkpoint of step %d in %s", step, final)
+    return final
+
+
+def list_checkpoints(run_dir: str | os.PathLike) -> list[int]:
+    """Steps of the complete checkpoints, ascending."""
+    root = checkpoint_root(run_dir)
+    if not root.is_dir():
+        return []
+    steps = []
+    for child in root.iterdir():
+        match = _STEP_DIR.match(child.name)
+        if match and (child / STATE_FILE).is_file():
+            steps.append(int(match.group(1)))
+    return sorted(steps)
+
+
+def latest_checkpoint(run_dir: str | os.PathLike) -> int | None:
+    """The step named by the latest file, else the highest complete checkpoint, else None."""
+    root = checkpoint_root(run_dir)
+    steps = list_checkpoints(run_dir)
+    try:
+        named = int((root / LATEST_FILE).read_text().strip())
+        if named in steps:
+            return named
+    except (OSError, ValueError):
+        pass
+    return steps[-1] if steps else None
+
+
+def load_checkpoint(run_dir: str | os.PathLike, step: int) -> dict[str, Any]:
+    # weights_only=False: the state holds numpy/python RNG states; these are our own files.
+    return torch.load(step_dir(run_dir, step) / STATE_FILE, map_location="cpu", weights_only=False)

@@ -1,0 +1,287 @@
+"""The algorithm: from scored episodes to a policy-gradient loss.
+
+- *Group filtering* (``filter_groups``): RAGEN's ``rollout_filter_ratio``. A
+  group is the env instances that shared one initial state (one ``group_id``);
+  groups whose members all scored alike teach a group-normalized estimator
+  nothing, so only the top fraction of groups by in-group reward std is kept.
+- *Advantage estimators* (``compute_advantages``, ``ADV_ESTIMATORS``), one
+  scalar per episode, given to every token the model wrote in it:
+
+  - ``grpo``: the context manager's reward normalization (as configured), then
+    (score - group mean) / (group std + eps) per group; with
+    ``norm_adv_by_std_in_grpo: false`` only the mean is removed (Dr. GRPO).
+  - ``reinforce``: the context manager's reward normalization alone
+    (``agent_proxy.reward_normalization.grouping`` / ``.method``); with the
+    default ``identity`` that is the raw episode reward.
+
+- *Token log-probs* (``sequence_logprobs``): log pi(token | prefix) of the
+  model's own tokens, with the entropy of the next-token distribution there.
+  Sequences of one group start with the same prompt; that *shared prefix* is
+  run once (its key/value cache repeated for the members, which keeps gradients
+  exact) instead of once per member. On a CPU most tokens of an agent episode
+  are prompt, so this is the largest saving of the update.
+- *Losses*: PPO's clipped surrogate (``policy_loss``, asymmetric clip range
+  allowed), the low-variance KL estimator to a reference (``kl_penalty``), and
+  an entropy bonus; all are per-token and summed by the caller, who divides by
+  the mini-batch's token count (token-mean aggregation, independent of how the
+  mini-batch is cut into micro-batches).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+
+from ragen.llm_agent.ctx_manager import ContextConfig, ContextManager
+
+ADV_ESTIMATORS = ("grpo", "reinforce")
+# Below this many shared tokens a separate prefix pass costs more than it saves.
+MIN_SHARED_PREFIX = 8
+
+
+@dataclass
+class Sample:
+    """One episode as a training sequence (token lists; tensors are built per micro-batch)."""
+
+    input_ids: list[int]
+    loss_mask: list[int]  # 1 on the model's own tokens (answers and their end-of-turn token)
+    advantage: float
+    group_key: Any  # sequences with equal keys usually share their prompt
+    score: float = 0.0
+    truncated: bool = False  # cut at the maximum sequence length
+
+    @property
+    def num_loss_tokens(self) -> int:
+        return int(sum(self.loss_mask))
+
+
+# ---------------------------------------------------------------- groups & advantages
+
+
+def group_indices(group_ids: Sequence[Any]) -> dict[Any, list[int]]:
+    """group id -> positions, in order of first appearance."""
+    groups: dict[Any, list[int]] = {}
+    for i, g in enumerate(group_ids):
+        groups.setdefault(g, []).append(i)
+    return groups
+
+
+def filter_groups(scores: Sequence[float], group_ids: Sequence[Any], ratio: float) -> list[int]:
+    """Positions of the episodes in the top ``ratio`` of groups by reward std.
+
+    At least one group is kept; ties keep the earlier group (a stable sort), so
+    the choice is deterministic. ``ratio >= 1`` keeps everything.
+    """
+    if not 0.0 < ratio <= 1.0:
+        raise ValueError(f"actor_rollout_ref.rollout.rollout_filter_ratio must be in (0, 1], got {ratio}")
+    groups = group_indices(group_ids)
+    if ratio >= 1.0:
+        return list(range(len(scores)))
+    x = np.asarray(scores, dtype=np.float64)
+    keys = list(groups)
+    stds = [float(x[groups[k]].std()) for k in keys]
+    n_keep = max(1, int(math.ceil(ratio * len(keys))))
+    order = sorted(range(len(keys)), key=lambda i: -stds[i])  # sorted() is stable
+    kept = {keys[i] for i in order[:n_keep]}
+    return [i for i, g in enumerate(group_ids) if g in kept]
+
+
+def compute_advantages(
+    scores: Sequence[float],
+    group_ids: Sequence[Any],
+    tags: Sequence[str],
+    context: ContextConfig,
+    estimator: str = "grpo",
+    norm_adv_by_std: bool = True,
+) -> np.ndarray:
+    """One advantage per episode; see the module docstring for the estimators."""
+    if estimator not in ADV_ESTIMATORS:
+        raise ValueError(f"algorithm.adv_estimator: unknown {estimator!r}; choose one of {ADV_ESTIMATORS}")
+    shaped = ContextManager(context).normalize_rewards(scores, group_ids, tags)
+    if estimator == "reinforce":
+        return shaped
+    # GRPO's own normalization is always per state group, whatever the shaping grouping was.
+    method = "mean_std" if norm_adv_by_std else "mean"
+    grouped = ContextManager(replace(context, reward_grouping="state", reward_method=method))
+    return grouped.normalize_rewards(shaped, group_ids, tags)
+
+
+# ---------------------------------------------------------------- log-probs
+
+
+@dataclass
+class TokenStats:
+    """Per micro-batch: values at the loss tokens, flattened in sample order."""
+
+    logp: torch.Tensor  # (n_tokens,)
+    entropy: torch.Tensor  # (n_tokens,)
+    counts: list[int]  # loss tokens per sample
+
+
+def _gather(logits: torch.Tensor, targets: torch.Tensor, with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """log p(targets) and entropy from (n, vocab) logits, in float32."""
+    logits = logits.float()
+    logz = torch.logsumexp(logits, dim=-1)
+    logp = logits.gather(-1, targets[:, None])[:, 0] - logz
+    if with_entropy:
+        probs = torch.softmax(logits, dim=-1)
+        entropy = logz - (probs * logits).sum(-1)
+    else:
+        with torch.no_grad():
+            probs = torch.softmax(logits, dim=-1)
+            entropy = logz - (probs * logits).sum(-1)
+    return logp, entropy
+
+
+def _loss_positions(sample: Sample) -> list[int]:
+    """Positions t (t >= 1) whose token is the model's; its log-prob comes from logits at t - 1."""
+    return [t for t, m in enumerate(sample.loss_mask) if m and t >= 1]
+
+
+def _common_prefix(seqs: Sequence[Sequence[int]]) -> int:
+    first = seqs[0]
+    n = min(len(s) for s in seqs)
+    for i in range(n):
+        tok = first[i]
+        if any(s[i] != tok for s in seqs[1:]):
+            return i
+    return n
+
+
+def _model_device(model: Any) -> torch.device:
+    return next(model.parameters()).device
+
+
+def sequence_logprobs(
+    model: Any,
+    samples: Sequence[Sample],
+    pad_token_id: int = 0,
+    with_entropy_grad: bool = False,
+    share_prefix: bool = True,
+) -> TokenStats:
+    """Log-probs (and entropies) of each sample's loss tokens under ``model``.
+
+    Samples with the same ``group_key`` whose token lists share at least
+    ``MIN_SHARED_PREFIX`` leading tokens are run as one prefix pass plus a
+    batch of suffixes; the rest as one left-padded batch. Gradients flow when
+    the caller has them enabled; results are in sample order either way.
+    """
+    device = _model_device(model)
+    per_sample: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * len(samples)
+    rest: list[int] = []
+    clusters = group_indices([s.group_key for s in samples]) if share_prefix else {}
+    if not share_prefix:
+        rest = list(range(len(samples)))
+    for members in clusters.values():
+        if len(members) < 2:
+            rest += members
+            continue
+        seqs = [samples[i].input_ids for i in members]
+        first_loss = min(_loss_positions(samples[i])[0] for i in members if _loss_positions(samples[i]))
+        # The token before the first answer token stays in the suffix: its logits score that answer token.
+        shared = min(_common_prefix(seqs), first_loss - 1)
+        if shared < MIN_SHARED_PREFIX:
+            rest += members
+            continue
+        for i, out in zip(members, _shared_prefix_pass(model, [samples[i] for i in members], shared, device,
+                                                        pad_token_id, with_entropy_grad)):
+            per_sample[i] = out
+    if rest:
+        rest.sort()
+        for i, out in zip(rest, _padded_pass(model, [samples[i] for i in rest], device, pad_token_id,
+                                             with_entropy_grad)):
+            per_sample[i] = out
+    logps = [p[0] for p in per_sample]  # type: ignore[index]
+    ents = [p[1] for p in per_sample]  # type: ignore[index]
+    return TokenStats(logp=torch.cat(logps), entropy=torch.cat(ents), counts=[len(x) for x in logps])
+
+
+def _shared_prefix_pass(model, samples: Sequence[Sample], shared: int, device, pad_token_id: int,
+                        with_entropy_grad: bool) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    n = len(samples)
+    prefix = torch.tensor([samples[0].input_ids[:shared]], dtype=torch.long, device=device)
+    out = model(input_ids=prefix, use_cache=True, logits_to_keep=1)
+    cache = out.past_key_values
+    # Every member attends to the same prefix keys/values; repeat_interleave is differentiable,
+    # so the prefix's gradient is the sum over members, as in n separate passes.
+    cache.batch_repeat_interleave(n)
+    suffixes = [s.input_ids[shared:] for s in samples]
+    width = max(len(s) for s in suffixes)
+    ids = torch.full((n, width), pad_token_id, dtype=torch.long, device=device)
+    for row, suffix in enumerate(suffixes):  # right padding: pads come after every real token
+        ids[row, : len(suffix)] = torch.tensor(suffix, dtype=torch.long)
+    mask = torch.ones((n, shared + width), dtype=torch.long, device=device)
+    positions = (shared + torch.arange(width, device=device)).unsqueeze(0).expand(n, -1)
+    logits = model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache,
+                   use_cache=True).logits
+    results = []
+    for row, sample in enumerate(samples):
+        pos = torch.tensor(_loss_positions(sample), dtype=torch.long, device=device)
+        targets = torch.tensor(sample.input_ids, dtype=torch.long, device=device)[pos]
+        results.append(_gather(logits[row, pos - 1 - shared], targets, with_entropy_grad))
+    return results
+
+
+def _padded_pass(model, samples: Sequence[Sample], device, pad_token_id: int,
+                 with_entropy_grad: bool) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    n = len(samples)
+    width = max(len(s.input_ids) for s in samples)
+    ids = torch.full((n, width), pad_token_id, dtype=torch.long, device=device)
+    mask = torch.zeros((n, width), dtype=torch.long, device=device)
+    offsets = []
+    for row, s in enumerate(samples):  # left padding, as in generation
+        off = width - len(s.input_ids)
+        ids[row, off:] = torch.tensor(s.input_ids, dtype=torch.long)
+        mask[row, off:] = 1
+        offsets.append(off)
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    # Logits only where they are read: the last `keep` positions hold every answer token.
+    firsts = [offsets[r] + _loss_positions(s)[0] - 1 for r, s in enumerate(samples) if _loss_positions(s)]
+    start = min(firsts) if firsts else width - 1
+    keep = width - start
+    logits = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=False,
+                   logits_to_keep=keep).logits
+    results = []
+    for row, sample in enumerate(samples):
+        pos = torch.tensor(_loss_positions(sample), dtype=torch.long, device=device)
+        targets = torch.tensor(sample.input_ids, dtype=torch.long, device=device)[pos]
+        results.append(_gather(logits[row, pos + offsets[row] - 1 - start], targets, with_entropy_grad))
+    return results
+
+
+# ---------------------------------------------------------------- losses
+
+
+def policy_loss(
+    logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    advantages: torch.Tensor,
+    clip_low: float,
+    clip_high: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """PPO's clipped surrogate per token, and whether the clip was active there."""
+    ratio = torch.exp(logp - old_logp)
+    unclipped = -advantages * ratio
+    clipped = -advantages * torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high)
+    loss = torch.maximum(unclipped, clipped)
+    return loss, (clipped > unclipped).float()
+
+
+def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, kind: str = "low_var_kl") -> torch.Tensor:
+    """Per-token KL(pi || ref) estimate: ``kl`` (k1), ``mse`` (k2) or ``low_var_kl`` (k3, clamped)."""
+    diff = logp - ref_logp
+    if kind == "kl":
+        return diff
+    if kind == "mse":
+        return 0.5 * diff.square()
+    if kind == "low_var_kl":
+        log_ratio = torch.clamp(-diff, -20.0, 20.0)
+        return torch.clamp(torch.exp(log_ratio) - log_ratio - 1.0, -10.0, 10.0)
+    raise ValueError(f"actor_rollout_ref.actor.kl_loss_type: unknown {kind!r}; choose one of {KL_TYPES}")
+
+
+KL_TYPES = ("low_var_kl", "kl", "mse")

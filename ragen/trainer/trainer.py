@@ -1,0 +1,405 @@
+"""AgentTrainer: the RL loop around the rollout engine.
+
+One training step::
+
+    rollout (LLMAgentProxy, sequential or parallel)      -> trajectories
+    group filtering (rollout_filter_ratio)               -> kept groups
+    advantages (algorithm.adv_estimator)                 -> one per episode
+    ContextManager.formulate_rollouts                    -> token ids + loss masks
+    PPOActor.update (clipped PG, micro-batches, clip)    -> new weights
+    weight sync                                          -> policy version + 1
+
+*One policy*: with the ``hf`` engine the trainer trains ``engine.model``
+itself (LoRA layers, when asked for, are injected into that same object), so
+the next rollout samples from the new weights with no copy; the optimizer
+steps under the proxy's engine lock and the engine's policy version is then
+bumped. With ``vllm`` the trainer keeps its own transformers model and pushes
+its (LoRA-merged) weights with ``engine.load_weights`` after each step. Every
+turn records the policy version that answered it; the step checks that the
+rollout it trains on came from the current version.
+
+*Validation* runs the ``val`` env set through the same proxy (so it shares
+``max_concurrent_rollouts``) before training (``val_before_train``) and every
+``test_freq`` steps (and at the last step).
+
+*Checkpoints* (``save_freq`` and the last step) and *resume*: see
+``ragen.trainer.checkpoint``. On resume the metrics log is cut back to the
+checkpoint's step, so the steps redone are logged once.
+
+Start-up checks run before any model loads where they can: every trainer key
+(``TrainerConfig``), every rollout key (``AgentSetup``), batch sizes against
+the train env count, the engine kind, ``model_path`` and the run folder.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+from typing import Any, Callable, Mapping
+
+import numpy as np
+import torch
+
+from ragen.llm.default_model import resolve_model_path
+from ragen.llm_agent.agent_proxy import AgentSetup, LLMAgentProxy
+from ragen.llm_agent.ctx_manager import ContextManager
+from ragen.llm_agent.es_manager import to_plain
+from ragen.llm_agent.types import RolloutResult
+from ragen.trainer import checkpoint as ckpt
+from ragen.trainer.actor import PPOActor, adapter_off_reference, frozen_copy_reference
+from ragen.trainer.config import TrainerConfig
+from ragen.trainer.core import Sample, compute_advantages, filter_groups
+from ragen.trainer.tracking import CURVE_FILE, METRICS_FILE, Tracking, plot_learning_curve, summary_line, \
+    truncate_metrics
+
+logger = logging.getLogger(__name__)
+
+
+def rename_rollout_metrics(metrics: Mapping[str, float], split: str) -> dict[str, float]:
+    """``rollout/...`` -> ``train/...`` or ``val/...``; the other names (timing, engine) are kept,
+    prefixed with ``val/`` for validation so they never overwrite the training step's."""
+    out = {}
+    for key, value in metrics.items():
+        if key.startswith("rollout/"):
+            out[f"{split}/{key[len('rollout/'):]}"] = value
+        elif split == "train":
+            out[key] = value
+        else:
+            out[f"val/{key}"] = value
+    return out
+
+
+class AgentTrainer:
+    """See the module docstring. Build with ``AgentTrainer(cfg)``; run with ``fit()``."""
+
+    def __init__(self, cfg: Mapping[str, Any], engine: Any = None,
+                 console: Callable[[str], None] | None = None) -> None:
+        plain = to_plain(cfg)
+        # ---- start-up checks: no model is loaded before all of these pass
+        self.config = TrainerConfig.from_config(plain)
+        self.setup = AgentSetup.from_config(plain)
+        engine_cfg = dict(plain.get("engine") or {})
+        self.engine_name = getattr(engine, "name", None) or engine_cfg.get("name")
+        self.config.check_against(self.setup.es["train"].num_envs, str(self.engine_name))
+        self.model_path = resolve_model_path(plain.get("model_path", "default")) if engine is None else None
+        self.run_dir = Path(self.config.default_local_dir).expanduser().resolve()
+        resume_step = self._check_run_dir()
+
+        # ---- build: engine (loads the model), trainable policy, proxy
+        torch.manual_seed(self.config.seed)  # LoRA's initialization draws from the global generator
+        self._owns_engine = engine is None
+        if engine is None:
+            from ragen.llm import make_engine
+
+            engine = make_engine(engine_cfg, self.model_path)
+        self.engine = engine
+        self.proxy = None
+        try:
+            self._build(cfg, plain, resume_step, console)
+        except BaseException:
+            if self.proxy is not None:
+                self.proxy.close()
+            if self._owns_engine:
+                engine.close()
+            raise
+
+    def _build(self, cfg: Mapping[str, Any], plain: Mapping[str, Any], resume_step: int | None,
+               console: Callable[[str], None] | None) -> None:
+        engine = self.engine
+        self.model, self.tokenizer = self._policy_model(engine)
+        self.peft_model = None
+        if self.config.use_lora:
+            self.peft_model = self._apply_lora(self.model)
+        self.policy = self.peft_model if self.peft_model is not None else self.model
+        pad = self.tokenizer.pad_token_id
+        pad = pad if pad is not None else (self.tokenizer.eos_token_id or 0)
+        reference = None
+        if self.config.use_kl_loss:
+            reference = (adapter_off_reference(self.peft_model, pad, self.config) if self.peft_model is not None
+                         else frozen_copy_reference(self.model, pad, self.config))
+        self.proxy = LLMAgentProxy(self.setup, engine)
+        shares_weights = self.engine_name == "hf"
+        self.actor = PPOActor(self.policy, self.config, pad, reference=reference,
+                              weights_lock=(lambda: self.proxy.engine_lock) if shares_weights else None)
+        self.ctx = ContextManager(self.setup.loop.context)
+        self.global_step = 0
+        logger.info("trainable parameters: %d (%s)", self.actor.num_trainable,
+                    f"LoRA rank {self.config.lora_rank}" if self.config.use_lora else "full fine-tuning")
+        if resume_step is not None:
+            self._load(resume_step)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self._save_config(cfg)
+        self.tracking = Tracking(self.run_dir, self.config.logger, self.config.project_name,
+                                 self.config.experiment_name, config=plain, console=console)
+
+    # ------------------------------------------------------------ construction helpers
+
+    def _check_run_dir(self) -> int | None:
+        """The checkpoint step to resume from, or None for a fresh run."""
+        existing = ckpt.list_checkpoints(self.run_dir)
+        if self.config.resume:
+            step = ckpt.latest_checkpoint(self.run_dir)
+            if step is None:
+                logger.info("trainer.resume is true but %s holds no checkpoint: starting from step 0", self.run_dir)
+            return step
+        if existing:
+            raise ValueError(
+                f"trainer.default_local_dir={str(self.run_dir)!r} already holds checkpoints (steps {existing}); "
+                "set trainer.resume=true to continue that run, or choose another trainer.experiment_name / "
+                "trainer.default_local_dir"
+            )
+        stale = self.run_dir / METRICS_FILE
+        if stale.is_file():
+            logger.warning("%s is from a run that saved no checkpoint; starting it afresh", stale)
+            stale.unlink()
+        return None
+
+    def _policy_model(self, engine: Any) -> tuple[Any, Any]:
+        if self.engine_name == "hf":
+            return engine.model, engine.tokenizer
+        # vllm: the engine's weights live in its own runtime; train a transformers copy and push weights.
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        path = self.model_path or resolve_model_path(getattr(engine, "model_path", "default"))
+        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, local_files_only=True).to(device)
+        return model, AutoTokenizer.from_pretrained(path, local_files_only=True)
+
+    def _apply_lora(self, model: Any) -> Any:
+        from peft import LoraConfig, get_peft_model
+
+        cfg = self.config
+        lora = LoraConfig(r=cfg.lora_rank, lora_alpha=cfg.lora_alpha, target_modules=cfg.target_modules,
+                          lora_dropout=0.0, bias="none", task_type="CAUSAL_LM")
+        try:
+            # Injects LoRA layers into `model` in place: the engine's model object is the one trained.
+            peft_model = get_peft_model(model, lora)
+        except ValueError as exc:
+            raise ValueError(f"actor_rollout_ref.model.target_modules={cfg.target_modules!r}: {exc}") from exc
+        n = sum(p.numel() for p in peft_model.parameters() if p.requires_grad)
+        if n == 0:
+            raise ValueError(f"actor_rollout_ref.model.target_modules={cfg.target_modules!r} gives no trainable "
+                             "parameters")
+        return peft_model
+
+    def _save_config(self, cfg: Mapping[str, Any]) -> None:
+        try:
+            from omegaconf import OmegaConf
+
+            OmegaConf.save(OmegaConf.create(to_plain(cfg)), self.run_dir / "config.yaml")
+        except Exception:  # a record for people; the run does not depend on it
+            logger.debug("could not write config.yaml", exc_info=True)
+
+    # ------------------------------------------------------------ the loop
+
+    def fit(self, on_step: Callable[[int, dict[str, float]], None] | None = None) -> dict[str, float]:
+        """Train to ``total_training_steps``; return the last step's metrics."""
+        cfg = self.config
+        last: dict[str, float] = {}
+        if cfg.val_before_train and self.global_step == 0:
+            t0 = time.perf_counter()
+            last = {**self.validate(), "timing/val_s": time.perf_counter() - t0,
+                    "policy_version": self.engine.policy_version}
+            self.tracking.log(last, step=0)
+            self.tracking.summary("baseline " + summary_line({"step": 0, **last}, cfg.total_training_steps))
+        for step in range(self.global_step + 1, cfg.total_training_steps + 1):
+            t0 = time.perf_counter()
+            metrics = self.train_step(step)
+            if cfg.test_freq > 0 and (step % cfg.test_freq == 0 or step == cfg.total_training_steps):
+                tv = time.perf_counter()
+                metrics.update(self.validate())
+                metrics["timing/val_s"] = time.perf_counter() - tv
+            metrics["timing/step_s"] = time.perf_counter() - t0
+            metrics["step"] = step
+            self.global_step = step
+            self.tracking.log(metrics, step=step)
+            self.tracking.summary(summary_line(metrics, cfg.total_training_steps))
+            if (cfg.save_freq > 0 and step % cfg.save_freq == 0) or step == cfg.total_training_steps:
+                self.save()
+            if on_step is not None:
+                on_step(step, metrics)
+            last = metrics
+        self.plot()
+        return last
+
+    def train_step(self, step: int) -> dict[str, float]:
+        version = self.engine.policy_version
+        t0 = time.perf_counter()
+        # synchronous, generated ahead (async_generation_ratio) or fully async, as configured
+        result = self.proxy.next_train_batch(version)
+        rollout_s = time.perf_counter() - t0
+        metrics = rename_rollout_metrics(result.metrics, "train")
+        metrics["timing/rollout_s"] = rollout_s
+        metrics.update(self.proxy.async_metrics())
+        versions = [t.policy_version for traj in result.trajectories for t in traj.turns]
+        lag = version - min(versions) if versions else 0
+        metrics["train/policy_lag"] = float(lag)
+        setup = self.proxy.setup
+        if lag and setup.async_generation_ratio == 0 and setup.rollout_mode == "sync":
+            logger.warning("step %d: the rollout was answered by policy versions %s, the trainer is at %d",
+                           step, sorted(set(versions)), version)
+        t1 = time.perf_counter()
+        samples, batch_metrics = self.make_samples(result)
+        metrics.update(batch_metrics)
+        metrics.update(self.actor.update(samples, step))
+        self.sync_weights()
+        metrics["timing/update_s"] = time.perf_counter() - t1
+        metrics["policy_version"] = self.engine.policy_version
+        return metrics
+
+    def validate(self) -> dict[str, float]:
+        with self.proxy.generation_paused():  # background generation waits while we evaluate
+            result = self.proxy.rollout("val")
+        return rename_rollout_metrics(result.metrics, "val")
+
+    # ------------------------------------------------------------ batch
+
+    def make_samples(self, result: RolloutResult) -> tuple[list[Sample], dict[str, float]]:
+        """Training samples of the kept groups, with their advantages, and batch metrics."""
+        cfg = self.config
+        trajs = [(t, s) for t, s in zip(result.trajectories, result.specs) if t.turns]
+        metrics: dict[str, float] = {}
+        if not trajs:
+            return [], {"batch/n_samples": 0.0}
+        episodes = [{"messages": self.ctx.episode_messages(spec, t.turns, t.action_names),
+                     "turn_rewards": [tn.reward + tn.penalty for tn in t.turns]} for t, spec in trajs]
+        rows = self.ctx.formulate_rollouts(episodes, self.tokenizer, cfg.max_model_len)
+        n_turns = sum(len(t.turns) for t, _ in trajs)
+        answer_tokens = [sum(r["loss_mask"]) for r in rows]
+        metrics["response_length/mean"] = sum(answer_tokens) / max(n_turns, 1)
+        metrics["response_length/max"] = float(max(answer_tokens))
+        metrics["response_length/clip_ratio"] = sum(
+            tn.finish_reason == "length" for t, _ in trajs for tn in t.turns) / max(n_turns, 1)
+        scores = [t.reward for t, _ in trajs]
+        group_ids = [t.group_id for t, _ in trajs]
+        kept = filter_groups(scores, group_ids, cfg.rollout_filter_ratio)
+        adv = compute_advantages([scores[i] for i in kept], [group_ids[i] for i in kept],
+                                 [trajs[i][0].tag for i in kept], self.setup.loop.context,
+                                 cfg.adv_estimator, cfg.norm_adv_by_std_in_grpo)
+        samples = []
+        for a, i in zip(adv, kept):
+            row = rows[i]
+            samples.append(Sample(
+                input_ids=row["input_ids"], loss_mask=row["loss_mask"], advantage=float(a),
+                group_key=group_ids[i], score=scores[i],
+                truncated=cfg.max_model_len is not None and len(row["input_ids"]) >= cfg.max_model_len,
+            ))
+        n_groups = len(set(group_ids))
+        metrics.update({
+            "batch/n_groups": float(n_groups),
+            "batch/kept_groups": float(len({group_ids[i] for i in kept})),
+            "batch/n_samples": float(len(samples)),
+            "batch/truncated": float(sum(s.truncated for s in samples)),
+            "batch/seq_len_mean": float(np.mean([len(s.input_ids) for s in samples])) if samples else 0.0,
+            "batch/advantage_abs_mean": float(np.mean(np.abs(adv))) if len(adv) else 0.0,
+            "batch/zero_adv_frac": float(np.mean(np.abs(adv) < 1e-8)) if len(adv) else 0.0,
+        })
+        return samples, metrics
+
+    # ------------------------------------------------------------ weights
+
+    def sync_weights(self) -> int:
+        """Make the engine answer with the new weights; return the new policy version."""
+        if self.engine_name == "hf":
+            # The engine holds these very tensors: the optimizer stepped under its lock.
+            return self.engine.bump_policy_version()
+        before = self.engine.policy_version
+        with self.proxy.engine_lock:
+            self.engine.load_weights(self._merged_weights())
+        if self.engine.policy_version == before:
+            self.engine.bump_policy_version()
+        return self.engine.policy_version
+
+    def _merged_weights(self) -> list[tuple[str, torch.Tensor]]:
+        """The policy's weights under the base model's names (LoRA merged in)."""
+        if self.peft_model is None:
+            return [(n, p.detach()) for n, p in self.model.named_parameters()]
+        self.peft_model.merge_adapter()
+        try:
+            out = []
+            for name, p in self.model.named_parameters():
+                if "lora_" in name:
+                    continue
+                out.append((name.replace(".base_layer.", "."), p.detach().clone()))
+            return out
+        finally:
+            self.peft_model.unmerge_adapter()
+
+    def trainable_state(self) -> dict[str, torch.Tensor]:
+        """What a checkpoint stores of the model: all of it, or the LoRA adapter's tensors."""
+        if self.peft_model is None:
+            return {k: v.detach().clone() for k, v in self.model.state_dict().items()}
+        return {n: p.detach().clone() for n, p in self.peft_model.named_parameters() if p.requires_grad}
+
+    # ------------------------------------------------------------ checkpoints
+
+    def save(self) -> Path:
+        state = {
+            "step": self.global_step,
+            "policy_version": self.engine.policy_version,
+            "model": self.trainable_state(),
+            "lora": self.peft_model is not None,
+            "optimizer": self.actor.optimizer.state_dict(),
+            "rng": ckpt.rng_state(),
+            "es_manager": {split: es.state_dict() for split, es in self.setup.es.items()},
+        }
+        meta = {"policy_version": self.engine.policy_version, "lora_rank": self.config.lora_rank,
+                "experiment_name": self.config.experiment_name}
+        return ckpt.save_checkpoint(self.run_dir, self.global_step, state, meta,
+                                    peft_model=self.peft_model, max_to_keep=self.config.max_ckpt_to_keep)
+
+    def _load(self, step: int) -> None:
+        state = ckpt.load_checkpoint(self.run_dir, step)
+        if bool(state.get("lora")) != (self.peft_model is not None):
+            raise ValueError(
+                f"the checkpoint of step {step} in {self.run_dir} was written "
+                f"{'with' if state.get('lora') else 'without'} LoRA; actor_rollout_ref.model.lora_rank must match"
+            )
+        with torch.no_grad(), self.proxy.engine_lock:
+            if self.peft_model is None:
+                self.model.load_state_dict(state["model"])
+            else:
+                params = dict(self.peft_model.named_parameters())
+                for name, tensor in state["model"].items():
+                    if name not in params:
+                        raise ValueError(f"checkpoint tensor {name!r} has no place in this LoRA model "
+                                         "(actor_rollout_ref.model.lora_rank / target_modules changed?)")
+                    params[name].copy_(tensor)
+        self.actor.optimizer.load_state_dict(state["optimizer"])
+        for split, es_state in state["es_manager"].items():
+            self.setup.es[split].load_state_dict(es_state)
+        ckpt.set_rng_state(state["rng"])
+        self.global_step = int(state["step"])
+        if self.engine_name == "hf":
+            self.engine.policy_version = int(state["policy_version"])
+        else:
+            self.engine.load_weights(self._merged_weights())
+            self.engine.policy_version = int(state["policy_version"])
+        dropped = truncate_metrics(self.run_dir / METRICS_FILE, self.global_step)
+        logger.info("resumed from the checkpoint of step %d (policy version %d)%s", self.global_step,
+                    self.engine.policy_version, f"; dropped {dropped} later metric rows" if dropped else "")
+
+    # ------------------------------------------------------------ end
+
+    def plot(self) -> Path | None:
+        try:
+            path = plot_learning_curve(self.run_dir / METRICS_FILE, self.run_dir / CURVE_FILE,
+                                       title=f"{self.config.project_name}/{self.config.experiment_name}")
+        except Exception:  # a missing plot must not fail a finished run
+            logger.exception("could not draw the learning curve")
+            return None
+        logger.info("learning curve: %s", path)
+        return path
+
+    def close(self) -> None:
+        self.proxy.close()
+        self.tracking.close()
+        if self._owns_engine:  # an engine handed in belongs to the caller
+            self.engine.close()
+
+    def __enter__(self) -> "AgentTrainer":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()

@@ -1,0 +1,73 @@
+"""train.py end to end: the Hydra command line on the tiny model (hf engine), in a subprocess."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from ragen.trainer.tracking import read_metrics
+from tests.rollout_helpers import ROOT
+
+
+def _run(args: list[str], tmp_path, config_name: str = "base", timeout: int = 300) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    return subprocess.run([sys.executable, str(ROOT / "train.py"), "--config-name", config_name,
+                           f"hydra.run.dir={tmp_path / 'hydra'}", *args],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def _small(model_path: str, run_dir) -> list[str]:
+    return [
+        f"model_path={model_path}",
+        f"trainer.default_local_dir={run_dir}",
+        "trainer.total_training_steps=2",
+        "trainer.test_freq=1",
+        "trainer.save_freq=1",
+        "es_manager.train.env_groups=2",
+        "es_manager.train.group_size=4",
+        "es_manager.train.env_configs.n_groups=[2]",
+        "es_manager.val.env_groups=2",
+        "es_manager.val.env_configs.tags=[BanditTest]",
+        "es_manager.val.env_configs.n_groups=[2]",
+        "agent_proxy.max_turn=1",
+        "agent_proxy.enable_think=false",
+        "custom_envs.Bandit.max_tokens=8",
+        "custom_envs.BanditTest.max_tokens=8",
+        "actor_rollout_ref.actor.ppo_mini_batch_size=8",
+        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4",
+        "algorithm.adv_estimator=reinforce",
+        "actor_rollout_ref.model.lora_rank=0",
+    ]
+
+
+@pytest.mark.parametrize("config_name", ["base", "base-parallel"])
+def test_train_py_two_steps(tiny_model_path, tmp_path, config_name):
+    run_dir = tmp_path / "run"
+    extra = ["agent_proxy.parallel_n_jobs=2"] if config_name == "base-parallel" else []
+    proc = _run([*_small(tiny_model_path, run_dir), *extra], tmp_path, config_name)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    rows = read_metrics(run_dir / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [0, 1, 2]  # baseline, then the two steps
+    assert rows[0]["policy_version"] == 0 and rows[2]["policy_version"] == 2
+    for key in ("train/reward", "val/success", "actor/pg_loss", "timing/step_s"):
+        assert key in rows[2], key
+    assert (run_dir / "checkpoints" / "global_step_2" / "state.pt").is_file()
+    assert (run_dir / "learning_curve.png").stat().st_size > 0
+    assert "step 2/2" in proc.stdout  # the one-line summary
+    assert "learning_curve.png" in proc.stdout
+
+    # a second call with trainer.resume=true continues from the step-2 checkpoint: one more step, logged once
+    again = _run([*_small(tiny_model_path, run_dir), *extra, "trainer.resume=true",
+                  "trainer.total_training_steps=3"], tmp_path, config_name)
+    assert again.returncode == 0, again.stderr[-5000:]
+    assert [r["step"] for r in read_metrics(run_dir / "metrics.jsonl")] == [0, 1, 2, 3]
+
+
+def test_train_py_bad_config_names_the_key(tiny_model_path, tmp_path):
+    proc = _run([*_small(tiny_model_path, tmp_path / "run"), "algorithm.adv_estimator=nope"], tmp_path)
+    assert proc.returncode == 2
+    assert "algorithm.adv_estimator" in proc.stderr
+    assert "Traceback" not in proc.stderr

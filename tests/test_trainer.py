@@ -1,0 +1,386 @@
+"""The trainer (ragen.trainer): losses, advantages, the update, weight sync, checkpoints, config checks.
+
+Every test runs on CPU with the tiny random model from ``build_tiny_model``.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+
+from ragen.llm.types import GenerationRequest, SamplingParams
+from ragen.llm_agent.ctx_manager import ContextConfig, ContextManager
+from ragen.trainer import AgentTrainer, PPOActor, Sample, TrainerConfig, compute_advantages, filter_groups
+from ragen.trainer import checkpoint as ckpt
+from ragen.trainer.core import kl_penalty, policy_loss, sequence_logprobs
+from ragen.trainer.tracking import read_metrics
+from tests.rollout_helpers import ROOT
+
+CONFIG_DIR = str(ROOT / "config")
+
+
+@pytest.fixture(autouse=True)
+def one_torch_thread():
+    """The tiny model gains nothing from threads, and on a busy 2-core machine two threads that wait
+    for each other make every forward pass ~10x slower."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def small_overrides(model_path: str, run_dir, *extra: str) -> list[str]:
+    """A run on the tiny model with few, short episodes (seconds per step)."""
+    out = [
+        f"model_path={model_path}",
+        f"trainer.default_local_dir={run_dir}",
+        "trainer.total_training_steps=2",
+        "trainer.test_freq=0",
+        "trainer.save_freq=1",
+        "trainer.val_before_train=false",
+        "trainer.logger=[jsonl]",
+        "es_manager.train.env_groups=2",
+        "es_manager.train.group_size=4",
+        "es_manager.train.env_configs.n_groups=[2]",
+        "es_manager.val.env_groups=2",
+        "es_manager.val.env_configs.tags=[BanditTest]",
+        "es_manager.val.env_configs.n_groups=[2]",
+        "agent_proxy.max_turn=2",
+        "agent_proxy.enable_think=false",
+        "ctx_manager.generation.response_length=12",
+        "custom_envs.Bandit.max_tokens=12",
+        "custom_envs.BanditTest.max_tokens=12",
+        "actor_rollout_ref.actor.ppo_mini_batch_size=4",
+        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2",
+        "actor_rollout_ref.actor.optim.lr=1e-3",
+        # The tiny model's answers are all malformed (reward -0.1 each): plain REINFORCE still moves
+        # the weights, where a group-normalized advantage would be 0.
+        "algorithm.adv_estimator=reinforce",
+        *extra,
+    ]
+    # full fine-tuning unless a test asks for LoRA (Hydra refuses a key given twice)
+    if not any(e.startswith("actor_rollout_ref.model.lora_rank=") for e in extra):
+        out.append("actor_rollout_ref.model.lora_rank=0")
+    return out
+
+
+def compose_cfg(overrides: list[str], name: str = "base"):
+    with initialize_config_dir(config_dir=CONFIG_DIR, version_base=None):
+        return compose(name, overrides=overrides)
+
+
+# ---------------------------------------------------------------- pieces
+
+
+def test_filter_groups_keeps_the_most_varied_groups():
+    scores = [1, 1, 1, 0, 1, 0, 0, 0]  # group 0: std 0; group 1: 0.5; group 2: 0.5; group 3: 0
+    groups = [0, 0, 1, 1, 2, 2, 3, 3]
+    assert filter_groups(scores, groups, 1.0) == list(range(8))
+    assert filter_groups(scores, groups, 0.5) == [2, 3, 4, 5]
+    assert filter_groups(scores, groups, 0.25) == [2, 3]  # ties: the earlier group
+    assert filter_groups(scores, groups, 0.01) == [2, 3]  # at least one group
+    with pytest.raises(ValueError, match="rollout_filter_ratio"):
+        filter_groups(scores, groups, 0.0)
+
+
+def test_advantage_estimators():
+    ctx = ContextConfig()
+    scores, groups, tags = [1.0, 0.0, 0.5, 0.5], [0, 0, 1, 1], ["A"] * 4
+    grpo = compute_advantages(scores, groups, tags, ctx, "grpo")
+    np.testing.assert_allclose(grpo, [1.0, -1.0, 0.0, 0.0], atol=1e-5)
+    drgrpo = compute_advantages(scores, groups, tags, ctx, "grpo", norm_adv_by_std=False)
+    np.testing.assert_allclose(drgrpo, [0.5, -0.5, 0.0, 0.0])
+    np.testing.assert_allclose(compute_advantages(scores, groups, tags, ctx, "reinforce"), scores)  # identity
+    mean_ctx = ContextConfig(reward_grouping="batch", reward_method="mean")
+    np.testing.assert_allclose(compute_advantages(scores, groups, tags, mean_ctx, "reinforce"),
+                               [0.5, -0.5, 0.0, 0.0])
+    with pytest.raises(ValueError, match="algorithm.adv_estimator"):
+        compute_advantages(scores, groups, tags, ctx, "ppo_gae")
+
+
+def test_policy_loss_clips_only_where_it_should():
+    logp = torch.log(torch.tensor([1.5, 0.5, 1.1, 1.5]))
+    old = torch.zeros(4)
+    adv = torch.tensor([1.0, -1.0, 1.0, -1.0])
+    loss, clipped = policy_loss(logp, old, adv, 0.2, 0.2)
+    # ratio 1.5 with A>0: clipped at 1.2; 0.5 with A<0: clipped at 0.8; 1.1: inside; 1.5 with A<0: unclipped
+    np.testing.assert_allclose(loss.numpy(), [-1.2, 0.8, -1.1, 1.5], rtol=1e-6)
+    assert clipped.tolist() == [1.0, 1.0, 0.0, 0.0]
+    for kind in ("low_var_kl", "kl", "mse"):
+        assert torch.all(kl_penalty(logp, logp, kind) == 0)
+    assert torch.all(kl_penalty(logp, old) >= 0)  # k3 is never negative
+
+
+def _episode_samples(tokenizer, answers, advantages, prompt="Choose dragon or phoenix.", group=0):
+    ctx = ContextManager(ContextConfig(enable_think=False))
+    system = {"role": "system", "content": "You're a helpful assistant. Pick one arm."}
+    episodes = [{"messages": [system, {"role": "user", "content": prompt}, {"role": "assistant", "content": a}],
+                 "turn_rewards": [float(adv)]} for a, adv in zip(answers, advantages)]
+    rows = ctx.formulate_rollouts(episodes, tokenizer)
+    return [Sample(r["input_ids"], r["loss_mask"], float(adv), group_key=group)
+            for r, adv in zip(rows, advantages)]
+
+
+def test_shared_prefix_log_probs_and_gradients_match_plain_passes(tiny_model_and_tokenizer):
+    model, tok = tiny_model_and_tokenizer
+    samples = _episode_samples(tok, ["<answer> dragon </answer>", "<answer> phoenix </answer>",
+                                     "I pick <answer> dragon </answer> now", "no"], [1, -1, 1, -1])
+    samples += _episode_samples(tok, ["<answer> Up </answer>"], [1], prompt="Another, longer question here?", group=1)
+    shared = sequence_logprobs(model, samples, tok.pad_token_id, share_prefix=True)
+    plain = sequence_logprobs(model, samples, tok.pad_token_id, share_prefix=False)
+    assert shared.counts == plain.counts == [s.num_loss_tokens for s in samples]
+    torch.testing.assert_close(shared.logp, plain.logp, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(shared.entropy, plain.entropy, atol=1e-4, rtol=1e-4)
+    # a single sequence, scored alone with full logits, agrees too
+    ids = torch.tensor([samples[0].input_ids])
+    with torch.no_grad():
+        lp = torch.log_softmax(model(input_ids=ids).logits[0].float(), -1)
+    pos = [t for t, m in enumerate(samples[0].loss_mask) if m]
+    expected = torch.stack([lp[t - 1, samples[0].input_ids[t]] for t in pos])
+    torch.testing.assert_close(shared.logp[: len(pos)], expected, atol=1e-4, rtol=1e-4)
+
+    grads = []
+    for share in (True, False):
+        model.zero_grad()
+        sequence_logprobs(model, samples, tok.pad_token_id, share_prefix=share).logp.sum().backward()
+        grads.append(torch.cat([p.grad.flatten() for p in model.parameters()]))
+    assert float((grads[0] - grads[1]).norm() / grads[1].norm()) < 1e-4
+
+
+def _actor(model, **overrides) -> PPOActor:
+    options = {"ppo_mini_batch_size": 8, "ppo_micro_batch_size_per_gpu": 8, "lr": 3e-3, "weight_decay": 0.0,
+               "shuffle": False, **overrides}
+    cfg = TrainerConfig(**options)
+    return PPOActor(model, cfg, pad_token_id=0)
+
+
+def _answer_logp(model, samples) -> list[float]:
+    with torch.no_grad():
+        stats = sequence_logprobs(model, samples, 0)
+    return [float(x.sum()) for x in torch.split(stats.logp, stats.counts)]
+
+
+def test_updates_raise_the_rewarded_answer_and_lower_the_other(tiny_model_and_tokenizer):
+    model, tok = tiny_model_and_tokenizer
+    good, bad = "<answer> dragon </answer>", "<answer> phoenix </answer>"
+    samples = _episode_samples(tok, [good, bad] * 4, [1.0, -1.0] * 4)
+    before = _answer_logp(model, samples[:2])
+    actor = _actor(model)
+    for step in range(4):
+        metrics = actor.update(samples, step)
+        assert metrics["actor/n_optimizer_steps"] == 1.0
+        assert np.isfinite(metrics["actor/grad_norm"]) and metrics["actor/grad_norm"] > 0
+    after = _answer_logp(model, samples[:2])
+    assert after[0] > before[0] + 0.5, (before, after)
+    assert after[1] < before[1] - 0.5, (before, after)
+
+
+def test_update_is_deterministic_and_independent_of_the_micro_batch_split(tiny_model_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_model_path)
+    weights, losses = [], []
+    for micro in (8, 3, 1):
+        model = AutoModelForCausalLM.from_pretrained(tiny_model_path).eval()
+        samples = _episode_samples(tok, ["<answer> dragon </answer>", "<answer> phoenix </answer>", "x y z",
+                                         "<answer> dragon </answer> ok"] * 2, [1.0, -1.0, -0.5, 0.5] * 2)
+        actor = _actor(model, ppo_micro_batch_size_per_gpu=micro, entropy_coeff=0.01)
+        m = actor.update(samples, 0)
+        losses.append(m["actor/pg_loss"])
+        weights.append(torch.cat([p.detach().flatten() for p in model.parameters()]))
+    for w in weights[1:]:
+        # Adam divides by sqrt(v): near-zero gradients turn float noise into up to ~1% of a step (lr 3e-3)
+        torch.testing.assert_close(w, weights[0], atol=5e-5, rtol=1e-4)
+    assert max(losses) - min(losses) < 1e-6
+
+
+def test_several_minibatches_and_epochs_use_precomputed_old_log_probs(tiny_model_and_tokenizer):
+    model, tok = tiny_model_and_tokenizer
+    samples = _episode_samples(tok, ["<answer> dragon </answer>", "<answer> phoenix </answer>"] * 4, [1.0, -1.0] * 4)
+    actor = PPOActor(model, TrainerConfig(ppo_mini_batch_size=4, ppo_micro_batch_size_per_gpu=2, ppo_epochs=2,
+                                          lr=1e-2, clip_ratio_low=0.1, clip_ratio_high=0.1), pad_token_id=0)
+    m = actor.update(samples, 0)
+    assert m["actor/n_optimizer_steps"] == 4.0
+    # after the first optimizer step the policy moved away from pi_old: the ratio is no longer 1
+    assert m["actor/ppo_kl"] != 0.0
+    assert m["actor/clip_frac"] > 0.0
+
+
+# ---------------------------------------------------------------- the trainer
+
+
+def test_engine_samples_from_the_trained_weights(tiny_model_path, tmp_path):
+    cfg = compose_cfg(small_overrides(tiny_model_path, tmp_path / "run", "trainer.total_training_steps=1",
+                                      "actor_rollout_ref.actor.optim.lr=5e-2"))
+    with AgentTrainer(cfg) as trainer:
+        engine = trainer.engine
+        assert trainer.policy is engine.model  # one model: the engine's
+        request = [GenerationRequest(messages=[{"role": "user", "content": "Choose dragon or phoenix."}])]
+        greedy = SamplingParams(temperature=0.0, max_tokens=12)
+        before = engine.generate(request, greedy)[0]
+        first = trainer.proxy.rollout("train")
+        assert {t.policy_version for tr in first.trajectories for t in tr.turns} == {0}
+        samples, _ = trainer.make_samples(first)
+        # make sure this step moves the weights whatever the random rewards were
+        for i, s in enumerate(samples):
+            s.advantage = 1.0 if i % 2 == 0 else -1.0
+        w0 = [p.detach().clone() for p in engine.model.parameters()]
+        trainer.actor.update(samples, 1)
+        assert trainer.sync_weights() == 1
+        assert any(not torch.equal(a, b) for a, b in zip(w0, engine.model.parameters()))
+        after = engine.generate(request, greedy)[0]
+        assert before.policy_version == 0 and after.policy_version == 1
+        assert after.response_token_ids != before.response_token_ids  # greedy answers follow the new weights
+        second = trainer.proxy.rollout("train")
+        assert {t.policy_version for tr in second.trajectories for t in tr.turns} == {1}
+
+
+def test_lora_trains_the_engine_model_in_place(tiny_model_path, tmp_path):
+    cfg = compose_cfg(small_overrides(tiny_model_path, tmp_path / "run", "trainer.total_training_steps=1",
+                                      "actor_rollout_ref.model.lora_rank=4", "actor_rollout_ref.model.lora_alpha=8",
+                                      "actor_rollout_ref.actor.use_kl_loss=true"))
+    with AgentTrainer(cfg) as trainer:
+        engine = trainer.engine
+        assert trainer.peft_model is not None
+        assert trainer.peft_model.get_base_model() is engine.model
+        base = {n: p.detach().clone() for n, p in engine.model.named_parameters() if "lora_" not in n}
+        metrics = trainer.fit()
+        assert metrics["policy_version"] == 1 and engine.policy_version == 1
+        assert "actor/kl" in metrics
+        for n, p in engine.model.named_parameters():
+            if "lora_" not in n:
+                assert torch.equal(p, base[n]), n  # the base weights stay frozen
+        assert any(n.startswith("base_model.") and "lora_B" in n and p.abs().sum() > 0
+                   for n, p in trainer.peft_model.named_parameters())
+        assert (trainer.run_dir / "checkpoints" / "global_step_1" / "lora_adapter").is_dir()
+
+
+def _step_metrics(run_dir, step):
+    return next(r for r in read_metrics(run_dir / "metrics.jsonl") if r["step"] == step)
+
+
+COMPARED = ("train/reward", "train/success", "actor/pg_loss", "actor/grad_norm", "actor/entropy",
+            "response_length/mean", "policy_version")
+
+
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_resume_reproduces_the_next_step(tiny_model_path, tmp_path, lora):
+    extra = ["trainer.test_freq=1", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2"]
+    if lora:
+        extra += ["actor_rollout_ref.model.lora_rank=4", "actor_rollout_ref.actor.optim.lr=1e-2"]
+    run = tmp_path / "run"
+    with AgentTrainer(compose_cfg(small_overrides(tiny_model_path, run, *extra))) as trainer:
+        trainer.fit()
+        final = trainer.trainable_state()
+    uninterrupted = _step_metrics(run, 2)
+
+    # "crash" after step 1: step 2's checkpoint never got written
+    shutil.rmtree(run / "checkpoints" / "global_step_2")
+    (run / "checkpoints" / ckpt.LATEST_FILE).write_text("1")
+    with AgentTrainer(compose_cfg(small_overrides(tiny_model_path, run, "trainer.resume=true", *extra))) as trainer:
+        assert trainer.global_step == 1 and trainer.engine.policy_version == 1
+        assert [r["step"] for r in read_metrics(run / "metrics.jsonl")] == [1]  # step 2's row dropped
+        trainer.fit()
+        resumed_state = trainer.trainable_state()
+    resumed = _step_metrics(run, 2)
+    assert [r["step"] for r in read_metrics(run / "metrics.jsonl")] == [1, 2]
+    for key in COMPARED:
+        assert resumed[key] == pytest.approx(uninterrupted[key], rel=1e-5, abs=1e-7), key
+    assert resumed["val/reward"] == pytest.approx(uninterrupted["val/reward"])
+    assert set(final) == set(resumed_state)
+    for name, tensor in final.items():
+        torch.testing.assert_close(resumed_state[name], tensor, atol=1e-6, rtol=1e-5)
+
+
+def test_checkpoints_are_atomic_and_pruned(tmp_path):
+    run = tmp_path / "run"
+    for step in (1, 2, 3):
+        ckpt.save_checkpoint(run, step, {"step": step}, max_to_keep=2)
+    assert ckpt.list_checkpoints(run) == [2, 3]
+    assert ckpt.latest_checkpoint(run) == 3
+    # a half-written folder (no state.pt) and a stale pointer are never taken for a checkpoint
+    (run / "checkpoints" / "global_step_9").mkdir()
+    (run / "checkpoints" / ckpt.LATEST_FILE).write_text("9")
+    assert ckpt.latest_checkpoint(run) == 3
+    assert ckpt.load_checkpoint(run, 3)["step"] == 3
+
+
+# ---------------------------------------------------------------- bad configs
+
+
+@pytest.fixture
+def no_model_loading(monkeypatch):
+    """Fails the test if a model would be loaded."""
+    import ragen.llm
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a model was loaded before the config was checked")
+
+    monkeypatch.setattr(ragen.llm, "make_engine", refuse)
+
+
+@pytest.mark.parametrize(
+    "override, key",
+    [
+        ("algorithm.adv_estimator=ppo_gae", "algorithm.adv_estimator"),
+        ("actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8", "ppo_micro_batch_size_per_gpu"),
+        ("actor_rollout_ref.actor.ppo_mini_batch_size=64", "ppo_mini_batch_size"),
+        ("actor_rollout_ref.rollout.rollout_filter_ratio=0", "actor_rollout_ref.rollout.rollout_filter_ratio"),
+        ("actor_rollout_ref.actor.optim.lr=0", "actor_rollout_ref.actor.optim.lr"),
+        ("actor_rollout_ref.actor.kl_loss_type=bogus", "actor_rollout_ref.actor.kl_loss_type"),
+        ("trainer.logger=[console,mlflow]", "trainer.logger"),
+        ("trainer.total_training_steps=0", "trainer.total_training_steps"),
+        ("actor_rollout_ref.model.lora_rank=-1", "actor_rollout_ref.model.lora_rank"),
+        ("model_path=/nonexistent/model/folder", "model_path"),
+        ("engine=scripted", "engine.name"),
+        ("es_manager.train.group_size=0", "es_manager.train.group_size"),
+    ],
+)
+def test_bad_config_fails_at_start_up_naming_the_key(tiny_model_path, tmp_path, no_model_loading, override, key):
+    cfg = compose_cfg(small_overrides(tiny_model_path, tmp_path / "run", override))
+    with pytest.raises(ValueError, match=key.replace(".", r"\.")):
+        AgentTrainer(cfg)
+
+
+def test_lora_matching_no_module_fails_naming_the_key(tiny_model_path, tmp_path):
+    cfg = compose_cfg(small_overrides(tiny_model_path, tmp_path / "run", "actor_rollout_ref.model.lora_rank=4",
+                                      "actor_rollout_ref.model.target_modules=[no_such_proj]"))
+    with pytest.raises(ValueError, match=r"actor_rollout_ref\.model\.target_modules"):
+        AgentTrainer(cfg)
+
+
+def test_no_trainable_parameters_is_an_error(tiny_model_and_tokenizer):
+    model, _ = tiny_model_and_tokenizer
+    for p in model.parameters():
+        p.requires_grad_(False)
+    with pytest.raises(ValueError, match="no trainable parameters"):
+        PPOActor(model, TrainerConfig())
+
+
+def test_existing_run_needs_resume(tiny_model_path, tmp_path, no_model_loading):
+    run = tmp_path / "run"
+    ckpt.save_checkpoint(run, 1, {"step": 1})
+    with pytest.raises(ValueError, match=r"trainer\.resume"):
+        AgentTrainer(compose_cfg(small_overrides(tiny_model_path, run)))
+
+
+def test_metrics_log_has_the_stable_names(tiny_model_path, tmp_path):
+    run = tmp_path / "run"
+    cfg = compose_cfg(small_overrides(tiny_model_path, run, "trainer.total_training_steps=1",
+                                      "trainer.val_before_train=true", "trainer.test_freq=1"))
+    with AgentTrainer(cfg) as trainer:
+        trainer.fit()
+    rows = read_metrics(run / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [0, 1]
+    assert {"val/success", "val/reward", "val/BanditTest/success", "policy_version"} <= set(rows[0])
+    names = {"step", "policy_version", "train/reward", "train/success", "train/Bandit/success", "val/success",
+             "val/reward", "val/BanditTest/success", "actor/pg_loss", "actor/entropy", "actor/grad_norm",
+             "actor/clip_frac", "timing/rollout_s", "timing/update_s", "timing/step_s", "response_length/mean"}
+    assert names <= set(rows[1]), names - set(rows[1])
+    assert (run / "learning_curve.png").stat().st_size > 0
+    assert json.loads((run / "checkpoints" / "global_step_1" / "meta.json").read_text())["policy_version"] == 1

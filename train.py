@@ -1,0 +1,61 @@
+"""Train an LLM agent with RL on the rollout engine (Hydra command line).
+
+    python train.py                                   # config/base.yaml
+    python train.py --config-name base-parallel       # parallel rollout
+    python train.py trainer.total_training_steps=50 actor_rollout_ref.model.lora_rank=16
+    python train.py trainer.resume=true               # continue the run in trainer.default_local_dir
+
+The logic lives in ``ragen.trainer``; this file parses the config, shows a
+progress bar and the one-line summary of each step, and reports where the
+metrics, checkpoints and learning curve went.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import hydra
+from omegaconf import DictConfig
+
+
+def run(cfg: DictConfig) -> dict:
+    """Build the trainer from ``cfg``, train, and return the last step's metrics."""
+    from tqdm import tqdm
+
+    from ragen.trainer import AgentTrainer
+
+    bar = None
+
+    def console(line: str) -> None:
+        # Printed through tqdm so that the summary lines and the bar do not tear each other.
+        (bar.write if bar is not None else print)(line)
+
+    try:
+        trainer = AgentTrainer(cfg, console=console)
+    except ValueError as exc:  # a bad config, found at start-up: one clear line, no traceback
+        print(f"error: {exc}", file=sys.stderr)
+        sys.exit(2)
+    try:
+        total = trainer.config.total_training_steps
+        bar = tqdm(total=total, initial=trainer.global_step, desc="train", unit="step", dynamic_ncols=True,
+                   file=sys.stderr)
+        last = trainer.fit(on_step=lambda step, metrics: bar.update(1))
+        bar.close()
+        print(f"run folder: {trainer.run_dir}")
+        print(f"  metrics:        {trainer.run_dir / 'metrics.jsonl'}")
+        print(f"  checkpoints:    {trainer.run_dir / 'checkpoints'}")
+        print(f"  learning curve: {trainer.run_dir / 'learning_curve.png'}")
+        return last
+    finally:
+        if bar is not None:
+            bar.close()
+        trainer.close()
+
+
+@hydra.main(config_path="config", config_name="base", version_base=None)
+def main(cfg: DictConfig) -> None:
+    run(cfg)
+
+
+if __name__ == "__main__":
+    main()
