@@ -68,7 +68,8 @@ def assert_only_bad_group_hit(result, reference, reasons, error_has=""):
     """The faulty group ends with one of ``reasons``; every other trajectory is the fault-free one."""
     assert [t.env_id for t in result.trajectories] == [t.env_id for t in reference]  # nothing lost
     for got, want in zip(result.trajectories, reference):
-        if got.group_id == BAD:
+        if got.group_id == BAD and not (want.num_actions == 0 and _strip([got]) == _strip([want])):
+            # (an env the policy never stepped cannot meet a fault in step: it is the fault-free one)
             assert got.stop_reason in reasons, got
             assert got.error and error_has in got.error, got.error
         else:
