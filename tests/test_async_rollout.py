@@ -50,7 +50,7 @@ def test_k1_never_trains_on_data_more_than_one_version_old():
         seeds = []
         for step in range(6):
             batch = proxy.next_train_batch(engine.policy_version)
-            assert staleness(batch, engine.policy_version) <= 1
+            assert staleness(batch.trajectories, engine.policy_version) <= 1
             seeds.append(batch.trajectories[0].seed)
             time.sleep(0.05)  # the "training step"
             if step == 2:
@@ -71,7 +71,7 @@ def test_ahead_drops_batches_older_than_k():
     ahead = RolloutAhead(lambda: Fake(next(versions)), 1)
     try:
         got = ahead.get(5)  # versions 0 are 5 behind: dropped until a fresh batch comes
-        assert staleness(got, 5) == 0 and ahead.stats.dropped_stale == 2
+        assert staleness(got.trajectories, 5) == 0 and ahead.stats.dropped_stale == 2
     finally:
         ahead.close()
 

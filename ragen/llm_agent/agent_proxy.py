@@ -27,7 +27,7 @@ from typing import Any, Iterator, Mapping
 
 from ragen.llm.types import Engine, SamplingParams
 from ragen.llm_agent.cluster import ClusterConfig
-from ragen.llm_agent.async_rollout import FullyAsyncRolloutPool, RolloutAhead
+from ragen.llm_agent.async_rollout import FullyAsyncRolloutPool, RolloutAhead, staleness
 from ragen.llm_agent.ctx_manager import ContextConfig
 from ragen.llm_agent.es_manager import EnvStateManager, compute_metrics, to_plain
 from ragen.llm_agent.parallel_rollout import BACKENDS, ParallelRolloutManager
@@ -226,7 +226,7 @@ class LLMAgentProxy:
         groups = []
         while len(groups) < es.env_groups:
             for index, trajs in self._pool_async.get_batch(es.env_groups - len(groups)):
-                lag = policy_version - min((t.policy_version for tr in trajs for t in tr.turns), default=policy_version)
+                lag = staleness(trajs, policy_version)
                 if lag > bound:
                     self._async_counts["dropped_stale"] += 1
                     continue

@@ -25,8 +25,9 @@ from ragen.llm_agent.types import RolloutResult
 logger = logging.getLogger(__name__)
 
 
-def staleness(result: RolloutResult, version: int) -> int:
-    versions = [t.policy_version for tr in result.trajectories for t in tr.turns]
+def staleness(trajectories, version: int) -> int:
+    """How many policy versions behind ``version`` the oldest answer in ``trajectories`` is."""
+    versions = [t.policy_version for tr in trajectories for t in tr.turns]
     return version - min(versions) if versions else 0
 
 
@@ -96,7 +97,7 @@ class RolloutAhead:
                 self._slots.release()
                 if isinstance(result, BaseException):
                     raise result
-            lag = staleness(result, version)
+            lag = staleness(result.trajectories, version)
             if lag > self.ahead:
                 self.stats.dropped_stale += 1
                 logger.warning("dropped a rollout %d policy versions old (async_generation_ratio=%d)", lag, self.ahead)

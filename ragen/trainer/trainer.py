@@ -43,6 +43,7 @@ import torch
 
 from ragen.llm.default_model import resolve_model_path
 from ragen.llm_agent.agent_proxy import AgentSetup, LLMAgentProxy
+from ragen.llm_agent.async_rollout import staleness
 from ragen.llm_agent.ctx_manager import ContextManager
 from ragen.llm_agent.es_manager import to_plain
 from ragen.llm_agent.types import RolloutResult
@@ -232,13 +233,12 @@ class AgentTrainer:
         metrics = rename_rollout_metrics(result.metrics, "train")
         metrics["timing/rollout_s"] = rollout_s
         metrics.update(self.proxy.async_metrics())
-        versions = [t.policy_version for traj in result.trajectories for t in traj.turns]
-        lag = version - min(versions) if versions else 0
+        lag = staleness(result.trajectories, version)
         metrics["train/policy_lag"] = float(lag)
         setup = self.proxy.setup
         if lag and setup.async_generation_ratio == 0 and setup.rollout_mode == "sync":
-            logger.warning("step %d: the rollout was answered by policy versions %s, the trainer is at %d",
-                           step, sorted(set(versions)), version)
+            logger.warning("step %d: the rollout was answered by a policy %d versions old, the trainer is at %d",
+                           step, lag, version)
         t1 = time.perf_counter()
         samples, batch_metrics = self.make_samples(result)
         metrics.update(batch_metrics)
