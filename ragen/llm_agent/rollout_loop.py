@@ -238,24 +238,23 @@ def run_envs(
     stats = LoopStats()
     slots = [_EnvSlot(s) for s in specs]
     try:
-        t0 = time.perf_counter()
         created = pool.created
-        for slot in slots:
-            _guard(slot, stats, isolate_errors, _reset, slot, pool, call)
-        stats.env_reset_s += time.perf_counter() - t0
-        stats.envs_created = pool.created - created
-
         streams = _split_streams(slots, config.pipeline_depth)
         client.open_streams(len(streams))
         open_streams = len(streams)
         inflight: dict[int, list[_EnvSlot]] = {}
         try:
+            # Each micro-batch asks for its first answers as soon as its own envs
+            # are reset: the model works on them while the next one resets.
             for stream in streams:
-                _submit(stream, client, ctx, config, inflight, stats)
-            for stream in streams:
-                if not any(s.active for s in stream):
+                t0 = time.perf_counter()
+                for slot in stream:
+                    _guard(slot, stats, isolate_errors, _reset, slot, pool, call)
+                stats.env_reset_s += time.perf_counter() - t0
+                if not _submit(stream, client, ctx, config, inflight, stats):
                     client.close_stream()
                     open_streams -= 1
+            stats.envs_created = pool.created - created
             while inflight:
                 t0 = time.perf_counter()
                 ticket, completions = client.wait_any()

@@ -20,7 +20,8 @@
 Wire format: frames of a 4-byte big-endian length and a JSON object. Client ->
 manager: ``{"op": "open"|"close", "n": k}`` (streams), ``{"op": "gen",
 "ticket": t, "requests": [...], "sampling": {...}}``. Manager -> client:
-``{"ticket": t, "completions": [...]}`` or ``{"ticket": t, "error": msg}``.
+``{"ticket": t, "completions": [...]}`` (without token ids: they stay in the
+driver) or ``{"ticket": t, "error": msg}``.
 A malformed message gets an error reply and the connection goes on; an
 oversized frame or a failed handshake closes that connection only.
 """
@@ -82,10 +83,12 @@ def _recv_frame(sock: socket.socket, max_bytes: int) -> tuple[bytes, int]:
 
 
 def _wire(completion: Completion) -> dict[str, Any]:
-    # Workers sent the prompt and never read its token ids: keep them out of the
-    # reply (they are most of its bytes).
+    # Workers read the text, finish reason and policy version, never the token
+    # ids (the trainer tokenizes trajectories itself): keep them out of the
+    # reply, where they would be most of its bytes and of its encoding time.
     d = completion.to_dict()
     d["prompt_token_ids"] = []
+    d["response_token_ids"] = []
     return d
 
 
