@@ -138,3 +138,67 @@ def test_engine_failure_reaches_the_client():
     with SharedLLMInferenceManager(Broken()) as shared:
         with pytest.raises(EngineError, match="GPU on fire"):
             shared.client().generate(_requests(1), SamplingParams())
+
+
+def _idle_conn(turn_s, idle, last_request=0.0):
+    from ragen.llm_agent.shared_llm import _Conn
+
+    conn = _Conn(sock=None, peer="test", streams=len(idle))
+    conn.turn_s = list(turn_s)
+    conn.idle.extend(idle)
+    conn.last_request = last_request
+    return conn
+
+
+def test_coalescer_waits_only_for_workers_due_within_the_budget():
+    with SharedLLMInferenceManager(ScriptedEngine()) as shared:
+        real = shared._conns
+        deadline = 10.05
+        # a worker that answers in 10 ms per stream, answered at t=10: due at 10.01
+        shared._conns = {_idle_conn([0.01, None], [(10.0, True)])}
+        assert shared._wait_until(deadline) == pytest.approx(10.015)
+        # one that needs 100 ms is not worth waiting for: go now
+        shared._conns = {_idle_conn([0.1, None], [(10.0, True)])}
+        assert shared._wait_until(deadline) == 0.0
+        # a worker serves its streams one after another: the second is due 20 ms after the answers
+        shared._conns = {_idle_conn([0.01, None], [(10.0, True), (10.0, True)])}
+        assert shared._wait_until(deadline) == pytest.approx(10.025)
+        # its third would come after the deadline: wait for the first two only
+        shared._conns = {_idle_conn([0.02, None], [(10.0, True)] * 3)}
+        assert shared._wait_until(deadline) == pytest.approx(10.05)
+        # a stream still resetting its envs, with no estimate yet: the whole budget
+        shared._conns = {_idle_conn([0.01, None], [(10.0, False)])}
+        assert shared._wait_until(deadline) == deadline
+        # resets are learned apart from env steps
+        shared._conns = {_idle_conn([0.01, 0.5], [(10.0, False)])}
+        assert shared._wait_until(deadline) == 0.0
+        shared._conns = real
+
+
+def test_worker_time_per_stream_is_learned_from_its_requests():
+    conn = _idle_conn([None, None], [(1.0, False), (1.0, False)], last_request=0.0)
+    conn.request_arrived(1.2)  # first stream reset in 0.2 s
+    conn.request_arrived(1.5)  # the second, after the first: 0.3 s
+    assert conn.turn_s[1] == pytest.approx(0.7 * 0.2 + 0.3 * 0.3)
+    assert conn.turn_s[0] is None
+    conn.idle.append((2.0, True))
+    conn.request_arrived(2.05)  # stepped in 50 ms after its answer
+    assert conn.turn_s[0] == pytest.approx(0.05)
+    assert conn.expected() == []
+
+
+def test_answers_to_one_worker_come_in_one_frame():
+    engine = CountingEngine(base_s=0.05)
+    with SharedLLMInferenceManager(engine, coalesce_wait_s=0.5) as shared:
+        client = shared.client()
+        client.open_streams(2)
+        t1 = client.submit(_requests(3), SamplingParams())
+        t2 = client.submit(_requests(2, env0=3), SamplingParams())
+        first = client.wait_any()
+        assert len(client._state()["inbox"]) == 1  # the other answer came in the same frame
+        got = dict([first, client.wait_any()])
+        client.close_stream()
+        client.close_stream()
+    assert engine.calls == [5]
+    assert [c.env_id for c in got[t1]] == [0, 1, 2] and [c.env_id for c in got[t2]] == [3, 4]
+    assert shared.stats.bytes_out > 0

@@ -150,7 +150,7 @@ class AgentSetup:
             parallel_backend=backend,
             max_env_num_per_worker=_number(cfg, f"{ap}.max_env_num_per_worker", None, int, 1, allow_none=True),
             max_batch_size=_number(cfg, f"{ap}.max_batch_size", 256, int, 1),
-            coalesce_wait_s=_number(cfg, f"{ap}.coalesce_wait_s", 0.02, float, 0.0),
+            coalesce_wait_s=_number(cfg, f"{ap}.coalesce_wait_s", 0.002, float, 0.0),
             fallback_to_sequential=bool(_get(cfg, f"{ap}.fallback_to_sequential", True)),
             rollout_timeout_s=_number(cfg, f"{ap}.rollout_timeout_s", None, float, 0.0, allow_none=True) or None,
             engine_timeout_s=_number(cfg, f"{ap}.engine_timeout_s", None, float, 0.0, allow_none=True) or None,

@@ -72,7 +72,9 @@ def run_shard(shard_id: int, specs: list[EnvSpec], client: SharedLLMClient, conf
 
 
 def partition(specs: Sequence[EnvSpec], n_workers: int, max_env_num_per_worker: int | None = None) -> list[list[EnvSpec]]:
-    """Whole groups per shard, as even as groups allow, every env assigned."""
+    """Whole groups per shard, as even as groups allow, every env assigned.
+    Groups are dealt out in turn, so tags laid out in blocks (cheap rooms, then
+    costly ones) are spread over all shards instead of loading one worker."""
     groups: dict[int, list[EnvSpec]] = {}
     for s in specs:
         groups.setdefault(s.group_id, []).append(s)
@@ -85,13 +87,7 @@ def partition(specs: Sequence[EnvSpec], n_workers: int, max_env_num_per_worker: 
         per_shard = max(1, max_env_num_per_worker // per_group)
         n_shards = max(n_shards, -(-len(members) // per_shard))
     n_shards = min(n_shards, len(members))
-    shards: list[list[EnvSpec]] = []
-    start = 0
-    for i in range(n_shards):
-        end = start + len(members) // n_shards + (1 if i < len(members) % n_shards else 0)
-        shards.append([s for g in members[start:end] for s in g])
-        start = end
-    return shards
+    return [[s for g in members[i::n_shards] for s in g] for i in range(n_shards)]
 
 
 class ParallelRolloutManager:

@@ -287,17 +287,14 @@ def run_envs(
 
 
 def _split_streams(slots: list[_EnvSlot], depth: int) -> list[list[_EnvSlot]]:
-    """``depth`` micro-batches of whole groups (fewer when there are fewer groups)."""
+    """``depth`` micro-batches of whole groups (fewer when there are fewer
+    groups), dealt out in turn so that each gets a share of every tag."""
     groups: dict[int, list[_EnvSlot]] = {}
     for s in slots:
         groups.setdefault(s.spec.group_id, []).append(s)
     members = list(groups.values())
     depth = max(1, min(depth, len(members)))
-    streams: list[list[_EnvSlot]] = [[] for _ in range(depth)]
-    per = len(members) / depth
-    for i, g in enumerate(members):
-        streams[min(depth - 1, int(i / per))].extend(g)
-    return [s for s in streams if s]
+    return [[s for g in members[i::depth] for s in g] for i in range(depth)]
 
 
 def _submit(stream, client, ctx, config, inflight, stats) -> bool:

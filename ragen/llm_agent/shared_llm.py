@@ -10,16 +10,24 @@
   until every open stream (a worker's micro-batch with work left) has one
   queued, the batch reaches ``max_batch_size``, or the wait budget is spent:
   ``coalesce_wait_s``, or more when the engine has a larger fixed cost per call
-  (``CallCostModel``, fitted online; capped by ``max_coalesce_wait_s``). So the
-  engine sees batches as large as the sequential loop gives it, and a stream
-  busy stepping envs does not hold the others back for longer than a separate
-  call would cost.
+  (``CallCostModel``, fitted online; capped by ``max_coalesce_wait_s``). Within
+  that budget it waits only for the streams expected to arrive in it. A
+  connection (one worker) serves its streams one after another, so it is
+  modelled as a serial server: each idle stream is due one "turn time" (env
+  steps and prompt building, learned per connection; resets learned apart)
+  after the later of its answer and the stream before it. A stream that will
+  not be back before the budget runs out is not waited for. So the engine sees batches as large as the
+  sequential loop gives it, a stream busy stepping envs does not hold the others
+  back for longer than a separate call would cost, and the engine does not idle
+  waiting for a stream that will come too late to share the call.
 - ``SharedLLMClient`` is small and picklable (address and key); each process
   and thread opens its own connection on first use.
 
 Wire format: frames of a 4-byte big-endian length and a JSON object. Client ->
 manager: ``{"op": "open"|"close", "n": k}`` (streams), ``{"op": "gen",
 "ticket": t, "requests": [...], "sampling": {...}}``. Manager -> client:
+``{"answers": [...]}``, one frame per connection and engine call (a worker's
+streams answered together wake it once), each answer
 ``{"ticket": t, "completions": [...]}`` (without token ids: they stay in the
 driver) or ``{"ticket": t, "error": msg}``.
 A malformed message gets an error reply and the connection goes on; an
@@ -69,10 +77,15 @@ def _recv_exact(sock: socket.socket, n: int) -> bytes:
     return bytes(buf)
 
 
-def _send_frame(sock: socket.socket, obj: Any) -> int:
+def _frame(obj: Any) -> bytes:
     data = json.dumps(obj, separators=(",", ":")).encode()
-    sock.sendall(_HEADER.pack(len(data)) + data)
-    return len(data) + _HEADER.size
+    return _HEADER.pack(len(data)) + data
+
+
+def _send_frame(sock: socket.socket, obj: Any) -> int:
+    frame = _frame(obj)
+    sock.sendall(frame)
+    return len(frame)
 
 
 def _recv_frame(sock: socket.socket, max_bytes: int) -> tuple[bytes, int]:
@@ -103,10 +116,44 @@ class _Conn:
     send_lock: threading.Lock = field(default_factory=threading.Lock)
     streams: int = 0
     alive: bool = True
+    # Streams of this connection with no request queued or in the engine: since
+    # when, and whether since an answer (env steps next) or since opening (env
+    # resets next); oldest first, the order in which the worker takes them up.
+    idle: deque = field(default_factory=deque)
+    last_request: float = 0.0
+    # moving averages of the worker's time per stream: [after an answer, after opening]
+    turn_s: list = field(default_factory=lambda: [None, None])
 
     def send(self, obj: Any) -> int:
+        return self.send_frame(_frame(obj))
+
+    def send_frame(self, frame: bytes) -> int:
         with self.send_lock:
-            return _send_frame(self.sock, obj)
+            self.sock.sendall(frame)
+        return len(frame)
+
+    def request_arrived(self, now: float) -> None:
+        if self.idle:  # else a plain generate() call, outside any stream
+            since, answered = self.idle.popleft()
+            kind = 0 if answered else 1
+            sample = now - max(since, self.last_request)  # the worker was busy with the stream before
+            old = self.turn_s[kind]
+            self.turn_s[kind] = sample if old is None else 0.7 * old + 0.3 * sample
+        self.last_request = now
+
+    def expected(self) -> list[tuple[float, float] | None]:
+        """(when due, the worker's time per stream) for each idle stream, in
+        the order the worker takes them up; None where there is no estimate."""
+        out: list[tuple[float, float] | None] = []
+        t = self.last_request
+        for since, answered in self.idle:
+            per = self.turn_s[0 if answered else 1]
+            if per is None:
+                out.append(None)
+                continue
+            t = max(t, since) + per
+            out.append((t, per))
+        return out
 
 
 @dataclass
@@ -166,7 +213,7 @@ class SharedLLMInferenceManager:
         self,
         engine: Engine,
         max_batch_size: int = 256,
-        coalesce_wait_s: float = 0.02,
+        coalesce_wait_s: float = 0.002,
         host: str = "127.0.0.1",
         port: int = 0,
         max_message_bytes: int = 64 << 20,
@@ -277,6 +324,11 @@ class SharedLLMInferenceManager:
                     delta = n if op == "open" else -min(n, conn.streams)
                     conn.streams += delta
                     self._streams += delta
+                    now = time.monotonic()
+                    for _ in range(delta):
+                        conn.idle.append((now, False))
+                    for _ in range(min(-delta, len(conn.idle))):
+                        conn.idle.pop()  # a stream closes right after its last answer
                     self._cond.notify_all()
                 return
             if op != "gen":
@@ -300,14 +352,16 @@ class SharedLLMInferenceManager:
         except (ValueError, TypeError) as exc:  # json errors are ValueErrors
             self.stats.bad_messages += 1
             logger.warning("bad message from %s: %s", conn.peer, exc)
-            conn.send({"ticket": ticket, "error": f"bad message: {exc}"})
+            conn.send({"answers": [{"ticket": ticket, "error": f"bad message: {exc}"}]})
             return
         if not requests:
-            conn.send({"ticket": ticket, "completions": []})
+            conn.send({"answers": [{"ticket": ticket, "completions": []}]})
             return
+        now = time.monotonic()
         with self._cond:
+            conn.request_arrived(now)
             self._pending.append(_Pending(conn, ticket, requests, sampling,
-                                          json.dumps(sampling.to_dict(), sort_keys=True), time.monotonic()))
+                                          json.dumps(sampling.to_dict(), sort_keys=True), now))
             self._cond.notify_all()
 
     # ----- batching ------------------------------------------------------------
@@ -328,7 +382,10 @@ class SharedLLMInferenceManager:
                     now = time.monotonic()
                     if len(self._pending) >= self._streams or n_req >= self.max_batch_size or now >= deadline:
                         break
-                    self._cond.wait(deadline - now)
+                    until = self._wait_until(deadline)
+                    if now >= until:
+                        break
+                    self._cond.wait(until - now)
                 else:
                     self._cond.wait()
             key = self._pending[0].sampling_key
@@ -342,24 +399,40 @@ class SharedLLMInferenceManager:
             self._pending = rest
             return batch
 
+    def _wait_until(self, deadline: float) -> float:
+        """How long to wait for idle streams: until the last one expected
+        before ``deadline`` is due (with a margin), or the deadline while some
+        stream has no estimate yet; now if none is expected in time."""
+        until = 0.0
+        for conn in self._conns:
+            for guess in conn.expected():
+                if guess is None:
+                    return deadline
+                due, per = guess
+                if due <= deadline:
+                    until = max(until, min(deadline, due + 0.5 * per))
+        return until
+
     def _batch_loop(self) -> None:
         while True:
             batch = self._next_batch()
             if batch is None:
                 return
             requests = [r for p in batch for r in p.requests]
+            answers: dict[_Conn, list[dict[str, Any]]] = {}
             try:
                 completions = self.generate(requests, batch[0].sampling)
             except Exception as exc:  # the engine failed: every waiting client hears it
                 logger.exception("engine call failed for %d requests", len(requests))
                 for p in batch:
-                    self._reply(p.conn, {"ticket": p.ticket, "error": f"{type(exc).__name__}: {exc}"})
-                continue
-            i = 0
-            for p in batch:
-                part = completions[i: i + len(p.requests)]
-                i += len(p.requests)
-                self._reply(p.conn, {"ticket": p.ticket, "completions": [_wire(c) for c in part]})
+                    answers.setdefault(p.conn, []).append({"ticket": p.ticket, "error": f"{type(exc).__name__}: {exc}"})
+            else:
+                i = 0
+                for p in batch:
+                    part = completions[i: i + len(p.requests)]
+                    i += len(p.requests)
+                    answers.setdefault(p.conn, []).append({"ticket": p.ticket, "completions": [_wire(c) for c in part]})
+            self._reply(answers)
 
     def generate(self, requests: list[GenerationRequest], sampling: SamplingParams) -> list[Completion]:
         """One engine call (in chunks of ``max_batch_size``) under the engine lock."""
@@ -381,13 +454,21 @@ class SharedLLMInferenceManager:
             self._engine_free_at = time.monotonic()
         return out
 
-    def _reply(self, conn: _Conn, obj: Any) -> None:
-        if not conn.alive:
-            return
-        try:
-            self.stats.bytes_out += conn.send(obj)
-        except OSError:
-            pass  # the client left; its cleanup runs in its own thread
+    def _reply(self, answers: dict[_Conn, list[dict[str, Any]]]) -> None:
+        """One frame per connection, all encoded before any is sent: a woken
+        worker takes a core at once, and the other workers' answers must not
+        wait behind it."""
+        frames = [(conn, _frame({"answers": a}), len(a)) for conn, a in answers.items() if conn.alive]
+        now = time.monotonic()
+        with self._cond:
+            for conn, _, n in frames:
+                for _ in range(min(n, conn.streams - len(conn.idle))):
+                    conn.idle.append((now, True))
+        for conn, frame, _ in frames:
+            try:
+                self.stats.bytes_out += conn.send_frame(frame)
+            except OSError:
+                pass  # the client left; its cleanup runs in its own thread
 
     def close(self) -> None:
         with self._cond:
@@ -434,7 +515,7 @@ class SharedLLMClient:
         key = (os.getpid(), tuple(self.address), self.authkey)
         state = cache.get(key)
         if state is None:
-            state = {"sock": self._connect(), "ticket": 0, "outstanding": set()}
+            state = {"sock": self._connect(), "ticket": 0, "outstanding": set(), "inbox": deque()}
             cache[key] = state
         return state
 
@@ -479,16 +560,18 @@ class SharedLLMClient:
 
     def wait_any(self) -> tuple[int, list[Completion]]:
         state = self._state()
-        sock = state["sock"]
+        sock, inbox = state["sock"], state["inbox"]
         sock.settimeout(self.timeout_s)
         try:
             while True:
-                try:
-                    data, _ = _recv_frame(sock, 1 << 31)
-                except socket.timeout:
-                    self.reset()
-                    raise TimeoutError(f"no answer from the LLM manager within {self.timeout_s} s") from None
-                msg = json.loads(data)
+                while not inbox:
+                    try:
+                        data, _ = _recv_frame(sock, 1 << 31)
+                    except socket.timeout:
+                        self.reset()
+                        raise TimeoutError(f"no answer from the LLM manager within {self.timeout_s} s") from None
+                    inbox.extend(json.loads(data)["answers"])
+                msg = inbox.popleft()
                 ticket = msg.get("ticket")
                 if ticket not in state["outstanding"]:
                     continue  # an answer to a request abandoned after a failure
