@@ -2,17 +2,20 @@
 
     python test_parallel_rollout.py --config-name base-parallel [benchmark=env_bound] [overrides]
 
-Runs the same rollouts (same seeds) sequentially and in parallel, each after one
-untimed warm-up (process start-up and model load are reported apart), repeats
-each ``benchmark.repeats`` times and reports medians: wall time, throughput,
-engine calls and batch sizes, env / engine / waiting time, fallbacks; then the
-speedup, the ideal floor ``max(engine time, env time / workers)`` (sequential
-engine time at full batches) and the efficiency against it. A digest of every
-trajectory checks that both modes give the same rollout (or, for a sampling
-engine, that success and reward agree within ``benchmark.metric_tolerance``).
-``benchmark.inject_fault=true`` kills one worker mid-rollout to show the
-fallback. Writes ``benchmark.output`` (JSON) and ``benchmark.plot`` (PNG);
-exits 1 when the results are inconsistent or a run failed.
+Runs the same rollouts (same seeds) sequentially and in parallel, each mode
+after one untimed warm-up (process start-up and model load are reported
+apart), ``benchmark.repeats`` times with the modes interleaved (repeat r runs
+every mode in turn, so drift in the machine's speed hits them alike), and
+reports medians: wall time, throughput, engine calls and batch sizes, env /
+engine / waiting time, fallbacks; then the speedup (the median of the
+per-repeat ratios), the ideal floor ``max(engine time, env time / workers)``
+(sequential engine time at full batches) and the efficiency against it. A
+digest of every trajectory checks that both modes give the same rollout (or,
+for a sampling engine, that success and reward agree within
+``benchmark.metric_tolerance``). ``benchmark.inject_fault=true`` kills one
+worker mid-rollout to show the fallback. Writes ``benchmark.output`` (JSON) and
+``benchmark.plot`` (PNG); exits 1 when the results are inconsistent or a run
+failed.
 """
 
 from __future__ import annotations
@@ -77,38 +80,58 @@ def deterministic(cfg: DictConfig) -> bool:
     return name == "scripted" or (name in ("hf", "vllm") and float(cfg.ctx_manager.generation.temperature) == 0.0)
 
 
-def run_mode(mode: str, cfg: DictConfig, engine, bench: dict[str, Any]) -> dict[str, Any]:
+def run_modes(cfg: DictConfig, engine, bench: dict[str, Any]) -> list[dict[str, Any]]:
+    """Every mode on the same seeds, interleaved: repeat r runs each mode in
+    turn, so a machine that drifts (other load, clocks) slows all modes alike
+    and the per-repeat ratios stay fair."""
+    from contextlib import ExitStack
+
     from ragen.env import clear_caches
     from ragen.llm_agent import AgentSetup, LLMAgentProxy
-    from ragen.llm_agent.types import rollout_digest
 
-    plain = OmegaConf.to_container(cfg, resolve=True)
-    plain["agent_proxy"]["use_parallel_rollout"] = mode == "parallel"
-    setup = AgentSetup.from_config(plain)
     split = bench["split"]
-    runs = []
+    proxies, setups, warmup = {}, {}, {}
+    runs: dict[str, list] = {m: [] for m in bench["modes"]}
     fault_info = None
-    t0 = time.perf_counter()
-    with LLMAgentProxy(setup, engine) as proxy:
-        proxy.rollout(split, rollout_index=10_000)  # warm-up: processes, caches, imports
-        warmup_s = time.perf_counter() - t0
+    with ExitStack() as stack:
+        for mode in bench["modes"]:
+            plain = OmegaConf.to_container(cfg, resolve=True)
+            plain["agent_proxy"]["use_parallel_rollout"] = mode == "parallel"
+            setups[mode] = AgentSetup.from_config(plain)
+            t0 = time.perf_counter()
+            proxies[mode] = stack.enter_context(LLMAgentProxy(setups[mode], engine))
+            proxies[mode].rollout(split, rollout_index=10_000)  # warm-up: processes, caches, imports
+            warmup[mode] = time.perf_counter() - t0
         for r in range(bench["repeats"]):
-            clear_caches()  # every timed run generates its rooms (workers never saw these seeds)
-            t = time.perf_counter()
-            result = proxy.rollout(split, rollout_index=r)
-            wall = time.perf_counter() - t
-            runs.append((wall, result))
-            logger.info("%s run %d: %.3f s", mode, r + 1, wall)
-        if mode == "parallel" and bench["inject_fault"]:
+            for mode in bench["modes"]:
+                clear_caches()  # every timed run generates its rooms (workers never saw these seeds)
+                t = time.perf_counter()
+                result = proxies[mode].rollout(split, rollout_index=r)
+                wall = time.perf_counter() - t
+                runs[mode].append((wall, result))
+                logger.info("%s run %d: %.3f s", mode, r + 1, wall)
+        if "parallel" in proxies and bench["inject_fault"]:
+            from ragen.llm_agent.types import rollout_digest
+
             clear_caches()
-            faulty = proxy.rollout(split, rollout_index=0, fault={"shard": 0, "exit_at_turn": 1})
+            faulty = proxies["parallel"].rollout(split, rollout_index=0, fault={"shard": 0, "exit_at_turn": 1})
+            first = runs["parallel"][0][1]
             fault_info = {
-                "recovered": len(faulty.trajectories) == len(runs[0][1].trajectories),
-                "consistent": rollout_digest(faulty.trajectories) == rollout_digest(runs[0][1].trajectories),
+                "recovered": len(faulty.trajectories) == len(first.trajectories),
+                "consistent": rollout_digest(faulty.trajectories) == rollout_digest(first.trajectories),
                 # shards re-run after the failure: parallel retries and sequential fallbacks
                 "fallbacks": int(faulty.metrics.get("parallel/fallbacks", 0)
                                  + faulty.metrics.get("parallel/retried_shards", 0)),
             }
+        out = [summarize(mode, runs[mode], warmup[mode], setups[mode], proxies[mode]) for mode in bench["modes"]]
+    if fault_info is not None:
+        next(o for o in out if o["mode"] == "parallel")["_fault"] = fault_info
+    return out
+
+
+def summarize(mode: str, runs: list, warmup_s: float, setup, proxy) -> dict[str, Any]:
+    from ragen.llm_agent.types import rollout_digest
+
     walls = [w for w, _ in runs]
     median_wall = statistics.median(walls)
     wall, result = min(runs, key=lambda x: abs(x[0] - median_wall))  # the median run's details
@@ -134,7 +157,6 @@ def run_mode(mode: str, cfg: DictConfig, engine, bench: dict[str, Any]) -> dict[
         "digests": [rollout_digest(r.trajectories) for _, r in runs],
         # outcome metrics of the first repeat: the same seeds in both modes
         "metrics": {k: v for k, v in runs[0][1].metrics.items() if k.startswith("rollout/")},
-        "_fault": fault_info,
     }
 
 
@@ -218,13 +240,11 @@ def main(cfg: DictConfig) -> None:
     t0 = time.perf_counter()
     engine = make_engine(cfg.engine, cfg.model_path)
     load_s = time.perf_counter() - t0
-    runs = []
     try:
-        for mode in bench["modes"]:
-            runs.append(run_mode(mode, cfg, engine, bench))
+        runs = run_modes(cfg, engine, bench)
     except Exception as exc:
         logger.exception("a run failed")
-        print(f"error: the {mode} run failed: {type(exc).__name__}: {exc}", file=sys.stderr)
+        print(f"error: a run failed: {type(exc).__name__}: {exc}", file=sys.stderr)
         raise SystemExit(1)
     finally:
         engine.close()
@@ -243,7 +263,9 @@ def main(cfg: DictConfig) -> None:
             check = f"sampling engine: success and mean reward within {bench['metric_tolerance']:.0%}"
         workers = max(1, par["n_jobs"])
         ideal = max(seq["engine_time_s"], seq["env_time_s"] / workers)
-        speedup, efficiency = seq["wall_s"] / par["wall_s"], ideal / par["wall_s"]
+        # the median of the per-repeat ratios: each pair ran back to back on the same seeds
+        speedup = statistics.median(a / b for a, b in zip(seq["wall_s_all"], par["wall_s_all"]))
+        efficiency = ideal / par["wall_s"]
     else:
         consistent, check, ideal, speedup, efficiency = True, "one mode only: nothing to compare", None, None, None
     if fault is not None:

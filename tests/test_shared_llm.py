@@ -202,3 +202,25 @@ def test_answers_to_one_worker_come_in_one_frame():
     assert engine.calls == [5]
     assert [c.env_id for c in got[t1]] == [0, 1, 2] and [c.env_id for c in got[t2]] == [3, 4]
     assert shared.stats.bytes_out > 0
+
+
+class _Exploit:
+    def __init__(self, path):
+        self.path = path
+
+    def __reduce__(self):  # unpickling this would create a file
+        return (open, (str(self.path), "w"))
+
+
+def test_frames_carry_only_data_never_objects(tmp_path):
+    target = tmp_path / "pwned"
+    with SharedLLMInferenceManager(ScriptedEngine()) as shared:
+        client = shared.client()
+        sock = client._state()["sock"]
+        payload = pickle.dumps({"op": "gen", "ticket": 1, "requests": [_Exploit(target)]})
+        sock.sendall(struct.pack(">I", len(payload)) + payload)
+        client._state()["outstanding"].add(None)
+        with pytest.raises(EngineError, match="plain data"):
+            client.wait_any()
+        assert not target.exists()
+        assert len(client.generate(_requests(2), SamplingParams())) == 2  # and it goes on serving

