@@ -152,6 +152,8 @@ def summarize(mode: str, runs: list, warmup_s: float, setup, proxy) -> dict[str,
         "env_time_s": m.get("timing/env_s", 0.0),
         "engine_time_s": m.get("timing/engine_s", 0.0),
         "wait_time_s": m.get("timing/wait_llm_s", 0.0),
+        # parallel only: where the engine sat idle (before its first call, between calls, after its last)
+        "engine_idle_s": [m.get(f"timing/engine_idle_{k}_s") for k in ("before", "between", "after")],
         "fallbacks": int(m.get("parallel/fallbacks", 0)),
         "digest": rollout_digest(result.trajectories),
         "digests": [rollout_digest(r.trajectories) for _, r in runs],
@@ -179,12 +181,13 @@ def print_report(report: dict[str, Any]) -> None:
         ("engine time (s)", "engine_time_s", "{:.3f}"),
         ("waiting for model (s, summed)", "wait_time_s", "{:.3f}"),
         ("fallbacks", "fallbacks", "{}"),
+        ("engine idle before/betw./after", "engine_idle_s", "idle"),
         ("warm-up (s, untimed)", "warmup_s", "{:.2f}"),
     ]
     header = f"{'':32}" + "".join(f"{r['mode'] + (' (' + r['backend'] + ' x' + str(r['n_jobs']) + ')' if r['mode'] == 'parallel' else ''):>26}" for r in runs)
     print(header)
     for label, key, fmt in rows:
-        print(f"{label:32}" + "".join(f"{fmt.format(r[key]):>26}" for r in runs))
+        print(f"{label:32}" + "".join(f"{_cell(fmt, r[key]):>26}" for r in runs))
     tags = sorted({k.split("/")[1] for r in runs for k in r["metrics"] if k.count("/") == 2 and k.split("/")[1] != "stop"})
     for tag in tags:
         for stat in ("success", "reward", "num_actions"):
@@ -196,6 +199,12 @@ def print_report(report: dict[str, Any]) -> None:
     print(f"consistent: {report['consistent']} ({report['consistency_check']})")
     if report["fault_injection"]:
         print(f"fault injection: {report['fault_injection']}")
+
+
+def _cell(fmt: str, value: Any) -> str:
+    if fmt == "idle":  # three numbers, or none for the sequential mode
+        return "n/a" if None in value else "/".join(f"{v:.3f}" for v in value)
+    return fmt.format(value)
 
 
 def plot(report: dict[str, Any], path: str) -> None:

@@ -172,3 +172,14 @@ def test_hf_greedy_parallel_equals_sequential(tiny_model_path):
         result = prm.rollout(specs, replace(config, pipeline_depth=2))
     assert result.trajectories == ref
     assert result.metrics["engine/max_batch_size"] <= 3
+
+
+def test_engine_idle_splits_a_rollout_around_its_engine_calls():
+    from ragen.llm_agent.parallel_rollout import _engine_idle
+
+    spans = [(0.5, 0.9), (10.0, 10.5), (10.7, 11.0), (11.5, 12.0)]  # the first belongs to an earlier rollout
+    m = _engine_idle(spans, start=9.0, end=12.25)
+    assert m["timing/engine_idle_before_s"] == pytest.approx(1.0)
+    assert m["timing/engine_idle_between_s"] == pytest.approx(0.2 + 0.5)
+    assert m["timing/engine_idle_after_s"] == pytest.approx(0.25)
+    assert _engine_idle(spans, start=13.0, end=14.0) == {}

@@ -163,6 +163,7 @@ class ParallelRolloutManager:
         """``fault``: ``{"shard": i, "exit_at_turn": k}`` kills the worker of
         shard i at turn k (fault injection)."""
         t_start = time.perf_counter()
+        t_start_mono = time.monotonic()
         stats_before = self.shared.stats.snapshot()
         self._check_picklable(specs)
         shards = partition(specs, self.n_workers, self.max_env_num_per_worker)
@@ -200,6 +201,7 @@ class ParallelRolloutManager:
         metrics["parallel/retried_shards"] = float(retried)
         metrics["timing/fallback_s"] = fallback_s
         metrics["timing/rollout_s"] = time.perf_counter() - t_start
+        metrics.update(_engine_idle(self.shared.stats.call_spans, t_start_mono, time.monotonic()))
         return RolloutResult(trajectories=trajectories, specs=sorted(specs, key=lambda s: s.env_id), metrics=metrics)
 
     def _check_picklable(self, specs: Sequence[EnvSpec]) -> None:
@@ -342,6 +344,19 @@ def _run_isolated(pool_factory, shard_id: int, specs: list[EnvSpec], client: Sha
             for k, v in r["stats"].items():
                 out["stats"][k] = out["stats"].get(k, 0.0) + v
         return out
+
+
+def _engine_idle(spans, start: float, end: float) -> dict[str, float]:
+    """Where the engine sat idle during a rollout (exact when one rollout runs
+    at a time): before its first call (envs resetting), between calls (workers
+    stepping envs, messages), after its last (last steps, results returning)."""
+    mine = [(a, b) for a, b in spans if a >= start]
+    if not mine:
+        return {}
+    between = sum(max(0.0, mine[i + 1][0] - mine[i][1]) for i in range(len(mine) - 1))
+    return {"timing/engine_idle_before_s": mine[0][0] - start,
+            "timing/engine_idle_between_s": between,
+            "timing/engine_idle_after_s": max(0.0, end - mine[-1][1])}
 
 
 def _check_complete(specs: Sequence[EnvSpec], trajectories: Sequence[Trajectory]) -> None:

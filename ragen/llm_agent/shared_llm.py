@@ -192,6 +192,7 @@ class ManagerStats:
     requests: int = 0
     engine_time_s: float = 0.0
     batch_sizes: deque = field(default_factory=lambda: deque(maxlen=8192))  # the most recent calls'
+    call_spans: deque = field(default_factory=lambda: deque(maxlen=8192))  # (start, end), time.monotonic()
     messages_in: int = 0
     bytes_in: int = 0
     bytes_out: int = 0
@@ -199,7 +200,8 @@ class ManagerStats:
     bad_messages: int = 0
 
     def snapshot(self) -> "ManagerStats":
-        return ManagerStats(**{**self.__dict__, "batch_sizes": deque(self.batch_sizes, maxlen=8192)})
+        return ManagerStats(**{**self.__dict__, "batch_sizes": deque(self.batch_sizes, maxlen=8192),
+                               "call_spans": deque(self.call_spans, maxlen=8192)})
 
 
 class CallCostModel:
@@ -458,6 +460,7 @@ class SharedLLMInferenceManager:
         """One engine call (in chunks of ``max_batch_size``) under the engine lock."""
         out: list[Completion] = []
         with self.engine_lock:
+            start = time.monotonic()
             t0 = time.perf_counter()
             for i in range(0, len(requests), self.max_batch_size):
                 chunk = requests[i: i + self.max_batch_size]
@@ -472,6 +475,7 @@ class SharedLLMInferenceManager:
             self.stats.requests += len(requests)
             self.call_cost.add(len(requests), elapsed)
             self._engine_free_at = time.monotonic()
+            self.stats.call_spans.append((start, self._engine_free_at))
         return out
 
     def _reply(self, answers: dict[_Conn, list[dict[str, Any]]]) -> None:
