@@ -183,3 +183,38 @@ def test_engine_idle_splits_a_rollout_around_its_engine_calls():
     assert m["timing/engine_idle_between_s"] == pytest.approx(0.2 + 0.5)
     assert m["timing/engine_idle_after_s"] == pytest.approx(0.25)
     assert _engine_idle(spans, start=13.0, end=14.0) == {}
+
+
+def test_answers_that_arrive_while_envs_reset_are_handled_between_resets(mixed_specs, reference, engine):
+    from ragen.llm_agent.rollout_loop import DirectClient, EnvPool, run_envs
+
+    log = []
+
+    class EagerClient(DirectClient):  # its answers are ready as soon as asked for
+        def ready(self):
+            return bool(self._queue)
+
+        def wait_any(self):
+            ticket, completions = super().wait_any()
+            log.append("answer")
+            return ticket, completions
+
+    class LoggingPool(EnvPool):
+        def acquire(self, spec):
+            log.append("reset")
+            return super().acquire(spec)
+
+    trajectories, _ = run_envs(mixed_specs, EagerClient(engine), loop_config(depth=3), pool=LoggingPool())
+    assert trajectories == reference
+    # the first micro-batch's answers were stepped before the last micro-batch was reset
+    assert log.index("answer") < len(log) - 1 - log[::-1].index("reset")
+
+
+def test_groups_are_dealt_out_over_shards_and_micro_batches():
+    from ragen.llm_agent.rollout_loop import _EnvSlot, _split_streams
+
+    specs = specs_for(["SimpleSokoban", "FrozenLake"], [4, 4], 1, custom_envs())
+    for shard in partition(specs, 2):  # each shard gets both tags, not one tag each
+        assert {s.tag for s in shard} == {"SimpleSokoban", "FrozenLake"}
+    streams = _split_streams([_EnvSlot(s) for s in specs], 2)
+    assert [{s.spec.tag for s in stream} for stream in streams] == [{"SimpleSokoban", "FrozenLake"}] * 2
