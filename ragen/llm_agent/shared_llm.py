@@ -16,24 +16,27 @@
   modelled as a serial server: each idle stream is due one "turn time" (env
   steps and prompt building, learned per connection; resets learned apart)
   after the later of its answer and the stream before it. A stream that will
-  not be back before the budget runs out is not waited for. So the engine sees batches as large as the
-  sequential loop gives it, a stream busy stepping envs does not hold the others
-  back for longer than a separate call would cost, and the engine does not idle
-  waiting for a stream that will come too late to share the call.
+  not be back before the budget runs out is not waited for. So the engine sees
+  batches as large as the sequential loop gives it, a stream busy stepping envs
+  does not hold the others back for longer than a separate call would cost,
+  and the engine does not idle waiting for a stream that will come too late to
+  share the call.
 - ``SharedLLMClient`` is small and picklable (address and key); each process
   and thread opens its own connection on first use.
 
 Wire format: frames of a 4-byte big-endian length and a pickle of plain data
 (dicts, lists, strings, numbers), read by an unpickler that refuses every
 class and function, so a frame can carry nothing but data (as safe as JSON,
-and 5x cheaper to encode: the full message history of every env travels each
-turn). Client ->
-manager: ``{"op": "open"|"close", "n": k}`` (streams), ``{"op": "gen",
-"ticket": t, "requests": [...], "sampling": {...}}``. Manager -> client:
-``{"answers": [...]}``, one frame per connection and engine call (a worker's
-streams answered together wake it once), each answer
-``{"ticket": t, "completions": [...]}`` (without token ids: they stay in the
-driver) or ``{"ticket": t, "error": msg}``.
+and 5-8x cheaper to encode and decode: the full message history of every env
+travels each turn).
+
+- Client -> manager: ``{"op": "open"|"close", "n": k}`` (streams), or
+  ``{"op": "gen", "ticket": t, "requests": [...], "sampling": {...}}``.
+- Manager -> client: ``{"answers": [...]}``, one frame per connection and
+  engine call (a worker's streams answered together wake it once); each answer
+  is ``{"ticket": t, "completions": [...]}`` (without token ids: they stay in
+  the driver) or ``{"ticket": t, "error": msg}``.
+
 A malformed message gets an error reply and the connection goes on; an
 oversized frame or a failed handshake closes that connection only.
 """
