@@ -164,25 +164,21 @@ def plot_learning_curve(metrics_path: str | os.PathLike, out_path: str | os.Path
         pts = [(int(r["step"]), float(r[key])) for r in rows if r.get(key) is not None]
         return [p[0] for p in pts], [p[1] for p in pts]
 
-    fig, (ax_val, ax_train) = plt.subplots(1, 2, figsize=(11, 4))
-    for key, style in (("val/success", "o-"), ("val/reward", "s--")):
-        xs, ys = series(key)
-        if xs:
-            ax_val.plot(xs, ys, style, label=key)
-    ax_val.set_xlabel("step")
-    ax_val.set_title("validation")
-    ax_val.grid(alpha=0.3)
-    if ax_val.lines:
-        ax_val.legend(loc="best")
-    for key, style in (("train/reward", "-"), ("train/success", "--")):
-        xs, ys = series(key)
-        if xs:
-            ax_train.plot(xs, ys, style, label=key)
-    ax_train.set_xlabel("step")
-    ax_train.set_title("training rollouts")
-    ax_train.grid(alpha=0.3)
-    if ax_train.lines:
-        ax_train.legend(loc="best")
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    panels = (
+        ("validation", (("val/success", "o-"), ("val/reward", "s--"))),
+        ("training rollouts", (("train/reward", "-"), ("train/success", "--"))),
+    )
+    for ax, (panel_title, curves) in zip(axes, panels):
+        for key, style in curves:
+            xs, ys = series(key)
+            if xs:
+                ax.plot(xs, ys, style, label=key)
+        ax.set_xlabel("step")
+        ax.set_title(panel_title)
+        ax.grid(alpha=0.3)
+        if ax.lines:
+            ax.legend(loc="best")
     if title:
         fig.suptitle(title)
     fig.tight_layout()
