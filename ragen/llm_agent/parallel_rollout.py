@@ -1,16 +1,21 @@
-"""ParallelRolloutManager: a rollout's envs played by joblib workers.
+"""ParallelRolloutManager: a rollout's envs played by parallel workers.
 
 - Partitioning: whole groups stay in one shard; every env is in exactly one
   shard (remainders included); there are at least as many shards as workers,
   more when ``max_env_num_per_worker`` asks for it.
-- Workers (loky processes by default; threading, multiprocessing, sequential;
+- Workers (loky processes by default; threading; multiprocessing, sequential,
   dask and ray through joblib's backends) build their envs locally, keep them
   between rollouts (``EnvPool`` per process and thread), run the turn loop of
   ``rollout_loop`` for their shard and return plain-data trajectories. They
   reach the driver's ``SharedLLMInferenceManager`` through a picklable client.
   Inside a shard, ``pipeline_depth`` micro-batches overlap env stepping with
   generation.
-- The executor is kept between rollouts (an entered ``joblib.Parallel``).
+- The executor is kept between rollouts: for loky and threading a
+  ``concurrent.futures`` executor (loky's own, the one under joblib's loky
+  backend), which hands the driver each shard's result the moment it ends;
+  joblib's result loop looks for finished tasks every 10 ms, 3-10% of a
+  rollout of a fast engine. The other backends: an entered
+  ``joblib.Parallel``.
 - Fallback: a shard that fails (an env raising, a worker process that dies, a
   shard past ``rollout_timeout_s``) is re-run sequentially, with the same
   seeds, in one spare process owned by the driver (so an env that kills its
@@ -23,12 +28,13 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import os
 import threading
 import time
 from dataclasses import replace
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 import joblib
 
@@ -117,7 +123,7 @@ class ParallelRolloutManager:
         self.rollout_timeout_s = rollout_timeout_s
         self.fallback_env_timeout_s = fallback_env_timeout_s
         self._client = shared.client(timeout_s=engine_timeout_s)
-        self._parallel: joblib.Parallel | None = None
+        self._parallel: Any = None  # joblib.Parallel or a concurrent.futures executor
         self._fallback_executor = None
         self._picklable: set[tuple] = set()  # pool keys whose env config is known to pickle
         # dask, ray: a cluster client held until close(); the workers get an address they can reach
@@ -135,27 +141,60 @@ class ParallelRolloutManager:
         return self._cluster.joblib_backend() if self._cluster is not None else self.backend
 
     # ----- executor --------------------------------------------------------------
-    def _executor(self) -> joblib.Parallel:
+    def _executor(self):
         if self._parallel is None:
-            self._parallel = joblib.Parallel(
-                n_jobs=1 if self.backend == "sequential" else self.n_jobs,
-                backend=self._joblib_backend(), batch_size=1,
-                # results as shards finish, so a failure keeps the finished ones; the
-                # multiprocessing and ray backends return all at once (multiprocessing
-                # cannot see a killed worker: set rollout_timeout_s with it)
-                return_as="list" if self.backend in ("multiprocessing", "ray") else "generator_unordered",
-                pre_dispatch="all", timeout=self.rollout_timeout_s,
-            )
-            self._parallel.__enter__()
+            if self.backend == "loky":
+                from loky import ProcessPoolExecutor
+
+                self._parallel = ProcessPoolExecutor(max_workers=self.n_workers, env=_thread_limits(self.n_workers))
+            elif self.backend == "threading":
+                self._parallel = concurrent.futures.ThreadPoolExecutor(self.n_workers, thread_name_prefix="ragen-shard")
+            else:
+                self._parallel = joblib.Parallel(
+                    n_jobs=1 if self.backend == "sequential" else self.n_jobs,
+                    backend=self._joblib_backend(), batch_size=1,
+                    # results as shards finish, so a failure keeps the finished ones; the
+                    # multiprocessing and ray backends return all at once (multiprocessing
+                    # cannot see a killed worker: set rollout_timeout_s with it)
+                    return_as="list" if self.backend in ("multiprocessing", "ray") else "generator_unordered",
+                    pre_dispatch="all", timeout=self.rollout_timeout_s,
+                )
+                self._parallel.__enter__()
         return self._parallel
 
     def _drop_executor(self) -> None:
-        if self._parallel is not None:
-            try:
-                self._parallel.__exit__(None, None, None)
-            except Exception:
-                logger.debug("closing the joblib executor failed", exc_info=True)
-            self._parallel = None
+        executor, self._parallel = self._parallel, None
+        try:
+            if isinstance(executor, joblib.Parallel):
+                executor.__exit__(None, None, None)
+            elif self.backend == "loky":
+                executor.shutdown(wait=False, kill_workers=True)
+            elif executor is not None:
+                executor.shutdown(wait=False, cancel_futures=True)  # a hung thread cannot be stopped
+        except Exception:
+            logger.debug("closing the executor failed", exc_info=True)
+
+    def _results(self, calls: list[tuple]) -> Iterator[dict[str, Any]]:
+        """``run_shard`` on each argument tuple; results as shards finish.
+        Raises TimeoutError past rollout_timeout_s, or the executor's error
+        when a worker died."""
+        executor = self._executor()
+        if isinstance(executor, joblib.Parallel):
+            yield from executor(joblib.delayed(run_shard)(*args) for args in calls)
+            return
+        pending = {executor.submit(run_shard, *args) for args in calls}
+        deadline = None if self.rollout_timeout_s is None else time.monotonic() + self.rollout_timeout_s
+        try:
+            while pending:
+                timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
+                done, pending = concurrent.futures.wait(pending, timeout, concurrent.futures.FIRST_COMPLETED)
+                if not done:
+                    raise TimeoutError
+                for future in done:
+                    yield future.result()
+        finally:
+            for future in pending:
+                future.cancel()
 
     # ----- rollout ---------------------------------------------------------------
     def rollout(self, specs: Sequence[EnvSpec], config: LoopConfig,
@@ -229,13 +268,11 @@ class ParallelRolloutManager:
         results: dict[int, dict[str, Any]] = {}
         failed: dict[int, str] = {}
         crashed: dict[int, str] = {}
-        tasks = (
-            joblib.delayed(run_shard)(i, shard, self._client, config, False,
-                                      {"exit_at_turn": fault["exit_at_turn"]} if fault and fault.get("shard") == i else None)
-            for i, shard in shards.items()
-        )
+        calls = [(i, shard, self._client, config, False,
+                  {"exit_at_turn": fault["exit_at_turn"]} if fault and fault.get("shard") == i else None)
+                 for i, shard in shards.items()]
         try:
-            for res in self._executor()(tasks):
+            for res in self._results(calls):
                 if res["error"]:
                     failed[res["shard"]] = res["error"]
                 else:
@@ -344,6 +381,15 @@ def _run_isolated(pool_factory, shard_id: int, specs: list[EnvSpec], client: Sha
             for k, v in r["stats"].items():
                 out["stats"][k] = out["stats"].get(k, 0.0) + v
         return out
+
+
+def _thread_limits(n_workers: int) -> dict[str, str]:
+    """Thread pools of numeric libraries in each worker process: a share of
+    the cores, unless set already (what joblib's loky backend does)."""
+    share = str(max(1, (os.cpu_count() or 1) // n_workers))
+    names = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "BLIS_NUM_THREADS",
+             "VECLIB_MAXIMUM_THREADS", "NUMBA_NUM_THREADS", "NUMEXPR_NUM_THREADS")
+    return {name: os.environ.get(name, share) for name in names}
 
 
 def _engine_idle(spans, start: float, end: float) -> dict[str, float]:
