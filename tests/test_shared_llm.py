@@ -8,6 +8,7 @@ import pickle
 import socket
 import struct
 import threading
+import time
 
 import pytest
 
@@ -156,23 +157,75 @@ def test_coalescer_waits_only_for_workers_due_within_the_budget():
         deadline = 10.05
         # a worker that answers in 10 ms per stream, answered at t=10: due at 10.01
         shared._conns = {_idle_conn([0.01, None], [(10.0, True)])}
-        assert shared._wait_until(deadline) == pytest.approx(10.015)
+        assert shared._expects_before(deadline)
         # one that needs 100 ms is not worth waiting for: go now
         shared._conns = {_idle_conn([0.1, None], [(10.0, True)])}
-        assert shared._wait_until(deadline) == 0.0
+        assert not shared._expects_before(deadline)
         # a worker serves its streams one after another: the second is due 20 ms after the answers
-        shared._conns = {_idle_conn([0.01, None], [(10.0, True), (10.0, True)])}
-        assert shared._wait_until(deadline) == pytest.approx(10.025)
-        # its third would come after the deadline: wait for the first two only
+        assert _idle_conn([0.01, None], [(10.0, True), (10.0, True)]).expected() == pytest.approx([10.01, 10.02])
+        # its third would come after the deadline: the first two are still worth waiting for
         shared._conns = {_idle_conn([0.02, None], [(10.0, True)] * 3)}
-        assert shared._wait_until(deadline) == pytest.approx(10.05)
-        # a stream still resetting its envs, with no estimate yet: the whole budget
+        assert shared._expects_before(deadline)
+        # a stream still resetting its envs, with no estimate yet: wait
         shared._conns = {_idle_conn([0.01, None], [(10.0, False)])}
-        assert shared._wait_until(deadline) == deadline
+        assert shared._expects_before(deadline)
         # resets are learned apart from env steps
         shared._conns = {_idle_conn([0.01, 0.5], [(10.0, False)])}
-        assert shared._wait_until(deadline) == 0.0
+        assert not shared._expects_before(deadline)
         shared._conns = real
+
+
+def test_call_cost_model_fits_the_fixed_cost_only_when_call_sizes_differ():
+    from ragen.llm_agent.shared_llm import CallCostModel
+
+    model = CallCostModel()
+    assert model.fixed_s() is None  # no calls yet
+    for n in (8, 32, 64, 128) * 3:
+        model.add(n, 0.002 + 0.0001 * n)
+    assert model.fixed_s() == pytest.approx(0.002)
+    # every call about the same size, times that vary with other things (prompt
+    # lengths on a GPU): the intercept would be noise, so the cost is unknown
+    alike = CallCostModel()
+    for n, t in [(128, 2.9), (112, 2.1), (128, 3.3), (120, 2.2), (128, 2.6)] * 4:
+        alike.add(n, t)
+    assert alike.fixed_s() is None
+
+
+def test_a_stream_later_than_predicted_is_still_waited_for_within_the_budget():
+    engine = CountingEngine()
+    with SharedLLMInferenceManager(engine, coalesce_wait_s=0.0) as shared:
+        for n in (8, 32, 64, 128):  # a fitted fixed cost of 0.5 s per call
+            shared.call_cost.add(n, 0.5 + 0.001 * n)
+        client = shared.client()
+        client.open_streams(2)
+        while len(shared._conns) != 1 or len(next(iter(shared._conns)).idle) != 2:
+            time.sleep(0.001)  # the manager registers the connection and its streams
+        next(iter(shared._conns)).turn_s = [0.001, 0.001]  # its streams usually come 1 ms apart
+        client.submit(_requests(3), SamplingParams())
+        time.sleep(0.1)  # this time the second is 100 ms late, still well within 0.5 s
+        client.submit(_requests(2, env0=3), SamplingParams())
+        client.wait_any(), client.wait_any()
+        client.close_stream()
+        client.close_stream()
+    assert engine.calls == [5]
+
+
+def test_an_engine_of_unknown_cost_waits_for_every_stream_expected():
+    """Before the manager knows what a call costs, it waits (up to
+    max_coalesce_wait_s) for the streams still resetting, instead of sending
+    the first arrivals alone: on a GPU a split call costs a whole decode."""
+    engine = CountingEngine()
+    with SharedLLMInferenceManager(engine, coalesce_wait_s=0.0, max_coalesce_wait_s=5.0) as shared:
+        client = shared.client()
+        client.open_streams(2)
+        t1 = client.submit(_requests(3), SamplingParams())
+        time.sleep(0.3)  # the second micro-batch is still resetting its envs
+        t2 = client.submit(_requests(2, env0=3), SamplingParams())
+        got = dict([client.wait_any(), client.wait_any()])
+        client.close_stream()
+        client.close_stream()
+    assert engine.calls == [5]
+    assert sorted(got) == [t1, t2]
 
 
 def test_worker_time_per_stream_is_learned_from_its_requests():

@@ -10,13 +10,17 @@
   until every open stream (a worker's micro-batch with work left) has one
   queued, the batch reaches ``max_batch_size``, or the wait budget is spent:
   ``coalesce_wait_s``, or more when the engine has a larger fixed cost per call
-  (``CallCostModel``, fitted online; capped by ``max_coalesce_wait_s``). Within
+  (``CallCostModel``, fitted online; capped by ``max_coalesce_wait_s``, which
+  is also the budget while that cost is not known). Within
   that budget it waits only for the streams expected to arrive in it. A
   connection (one worker) serves its streams one after another, so it is
   modelled as a serial server: each idle stream is due one "turn time" (env
   steps and prompt building, learned per connection; resets learned apart)
   after the later of its answer and the stream before it. A stream that will
-  not be back before the budget runs out is not waited for. So the engine sees
+  not be back before the budget runs out is not waited for; one due within it
+  is, until it comes or the budget is spent, even when it is later than
+  predicted (a GPU engine turned a few ms of misprediction into a turn split
+  over two calls of a whole decode each). So the engine sees
   batches as large as the sequential loop gives it, a stream busy stepping envs
   does not hold the others back for longer than a separate call would cost,
   and the engine does not idle waiting for a stream that will come too late to
@@ -164,10 +168,10 @@ class _Conn:
             self.turn_s[kind] = sample if old is None else 0.7 * old + 0.3 * sample
         self.last_request = now
 
-    def expected(self) -> list[tuple[float, float] | None]:
-        """(when due, the worker's time per stream) for each idle stream, in
-        the order the worker takes them up; None where there is no estimate."""
-        out: list[tuple[float, float] | None] = []
+    def expected(self) -> list[float | None]:
+        """When each idle stream is due, in the order the worker takes them
+        up; None where there is no estimate."""
+        out: list[float | None] = []
         t = self.last_request
         for since, answered in self.idle:
             per = self.turn_s[0 if answered else 1]
@@ -175,7 +179,7 @@ class _Conn:
                 out.append(None)
                 continue
             t = max(t, since) + per
-            out.append((t, per))
+            out.append(t)
         return out
 
 
@@ -211,7 +215,16 @@ class CallCostModel:
     """Engine call time as ``fixed + per_request * n``, fitted by least
     squares over recent calls (exponentially forgotten). ``fixed_s()`` is what
     one more call costs beyond its requests: a GPU's per-step latency, which
-    batching amortizes. 0 until calls of two different sizes were seen."""
+    batching amortizes.
+
+    None while the calls seen are too alike in size to tell the two apart
+    (sizes within ``min_spread`` of their mean, or no calls): the intercept
+    would be an extrapolation that timing noise decides. On a GPU, where
+    every call of a turn has the same size and a call's time depends on its
+    prompts' lengths more than on their number, such a fit once came out
+    near 0 and split a turn into two calls of a whole decode each."""
+
+    min_spread = 0.25
 
     def __init__(self, decay: float = 0.95) -> None:
         self.decay = decay
@@ -225,10 +238,13 @@ class CallCostModel:
         self._nn = self._nn * d + n * n
         self._nt = self._nt * d + n * seconds
 
-    def fixed_s(self) -> float:
-        det = self._w * self._nn - self._n * self._n
-        if det <= 1e-9 * max(1.0, self._nn * self._w):
-            return 0.0
+    def fixed_s(self) -> float | None:
+        if self._w == 0.0:
+            return None
+        mean = self._n / self._w
+        det = self._w * self._nn - self._n * self._n  # w^2 * variance of the sizes
+        if det <= (self.min_spread * mean * self._w) ** 2:
+            return None
         slope = (self._w * self._nt - self._n * self._t) / det
         return max(0.0, (self._t - slope * self._n) / self._w)
 
@@ -402,15 +418,18 @@ class SharedLLMInferenceManager:
                     # call), counted from when the engine became free: merging then
                     # never loses more than it can save, and streams that fell out of
                     # step (one half generating while the other steps) fall back in.
-                    budget = max(self.coalesce_wait_s, min(self.max_coalesce_wait_s, self.call_cost.fixed_s()))
+                    # While that cost is unknown, up to max_coalesce_wait_s: a call
+                    # split in two can cost a whole decode.
+                    fixed = self.call_cost.fixed_s()
+                    budget = self.max_coalesce_wait_s if fixed is None else max(
+                        self.coalesce_wait_s, min(self.max_coalesce_wait_s, fixed))
                     deadline = max(self._pending[0].arrived, self._engine_free_at) + budget
                     now = time.monotonic()
                     if len(self._pending) >= self._streams or n_req >= self.max_batch_size or now >= deadline:
                         break
-                    until = self._wait_until(deadline)
-                    if now >= until:
+                    if not self._expects_before(deadline):
                         break
-                    self._cond.wait(until - now)
+                    self._cond.wait(deadline - now)
                 else:
                     self._cond.wait()
             key = self._pending[0].sampling_key
@@ -424,19 +443,11 @@ class SharedLLMInferenceManager:
             self._pending = rest
             return batch
 
-    def _wait_until(self, deadline: float) -> float:
-        """How long to wait for idle streams: until the last one expected
-        before ``deadline`` is due (with a margin), or the deadline while some
-        stream has no estimate yet; now if none is expected in time."""
-        until = 0.0
-        for conn in self._conns:
-            for guess in conn.expected():
-                if guess is None:
-                    return deadline
-                due, per = guess
-                if due <= deadline:
-                    until = max(until, min(deadline, due + 0.5 * per))
-        return until
+    def _expects_before(self, deadline: float) -> bool:
+        """Whether an idle stream is due before ``deadline`` (or has no
+        estimate yet). One that is late is still waited for: a worker's time
+        per stream varies, and a split call costs more than the budget."""
+        return any(due is None or due <= deadline for conn in self._conns for due in conn.expected())
 
     def _batch_loop(self) -> None:
         while True:
@@ -446,6 +457,10 @@ class SharedLLMInferenceManager:
             requests = [r for p in batch for r in p.requests]
             answers: dict[_Conn, list[dict[str, Any]]] = {}
             try:
+                if logger.isEnabledFor(logging.DEBUG):
+                    turns = sorted({r.turn for r in requests})
+                    logger.debug("engine call: %d requests from %d streams, turns %s, %.4f s after the first arrived",
+                                 len(requests), len(batch), turns, time.monotonic() - batch[0].arrived)
                 completions = self.generate(requests, batch[0].sampling)
             except Exception as exc:  # the engine failed: every waiting client hears it
                 logger.exception("engine call failed for %d requests", len(requests))
