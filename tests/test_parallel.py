@@ -4,12 +4,14 @@ every backend and layout, and nothing lost when workers fail."""
 from __future__ import annotations
 
 import threading
+from dataclasses import replace
 import time
 
 import pytest
 
 from ragen.llm.scripted import ScriptedEngine
 from ragen.llm_agent.parallel_rollout import ParallelRolloutManager, RolloutError, partition
+from ragen.llm_agent.rollout_loop import DirectClient, EnvPool, run_envs
 from ragen.llm_agent.shared_llm import SharedLLMInferenceManager
 from ragen.llm_agent.types import StopReason
 
@@ -218,3 +220,21 @@ def test_groups_are_dealt_out_over_shards_and_micro_batches():
         assert {s.tag for s in shard} == {"SimpleSokoban", "FrozenLake"}
     streams = _split_streams([_EnvSlot(s) for s in specs], 2)
     assert [{s.spec.tag for s in stream} for stream in streams] == [{"SimpleSokoban", "FrozenLake"}] * 2
+
+
+def test_an_engine_with_a_large_cost_per_call_sees_the_sequential_loops_batches():
+    """A GPU engine pays about a whole decode per call, whatever its size: a
+    turn split over two calls costs a turn. With 4 workers and 2 micro-batches
+    each, every turn is still one call, as in the sequential loop, although
+    the workers start their shards, and send their streams, at times that
+    vary from rollout to rollout and turn to turn."""
+    engine = ScriptedEngine(base_s=0.3)  # every call costs 0.3 s, its size next to nothing
+    specs = specs_for(["SimpleSokoban", "FrozenLake"], [8, 8], 1, custom_envs())
+    config = loop_config(max_turn=3, depth=2)
+    counting = DirectClient(engine)
+    run_envs(specs, counting, replace(config, pipeline_depth=1), pool=EnvPool())  # RAGEN's loop
+    with SharedLLMInferenceManager(engine) as shared, ParallelRolloutManager(shared, n_jobs=4) as prm:
+        prm.rollout(specs, config)  # the worker processes start (that can take longer than any wait)
+        for _ in range(3):
+            result = prm.rollout(specs, config)
+            assert result.metrics["engine/calls"] == counting.engine_calls

@@ -277,3 +277,30 @@ def test_frames_carry_only_data_never_objects(tmp_path):
             client.wait_any()
         assert not target.exists()
         assert len(client.generate(_requests(2), SamplingParams())) == 2  # and it goes on serving
+
+
+def test_streams_announced_by_the_driver_are_waited_for_before_their_worker_connects():
+    engine = CountingEngine()
+    with SharedLLMInferenceManager(engine, coalesce_wait_s=0.0, max_coalesce_wait_s=5.0) as shared:
+        rollout = shared.announce(2)  # two shards of one stream each were dispatched
+        client = dataclasses.replace(shared.client(), rollout=rollout)
+
+        def late_worker():
+            time.sleep(0.3)  # its process picks up the shard late
+            client.open_streams(1)
+            client.generate(_requests(2, env0=3), SamplingParams())
+            client.close_stream()
+
+        thread = threading.Thread(target=late_worker)
+        thread.start()
+        client.open_streams(1)
+        assert len(client.generate(_requests(3), SamplingParams())) == 3
+        client.close_stream()
+        thread.join()
+        assert engine.calls == [5]
+        # once the rollout is over, nothing of it is expected any more
+        shared.withdraw(rollout)
+        client.open_streams(1)
+        client.generate(_requests(1), SamplingParams())
+        client.close_stream()
+    assert engine.calls == [5, 1]

@@ -40,7 +40,7 @@ import joblib
 
 from ragen.llm_agent.cluster import ClusterConfig, open_cluster
 from ragen.llm_agent.es_manager import compute_metrics
-from ragen.llm_agent.rollout_loop import EnvPool, LoopConfig, run_envs
+from ragen.llm_agent.rollout_loop import EnvPool, LoopConfig, run_envs, stream_count
 from ragen.llm_agent.shared_llm import SharedLLMClient, SharedLLMInferenceManager
 from ragen.llm_agent.types import EnvSpec, RolloutResult, StopReason, Trajectory
 
@@ -268,7 +268,10 @@ class ParallelRolloutManager:
         results: dict[int, dict[str, Any]] = {}
         failed: dict[int, str] = {}
         crashed: dict[int, str] = {}
-        calls = [(i, shard, self._client, config, False,
+        # the manager waits for the streams of workers that have not started yet
+        rollout = self.shared.announce(sum(stream_count(shard, config.pipeline_depth) for shard in shards.values()))
+        client = replace(self._client, rollout=rollout)
+        calls = [(i, shard, client, config, False,
                   {"exit_at_turn": fault["exit_at_turn"]} if fault and fault.get("shard") == i else None)
                  for i, shard in shards.items()]
         try:
@@ -285,6 +288,8 @@ class ParallelRolloutManager:
             self._drop_executor()
             crashed = {i: cause for i in shards if i not in results and i not in failed}
             return results, failed, crashed, isinstance(exc, TimeoutError)
+        finally:
+            self.shared.withdraw(rollout)
         return results, failed, crashed, False
 
     def _fallback(self, shard_id: int, specs: list[EnvSpec], config: LoopConfig) -> dict[str, Any]:

@@ -300,6 +300,11 @@ def run_envs(
         call.close()
 
 
+def stream_count(specs: Sequence[EnvSpec], depth: int) -> int:
+    """How many micro-batches (streams) ``run_envs`` splits these specs into."""
+    return max(1, min(depth, len({s.group_id for s in specs})))
+
+
 def _split_streams(slots: list[_EnvSlot], depth: int) -> list[list[_EnvSlot]]:
     """``depth`` micro-batches of whole groups (fewer when there are fewer
     groups), dealt out in turn so that each gets a share of every tag."""
@@ -307,7 +312,7 @@ def _split_streams(slots: list[_EnvSlot], depth: int) -> list[list[_EnvSlot]]:
     for s in slots:
         groups.setdefault(s.spec.group_id, []).append(s)
     members = list(groups.values())
-    depth = max(1, min(depth, len(members)))
+    depth = stream_count([s.spec for s in slots], depth)
     return [[s for g in members[i::depth] for s in g] for i in range(depth)]
 
 

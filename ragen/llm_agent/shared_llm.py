@@ -20,7 +20,9 @@
   not be back before the budget runs out is not waited for; one due within it
   is, until it comes or the budget is spent, even when it is later than
   predicted (a GPU engine turned a few ms of misprediction into a turn split
-  over two calls of a whole decode each). So the engine sees
+  over two calls of a whole decode each). The driver ``announce``s how many
+  streams a rollout's shards will open, so a worker that starts its shard
+  late is waited for before it connects. So the engine sees
   batches as large as the sequential loop gives it, a stream busy stepping envs
   does not hold the others back for longer than a separate call would cost,
   and the engine does not idle waiting for a stream that will come too late to
@@ -279,6 +281,9 @@ class SharedLLMInferenceManager:
         self._cond = threading.Condition()
         self._pending: deque[_Pending] = deque()
         self._streams = 0
+        # streams of dispatched shards whose workers have not opened them yet, by rollout
+        self._announced: dict[int, int] = {}
+        self._rollouts = 0
         self._conns: set[_Conn] = set()
         self._closed = False
         self._listener = socket.create_server((host, port))
@@ -296,6 +301,23 @@ class SharedLLMInferenceManager:
 
     def client(self, timeout_s: float | None = None) -> "SharedLLMClient":
         return SharedLLMClient(address=self.address, authkey=self._key, timeout_s=timeout_s)
+
+    def announce(self, n_streams: int) -> int:
+        """The driver dispatched shards whose workers will open ``n_streams``
+        streams: the coalescer waits for them (within its budget) before they
+        connect, so a worker that starts its shard late is not left out of the
+        first call. Returns the id for ``SharedLLMClient.rollout`` and
+        ``withdraw``."""
+        with self._cond:
+            self._rollouts += 1
+            self._announced[self._rollouts] = n_streams
+            return self._rollouts
+
+    def withdraw(self, rollout: int) -> None:
+        """The rollout's shards ended (or failed): expect none of its streams."""
+        with self._cond:
+            self._announced.pop(rollout, None)
+            self._cond.notify_all()
 
     @property
     def policy_version(self) -> int:
@@ -361,10 +383,15 @@ class SharedLLMInferenceManager:
                 n = msg.get("n")
                 if not isinstance(n, int) or isinstance(n, bool) or not 0 <= n <= 1 << 16:
                     raise ValueError(f"'n' must be a small non-negative integer, got {n!r}")
+                rollout = msg.get("rollout")
+                if rollout is not None and (not isinstance(rollout, int) or isinstance(rollout, bool)):
+                    raise ValueError(f"'rollout' must be an integer, got {rollout!r}")
                 with self._cond:
                     delta = n if op == "open" else -min(n, conn.streams)
                     conn.streams += delta
                     self._streams += delta
+                    if op == "open" and rollout in self._announced:
+                        self._announced[rollout] -= n
                     now = time.monotonic()
                     for _ in range(delta):
                         conn.idle.append((now, False))
@@ -425,9 +452,11 @@ class SharedLLMInferenceManager:
                         self.coalesce_wait_s, min(self.max_coalesce_wait_s, fixed))
                     deadline = max(self._pending[0].arrived, self._engine_free_at) + budget
                     now = time.monotonic()
-                    if len(self._pending) >= self._streams or n_req >= self.max_batch_size or now >= deadline:
+                    unopened = sum(n for n in self._announced.values() if n > 0)
+                    if len(self._pending) >= self._streams + unopened or n_req >= self.max_batch_size \
+                            or now >= deadline:
                         break
-                    if not self._expects_before(deadline):
+                    if not unopened and not self._expects_before(deadline):
                         break
                     self._cond.wait(deadline - now)
                 else:
@@ -549,6 +578,7 @@ class SharedLLMClient:
     address: tuple[str, int]
     authkey: bytes = field(repr=False)
     timeout_s: float | None = None  # for one answer; None: wait as long as it takes
+    rollout: int | None = None  # the announced rollout whose streams this client opens
 
     def _state(self) -> dict[str, Any]:
         cache = getattr(_LOCAL, "conns", None)
@@ -585,7 +615,7 @@ class SharedLLMClient:
             state["sock"].close()
 
     def open_streams(self, n: int) -> None:
-        _send_frame(self._state()["sock"], {"op": "open", "n": n})
+        _send_frame(self._state()["sock"], {"op": "open", "n": n, "rollout": self.rollout})
 
     def close_stream(self) -> None:
         _send_frame(self._state()["sock"], {"op": "close", "n": 1})
