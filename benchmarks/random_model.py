@@ -16,36 +16,20 @@ from __future__ import annotations
 
 import argparse
 
-
-def build(path: str, seed: int = 0) -> str:
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    from ragen.llm.tiny_model import build_tiny_tokenizer
-
-    tokenizer = build_tiny_tokenizer()
-    config = LlamaConfig(
-        vocab_size=len(tokenizer), hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
-        num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=8192, rope_theta=100000.0,
-        tie_word_embeddings=True, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-    )
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = LlamaForCausalLM(config)
-    model.generation_config.eos_token_id = tokenizer.eos_token_id
-    model.generation_config.pad_token_id = tokenizer.pad_token_id
-    model.save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return path
+SMOLLM2_135M_SIZES = dict(
+    hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+    num_key_value_heads=3, max_position_embeddings=8192, rope_theta=100000.0, initializer_range=0.02,
+)
 
 
 def main() -> None:
+    from ragen.llm.tiny_model import build_tiny_model
+
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("path", help="folder to write the model into")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
-    build(args.path, args.seed)
+    build_tiny_model(args.path, args.seed, **SMOLLM2_135M_SIZES)
     print(f"wrote {args.path}")
 
 

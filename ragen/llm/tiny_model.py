@@ -75,30 +75,33 @@ def build_tiny_tokenizer():
     return tokenizer
 
 
-def build_tiny_model(path: str | os.PathLike, seed: int = 0) -> str:
-    """Write a tiny random Llama-style chat model and its tokenizer to ``path``; return it."""
+def build_tiny_model(path: str | os.PathLike, seed: int = 0, **sizes) -> str:
+    """Write a tiny random Llama-style chat model and its tokenizer to ``path``;
+    return it. ``sizes``: ``LlamaConfig`` fields that replace the tiny ones
+    (``benchmarks/random_model.py`` makes it as large as SmolLM2-135M)."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
     out = Path(path)
     out.mkdir(parents=True, exist_ok=True)
     tokenizer = build_tiny_tokenizer()
-    config = LlamaConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=2048,
-        tie_word_embeddings=True,
+    config = LlamaConfig(**{
+        "vocab_size": len(tokenizer),
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 2048,
+        "tie_word_embeddings": True,
         # Larger than the usual 0.02 so that random logits depend on the context
         # (tests of padding and sampling need tokens that differ per prompt).
-        initializer_range=0.3,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-    )
+        "initializer_range": 0.3,
+        "bos_token_id": tokenizer.bos_token_id,
+        "eos_token_id": tokenizer.eos_token_id,
+        "pad_token_id": tokenizer.pad_token_id,
+        **sizes,
+    })
     # A private RNG state: building the model must not move the caller's global RNG.
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
