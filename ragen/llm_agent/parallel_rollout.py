@@ -283,8 +283,9 @@ class ParallelRolloutManager:
         except Exception as exc:  # a dead worker, a timeout: the executor is gone
             if isinstance(exc, TimeoutError):
                 cause = f"no result within agent_proxy.rollout_timeout_s={self.rollout_timeout_s} s"
-            else:
-                cause = f"{type(exc).__name__}: {exc}".strip()
+            else:  # its first line: loky adds a paragraph on what may kill a worker
+                lines = str(exc).strip().splitlines()
+                cause = f"{type(exc).__name__}: {lines[0]}" if lines else type(exc).__name__
             self._drop_executor()
             crashed = {i: cause for i in shards if i not in results and i not in failed}
             return results, failed, crashed, isinstance(exc, TimeoutError)
