@@ -238,3 +238,23 @@ def test_an_engine_with_a_large_cost_per_call_sees_the_sequential_loops_batches(
         for _ in range(3):
             result = prm.rollout(specs, config)
             assert result.metrics["engine/calls"] == counting.engine_calls
+
+
+def test_only_the_shards_that_start_at_once_are_announced():
+    """With more shards than workers, the shards that wait for a free worker
+    open their streams only when another shard ends: announcing them would
+    make the engine sit out its wait budget for them on every call."""
+    announced = []
+
+    class Recording(SharedLLMInferenceManager):
+        def announce(self, n_streams):
+            announced.append(n_streams)
+            return super().announce(n_streams)
+
+    specs = specs_for(["Bandit", "SimpleSokoban"], [6, 2], 1, custom_envs())
+    with Recording(ScriptedEngine()) as shared, \
+            ParallelRolloutManager(shared, n_jobs=2, max_env_num_per_worker=1) as prm:
+        result = prm.rollout(specs, loop_config(max_turn=2, depth=2))
+    assert result.metrics["parallel/shards"] == 8
+    assert announced == [2]  # two workers, one group (one stream) in each of their first shards
+    assert shared._announced == {}  # withdrawn when the rollout ended

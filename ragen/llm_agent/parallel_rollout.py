@@ -268,8 +268,10 @@ class ParallelRolloutManager:
         results: dict[int, dict[str, Any]] = {}
         failed: dict[int, str] = {}
         crashed: dict[int, str] = {}
-        # the manager waits for the streams of workers that have not started yet
-        rollout = self.shared.announce(sum(stream_count(shard, config.pipeline_depth) for shard in shards.values()))
+        # The manager waits for the streams of workers that have not started yet;
+        # shards beyond one per worker start only as others end: not announced.
+        starting = list(shards.values())[: self.n_workers]
+        rollout = self.shared.announce(sum(stream_count(shard, config.pipeline_depth) for shard in starting))
         client = replace(self._client, rollout=rollout)
         calls = [(i, shard, client, config, False,
                   {"exit_at_turn": fault["exit_at_turn"]} if fault and fault.get("shard") == i else None)
