@@ -188,8 +188,6 @@ def test_engine_idle_splits_a_rollout_around_its_engine_calls():
 
 
 def test_answers_that_arrive_while_envs_reset_are_handled_between_resets(mixed_specs, reference, engine):
-    from ragen.llm_agent.rollout_loop import DirectClient, EnvPool, run_envs
-
     log = []
 
     class EagerClient(DirectClient):  # its answers are ready as soon as asked for
