@@ -29,7 +29,11 @@ setup(
     ],
     extras_require={
         # dask and ray too: their backends are tested in the default suite
-        "dev": ["pytest>=8", "pytest-timeout", "hypothesis>=6", "dask[distributed]", "ray"],
+        # gym + gym-sokoban and gymnasium: the tests run envs built on them the way
+        # RAGEN's own modules are; gym-sokoban imports pkg_resources, which
+        # setuptools 81 removed
+        "dev": ["pytest>=8", "pytest-timeout", "hypothesis>=6", "dask[distributed]", "ray",
+                "gymnasium>=1.0", "gym==0.26.2", "gym-sokoban==0.0.6", "setuptools<81"],
         "vllm": ["vllm"],
         "dask": ["dask[distributed]"],
         "ray": ["ray[default]"],

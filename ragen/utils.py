@@ -3,18 +3,30 @@
 ``all_seed`` exists for RAGEN compatibility: RAGEN's env modules seed the
 process-global ``random`` and ``numpy`` generators around room generation and
 import it from here. Our own envs never touch a global generator (each owns a
-``numpy.random.Generator``), because global seeding is not thread-safe.
+``numpy.random.Generator``). Global seeding is not thread-safe by itself, so
+``all_seed`` holds one process-wide lock for the whole block: two threads (the
+``threading`` backend, or a ``parallel_friendly`` tag's thread pool) never
+interleave their draws, and a RAGEN env gives the same results on threads as
+alone.
 """
 
 from __future__ import annotations
 
 import random
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 
 import numpy as np
 
-__all__ = ["all_seed"]
+__all__ = ["all_seed", "GLOBAL_RNG_WAIT_S"]
+
+# Bound on the wait for another thread's ``all_seed`` block: a block lasts as
+# long as one env's generation (milliseconds to a second), so only an env stuck
+# inside its block (e.g. one abandoned after ``env_timeout_s``) makes anyone
+# wait this long.
+GLOBAL_RNG_WAIT_S = 120.0
+_GLOBAL_RNG_LOCK = threading.RLock()  # re-entrant: an env may nest all_seed blocks
 
 
 @contextmanager
@@ -24,14 +36,26 @@ def all_seed(seed: int | None) -> Iterator[None]:
     The previous states come back even when the body raises, so code after the
     block sees the generators exactly as it left them. ``seed=None`` reseeds from
     fresh entropy (as ``random.seed(None)`` does). numpy's legacy seeding takes
-    32-bit seeds only, so larger ints are reduced modulo 2**32.
+    32-bit seeds only, so larger ints are reduced modulo 2**32. The block runs
+    under a process-wide lock (see the module docstring); waiting longer than
+    ``GLOBAL_RNG_WAIT_S`` for it raises ``TimeoutError``.
     """
-    random_state = random.getstate()
-    np_state = np.random.get_state()
+    if not _GLOBAL_RNG_LOCK.acquire(timeout=GLOBAL_RNG_WAIT_S):
+        # TimeoutError, not RuntimeError: RAGEN's envs catch RuntimeError around
+        # generation and retry with another seed, which would wait again.
+        raise TimeoutError(
+            f"all_seed: waited {GLOBAL_RNG_WAIT_S} s for the global RNG, which another thread holds; "
+            "an env is stuck inside `with all_seed(...)` (set agent_proxy.env_timeout_s to find it)"
+        )
     try:
-        random.seed(seed)
-        np.random.seed(None if seed is None else int(seed) % 2**32)
-        yield
+        random_state = random.getstate()
+        np_state = np.random.get_state()
+        try:
+            random.seed(seed)
+            np.random.seed(None if seed is None else int(seed) % 2**32)
+            yield
+        finally:
+            random.setstate(random_state)
+            np.random.set_state(np_state)
     finally:
-        random.setstate(random_state)
-        np.random.set_state(np_state)
+        _GLOBAL_RNG_LOCK.release()

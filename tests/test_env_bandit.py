@@ -80,3 +80,31 @@ def test_train_and_test_tags():
 def test_config_errors_name_the_field(values, field):
     with pytest.raises(ValueError, match=rf"^custom_envs\.Bandit\.env_config\.{field}: "):
         make_env_config("bandit", values, tag="Bandit")
+
+
+def test_split_draws_arm_names_from_its_list():
+    """RAGEN's ``split`` key: per-episode arm names from that split's pairs."""
+    from ragen.env import make_env
+    from ragen.env.bandit.config import ARM_NAME_PAIRS
+
+    env = make_env("bandit", {"split": "test"})
+    seen = set()
+    for seed in range(40):
+        env.reset(seed=seed)
+        pair = (env.ACTION_LOOKUP[1], env.ACTION_LOOKUP[2])  # low-risk arm first
+        assert pair in ARM_NAME_PAIRS["test"]
+        seen.add(pair)
+        obs, _, done, info = env.step(2)
+        assert done and info["success"] and obs.startswith(pair[1])
+    assert len(seen) > 1
+    again = make_env("bandit", {"split": "test"})
+    assert again.reset(seed=7) == env.reset(seed=7)
+
+
+def test_unknown_split_is_named():
+    import pytest
+
+    from ragen.env import make_env
+
+    with pytest.raises(ValueError, match=r"env_config.split: must be one of \['train', 'test'\]"):
+        make_env("bandit", {"split": "validation"}, tag="Bandit")

@@ -45,3 +45,65 @@ def test_all_seed_accepts_none_and_big_seeds():
         a = np.random.random()
     with all_seed(2**40 + 3):
         assert np.random.random() == a
+
+
+def _draws(seed: int) -> list[float]:
+    """Global-RNG draws under all_seed with a pause between them, as a generator
+    that does work between draws: without the lock another thread reseeds or
+    draws in that pause."""
+    import time
+
+    with all_seed(seed):
+        out = [np.random.random()]
+        time.sleep(0.002)
+        out.append(random.random())
+        time.sleep(0.002)
+        out.append(np.random.random())
+    return out
+
+
+@pytest.mark.timeout(60)
+def test_all_seed_blocks_do_not_interleave_across_threads():
+    from concurrent.futures import ThreadPoolExecutor
+
+    seeds = list(range(16))
+    alone = [_draws(s) for s in seeds]
+    with ThreadPoolExecutor(8) as pool:
+        threaded = list(pool.map(_draws, seeds))
+    assert threaded == alone
+
+
+@pytest.mark.timeout(60)
+def test_all_seed_waits_are_bounded(monkeypatch):
+    import threading
+
+    import ragen.utils
+
+    monkeypatch.setattr(ragen.utils, "GLOBAL_RNG_WAIT_S", 0.2)
+    entered, release = threading.Event(), threading.Event()
+
+    def stuck() -> None:
+        with all_seed(1):
+            entered.set()
+            release.wait(30)
+
+    t = threading.Thread(target=stuck)
+    t.start()
+    try:
+        assert entered.wait(10)
+        with pytest.raises(TimeoutError, match="stuck inside"):
+            with all_seed(2):
+                pass
+    finally:
+        release.set()
+        t.join(10)
+    with all_seed(3):  # free again once the stuck block ends
+        pass
+
+
+def test_all_seed_nests_in_one_thread():
+    with all_seed(1):
+        with all_seed(2):
+            inner = np.random.random()
+        with all_seed(2):
+            assert np.random.random() == inner

@@ -10,8 +10,9 @@ An env module written for RAGEN imports these names and runs unchanged:
 - ``BaseLanguageBasedEnv``: the action is the answer text itself.
 - ``BaseEnvConfig``: the dataclass every env config derives from.
 
-Each env owns its random generator, seeded in ``reset`` (``make_rng`` builds
-it); nothing random is global, so instances in different threads or processes
+The base ``__init__`` never overwrites a ``config`` the subclass set before
+calling it (RAGEN's modules set theirs first). Each env owns its random
+generator, seeded in ``reset`` (``make_rng`` builds it); nothing random is global, so instances in different threads or processes
 never disturb each other. ``BaseDiscreteActionEnv.is_valid_action`` is the one
 test of whether a step's action is an id of ``ACTION_LOOKUP``.
 """
@@ -41,7 +42,11 @@ class BaseEnvConfig:
 
 class BaseEnv(ABC):
     def __init__(self, config: Any = None) -> None:
-        self.config = config
+        # RAGEN's env modules set ``self.config`` (and their lookups) first and
+        # call the base ``__init__`` after, with no arguments; RAGEN's base sets
+        # nothing, so ours must not overwrite what the subclass already set.
+        if config is not None or "config" not in self.__dict__:
+            self.config = config
 
     @abstractmethod
     def reset(self, seed: int | None = None, **kwargs: Any) -> str:

@@ -84,7 +84,8 @@ class EnvStateManager:
             EnvSpec(env_id=group_id * self.group_size + m, group_id=group_id, tag=self.group_tags[g], seed=seed,
                     env_type=ts["env_type"], env_config=ts["env_config"], config_type=ts["config_type"],
                     max_actions_per_traj=ts["max_actions_per_traj"], env_instruction=ts["env_instruction"],
-                    max_tokens=ts["max_tokens"], format_example=ts["format_example"])
+                    max_tokens=ts["max_tokens"], format_example=ts["format_example"],
+                    env_threads=ts["env_threads"])
             for m in range(self.group_size)
         ]
 
@@ -116,7 +117,7 @@ def _validate_tag(tag: str, spec: Any) -> dict[str, Any]:
     if "env_type" not in spec:
         raise ValueError(f"{key}.env_type is missing")
     allowed = {"env_type", "config_type", "max_actions_per_traj", "env_instruction", "max_tokens", "env_config",
-               "format_example"}
+               "format_example", "parallel_friendly", "max_workers"}
     unknown = set(spec) - allowed
     if unknown:
         raise ValueError(f"{key}: unknown keys {sorted(unknown)}; allowed: {sorted(allowed)}")
@@ -127,6 +128,12 @@ def _validate_tag(tag: str, spec: Any) -> dict[str, Any]:
     max_tokens = spec.get("max_tokens")
     if max_tokens is not None:
         max_tokens = _positive_int(max_tokens, f"{key}.max_tokens")
+    # RAGEN's keys (its defaults: false, 1): the envs of a parallel_friendly
+    # tag are reset and stepped on a thread pool of max_workers.
+    friendly = spec.get("parallel_friendly", False)
+    if not isinstance(friendly, bool):
+        raise ValueError(f"{key}.parallel_friendly must be true or false, got {friendly!r}")
+    max_workers = _positive_int(spec.get("max_workers", 1), f"{key}.max_workers")
     example = spec.get("format_example")
     if example is not None:
         if not isinstance(example, dict) or not isinstance(example.get("observation"), str) \
@@ -143,6 +150,7 @@ def _validate_tag(tag: str, spec: Any) -> dict[str, Any]:
         "max_actions_per_traj": max_actions,
         "env_instruction": spec.get("env_instruction", "") or "",
         "max_tokens": max_tokens,
+        "env_threads": max_workers if friendly else 1,
     }
 
 

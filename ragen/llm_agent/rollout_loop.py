@@ -20,7 +20,10 @@ still resetting are handled between two resets, so the model is kept busy
 from the start. A trajectory depends only on its own env and the answers to its
 own requests, so the split never changes results.
 
-``EnvPool`` keeps env instances between rollouts (reset with new seeds).
+The envs of a tag with ``parallel_friendly: true`` (RAGEN's key) are reset
+and stepped ``max_workers`` at a time on threads (``EnvSpec.env_threads``),
+in the sequential loop and in each parallel worker alike; other envs one after
+another. ``EnvPool`` keeps env instances between rollouts (reset with new seeds).
 """
 
 from __future__ import annotations
@@ -28,10 +31,12 @@ from __future__ import annotations
 import concurrent.futures
 import logging
 import os
+import threading
 import time
 import traceback
 from collections import defaultdict, deque
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any, Protocol, Sequence
 
 from ragen.llm.types import Completion, Engine, GenerationRequest, SamplingParams
@@ -107,6 +112,9 @@ class DirectClient:
         self._queue.clear()
 
 
+_ERRORS_LOCK = threading.Lock()
+
+
 class EnvTimeout(Exception):
     pass
 
@@ -121,14 +129,16 @@ class EnvPool:
     def __init__(self) -> None:
         self._free: dict[tuple, list[Any]] = defaultdict(list)
         self.created = 0
+        self._lock = threading.Lock()  # envs of a parallel_friendly tag are acquired on several threads
 
     def acquire(self, spec: EnvSpec) -> Any:
-        free = self._free.get(spec.pool_key)
-        if free:
-            return free.pop()
+        with self._lock:
+            free = self._free.get(spec.pool_key)
+            if free:
+                return free.pop()
+            self.created += 1
         from ragen.env import make_env
 
-        self.created += 1
         return make_env(spec.env_type, spec.env_config, config_type=spec.config_type, tag=spec.tag)
 
     def release(self, spec: EnvSpec, env: Any) -> None:
@@ -151,29 +161,76 @@ class _Caller:
     """Runs env calls, with a time limit when one is set.
 
     A call past its limit leaves its thread behind (a thread cannot be killed);
-    the env is then abandoned and a fresh thread serves the next calls.
+    the env is then abandoned and a fresh thread serves the next calls. Each
+    calling thread has its own helper thread, so envs stepped at once on a
+    ``parallel_friendly`` tag's threads are timed apart.
     """
 
     def __init__(self, timeout_s: float | None) -> None:
         self.timeout_s = timeout_s
-        self._pool: concurrent.futures.ThreadPoolExecutor | None = None
+        self._local = threading.local()
+        self._pools: list[concurrent.futures.ThreadPoolExecutor] = []
 
     def __call__(self, fn, *args, **kwargs):
         if not self.timeout_s:
             return fn(*args, **kwargs)
-        if self._pool is None:
-            self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="ragen-env")
-        future = self._pool.submit(fn, *args, **kwargs)
+        pool = getattr(self._local, "pool", None)
+        if pool is None:
+            pool = self._local.pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="ragen-env")
+            self._pools.append(pool)
+        future = pool.submit(fn, *args, **kwargs)
         try:
             return future.result(timeout=self.timeout_s)
         except concurrent.futures.TimeoutError:
-            self._pool.shutdown(wait=False)
-            self._pool = None
+            pool.shutdown(wait=False)
+            self._local.pool = None
             raise EnvTimeout(f"env call {getattr(fn, '__name__', fn)} took longer than {self.timeout_s} s") from None
 
     def close(self) -> None:
-        if self._pool is not None:
-            self._pool.shutdown(wait=False)
+        for pool in self._pools:
+            pool.shutdown(wait=False)
+
+
+class _EnvThreads:
+    """Runs env work for a list of slots: one after another, except the slots
+    of a tag with ``env_threads > 1`` (RAGEN's ``parallel_friendly`` with
+    ``max_workers``), which run at once on that many threads.
+
+    Each job touches only its own slot and env, so running them at once never
+    changes a result. A job's exception is raised after every job of the call
+    has ended, the first in slot order, so no env is still stepping when the
+    caller handles it.
+    """
+
+    def __init__(self) -> None:
+        self._pools: dict[int, concurrent.futures.ThreadPoolExecutor] = {}
+
+    def run(self, jobs: list[tuple["_EnvSlot", Any]]) -> None:
+        by_tag: dict[str, list[Any]] = defaultdict(list)
+        for slot, job in jobs:
+            if slot.spec.env_threads > 1:
+                by_tag[slot.spec.tag].append((slot, job))
+            else:
+                job()
+        futures = []
+        for tag_jobs in by_tag.values():
+            if len(tag_jobs) == 1:
+                tag_jobs[0][1]()
+                continue
+            n = tag_jobs[0][0].spec.env_threads
+            pool = self._pools.get(n)
+            if pool is None:
+                pool = self._pools[n] = concurrent.futures.ThreadPoolExecutor(n, thread_name_prefix="ragen-envs")
+            futures += [pool.submit(job) for _, job in tag_jobs]
+        # Bounded: each job is one env call sequence, itself bounded by
+        # env_timeout_s when set (the call runs on the _Caller's thread).
+        concurrent.futures.wait(futures)
+        for f in futures:
+            f.result()
+
+    def close(self) -> None:
+        for pool in self._pools.values():
+            pool.shutdown(wait=False)  # every job has ended: run() waits for them
 
 
 def _plain_info(info: Any) -> dict[str, Any]:
@@ -244,6 +301,7 @@ def run_envs(
     ctx = ContextManager(config.context)
     pool = pool if pool is not None else EnvPool()
     call = _Caller(config.env_timeout_s)
+    threads = _EnvThreads()
     stats = LoopStats()
     slots = [_EnvSlot(s) for s in specs]
     try:
@@ -262,8 +320,8 @@ def run_envs(
                 logger.warning("fault injection: process %d exits now", os.getpid())
                 os._exit(3)
             t0 = time.perf_counter()
-            for slot, completion in zip(batch, completions):
-                _guard(slot, stats, isolate_errors, _apply, slot, completion, ctx, config, call)
+            threads.run([(slot, partial(_guard, slot, stats, isolate_errors, _apply, slot, completion, ctx, config,
+                                        call)) for slot, completion in zip(batch, completions)])
             stats.env_step_s += time.perf_counter() - t0
             if not _submit(batch, client, ctx, config, inflight, stats):
                 client.close_stream()
@@ -271,9 +329,10 @@ def run_envs(
 
         try:
             for stream in streams:
-                for slot in stream:
+                for chunk in _reset_chunks(stream):
                     t0 = time.perf_counter()
-                    _guard(slot, stats, isolate_errors, _reset, slot, pool, call)
+                    threads.run([(slot, partial(_guard, slot, stats, isolate_errors, _reset, slot, pool, call))
+                                 for slot in chunk])
                     stats.env_reset_s += time.perf_counter() - t0
                     while inflight and client.ready():  # keep the model busy while later envs reset
                         answer(*client.wait_any())
@@ -297,7 +356,25 @@ def run_envs(
         client.reset()
         raise
     finally:
+        threads.close()
         call.close()
+
+
+def _reset_chunks(stream: list[_EnvSlot]) -> list[list[_EnvSlot]]:
+    """The stream's envs in the order they are reset: one at a time, except
+    the envs of a tag with ``env_threads > 1``, reset together (at the place
+    of the tag's first env)."""
+    chunks: list[list[_EnvSlot]] = []
+    together: dict[str, list[_EnvSlot]] = {}
+    for slot in stream:
+        if slot.spec.env_threads <= 1:
+            chunks.append([slot])
+        elif slot.spec.tag in together:
+            together[slot.spec.tag].append(slot)
+        else:
+            together[slot.spec.tag] = [slot]
+            chunks.append(together[slot.spec.tag])
+    return chunks
 
 
 def stream_count(specs: Sequence[EnvSpec], depth: int) -> int:
@@ -343,7 +420,8 @@ def _guard(slot: _EnvSlot, stats: LoopStats, isolate: bool, fn, *args) -> None:
     try:
         fn(*args)
     except (Exception, EnvTimeout) as exc:  # an env's own code failed
-        stats.env_errors += 1
+        with _ERRORS_LOCK:  # envs of a parallel_friendly tag fail on several threads at once
+            stats.env_errors += 1
         reason = StopReason.TIMEOUT if isinstance(exc, EnvTimeout) else StopReason.ERROR
         message = f"{type(exc).__name__}: {exc}"
         slot.env = None  # a failed env's state is unknown: never reuse it

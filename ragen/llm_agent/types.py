@@ -43,6 +43,9 @@ class EnvSpec:
     # one worked exchange shown after the system message: (observation, answer,
     # action names); it teaches the answer format and is never trained on
     format_example: tuple[str, str, tuple[str, ...] | None] | None = None
+    # how many of this tag's envs one loop steps at once on threads: RAGEN's
+    # ``max_workers`` for a ``parallel_friendly`` tag, else 1 (one after another)
+    env_threads: int = 1
 
     @property
     def pool_key(self) -> tuple:

@@ -5,7 +5,9 @@ Concepts:
 - **Arms**: a low-risk arm (fixed reward) and a high-risk arm (a high reward
   with some probability, else a low one), known to the agent only by their
   symbolic names. ``ACTION_LOOKUP`` is ``{start: lo name, start + 1: hi name}``
-  for the whole life of the instance, so an action id always means the same arm.
+  for the whole life of the instance, so an action id always means the same arm
+  (with ``config.split``, the names are drawn per episode; ids keep their order:
+  ``start`` is the low-risk arm).
 - **Observation**: the game rules naming both arms; the order in which the
   arms are named is shuffled per episode by the env's RNG, so position carries
   no signal. After the pull: ``"<arm>: <reward> points"``.
@@ -28,7 +30,7 @@ from typing import Any
 import numpy as np
 
 from ..base import BaseDiscreteActionEnv, make_rng
-from .config import BanditEnvConfig
+from .config import ARM_NAME_PAIRS, BanditEnvConfig
 
 __all__ = ["BanditEnv"]
 
@@ -63,6 +65,11 @@ class BanditEnv(BaseDiscreteActionEnv):
 
     def reset(self, seed: int | None = None, **kwargs: Any) -> str:
         self.seed, self.np_random = make_rng(seed)
+        if self.config.split is not None:
+            pairs = ARM_NAME_PAIRS[self.config.split]
+            self.lo_arm_name, self.hi_arm_name = pairs[int(self.np_random.integers(len(pairs)))]
+            start = self.config.action_space_start
+            self.ACTION_LOOKUP = {start: self.lo_arm_name, start + 1: self.hi_arm_name}
         names = [self.lo_arm_name, self.hi_arm_name]
         if self.np_random.random() < 0.5:
             names.reverse()
