@@ -16,7 +16,8 @@ relies on, without copying RAGEN's code:
   another seed on ``RuntimeError``.
 - ``ArmsOnGymnasium``: ``gymnasium.Env`` as a second base; the base ``__init__``
   called *first* and the config set after (``None`` -> the config's defaults);
-  the action lookup drawn in ``reset``; ``render()`` without a mode.
+  the action lookup drawn in ``reset``, which reads RAGEN's ``mode`` argument
+  ("train" or "val"); ``render()`` without a mode.
 
 Their configs do not derive from ``BaseEnvConfig`` (RAGEN's do not either).
 """
@@ -191,7 +192,7 @@ class ArmsOnGymnasium(BaseDiscreteActionEnv, gymnasium.Env):
         start = self.config.start
         names = ["gold", "lead"] if self.np_random.random() < 0.5 else ["lead", "gold"]
         self.ACTION_LOOKUP = {start: names[0], start + 1: names[1]}
-        self.render_cache = f"Two arms: {names[0]} and {names[1]}. Pull one."
+        self.render_cache = f"Two arms: {names[0]} and {names[1]}. Pull one." + (" (evaluation)" if mode == "val" else "")
         return self.render_cache
 
     def step(self, action):

@@ -111,6 +111,24 @@ def test_ragen_envs_yaml_loads_with_parallel_friendly_and_max_workers():
     assert threads["MathLike"] == 1  # neither key
 
 
+@pytest.mark.parametrize("tag,words", [("CoordSokoban", ["Boxes: (", "Targets: (", "Grid Map:\n#"]),
+                                       ("CoordFrozenLake", ["Player: (0, 0)", "Goal: (", "Grid Map:\nP"])])
+def test_coordinate_observations_of_ragen_coord_tags(tag, words):
+    spec = specs_for([tag], [1], 1, OmegaConf.to_container(RAGEN_ENVS))[0]
+    obs = make_env(spec.env_type, spec.env_config, tag=tag).reset(seed=spec.seed)
+    assert obs.startswith("Coordinates:\nPlayer: (")
+    for w in words:
+        assert w in obs
+
+
+def test_image_observations_are_refused_with_the_key_named():
+    visual = {"env_type": "sokoban", "max_actions_per_traj": 10, "env_instruction": "", "max_tokens": 100,
+              "parallel_friendly": False, "max_workers": 32,
+              "env_config": {"dim_x": 6, "dim_y": 6, "num_boxes": 1, "max_steps": 100, "render_mode": "rgb_array"}}
+    with pytest.raises(ValueError, match=r"custom_envs.VisualSimpleSokoban.env_config.render_mode: 'rgb_array'"):
+        specs_for(["VisualSimpleSokoban"], [1], 1, {"VisualSimpleSokoban": visual})
+
+
 @pytest.mark.parametrize("key,value,words", [
     ("parallel_friendly", "yes", "parallel_friendly must be true or false"),
     ("max_workers", 0, "max_workers must be >= 1"),
@@ -205,3 +223,13 @@ def test_parallel_friendly_env_timeouts_are_per_env():
     reasons = {tag: {t.stop_reason for t in trajectories if t.tag == tag} for tag in ("Busy", "Slow")}
     assert reasons["Slow"] == {StopReason.TIMEOUT}
     assert StopReason.TIMEOUT not in reasons["Busy"] and StopReason.ERROR not in reasons["Busy"]
+
+
+@pytest.mark.parametrize("split", ["train", "val"])
+def test_reset_gets_the_split_as_mode_when_it_takes_one(split):
+    envs = OmegaConf.to_container(RAGEN_ENVS)
+    es = EnvStateManager(split, {"env_groups": 2, "group_size": 1,
+                                 "env_configs": {"tags": ["GymnasiumArms", "Bandit"], "n_groups": [1, 1]}}, envs, 0)
+    arms, bandit = sequential(es.make_specs(), loop_config(), ScriptedEngine())
+    assert ("(evaluation)" in arms.turns[0].observation) == (split == "val")
+    assert bandit.turns  # our envs take **kwargs and are not given mode

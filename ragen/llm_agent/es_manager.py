@@ -85,7 +85,7 @@ class EnvStateManager:
                     env_type=ts["env_type"], env_config=ts["env_config"], config_type=ts["config_type"],
                     max_actions_per_traj=ts["max_actions_per_traj"], env_instruction=ts["env_instruction"],
                     max_tokens=ts["max_tokens"], format_example=ts["format_example"],
-                    env_threads=ts["env_threads"])
+                    env_threads=ts["env_threads"], mode=self.split)
             for m in range(self.group_size)
         ]
 

@@ -29,6 +29,8 @@ another. ``EnvPool`` keeps env instances between rollouts (reset with new seeds)
 from __future__ import annotations
 
 import concurrent.futures
+import functools
+import inspect
 import logging
 import os
 import threading
@@ -36,7 +38,6 @@ import time
 import traceback
 from collections import defaultdict, deque
 from dataclasses import dataclass, field
-from functools import partial
 from typing import Any, Protocol, Sequence
 
 from ragen.llm.types import Completion, Engine, GenerationRequest, SamplingParams
@@ -320,7 +321,7 @@ def run_envs(
                 logger.warning("fault injection: process %d exits now", os.getpid())
                 os._exit(3)
             t0 = time.perf_counter()
-            threads.run([(slot, partial(_guard, slot, stats, isolate_errors, _apply, slot, completion, ctx, config,
+            threads.run([(slot, functools.partial(_guard, slot, stats, isolate_errors, _apply, slot, completion, ctx, config,
                                         call)) for slot, completion in zip(batch, completions)])
             stats.env_step_s += time.perf_counter() - t0
             if not _submit(batch, client, ctx, config, inflight, stats):
@@ -331,7 +332,7 @@ def run_envs(
             for stream in streams:
                 for chunk in _reset_chunks(stream):
                     t0 = time.perf_counter()
-                    threads.run([(slot, partial(_guard, slot, stats, isolate_errors, _reset, slot, pool, call))
+                    threads.run([(slot, functools.partial(_guard, slot, stats, isolate_errors, _reset, slot, pool, call))
                                  for slot in chunk])
                     stats.env_reset_s += time.perf_counter() - t0
                     while inflight and client.ready():  # keep the model busy while later envs reset
@@ -434,11 +435,22 @@ def _guard(slot: _EnvSlot, stats: LoopStats, isolate: bool, fn, *args) -> None:
 
 def _reset(slot: _EnvSlot, pool: EnvPool, call: _Caller) -> None:
     slot.env = pool.acquire(slot.spec)
-    slot.observation = str(call(slot.env.reset, seed=slot.spec.seed))
+    kwargs = {"mode": slot.spec.mode} if _takes_mode(type(slot.env)) else {}
+    slot.observation = str(call(slot.env.reset, seed=slot.spec.seed, **kwargs))
     lookup = getattr(slot.env, "ACTION_LOOKUP", None)
     if lookup:
         slot.traj.action_names = [str(v) for v in lookup.values()]
         slot.lookup = {str(v).lower(): k for k, v in lookup.items()}
+
+
+@functools.lru_cache(maxsize=None)
+def _takes_mode(env_cls: type) -> bool:
+    """Whether ``env_cls.reset`` has a ``mode`` parameter (RAGEN's envs do;
+    ours and many users' take ``**kwargs`` and need not see it)."""
+    try:
+        return "mode" in inspect.signature(env_cls.reset).parameters
+    except (TypeError, ValueError):  # a builtin or C-implemented reset: no signature
+        return False
 
 
 def _apply(slot: _EnvSlot, completion: Completion, ctx: ContextManager, config: LoopConfig, call: _Caller) -> None:

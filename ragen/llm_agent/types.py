@@ -46,6 +46,9 @@ class EnvSpec:
     # how many of this tag's envs one loop steps at once on threads: RAGEN's
     # ``max_workers`` for a ``parallel_friendly`` tag, else 1 (one after another)
     env_threads: int = 1
+    # the split, passed to ``reset(seed=..., mode=...)`` when the env's reset
+    # takes ``mode`` (RAGEN passes it: "train" or "val")
+    mode: str = "train"
 
     @property
     def pool_key(self) -> tuple:

@@ -13,7 +13,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from ..base import BaseEnvConfig
-from ..config_checks import EnvConfigError, check_bool, check_int, check_lookup, check_number, check_str
+from ..render import check_render_settings
+from ..config_checks import EnvConfigError, check_bool, check_int, check_lookup, check_number
 
 __all__ = ["FrozenLakeEnvConfig"]
 
@@ -46,6 +47,7 @@ class FrozenLakeEnvConfig(BaseEnvConfig):
     map_seed: int | None = None
     max_steps: int = 100
     render_mode: str = "text"
+    observation_format: str = "grid"
     grid_lookup: dict[int, str] = field(default_factory=_default_grid_lookup)
     grid_vocab: dict[str, str] = field(default_factory=_default_grid_vocab)
     action_lookup: dict[int, str] = field(default_factory=_default_action_lookup)
@@ -60,7 +62,7 @@ class FrozenLakeEnvConfig(BaseEnvConfig):
         if self.map_seed is not None:
             self.map_seed = check_int("map_seed", self.map_seed)
         self.max_steps = check_int("max_steps", self.max_steps, minimum=1)
-        self.render_mode = check_str("render_mode", self.render_mode, choices=("text",))
+        self.render_mode, self.observation_format = check_render_settings(self.render_mode, self.observation_format)
         self.grid_lookup = check_lookup("grid_lookup", self.grid_lookup, keys=range(6))
         if not isinstance(self.grid_vocab, Mapping):
             raise EnvConfigError("grid_vocab", f"expected a mapping of symbols to names, got {self.grid_vocab!r}")

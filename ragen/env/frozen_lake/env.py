@@ -30,6 +30,7 @@ from typing import Any
 import numpy as np
 
 from ..base import BaseDiscreteActionEnv, make_rng
+from ..render import coordinates, render_text
 from .config import FrozenLakeEnvConfig
 
 __all__ = ["FrozenLakeEnv", "generate_map"]
@@ -149,11 +150,11 @@ class FrozenLakeEnv(BaseDiscreteActionEnv):
         return self.render(), reward, self._done, info
 
     def render(self, mode: str | None = None) -> str:
-        mode = mode or self.render_mode
-        if mode not in ("text", "grid"):
-            raise ValueError(f"FrozenLakeEnv renders mode 'text' only, got {mode!r}")
         if self.desc is None:
             return ""
+        return render_text(mode or self.render_mode, self.config.observation_format, self._grid, self._coordinates)
+
+    def _grid(self) -> str:
         lookup = self.GRID_LOOKUP
         pr, pc = self.player_pos
         lines = []
@@ -164,3 +165,10 @@ class FrozenLakeEnv(BaseDiscreteActionEnv):
                 codes[pc] = _PLAYER_IN_HOLE if tile == "H" else _PLAYER_ON_GOAL if tile == "G" else _PLAYER
             lines.append("".join(lookup[code] for code in codes))
         return "\n".join(lines)
+
+    def _coordinates(self) -> str:
+        def cells(tile: str) -> list[tuple[int, int]]:
+            return [(r, c) for r, row in enumerate(self.desc) for c, t in enumerate(row) if t == tile]
+
+        return coordinates([("Player", [self.player_pos]), ("Start", cells("S")), ("Goal", cells("G")),
+                            ("Holes", cells("H"))], len(self.desc), len(self.desc[0]))

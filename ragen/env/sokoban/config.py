@@ -13,7 +13,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from ..base import BaseEnvConfig
-from ..config_checks import EnvConfigError, check_int, check_lookup, check_str
+from ..render import check_render_settings
+from ..config_checks import EnvConfigError, check_int, check_lookup
 from .generator import room_fits
 
 __all__ = ["SokobanEnvConfig"]
@@ -51,6 +52,7 @@ class SokobanEnvConfig(BaseEnvConfig):
     dim_x: int | None = None
     dim_y: int | None = None
     render_mode: str = "text"
+    observation_format: str = "grid"
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -87,4 +89,4 @@ class SokobanEnvConfig(BaseEnvConfig):
             raise EnvConfigError("grid_vocab", f"expected a mapping of symbols to names, got {self.grid_vocab!r}")
         self.grid_vocab = dict(self.grid_vocab)
         self.action_lookup = check_lookup("action_lookup", self.action_lookup, keys=(1, 2, 3, 4), unique_values=True)
-        self.render_mode = check_str("render_mode", self.render_mode, choices=("text",))
+        self.render_mode, self.observation_format = check_render_settings(self.render_mode, self.observation_format)

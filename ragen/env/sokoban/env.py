@@ -13,7 +13,8 @@ Concepts:
   -1 for a box pushed off one, +10 when every box is on a target (``done``,
   ``success``). The episode also ends after ``max_steps`` steps.
 - **Observation**: the grid as text, one row per line, each cell written with
-  ``grid_lookup`` (6 = player on target).
+  ``grid_lookup`` (6 = player on target); or coordinates, or both
+  (``observation_format``, see ``ragen.env.render``).
 
 An action that is not an id (text, ``None``, an unknown number) leaves the room
 as it is and does not count as a step: ``info["action_is_valid"]`` is False,
@@ -27,6 +28,7 @@ from typing import Any
 import numpy as np
 
 from ..base import BaseDiscreteActionEnv, make_rng
+from ..render import coordinates, render_text
 from .config import SokobanEnvConfig
 from .generator import BOX, BOX_ON_TARGET, FLOOR, PLAYER, TARGET, generate_room
 
@@ -133,11 +135,11 @@ class SokobanEnv(BaseDiscreteActionEnv):
         return self.room_state is not None and self.boxes_on_target == self.num_boxes
 
     def render(self, mode: str | None = None) -> str:
-        mode = mode or self.render_mode
-        if mode not in ("text", "grid"):
-            raise ValueError(f"SokobanEnv renders mode 'text' only, got {mode!r}")
         if self.room_state is None:
             return ""
+        return render_text(mode or self.render_mode, self.config.observation_format, self._grid, self._coordinates)
+
+    def _grid(self) -> str:
         lookup = self.GRID_LOOKUP
         lines = []
         for state_row, fixed_row in zip(self.room_state.tolist(), self.room_fixed.tolist()):
@@ -148,3 +150,18 @@ class SokobanEnv(BaseDiscreteActionEnv):
                 )
             )
         return "\n".join(lines)
+
+    def _coordinates(self) -> str:
+        def cells(mask: np.ndarray) -> list[tuple[int, int]]:
+            return [(int(r), int(c)) for r, c in np.argwhere(mask)]
+
+        state, fixed = self.room_state, self.room_fixed
+        rows, cols = state.shape
+        pr, pc = (int(x) for x in self.player_position)
+        return coordinates([
+            ("Player", [(pr, pc)]),
+            ("Boxes", cells((state == BOX) | (state == BOX_ON_TARGET))),
+            ("Targets", cells(fixed == TARGET)),
+            ("Boxes on targets", cells(state == BOX_ON_TARGET)),
+            ("Walls inside the border", [(r, c) for r, c in cells(fixed == 0) if 0 < r < rows - 1 and 0 < c < cols - 1]),
+        ], rows, cols)
