@@ -155,6 +155,9 @@ def summarize(mode: str, runs: list, warmup_s: float, setup, proxy) -> dict[str,
         # parallel only: where the engine sat idle (before its first call, between calls, after its last)
         "engine_idle_s": [m.get(f"timing/engine_idle_{k}_s") for k in ("before", "between", "after")],
         "fallbacks": int(m.get("parallel/fallbacks", 0)),
+        "env_retries": int(m.get("rollout/env_retries", 0)),
+        # every env that ended in error or timeout, in any repeat: tag, seed, turn, exception
+        "failed_envs": [dict(f, repeat=i) for i, (_, r) in enumerate(runs) for f in r.failed_envs],
         "digest": rollout_digest(result.trajectories),
         "digests": [rollout_digest(r.trajectories) for _, r in runs],
         # outcome metrics of the first repeat: the same seeds in both modes

@@ -38,6 +38,22 @@ def test_report_json_and_plot(tmp_path):
     fault = report["fault_injection"]
     assert fault["recovered"] is True and fault["consistent"] is True and fault["fallbacks"] >= 1
     assert png.stat().st_size > 1000
+    assert all(r["failed_envs"] == [] and r["env_retries"] == 0 for r in report["runs"])
+
+
+def test_failed_envs_are_in_the_report(tmp_path):
+    out = tmp_path / "r.json"
+    fault = ("+custom_envs.Fault={env_type: 'tests.fault_envs:FaultEnv', config_type: 'tests.fault_envs:FaultEnvConfig',"
+             " env_config: {fault: raise_reset, fault_seed: 1}}")
+    p = run("engine=scripted", "es_manager.train.env_groups=2", "es_manager.train.group_size=2",
+            "es_manager.train.env_configs.tags=[Fault]", "es_manager.train.env_configs.n_groups=[2]", fault,
+            "seed.train=0", "agent_proxy.max_turn=3", "agent_proxy.parallel_n_jobs=2", "benchmark.repeats=1",
+            f"benchmark.output={out}", f"benchmark.plot={tmp_path / 'r.png'}")
+    assert p.returncode == 0, p.stderr[-3000:]
+    for r in json.loads(out.read_text())["runs"]:  # seed 1 is group 1 of rollout 0: env_ids 2 and 3
+        assert [(f["env_id"], f["tag"], f["seed"], f["stop_reason"]) for f in r["failed_envs"]] == \
+            [(2, "Fault", 1, "error"), (3, "Fault", 1, "error")]
+        assert "injected reset failure" in r["failed_envs"][0]["error"] and r["env_retries"] == 2
 
 
 @pytest.mark.parametrize("args,needle", [

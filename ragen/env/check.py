@@ -763,6 +763,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--config", action="append", default=[], metavar="KEY=VALUE",
                         help="an env_config value (parsed as YAML: 6, 0.8, true, [a, b]); repeatable")
     parser.add_argument("--seeds", type=int, default=5, help="number of seeds (0..N-1); default 5")
+    parser.add_argument("--first-seed", type=int, default=0,
+                        help="seeds start here (first..first+N-1): the seed of an env that failed in a rollout")
     parser.add_argument("--max-steps", type=int, default=20, help="steps per checked episode; default 20")
     parser.add_argument("--envs-yaml", type=Path, default=_default_envs_yaml(), help="where tags are looked up")
     parser.add_argument("--json", type=Path, default=None, help="also write the report as JSON here")
@@ -783,7 +785,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             env_type = spec.get("env_type", env_type)
             config_type = config_type or spec.get("config_type")
             env_config = _merge(to_plain(spec.get("env_config") or {}), overrides)
-    report = check_env(env_type, env_config or None, config_type, seeds=args.seeds, max_steps=args.max_steps)
+    seeds = list(range(args.first_seed, args.first_seed + args.seeds))
+    report = check_env(env_type, env_config or None, config_type, seeds=seeds, max_steps=args.max_steps)
     print(report.format())
     if args.json:
         args.json.write_text(json.dumps(report.as_dict(), indent=2))

@@ -121,6 +121,7 @@ class AgentSetup:
             format_penalty=_number(cfg, "es_manager.format_penalty", -0.1, float),
             env_timeout_s=_number(cfg, f"{ap}.env_timeout_s", None, float, 0.0, allow_none=True) or None,
             pipeline_depth=pipeline_depth,
+            env_retries=_number(cfg, f"{ap}.env_retries", 1, int, 0),
         )
         val_loop = LoopConfig(**{**loop.__dict__, "sampling": val_sampling})
         custom_envs = _get(cfg, "custom_envs")
@@ -293,6 +294,10 @@ class LLMAgentProxy:
             split, len(specs), m.get("timing/rollout_s", 0.0), m.get("timing/engine_s", 0.0),
             int(m.get("engine/calls", 0)), m.get("engine/mean_batch_size", 0.0), m.get("timing/env_s", 0.0),
             m.get("timing/wait_llm_s", 0.0), int(m.get("parallel/fallbacks", 0)), m.get("rollout/success", 0.0))
+        for f in result.failed_envs:
+            logger.warning("[Rollout] %s: env_id %d (tag %s, seed %d) ended in %s at turn %d: %s | check it alone: "
+                           "python -m ragen.env.check %s --first-seed %d", split, f["env_id"], f["tag"], f["seed"],
+                           f["stop_reason"], f["turn"], f["error"], f["tag"], f["seed"])
         return result
 
     def _sequential(self, specs, config: LoopConfig) -> RolloutResult:
@@ -314,6 +319,7 @@ class LLMAgentProxy:
             "engine/mean_batch_size": sum(sizes) / len(sizes) if sizes else 0.0,
             "engine/max_batch_size": float(max(sizes)) if sizes else 0.0,
             "parallel/fallbacks": 0.0,
+            "rollout/env_retries": float(stats.env_retries),
             "timing/rollout_s": time.perf_counter() - t0,
         })
         return RolloutResult(trajectories=trajectories, specs=list(specs), metrics=metrics)

@@ -16,8 +16,11 @@
   joblib's result loop looks for finished tasks every 10 ms, 3-10% of a
   rollout of a fast engine. The other backends: an entered
   ``joblib.Parallel``.
-- Fallback: a shard that fails (an env raising, a worker process that dies, a
-  shard past ``rollout_timeout_s``) is re-run sequentially, with the same
+- Env failures stay with the env: a worker retries an env that raises or
+  times out on a fresh instance (``LoopConfig.env_retries``), and one that
+  keeps failing ends its own trajectory in ``error``/``timeout``.
+- Fallback: a shard that fails (a worker process that dies, a shard past
+  ``rollout_timeout_s``, the engine failing) is re-run sequentially, with the same
   seeds, in one spare process owned by the driver (so an env that kills its
   process cannot take the driver down); there an env that fails again ends its
   own trajectory with stop reason ``error`` or ``timeout``, and the others are
@@ -273,7 +276,9 @@ class ParallelRolloutManager:
         starting = list(shards.values())[: self.n_workers]
         rollout = self.shared.announce(sum(stream_count(shard, config.pipeline_depth) for shard in starting))
         client = replace(self._client, rollout=rollout)
-        calls = [(i, shard, client, config, False,
+        # Workers isolate env errors: a failing env is retried alone and, if it
+        # keeps failing, ends its own trajectory; its shard goes on.
+        calls = [(i, shard, client, config, True,
                   {"exit_at_turn": fault["exit_at_turn"]} if fault and fault.get("shard") == i else None)
                  for i, shard in shards.items()]
         try:
@@ -331,6 +336,7 @@ class ParallelRolloutManager:
             "ipc/messages": float(after.messages_in - before.messages_in),
             "parallel/shards": float(n_shards),
             "parallel/envs_created": sum(r["stats"].get("envs_created", 0.0) for r in results.values()),
+            "rollout/env_retries": sum(r["stats"].get("env_retries", 0.0) for r in results.values()),
             "parallel/fallbacks": float(len(failures)),
             "parallel/workers_used": float(len({r["pid"] for r in results.values()})),
         }

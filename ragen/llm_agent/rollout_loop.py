@@ -57,6 +57,7 @@ class LoopConfig:
     format_penalty: float = -0.1
     env_timeout_s: float | None = None  # per reset/step; None: no limit
     pipeline_depth: int = 1
+    env_retries: int = 1  # a failing env is retried this often on a fresh instance before it ends in error
 
 
 class LLMClient(Protocol):
@@ -276,7 +277,8 @@ class LoopStats:
     wait_s: float = 0.0
     requests: int = 0
     submits: int = 0
-    env_errors: int = 0
+    env_errors: int = 0  # envs that ended in error or timeout
+    env_retries: int = 0  # retries of failed envs on fresh instances
     envs_created: int = 0  # 0 once a worker keeps its envs between rollouts
 
     def as_dict(self) -> dict[str, float]:
@@ -321,8 +323,9 @@ def run_envs(
                 logger.warning("fault injection: process %d exits now", os.getpid())
                 os._exit(3)
             t0 = time.perf_counter()
-            threads.run([(slot, functools.partial(_guard, slot, stats, isolate_errors, _apply, slot, completion, ctx, config,
-                                        call)) for slot, completion in zip(batch, completions)])
+            threads.run([(slot, functools.partial(_guard, slot, stats, isolate_errors, config, call,
+                                                  _apply, slot, completion, ctx, config, call))
+                         for slot, completion in zip(batch, completions)])
             stats.env_step_s += time.perf_counter() - t0
             if not _submit(batch, client, ctx, config, inflight, stats):
                 client.close_stream()
@@ -332,7 +335,8 @@ def run_envs(
             for stream in streams:
                 for chunk in _reset_chunks(stream):
                     t0 = time.perf_counter()
-                    threads.run([(slot, functools.partial(_guard, slot, stats, isolate_errors, _reset, slot, pool, call))
+                    threads.run([(slot, functools.partial(_guard, slot, stats, isolate_errors, config, call,
+                                                          _reset, slot, pool, call))
                                  for slot in chunk])
                     stats.env_reset_s += time.perf_counter() - t0
                     while inflight and client.ready():  # keep the model busy while later envs reset
@@ -415,26 +419,69 @@ def _submit(stream, client, ctx, config, inflight, stats) -> bool:
     return True
 
 
-def _guard(slot: _EnvSlot, stats: LoopStats, isolate: bool, fn, *args) -> None:
+def _guard(slot: _EnvSlot, stats: LoopStats, isolate: bool, config: LoopConfig, call: _Caller, fn, *args) -> None:
+    """``fn(*args)`` for one env; when the env raises or times out, it is
+    retried up to ``config.env_retries`` times on a fresh instance brought to
+    where the failed one was (``_rebuild``), then ends its own trajectory in
+    ``error``/``timeout`` (or raises ``ShardError`` when not ``isolate``)."""
     if not slot.active:
         return
-    try:
-        fn(*args)
-    except (Exception, EnvTimeout) as exc:  # an env's own code failed
-        with _ERRORS_LOCK:  # envs of a parallel_friendly tag fail on several threads at once
-            stats.env_errors += 1
-        reason = StopReason.TIMEOUT if isinstance(exc, EnvTimeout) else StopReason.ERROR
-        message = f"{type(exc).__name__}: {exc}"
-        slot.env = None  # a failed env's state is unknown: never reuse it
-        if not isolate:
-            raise ShardError(f"env_id {slot.spec.env_id} (tag {slot.spec.tag}): {message}") from exc
-        logger.warning("env_id %d (tag %s) failed: %s", slot.spec.env_id, slot.spec.tag, message)
-        logger.debug("%s", traceback.format_exc())
-        slot.finish(reason, message)
+    saved = (slot.observation, slot.actions_left)
+    for attempt in range(config.env_retries + 1):
+        try:
+            if attempt:
+                _rebuild(slot, call, expect=saved[0] if fn is _apply else None)
+                if fn is _reset:  # the rebuild was the reset
+                    return
+            fn(*args)
+            return
+        except (Exception, EnvTimeout) as exc:  # an env's own code failed
+            slot.observation, slot.actions_left = saved
+            slot.env = None  # a failed env's state is unknown: never reuse it
+            message = f"{type(exc).__name__}: {exc}"
+            where = f"env_id {slot.spec.env_id} (tag {slot.spec.tag}, seed {slot.spec.seed})"
+            if attempt < config.env_retries:
+                with _ERRORS_LOCK:
+                    stats.env_retries += 1
+                logger.warning("%s failed at turn %d: %s; retrying on a fresh instance (%d of %d)",
+                               where, len(slot.traj.turns), message, attempt + 1, config.env_retries)
+                continue
+            with _ERRORS_LOCK:  # envs of a parallel_friendly tag fail on several threads at once
+                stats.env_errors += 1
+            if not isolate:
+                raise ShardError(f"{where}: {message}") from exc
+            logger.warning("%s ended in %s at turn %d: %s", where,
+                           "timeout" if isinstance(exc, EnvTimeout) else "error", len(slot.traj.turns), message)
+            logger.debug("%s", traceback.format_exc())
+            slot.finish(StopReason.TIMEOUT if isinstance(exc, EnvTimeout) else StopReason.ERROR, message)
+            return
+
+
+def _rebuild(slot: _EnvSlot, call: _Caller, expect: str | None) -> None:
+    """A fresh instance of the slot's env (not from the pool), reset with the
+    same seed, with every recorded action stepped again; ``expect``: the
+    observation the failed instance had shown, which the replay must give."""
+    from ragen.env import make_env
+
+    spec = slot.spec
+    slot.env = make_env(spec.env_type, spec.env_config, config_type=spec.config_type, tag=spec.tag)
+    _reset_env(slot, call)
+    for turn in slot.traj.turns:
+        for name in turn.executed_actions:
+            action = slot.lookup[name.lower()] if slot.lookup is not None else name
+            slot.observation = str(call(slot.env.step, action)[0])
+    if expect is not None and slot.observation != expect:
+        raise RuntimeError("replaying the recorded actions on a fresh instance gave another state than the failed "
+                           "one had: the env is not deterministic for its seed, so it cannot be retried "
+                           "(set agent_proxy.env_retries=0 for it)")
 
 
 def _reset(slot: _EnvSlot, pool: EnvPool, call: _Caller) -> None:
     slot.env = pool.acquire(slot.spec)
+    _reset_env(slot, call)
+
+
+def _reset_env(slot: _EnvSlot, call: _Caller) -> None:
     kwargs = {"mode": slot.spec.mode} if _takes_mode(type(slot.env)) else {}
     slot.observation = str(call(slot.env.reset, seed=slot.spec.seed, **kwargs))
     lookup = getattr(slot.env, "ACTION_LOOKUP", None)

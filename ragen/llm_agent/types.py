@@ -102,6 +102,20 @@ class RolloutResult:
     specs: list[EnvSpec]  # aligned with trajectories
     metrics: dict[str, float] = field(default_factory=dict)
 
+    @property
+    def failed_envs(self) -> list[dict[str, Any]]:
+        """Every env that ended in ``error`` or ``timeout``, with what it takes
+        to run it alone: tag, env type, seed, turn and the exception."""
+        spec_of = {s.env_id: s for s in self.specs}
+        out = []
+        for t in self.trajectories:
+            if t.stop_reason in (StopReason.ERROR, StopReason.TIMEOUT):
+                spec = spec_of.get(t.env_id)
+                out.append({"env_id": t.env_id, "tag": t.tag, "seed": t.seed, "turn": len(t.turns),
+                            "stop_reason": t.stop_reason.value, "error": t.error,
+                            "env_type": spec.env_type if spec else None})
+        return out
+
 
 def rollout_digest(trajectories: list[Trajectory]) -> str:
     """sha256 over a canonical serialization of every trajectory's env_id,
