@@ -44,7 +44,11 @@ travels each turn).
   the driver) or ``{"ticket": t, "error": msg}``.
 
 A malformed message gets an error reply and the connection goes on; an
-oversized frame or a failed handshake closes that connection only.
+oversized frame or a failed handshake closes that connection only. An engine
+that fails, or answers with something other than one plain-data
+``Completion`` per request, gets its batch (or, where only some completions
+are malformed, their request lists) answered with errors; the batcher goes on
+serving.
 """
 
 from __future__ import annotations
@@ -106,9 +110,25 @@ def _loads(data: bytes) -> Any:
         raise ValueError(f"not a frame of plain data ({type(exc).__name__}: {exc})") from None
 
 
+class _DataPickler(pickle.Pickler):
+    # Called only for objects that are not of a builtin type (str, int, dict,
+    # list...): refusing them here costs nothing on plain data, and an engine's
+    # numpy float or str subclass fails in the manager, where the request it
+    # answers is known, not in the worker's unpickler.
+    def reducer_override(self, obj: Any) -> Any:
+        raise pickle.PicklingError(f"a frame may hold only plain data, not {type(obj).__module__}."
+                                   f"{type(obj).__qualname__}")
+
+
 def _frame(obj: Any) -> bytes:
-    data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
-    return _HEADER.pack(len(data)) + data
+    """A frame of plain data; pickle.PicklingError for anything else."""
+    buf = io.BytesIO()
+    buf.write(b"\0" * _HEADER.size)
+    _DataPickler(buf, protocol=pickle.HIGHEST_PROTOCOL).dump(obj)
+    frame = buf.getbuffer()
+    _HEADER.pack_into(frame, 0, len(frame) - _HEADER.size)
+    del frame
+    return buf.getvalue()
 
 
 def _send_frame(sock: socket.socket, obj: Any) -> int:
@@ -124,7 +144,10 @@ def _recv_frame(sock: socket.socket, max_bytes: int) -> tuple[bytes, int]:
     return _recv_exact(sock, n), n + _HEADER.size
 
 
-def _wire(completion: Completion) -> dict[str, Any]:
+def _wire(completion: Completion, request: GenerationRequest) -> dict[str, Any]:
+    if not isinstance(completion, Completion):
+        raise TypeError(f"the engine returned {type(completion).__name__}, not a Completion, for the request "
+                        f"of env_id {request.env_id}, turn {request.turn}")
     # Workers read the text, finish reason and policy version, never the token
     # ids (the trainer tokenizes trajectories itself): keep them out of the
     # reply, where they would be most of its bytes and of its encoding time.
@@ -136,6 +159,33 @@ def _wire(completion: Completion) -> dict[str, Any]:
 
 def _digest(key: bytes, nonce: bytes) -> bytes:
     return hmac.new(key, nonce, hashlib.sha256).digest()
+
+
+def _answers_frame(answers: list[dict[str, Any]]) -> bytes:
+    """The frame of one connection's answers. An answer that is not plain
+    data (an engine's numpy number, say) becomes an error for its request
+    list alone: encoded apart, only on this rare path."""
+    try:
+        return _frame({"answers": answers})
+    except pickle.PicklingError:
+        pass
+    checked = []
+    for a in answers:
+        try:
+            _frame(a)
+            checked.append(a)
+            continue
+        except pickle.PicklingError as exc:
+            problem = exc
+        for c in a.get("completions", []):
+            try:
+                _frame(c)
+            except pickle.PicklingError as exc:
+                problem = f"the completion for env_id {c.get('env_id')!r} (turn {c.get('turn')!r}): {exc}"
+                break
+        logger.error("malformed completion from the engine: %s", problem)
+        checked.append({"ticket": a.get("ticket"), "error": f"the engine's answer cannot be sent: {problem}"})
+    return _frame({"answers": checked})
 
 
 @dataclass(eq=False)  # identity: one per connection
@@ -483,25 +533,46 @@ class SharedLLMInferenceManager:
             batch = self._next_batch()
             if batch is None:
                 return
-            requests = [r for p in batch for r in p.requests]
-            answers: dict[_Conn, list[dict[str, Any]]] = {}
             try:
-                if logger.isEnabledFor(logging.DEBUG):
-                    turns = sorted({r.turn for r in requests})
-                    logger.debug("engine call: %d requests from %d streams, turns %s, %.4f s after the first arrived",
-                                 len(requests), len(batch), turns, time.monotonic() - batch[0].arrived)
-                completions = self.generate(requests, batch[0].sampling)
-            except Exception as exc:  # the engine failed: every waiting client hears it
-                logger.exception("engine call failed for %d requests", len(requests))
+                self._reply(self._answers(batch))
+            except Exception as exc:  # a bug here must not end the thread: every later request would wait forever
+                logger.exception("the batcher failed on %d requests; answering them with an error", len(batch))
+                answers: dict[_Conn, list[dict[str, Any]]] = {}
                 for p in batch:
-                    answers.setdefault(p.conn, []).append({"ticket": p.ticket, "error": f"{type(exc).__name__}: {exc}"})
-            else:
-                i = 0
-                for p in batch:
-                    part = completions[i: i + len(p.requests)]
-                    i += len(p.requests)
-                    answers.setdefault(p.conn, []).append({"ticket": p.ticket, "completions": [_wire(c) for c in part]})
-            self._reply(answers)
+                    answers.setdefault(p.conn, []).append(
+                        {"ticket": p.ticket, "error": f"the LLM manager failed: {type(exc).__name__}: {exc}"})
+                try:
+                    self._reply(answers)
+                except Exception:
+                    logger.exception("could not answer %d requests", len(batch))
+
+    def _answers(self, batch: list[_Pending]) -> dict[_Conn, list[dict[str, Any]]]:
+        """One engine call for ``batch``: each request list's completions, or
+        an error that says what was wrong with them."""
+        requests = [r for p in batch for r in p.requests]
+        answers: dict[_Conn, list[dict[str, Any]]] = {}
+        try:
+            if logger.isEnabledFor(logging.DEBUG):
+                turns = sorted({r.turn for r in requests})
+                logger.debug("engine call: %d requests from %d streams, turns %s, %.4f s after the first arrived",
+                             len(requests), len(batch), turns, time.monotonic() - batch[0].arrived)
+            completions = self.generate(requests, batch[0].sampling)
+        except Exception as exc:  # the engine failed: every waiting client hears it
+            logger.exception("engine call failed for %d requests", len(requests))
+            for p in batch:
+                answers.setdefault(p.conn, []).append({"ticket": p.ticket, "error": f"{type(exc).__name__}: {exc}"})
+            return answers
+        i = 0
+        for p in batch:
+            part = completions[i: i + len(p.requests)]
+            i += len(p.requests)
+            try:
+                answer = {"ticket": p.ticket, "completions": [_wire(c, r) for c, r in zip(part, p.requests)]}
+            except Exception as exc:  # that request list only: the others' completions are good
+                logger.error("malformed completion from the engine: %s", exc)
+                answer = {"ticket": p.ticket, "error": f"{type(exc).__name__}: {exc}"}
+            answers.setdefault(p.conn, []).append(answer)
+        return answers
 
     def generate(self, requests: list[GenerationRequest], sampling: SamplingParams) -> list[Completion]:
         """One engine call (in chunks of ``max_batch_size``) under the engine lock."""
@@ -512,6 +583,8 @@ class SharedLLMInferenceManager:
             for i in range(0, len(requests), self.max_batch_size):
                 chunk = requests[i: i + self.max_batch_size]
                 got = self.engine.generate(chunk, sampling)
+                if not isinstance(got, (list, tuple)):
+                    raise TypeError(f"the engine returned {type(got).__name__}, not a list of completions")
                 if len(got) != len(chunk):
                     raise RuntimeError(f"engine returned {len(got)} completions for {len(chunk)} requests")
                 out += got
@@ -529,7 +602,7 @@ class SharedLLMInferenceManager:
         """One frame per connection, all encoded before any is sent: a woken
         worker takes a core at once, and the other workers' answers must not
         wait behind it."""
-        frames = [(conn, _frame({"answers": a}), len(a)) for conn, a in answers.items() if conn.alive]
+        frames = [(conn, _answers_frame(a), len(a)) for conn, a in answers.items() if conn.alive]
         now = time.monotonic()
         with self._cond:
             for conn, _, n in frames:

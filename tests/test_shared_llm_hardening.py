@@ -1,0 +1,95 @@
+"""SharedLLMInferenceManager against what can go wrong around it (issue 15,
+"no rollout can hang"): an engine that answers with malformed values, metrics
+read while the engine is called, peers that do not know the key or never
+finish the handshake, a request with wrong types coalesced with good ones,
+oversized frames from the manager, and bad ``llm_server`` config. In each
+case every request gets its answer or an error that says what was wrong, and
+the manager goes on serving."""
+
+from __future__ import annotations
+
+import logging
+import secrets
+import select
+import socket
+import struct
+import threading
+import time
+
+import pytest
+
+from ragen.llm.scripted import ScriptedEngine
+from ragen.llm.types import Completion, GenerationRequest, SamplingParams
+from ragen.llm_agent import AgentSetup
+from ragen.llm_agent import shared_llm
+from ragen.llm_agent.shared_llm import EngineError, ProtocolError, SharedLLMClient, SharedLLMInferenceManager
+
+from tests.rollout_helpers import custom_envs
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def _requests(n, env0=0, **fields):
+    return [GenerationRequest(messages=[{"role": "user", "content": "Available actions: Up, Down"}],
+                              env_id=env0 + i, turn=0, seed=1, **fields) for i in range(n)]
+
+
+# ----- 1. an engine that answers with malformed values -------------------------------
+
+class _Plain(str):
+    """A str subclass: pickles as a class, which no frame may carry."""
+
+
+class OnceMalformed(ScriptedEngine):
+    """Answers its first call through ``spoil``, then as a good engine."""
+
+    def __init__(self, spoil):
+        super().__init__()
+        self.spoil = spoil
+        self.calls = 0
+
+    def generate(self, requests, sampling):
+        got = super().generate(requests, sampling)
+        self.calls += 1
+        return self.spoil(got) if self.calls == 1 else got
+
+
+@pytest.mark.parametrize("spoil, what", [
+    (lambda got: [c.to_dict() for c in got], "dict, not a Completion"),
+    (lambda got: got[:-1], "2 completions for 3 requests"),
+    (lambda got: None, "NoneType"),
+    (lambda got: [got[0].__class__(**{**got[0].to_dict(), "text": _Plain("x")})] + got[1:], "plain data"),
+], ids=["dicts", "too_few", "none", "not_plain_data"])
+def test_a_malformed_engine_reply_is_answered_with_errors_and_serving_goes_on(spoil, what):
+    with SharedLLMInferenceManager(OnceMalformed(spoil)) as shared:
+        client = shared.client(timeout_s=10)  # the bug: no answer ever came
+        with pytest.raises(EngineError, match=what):
+            client.generate(_requests(3), SamplingParams())
+        assert [c.env_id for c in client.generate(_requests(2), SamplingParams())] == [0, 1]
+
+
+def test_a_malformed_completion_fails_only_the_request_it_answers():
+    """Two workers' requests in one engine call; the engine spoils one
+    worker's completion: that worker hears what was wrong, the other gets its
+    completions."""
+    def spoil_env_7(got):
+        return [c.to_dict() if c.env_id == 7 else c for c in got]
+
+    engine = OnceMalformed(spoil_env_7)
+    with SharedLLMInferenceManager(engine, coalesce_wait_s=0.0, max_coalesce_wait_s=5.0) as shared:
+        client = shared.client(timeout_s=10)
+        client.open_streams(2)
+        good = client.submit(_requests(2), SamplingParams())
+        bad = client.submit(_requests(2, env0=6), SamplingParams())
+        got, error = {}, None
+        for _ in range(2):
+            try:
+                ticket, completions = client.wait_any()
+                got[ticket] = completions
+            except EngineError as exc:
+                error = str(exc)
+        client.close_stream()
+        client.close_stream()
+    assert engine.calls == 1  # one engine call for both
+    assert [c.env_id for c in got[good]] == [0, 1] and bad not in got
+    assert "env_id 7" in error and "dict" in error
