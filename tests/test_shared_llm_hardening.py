@@ -93,3 +93,44 @@ def test_a_malformed_completion_fails_only_the_request_it_answers():
     assert engine.calls == 1  # one engine call for both
     assert [c.env_id for c in got[good]] == [0, 1] and bad not in got
     assert "env_id 7" in error and "dict" in error
+
+
+# ----- 2. stats read while the engine is called -------------------------------------
+
+def test_stats_read_by_metrics_code_are_a_snapshot():
+    """Metrics code iterates the call spans and batch sizes while the batcher
+    appends to them: the iteration must not fail ("deque mutated during
+    iteration" threw a finished rollout away)."""
+    with SharedLLMInferenceManager(ScriptedEngine()) as shared:
+        shared.generate(_requests(1), SamplingParams())
+        spans, sizes = iter(shared.stats.call_spans), iter(shared.stats.batch_sizes)
+        next(spans), next(sizes)
+        shared.generate(_requests(2), SamplingParams())  # the batcher, between two reads
+        assert list(spans) == [] and list(sizes) == []
+        snap = shared.stats.snapshot()
+        shared.generate(_requests(3), SamplingParams())
+        assert list(snap.batch_sizes) == [1, 2] and snap.engine_calls == 2 and snap.requests == 3
+        assert list(shared.stats.batch_sizes) == [1, 2, 3] and shared.stats.requests == 6
+
+
+def test_engine_idle_metrics_while_generation_goes_on():
+    from ragen.llm_agent.parallel_rollout import _engine_idle
+
+    with SharedLLMInferenceManager(ScriptedEngine()) as shared:
+        for _ in range(500):
+            shared.generate(_requests(1), SamplingParams())
+        stop = threading.Event()
+
+        def generating():
+            while not stop.is_set():
+                shared.generate(_requests(1), SamplingParams())
+
+        thread = threading.Thread(target=generating)
+        thread.start()
+        try:
+            for _ in range(200):
+                _engine_idle(shared.stats.call_spans, 0.0, time.monotonic())
+                shared.stats.snapshot()
+        finally:
+            stop.set()
+            thread.join()

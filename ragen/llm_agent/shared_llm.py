@@ -247,20 +247,54 @@ class _Pending:
 
 @dataclass
 class ManagerStats:
+    """What the manager did, written by its threads (batcher, connections).
+    Metrics code reads while they write: ``batch_sizes`` and ``call_spans``
+    are copies taken under the lock (iterating the live deque while the
+    batcher appended raised "deque mutated during iteration"), and
+    ``snapshot()`` is one consistent copy of everything."""
+
     engine_calls: int = 0
     requests: int = 0
     engine_time_s: float = 0.0
-    batch_sizes: deque = field(default_factory=lambda: deque(maxlen=8192))  # the most recent calls'
-    call_spans: deque = field(default_factory=lambda: deque(maxlen=8192))  # (start, end), time.monotonic()
     messages_in: int = 0
     bytes_in: int = 0
     bytes_out: int = 0
     refused_clients: int = 0
     bad_messages: int = 0
+    _batch_sizes: deque = field(default_factory=lambda: deque(maxlen=8192), repr=False)  # the most recent calls'
+    _call_spans: deque = field(default_factory=lambda: deque(maxlen=8192), repr=False)  # (start, end), monotonic
+    _lock: Any = field(default_factory=threading.Lock, repr=False, compare=False)
+
+    @property
+    def batch_sizes(self) -> tuple[int, ...]:
+        with self._lock:
+            return tuple(self._batch_sizes)
+
+    @property
+    def call_spans(self) -> tuple[tuple[float, float], ...]:
+        with self._lock:
+            return tuple(self._call_spans)
+
+    def add(self, **counts: int) -> None:
+        """Add to counters (``+=`` from several threads loses updates)."""
+        with self._lock:
+            for name, n in counts.items():
+                setattr(self, name, getattr(self, name) + n)
+
+    def record_call(self, batch_sizes: list[int], span: tuple[float, float], seconds: float) -> None:
+        """One engine call of ``batch_sizes`` chunks."""
+        with self._lock:
+            self.engine_calls += len(batch_sizes)
+            self._batch_sizes.extend(batch_sizes)
+            self.requests += sum(batch_sizes)
+            self.engine_time_s += seconds
+            self._call_spans.append(span)
 
     def snapshot(self) -> "ManagerStats":
-        return ManagerStats(**{**self.__dict__, "batch_sizes": deque(self.batch_sizes, maxlen=8192),
-                               "call_spans": deque(self.call_spans, maxlen=8192)})
+        with self._lock:
+            return ManagerStats(**{**{k: v for k, v in self.__dict__.items() if k != "_lock"},
+                                   "_batch_sizes": deque(self._batch_sizes, maxlen=8192),
+                                   "_call_spans": deque(self._call_spans, maxlen=8192)})
 
 
 class CallCostModel:
@@ -392,7 +426,7 @@ class SharedLLMInferenceManager:
             sock.sendall(_MAGIC + nonce)
             answer = _recv_exact(sock, hashlib.sha256().digest_size)
             if not hmac.compare_digest(answer, _digest(self._key, nonce)):
-                self.stats.refused_clients += 1
+                self.stats.add(refused_clients=1)
                 logger.warning("refused a client from %s: wrong key", peer)
                 return
             conn.send({"ok": True})
@@ -401,11 +435,10 @@ class SharedLLMInferenceManager:
                 self._conns.add(conn)
             while not self._closed:
                 data, n = _recv_frame(sock, self.max_message_bytes)
-                self.stats.messages_in += 1
-                self.stats.bytes_in += n
+                self.stats.add(messages_in=1, bytes_in=n)
                 self._handle(conn, data)
         except ProtocolError as exc:
-            self.stats.bad_messages += 1
+            self.stats.add(bad_messages=1)
             logger.warning("closing the connection from %s: %s", peer, exc)
         except (EOFError, OSError):
             pass  # the client went away (a worker that finished, died or timed out)
@@ -468,7 +501,7 @@ class SharedLLMInferenceManager:
                 raise ValueError("'sampling' must be an object")
             sampling = SamplingParams.from_dict(sampling_raw)
         except (ValueError, TypeError) as exc:
-            self.stats.bad_messages += 1
+            self.stats.add(bad_messages=1)
             logger.warning("bad message from %s: %s", conn.peer, exc)
             conn.send({"answers": [{"ticket": ticket, "error": f"bad message: {exc}"}]})
             return
@@ -580,6 +613,7 @@ class SharedLLMInferenceManager:
         with self.engine_lock:
             start = time.monotonic()
             t0 = time.perf_counter()
+            sizes = []
             for i in range(0, len(requests), self.max_batch_size):
                 chunk = requests[i: i + self.max_batch_size]
                 got = self.engine.generate(chunk, sampling)
@@ -588,14 +622,11 @@ class SharedLLMInferenceManager:
                 if len(got) != len(chunk):
                     raise RuntimeError(f"engine returned {len(got)} completions for {len(chunk)} requests")
                 out += got
-                self.stats.engine_calls += 1
-                self.stats.batch_sizes.append(len(chunk))
+                sizes.append(len(chunk))
             elapsed = time.perf_counter() - t0
-            self.stats.engine_time_s += elapsed
-            self.stats.requests += len(requests)
             self.call_cost.add(len(requests), elapsed)
             self._engine_free_at = time.monotonic()
-            self.stats.call_spans.append((start, self._engine_free_at))
+            self.stats.record_call(sizes, (start, self._engine_free_at), elapsed)
         return out
 
     def _reply(self, answers: dict[_Conn, list[dict[str, Any]]]) -> None:
@@ -610,7 +641,7 @@ class SharedLLMInferenceManager:
                     conn.idle.append((now, True))
         for conn, frame, _ in frames:
             try:
-                self.stats.bytes_out += conn.send_frame(frame)
+                self.stats.add(bytes_out=conn.send_frame(frame))
             except OSError:
                 pass  # the client left; its cleanup runs in its own thread
 
