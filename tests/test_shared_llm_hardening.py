@@ -134,3 +134,56 @@ def test_engine_idle_metrics_while_generation_goes_on():
         finally:
             stop.set()
             thread.join()
+
+
+# ----- 3. the socket ----------------------------------------------------------------
+
+def _fake_server(listener):
+    """A server that does not know the key: it skips the check of the client's
+    proof and would feed the worker any answer it likes."""
+    sock, _ = listener.accept()
+    with sock:
+        sock.settimeout(5)
+        sock.sendall(shared_llm._MAGIC + secrets.token_bytes(shared_llm._NONCE_BYTES))
+        time.sleep(0.2)
+        sock.recv(1024)  # the client's proof, whatever its form
+        shared_llm._send_frame(sock, {"ok": True, "proof": secrets.token_bytes(32)})
+        try:
+            msg = shared_llm._loads(shared_llm._recv_frame(sock, 1 << 20)[0])
+        except (OSError, EOFError, ValueError):
+            return  # the client hung up: refused
+        fake = Completion(text="<answer>Up</answer>", prompt_token_ids=[], response_token_ids=[],
+                          finish_reason="stop", policy_version=0)
+        shared_llm._send_frame(sock, {"answers": [{"ticket": msg["ticket"],
+                                                   "completions": [fake.to_dict()] * len(msg["requests"])}]})
+
+
+def test_a_server_that_does_not_know_the_key_is_refused_by_the_client():
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        thread = threading.Thread(target=_fake_server, args=(listener,), daemon=True)
+        thread.start()
+        client = SharedLLMClient(address=listener.getsockname()[:2], authkey=secrets.token_bytes(32), timeout_s=10)
+        with pytest.raises(ConnectionError, match="did not prove it holds the key"):
+            client.generate(_requests(1), SamplingParams())
+        thread.join(timeout=10)
+
+
+def test_the_handshake_has_one_deadline_for_all_of_it():
+    """A peer that sends its proof one byte at a time, each well within the
+    deadline, is closed once the deadline for the whole handshake is spent."""
+    with SharedLLMInferenceManager(ScriptedEngine(), handshake_timeout_s=0.5) as shared:
+        with socket.create_connection(shared.address, timeout=10) as s:
+            s.recv(len(shared_llm._MAGIC) + shared_llm._NONCE_BYTES)
+            sent, closed = 0, False
+            while sent < 32 and not closed:  # 32 bytes: the shortest proof
+                try:
+                    s.sendall(b"\0")
+                    sent += 1
+                    if select.select([s], [], [], 0.1)[0]:  # one byte per 0.1 s
+                        closed = s.recv(1) == b""
+                except OSError:
+                    closed = True
+        assert closed and sent < 32, f"the manager read {sent} bytes of a trickled handshake"
+        assert len(shared.client().generate(_requests(2), SamplingParams())) == 2
+
+

@@ -4,7 +4,8 @@
   around every engine call (``engine_lock``; the trainer takes it to swap
   weights). It listens on a socket (loopback unless told otherwise); each
   client proves it holds the manager's random per-run key (HMAC over a nonce)
-  before anything else is read.
+  before anything else is read, and the manager proves it to the client in
+  turn, so a worker never takes answers from a server that lacks the key.
 - Coalescing: requests from all workers queue up, and one batcher thread turns
   them into engine calls. While the engine is idle it waits for more requests
   until every open stream (a worker's micro-batch with work left) has one
@@ -36,6 +37,12 @@ class and function, so a frame can carry nothing but data (as safe as JSON,
 and 5-8x cheaper to encode and decode: the full message history of every env
 travels each turn).
 
+- Handshake, within ``handshake_timeout_s`` in all: manager -> client
+  ``b"RAGEN2"`` and a 32-byte nonce; client -> manager
+  ``HMAC-SHA256(key, b"ragen client" + that nonce)`` and a 32-byte nonce of its
+  own; the manager checks the HMAC (a wrong one closes the connection), then
+  sends the frame ``{"ok": True, "proof": HMAC-SHA256(key, b"ragen server" +
+  the client's nonce)}``, which the client checks before it sends anything.
 - Client -> manager: ``{"op": "open"|"close", "n": k}`` (streams), or
   ``{"op": "gen", "ticket": t, "requests": [...], "sampling": {...}}``.
 - Manager -> client: ``{"answers": [...]}``, one frame per connection and
@@ -74,8 +81,13 @@ from ragen.llm.types import Completion, Engine, GenerationRequest, SamplingParam
 
 logger = logging.getLogger(__name__)
 
-_MAGIC = b"RAGEN1"
+_MAGIC = b"RAGEN2"  # 2: the manager proves the key too
 _NONCE_BYTES = 32
+_DIGEST_BYTES = hashlib.sha256().digest_size
+# Each side proves the key over its own label, so what one side answers can
+# never be replayed as the other's proof.
+_CLIENT_LABEL, _SERVER_LABEL = b"ragen client", b"ragen server"
+_CONNECT_TIMEOUT_S = 30.0
 _HEADER = struct.Struct(">I")
 
 
@@ -87,9 +99,21 @@ class ProtocolError(RuntimeError):
     pass
 
 
-def _recv_exact(sock: socket.socket, n: int) -> bytes:
+class AuthenticationError(ConnectionError):
+    """The peer could not prove it holds the manager's key."""
+
+
+def _recv_exact(sock: socket.socket, n: int, deadline: float | None = None) -> bytes:
+    """``n`` bytes; with a ``deadline`` (time.monotonic()), TimeoutError once it
+    passes, however the bytes trickle in (a timeout per recv would let one
+    byte every few seconds hold a connection open for ever)."""
     buf = bytearray()
     while len(buf) < n:
+        if deadline is not None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"{len(buf)} of {n} bytes before the deadline")
+            sock.settimeout(left)
         chunk = sock.recv(n - len(buf))
         if not chunk:
             raise EOFError("connection closed")
@@ -137,11 +161,11 @@ def _send_frame(sock: socket.socket, obj: Any) -> int:
     return len(frame)
 
 
-def _recv_frame(sock: socket.socket, max_bytes: int) -> tuple[bytes, int]:
-    (n,) = _HEADER.unpack(_recv_exact(sock, _HEADER.size))
+def _recv_frame(sock: socket.socket, max_bytes: int, deadline: float | None = None) -> tuple[bytes, int]:
+    (n,) = _HEADER.unpack(_recv_exact(sock, _HEADER.size, deadline))
     if n > max_bytes:
         raise ProtocolError(f"frame of {n} bytes exceeds the limit of {max_bytes}")
-    return _recv_exact(sock, n), n + _HEADER.size
+    return _recv_exact(sock, n, deadline), n + _HEADER.size
 
 
 def _wire(completion: Completion, request: GenerationRequest) -> dict[str, Any]:
@@ -157,8 +181,8 @@ def _wire(completion: Completion, request: GenerationRequest) -> dict[str, Any]:
     return d
 
 
-def _digest(key: bytes, nonce: bytes) -> bytes:
-    return hmac.new(key, nonce, hashlib.sha256).digest()
+def _digest(key: bytes, label: bytes, nonce: bytes) -> bytes:
+    return hmac.new(key, label + nonce, hashlib.sha256).digest()
 
 
 def _answers_frame(answers: list[dict[str, Any]]) -> bytes:
@@ -421,15 +445,20 @@ class SharedLLMInferenceManager:
     def _serve(self, sock: socket.socket, peer: str) -> None:
         conn = _Conn(sock, peer)
         try:
+            # One deadline for the whole handshake; nothing but the proof is
+            # read before the key is known to be right.
+            deadline = time.monotonic() + self.handshake_timeout_s
             sock.settimeout(self.handshake_timeout_s)
             nonce = secrets.token_bytes(_NONCE_BYTES)
             sock.sendall(_MAGIC + nonce)
-            answer = _recv_exact(sock, hashlib.sha256().digest_size)
-            if not hmac.compare_digest(answer, _digest(self._key, nonce)):
+            answer = _recv_exact(sock, _DIGEST_BYTES, deadline)
+            if not hmac.compare_digest(answer, _digest(self._key, _CLIENT_LABEL, nonce)):
                 self.stats.add(refused_clients=1)
                 logger.warning("refused a client from %s: wrong key", peer)
                 return
-            conn.send({"ok": True})
+            client_nonce = _recv_exact(sock, _NONCE_BYTES, deadline)
+            sock.settimeout(max(1e-3, deadline - time.monotonic()))
+            conn.send({"ok": True, "proof": _digest(self._key, _SERVER_LABEL, client_nonce)})
             sock.settimeout(None)
             with self._cond:
                 self._conns.add(conn)
@@ -440,6 +469,10 @@ class SharedLLMInferenceManager:
         except ProtocolError as exc:
             self.stats.add(bad_messages=1)
             logger.warning("closing the connection from %s: %s", peer, exc)
+        except TimeoutError:  # only the handshake has a timeout
+            self.stats.add(refused_clients=1)
+            logger.warning("closed the connection from %s: no handshake within handshake_timeout_s=%s s",
+                           peer, self.handshake_timeout_s)
         except (EOFError, OSError):
             pass  # the client went away (a worker that finished, died or timed out)
         finally:
@@ -696,17 +729,37 @@ class SharedLLMClient:
         return state
 
     def _connect(self) -> socket.socket:
-        sock = socket.create_connection(tuple(self.address), timeout=30)
-        hello = _recv_exact(sock, len(_MAGIC) + _NONCE_BYTES)
-        if not hello.startswith(_MAGIC):
-            raise ProtocolError(f"{self.address} is not a ragen LLM manager")
-        sock.sendall(_digest(self.authkey, hello[len(_MAGIC):]))
+        """A connection whose two ends proved they hold the key: the worker
+        proves it over the manager's nonce, the manager over the worker's (a
+        server that does not know the key must not feed workers answers)."""
+        deadline = time.monotonic() + _CONNECT_TIMEOUT_S
+        sock = socket.create_connection(tuple(self.address), timeout=_CONNECT_TIMEOUT_S)
         try:
-            data, _ = _recv_frame(sock, 1 << 10)
-        except EOFError:
-            raise ConnectionRefusedError(f"the LLM manager at {self.address} refused the key") from None
-        if not _loads(data).get("ok"):
-            raise ConnectionRefusedError(f"the LLM manager at {self.address} refused the connection")
+            hello = _recv_exact(sock, len(_MAGIC) + _NONCE_BYTES, deadline)
+            if not hello.startswith(_MAGIC):
+                raise ProtocolError(f"{self.address} is not a ragen LLM manager (of this version)")
+            nonce = secrets.token_bytes(_NONCE_BYTES)
+            sock.sendall(_digest(self.authkey, _CLIENT_LABEL, hello[len(_MAGIC):]) + nonce)
+            try:
+                data, _ = _recv_frame(sock, 1 << 10, deadline)
+            except (EOFError, ConnectionResetError):  # reset: it closed before reading our nonce
+                raise ConnectionRefusedError(f"the LLM manager at {self.address} refused the key") from None
+            reply = _loads(data)
+            if not isinstance(reply, dict) or not reply.get("ok"):
+                raise ConnectionRefusedError(f"the LLM manager at {self.address} refused the connection")
+            proof = reply.get("proof")
+            if not isinstance(proof, bytes) or not hmac.compare_digest(
+                    proof, _digest(self.authkey, _SERVER_LABEL, nonce)):
+                raise AuthenticationError(
+                    f"the server at {self.address} did not prove it holds the key of this client's LLM manager: "
+                    "it is not that manager (a stale address, or another process on its port); refusing it")
+        except TimeoutError:
+            sock.close()
+            raise TimeoutError(f"no handshake from the LLM manager at {self.address} within "
+                               f"{_CONNECT_TIMEOUT_S} s") from None
+        except BaseException:
+            sock.close()
+            raise
         sock.settimeout(None)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         return sock
