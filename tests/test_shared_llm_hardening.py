@@ -187,3 +187,27 @@ def test_the_handshake_has_one_deadline_for_all_of_it():
         assert len(shared.client().generate(_requests(2), SamplingParams())) == 2
 
 
+def _conn_threads():
+    return [t for t in threading.enumerate() if t.name.startswith("ragen-llm-conn")]
+
+
+def test_connections_that_have_not_authenticated_are_capped():
+    """200 idle connections made 205 threads: the manager handshakes with at
+    most ``max_pending_handshakes`` peers at once; the rest wait in the
+    listen queue, and a worker still gets in once idle peers are gone."""
+    before = len(_conn_threads())
+    with SharedLLMInferenceManager(ScriptedEngine(), max_pending_handshakes=4, handshake_timeout_s=30) as shared:
+        idle = [socket.create_connection(shared.address, timeout=10) for _ in range(40)]
+        try:
+            for _ in range(200):  # until the manager took up what it will
+                if len(_conn_threads()) - before >= 4:
+                    break
+                time.sleep(0.05)
+            time.sleep(0.5)  # and a while longer, for any it should not have taken
+            assert len(_conn_threads()) - before <= 4
+        finally:
+            for s in idle:
+                s.close()
+        assert len(shared.client(timeout_s=20).generate(_requests(2), SamplingParams())) == 2
+
+

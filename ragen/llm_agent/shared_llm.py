@@ -370,6 +370,7 @@ class SharedLLMInferenceManager:
         max_message_bytes: int = 64 << 20,
         handshake_timeout_s: float = 5.0,
         max_coalesce_wait_s: float = 1.0,
+        max_pending_handshakes: int = 64,
     ) -> None:
         if max_batch_size < 1:
             raise ValueError(f"agent_proxy.max_batch_size must be >= 1, got {max_batch_size}")
@@ -384,6 +385,14 @@ class SharedLLMInferenceManager:
         self._engine_free_at = 0.0
         self.max_message_bytes = int(max_message_bytes)
         self.handshake_timeout_s = handshake_timeout_s
+        if max_pending_handshakes < 1:
+            raise ValueError(f"max_pending_handshakes must be >= 1, got {max_pending_handshakes}")
+        # A thread per connection is fine for workers, not for any number of
+        # peers that connect and say nothing: at most this many handshakes run
+        # at once; further peers wait in the listen queue (a worker among them
+        # only waits, it is not turned away).
+        self._handshake_slots = threading.BoundedSemaphore(max_pending_handshakes)
+        self.max_pending_handshakes = max_pending_handshakes
         self.stats = ManagerStats()
         self._key = secrets.token_bytes(32)
         self._cond = threading.Condition()
@@ -433,17 +442,33 @@ class SharedLLMInferenceManager:
 
     # ----- connections ---------------------------------------------------------
     def _accept_loop(self) -> None:
+        full = False
         while not self._closed:
+            if not self._handshake_slots.acquire(timeout=0.2):  # short: close() is noticed
+                if not full:
+                    full = True
+                    logger.warning("%d connections to the LLM manager are in their handshake at once; further "
+                                   "ones wait until one ends (at most handshake_timeout_s=%s s each)",
+                                   self.max_pending_handshakes, self.handshake_timeout_s)
+                continue
+            full = False
             try:
                 sock, peer = self._listener.accept()
             except OSError:
+                self._handshake_slots.release()
                 return  # listener closed
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            threading.Thread(target=self._serve, args=(sock, f"{peer[0]}:{peer[1]}"),
-                             name="ragen-llm-conn", daemon=True).start()
+            try:
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                threading.Thread(target=self._serve, args=(sock, f"{peer[0]}:{peer[1]}"),
+                                 name="ragen-llm-conn", daemon=True).start()
+            except (OSError, RuntimeError) as exc:  # the peer left already, or no thread to be had
+                logger.warning("dropped a connection from %s:%s: %s", peer[0], peer[1], exc)
+                sock.close()
+                self._handshake_slots.release()
 
     def _serve(self, sock: socket.socket, peer: str) -> None:
         conn = _Conn(sock, peer)
+        slot = True  # one of the handshake slots, held until the handshake ends
         try:
             # One deadline for the whole handshake; nothing but the proof is
             # read before the key is known to be right.
@@ -460,6 +485,8 @@ class SharedLLMInferenceManager:
             sock.settimeout(max(1e-3, deadline - time.monotonic()))
             conn.send({"ok": True, "proof": _digest(self._key, _SERVER_LABEL, client_nonce)})
             sock.settimeout(None)
+            self._handshake_slots.release()
+            slot = False
             with self._cond:
                 self._conns.add(conn)
             while not self._closed:
@@ -476,6 +503,8 @@ class SharedLLMInferenceManager:
         except (EOFError, OSError):
             pass  # the client went away (a worker that finished, died or timed out)
         finally:
+            if slot:
+                self._handshake_slots.release()
             with self._cond:
                 conn.alive = False
                 self._conns.discard(conn)
