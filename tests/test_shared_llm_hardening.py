@@ -211,3 +211,12 @@ def test_connections_that_have_not_authenticated_are_capped():
         assert len(shared.client(timeout_s=20).generate(_requests(2), SamplingParams())) == 2
 
 
+def test_the_client_refuses_an_oversized_frame():
+    with SharedLLMInferenceManager(ScriptedEngine()) as shared:
+        # a manager gone wrong: it announces a frame of 1 GiB
+        shared._handle = lambda conn, data: conn.sock.sendall(struct.pack(">I", 1 << 30))
+        client = shared.client(timeout_s=5)
+        with pytest.raises(ProtocolError, match="exceeds"):
+            client.generate(_requests(1), SamplingParams())
+
+

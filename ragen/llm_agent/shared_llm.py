@@ -417,7 +417,8 @@ class SharedLLMInferenceManager:
         return f"SharedLLMInferenceManager(address={self.address}, engine={type(self.engine).__name__})"
 
     def client(self, timeout_s: float | None = None) -> "SharedLLMClient":
-        return SharedLLMClient(address=self.address, authkey=self._key, timeout_s=timeout_s)
+        return SharedLLMClient(address=self.address, authkey=self._key, timeout_s=timeout_s,
+                               max_message_bytes=self.max_message_bytes)
 
     def announce(self, n_streams: int) -> int:
         """The driver dispatched shards whose workers will open ``n_streams``
@@ -745,6 +746,7 @@ class SharedLLMClient:
     authkey: bytes = field(repr=False)
     timeout_s: float | None = None  # for one answer; None: wait as long as it takes
     rollout: int | None = None  # the announced rollout whose streams this client opens
+    max_message_bytes: int = 64 << 20  # the largest frame it reads, as the manager caps what it reads
 
     def _state(self) -> dict[str, Any]:
         cache = getattr(_LOCAL, "conns", None)
@@ -830,11 +832,22 @@ class SharedLLMClient:
             while True:
                 while not inbox:
                     try:
-                        data, _ = _recv_frame(sock, 1 << 31)
+                        data, _ = _recv_frame(sock, self.max_message_bytes)
+                        msg = _loads(data)
+                        if not isinstance(msg, dict) or not isinstance(msg.get("answers"), list):
+                            raise ValueError("a reply must be {'answers': [...]}")
                     except socket.timeout:
                         self.reset()
                         raise TimeoutError(f"no answer from the LLM manager within {self.timeout_s} s") from None
-                    inbox.extend(_loads(data)["answers"])
+                    except ProtocolError as exc:  # not read: the stream is out of step, drop it
+                        self.reset()
+                        raise ProtocolError(f"a reply from the LLM manager at {self.address}: {exc} (the client's "
+                                            "max_message_bytes, the manager's max_message_bytes for "
+                                            "its clients)") from None
+                    except ValueError as exc:
+                        self.reset()
+                        raise ProtocolError(f"bad reply from the LLM manager at {self.address}: {exc}") from None
+                    inbox.extend(msg["answers"])
                 msg = inbox.popleft()
                 ticket = msg.get("ticket")
                 if ticket not in state["outstanding"]:
