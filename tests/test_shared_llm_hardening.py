@@ -220,3 +220,49 @@ def test_the_client_refuses_an_oversized_frame():
             client.generate(_requests(1), SamplingParams())
 
 
+@pytest.mark.parametrize("field, value", [
+    ("seed", "x"), ("env_id", 1.5), ("turn", None), ("max_tokens", -3), ("max_tokens", True),
+])
+def test_a_malformed_request_fails_alone_not_the_batch_it_joins(field, value):
+    """A worker's request with a field of the wrong type, coalesced with
+    another worker's good requests: the good ones get their completions, the
+    bad one an error naming the field."""
+    engine = ScriptedEngine()
+    with SharedLLMInferenceManager(engine, coalesce_wait_s=0.0, max_coalesce_wait_s=2.0) as shared:
+        client = shared.client(timeout_s=20)
+        both_open = threading.Barrier(2)
+        errors = []
+
+        def bad_worker():
+            client.open_streams(1)
+            both_open.wait()
+            try:
+                client.generate([GenerationRequest(**{**_requests(1, env0=9)[0].to_dict(), field: value})],
+                                SamplingParams())
+            except EngineError as exc:
+                errors.append(str(exc))
+            finally:
+                client.close_stream()
+
+        thread = threading.Thread(target=bad_worker)
+        thread.start()
+        client.open_streams(1)
+        both_open.wait()
+        time.sleep(0.2)  # the bad request is queued first
+        got = client.generate(_requests(3), SamplingParams())
+        client.close_stream()
+        thread.join()
+    assert [c.env_id for c in got] == [0, 1, 2]
+    assert len(errors) == 1 and field in errors[0] and "bad message" in errors[0]
+
+
+@pytest.mark.parametrize("sampling, field", [
+    ({"temperature": "hot"}, "temperature"), ({"stop": "</answer>"}, "stop"), ({"max_tokens": -1}, "max_tokens"),
+    ({"top_p": float("nan")}, "top_p"),
+])
+def test_malformed_sampling_params_are_named_in_the_error(sampling, field):
+    with SharedLLMInferenceManager(ScriptedEngine()) as shared:
+        client = shared.client(timeout_s=10)
+        with pytest.raises(EngineError, match=f"bad message: .*sampling.{field}"):
+            client.generate(_requests(1), SamplingParams(**sampling))
+        assert len(client.generate(_requests(1), SamplingParams())) == 1

@@ -50,8 +50,9 @@ travels each turn).
   is ``{"ticket": t, "completions": [...]}`` (without token ids: they stay in
   the driver) or ``{"ticket": t, "error": msg}``.
 
-A malformed message gets an error reply and the connection goes on; an
-oversized frame or a failed handshake closes that connection only. An engine
+A malformed message gets an error reply and the connection goes on (a request
+whose fields have the wrong type or range is refused on arrival, alone, rather
+than failing the engine call it would have joined); an oversized frame or a failed handshake closes that connection only. An engine
 that fails, or answers with something other than one plain-data
 ``Completion`` per request, gets its batch (or, where only some completions
 are malformed, their request lists) answered with errors; the batcher goes on
@@ -65,6 +66,7 @@ import hmac
 import io
 import json
 import logging
+import math
 import os
 import pickle
 import secrets
@@ -210,6 +212,40 @@ def _answers_frame(answers: list[dict[str, Any]]) -> bytes:
         logger.error("malformed completion from the engine: %s", problem)
         checked.append({"ticket": a.get("ticket"), "error": f"the engine's answer cannot be sent: {problem}"})
     return _frame({"answers": checked})
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+# What each field of a request and of its sampling params must be. Checked
+# when a request arrives: a wrong type found by the engine would fail the
+# whole coalesced call, other workers' requests with it.
+_REQUEST_FIELDS = {
+    "env_id": (_is_int, "an integer"),
+    "turn": (_is_int, "an integer"),
+    "seed": (_is_int, "an integer"),
+    # 0 is an answer of no tokens (every engine handles it): a turn with no room left
+    "max_tokens": (lambda v: v is None or (_is_int(v) and v >= 0), "null or an integer >= 0"),
+}
+_SAMPLING_FIELDS = {
+    "temperature": (lambda v: _is_number(v) and v >= 0, "a number >= 0"),
+    "top_p": (lambda v: _is_number(v) and 0 < v <= 1, "a number in (0, 1]"),
+    "top_k": (lambda v: _is_int(v) and v >= -1, "an integer >= -1 (-1: no top-k)"),
+    "max_tokens": (lambda v: _is_int(v) and v >= 0, "an integer >= 0"),
+    "seed": (_is_int, "an integer"),
+    "stop": (lambda v: isinstance(v, list) and all(isinstance(x, str) for x in v), "a list of strings"),
+}
+
+
+def _check_fields(values: dict[str, Any], checks: dict[str, Any], where: str) -> None:
+    for name, (ok, what) in checks.items():
+        if not ok(values[name]):
+            raise ValueError(f"{where}.{name} must be {what}, got {repr(values[name])[:80]}")
 
 
 @dataclass(eq=False)  # identity: one per connection
@@ -554,15 +590,18 @@ class SharedLLMInferenceManager:
             if not isinstance(raw, list) or not all(isinstance(r, dict) for r in raw):
                 raise ValueError("'requests' must be a list of objects")
             requests = [GenerationRequest.from_dict(r) for r in raw]
-            for r in requests:
+            for i, r in enumerate(requests):
                 if not isinstance(r.messages, list) or not all(
-                    isinstance(m, dict) and isinstance(m.get("content"), str) for m in r.messages
+                    isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+                    for m in r.messages
                 ):
-                    raise ValueError("each request needs 'messages': a list of {role, content}")
+                    raise ValueError(f"requests[{i}].messages must be a list of {{role, content}} (strings)")
+                _check_fields(r.to_dict(), _REQUEST_FIELDS, f"requests[{i}]")
             sampling_raw = msg.get("sampling") or {}
             if not isinstance(sampling_raw, dict):
                 raise ValueError("'sampling' must be an object")
             sampling = SamplingParams.from_dict(sampling_raw)
+            _check_fields(sampling.to_dict(), _SAMPLING_FIELDS, "sampling")
         except (ValueError, TypeError) as exc:
             self.stats.add(bad_messages=1)
             logger.warning("bad message from %s: %s", conn.peer, exc)
