@@ -266,3 +266,57 @@ def test_malformed_sampling_params_are_named_in_the_error(sampling, field):
         with pytest.raises(EngineError, match=f"bad message: .*sampling.{field}"):
             client.generate(_requests(1), SamplingParams(**sampling))
         assert len(client.generate(_requests(1), SamplingParams())) == 1
+
+
+# ----- 4. llm_server config ---------------------------------------------------------
+
+def _config(**llm_server):
+    return {
+        "custom_envs": custom_envs(),
+        "agent_proxy": {"max_turn": 2, "use_parallel_rollout": True},
+        "es_manager": {
+            "train": {"env_groups": 2, "group_size": 1, "env_configs": {"tags": ["Bandit"], "n_groups": [2]}},
+            "val": {"env_groups": 1, "group_size": 1, "env_configs": {"tags": ["Bandit"], "n_groups": [1]}},
+        },
+        "llm_server": llm_server,
+    }
+
+
+@pytest.mark.parametrize("llm_server, key", [
+    ({"host": ""}, "llm_server.host"),
+    ({"host": None}, "llm_server.host"),
+    ({"host": 127}, "llm_server.host"),
+    ({"host": " 127.0.0.1"}, "llm_server.host"),
+    ({"port": 70000}, "llm_server.port"),
+    ({"port": -1}, "llm_server.port"),
+    ({"port": None}, "llm_server.port"),
+])
+def test_bad_llm_server_config_is_an_error_naming_the_key(llm_server, key):
+    with pytest.raises(ValueError, match=key.replace(".", r"\.")):
+        AgentSetup.from_config(_config(**llm_server))
+
+
+def test_good_llm_server_config_is_read():
+    setup = AgentSetup.from_config(_config(host="0.0.0.0", port=65535))
+    assert (setup.host, setup.port) == ("0.0.0.0", 65535)
+    setup = AgentSetup.from_config(_config())
+    assert (setup.host, setup.port) == ("127.0.0.1", 0)
+
+
+@pytest.mark.parametrize("kw, key", [
+    ({"host": ""}, "llm_server.host"), ({"host": None}, "llm_server.host"), ({"port": 70000}, "llm_server.port"),
+])
+def test_the_manager_refuses_a_bad_address_before_binding(kw, key):
+    with pytest.raises(ValueError, match=key.replace(".", r"\.")):
+        SharedLLMInferenceManager(ScriptedEngine(), **kw)
+
+
+def test_listening_beyond_loopback_warns_to_firewall_the_port(caplog):
+    with caplog.at_level(logging.WARNING, logger="ragen.llm_agent.shared_llm"):
+        with SharedLLMInferenceManager(ScriptedEngine(), host="127.0.0.1"):
+            pass
+        assert not [r for r in caplog.records if "firewall" in r.getMessage()]
+        with SharedLLMInferenceManager(ScriptedEngine(), host="0.0.0.0") as shared:
+            assert len(shared.client().generate(_requests(1), SamplingParams())) == 1
+    warnings = [r.getMessage() for r in caplog.records if "firewall" in r.getMessage()]
+    assert len(warnings) == 1 and "0.0.0.0" in warnings[0] and str(shared.address[1]) in warnings[0]

@@ -64,6 +64,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import io
+import ipaddress
 import json
 import logging
 import math
@@ -248,6 +249,26 @@ def _check_fields(values: dict[str, Any], checks: dict[str, Any], where: str) ->
             raise ValueError(f"{where}.{name} must be {what}, got {repr(values[name])[:80]}")
 
 
+def check_listen_address(host: Any, port: Any) -> tuple[str, int]:
+    """``(host, port)`` for the manager to listen on (``llm_server.host``,
+    ``llm_server.port``); ValueError naming the key otherwise. Read before any
+    model loads, and again by the manager."""
+    if not isinstance(host, str) or not host.strip() or host != host.strip():
+        hint = " (an empty host listens on every interface without saying so)" if host == "" else ""
+        raise ValueError(f"llm_server.host must be the address to listen on: 127.0.0.1 for workers on this "
+                         f"machine, 0.0.0.0 for workers on other machines; got {host!r}{hint}")
+    if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
+        raise ValueError(f"llm_server.port must be an integer from 0 to 65535 (0: any free port), got {port!r}")
+    return host, port
+
+
+def _is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host.split("%")[0]).is_loopback
+    except ValueError:
+        return False
+
+
 @dataclass(eq=False)  # identity: one per connection
 class _Conn:
     sock: socket.socket
@@ -412,6 +433,7 @@ class SharedLLMInferenceManager:
             raise ValueError(f"agent_proxy.max_batch_size must be >= 1, got {max_batch_size}")
         if coalesce_wait_s < 0:
             raise ValueError(f"agent_proxy.coalesce_wait_s must be >= 0, got {coalesce_wait_s}")
+        check_listen_address(host, port)
         self.engine = engine
         self.engine_lock = threading.Lock()
         self.max_batch_size = int(max_batch_size)
@@ -448,6 +470,12 @@ class SharedLLMInferenceManager:
         for t in self._threads:
             t.start()
         logger.info("shared LLM manager listening on %s:%d", *self.address)
+        if not _is_loopback(self.address[0]):
+            # The key keeps strangers from being served, not from connecting,
+            # holding handshake slots or reading the hello.
+            logger.warning("the shared LLM manager listens on %s:%d, beyond this machine (llm_server.host): "
+                           "firewall port %d so that only the machines of the rollout workers reach it",
+                           self.address[0], self.address[1], self.address[1])
 
     def __repr__(self) -> str:  # never shows the key
         return f"SharedLLMInferenceManager(address={self.address}, engine={type(self.engine).__name__})"
