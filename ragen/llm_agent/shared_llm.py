@@ -5,7 +5,9 @@
   weights). It listens on a socket (loopback unless told otherwise); each
   client proves it holds the manager's random per-run key (HMAC over a nonce)
   before anything else is read, and the manager proves it to the client in
-  turn, so a worker never takes answers from a server that lacks the key.
+  turn, so a worker never takes answers from a server that lacks the key. At
+  most ``max_pending_handshakes`` peers are in their handshake at once; a
+  manager listening beyond loopback warns that its port must be firewalled.
 - Coalescing: requests from all workers queue up, and one batcher thread turns
   them into engine calls. While the engine is idle it waits for more requests
   until every open stream (a worker's micro-batch with work left) has one
@@ -32,10 +34,11 @@
   and thread opens its own connection on first use.
 
 Wire format: frames of a 4-byte big-endian length and a pickle of plain data
-(dicts, lists, strings, numbers), read by an unpickler that refuses every
-class and function, so a frame can carry nothing but data (as safe as JSON,
-and 5-8x cheaper to encode and decode: the full message history of every env
-travels each turn).
+(dicts, lists, strings, bytes, numbers), written by a pickler and read by an
+unpickler that refuse every class and function, so a frame can carry nothing
+but data (as safe as JSON, and 5-8x cheaper to encode and decode: the full
+message history of every env travels each turn). Each side refuses a frame
+longer than its ``max_message_bytes``.
 
 - Handshake, within ``handshake_timeout_s`` in all: manager -> client
   ``b"RAGEN2"`` and a 32-byte nonce; client -> manager
@@ -52,11 +55,11 @@ travels each turn).
 
 A malformed message gets an error reply and the connection goes on (a request
 whose fields have the wrong type or range is refused on arrival, alone, rather
-than failing the engine call it would have joined); an oversized frame or a failed handshake closes that connection only. An engine
-that fails, or answers with something other than one plain-data
-``Completion`` per request, gets its batch (or, where only some completions
-are malformed, their request lists) answered with errors; the batcher goes on
-serving.
+than failing the engine call it would have joined); an oversized frame or a
+failed handshake closes that connection only. An engine that fails, or answers
+with something other than one plain-data ``Completion`` per request, gets its
+batch (or, where only some completions are malformed, their request lists)
+answered with errors; the batcher goes on serving.
 """
 
 from __future__ import annotations
