@@ -13,6 +13,7 @@ import secrets
 import select
 import socket
 import struct
+import sys
 import threading
 import time
 
@@ -114,6 +115,7 @@ def test_stats_read_by_metrics_code_are_a_snapshot():
 
 
 def test_engine_idle_metrics_while_generation_goes_on():
+    """The rollout's own reader, while another thread keeps the engine busy."""
     from ragen.llm_agent.parallel_rollout import _engine_idle
 
     with SharedLLMInferenceManager(ScriptedEngine()) as shared:
@@ -125,6 +127,8 @@ def test_engine_idle_metrics_while_generation_goes_on():
             while not stop.is_set():
                 shared.generate(_requests(1), SamplingParams())
 
+        interval = sys.getswitchinterval()
+        sys.setswitchinterval(1e-6)  # threads take turns often: the race shows within a few reads
         thread = threading.Thread(target=generating)
         thread.start()
         try:
@@ -134,6 +138,7 @@ def test_engine_idle_metrics_while_generation_goes_on():
         finally:
             stop.set()
             thread.join()
+            sys.setswitchinterval(interval)
 
 
 # ----- 3. the socket ----------------------------------------------------------------
