@@ -903,8 +903,8 @@ class SharedLLMClient:
                 while not inbox:
                     try:
                         data, _ = _recv_frame(sock, self.max_message_bytes)
-                        msg = _loads(data)
-                        if not isinstance(msg, dict) or not isinstance(msg.get("answers"), list):
+                        reply = _loads(data)
+                        if not isinstance(reply, dict) or not isinstance(reply.get("answers"), list):
                             raise ValueError("a reply must be {'answers': [...]}")
                     except socket.timeout:
                         self.reset()
@@ -917,7 +917,7 @@ class SharedLLMClient:
                     except ValueError as exc:
                         self.reset()
                         raise ProtocolError(f"bad reply from the LLM manager at {self.address}: {exc}") from None
-                    inbox.extend(msg["answers"])
+                    inbox.extend(reply["answers"])
                 msg = inbox.popleft()
                 ticket = msg.get("ticket")
                 if ticket not in state["outstanding"]:
