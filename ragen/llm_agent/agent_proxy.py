@@ -32,7 +32,7 @@ from ragen.llm_agent.ctx_manager import ContextConfig
 from ragen.llm_agent.es_manager import EnvStateManager, compute_metrics, to_plain
 from ragen.llm_agent.parallel_rollout import BACKENDS, ParallelRolloutManager
 from ragen.llm_agent.rollout_loop import DirectClient, EnvPool, LoopConfig, run_envs
-from ragen.llm_agent.shared_llm import SharedLLMInferenceManager
+from ragen.llm_agent.shared_llm import SharedLLMInferenceManager, check_listen_address
 from ragen.llm_agent.types import RolloutResult
 
 logger = logging.getLogger(__name__)
@@ -140,6 +140,7 @@ class AgentSetup:
         if rollout_mode not in ("sync", "fully_async"):
             raise ValueError(f"{ap}.rollout_mode: unknown {rollout_mode!r}; choose 'sync' or 'fully_async'")
         n_jobs = _number(cfg, f"{ap}.parallel_n_jobs", -1, int, -1)
+        host, port = check_listen_address(_get(cfg, "llm_server.host", "127.0.0.1"), _get(cfg, "llm_server.port", 0))
         if n_jobs == 0:
             raise ValueError(f"{ap}.parallel_n_jobs must be -1 (one per core) or >= 1, got 0")
         return cls(
@@ -156,8 +157,8 @@ class AgentSetup:
             rollout_timeout_s=_number(cfg, f"{ap}.rollout_timeout_s", None, float, 0.0, allow_none=True) or None,
             engine_timeout_s=_number(cfg, f"{ap}.engine_timeout_s", None, float, 0.0, allow_none=True) or None,
             max_concurrent_rollouts=_number(cfg, f"{ap}.max_concurrent_rollouts", 1, int, 1),
-            host=str(_get(cfg, "llm_server.host", "127.0.0.1")),
-            port=_number(cfg, "llm_server.port", 0, int, 0),
+            host=host,
+            port=port,
             rollout_mode=rollout_mode,
             async_generation_ratio=_number(cfg, f"{ap}.async_generation_ratio", 0, int, 0),
             max_inflight_groups=_number(cfg, f"{ap}.max_inflight_groups", 8, int, 1),

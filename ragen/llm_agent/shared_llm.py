@@ -4,7 +4,10 @@
   around every engine call (``engine_lock``; the trainer takes it to swap
   weights). It listens on a socket (loopback unless told otherwise); each
   client proves it holds the manager's random per-run key (HMAC over a nonce)
-  before anything else is read.
+  before anything else is read, and the manager proves it to the client in
+  turn, so a worker never takes answers from a server that lacks the key. At
+  most ``max_pending_handshakes`` peers are in their handshake at once; a
+  manager listening beyond loopback warns that its port must be firewalled.
 - Coalescing: requests from all workers queue up, and one batcher thread turns
   them into engine calls. While the engine is idle it waits for more requests
   until every open stream (a worker's micro-batch with work left) has one
@@ -31,11 +34,18 @@
   and thread opens its own connection on first use.
 
 Wire format: frames of a 4-byte big-endian length and a pickle of plain data
-(dicts, lists, strings, numbers), read by an unpickler that refuses every
-class and function, so a frame can carry nothing but data (as safe as JSON,
-and 5-8x cheaper to encode and decode: the full message history of every env
-travels each turn).
+(dicts, lists, strings, bytes, numbers), written by a pickler and read by an
+unpickler that refuse every class and function, so a frame can carry nothing
+but data (as safe as JSON, and 5-8x cheaper to encode and decode: the full
+message history of every env travels each turn). Each side refuses a frame
+longer than its ``max_message_bytes``.
 
+- Handshake, within ``handshake_timeout_s`` in all: manager -> client
+  ``b"RAGEN2"`` and a 32-byte nonce; client -> manager
+  ``HMAC-SHA256(key, b"ragen client" + that nonce)`` and a 32-byte nonce of its
+  own; the manager checks the HMAC (a wrong one closes the connection), then
+  sends the frame ``{"ok": True, "proof": HMAC-SHA256(key, b"ragen server" +
+  the client's nonce)}``, which the client checks before it sends anything.
 - Client -> manager: ``{"op": "open"|"close", "n": k}`` (streams), or
   ``{"op": "gen", "ticket": t, "requests": [...], "sampling": {...}}``.
 - Manager -> client: ``{"answers": [...]}``, one frame per connection and
@@ -43,8 +53,13 @@ travels each turn).
   is ``{"ticket": t, "completions": [...]}`` (without token ids: they stay in
   the driver) or ``{"ticket": t, "error": msg}``.
 
-A malformed message gets an error reply and the connection goes on; an
-oversized frame or a failed handshake closes that connection only.
+A malformed message gets an error reply and the connection goes on (a request
+whose fields have the wrong type or range is refused on arrival, alone, rather
+than failing the engine call it would have joined); an oversized frame or a
+failed handshake closes that connection only. An engine that fails, or answers
+with something other than one plain-data ``Completion`` per request, gets its
+batch (or, where only some completions are malformed, their request lists)
+answered with errors; the batcher goes on serving.
 """
 
 from __future__ import annotations
@@ -52,8 +67,10 @@ from __future__ import annotations
 import hashlib
 import hmac
 import io
+import ipaddress
 import json
 import logging
+import math
 import os
 import pickle
 import secrets
@@ -70,8 +87,13 @@ from ragen.llm.types import Completion, Engine, GenerationRequest, SamplingParam
 
 logger = logging.getLogger(__name__)
 
-_MAGIC = b"RAGEN1"
+_MAGIC = b"RAGEN2"  # 2: the manager proves the key too
 _NONCE_BYTES = 32
+_DIGEST_BYTES = hashlib.sha256().digest_size
+# Each side proves the key over its own label, so what one side answers can
+# never be replayed as the other's proof.
+_CLIENT_LABEL, _SERVER_LABEL = b"ragen client", b"ragen server"
+_CONNECT_TIMEOUT_S = 30.0
 _HEADER = struct.Struct(">I")
 
 
@@ -83,9 +105,21 @@ class ProtocolError(RuntimeError):
     pass
 
 
-def _recv_exact(sock: socket.socket, n: int) -> bytes:
+class AuthenticationError(ConnectionError):
+    """The peer could not prove it holds the manager's key."""
+
+
+def _recv_exact(sock: socket.socket, n: int, deadline: float | None = None) -> bytes:
+    """``n`` bytes; with a ``deadline`` (time.monotonic()), TimeoutError once it
+    passes, however the bytes trickle in (a timeout per recv would let one
+    byte every few seconds hold a connection open for ever)."""
     buf = bytearray()
     while len(buf) < n:
+        if deadline is not None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"{len(buf)} of {n} bytes before the deadline")
+            sock.settimeout(left)
         chunk = sock.recv(n - len(buf))
         if not chunk:
             raise EOFError("connection closed")
@@ -106,9 +140,25 @@ def _loads(data: bytes) -> Any:
         raise ValueError(f"not a frame of plain data ({type(exc).__name__}: {exc})") from None
 
 
+class _DataPickler(pickle.Pickler):
+    # Called only for objects that are not of a builtin type (str, int, dict,
+    # list...): refusing them here costs nothing on plain data, and an engine's
+    # numpy float or str subclass fails in the manager, where the request it
+    # answers is known, not in the worker's unpickler.
+    def reducer_override(self, obj: Any) -> Any:
+        raise pickle.PicklingError(f"a frame may hold only plain data, not {type(obj).__module__}."
+                                   f"{type(obj).__qualname__}")
+
+
 def _frame(obj: Any) -> bytes:
-    data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
-    return _HEADER.pack(len(data)) + data
+    """A frame of plain data; pickle.PicklingError for anything else."""
+    buf = io.BytesIO()
+    buf.write(b"\0" * _HEADER.size)
+    _DataPickler(buf, protocol=pickle.HIGHEST_PROTOCOL).dump(obj)
+    frame = buf.getbuffer()
+    _HEADER.pack_into(frame, 0, len(frame) - _HEADER.size)
+    del frame
+    return buf.getvalue()
 
 
 def _send_frame(sock: socket.socket, obj: Any) -> int:
@@ -117,14 +167,17 @@ def _send_frame(sock: socket.socket, obj: Any) -> int:
     return len(frame)
 
 
-def _recv_frame(sock: socket.socket, max_bytes: int) -> tuple[bytes, int]:
-    (n,) = _HEADER.unpack(_recv_exact(sock, _HEADER.size))
+def _recv_frame(sock: socket.socket, max_bytes: int, deadline: float | None = None) -> tuple[bytes, int]:
+    (n,) = _HEADER.unpack(_recv_exact(sock, _HEADER.size, deadline))
     if n > max_bytes:
         raise ProtocolError(f"frame of {n} bytes exceeds the limit of {max_bytes}")
-    return _recv_exact(sock, n), n + _HEADER.size
+    return _recv_exact(sock, n, deadline), n + _HEADER.size
 
 
-def _wire(completion: Completion) -> dict[str, Any]:
+def _wire(completion: Completion, request: GenerationRequest) -> dict[str, Any]:
+    if not isinstance(completion, Completion):
+        raise TypeError(f"the engine returned {type(completion).__name__}, not a Completion, for the request "
+                        f"of env_id {request.env_id}, turn {request.turn}")
     # Workers read the text, finish reason and policy version, never the token
     # ids (the trainer tokenizes trajectories itself): keep them out of the
     # reply, where they would be most of its bytes and of its encoding time.
@@ -134,8 +187,89 @@ def _wire(completion: Completion) -> dict[str, Any]:
     return d
 
 
-def _digest(key: bytes, nonce: bytes) -> bytes:
-    return hmac.new(key, nonce, hashlib.sha256).digest()
+def _digest(key: bytes, label: bytes, nonce: bytes) -> bytes:
+    return hmac.new(key, label + nonce, hashlib.sha256).digest()
+
+
+def _answers_frame(answers: list[dict[str, Any]]) -> bytes:
+    """The frame of one connection's answers. An answer that is not plain
+    data (an engine's numpy number, say) becomes an error for its request
+    list alone: encoded apart, only on this rare path."""
+    try:
+        return _frame({"answers": answers})
+    except pickle.PicklingError:
+        pass
+    checked = []
+    for a in answers:
+        try:
+            _frame(a)
+            checked.append(a)
+            continue
+        except pickle.PicklingError as exc:
+            problem = exc
+        for c in a.get("completions", []):
+            try:
+                _frame(c)
+            except pickle.PicklingError as exc:
+                problem = f"the completion for env_id {c.get('env_id')!r} (turn {c.get('turn')!r}): {exc}"
+                break
+        logger.error("malformed completion from the engine: %s", problem)
+        checked.append({"ticket": a.get("ticket"), "error": f"the engine's answer cannot be sent: {problem}"})
+    return _frame({"answers": checked})
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+# What each field of a request and of its sampling params must be. Checked
+# when a request arrives: a wrong type found by the engine would fail the
+# whole coalesced call, other workers' requests with it.
+_REQUEST_FIELDS = {
+    "env_id": (_is_int, "an integer"),
+    "turn": (_is_int, "an integer"),
+    "seed": (_is_int, "an integer"),
+    # 0 is an answer of no tokens (every engine handles it): a turn with no room left
+    "max_tokens": (lambda v: v is None or (_is_int(v) and v >= 0), "null or an integer >= 0"),
+}
+_SAMPLING_FIELDS = {
+    "temperature": (lambda v: _is_number(v) and v >= 0, "a number >= 0"),
+    "top_p": (lambda v: _is_number(v) and 0 < v <= 1, "a number in (0, 1]"),
+    "top_k": (lambda v: _is_int(v) and v >= -1, "an integer >= -1 (-1: no top-k)"),
+    "max_tokens": (lambda v: _is_int(v) and v >= 0, "an integer >= 0"),
+    "seed": (_is_int, "an integer"),
+    "stop": (lambda v: isinstance(v, list) and all(isinstance(x, str) for x in v), "a list of strings"),
+}
+
+
+def _check_fields(values: dict[str, Any], checks: dict[str, Any], where: str) -> None:
+    for name, (ok, what) in checks.items():
+        if not ok(values[name]):
+            raise ValueError(f"{where}.{name} must be {what}, got {repr(values[name])[:80]}")
+
+
+def check_listen_address(host: Any, port: Any) -> tuple[str, int]:
+    """``(host, port)`` for the manager to listen on (``llm_server.host``,
+    ``llm_server.port``); ValueError naming the key otherwise. Read before any
+    model loads, and again by the manager."""
+    if not isinstance(host, str) or not host.strip() or host != host.strip():
+        hint = " (an empty host listens on every interface without saying so)" if host == "" else ""
+        raise ValueError(f"llm_server.host must be the address to listen on: 127.0.0.1 for workers on this "
+                         f"machine, 0.0.0.0 for workers on other machines; got {host!r}{hint}")
+    if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
+        raise ValueError(f"llm_server.port must be an integer from 0 to 65535 (0: any free port), got {port!r}")
+    return host, port
+
+
+def _is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host.split("%")[0]).is_loopback
+    except ValueError:
+        return False
 
 
 @dataclass(eq=False)  # identity: one per connection
@@ -197,20 +331,54 @@ class _Pending:
 
 @dataclass
 class ManagerStats:
+    """What the manager did, written by its threads (batcher, connections).
+    Metrics code reads while they write: ``batch_sizes`` and ``call_spans``
+    are copies taken under the lock (iterating the live deque while the
+    batcher appended raised "deque mutated during iteration"), and
+    ``snapshot()`` is one consistent copy of everything."""
+
     engine_calls: int = 0
     requests: int = 0
     engine_time_s: float = 0.0
-    batch_sizes: deque = field(default_factory=lambda: deque(maxlen=8192))  # the most recent calls'
-    call_spans: deque = field(default_factory=lambda: deque(maxlen=8192))  # (start, end), time.monotonic()
     messages_in: int = 0
     bytes_in: int = 0
     bytes_out: int = 0
     refused_clients: int = 0
     bad_messages: int = 0
+    _batch_sizes: deque = field(default_factory=lambda: deque(maxlen=8192), repr=False)  # the most recent calls'
+    _call_spans: deque = field(default_factory=lambda: deque(maxlen=8192), repr=False)  # (start, end), monotonic
+    _lock: Any = field(default_factory=threading.Lock, repr=False, compare=False)
+
+    @property
+    def batch_sizes(self) -> tuple[int, ...]:
+        with self._lock:
+            return tuple(self._batch_sizes)
+
+    @property
+    def call_spans(self) -> tuple[tuple[float, float], ...]:
+        with self._lock:
+            return tuple(self._call_spans)
+
+    def add(self, **counts: int) -> None:
+        """Add to counters (``+=`` from several threads loses updates)."""
+        with self._lock:
+            for name, n in counts.items():
+                setattr(self, name, getattr(self, name) + n)
+
+    def record_call(self, batch_sizes: list[int], span: tuple[float, float], seconds: float) -> None:
+        """One engine call of ``batch_sizes`` chunks."""
+        with self._lock:
+            self.engine_calls += len(batch_sizes)
+            self._batch_sizes.extend(batch_sizes)
+            self.requests += sum(batch_sizes)
+            self.engine_time_s += seconds
+            self._call_spans.append(span)
 
     def snapshot(self) -> "ManagerStats":
-        return ManagerStats(**{**self.__dict__, "batch_sizes": deque(self.batch_sizes, maxlen=8192),
-                               "call_spans": deque(self.call_spans, maxlen=8192)})
+        with self._lock:
+            return ManagerStats(**{**{k: v for k, v in self.__dict__.items() if k != "_lock"},
+                                   "_batch_sizes": deque(self._batch_sizes, maxlen=8192),
+                                   "_call_spans": deque(self._call_spans, maxlen=8192)})
 
 
 class CallCostModel:
@@ -262,11 +430,13 @@ class SharedLLMInferenceManager:
         max_message_bytes: int = 64 << 20,
         handshake_timeout_s: float = 5.0,
         max_coalesce_wait_s: float = 1.0,
+        max_pending_handshakes: int = 64,
     ) -> None:
         if max_batch_size < 1:
             raise ValueError(f"agent_proxy.max_batch_size must be >= 1, got {max_batch_size}")
         if coalesce_wait_s < 0:
             raise ValueError(f"agent_proxy.coalesce_wait_s must be >= 0, got {coalesce_wait_s}")
+        check_listen_address(host, port)
         self.engine = engine
         self.engine_lock = threading.Lock()
         self.max_batch_size = int(max_batch_size)
@@ -276,6 +446,14 @@ class SharedLLMInferenceManager:
         self._engine_free_at = 0.0
         self.max_message_bytes = int(max_message_bytes)
         self.handshake_timeout_s = handshake_timeout_s
+        if max_pending_handshakes < 1:
+            raise ValueError(f"max_pending_handshakes must be >= 1, got {max_pending_handshakes}")
+        # A thread per connection is fine for workers, not for any number of
+        # peers that connect and say nothing: at most this many handshakes run
+        # at once; further peers wait in the listen queue (a worker among them
+        # only waits, it is not turned away).
+        self._handshake_slots = threading.BoundedSemaphore(max_pending_handshakes)
+        self.max_pending_handshakes = max_pending_handshakes
         self.stats = ManagerStats()
         self._key = secrets.token_bytes(32)
         self._cond = threading.Condition()
@@ -295,12 +473,19 @@ class SharedLLMInferenceManager:
         for t in self._threads:
             t.start()
         logger.info("shared LLM manager listening on %s:%d", *self.address)
+        if not _is_loopback(self.address[0]):
+            # The key keeps strangers from being served, not from connecting,
+            # holding handshake slots or reading the hello.
+            logger.warning("the shared LLM manager listens on %s:%d, beyond this machine (llm_server.host): "
+                           "firewall port %d so that only the machines of the rollout workers reach it",
+                           self.address[0], self.address[1], self.address[1])
 
     def __repr__(self) -> str:  # never shows the key
         return f"SharedLLMInferenceManager(address={self.address}, engine={type(self.engine).__name__})"
 
     def client(self, timeout_s: float | None = None) -> "SharedLLMClient":
-        return SharedLLMClient(address=self.address, authkey=self._key, timeout_s=timeout_s)
+        return SharedLLMClient(address=self.address, authkey=self._key, timeout_s=timeout_s,
+                               max_message_bytes=self.max_message_bytes)
 
     def announce(self, n_streams: int) -> int:
         """The driver dispatched shards whose workers will open ``n_streams``
@@ -325,41 +510,69 @@ class SharedLLMInferenceManager:
 
     # ----- connections ---------------------------------------------------------
     def _accept_loop(self) -> None:
+        full = False
         while not self._closed:
+            if not self._handshake_slots.acquire(timeout=0.2):  # short: close() is noticed
+                if not full:
+                    full = True
+                    logger.warning("%d connections to the LLM manager are in their handshake at once; further "
+                                   "ones wait until one ends (at most handshake_timeout_s=%s s each)",
+                                   self.max_pending_handshakes, self.handshake_timeout_s)
+                continue
+            full = False
             try:
                 sock, peer = self._listener.accept()
             except OSError:
+                self._handshake_slots.release()
                 return  # listener closed
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            threading.Thread(target=self._serve, args=(sock, f"{peer[0]}:{peer[1]}"),
-                             name="ragen-llm-conn", daemon=True).start()
+            try:
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                threading.Thread(target=self._serve, args=(sock, f"{peer[0]}:{peer[1]}"),
+                                 name="ragen-llm-conn", daemon=True).start()
+            except (OSError, RuntimeError) as exc:  # the peer left already, or no thread to be had
+                logger.warning("dropped a connection from %s:%s: %s", peer[0], peer[1], exc)
+                sock.close()
+                self._handshake_slots.release()
 
     def _serve(self, sock: socket.socket, peer: str) -> None:
         conn = _Conn(sock, peer)
+        slot = True  # one of the handshake slots, held until the handshake ends
         try:
+            # One deadline for the whole handshake; nothing but the proof is
+            # read before the key is known to be right.
+            deadline = time.monotonic() + self.handshake_timeout_s
             sock.settimeout(self.handshake_timeout_s)
             nonce = secrets.token_bytes(_NONCE_BYTES)
             sock.sendall(_MAGIC + nonce)
-            answer = _recv_exact(sock, hashlib.sha256().digest_size)
-            if not hmac.compare_digest(answer, _digest(self._key, nonce)):
-                self.stats.refused_clients += 1
+            answer = _recv_exact(sock, _DIGEST_BYTES, deadline)
+            if not hmac.compare_digest(answer, _digest(self._key, _CLIENT_LABEL, nonce)):
+                self.stats.add(refused_clients=1)
                 logger.warning("refused a client from %s: wrong key", peer)
                 return
-            conn.send({"ok": True})
+            client_nonce = _recv_exact(sock, _NONCE_BYTES, deadline)
+            sock.settimeout(max(1e-3, deadline - time.monotonic()))
+            conn.send({"ok": True, "proof": _digest(self._key, _SERVER_LABEL, client_nonce)})
             sock.settimeout(None)
+            self._handshake_slots.release()
+            slot = False
             with self._cond:
                 self._conns.add(conn)
             while not self._closed:
                 data, n = _recv_frame(sock, self.max_message_bytes)
-                self.stats.messages_in += 1
-                self.stats.bytes_in += n
+                self.stats.add(messages_in=1, bytes_in=n)
                 self._handle(conn, data)
         except ProtocolError as exc:
-            self.stats.bad_messages += 1
+            self.stats.add(bad_messages=1)
             logger.warning("closing the connection from %s: %s", peer, exc)
+        except TimeoutError:  # only the handshake has a timeout
+            self.stats.add(refused_clients=1)
+            logger.warning("closed the connection from %s: no handshake within handshake_timeout_s=%s s",
+                           peer, self.handshake_timeout_s)
         except (EOFError, OSError):
             pass  # the client went away (a worker that finished, died or timed out)
         finally:
+            if slot:
+                self._handshake_slots.release()
             with self._cond:
                 conn.alive = False
                 self._conns.discard(conn)
@@ -408,17 +621,20 @@ class SharedLLMInferenceManager:
             if not isinstance(raw, list) or not all(isinstance(r, dict) for r in raw):
                 raise ValueError("'requests' must be a list of objects")
             requests = [GenerationRequest.from_dict(r) for r in raw]
-            for r in requests:
+            for i, r in enumerate(requests):
                 if not isinstance(r.messages, list) or not all(
-                    isinstance(m, dict) and isinstance(m.get("content"), str) for m in r.messages
+                    isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+                    for m in r.messages
                 ):
-                    raise ValueError("each request needs 'messages': a list of {role, content}")
+                    raise ValueError(f"requests[{i}].messages must be a list of {{role, content}} (strings)")
+                _check_fields(r.to_dict(), _REQUEST_FIELDS, f"requests[{i}]")
             sampling_raw = msg.get("sampling") or {}
             if not isinstance(sampling_raw, dict):
                 raise ValueError("'sampling' must be an object")
             sampling = SamplingParams.from_dict(sampling_raw)
+            _check_fields(sampling.to_dict(), _SAMPLING_FIELDS, "sampling")
         except (ValueError, TypeError) as exc:
-            self.stats.bad_messages += 1
+            self.stats.add(bad_messages=1)
             logger.warning("bad message from %s: %s", conn.peer, exc)
             conn.send({"answers": [{"ticket": ticket, "error": f"bad message: {exc}"}]})
             return
@@ -483,25 +699,46 @@ class SharedLLMInferenceManager:
             batch = self._next_batch()
             if batch is None:
                 return
-            requests = [r for p in batch for r in p.requests]
-            answers: dict[_Conn, list[dict[str, Any]]] = {}
             try:
-                if logger.isEnabledFor(logging.DEBUG):
-                    turns = sorted({r.turn for r in requests})
-                    logger.debug("engine call: %d requests from %d streams, turns %s, %.4f s after the first arrived",
-                                 len(requests), len(batch), turns, time.monotonic() - batch[0].arrived)
-                completions = self.generate(requests, batch[0].sampling)
-            except Exception as exc:  # the engine failed: every waiting client hears it
-                logger.exception("engine call failed for %d requests", len(requests))
+                self._reply(self._answers(batch))
+            except Exception as exc:  # a bug here must not end the thread: every later request would wait forever
+                logger.exception("the batcher failed on %d requests; answering them with an error", len(batch))
+                answers: dict[_Conn, list[dict[str, Any]]] = {}
                 for p in batch:
-                    answers.setdefault(p.conn, []).append({"ticket": p.ticket, "error": f"{type(exc).__name__}: {exc}"})
-            else:
-                i = 0
-                for p in batch:
-                    part = completions[i: i + len(p.requests)]
-                    i += len(p.requests)
-                    answers.setdefault(p.conn, []).append({"ticket": p.ticket, "completions": [_wire(c) for c in part]})
-            self._reply(answers)
+                    answers.setdefault(p.conn, []).append(
+                        {"ticket": p.ticket, "error": f"the LLM manager failed: {type(exc).__name__}: {exc}"})
+                try:
+                    self._reply(answers)
+                except Exception:
+                    logger.exception("could not answer %d requests", len(batch))
+
+    def _answers(self, batch: list[_Pending]) -> dict[_Conn, list[dict[str, Any]]]:
+        """One engine call for ``batch``: each request list's completions, or
+        an error that says what was wrong with them."""
+        requests = [r for p in batch for r in p.requests]
+        answers: dict[_Conn, list[dict[str, Any]]] = {}
+        try:
+            if logger.isEnabledFor(logging.DEBUG):
+                turns = sorted({r.turn for r in requests})
+                logger.debug("engine call: %d requests from %d streams, turns %s, %.4f s after the first arrived",
+                             len(requests), len(batch), turns, time.monotonic() - batch[0].arrived)
+            completions = self.generate(requests, batch[0].sampling)
+        except Exception as exc:  # the engine failed: every waiting client hears it
+            logger.exception("engine call failed for %d requests", len(requests))
+            for p in batch:
+                answers.setdefault(p.conn, []).append({"ticket": p.ticket, "error": f"{type(exc).__name__}: {exc}"})
+            return answers
+        i = 0
+        for p in batch:
+            part = completions[i: i + len(p.requests)]
+            i += len(p.requests)
+            try:
+                answer = {"ticket": p.ticket, "completions": [_wire(c, r) for c, r in zip(part, p.requests)]}
+            except Exception as exc:  # that request list only: the others' completions are good
+                logger.error("malformed completion from the engine: %s", exc)
+                answer = {"ticket": p.ticket, "error": f"{type(exc).__name__}: {exc}"}
+            answers.setdefault(p.conn, []).append(answer)
+        return answers
 
     def generate(self, requests: list[GenerationRequest], sampling: SamplingParams) -> list[Completion]:
         """One engine call (in chunks of ``max_batch_size``) under the engine lock."""
@@ -509,27 +746,27 @@ class SharedLLMInferenceManager:
         with self.engine_lock:
             start = time.monotonic()
             t0 = time.perf_counter()
+            sizes = []
             for i in range(0, len(requests), self.max_batch_size):
                 chunk = requests[i: i + self.max_batch_size]
                 got = self.engine.generate(chunk, sampling)
+                if not isinstance(got, (list, tuple)):
+                    raise TypeError(f"the engine returned {type(got).__name__}, not a list of completions")
                 if len(got) != len(chunk):
                     raise RuntimeError(f"engine returned {len(got)} completions for {len(chunk)} requests")
                 out += got
-                self.stats.engine_calls += 1
-                self.stats.batch_sizes.append(len(chunk))
+                sizes.append(len(chunk))
             elapsed = time.perf_counter() - t0
-            self.stats.engine_time_s += elapsed
-            self.stats.requests += len(requests)
             self.call_cost.add(len(requests), elapsed)
             self._engine_free_at = time.monotonic()
-            self.stats.call_spans.append((start, self._engine_free_at))
+            self.stats.record_call(sizes, (start, self._engine_free_at), elapsed)
         return out
 
     def _reply(self, answers: dict[_Conn, list[dict[str, Any]]]) -> None:
         """One frame per connection, all encoded before any is sent: a woken
         worker takes a core at once, and the other workers' answers must not
         wait behind it."""
-        frames = [(conn, _frame({"answers": a}), len(a)) for conn, a in answers.items() if conn.alive]
+        frames = [(conn, _answers_frame(a), len(a)) for conn, a in answers.items() if conn.alive]
         now = time.monotonic()
         with self._cond:
             for conn, _, n in frames:
@@ -537,7 +774,7 @@ class SharedLLMInferenceManager:
                     conn.idle.append((now, True))
         for conn, frame, _ in frames:
             try:
-                self.stats.bytes_out += conn.send_frame(frame)
+                self.stats.add(bytes_out=conn.send_frame(frame))
             except OSError:
                 pass  # the client left; its cleanup runs in its own thread
 
@@ -579,6 +816,7 @@ class SharedLLMClient:
     authkey: bytes = field(repr=False)
     timeout_s: float | None = None  # for one answer; None: wait as long as it takes
     rollout: int | None = None  # the announced rollout whose streams this client opens
+    max_message_bytes: int = 64 << 20  # the largest frame it reads, as the manager caps what it reads
 
     def _state(self) -> dict[str, Any]:
         cache = getattr(_LOCAL, "conns", None)
@@ -592,17 +830,37 @@ class SharedLLMClient:
         return state
 
     def _connect(self) -> socket.socket:
-        sock = socket.create_connection(tuple(self.address), timeout=30)
-        hello = _recv_exact(sock, len(_MAGIC) + _NONCE_BYTES)
-        if not hello.startswith(_MAGIC):
-            raise ProtocolError(f"{self.address} is not a ragen LLM manager")
-        sock.sendall(_digest(self.authkey, hello[len(_MAGIC):]))
+        """A connection whose two ends proved they hold the key: the worker
+        proves it over the manager's nonce, the manager over the worker's (a
+        server that does not know the key must not feed workers answers)."""
+        deadline = time.monotonic() + _CONNECT_TIMEOUT_S
+        sock = socket.create_connection(tuple(self.address), timeout=_CONNECT_TIMEOUT_S)
         try:
-            data, _ = _recv_frame(sock, 1 << 10)
-        except EOFError:
-            raise ConnectionRefusedError(f"the LLM manager at {self.address} refused the key") from None
-        if not _loads(data).get("ok"):
-            raise ConnectionRefusedError(f"the LLM manager at {self.address} refused the connection")
+            hello = _recv_exact(sock, len(_MAGIC) + _NONCE_BYTES, deadline)
+            if not hello.startswith(_MAGIC):
+                raise ProtocolError(f"{self.address} is not a ragen LLM manager (of this version)")
+            nonce = secrets.token_bytes(_NONCE_BYTES)
+            sock.sendall(_digest(self.authkey, _CLIENT_LABEL, hello[len(_MAGIC):]) + nonce)
+            try:
+                data, _ = _recv_frame(sock, 1 << 10, deadline)
+            except (EOFError, ConnectionResetError):  # reset: it closed before reading our nonce
+                raise ConnectionRefusedError(f"the LLM manager at {self.address} refused the key") from None
+            reply = _loads(data)
+            if not isinstance(reply, dict) or not reply.get("ok"):
+                raise ConnectionRefusedError(f"the LLM manager at {self.address} refused the connection")
+            proof = reply.get("proof")
+            if not isinstance(proof, bytes) or not hmac.compare_digest(
+                    proof, _digest(self.authkey, _SERVER_LABEL, nonce)):
+                raise AuthenticationError(
+                    f"the server at {self.address} did not prove it holds the key of this client's LLM manager: "
+                    "it is not that manager (a stale address, or another process on its port); refusing it")
+        except TimeoutError:
+            sock.close()
+            raise TimeoutError(f"no handshake from the LLM manager at {self.address} within "
+                               f"{_CONNECT_TIMEOUT_S} s") from None
+        except BaseException:
+            sock.close()
+            raise
         sock.settimeout(None)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         return sock
@@ -644,11 +902,22 @@ class SharedLLMClient:
             while True:
                 while not inbox:
                     try:
-                        data, _ = _recv_frame(sock, 1 << 31)
+                        data, _ = _recv_frame(sock, self.max_message_bytes)
+                        reply = _loads(data)
+                        if not isinstance(reply, dict) or not isinstance(reply.get("answers"), list):
+                            raise ValueError("a reply must be {'answers': [...]}")
                     except socket.timeout:
                         self.reset()
                         raise TimeoutError(f"no answer from the LLM manager within {self.timeout_s} s") from None
-                    inbox.extend(_loads(data)["answers"])
+                    except ProtocolError as exc:  # not read: the stream is out of step, drop it
+                        self.reset()
+                        raise ProtocolError(f"a reply from the LLM manager at {self.address}: {exc} (the client's "
+                                            "max_message_bytes, the manager's max_message_bytes for "
+                                            "its clients)") from None
+                    except ValueError as exc:
+                        self.reset()
+                        raise ProtocolError(f"bad reply from the LLM manager at {self.address}: {exc}") from None
+                    inbox.extend(reply["answers"])
                 msg = inbox.popleft()
                 ticket = msg.get("ticket")
                 if ticket not in state["outstanding"]:

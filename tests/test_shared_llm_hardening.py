@@ -1,0 +1,327 @@
+"""SharedLLMInferenceManager against what can go wrong around it (issue 15,
+"no rollout can hang"): an engine that answers with malformed values, metrics
+read while the engine is called, peers that do not know the key or never
+finish the handshake, a request with wrong types coalesced with good ones,
+oversized frames from the manager, and bad ``llm_server`` config. In each
+case every request gets its answer or an error that says what was wrong, and
+the manager goes on serving."""
+
+from __future__ import annotations
+
+import logging
+import secrets
+import select
+import socket
+import struct
+import sys
+import threading
+import time
+
+import pytest
+
+from ragen.llm.scripted import ScriptedEngine
+from ragen.llm.types import Completion, GenerationRequest, SamplingParams
+from ragen.llm_agent import AgentSetup
+from ragen.llm_agent import shared_llm
+from ragen.llm_agent.shared_llm import EngineError, ProtocolError, SharedLLMClient, SharedLLMInferenceManager
+
+from tests.rollout_helpers import custom_envs
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def _requests(n, env0=0, **fields):
+    return [GenerationRequest(messages=[{"role": "user", "content": "Available actions: Up, Down"}],
+                              env_id=env0 + i, turn=0, seed=1, **fields) for i in range(n)]
+
+
+# ----- 1. an engine that answers with malformed values -------------------------------
+
+class _Plain(str):
+    """A str subclass: pickles as a class, which no frame may carry."""
+
+
+class OnceMalformed(ScriptedEngine):
+    """Answers its first call through ``spoil``, then as a good engine."""
+
+    def __init__(self, spoil):
+        super().__init__()
+        self.spoil = spoil
+        self.calls = 0
+
+    def generate(self, requests, sampling):
+        got = super().generate(requests, sampling)
+        self.calls += 1
+        return self.spoil(got) if self.calls == 1 else got
+
+
+@pytest.mark.parametrize("spoil, what", [
+    (lambda got: [c.to_dict() for c in got], "dict, not a Completion"),
+    (lambda got: got[:-1], "2 completions for 3 requests"),
+    (lambda got: None, "NoneType"),
+    (lambda got: [got[0].__class__(**{**got[0].to_dict(), "text": _Plain("x")})] + got[1:], "plain data"),
+], ids=["dicts", "too_few", "none", "not_plain_data"])
+def test_a_malformed_engine_reply_is_answered_with_errors_and_serving_goes_on(spoil, what):
+    with SharedLLMInferenceManager(OnceMalformed(spoil)) as shared:
+        client = shared.client(timeout_s=10)  # the bug: no answer ever came
+        with pytest.raises(EngineError, match=what):
+            client.generate(_requests(3), SamplingParams())
+        assert [c.env_id for c in client.generate(_requests(2), SamplingParams())] == [0, 1]
+
+
+def test_a_malformed_completion_fails_only_the_request_it_answers():
+    """Two workers' requests in one engine call; the engine spoils one
+    worker's completion: that worker hears what was wrong, the other gets its
+    completions."""
+    def spoil_env_7(got):
+        return [c.to_dict() if c.env_id == 7 else c for c in got]
+
+    engine = OnceMalformed(spoil_env_7)
+    with SharedLLMInferenceManager(engine, coalesce_wait_s=0.0, max_coalesce_wait_s=5.0) as shared:
+        client = shared.client(timeout_s=10)
+        client.open_streams(2)
+        good = client.submit(_requests(2), SamplingParams())
+        bad = client.submit(_requests(2, env0=6), SamplingParams())
+        got, error = {}, None
+        for _ in range(2):
+            try:
+                ticket, completions = client.wait_any()
+                got[ticket] = completions
+            except EngineError as exc:
+                error = str(exc)
+        client.close_stream()
+        client.close_stream()
+    assert engine.calls == 1  # one engine call for both
+    assert [c.env_id for c in got[good]] == [0, 1] and bad not in got
+    assert "env_id 7" in error and "dict" in error
+
+
+# ----- 2. stats read while the engine is called -------------------------------------
+
+def test_stats_read_by_metrics_code_are_a_snapshot():
+    """Metrics code iterates the call spans and batch sizes while the batcher
+    appends to them: the iteration must not fail ("deque mutated during
+    iteration" threw a finished rollout away)."""
+    with SharedLLMInferenceManager(ScriptedEngine()) as shared:
+        shared.generate(_requests(1), SamplingParams())
+        spans, sizes = iter(shared.stats.call_spans), iter(shared.stats.batch_sizes)
+        next(spans), next(sizes)
+        shared.generate(_requests(2), SamplingParams())  # the batcher, between two reads
+        assert list(spans) == [] and list(sizes) == []
+        snap = shared.stats.snapshot()
+        shared.generate(_requests(3), SamplingParams())
+        assert list(snap.batch_sizes) == [1, 2] and snap.engine_calls == 2 and snap.requests == 3
+        assert list(shared.stats.batch_sizes) == [1, 2, 3] and shared.stats.requests == 6
+
+
+def test_engine_idle_metrics_while_generation_goes_on():
+    """The rollout's own reader, while another thread keeps the engine busy."""
+    from ragen.llm_agent.parallel_rollout import _engine_idle
+
+    with SharedLLMInferenceManager(ScriptedEngine()) as shared:
+        for _ in range(500):
+            shared.generate(_requests(1), SamplingParams())
+        stop = threading.Event()
+
+        def generating():
+            while not stop.is_set():
+                shared.generate(_requests(1), SamplingParams())
+
+        interval = sys.getswitchinterval()
+        sys.setswitchinterval(1e-6)  # threads take turns often: the race shows within a few reads
+        thread = threading.Thread(target=generating)
+        thread.start()
+        try:
+            for _ in range(200):
+                _engine_idle(shared.stats.call_spans, 0.0, time.monotonic())
+                shared.stats.snapshot()
+        finally:
+            stop.set()
+            thread.join()
+            sys.setswitchinterval(interval)
+
+
+# ----- 3. the socket ----------------------------------------------------------------
+
+def _fake_server(listener):
+    """A server that does not know the key: it skips the check of the client's
+    proof and would feed the worker any answer it likes."""
+    sock, _ = listener.accept()
+    with sock:
+        sock.settimeout(5)
+        sock.sendall(shared_llm._MAGIC + secrets.token_bytes(shared_llm._NONCE_BYTES))
+        time.sleep(0.2)
+        sock.recv(1024)  # the client's proof, whatever its form
+        shared_llm._send_frame(sock, {"ok": True, "proof": secrets.token_bytes(32)})
+        try:
+            msg = shared_llm._loads(shared_llm._recv_frame(sock, 1 << 20)[0])
+        except (OSError, EOFError, ValueError):
+            return  # the client hung up: refused
+        fake = Completion(text="<answer>Up</answer>", prompt_token_ids=[], response_token_ids=[],
+                          finish_reason="stop", policy_version=0)
+        shared_llm._send_frame(sock, {"answers": [{"ticket": msg["ticket"],
+                                                   "completions": [fake.to_dict()] * len(msg["requests"])}]})
+
+
+def test_a_server_that_does_not_know_the_key_is_refused_by_the_client():
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        thread = threading.Thread(target=_fake_server, args=(listener,), daemon=True)
+        thread.start()
+        client = SharedLLMClient(address=listener.getsockname()[:2], authkey=secrets.token_bytes(32), timeout_s=10)
+        with pytest.raises(ConnectionError, match="did not prove it holds the key"):
+            client.generate(_requests(1), SamplingParams())
+        thread.join(timeout=10)
+
+
+def test_the_handshake_has_one_deadline_for_all_of_it():
+    """A peer that sends its proof one byte at a time, each well within the
+    deadline, is closed once the deadline for the whole handshake is spent."""
+    with SharedLLMInferenceManager(ScriptedEngine(), handshake_timeout_s=0.5) as shared:
+        with socket.create_connection(shared.address, timeout=10) as s:
+            s.recv(len(shared_llm._MAGIC) + shared_llm._NONCE_BYTES)
+            sent, closed = 0, False
+            while sent < 32 and not closed:  # 32 bytes: the shortest proof
+                try:
+                    s.sendall(b"\0")
+                    sent += 1
+                    if select.select([s], [], [], 0.1)[0]:  # one byte per 0.1 s
+                        closed = s.recv(1) == b""
+                except OSError:
+                    closed = True
+        assert closed and sent < 32, f"the manager read {sent} bytes of a trickled handshake"
+        assert len(shared.client().generate(_requests(2), SamplingParams())) == 2
+
+
+def _conn_threads():
+    return [t for t in threading.enumerate() if t.name.startswith("ragen-llm-conn")]
+
+
+def test_connections_that_have_not_authenticated_are_capped():
+    """200 idle connections made 205 threads: the manager handshakes with at
+    most ``max_pending_handshakes`` peers at once; the rest wait in the
+    listen queue, and a worker still gets in once idle peers are gone."""
+    before = len(_conn_threads())
+    with SharedLLMInferenceManager(ScriptedEngine(), max_pending_handshakes=4, handshake_timeout_s=30) as shared:
+        idle = [socket.create_connection(shared.address, timeout=10) for _ in range(40)]
+        try:
+            for _ in range(200):  # until the manager took up what it will
+                if len(_conn_threads()) - before >= 4:
+                    break
+                time.sleep(0.05)
+            time.sleep(0.5)  # and a while longer, for any it should not have taken
+            assert len(_conn_threads()) - before <= 4
+        finally:
+            for s in idle:
+                s.close()
+        assert len(shared.client(timeout_s=20).generate(_requests(2), SamplingParams())) == 2
+
+
+def test_the_client_refuses_an_oversized_frame():
+    with SharedLLMInferenceManager(ScriptedEngine()) as shared:
+        # a manager gone wrong: it announces a frame of 1 GiB
+        shared._handle = lambda conn, data: conn.sock.sendall(struct.pack(">I", 1 << 30))
+        client = shared.client(timeout_s=5)
+        with pytest.raises(ProtocolError, match="exceeds"):
+            client.generate(_requests(1), SamplingParams())
+
+
+@pytest.mark.parametrize("field, value", [
+    ("seed", "x"), ("env_id", 1.5), ("turn", None), ("max_tokens", -3), ("max_tokens", True),
+])
+def test_a_malformed_request_fails_alone_not_the_batch_it_joins(field, value):
+    """A worker's request with a field of the wrong type, coalesced with
+    another worker's good requests: the good ones get their completions, the
+    bad one an error naming the field."""
+    engine = ScriptedEngine()
+    with SharedLLMInferenceManager(engine, coalesce_wait_s=0.0, max_coalesce_wait_s=2.0) as shared:
+        client = shared.client(timeout_s=20)
+        both_open = threading.Barrier(2)
+        errors = []
+
+        def bad_worker():
+            client.open_streams(1)
+            both_open.wait()
+            try:
+                client.generate([GenerationRequest(**{**_requests(1, env0=9)[0].to_dict(), field: value})],
+                                SamplingParams())
+            except EngineError as exc:
+                errors.append(str(exc))
+            finally:
+                client.close_stream()
+
+        thread = threading.Thread(target=bad_worker)
+        thread.start()
+        client.open_streams(1)
+        both_open.wait()
+        time.sleep(0.2)  # the bad request is queued first
+        got = client.generate(_requests(3), SamplingParams())
+        client.close_stream()
+        thread.join()
+    assert [c.env_id for c in got] == [0, 1, 2]
+    assert len(errors) == 1 and field in errors[0] and "bad message" in errors[0]
+
+
+@pytest.mark.parametrize("sampling, field", [
+    ({"temperature": "hot"}, "temperature"), ({"stop": "</answer>"}, "stop"), ({"max_tokens": -1}, "max_tokens"),
+    ({"top_p": float("nan")}, "top_p"),
+])
+def test_malformed_sampling_params_are_named_in_the_error(sampling, field):
+    with SharedLLMInferenceManager(ScriptedEngine()) as shared:
+        client = shared.client(timeout_s=10)
+        with pytest.raises(EngineError, match=f"bad message: .*sampling.{field}"):
+            client.generate(_requests(1), SamplingParams(**sampling))
+        assert len(client.generate(_requests(1), SamplingParams())) == 1
+
+
+# ----- 4. llm_server config ---------------------------------------------------------
+
+def _config(**llm_server):
+    return {
+        "custom_envs": custom_envs(),
+        "agent_proxy": {"max_turn": 2, "use_parallel_rollout": True},
+        "es_manager": {
+            "train": {"env_groups": 2, "group_size": 1, "env_configs": {"tags": ["Bandit"], "n_groups": [2]}},
+            "val": {"env_groups": 1, "group_size": 1, "env_configs": {"tags": ["Bandit"], "n_groups": [1]}},
+        },
+        "llm_server": llm_server,
+    }
+
+
+@pytest.mark.parametrize("llm_server, key", [
+    ({"host": ""}, "llm_server.host"),
+    ({"host": None}, "llm_server.host"),
+    ({"host": 127}, "llm_server.host"),
+    ({"host": " 127.0.0.1"}, "llm_server.host"),
+    ({"port": 70000}, "llm_server.port"),
+    ({"port": -1}, "llm_server.port"),
+    ({"port": None}, "llm_server.port"),
+])
+def test_bad_llm_server_config_is_an_error_naming_the_key(llm_server, key):
+    with pytest.raises(ValueError, match=key.replace(".", r"\.")):
+        AgentSetup.from_config(_config(**llm_server))
+
+
+def test_good_llm_server_config_is_read():
+    setup = AgentSetup.from_config(_config(host="0.0.0.0", port=65535))
+    assert (setup.host, setup.port) == ("0.0.0.0", 65535)
+    setup = AgentSetup.from_config(_config())
+    assert (setup.host, setup.port) == ("127.0.0.1", 0)
+
+
+@pytest.mark.parametrize("kw, key", [
+    ({"host": ""}, "llm_server.host"), ({"host": None}, "llm_server.host"), ({"port": 70000}, "llm_server.port"),
+])
+def test_the_manager_refuses_a_bad_address_before_binding(kw, key):
+    with pytest.raises(ValueError, match=key.replace(".", r"\.")):
+        SharedLLMInferenceManager(ScriptedEngine(), **kw)
+
+
+def test_listening_beyond_loopback_warns_to_firewall_the_port(caplog):
+    with caplog.at_level(logging.WARNING, logger="ragen.llm_agent.shared_llm"):
+        with SharedLLMInferenceManager(ScriptedEngine(), host="127.0.0.1"):
+            pass
+        assert not [r for r in caplog.records if "firewall" in r.getMessage()]
+        with SharedLLMInferenceManager(ScriptedEngine(), host="0.0.0.0") as shared:
+            assert len(shared.client().generate(_requests(1), SamplingParams())) == 1
+    warnings = [r.getMessage() for r in caplog.records if "firewall" in r.getMessage()]
+    assert len(warnings) == 1 and "0.0.0.0" in warnings[0] and str(shared.address[1]) in warnings[0]
