@@ -233,3 +233,13 @@ def test_reset_gets_the_split_as_mode_when_it_takes_one(split):
     arms, bandit = sequential(es.make_specs(), loop_config(), ScriptedEngine())
     assert ("(evaluation)" in arms.turns[0].observation) == (split == "val")
     assert bandit.turns  # our envs take **kwargs and are not given mode
+
+
+@pytest.mark.parametrize("tag", sorted(MODULE_ENVS))
+def test_the_env_checker_passes_ragen_style_envs(tag):
+    from ragen.env.check import check_env
+
+    env_name, config_name = MODULE_ENVS[tag]
+    report = check_env(_path(env_name), None, _path(config_name), seeds=3)
+    assert report.ok, report.format()
+    assert report["global_rng"].status == "pass"  # all_seed restores the global generators

@@ -396,8 +396,6 @@ def _run_checks(report: CheckReport, timer: _Timer, env_type: str, env_config: A
     def fresh() -> Any:
         return make_env(env_type, env_config, config_type)
 
-    discrete = _check_action_lookup(report, env)
-
     # reset and step types --------------------------------------------------------
     before_rng = _rng_state()
     shared = _shared_containers(env)
@@ -414,6 +412,8 @@ def _run_checks(report: CheckReport, timer: _Timer, env_type: str, env_config: A
                    "reset must work for any integer seed; the engine gives each env group its own seed")
         _skip_rest(report, "reset failed")
         return
+    # ACTION_LOOKUP is read after a reset, as the loop does: RAGEN's Bandit sets it there
+    discrete = _check_action_lookup(report, env)
     if isinstance(obs, str):
         report.add("reset", "pass", f"returns text ({len(obs)} chars)")
     else:
@@ -496,7 +496,7 @@ def _run_checks(report: CheckReport, timer: _Timer, env_type: str, env_config: A
 
 
 def _skip_rest(report: CheckReport, why: str, keep: Sequence[str] = ()) -> None:
-    for name in ("step", "info_keys", "invalid_action", "determinism", "global_rng", "seeds_differ", "isolation",
+    for name in ("action_lookup", "step", "info_keys", "invalid_action", "determinism", "global_rng", "seeds_differ", "isolation",
                  "shared_state", "pickle_config", "pickle_env"):
         if name not in keep and all(r.name != name for r in report.results):
             report.add(name, "skip", f"not run: {why}")
@@ -595,11 +595,19 @@ def _check_invalid_actions(report: CheckReport, env: Any, seed: int, discrete: b
         info = out[3] if isinstance(out, tuple) and len(out) == 4 and isinstance(out[3], dict) else {}
         if discrete and info.get("action_is_valid") is True:
             accepted.append(repr(action))
-    if raised:
+    if raised and discrete:
+        # The rollout loop steps a discrete env only with ids of its ACTION_LOOKUP
+        # (unknown names are dropped before step), as RAGEN's does; RAGEN's own
+        # envs raise here. Worth knowing, not a reason to refuse the env.
+        report.add("invalid_action", "warn", "; ".join(raised[:3]),
+                   "ragen's loop never passes such an action to a discrete env, so rollouts are safe; a direct "
+                   "caller of step would see the exception: return the unchanged observation with "
+                   "info['action_is_valid'] = False instead (see BaseDiscreteActionEnv.is_valid_action)")
+    elif raised:
         report.add("invalid_action", "fail", "; ".join(raised[:3]),
-                   "an action outside ACTION_LOOKUP (or a malformed answer) must not raise: return the "
+                   "a malformed answer (the raw text, for a language env) must not raise: return the "
                    "unchanged observation, config.invalid_act_score as reward, done unchanged and "
-                   "info['action_is_valid'] = False (see BaseDiscreteActionEnv.is_valid_action)")
+                   "info['action_is_valid'] = False")
     elif accepted:
         report.add("invalid_action", "warn", f"invalid actions {', '.join(accepted)} reported action_is_valid=True",
                    "set info['action_is_valid'] = False for an action that is not an id of ACTION_LOOKUP")
