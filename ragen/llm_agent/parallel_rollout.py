@@ -368,7 +368,8 @@ def _run_isolated(pool_factory, shard_id: int, specs: list[EnvSpec], client: Sha
     found: that env gets an ``error`` trajectory, the others their results."""
     from loky.process_executor import BrokenProcessPool
 
-    timeout = None if config.env_timeout_s is None else config.env_timeout_s * (config.max_turn + 2) * max(1, len(specs))
+    timeout = None if config.env_timeout_s is None else \
+        config.env_timeout_s * (config.max_turn + 2) * (1 + config.env_retries) * max(1, len(specs))
     try:
         future = pool_factory().submit(run_shard, shard_id, specs, client, config, True, None)
         return future.result(timeout=timeout)
