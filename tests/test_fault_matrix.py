@@ -432,6 +432,42 @@ def test_unpicklable_env_config_is_fine_on_threads():
 
 
 @pytest.mark.timeout(60)
+def test_unpicklable_env_config_on_threads_falls_back_in_this_process(reference):
+    """The fallback of the threading backend runs where its shards ran: a
+    config that does not pickle (what threading is for) is no reason to fail
+    the rollout; the group at fault ends in error, the others are kept."""
+    _, faulty = fault_specs("raise_step")
+    faulty = [replace(s, env_config={**s.env_config, "hook": threading.Lock()}) for s in faulty]
+    with SharedLLMInferenceManager(ScriptedEngine()) as shared, \
+            ParallelRolloutManager(shared, n_jobs=2, backend="threading") as prm:
+        result = prm.rollout(faulty, loop_config())
+    assert result.metrics["parallel/fallbacks"] >= 1
+    assert_only_bad_group_hit(result, reference, {StopReason.ERROR}, "injected")
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("backend", ["threading", "sequential"])
+def test_env_registered_in_the_driver_falls_back_in_this_process(reference, backend):
+    """An env registered with register_env exists in the driver only; the
+    fallback of an in-process backend must not send it to another process,
+    where every env of the shard failed as unknown."""
+    from ragen.env import register_env
+    from tests.fault_envs import FaultEnv, FaultEnvConfig
+
+    register_env("fault_registered_in_driver", FaultEnv, FaultEnvConfig)
+    clean, _ = fault_specs()
+    bad_seed = next(s.seed for s in clean if s.group_id == BAD)
+    tag = {**fault_tag("raise_step", fault_seed=bad_seed), "env_type": "fault_registered_in_driver",
+           "config_type": None}
+    faulty = specs_for(["Fault"], [N_GROUPS], GROUP_SIZE, custom_envs(Fault=tag))
+    with SharedLLMInferenceManager(ScriptedEngine()) as shared, \
+            ParallelRolloutManager(shared, n_jobs=2, backend=backend) as prm:
+        result = prm.rollout(faulty, loop_config())
+    assert result.metrics["parallel/fallbacks"] >= 1
+    assert_only_bad_group_hit(result, reference, {StopReason.ERROR}, "injected")
+
+
+@pytest.mark.timeout(60)
 def test_unpicklable_env_config_error_names_the_tag_and_key():
     with SharedLLMInferenceManager(ScriptedEngine()) as shared, ParallelRolloutManager(shared, n_jobs=2) as prm:
         with pytest.raises(Exception) as info:

@@ -20,9 +20,11 @@
 - Fallback: a shard that fails (an env raising, a worker process that dies, a
   shard past ``rollout_timeout_s``) is re-run sequentially, with the same
   seeds, in one spare process owned by the driver (so an env that kills its
-  process cannot take the driver down); there an env that fails again ends its
-  own trajectory with stop reason ``error`` or ``timeout``, and the others are
-  kept. ``fallback_to_sequential: false`` raises ``RolloutError`` instead.
+  process cannot take the driver down), or in the calling thread for the
+  ``threading`` and ``sequential`` backends (their envs never left the driver:
+  configs that do not pickle, envs registered at run time); there an env that
+  fails again ends its own trajectory with stop reason ``error`` or
+  ``timeout``, and the others are kept. ``fallback_to_sequential: false`` raises ``RolloutError`` instead.
 - The driver merges trajectories in env_id order and checks that every spec
   has exactly one.
 """
@@ -49,6 +51,7 @@ from ragen.llm_agent.types import EnvSpec, RolloutResult, StopReason, Trajectory
 logger = logging.getLogger(__name__)
 
 BACKENDS = ("loky", "threading", "multiprocessing", "sequential", "dask", "ray")
+IN_PROCESS_BACKENDS = ("threading", "sequential")  # shards run in the driver process
 _LOCAL = threading.local()
 
 
@@ -241,7 +244,7 @@ class ParallelRolloutManager:
     def _check_picklable(self, specs: Sequence[EnvSpec]) -> None:
         """Env configs travel to worker processes: say which key cannot, once
         per config, instead of joblib's anonymous pickling error."""
-        if self.backend in ("threading", "sequential"):
+        if self.backend in IN_PROCESS_BACKENDS:
             return
         from ragen.env.check import describe_unpicklable
 
@@ -303,7 +306,14 @@ class ParallelRolloutManager:
                   config: LoopConfig) -> dict[str, Any]:
         config = replace(config, env_timeout_s=config.env_timeout_s or self.fallback_env_timeout_s,
                          pipeline_depth=1)
-        result = _run_isolated(lease.fallback_pool, shard_id, specs, self._client, config)
+        if self.backend in IN_PROCESS_BACKENDS:
+            # The shard ran in this process: its env configs need not pickle and envs
+            # registered here (register_env) are known only here; an env that can kill
+            # its process would have done so already. Env calls are bounded by
+            # env_timeout_s (set just above), each engine wait by engine_timeout_s.
+            result = run_shard(shard_id, specs, self._client, config, isolate_errors=True)
+        else:
+            result = _run_isolated(lease.fallback_pool, shard_id, specs, self._client, config)
         if result["error"]:  # not an env's fault (the engine, the manager): nothing to isolate
             raise RolloutError(f"shard {shard_id} failed again in the fallback: {result['error']}")
         return result
