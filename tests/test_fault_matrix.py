@@ -32,6 +32,7 @@ from hypothesis import strategies as st
 from ragen.llm.scripted import ScriptedEngine
 from ragen.llm.types import Completion, Engine, GenerationRequest, SamplingParams
 from ragen.llm_agent import AgentSetup, LLMAgentProxy
+from ragen.llm_agent.cluster import ClusterConfig
 from ragen.llm_agent.parallel_rollout import ParallelRolloutManager, RolloutError
 from ragen.llm_agent.rollout_loop import DirectClient, EnvPool, run_envs
 from ragen.llm_agent.shared_llm import SharedLLMInferenceManager
@@ -55,6 +56,27 @@ def fault_specs(fault="none", transient_marker="", **kw):
     bad_seed = next(s.seed for s in clean if s.group_id == BAD)
     tag = fault_tag(fault, fault_seed=bad_seed, marker=transient_marker, **kw)
     return clean, specs_for(["Fault"], [N_GROUPS], GROUP_SIZE, custom_envs(Fault=tag))
+
+
+@pytest.fixture(scope="module")
+def dask_address():
+    """A local Dask cluster reached by address: 2 single-threaded worker
+    processes, one retry of a task whose worker died (as the README advises)."""
+    pytest.importorskip("distributed")
+    import dask
+    from distributed import LocalCluster
+
+    with dask.config.set({"distributed.scheduler.allowed-failures": 1}):
+        cluster = LocalCluster(n_workers=2, threads_per_worker=1, processes=True, dashboard_address=None,
+                               host="127.0.0.1")
+    yield cluster.scheduler_address
+    cluster.close()
+
+
+def cluster_for(backend: str, request) -> ClusterConfig | None:
+    if backend != "dask":
+        return None
+    return ClusterConfig(dask_scheduler_address=request.getfixturevalue("dask_address"))
 
 
 @pytest.fixture(scope="module")
@@ -101,6 +123,16 @@ class FaultyEngine(ScriptedEngine):
 def recovered(result) -> float:
     """Shards the rollout re-ran: sequential fallbacks and parallel retries (after a dead worker)."""
     return result.metrics["parallel/fallbacks"] + result.metrics.get("parallel/retried_shards", 0.0)
+
+
+def open_streams(shared: SharedLLMInferenceManager, within_s: float = 2.0) -> int:
+    """The streams the manager counts open, once the close messages sent before
+    now have arrived (they travel apart from the results): 0, or what is left
+    after ``within_s``."""
+    deadline = time.monotonic() + within_s
+    while shared._streams and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return shared._streams
 
 
 def wait_engine_idle(shared: SharedLLMInferenceManager) -> None:
@@ -222,6 +254,27 @@ def test_env_hanging_with_rollout_timeout(reference):
         assert time.monotonic() - t0 < 25
         clean, _ = fault_specs()
         assert _strip(prm.rollout(clean, loop_config()).trajectories) == _strip(reference)
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("backend", ["threading", "dask"])
+def test_shard_past_rollout_timeout_stops_being_waited_for(reference, backend, request):
+    """A shard past rollout_timeout_s in a thread or a Dask task cannot be
+    stopped; it kept its streams open in the shared manager, and every later
+    engine call waited out the whole coalescing budget for them. The rollout
+    withdraws them: the manager counts no open stream once it returns, while
+    the abandoned shard still sleeps in its env."""
+    _, faulty = fault_specs("hang_step", hang_s=8.0)
+    with SharedLLMInferenceManager(ScriptedEngine()) as shared, \
+            ParallelRolloutManager(shared, n_jobs=2, backend=backend, rollout_timeout_s=1.5,
+                                   fallback_env_timeout_s=1, cluster=cluster_for(backend, request)) as prm:
+        result = prm.rollout(faulty, loop_config())
+        assert result.metrics["parallel/fallbacks"] >= 1
+        assert_only_bad_group_hit(result, reference, {StopReason.TIMEOUT})
+        assert open_streams(shared) == 0  # the abandoned shard sleeps on (hang_s) past this check
+        clean, _ = fault_specs()
+        assert _strip(prm.rollout(clean, loop_config()).trajectories) == _strip(reference)
+        assert open_streams(shared) == 0
 
 
 # ----- the engine failing -------------------------------------------------------
