@@ -24,7 +24,8 @@
   ``threading`` and ``sequential`` backends (their envs never left the driver:
   configs that do not pickle, envs registered at run time); there an env that
   fails again ends its own trajectory with stop reason ``error`` or
-  ``timeout``, and the others are kept. ``fallback_to_sequential: false`` raises ``RolloutError`` instead.
+  ``timeout``, and the others are kept. ``fallback_to_sequential: false``
+  raises ``RolloutError`` instead.
 - The driver merges trajectories in env_id order and checks that every spec
   has exactly one.
 """
