@@ -14,6 +14,7 @@ import os
 import signal
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -30,6 +31,7 @@ class FaultEnvConfig(BaseEnvConfig):
     hang_s: float = 30.0
     max_start: int = 6
     step_cost_s: float = 0.0
+    hook: Any = None  # anything, unused: a lock here makes a config that does not pickle
 
     def __post_init__(self) -> None:
         if self.fault not in FAULTS:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+import time
 from pathlib import Path
 
 from omegaconf import OmegaConf
@@ -46,3 +48,33 @@ def sequential(specs, config: LoopConfig, engine=None):
     engine = engine or ScriptedEngine(malformed_rate=0.1)
     trajectories, _ = run_envs(specs, DirectClient(engine), config, pool=EnvPool(), isolate_errors=True)
     return trajectories
+
+
+def rollouts_at_once(prm, n: int, specs, config: LoopConfig, within_s: float = 60.0, **rollout_kw) -> list:
+    """``n`` calls of ``prm.rollout(specs, config)`` started together from
+    ``n`` threads (``max_concurrent_rollouts: n``); their results in thread
+    order. Re-raises the first error; fails if a rollout has not returned
+    within ``within_s`` (its thread is a daemon: a hang does not stop the run)."""
+    start = threading.Barrier(n)
+    results: list = [None] * n
+    errors: list = [None] * n
+
+    def run(i: int) -> None:
+        try:
+            start.wait(within_s)
+            results[i] = prm.rollout(specs, config, **rollout_kw)
+        except BaseException as exc:  # handed to the test
+            errors[i] = exc
+
+    threads = [threading.Thread(target=run, args=(i,), name=f"test-rollout-{i}", daemon=True) for i in range(n)]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + within_s
+    for t in threads:
+        t.join(max(0.0, deadline - time.monotonic()))
+    hung = [i for i, t in enumerate(threads) if t.is_alive()]
+    assert not hung, f"rollouts {hung} of {n} at once did not return within {within_s} s"
+    for exc in errors:
+        if exc is not None:
+            raise exc
+    return results

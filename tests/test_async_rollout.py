@@ -76,6 +76,52 @@ def test_ahead_drops_batches_older_than_k():
         ahead.close()
 
 
+def _get_within(ahead: RolloutAhead, version: int, within_s: float = 5.0):
+    """``ahead.get(version)`` in a helper thread: its result or its exception,
+    or a failure if it has not returned within ``within_s`` (a blocked get)."""
+    out: dict = {}
+
+    def run():
+        try:
+            out["result"] = ahead.get(version)
+        except BaseException as exc:  # handed to the test
+            out["error"] = exc
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    t.join(within_s)
+    assert not t.is_alive(), f"RolloutAhead.get blocked for more than {within_s} s"
+    return out
+
+
+@pytest.mark.timeout(30)
+def test_ahead_after_a_failed_rollout_raises_on_every_get():
+    """The batches made before the failure come first; then the failure, on
+    this get and every later one (the second one blocked for good)."""
+    class Fake:
+        trajectories: list = []
+
+    calls = iter([Fake(), RuntimeError("rollout failed"), Fake()])
+
+    def produce():
+        item = next(calls)
+        if isinstance(item, BaseException):
+            raise item
+        return item
+
+    ahead = RolloutAhead(produce, 2)
+    try:
+        assert isinstance(_get_within(ahead, 0).get("result"), Fake)
+        for _ in range(3):
+            error = _get_within(ahead, 0).get("error")
+            assert isinstance(error, RuntimeError) and "rollout failed" in str(error)
+        assert ahead.stats.produced == 1  # nothing generated after the failure
+    finally:
+        ahead.close()
+    # after close: an error, not a wait for a batch that will never come
+    assert isinstance(_get_within(ahead, 0).get("error"), RuntimeError)
+
+
 @pytest.mark.parametrize("backend", ["loky", "threading"])
 def test_fully_async_loses_and_duplicates_nothing(backend):
     engine = ScriptedEngine(base_s=0.01)

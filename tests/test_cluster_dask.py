@@ -22,7 +22,8 @@ from ragen.llm_agent.cluster import ClusterConfig, open_cluster  # noqa: E402
 from ragen.llm_agent.parallel_rollout import ParallelRolloutManager  # noqa: E402
 from ragen.llm_agent.shared_llm import SharedLLMInferenceManager  # noqa: E402
 from tests.fault_envs import FaultEnv, FaultEnvConfig  # noqa: E402
-from tests.rollout_helpers import custom_envs, fault_tag, loop_config, sequential, specs_for  # noqa: E402
+from tests.rollout_helpers import (  # noqa: E402
+    custom_envs, fault_tag, loop_config, rollouts_at_once, sequential, specs_for)
 
 
 # ----- a counting env: proves that workers keep their envs -------------------------
@@ -111,6 +112,22 @@ def test_scheduler_address_gives_the_sequential_trajectories(scheduler_address, 
         assert prm.n_workers == 2  # the cluster's threads, whatever n_jobs says
         for depth in (1, 2):
             assert prm.rollout(mixed_specs, loop_config(depth=depth)).trajectories == reference
+
+
+@pytest.mark.timeout(120)
+def test_two_rollouts_at_once_on_one_cluster(scheduler_address, mixed_specs, reference, engine):
+    """max_concurrent_rollouts: 2 on one Dask cluster: both rollouts give the
+    sequential trajectories and neither is taken for a failure (one
+    joblib.Parallel used by both at once refused the second call: "already
+    running", taken for a dead worker)."""
+    with SharedLLMInferenceManager(engine) as shared, \
+            ParallelRolloutManager(shared, backend="dask",
+                                   cluster=ClusterConfig(dask_scheduler_address=scheduler_address)) as prm:
+        for _ in range(3):
+            for result in rollouts_at_once(prm, 2, mixed_specs, loop_config(), within_s=60):
+                assert result.trajectories == reference
+                assert result.metrics["parallel/fallbacks"] == 0
+                assert result.metrics["parallel/retried_shards"] == 0
 
 
 def test_workers_keep_their_envs_between_rollouts(scheduler_address, tmp_path, engine):

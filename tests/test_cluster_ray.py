@@ -24,7 +24,8 @@ from ragen.llm_agent.cluster import ClusterConfig  # noqa: E402
 from ragen.llm_agent.parallel_rollout import ParallelRolloutManager  # noqa: E402
 from ragen.llm_agent.shared_llm import SharedLLMInferenceManager  # noqa: E402
 from tests.fault_envs import FaultEnv, FaultEnvConfig  # noqa: E402
-from tests.rollout_helpers import custom_envs, fault_tag, loop_config, sequential, specs_for  # noqa: E402
+from tests.rollout_helpers import (  # noqa: E402
+    custom_envs, fault_tag, loop_config, rollouts_at_once, sequential, specs_for)
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -85,6 +86,11 @@ def test_local_ray_gives_the_sequential_trajectories_and_keeps_envs(mixed_specs,
             result = prm.rollout(counting, loop_config())
             assert result.trajectories == counting_ref
             assert result.metrics["parallel/fallbacks"] == 0  # played on the actors
+        # max_concurrent_rollouts: 2 (each rollout on an actor pool of its own)
+        for result in rollouts_at_once(prm, 2, mixed_specs, loop_config(), within_s=120):
+            assert result.trajectories == reference
+            assert result.metrics["parallel/fallbacks"] == 0
+            assert result.metrics["parallel/retried_shards"] == 0
     created = [int(line) for line in log.read_text().split()]
     assert os.getpid() not in created
     assert len(set(created)) <= 2 and len(created) <= 8  # 2 actors, each built its shard's envs once

@@ -8,8 +8,13 @@ raising in reset or step, an env hanging (``env_timeout_s`` in the loop,
 ``rollout_timeout_s`` per shard), the engine raising or answering the wrong
 number of completions, the engine hanging (the client's ``engine_timeout_s``),
 a client disconnecting mid-request, malformed completions (property-based),
-and an env config that does not pickle. Timeouts are short (1-3 s) so the
-whole file stays near a minute.
+and an env config that does not pickle.
+
+``test_matrix`` crosses the common faults (``FAULT_KINDS``: none, an env
+raising, a worker killed, an env hanging past ``env_timeout_s``) with every
+local backend and Dask, one rollout or two at once on one manager
+(``max_concurrent_rollouts: 2``). A new fault kind is one more entry there.
+Timeouts are short (0.5-3 s) so the whole file stays under two minutes.
 """
 
 from __future__ import annotations
@@ -22,8 +27,9 @@ import subprocess
 import sys
 import threading
 import time
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Callable
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -32,12 +38,13 @@ from hypothesis import strategies as st
 from ragen.llm.scripted import ScriptedEngine
 from ragen.llm.types import Completion, Engine, GenerationRequest, SamplingParams
 from ragen.llm_agent import AgentSetup, LLMAgentProxy
+from ragen.llm_agent.cluster import ClusterConfig
 from ragen.llm_agent.parallel_rollout import ParallelRolloutManager, RolloutError
 from ragen.llm_agent.rollout_loop import DirectClient, EnvPool, run_envs
 from ragen.llm_agent.shared_llm import SharedLLMInferenceManager
 from ragen.llm_agent.types import StopReason
 
-from tests.rollout_helpers import custom_envs, fault_tag, loop_config, sequential, specs_for
+from tests.rollout_helpers import custom_envs, fault_tag, loop_config, rollouts_at_once, sequential, specs_for
 
 ROOT = Path(__file__).resolve().parents[1]
 N_GROUPS, GROUP_SIZE, BAD = 6, 2, 2  # group BAD (env_ids 4, 5) carries the fault
@@ -55,6 +62,27 @@ def fault_specs(fault="none", transient_marker="", **kw):
     bad_seed = next(s.seed for s in clean if s.group_id == BAD)
     tag = fault_tag(fault, fault_seed=bad_seed, marker=transient_marker, **kw)
     return clean, specs_for(["Fault"], [N_GROUPS], GROUP_SIZE, custom_envs(Fault=tag))
+
+
+@pytest.fixture(scope="module")
+def dask_address():
+    """A local Dask cluster reached by address: 2 single-threaded worker
+    processes, one retry of a task whose worker died (as the README advises)."""
+    pytest.importorskip("distributed")
+    import dask
+    from distributed import LocalCluster
+
+    with dask.config.set({"distributed.scheduler.allowed-failures": 1}):
+        cluster = LocalCluster(n_workers=2, threads_per_worker=1, processes=True, dashboard_address=None,
+                               host="127.0.0.1")
+    yield cluster.scheduler_address
+    cluster.close()
+
+
+def cluster_for(backend: str, request) -> ClusterConfig | None:
+    if backend != "dask":
+        return None
+    return ClusterConfig(dask_scheduler_address=request.getfixturevalue("dask_address"))
 
 
 @pytest.fixture(scope="module")
@@ -103,9 +131,91 @@ def recovered(result) -> float:
     return result.metrics["parallel/fallbacks"] + result.metrics.get("parallel/retried_shards", 0.0)
 
 
+def open_streams(shared: SharedLLMInferenceManager, within_s: float = 2.0) -> int:
+    """The streams the manager counts open, once the close messages sent before
+    now have arrived (they travel apart from the results): 0, or what is left
+    after ``within_s``."""
+    deadline = time.monotonic() + within_s
+    while shared._streams and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return shared._streams
+
+
 def wait_engine_idle(shared: SharedLLMInferenceManager) -> None:
     with shared.engine_lock:  # a call still running (a hang) has finished
         pass
+
+
+# ----- the matrix: backend x rollouts at once x fault -----------------------------
+
+@dataclass(frozen=True)
+class FaultKind:
+    """One way a rollout can break, as the matrix injects it.
+
+    ``env_fault`` (``FaultEnv``'s ``fault``, with ``env_kw``) hits group BAD.
+    A ``transient`` fault fails its first time only: every rollout must be the
+    fault-free one. Otherwise group BAD ends with one of ``reasons`` and every
+    other trajectory is the fault-free one. ``engine`` builds the engine the
+    shared manager serves for the case: the engine's faults (raising once,
+    answering garbage once) are kinds with a faulty engine and no env fault.
+    """
+
+    env_fault: str = "none"
+    env_kw: tuple = ()
+    transient: bool = False
+    reasons: frozenset = frozenset()
+    error_has: str = ""  # in the error of group BAD's trajectories
+    kills_worker: bool = False  # not on threading and sequential: the worker is the test process
+    loop_kw: tuple = ()
+    engine: Callable[[], Engine] = ScriptedEngine
+
+
+FAULT_KINDS = {
+    "none": FaultKind(),
+    "env_raises": FaultKind("raise_step", reasons=frozenset({StopReason.ERROR}), error_has="injected"),
+    "worker_killed": FaultKind("kill_step", transient=True, kills_worker=True),
+    "env_hangs": FaultKind("hang_step", env_kw=(("hang_s", 2.0),), reasons=frozenset({StopReason.TIMEOUT}),
+                           error_has="longer than 0.5 s", loop_kw=(("env_timeout_s", 0.5),)),
+}
+MATRIX_BACKENDS = ["loky", "threading", "multiprocessing", "sequential", "dask"]
+
+
+@pytest.fixture(scope="module", params=MATRIX_BACKENDS)
+def matrix_manager(request):
+    """One shared manager and rollout manager per backend for all its cases
+    (workers start once); each case checks that it leaves them working."""
+    backend = request.param
+    with SharedLLMInferenceManager(ScriptedEngine()) as shared, \
+            ParallelRolloutManager(shared, n_jobs=2, backend=backend, fallback_env_timeout_s=2,
+                                   # the multiprocessing backend cannot see a killed worker
+                                   rollout_timeout_s=3 if backend == "multiprocessing" else None,
+                                   cluster=cluster_for(backend, request)) as prm:
+        yield backend, shared, prm
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("fault", list(FAULT_KINDS))
+@pytest.mark.parametrize("at_once", [1, 2])
+def test_matrix(matrix_manager, at_once, fault, reference, tmp_path):
+    """Every rollout returns, with one trajectory per env in env_id order: the
+    fault-free ones, but for an error or timeout of the group at fault."""
+    backend, shared, prm = matrix_manager
+    kind = FAULT_KINDS[fault]
+    if kind.kills_worker and backend in ("threading", "sequential"):
+        pytest.skip(f"the {backend} backend's worker is this process")
+    _, specs = fault_specs(kind.env_fault, transient_marker=str(tmp_path / "marker") if kind.transient else "",
+                           **dict(kind.env_kw))
+    with shared.engine_lock:
+        shared.engine = kind.engine()
+    results = rollouts_at_once(prm, at_once, specs, loop_config(**dict(kind.loop_kw)), within_s=60)
+    for result in results:
+        if kind.env_fault == "none" or kind.transient:
+            assert _strip(result.trajectories) == _strip(reference)
+        else:
+            assert_only_bad_group_hit(result, reference, kind.reasons, kind.error_has)
+        if kind.env_fault == "none":
+            assert recovered(result) == 0
+    assert open_streams(shared) == 0  # nothing left for the coalescer to wait for
 
 
 # ----- workers killed -----------------------------------------------------------
@@ -123,15 +233,6 @@ def test_worker_killed_every_time_ends_only_its_group(reference, fault):
         clean, _ = fault_specs()
         again = prm.rollout(clean, loop_config())
         assert again.metrics["parallel/fallbacks"] == 0 and _strip(again.trajectories) == _strip(reference)
-
-
-@pytest.mark.timeout(60)
-def test_worker_sigkilled_once_gives_the_fault_free_rollout(reference, tmp_path):
-    _, faulty = fault_specs("kill_step", transient_marker=str(tmp_path / "marker"))
-    with SharedLLMInferenceManager(ScriptedEngine()) as shared, ParallelRolloutManager(shared, n_jobs=2) as prm:
-        result = prm.rollout(faulty, loop_config())
-    assert recovered(result) >= 1
-    assert _strip(result.trajectories) == _strip(reference)
 
 
 @pytest.mark.timeout(60)
@@ -189,9 +290,9 @@ def proxy_config(tag: dict, **agent_proxy) -> dict:
 # ----- envs raising -------------------------------------------------------------
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("fault", ["raise_reset", "raise_step"])
-def test_env_raising_ends_only_its_group_in_error(reference, fault):
-    _, faulty = fault_specs(fault)
+def test_env_raising_in_reset_ends_only_its_group_in_error(reference):
+    """(An env raising in step: the matrix.)"""
+    _, faulty = fault_specs("raise_reset")
     with SharedLLMInferenceManager(ScriptedEngine()) as shared, ParallelRolloutManager(shared, n_jobs=2) as prm:
         result = prm.rollout(faulty, loop_config())
     # retried alone in its worker, then ended in error there: no shard re-run
@@ -201,15 +302,7 @@ def test_env_raising_ends_only_its_group_in_error(reference, fault):
 
 # ----- envs hanging -------------------------------------------------------------
 
-@pytest.mark.timeout(60)
-def test_env_hanging_with_env_timeout(reference):
-    _, faulty = fault_specs("hang_step", hang_s=3.0)
-    t0 = time.monotonic()
-    with SharedLLMInferenceManager(ScriptedEngine()) as shared, ParallelRolloutManager(shared, n_jobs=2) as prm:
-        result = prm.rollout(faulty, loop_config(env_timeout_s=1.0))
-    assert time.monotonic() - t0 < 20
-    assert_only_bad_group_hit(result, reference, {StopReason.TIMEOUT}, "longer than 1.0 s")
-
+# (an env hanging past env_timeout_s: the matrix)
 
 @pytest.mark.timeout(60)
 def test_env_hanging_with_rollout_timeout(reference):
@@ -223,6 +316,27 @@ def test_env_hanging_with_rollout_timeout(reference):
         assert time.monotonic() - t0 < 25
         clean, _ = fault_specs()
         assert _strip(prm.rollout(clean, loop_config()).trajectories) == _strip(reference)
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("backend", ["threading", "dask"])
+def test_shard_past_rollout_timeout_stops_being_waited_for(reference, backend, request):
+    """A shard past rollout_timeout_s in a thread or a Dask task cannot be
+    stopped; it kept its streams open in the shared manager, and every later
+    engine call waited out the whole coalescing budget for them. The rollout
+    withdraws them: the manager counts no open stream once it returns, while
+    the abandoned shard still sleeps in its env."""
+    _, faulty = fault_specs("hang_step", hang_s=8.0)
+    with SharedLLMInferenceManager(ScriptedEngine()) as shared, \
+            ParallelRolloutManager(shared, n_jobs=2, backend=backend, rollout_timeout_s=1.5,
+                                   fallback_env_timeout_s=1, cluster=cluster_for(backend, request)) as prm:
+        result = prm.rollout(faulty, loop_config())
+        assert result.metrics["parallel/fallbacks"] >= 1
+        assert_only_bad_group_hit(result, reference, {StopReason.TIMEOUT})
+        assert open_streams(shared) == 0  # the abandoned shard sleeps on (hang_s) past this check
+        clean, _ = fault_specs()
+        assert _strip(prm.rollout(clean, loop_config()).trajectories) == _strip(reference)
+        assert open_streams(shared) == 0
 
 
 # ----- the engine failing -------------------------------------------------------
@@ -430,6 +544,44 @@ def test_unpicklable_env_config_is_fine_on_threads():
             ParallelRolloutManager(shared, n_jobs=2, backend="threading") as prm:
         result = prm.rollout(unpicklable_specs(), loop_config())
     assert len(result.trajectories) == 8 and result.metrics["parallel/fallbacks"] == 0
+
+
+@pytest.mark.timeout(60)
+def test_unpicklable_env_config_on_threads_falls_back_in_this_process(reference):
+    """The fallback of the threading backend runs where its shards ran: a
+    config that does not pickle (what threading is for) is no reason to fail
+    the rollout. The shards fail through the engine (an env raising no longer
+    fails its shard: it is retried and ends in error alone)."""
+    clean, _ = fault_specs()
+    specs = [replace(s, env_config={**s.env_config, "hook": threading.Lock()}) for s in clean]
+    with SharedLLMInferenceManager(FaultyEngine("raise", times=1)) as shared, \
+            ParallelRolloutManager(shared, n_jobs=2, backend="threading") as prm:
+        result = prm.rollout(specs, loop_config())
+    assert result.metrics["parallel/fallbacks"] >= 1
+    assert _strip(result.trajectories) == _strip(reference)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("backend", ["threading", "sequential"])
+def test_env_registered_in_the_driver_falls_back_in_this_process(reference, backend):
+    """An env registered with register_env exists in the driver only; the
+    fallback of an in-process backend must not send it to another process,
+    where every env of the shard failed as unknown."""
+    from ragen.env import register_env
+    from tests.fault_envs import FaultEnv, FaultEnvConfig
+
+    register_env("fault_registered_in_driver", FaultEnv, FaultEnvConfig)
+    clean, _ = fault_specs()
+    bad_seed = next(s.seed for s in clean if s.group_id == BAD)
+    tag = {**fault_tag("raise_step", fault_seed=bad_seed), "env_type": "fault_registered_in_driver",
+           "config_type": None}
+    faulty = specs_for(["Fault"], [N_GROUPS], GROUP_SIZE, custom_envs(Fault=tag))
+    # the engine failing once fails the shards; the env raising is retried and ends in error alone
+    with SharedLLMInferenceManager(FaultyEngine("raise", times=1)) as shared, \
+            ParallelRolloutManager(shared, n_jobs=2, backend=backend) as prm:
+        result = prm.rollout(faulty, loop_config())
+    assert result.metrics["parallel/fallbacks"] >= 1
+    assert_only_bad_group_hit(result, reference, {StopReason.ERROR}, "injected")
 
 
 @pytest.mark.timeout(60)

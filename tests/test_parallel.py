@@ -15,7 +15,7 @@ from ragen.llm_agent.rollout_loop import DirectClient, EnvPool, run_envs
 from ragen.llm_agent.shared_llm import SharedLLMInferenceManager
 from ragen.llm_agent.types import StopReason
 
-from tests.rollout_helpers import custom_envs, fault_tag, loop_config, sequential, specs_for
+from tests.rollout_helpers import custom_envs, fault_tag, loop_config, rollouts_at_once, sequential, specs_for
 
 
 @pytest.fixture(scope="module")
@@ -60,6 +60,23 @@ def test_parallel_equals_sequential(backend, n_jobs, mixed_specs, reference, eng
             result = prm.rollout(mixed_specs, loop_config(depth=depth))
             assert result.trajectories == reference
             assert result.metrics["parallel/fallbacks"] == 0
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("backend", ["multiprocessing", "sequential"])
+def test_two_rollouts_at_once_on_a_joblib_backend(backend, mixed_specs, reference, engine):
+    """max_concurrent_rollouts: 2 on the backends behind one joblib.Parallel:
+    both rollouts return the sequential trajectories, and neither is taken for
+    a failure (a Parallel used by two calls at once never returned one of
+    them, or tore the other down as a "dead worker")."""
+    with SharedLLMInferenceManager(engine, coalesce_wait_s=0.005) as shared, \
+            ParallelRolloutManager(shared, n_jobs=2, backend=backend) as prm:
+        for _ in range(2):
+            for result in rollouts_at_once(prm, 2, mixed_specs, loop_config(depth=2), within_s=60):
+                assert result.trajectories == reference
+                assert result.metrics["parallel/fallbacks"] == 0
+                assert result.metrics["parallel/retried_shards"] == 0
+        assert prm.rollout(mixed_specs, loop_config()).trajectories == reference  # and one alone after
 
 
 @pytest.mark.parametrize("group_size,n_groups", [(1, [5, 2]), (16, [2, 1])])

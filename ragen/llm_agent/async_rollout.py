@@ -6,7 +6,12 @@
   trainer the oldest batch; a batch more than ``k`` policy versions older than
   ``version`` is dropped and counted, never trained on. ``paused()`` stops new
   generation while validation runs. ``k = 0`` is no thread at all: the
-  synchronous pipeline.
+  synchronous pipeline. A rollout that raises stops the background
+  generation: ``get`` hands out the batches made before it, then raises that
+  error, and raises it again on every later call (no batch follows a failed
+  one: the trainer decides whether to go on, with a new ``RolloutAhead``).
+  After ``close()``, ``get`` hands out what was made, then raises
+  ``RuntimeError``: it never blocks for good.
 - Staleness of a batch is ``version - min(policy versions of its turns)``.
 """
 
@@ -54,6 +59,7 @@ class RolloutAhead:
         self._idle = threading.Event()
         self._idle.set()
         self._stop = threading.Event()
+        self._failure: BaseException | None = None  # what stopped the generation, once handed out
         self._thread: threading.Thread | None = None
         if ahead > 0:
             self._thread = threading.Thread(target=self._loop, name="ragen-rollout-ahead", daemon=True)
@@ -87,16 +93,13 @@ class RolloutAhead:
     def get(self, version: int) -> RolloutResult:
         """The next batch no more than ``ahead`` versions old."""
         while True:
-            if self._thread is None:
+            if self.ahead == 0:
                 result = self.produce()
                 self.stats.produced += 1
             else:
                 t0 = time.perf_counter()
-                result = self._ready.get()
+                result = self._next_ready()
                 self.stats.trainer_wait_s += time.perf_counter() - t0
-                self._slots.release()
-                if isinstance(result, BaseException):
-                    raise result
             lag = staleness(result.trajectories, version)
             if lag > self.ahead:
                 self.stats.dropped_stale += 1
@@ -105,12 +108,33 @@ class RolloutAhead:
             self.stats.staleness.append(lag)
             return result
 
+    def _next_ready(self) -> RolloutResult:
+        """The oldest batch made; the failure that stopped the generation once
+        the batches before it are handed out."""
+        while True:
+            try:
+                # bounded, to notice a generator that stopped (failed or closed)
+                item = self._ready.get(timeout=0.1)
+            except queue.Empty:
+                if self._failure is not None:
+                    raise self._failure
+                thread = self._thread
+                if thread is None or not thread.is_alive():
+                    if self._ready.empty():  # not a batch put just before the thread ended
+                        raise RuntimeError("RolloutAhead is closed: no more rollouts are generated")
+                continue
+            self._slots.release()
+            if isinstance(item, BaseException):
+                self._failure = item
+                raise item
+            return item
+
     @contextmanager
     def paused(self) -> Iterator[None]:
         """No new generation inside (validation runs here); the rollout in
         progress, if any, finishes first."""
         self._running.clear()
-        self._idle.wait()
+        self._idle.wait()  # the rollout in progress: bounded as every rollout is (its timeouts)
         try:
             yield
         finally:

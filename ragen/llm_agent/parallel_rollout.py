@@ -15,16 +15,20 @@
   backend), which hands the driver each shard's result the moment it ends;
   joblib's result loop looks for finished tasks every 10 ms, 3-10% of a
   rollout of a fast engine. The other backends: an entered
-  ``joblib.Parallel``.
+  ``joblib.Parallel``. Rollouts at once (``max_concurrent_rollouts``) each
+  run on executors of their own (``_Executors``), kept for later rollouts.
 - Env failures stay with the env: a worker retries an env that raises or
   times out on a fresh instance (``LoopConfig.env_retries``), and one that
   keeps failing ends its own trajectory in ``error``/``timeout``.
 - Fallback: a shard that fails (a worker process that dies, a shard past
   ``rollout_timeout_s``, the engine failing) is re-run sequentially, with the same
   seeds, in one spare process owned by the driver (so an env that kills its
-  process cannot take the driver down); there an env that fails again ends its
-  own trajectory with stop reason ``error`` or ``timeout``, and the others are
-  kept. ``fallback_to_sequential: false`` raises ``RolloutError`` instead.
+  process cannot take the driver down), or in the calling thread for the
+  ``threading`` and ``sequential`` backends (their envs never left the driver:
+  configs that do not pickle, envs registered at run time); there an env that
+  fails again ends its own trajectory with stop reason ``error`` or
+  ``timeout``, and the others are kept. ``fallback_to_sequential: false``
+  raises ``RolloutError`` instead.
 - The driver merges trajectories in env_id order and checks that every spec
   has exactly one.
 """
@@ -32,6 +36,7 @@
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import logging
 import os
 import threading
@@ -50,6 +55,7 @@ from ragen.llm_agent.types import EnvSpec, RolloutResult, StopReason, Trajectory
 logger = logging.getLogger(__name__)
 
 BACKENDS = ("loky", "threading", "multiprocessing", "sequential", "dask", "ray")
+IN_PROCESS_BACKENDS = ("threading", "sequential")  # shards run in the driver process
 _LOCAL = threading.local()
 
 
@@ -126,8 +132,12 @@ class ParallelRolloutManager:
         self.rollout_timeout_s = rollout_timeout_s
         self.fallback_env_timeout_s = fallback_env_timeout_s
         self._client = shared.client(timeout_s=engine_timeout_s)
-        self._parallel: Any = None  # joblib.Parallel or a concurrent.futures executor
-        self._fallback_executor = None
+        # executors kept between rollouts; one rollout at a time on each (see _Executors)
+        self._lock = threading.Lock()
+        self._idle: list[_Executors] = []
+        self._leased: set[_Executors] = set()
+        self._closed = False
+        self._rollouts_running = 0  # rollouts with shards on the workers now (for a cluster's announcements)
         self._picklable: set[tuple] = set()  # pool keys whose env config is known to pickle
         # dask, ray: a cluster client held until close(); the workers get an address they can reach
         self._cluster = open_cluster(backend, cluster, n_jobs)
@@ -143,45 +153,32 @@ class ParallelRolloutManager:
     def _joblib_backend(self):
         return self._cluster.joblib_backend() if self._cluster is not None else self.backend
 
-    # ----- executor --------------------------------------------------------------
-    def _executor(self):
-        if self._parallel is None:
-            if self.backend == "loky":
-                from loky import ProcessPoolExecutor
-
-                self._parallel = ProcessPoolExecutor(max_workers=self.n_workers, env=_thread_limits(self.n_workers))
-            elif self.backend == "threading":
-                self._parallel = concurrent.futures.ThreadPoolExecutor(self.n_workers, thread_name_prefix="ragen-shard")
-            else:
-                self._parallel = joblib.Parallel(
-                    n_jobs=1 if self.backend == "sequential" else self.n_jobs,
-                    backend=self._joblib_backend(), batch_size=1,
-                    # results as shards finish, so a failure keeps the finished ones; the
-                    # multiprocessing and ray backends return all at once (multiprocessing
-                    # cannot see a killed worker: set rollout_timeout_s with it)
-                    return_as="list" if self.backend in ("multiprocessing", "ray") else "generator_unordered",
-                    pre_dispatch="all", timeout=self.rollout_timeout_s,
-                )
-                self._parallel.__enter__()
-        return self._parallel
-
-    def _drop_executor(self) -> None:
-        executor, self._parallel = self._parallel, None
+    # ----- executors ------------------------------------------------------------
+    @contextlib.contextmanager
+    def _lease(self) -> Iterator["_Executors"]:
+        """The executors of one rollout: an idle one kept from an earlier
+        rollout, or a new one while every kept one is in use (rollouts at once)."""
+        with self._lock:
+            if self._closed:
+                raise RolloutError("the ParallelRolloutManager is closed")
+            lease = self._idle.pop() if self._idle else _Executors(self)
+            self._leased.add(lease)
         try:
-            if isinstance(executor, joblib.Parallel):
-                executor.__exit__(None, None, None)
-            elif self.backend == "loky":
-                executor.shutdown(wait=False, kill_workers=True)
-            elif executor is not None:
-                executor.shutdown(wait=False, cancel_futures=True)  # a hung thread cannot be stopped
-        except Exception:
-            logger.debug("closing the executor failed", exc_info=True)
+            yield lease
+        finally:
+            with self._lock:
+                self._leased.discard(lease)
+                keep = not self._closed
+                if keep:
+                    self._idle.append(lease)
+            if not keep:
+                lease.close()
 
-    def _results(self, calls: list[tuple]) -> Iterator[dict[str, Any]]:
+    def _results(self, lease: "_Executors", calls: list[tuple]) -> Iterator[dict[str, Any]]:
         """``run_shard`` on each argument tuple; results as shards finish.
         Raises TimeoutError past rollout_timeout_s, or the executor's error
         when a worker died."""
-        executor = self._executor()
+        executor = lease.executor()
         if isinstance(executor, joblib.Parallel):
             yield from executor(joblib.delayed(run_shard)(*args) for args in calls)
             return
@@ -209,33 +206,35 @@ class ParallelRolloutManager:
         stats_before = self.shared.stats.snapshot()
         self._check_picklable(specs)
         shards = partition(specs, self.n_workers, self.max_env_num_per_worker)
-        results, failures, crashed, timed_out = self._run_parallel(dict(enumerate(shards)), config, fault)
-        retried = 0
-        if crashed and self.fallback_to_sequential and not timed_out:
-            # A dead worker takes the executor down with every shard in flight on the
-            # other workers, which did nothing wrong: all get one parallel retry on a
-            # fresh executor; what fails again goes to the sequential fallback.
-            retried = len(crashed)
-            logger.warning("[Retry] a worker died (%s); re-running shards %s in parallel",
-                           next(iter(crashed.values())), sorted(crashed))
-            again, failed, crashed_again, _ = self._run_parallel({i: shards[i] for i in crashed}, config, None)
-            results.update(again)
-            failures.update(failed)
-            failures.update(crashed_again)
-        else:
-            failures.update(crashed)
-        fallback_s = 0.0
-        if failures:
-            if not self.fallback_to_sequential:
-                raise RolloutError("; ".join(f"shard {i} failed: {c}" for i, c in sorted(failures.items())))
-            t0 = time.perf_counter()
-            for i, cause in sorted(failures.items()):
-                ids = [s.env_id for s in shards[i]]
-                logger.warning("[Fallback] shard %d (%d envs, env_id %d..%d) failed: %s; re-running it "
-                               "sequentially with the same seeds", i, len(ids), min(ids), max(ids), cause)
-                results[i] = self._fallback(i, shards[i], config)
-                results[i]["cause"] = cause
-            fallback_s = time.perf_counter() - t0
+        with self._lease() as lease:
+            results, failures, crashed, timed_out = self._run_parallel(lease, dict(enumerate(shards)), config, fault)
+            retried = 0
+            if crashed and self.fallback_to_sequential and not timed_out:
+                # A dead worker takes the executor down with every shard in flight on the
+                # other workers, which did nothing wrong: all get one parallel retry on a
+                # fresh executor; what fails again goes to the sequential fallback.
+                retried = len(crashed)
+                logger.warning("[Retry] a worker died (%s); re-running shards %s in parallel",
+                               next(iter(crashed.values())), sorted(crashed))
+                again, failed, crashed_again, _ = self._run_parallel(
+                    lease, {i: shards[i] for i in crashed}, config, None)
+                results.update(again)
+                failures.update(failed)
+                failures.update(crashed_again)
+            else:
+                failures.update(crashed)
+            fallback_s = 0.0
+            if failures:
+                if not self.fallback_to_sequential:
+                    raise RolloutError("; ".join(f"shard {i} failed: {c}" for i, c in sorted(failures.items())))
+                t0 = time.perf_counter()
+                for i, cause in sorted(failures.items()):
+                    ids = [s.env_id for s in shards[i]]
+                    logger.warning("[Fallback] shard %d (%d envs, env_id %d..%d) failed: %s; re-running it "
+                                   "sequentially with the same seeds", i, len(ids), min(ids), max(ids), cause)
+                    results[i] = self._fallback(lease, i, shards[i], config)
+                    results[i]["cause"] = cause
+                fallback_s = time.perf_counter() - t0
         trajectories = sorted((t for r in results.values() for t in r["trajectories"]), key=lambda t: t.env_id)
         _check_complete(specs, trajectories)
         metrics = compute_metrics(trajectories)
@@ -249,7 +248,7 @@ class ParallelRolloutManager:
     def _check_picklable(self, specs: Sequence[EnvSpec]) -> None:
         """Env configs travel to worker processes: say which key cannot, once
         per config, instead of joblib's anonymous pickling error."""
-        if self.backend in ("threading", "sequential"):
+        if self.backend in IN_PROCESS_BACKENDS:
             return
         from ragen.env.check import describe_unpicklable
 
@@ -264,7 +263,8 @@ class ParallelRolloutManager:
                 )
             self._picklable.add(spec.pool_key)
 
-    def _run_parallel(self, shards: dict[int, list[EnvSpec]], config: LoopConfig, fault: dict[str, Any] | None):
+    def _run_parallel(self, lease: "_Executors", shards: dict[int, list[EnvSpec]], config: LoopConfig,
+                      fault: dict[str, Any] | None):
         """Shards on the workers -> (results, failed: shard -> cause, crashed:
         shard -> cause for the shards the executor lost, whether a shard ran
         past rollout_timeout_s)."""
@@ -272,8 +272,14 @@ class ParallelRolloutManager:
         failed: dict[int, str] = {}
         crashed: dict[int, str] = {}
         # The manager waits for the streams of workers that have not started yet;
-        # shards beyond one per worker start only as others end: not announced.
-        starting = list(shards.values())[: self.n_workers]
+        # shards beyond one per worker start only as others end: not announced. The
+        # workers of a cluster (dask, ray) are shared by rollouts at once: the shards of
+        # a rollout that finds another on it start only as that one's end, and waiting
+        # for them held every engine call to its full budget: not announced either.
+        with self._lock:
+            alone = self._cluster is None or self._rollouts_running == 0
+            self._rollouts_running += 1
+        starting = list(shards.values())[: self.n_workers] if alone else []
         rollout = self.shared.announce(sum(stream_count(shard, config.pipeline_depth) for shard in starting))
         client = replace(self._client, rollout=rollout)
         # Workers isolate env errors: a failing env is retried alone and, if it
@@ -282,7 +288,7 @@ class ParallelRolloutManager:
                   {"exit_at_turn": fault["exit_at_turn"]} if fault and fault.get("shard") == i else None)
                  for i, shard in shards.items()]
         try:
-            for res in self._results(calls):
+            for res in self._results(lease, calls):
                 if res["error"]:
                     failed[res["shard"]] = res["error"]
                 else:
@@ -293,30 +299,30 @@ class ParallelRolloutManager:
             else:  # its first line: loky adds a paragraph on what may kill a worker
                 lines = str(exc).strip().splitlines()
                 cause = f"{type(exc).__name__}: {lines[0]}" if lines else type(exc).__name__
-            self._drop_executor()
+            lease.drop()
             crashed = {i: cause for i in shards if i not in results and i not in failed}
             return results, failed, crashed, isinstance(exc, TimeoutError)
         finally:
             self.shared.withdraw(rollout)
+            with self._lock:
+                self._rollouts_running -= 1
         return results, failed, crashed, False
 
-    def _fallback(self, shard_id: int, specs: list[EnvSpec], config: LoopConfig) -> dict[str, Any]:
+    def _fallback(self, lease: "_Executors", shard_id: int, specs: list[EnvSpec],
+                  config: LoopConfig) -> dict[str, Any]:
         config = replace(config, env_timeout_s=config.env_timeout_s or self.fallback_env_timeout_s,
                          pipeline_depth=1)
-        result = _run_isolated(self._fallback_pool, shard_id, specs, self._client, config)
+        if self.backend in IN_PROCESS_BACKENDS:
+            # The shard ran in this process: its env configs need not pickle and envs
+            # registered here (register_env) are known only here; an env that can kill
+            # its process would have done so already. Env calls are bounded by
+            # env_timeout_s (set just above), each engine wait by engine_timeout_s.
+            result = run_shard(shard_id, specs, self._client, config, isolate_errors=True)
+        else:
+            result = _run_isolated(lease.fallback_pool, shard_id, specs, self._client, config)
         if result["error"]:  # not an env's fault (the engine, the manager): nothing to isolate
             raise RolloutError(f"shard {shard_id} failed again in the fallback: {result['error']}")
         return result
-
-    def _fallback_pool(self, reset: bool = False):
-        from loky import ProcessPoolExecutor
-
-        if reset and self._fallback_executor is not None:
-            self._fallback_executor.shutdown(wait=False, kill_workers=True)
-            self._fallback_executor = None
-        if self._fallback_executor is None:
-            self._fallback_executor = ProcessPoolExecutor(max_workers=1)
-        return self._fallback_executor
 
     def _timing_metrics(self, results, before, failures, n_shards) -> dict[str, float]:
         after = self.shared.stats
@@ -346,10 +352,13 @@ class ParallelRolloutManager:
         return m
 
     def close(self) -> None:
-        self._drop_executor()
-        if self._fallback_executor is not None:
-            self._fallback_executor.shutdown(wait=True, kill_workers=True)
-            self._fallback_executor = None
+        """Stops every executor; a rollout still running on another thread fails."""
+        with self._lock:
+            self._closed = True
+            leases = self._idle + list(self._leased)
+            self._idle, self._leased = [], set()
+        for lease in leases:
+            lease.close()
         if self._cluster is not None:
             self._cluster.close()
             self._cluster = None
@@ -359,6 +368,75 @@ class ParallelRolloutManager:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+class _Executors:
+    """The executors of one rollout at a time: the workers' (a ``joblib.Parallel``
+    or a ``concurrent.futures`` executor) and the fallback's spare process.
+
+    Rollouts at once (``max_concurrent_rollouts`` > 1) each lease their own: a
+    ``joblib.Parallel`` is not reentrant (two calls at once share its task
+    queue and backend state: one call never returned, or its backend was torn
+    down under the other), and a failure that takes an executor down (a
+    killed worker, a timeout, an env that kills the spare process) must not
+    take another rollout's healthy shards with it.
+    """
+
+    def __init__(self, manager: "ParallelRolloutManager") -> None:
+        self.manager = manager
+        self._parallel: Any = None
+        self._fallback: Any = None
+
+    def executor(self):
+        if self._parallel is None:
+            m = self.manager
+            if m.backend == "loky":
+                from loky import ProcessPoolExecutor
+
+                self._parallel = ProcessPoolExecutor(max_workers=m.n_workers, env=_thread_limits(m.n_workers))
+            elif m.backend == "threading":
+                self._parallel = concurrent.futures.ThreadPoolExecutor(m.n_workers, thread_name_prefix="ragen-shard")
+            else:
+                self._parallel = joblib.Parallel(
+                    n_jobs=1 if m.backend == "sequential" else m.n_jobs,
+                    backend=m._joblib_backend(), batch_size=1,
+                    # results as shards finish, so a failure keeps the finished ones; the
+                    # multiprocessing and ray backends return all at once (multiprocessing
+                    # cannot see a killed worker: set rollout_timeout_s with it)
+                    return_as="list" if m.backend in ("multiprocessing", "ray") else "generator_unordered",
+                    pre_dispatch="all", timeout=m.rollout_timeout_s,
+                )
+                self._parallel.__enter__()
+        return self._parallel
+
+    def drop(self) -> None:
+        """Stop the workers' executor (after a failure); the next call builds a new one."""
+        executor, self._parallel = self._parallel, None
+        try:
+            if isinstance(executor, joblib.Parallel):
+                executor.__exit__(None, None, None)
+            elif self.manager.backend == "loky":
+                executor.shutdown(wait=False, kill_workers=True)
+            elif executor is not None:
+                executor.shutdown(wait=False, cancel_futures=True)  # a hung thread cannot be stopped
+        except Exception:
+            logger.debug("closing the executor failed", exc_info=True)
+
+    def fallback_pool(self, reset: bool = False):
+        from loky import ProcessPoolExecutor
+
+        if reset and self._fallback is not None:
+            self._fallback.shutdown(wait=False, kill_workers=True)
+            self._fallback = None
+        if self._fallback is None:
+            self._fallback = ProcessPoolExecutor(max_workers=1)
+        return self._fallback
+
+    def close(self) -> None:
+        self.drop()
+        if self._fallback is not None:
+            self._fallback.shutdown(wait=True, kill_workers=True)
+            self._fallback = None
 
 
 def _run_isolated(pool_factory, shard_id: int, specs: list[EnvSpec], client: SharedLLMClient,

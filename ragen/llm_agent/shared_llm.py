@@ -278,6 +278,7 @@ class _Conn:
     peer: str
     send_lock: threading.Lock = field(default_factory=threading.Lock)
     streams: int = 0
+    rollout: int | None = None  # the announced rollout its open streams belong to
     alive: bool = True
     # Streams of this connection with no request queued or in the engine: since
     # when, and whether since an answer (env steps next) or since opening (env
@@ -499,9 +500,18 @@ class SharedLLMInferenceManager:
             return self._rollouts
 
     def withdraw(self, rollout: int) -> None:
-        """The rollout's shards ended (or failed): expect none of its streams."""
+        """The rollout's shards ended (or failed): expect none of its streams.
+        Streams still open under it are a shard the driver gave up on (past its
+        timeout, in a thread or a Dask task that cannot be stopped): waiting
+        for them would hold every later engine call to its full wait budget.
+        Their connection may still send requests; they are answered as usual."""
         with self._cond:
             self._announced.pop(rollout, None)
+            for conn in self._conns:
+                if conn.rollout == rollout and conn.streams:
+                    self._streams -= conn.streams
+                    conn.streams = 0
+                    conn.idle.clear()
             self._cond.notify_all()
 
     @property
@@ -603,8 +613,10 @@ class SharedLLMInferenceManager:
                     delta = n if op == "open" else -min(n, conn.streams)
                     conn.streams += delta
                     self._streams += delta
-                    if op == "open" and rollout in self._announced:
-                        self._announced[rollout] -= n
+                    if op == "open":
+                        conn.rollout = rollout
+                        if rollout in self._announced:
+                            self._announced[rollout] -= n
                     now = time.monotonic()
                     for _ in range(delta):
                         conn.idle.append((now, False))
