@@ -11,7 +11,8 @@ a client disconnecting mid-request, malformed completions (property-based),
 and an env config that does not pickle.
 
 ``test_matrix`` crosses the common faults (``FAULT_KINDS``: none, an env
-raising, a worker killed, an env hanging past ``env_timeout_s``) with every
+raising, a worker killed, an env hanging past ``env_timeout_s``, the engine
+raising once, the engine answering garbage once) with every
 local backend and Dask, one rollout or two at once on one manager
 (``max_concurrent_rollouts: 2``). A new fault kind is one more entry there.
 Timeouts are short (0.5-3 s) so the whole file stays under two minutes.
@@ -123,6 +124,8 @@ class FaultyEngine(ScriptedEngine):
                 time.sleep(self.hang_s)
             if self.mode == "short":
                 return super().generate(requests, sampling)[:-1]
+            if self.mode == "garbage":  # dicts, not Completions
+                return [{"text": c.text} for c in super().generate(requests, sampling)]
         return super().generate(requests, sampling)
 
 
@@ -176,6 +179,8 @@ FAULT_KINDS = {
     "worker_killed": FaultKind("kill_step", transient=True, kills_worker=True),
     "env_hangs": FaultKind("hang_step", env_kw=(("hang_s", 2.0),), reasons=frozenset({StopReason.TIMEOUT}),
                            error_has="longer than 0.5 s", loop_kw=(("env_timeout_s", 0.5),)),
+    "engine_raises_once": FaultKind(transient=True, engine=lambda: FaultyEngine("raise", times=1)),
+    "engine_garbage_once": FaultKind(transient=True, engine=lambda: FaultyEngine("garbage", times=1)),
 }
 MATRIX_BACKENDS = ["loky", "threading", "multiprocessing", "sequential", "dask"]
 
@@ -213,8 +218,10 @@ def test_matrix(matrix_manager, at_once, fault, reference, tmp_path):
             assert _strip(result.trajectories) == _strip(reference)
         else:
             assert_only_bad_group_hit(result, reference, kind.reasons, kind.error_has)
-        if kind.env_fault == "none":
+        if fault == "none":
             assert recovered(result) == 0
+    if isinstance(shared.engine, FaultyEngine):
+        assert shared.engine.times == 0  # the engine's fault was met
     assert open_streams(shared) == 0  # nothing left for the coalescer to wait for
 
 
