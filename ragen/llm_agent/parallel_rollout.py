@@ -325,7 +325,7 @@ class ParallelRolloutManager:
         return result
 
     def _timing_metrics(self, results, before, failures, n_shards) -> dict[str, float]:
-        after = self.shared.stats
+        after = self.shared.stats.snapshot()  # one consistent reading while the batcher goes on
         calls = after.engine_calls - before.engine_calls
         sizes = list(after.batch_sizes)[-calls:] if calls else []
         m = {
