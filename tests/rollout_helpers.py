@@ -12,7 +12,8 @@ from ragen.llm.scripted import ScriptedEngine
 from ragen.llm.types import SamplingParams
 from ragen.llm_agent.ctx_manager import ContextConfig
 from ragen.llm_agent.es_manager import EnvStateManager
-from ragen.llm_agent.rollout_loop import DirectClient, EnvPool, LoopConfig, run_envs
+from ragen.llm_agent.inference import DirectClient
+from ragen.llm_agent.rollout_loop import EnvPool, LoopConfig, run_envs
 
 ROOT = Path(__file__).resolve().parents[1]
 

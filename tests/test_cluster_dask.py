@@ -20,7 +20,7 @@ from ragen.llm.scripted import ScriptedEngine  # noqa: E402
 from ragen.llm_agent.agent_proxy import AgentSetup, LLMAgentProxy  # noqa: E402
 from ragen.llm_agent.cluster import ClusterConfig, open_cluster  # noqa: E402
 from ragen.llm_agent.parallel_rollout import ParallelRolloutManager  # noqa: E402
-from ragen.llm_agent.shared_llm import SharedLLMInferenceManager  # noqa: E402
+from ragen.llm_agent.inference import SharedLLMInferenceManager  # noqa: E402
 from tests.fault_envs import FaultEnv, FaultEnvConfig  # noqa: E402
 from tests.rollout_helpers import (  # noqa: E402
     custom_envs, fault_tag, loop_config, rollouts_at_once, sequential, specs_for)

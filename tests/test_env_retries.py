@@ -15,7 +15,8 @@ from omegaconf import OmegaConf
 from ragen.env.base import BaseDiscreteActionEnv
 from ragen.llm.scripted import ScriptedEngine
 from ragen.llm_agent import AgentSetup, LLMAgentProxy
-from ragen.llm_agent.rollout_loop import DirectClient, EnvPool, run_envs
+from ragen.llm_agent.inference import DirectClient
+from ragen.llm_agent.rollout_loop import EnvPool, run_envs
 from ragen.llm_agent.types import RolloutResult, StopReason
 
 from tests.rollout_helpers import ROOT, custom_envs, fault_tag, loop_config, sequential, specs_for

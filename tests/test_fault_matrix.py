@@ -41,8 +41,9 @@ from ragen.llm.types import Completion, Engine, GenerationRequest, SamplingParam
 from ragen.llm_agent import AgentSetup, LLMAgentProxy
 from ragen.llm_agent.cluster import ClusterConfig
 from ragen.llm_agent.parallel_rollout import ParallelRolloutManager, RolloutError
-from ragen.llm_agent.rollout_loop import DirectClient, EnvPool, run_envs
-from ragen.llm_agent.shared_llm import SharedLLMInferenceManager
+from ragen.llm_agent.inference import DirectClient
+from ragen.llm_agent.rollout_loop import EnvPool, run_envs
+from ragen.llm_agent.inference import SharedLLMInferenceManager
 from ragen.llm_agent.types import StopReason
 
 from tests.rollout_helpers import custom_envs, fault_tag, loop_config, rollouts_at_once, sequential, specs_for
@@ -139,9 +140,9 @@ def open_streams(shared: SharedLLMInferenceManager, within_s: float = 2.0) -> in
     now have arrived (they travel apart from the results): 0, or what is left
     after ``within_s``."""
     deadline = time.monotonic() + within_s
-    while shared._streams and time.monotonic() < deadline:
+    while shared.open_streams and time.monotonic() < deadline:
         time.sleep(0.02)
-    return shared._streams
+    return shared.open_streams
 
 
 def wait_engine_idle(shared: SharedLLMInferenceManager) -> None:
@@ -428,9 +429,9 @@ def test_clients_disconnecting_mid_request_leave_the_manager_working(reference):
             s.recv(64)
         socket.create_connection(shared.address).close()
         deadline = time.monotonic() + 5
-        while shared._streams and time.monotonic() < deadline:  # the dead client's streams are released
+        while shared.open_streams and time.monotonic() < deadline:  # the dead client's streams are released
             time.sleep(0.05)
-        assert shared._streams == 0
+        assert shared.open_streams == 0
         assert shared.stats.refused_clients >= 1
         engine.base_s = 0.0
         result = prm.rollout(clean, loop_config())

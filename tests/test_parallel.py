@@ -11,8 +11,9 @@ import pytest
 
 from ragen.llm.scripted import ScriptedEngine
 from ragen.llm_agent.parallel_rollout import ParallelRolloutManager, RolloutError, partition
-from ragen.llm_agent.rollout_loop import DirectClient, EnvPool, run_envs
-from ragen.llm_agent.shared_llm import SharedLLMInferenceManager
+from ragen.llm_agent.inference import DirectClient
+from ragen.llm_agent.rollout_loop import EnvPool, run_envs
+from ragen.llm_agent.inference import SharedLLMInferenceManager
 from ragen.llm_agent.types import StopReason
 
 from tests.rollout_helpers import custom_envs, fault_tag, loop_config, rollouts_at_once, sequential, specs_for
@@ -275,4 +276,4 @@ def test_only_the_shards_that_start_at_once_are_announced():
         result = prm.rollout(specs, loop_config(max_turn=2, depth=2))
     assert result.metrics["parallel/shards"] == 8
     assert announced == [2]  # two workers, one group (one stream) in each of their first shards
-    assert shared._announced == {}  # withdrawn when the rollout ended
+    assert shared.announced == {}  # withdrawn when the rollout ended

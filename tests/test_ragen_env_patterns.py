@@ -22,7 +22,7 @@ from ragen.env.base import BaseDiscreteActionEnv, BaseEnv
 from ragen.llm.scripted import ScriptedEngine
 from ragen.llm_agent.es_manager import EnvStateManager
 from ragen.llm_agent.parallel_rollout import ParallelRolloutManager
-from ragen.llm_agent.shared_llm import SharedLLMInferenceManager
+from ragen.llm_agent.inference import SharedLLMInferenceManager
 from ragen.llm_agent.types import StopReason
 
 from tests import ragen_style_envs

@@ -22,9 +22,9 @@ import pytest
 from ragen.llm.scripted import ScriptedEngine
 from ragen.llm.types import Completion, GenerationRequest, SamplingParams
 from ragen.llm_agent import AgentSetup
-from ragen.llm_agent import shared_llm
-from ragen.llm_agent.shared_llm import EngineError, ProtocolError, SharedLLMClient, SharedLLMInferenceManager
+from ragen.llm_agent.inference import EngineError, ProtocolError, SharedLLMClient, SharedLLMInferenceManager, wire
 
+from tests.inference_helpers import ask
 from tests.rollout_helpers import custom_envs
 
 pytestmark = pytest.mark.timeout(60)
@@ -65,8 +65,8 @@ def test_a_malformed_engine_reply_is_answered_with_errors_and_serving_goes_on(sp
     with SharedLLMInferenceManager(OnceMalformed(spoil)) as shared:
         client = shared.client(timeout_s=10)  # the bug: no answer ever came
         with pytest.raises(EngineError, match=what):
-            client.generate(_requests(3), SamplingParams())
-        assert [c.env_id for c in client.generate(_requests(2), SamplingParams())] == [0, 1]
+            ask(client, _requests(3), SamplingParams())
+        assert [c.env_id for c in ask(client, _requests(2), SamplingParams())] == [0, 1]
 
 
 def test_a_malformed_completion_fails_only_the_request_it_answers():
@@ -149,17 +149,17 @@ def _fake_server(listener):
     sock, _ = listener.accept()
     with sock:
         sock.settimeout(5)
-        sock.sendall(shared_llm._MAGIC + secrets.token_bytes(shared_llm._NONCE_BYTES))
+        sock.sendall(wire.MAGIC + secrets.token_bytes(wire.NONCE_BYTES))
         time.sleep(0.2)
         sock.recv(1024)  # the client's proof, whatever its form
-        shared_llm._send_frame(sock, {"ok": True, "proof": secrets.token_bytes(32)})
+        wire.send_frame(sock, {"ok": True, "proof": secrets.token_bytes(32)})
         try:
-            msg = shared_llm._loads(shared_llm._recv_frame(sock, 1 << 20)[0])
+            msg = wire.loads(wire.recv_frame(sock, 1 << 20)[0])
         except (OSError, EOFError, ValueError):
             return  # the client hung up: refused
         fake = Completion(text="<answer>Up</answer>", prompt_token_ids=[], response_token_ids=[],
                           finish_reason="stop", policy_version=0)
-        shared_llm._send_frame(sock, {"answers": [{"ticket": msg["ticket"],
+        wire.send_frame(sock, {"answers": [{"ticket": msg["ticket"],
                                                    "completions": [fake.to_dict()] * len(msg["requests"])}]})
 
 
@@ -169,7 +169,7 @@ def test_a_server_that_does_not_know_the_key_is_refused_by_the_client():
         thread.start()
         client = SharedLLMClient(address=listener.getsockname()[:2], authkey=secrets.token_bytes(32), timeout_s=10)
         with pytest.raises(ConnectionError, match="did not prove it holds the key"):
-            client.generate(_requests(1), SamplingParams())
+            ask(client, _requests(1), SamplingParams())
         thread.join(timeout=10)
 
 
@@ -178,7 +178,7 @@ def test_the_handshake_has_one_deadline_for_all_of_it():
     deadline, is closed once the deadline for the whole handshake is spent."""
     with SharedLLMInferenceManager(ScriptedEngine(), handshake_timeout_s=0.5) as shared:
         with socket.create_connection(shared.address, timeout=10) as s:
-            s.recv(len(shared_llm._MAGIC) + shared_llm._NONCE_BYTES)
+            s.recv(len(wire.MAGIC) + wire.NONCE_BYTES)
             sent, closed = 0, False
             while sent < 32 and not closed:  # 32 bytes: the shortest proof
                 try:
@@ -189,7 +189,7 @@ def test_the_handshake_has_one_deadline_for_all_of_it():
                 except OSError:
                     closed = True
         assert closed and sent < 32, f"the manager read {sent} bytes of a trickled handshake"
-        assert len(shared.client().generate(_requests(2), SamplingParams())) == 2
+        assert len(ask(shared.client(), _requests(2), SamplingParams())) == 2
 
 
 def _conn_threads():
@@ -213,7 +213,7 @@ def test_connections_that_have_not_authenticated_are_capped():
         finally:
             for s in idle:
                 s.close()
-        assert len(shared.client(timeout_s=20).generate(_requests(2), SamplingParams())) == 2
+        assert len(ask(shared.client(timeout_s=20), _requests(2), SamplingParams())) == 2
 
 
 def test_the_client_refuses_an_oversized_frame():
@@ -222,7 +222,7 @@ def test_the_client_refuses_an_oversized_frame():
         shared._handle = lambda conn, data: conn.sock.sendall(struct.pack(">I", 1 << 30))
         client = shared.client(timeout_s=5)
         with pytest.raises(ProtocolError, match="exceeds"):
-            client.generate(_requests(1), SamplingParams())
+            ask(client, _requests(1), SamplingParams())
 
 
 @pytest.mark.parametrize("field, value", [
@@ -242,7 +242,7 @@ def test_a_malformed_request_fails_alone_not_the_batch_it_joins(field, value):
             client.open_streams(1)
             both_open.wait()
             try:
-                client.generate([GenerationRequest(**{**_requests(1, env0=9)[0].to_dict(), field: value})],
+                ask(client, [GenerationRequest(**{**_requests(1, env0=9)[0].to_dict(), field: value})],
                                 SamplingParams())
             except EngineError as exc:
                 errors.append(str(exc))
@@ -254,7 +254,7 @@ def test_a_malformed_request_fails_alone_not_the_batch_it_joins(field, value):
         client.open_streams(1)
         both_open.wait()
         time.sleep(0.2)  # the bad request is queued first
-        got = client.generate(_requests(3), SamplingParams())
+        got = ask(client, _requests(3), SamplingParams())
         client.close_stream()
         thread.join()
     assert [c.env_id for c in got] == [0, 1, 2]
@@ -269,8 +269,8 @@ def test_malformed_sampling_params_are_named_in_the_error(sampling, field):
     with SharedLLMInferenceManager(ScriptedEngine()) as shared:
         client = shared.client(timeout_s=10)
         with pytest.raises(EngineError, match=f"bad message: .*sampling.{field}"):
-            client.generate(_requests(1), SamplingParams(**sampling))
-        assert len(client.generate(_requests(1), SamplingParams())) == 1
+            ask(client, _requests(1), SamplingParams(**sampling))
+        assert len(ask(client, _requests(1), SamplingParams())) == 1
 
 
 # ----- 4. llm_server config ---------------------------------------------------------
@@ -317,11 +317,11 @@ def test_the_manager_refuses_a_bad_address_before_binding(kw, key):
 
 
 def test_listening_beyond_loopback_warns_to_firewall_the_port(caplog):
-    with caplog.at_level(logging.WARNING, logger="ragen.llm_agent.shared_llm"):
+    with caplog.at_level(logging.WARNING, logger="ragen.llm_agent.inference.server"):
         with SharedLLMInferenceManager(ScriptedEngine(), host="127.0.0.1"):
             pass
         assert not [r for r in caplog.records if "firewall" in r.getMessage()]
         with SharedLLMInferenceManager(ScriptedEngine(), host="0.0.0.0") as shared:
-            assert len(shared.client().generate(_requests(1), SamplingParams())) == 1
+            assert len(ask(shared.client(), _requests(1), SamplingParams())) == 1
     warnings = [r.getMessage() for r in caplog.records if "firewall" in r.getMessage()]
     assert len(warnings) == 1 and "0.0.0.0" in warnings[0] and str(shared.address[1]) in warnings[0]

@@ -31,8 +31,8 @@ from ragen.llm_agent.async_rollout import FullyAsyncRolloutPool, RolloutAhead, s
 from ragen.llm_agent.ctx_manager import ContextConfig
 from ragen.llm_agent.es_manager import EnvStateManager, compute_metrics, to_plain
 from ragen.llm_agent.parallel_rollout import BACKENDS, ParallelRolloutManager
-from ragen.llm_agent.rollout_loop import DirectClient, EnvPool, LoopConfig, run_envs
-from ragen.llm_agent.shared_llm import SharedLLMInferenceManager, check_listen_address
+from ragen.llm_agent.rollout_loop import EnvPool, LoopConfig, run_envs
+from ragen.llm_agent.inference import DirectClient, SharedLLMInferenceManager, check_listen_address
 from ragen.llm_agent.types import RolloutResult
 
 logger = logging.getLogger(__name__)

@@ -49,7 +49,7 @@ import joblib
 from ragen.llm_agent.cluster import ClusterConfig, open_cluster
 from ragen.llm_agent.es_manager import compute_metrics
 from ragen.llm_agent.rollout_loop import EnvPool, LoopConfig, run_envs, stream_count
-from ragen.llm_agent.shared_llm import SharedLLMClient, SharedLLMInferenceManager
+from ragen.llm_agent.inference import SharedLLMClient, SharedLLMInferenceManager
 from ragen.llm_agent.types import EnvSpec, RolloutResult, StopReason, Trajectory
 
 logger = logging.getLogger(__name__)

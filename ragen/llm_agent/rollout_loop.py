@@ -6,11 +6,9 @@ state (``ContextManager``) -> the model's answer (through an ``LLMClient``) ->
 actions parsed and mapped (names -> ids through the env's ``ACTION_LOOKUP``;
 unknown names dropped) -> ``env.step`` for each action within the budget.
 
-``LLMClient`` is what the loop talks to: ``submit`` a list of requests and get a
-ticket, ``wait_any`` for the next finished ticket. ``DirectClient`` calls an
-engine in-process (the sequential rollout: one engine call per turn over all
-active envs, RAGEN's loop); ``SharedLLMClient`` (``shared_llm``) reaches the
-driver's ``SharedLLMInferenceManager`` from worker processes.
+``LLMClient`` (``inference.client``) is what the loop talks to: ``DirectClient``
+calls an engine in-process (the sequential rollout), ``SharedLLMClient``
+reaches the driver's ``SharedLLMInferenceManager`` from worker processes.
 
 Envs are split into ``pipeline_depth`` micro-batches of whole groups, each with
 its own request in flight ("stream"): while one micro-batch waits for the
@@ -36,12 +34,13 @@ import os
 import threading
 import time
 import traceback
-from collections import defaultdict, deque
+from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import Any, Protocol, Sequence
+from typing import Any, Sequence
 
-from ragen.llm.types import Completion, Engine, GenerationRequest, SamplingParams
+from ragen.llm.types import Completion, GenerationRequest, SamplingParams
 from ragen.llm_agent.ctx_manager import ContextConfig, ContextManager
+from ragen.llm_agent.inference.client import LLMClient
 from ragen.llm_agent.types import EnvSpec, StopReason, Trajectory, Turn
 
 logger = logging.getLogger(__name__)
@@ -58,60 +57,6 @@ class LoopConfig:
     env_timeout_s: float | None = None  # per reset/step; None: no limit
     pipeline_depth: int = 1
     env_retries: int = 1  # a failing env is retried this often on a fresh instance before it ends in error
-
-
-class LLMClient(Protocol):
-    def submit(self, requests: list[GenerationRequest], sampling: SamplingParams) -> int: ...
-
-    def wait_any(self) -> tuple[int, list[Completion]]: ...
-
-    def open_streams(self, n: int) -> None: ...
-
-    def close_stream(self) -> None: ...
-
-    def ready(self) -> bool:
-        """Whether an answer has arrived, so that ``wait_any`` will not block."""
-
-    def reset(self) -> None:
-        """Forget requests in flight (after a failure)."""
-
-
-class DirectClient:
-    """An engine called in the caller's thread; tickets answered in order."""
-
-    def __init__(self, engine: Engine) -> None:
-        self.engine = engine
-        self._queue: deque[tuple[int, list[GenerationRequest], SamplingParams]] = deque()
-        self._next = 0
-        self.engine_time_s = 0.0
-        self.engine_calls = 0
-        self.batch_sizes: list[int] = []
-
-    def submit(self, requests: list[GenerationRequest], sampling: SamplingParams) -> int:
-        self._next += 1
-        self._queue.append((self._next, requests, sampling))
-        return self._next
-
-    def wait_any(self) -> tuple[int, list[Completion]]:
-        ticket, requests, sampling = self._queue.popleft()
-        t0 = time.perf_counter()
-        completions = self.engine.generate(requests, sampling)
-        self.engine_time_s += time.perf_counter() - t0
-        self.engine_calls += 1
-        self.batch_sizes.append(len(requests))
-        return ticket, completions
-
-    def open_streams(self, n: int) -> None:
-        pass
-
-    def close_stream(self) -> None:
-        pass
-
-    def ready(self) -> bool:
-        return False  # answers are made on demand, in wait_any
-
-    def reset(self) -> None:
-        self._queue.clear()
 
 
 _ERRORS_LOCK = threading.Lock()

@@ -1,0 +1,22 @@
+"""The inference layer of the rollout: one engine in the driver, reached by every worker.
+
+- ``wire``: frames of plain data, the mutual HMAC handshake, the messages.
+- ``coalescer``: when to call the engine and with which requests (a plain
+  object, decided from plain inputs).
+- ``server``: ``SharedLLMInferenceManager``, which owns the engine, its lock
+  and the connections, and runs the coalescer's decisions.
+- ``client``: the ``LLMClient`` protocol the turn loop talks to, with
+  ``DirectClient`` (an engine in the caller's thread) and ``SharedLLMClient``
+  (a worker's handle on the manager).
+"""
+
+from ragen.llm_agent.inference.client import DirectClient, LLMClient, SharedLLMClient
+from ragen.llm_agent.inference.coalescer import CallCostModel, Coalescer, Decision, Pending, StreamClock
+from ragen.llm_agent.inference.server import ManagerStats, SharedLLMInferenceManager, check_listen_address
+from ragen.llm_agent.inference.wire import AuthenticationError, EngineError, ProtocolError
+
+__all__ = [
+    "AuthenticationError", "CallCostModel", "Coalescer", "Decision", "DirectClient", "EngineError", "LLMClient",
+    "ManagerStats", "Pending", "ProtocolError", "SharedLLMClient", "SharedLLMInferenceManager", "StreamClock",
+    "check_listen_address",
+]

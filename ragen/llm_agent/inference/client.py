@@ -1,0 +1,186 @@
+"""What the turn loop talks to for generations: one protocol, two clients.
+
+``LLMClient``: ``submit`` a list of requests and get a ticket, ``wait_any``
+for the next finished ticket, and tell the coalescer how many streams (a
+micro-batch with its own request in flight) are open. ``DirectClient`` calls
+an engine in the caller's thread (the sequential rollout: one engine call per
+turn over all active envs, RAGEN's loop). ``SharedLLMClient`` reaches the
+driver's ``SharedLLMInferenceManager`` from worker processes: it is small and
+picklable (address and key), and each process and thread opens its own
+connection on first use.
+"""
+
+from __future__ import annotations
+
+import os
+import select
+import socket
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from ragen.llm.types import Completion, Engine, GenerationRequest, SamplingParams
+from ragen.llm_agent.inference import wire
+
+_CONNECT_TIMEOUT_S = 30.0
+
+
+class LLMClient(Protocol):
+    def submit(self, requests: list[GenerationRequest], sampling: SamplingParams) -> int: ...
+
+    def wait_any(self) -> tuple[int, list[Completion]]: ...
+
+    def open_streams(self, n: int) -> None: ...
+
+    def close_stream(self) -> None: ...
+
+    def ready(self) -> bool:
+        """Whether an answer has arrived, so that ``wait_any`` will not block."""
+
+    def reset(self) -> None:
+        """Forget requests in flight (after a failure)."""
+
+
+class DirectClient:
+    """An engine called in the caller's thread; tickets answered in order."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self._queue: deque[tuple[int, list[GenerationRequest], SamplingParams]] = deque()
+        self._next = 0
+        self.engine_time_s = 0.0
+        self.engine_calls = 0
+        self.batch_sizes: list[int] = []
+
+    def submit(self, requests: list[GenerationRequest], sampling: SamplingParams) -> int:
+        self._next += 1
+        self._queue.append((self._next, requests, sampling))
+        return self._next
+
+    def wait_any(self) -> tuple[int, list[Completion]]:
+        ticket, requests, sampling = self._queue.popleft()
+        t0 = time.perf_counter()
+        completions = self.engine.generate(requests, sampling)
+        self.engine_time_s += time.perf_counter() - t0
+        self.engine_calls += 1
+        self.batch_sizes.append(len(requests))
+        return ticket, completions
+
+    def open_streams(self, n: int) -> None:
+        pass
+
+    def close_stream(self) -> None:
+        pass
+
+    def ready(self) -> bool:
+        return False  # answers are made on demand, in wait_any
+
+    def reset(self) -> None:
+        self._queue.clear()
+
+
+_LOCAL = threading.local()
+
+
+@dataclass(frozen=True)
+class SharedLLMClient:
+    """Picklable handle on a manager; connections are per process and thread."""
+
+    address: tuple[str, int]
+    authkey: bytes = field(repr=False)
+    timeout_s: float | None = None  # for one answer; None: wait as long as it takes
+    rollout: int | None = None  # the announced rollout whose streams this client opens
+    max_message_bytes: int = 64 << 20  # the largest frame it reads, as the manager caps what it reads
+
+    def _state(self) -> dict[str, Any]:
+        cache = getattr(_LOCAL, "conns", None)
+        if cache is None:
+            cache = _LOCAL.conns = {}
+        key = (os.getpid(), tuple(self.address), self.authkey)
+        state = cache.get(key)
+        if state is None:
+            state = {"sock": self._connect(), "ticket": 0, "outstanding": set(), "inbox": deque()}
+            cache[key] = state
+        return state
+
+    def _connect(self) -> socket.socket:
+        sock = socket.create_connection(tuple(self.address), timeout=_CONNECT_TIMEOUT_S)
+        try:
+            wire.client_handshake(sock, self.authkey, self.address, _CONNECT_TIMEOUT_S)
+        except TimeoutError:
+            sock.close()
+            raise TimeoutError(f"no handshake from the LLM manager at {self.address} within "
+                               f"{_CONNECT_TIMEOUT_S} s") from None
+        except BaseException:
+            sock.close()
+            raise
+        sock.settimeout(None)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        return sock
+
+    def reset(self) -> None:
+        """Drop this thread's connection (after a failure, answers may be stale)."""
+        cache = getattr(_LOCAL, "conns", {})
+        state = cache.pop((os.getpid(), tuple(self.address), self.authkey), None)
+        if state is not None:
+            state["sock"].close()
+
+    def open_streams(self, n: int) -> None:
+        wire.send_frame(self._state()["sock"], {"op": "open", "n": n, "rollout": self.rollout})
+
+    def close_stream(self) -> None:
+        wire.send_frame(self._state()["sock"], {"op": "close", "n": 1})
+
+    def submit(self, requests: list[GenerationRequest], sampling: SamplingParams) -> int:
+        state = self._state()
+        state["ticket"] += 1
+        ticket = state["ticket"]
+        wire.send_frame(state["sock"], {"op": "gen", "ticket": ticket,
+                                        "requests": [r.to_dict() for r in requests],
+                                        "sampling": sampling.to_dict()})
+        state["outstanding"].add(ticket)
+        return ticket
+
+    def ready(self) -> bool:
+        state = self._state()
+        if state["inbox"]:
+            return True
+        return bool(select.select([state["sock"]], [], [], 0)[0])
+
+    def wait_any(self) -> tuple[int, list[Completion]]:
+        state = self._state()
+        sock, inbox = state["sock"], state["inbox"]
+        sock.settimeout(self.timeout_s)
+        try:
+            while True:
+                while not inbox:
+                    try:
+                        data, _ = wire.recv_frame(sock, self.max_message_bytes)
+                        reply = wire.loads(data)
+                        if not isinstance(reply, dict) or not isinstance(reply.get("answers"), list):
+                            raise ValueError("a reply must be {'answers': [...]}")
+                    except socket.timeout:
+                        self.reset()
+                        raise TimeoutError(f"no answer from the LLM manager within {self.timeout_s} s") from None
+                    except wire.ProtocolError as exc:  # not read: the stream is out of step, drop it
+                        self.reset()
+                        raise wire.ProtocolError(f"a reply from the LLM manager at {self.address}: {exc} (the "
+                                                 "client's max_message_bytes, the manager's max_message_bytes "
+                                                 "for its clients)") from None
+                    except ValueError as exc:
+                        self.reset()
+                        raise wire.ProtocolError(f"bad reply from the LLM manager at {self.address}: {exc}") from None
+                    inbox.extend(reply["answers"])
+                msg = inbox.popleft()
+                ticket = msg.get("ticket")
+                if ticket not in state["outstanding"]:
+                    continue  # an answer to a request abandoned after a failure
+                state["outstanding"].discard(ticket)
+                if "error" in msg:
+                    raise wire.EngineError(msg["error"])
+                return ticket, [Completion.from_dict(c) for c in msg["completions"]]
+        finally:
+            if not sock._closed:  # type: ignore[attr-defined]
+                sock.settimeout(None)

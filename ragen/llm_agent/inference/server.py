@@ -1,0 +1,427 @@
+"""SharedLLMInferenceManager: the one engine in the driver, served to every worker.
+
+The manager owns the engine (the one the trainer updates) and a lock around
+every engine call (``engine_lock``; the trainer takes it to swap weights). It
+listens on a socket (loopback unless told otherwise), authenticates each
+connection (``wire``), and runs one batcher thread that turns the requests of
+all workers into engine calls as the ``Coalescer`` decides. At most
+``max_pending_handshakes`` peers are in their handshake at once; a manager
+listening beyond loopback warns that its port must be firewalled. A malformed
+message gets an error reply and the connection goes on; an oversized frame or
+a failed handshake closes that connection only; an engine that fails, or
+answers with something other than one plain-data ``Completion`` per request,
+gets its batch (or only the request lists it answered badly) answered with
+errors, and the batcher goes on serving.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import logging
+import secrets
+import socket
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+from ragen.llm.types import Completion, Engine, GenerationRequest, SamplingParams
+from ragen.llm_agent.inference import wire
+from ragen.llm_agent.inference.client import SharedLLMClient
+from ragen.llm_agent.inference.coalescer import Coalescer, Pending
+
+logger = logging.getLogger(__name__)
+
+
+def check_listen_address(host: Any, port: Any) -> tuple[str, int]:
+    """``(host, port)`` for the manager to listen on (``llm_server.host``,
+    ``llm_server.port``); ValueError naming the key otherwise. Read before any
+    model loads, and again by the manager."""
+    if not isinstance(host, str) or not host.strip() or host != host.strip():
+        hint = " (an empty host listens on every interface without saying so)" if host == "" else ""
+        raise ValueError(f"llm_server.host must be the address to listen on: 127.0.0.1 for workers on this "
+                         f"machine, 0.0.0.0 for workers on other machines; got {host!r}{hint}")
+    if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
+        raise ValueError(f"llm_server.port must be an integer from 0 to 65535 (0: any free port), got {port!r}")
+    return host, port
+
+
+def _is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host.split("%")[0]).is_loopback
+    except ValueError:
+        return False
+
+
+@dataclass(eq=False)  # identity: one per connection
+class _Conn:
+    sock: socket.socket
+    peer: str
+    send_lock: threading.Lock = field(default_factory=threading.Lock)
+    alive: bool = True
+
+    def send(self, obj: Any) -> int:
+        return self.send_frame(wire.frame(obj))
+
+    def send_frame(self, data: bytes) -> int:
+        with self.send_lock:
+            self.sock.sendall(data)
+        return len(data)
+
+
+@dataclass
+class ManagerStats:
+    """What the manager did, written by its threads (batcher, connections).
+    Metrics code reads while they write: ``batch_sizes`` and ``call_spans``
+    are copies taken under the lock (iterating the live deque while the
+    batcher appended raised "deque mutated during iteration"), and
+    ``snapshot()`` is one consistent copy of everything."""
+
+    engine_calls: int = 0
+    requests: int = 0
+    engine_time_s: float = 0.0
+    messages_in: int = 0
+    bytes_in: int = 0
+    bytes_out: int = 0
+    refused_clients: int = 0
+    bad_messages: int = 0
+    _batch_sizes: deque = field(default_factory=lambda: deque(maxlen=8192), repr=False)  # the most recent calls'
+    _call_spans: deque = field(default_factory=lambda: deque(maxlen=8192), repr=False)  # (start, end), monotonic
+    _lock: Any = field(default_factory=threading.Lock, repr=False, compare=False)
+
+    @property
+    def batch_sizes(self) -> tuple[int, ...]:
+        with self._lock:
+            return tuple(self._batch_sizes)
+
+    @property
+    def call_spans(self) -> tuple[tuple[float, float], ...]:
+        with self._lock:
+            return tuple(self._call_spans)
+
+    def add(self, **counts: int) -> None:
+        """Add to counters (``+=`` from several threads loses updates)."""
+        with self._lock:
+            for name, n in counts.items():
+                setattr(self, name, getattr(self, name) + n)
+
+    def record_call(self, batch_sizes: list[int], span: tuple[float, float], seconds: float) -> None:
+        """One engine call of ``batch_sizes`` chunks."""
+        with self._lock:
+            self.engine_calls += len(batch_sizes)
+            self._batch_sizes.extend(batch_sizes)
+            self.requests += sum(batch_sizes)
+            self.engine_time_s += seconds
+            self._call_spans.append(span)
+
+    def snapshot(self) -> "ManagerStats":
+        with self._lock:
+            return ManagerStats(**{**{k: v for k, v in self.__dict__.items() if k != "_lock"},
+                                   "_batch_sizes": deque(self._batch_sizes, maxlen=8192),
+                                   "_call_spans": deque(self._call_spans, maxlen=8192)})
+
+
+class SharedLLMInferenceManager:
+    def __init__(
+        self,
+        engine: Engine,
+        max_batch_size: int = 256,
+        coalesce_wait_s: float = 0.002,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        max_message_bytes: int = 64 << 20,
+        handshake_timeout_s: float = 5.0,
+        max_coalesce_wait_s: float = 1.0,
+        max_pending_handshakes: int = 64,
+    ) -> None:
+        self.coalescer = Coalescer(max_batch_size, coalesce_wait_s, max_coalesce_wait_s)
+        check_listen_address(host, port)
+        if max_pending_handshakes < 1:
+            raise ValueError(f"max_pending_handshakes must be >= 1, got {max_pending_handshakes}")
+        self.engine = engine
+        self.engine_lock = threading.Lock()
+        self.max_batch_size = self.coalescer.max_batch_size
+        self.max_message_bytes = int(max_message_bytes)
+        self.handshake_timeout_s = handshake_timeout_s
+        # A thread per connection is fine for workers, not for any number of
+        # peers that connect and say nothing: at most this many handshakes run
+        # at once; further peers wait in the listen queue (a worker among them
+        # only waits, it is not turned away).
+        self._handshake_slots = threading.BoundedSemaphore(max_pending_handshakes)
+        self.max_pending_handshakes = max_pending_handshakes
+        self.stats = ManagerStats()
+        self._key = secrets.token_bytes(32)
+        self._cond = threading.Condition()  # guards the coalescer and _conns
+        self._conns: set[_Conn] = set()
+        self._closed = False
+        self._listener = socket.create_server((host, port))
+        self.address: tuple[str, int] = self._listener.getsockname()[:2]
+        self._threads = [
+            threading.Thread(target=self._accept_loop, name="ragen-llm-accept", daemon=True),
+            threading.Thread(target=self._batch_loop, name="ragen-llm-batcher", daemon=True),
+        ]
+        for t in self._threads:
+            t.start()
+        logger.info("shared LLM manager listening on %s:%d", *self.address)
+        if not _is_loopback(self.address[0]):
+            # The key keeps strangers from being served, not from connecting,
+            # holding handshake slots or reading the hello.
+            logger.warning("the shared LLM manager listens on %s:%d, beyond this machine (llm_server.host): "
+                           "firewall port %d so that only the machines of the rollout workers reach it",
+                           self.address[0], self.address[1], self.address[1])
+
+    def __repr__(self) -> str:  # never shows the key
+        return f"SharedLLMInferenceManager(address={self.address}, engine={type(self.engine).__name__})"
+
+    def client(self, timeout_s: float | None = None) -> SharedLLMClient:
+        return SharedLLMClient(address=self.address, authkey=self._key, timeout_s=timeout_s,
+                               max_message_bytes=self.max_message_bytes)
+
+    def announce(self, n_streams: int) -> int:
+        """The driver dispatched shards whose workers will open ``n_streams``
+        streams: the coalescer waits for them (within its budget) before they
+        connect, so a worker that starts its shard late is not left out of the
+        first call. Returns the id for ``SharedLLMClient.rollout`` and
+        ``withdraw``."""
+        with self._cond:
+            return self.coalescer.announce(n_streams)
+
+    def withdraw(self, rollout: int) -> None:
+        """The rollout's shards ended (or failed): expect none of its streams.
+        Streams still open under it are a shard the driver gave up on (past its
+        timeout, in a thread or a Dask task that cannot be stopped): waiting
+        for them would hold every later engine call to its full wait budget.
+        Their connection may still send requests; they are answered as usual."""
+        with self._cond:
+            self.coalescer.withdraw(rollout)
+            self._cond.notify_all()
+
+    @property
+    def open_streams(self) -> int:
+        """Streams open over every connection (what the coalescer waits for)."""
+        with self._cond:
+            return self.coalescer.open_streams
+
+    @property
+    def announced(self) -> dict[int, int]:
+        """Streams announced and not opened yet, by rollout."""
+        with self._cond:
+            return dict(self.coalescer.announced)
+
+    @property
+    def policy_version(self) -> int:
+        return self.engine.policy_version
+
+    # ----- connections ---------------------------------------------------------
+    def _accept_loop(self) -> None:
+        full = False
+        while not self._closed:
+            if not self._handshake_slots.acquire(timeout=0.2):  # short: close() is noticed
+                if not full:
+                    full = True
+                    logger.warning("%d connections to the LLM manager are in their handshake at once; further "
+                                   "ones wait until one ends (at most handshake_timeout_s=%s s each)",
+                                   self.max_pending_handshakes, self.handshake_timeout_s)
+                continue
+            full = False
+            try:
+                sock, peer = self._listener.accept()
+            except OSError:
+                self._handshake_slots.release()
+                return  # listener closed
+            try:
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                threading.Thread(target=self._serve, args=(sock, f"{peer[0]}:{peer[1]}"),
+                                 name="ragen-llm-conn", daemon=True).start()
+            except (OSError, RuntimeError) as exc:  # the peer left already, or no thread to be had
+                logger.warning("dropped a connection from %s:%s: %s", peer[0], peer[1], exc)
+                sock.close()
+                self._handshake_slots.release()
+
+    def _serve(self, sock: socket.socket, peer: str) -> None:
+        conn = _Conn(sock, peer)
+        slot = True  # one of the handshake slots, held until the handshake ends
+        try:
+            try:
+                wire.server_handshake(sock, self._key, self.handshake_timeout_s)
+            except wire.AuthenticationError:
+                self.stats.add(refused_clients=1)
+                logger.warning("refused a client from %s: wrong key", peer)
+                return
+            except TimeoutError:
+                self.stats.add(refused_clients=1)
+                logger.warning("closed the connection from %s: no handshake within handshake_timeout_s=%s s",
+                               peer, self.handshake_timeout_s)
+                return
+            self._handshake_slots.release()
+            slot = False
+            with self._cond:
+                self._conns.add(conn)
+                self.coalescer.connect(conn)
+            while not self._closed:
+                data, n = wire.recv_frame(sock, self.max_message_bytes)
+                self.stats.add(messages_in=1, bytes_in=n)
+                self._handle(conn, data)
+        except wire.ProtocolError as exc:
+            self.stats.add(bad_messages=1)
+            logger.warning("closing the connection from %s: %s", peer, exc)
+        except (EOFError, OSError):
+            pass  # the client went away (a worker that finished, died or timed out)
+        finally:
+            if slot:
+                self._handshake_slots.release()
+            with self._cond:
+                conn.alive = False
+                self._conns.discard(conn)
+                self.coalescer.disconnect(conn)
+                self._cond.notify_all()
+            try:
+                sock.close()
+            except OSError:
+                pass
+
+    def _handle(self, conn: _Conn, data: bytes) -> None:
+        try:
+            msg = wire.parse_message(data)
+        except wire.BadMessage as exc:
+            self.stats.add(bad_messages=1)
+            logger.warning("bad message from %s: %s", conn.peer, exc)
+            conn.send({"answers": [{"ticket": exc.ticket, "error": f"bad message: {exc}"}]})
+            return
+        if isinstance(msg, wire.StreamsMessage):
+            with self._cond:
+                if msg.op == "open":
+                    self.coalescer.open(conn, msg.n, msg.rollout, time.monotonic())
+                else:
+                    self.coalescer.close(conn, msg.n)
+                self._cond.notify_all()
+            return
+        if not msg.requests:
+            conn.send({"answers": [{"ticket": msg.ticket, "completions": []}]})
+            return
+        pending = Pending(conn, msg.ticket, msg.requests, msg.sampling, time.monotonic())
+        with self._cond:
+            self.coalescer.arrive(pending)
+            self._cond.notify_all()
+
+    # ----- batching ------------------------------------------------------------
+    def _next_batch(self) -> list[Pending] | None:
+        with self._cond:
+            while not self._closed:
+                decision = self.coalescer.decide(time.monotonic())
+                if decision.batch is not None:
+                    return decision.batch
+                # no bound needed: every change the decision depends on (a
+                # request, a stream, a connection, close()) notifies
+                self._cond.wait(None if decision.until is None else decision.until - time.monotonic())
+            return None
+
+    def _batch_loop(self) -> None:
+        while True:
+            batch = self._next_batch()
+            if batch is None:
+                return
+            try:
+                self._reply(self._answers(batch))
+            except Exception as exc:  # a bug here must not end the thread: every later request would wait forever
+                logger.exception("the batcher failed on %d requests; answering them with an error", len(batch))
+                answers: dict[_Conn, list[dict[str, Any]]] = {}
+                for p in batch:
+                    answers.setdefault(p.conn, []).append(
+                        {"ticket": p.ticket, "error": f"the LLM manager failed: {type(exc).__name__}: {exc}"})
+                try:
+                    self._reply(answers)
+                except Exception:
+                    logger.exception("could not answer %d requests", len(batch))
+
+    def _answers(self, batch: list[Pending]) -> dict[_Conn, list[dict[str, Any]]]:
+        """One engine call for ``batch``: each request list's completions, or
+        an error that says what was wrong with them."""
+        requests = [r for p in batch for r in p.requests]
+        answers: dict[_Conn, list[dict[str, Any]]] = {}
+        try:
+            if logger.isEnabledFor(logging.DEBUG):
+                turns = sorted({r.turn for r in requests})
+                logger.debug("engine call: %d requests from %d streams, turns %s, %.4f s after the first arrived",
+                             len(requests), len(batch), turns, time.monotonic() - batch[0].arrived)
+            completions = self.generate(requests, batch[0].sampling)
+        except Exception as exc:  # the engine failed: every waiting client hears it
+            logger.exception("engine call failed for %d requests", len(requests))
+            for p in batch:
+                answers.setdefault(p.conn, []).append({"ticket": p.ticket, "error": f"{type(exc).__name__}: {exc}"})
+            return answers
+        i = 0
+        for p in batch:
+            part = completions[i: i + len(p.requests)]
+            i += len(p.requests)
+            try:
+                answer = {"ticket": p.ticket,
+                          "completions": [wire.completion_for_wire(c, r) for c, r in zip(part, p.requests)]}
+            except Exception as exc:  # that request list only: the others' completions are good
+                logger.error("malformed completion from the engine: %s", exc)
+                answer = {"ticket": p.ticket, "error": f"{type(exc).__name__}: {exc}"}
+            answers.setdefault(p.conn, []).append(answer)
+        return answers
+
+    def generate(self, requests: list[GenerationRequest], sampling: SamplingParams) -> list[Completion]:
+        """One engine call (in chunks of ``max_batch_size``) under the engine lock."""
+        out: list[Completion] = []
+        with self.engine_lock:
+            start = time.monotonic()
+            t0 = time.perf_counter()
+            sizes = []
+            for i in range(0, len(requests), self.max_batch_size):
+                chunk = requests[i: i + self.max_batch_size]
+                got = self.engine.generate(chunk, sampling)
+                if not isinstance(got, (list, tuple)):
+                    raise TypeError(f"the engine returned {type(got).__name__}, not a list of completions")
+                if len(got) != len(chunk):
+                    raise RuntimeError(f"engine returned {len(got)} completions for {len(chunk)} requests")
+                out += got
+                sizes.append(len(chunk))
+            elapsed = time.perf_counter() - t0
+            free_at = time.monotonic()
+            with self._cond:
+                self.coalescer.call_done(len(requests), elapsed, free_at)
+            self.stats.record_call(sizes, (start, free_at), elapsed)
+        return out
+
+    def _reply(self, answers: dict[_Conn, list[dict[str, Any]]]) -> None:
+        """One frame per connection, all encoded before any is sent: a woken
+        worker takes a core at once, and the other workers' answers must not
+        wait behind it."""
+        frames = [(conn, wire.answers_frame(a), len(a)) for conn, a in answers.items() if conn.alive]
+        with self._cond:
+            self.coalescer.answered({conn: n for conn, _, n in frames}, time.monotonic())
+        for conn, data, _ in frames:
+            try:
+                self.stats.add(bytes_out=conn.send_frame(data))
+            except OSError:
+                pass  # the client left; its cleanup runs in its own thread
+
+    def close(self) -> None:
+        with self._cond:
+            if self._closed:
+                return
+            self._closed = True
+            self._cond.notify_all()
+            conns = list(self._conns)
+        try:
+            self._listener.shutdown(socket.SHUT_RDWR)  # wakes the blocked accept()
+        except OSError:
+            pass
+        self._listener.close()
+        for c in conns:
+            try:
+                c.sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+        for t in self._threads:
+            t.join(timeout=5)
+
+    def __enter__(self) -> "SharedLLMInferenceManager":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()

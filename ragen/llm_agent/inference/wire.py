@@ -1,0 +1,324 @@
+"""The wire between workers and the shared manager: frames, handshake, messages.
+
+Frames are a 4-byte big-endian length and a pickle of plain data (dicts,
+lists, strings, bytes, numbers), written by a pickler and read by an
+unpickler that refuse every class and function: a frame carries nothing but
+data (as safe as JSON, and 5-8x cheaper to encode and decode, which matters
+because the full message history of every env travels each turn). Each side
+refuses a frame longer than its ``max_message_bytes``.
+
+- Handshake, within one deadline in all: manager -> client ``b"RAGEN2"`` and a
+  32-byte nonce; client -> manager ``HMAC-SHA256(key, b"ragen client" + that
+  nonce)`` and a 32-byte nonce of its own; the manager checks the HMAC (a wrong
+  one closes the connection), then sends the frame ``{"ok": True, "proof":
+  HMAC-SHA256(key, b"ragen server" + the client's nonce)}``, which the client
+  checks before it sends anything. Nothing else is read before the key is
+  proven, and a worker never takes answers from a server that lacks the key.
+- Client -> manager: ``{"op": "open"|"close", "n": k, "rollout": r}``
+  (streams), or ``{"op": "gen", "ticket": t, "requests": [...], "sampling":
+  {...}}``, checked field by field on arrival (``parse_message``): a request of
+  the wrong type or range is refused alone, never failing the engine call it
+  would have joined.
+- Manager -> client: ``{"answers": [...]}``, one frame per connection and
+  engine call; each answer is ``{"ticket": t, "completions": [...]}`` (without
+  token ids: they stay in the driver) or ``{"ticket": t, "error": msg}``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import io
+import logging
+import math
+import pickle
+import secrets
+import socket
+import struct
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from ragen.llm.types import Completion, GenerationRequest, SamplingParams
+
+logger = logging.getLogger(__name__)
+
+MAGIC = b"RAGEN2"  # 2: the manager proves the key too
+NONCE_BYTES = 32
+DIGEST_BYTES = hashlib.sha256().digest_size
+# Each side proves the key over its own label, so what one side answers can
+# never be replayed as the other's proof.
+CLIENT_LABEL, SERVER_LABEL = b"ragen client", b"ragen server"
+_HEADER = struct.Struct(">I")
+
+
+class EngineError(RuntimeError):
+    """The shared engine failed on a request (raised in the client)."""
+
+
+class ProtocolError(RuntimeError):
+    """A frame or reply broke the protocol (too long, not a reply)."""
+
+
+class AuthenticationError(ConnectionError):
+    """The peer could not prove it holds the manager's key."""
+
+
+# ----- frames -------------------------------------------------------------------
+
+def recv_exact(sock: socket.socket, n: int, deadline: float | None = None) -> bytes:
+    """``n`` bytes; with a ``deadline`` (time.monotonic()), TimeoutError once it
+    passes, however the bytes trickle in (a timeout per recv would let one
+    byte every few seconds hold a connection open for ever)."""
+    buf = bytearray()
+    while len(buf) < n:
+        if deadline is not None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"{len(buf)} of {n} bytes before the deadline")
+            sock.settimeout(left)
+        chunk = sock.recv(n - len(buf))
+        if not chunk:
+            raise EOFError("connection closed")
+        buf += chunk
+    return bytes(buf)
+
+
+class _DataUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> Any:
+        raise pickle.UnpicklingError(f"a frame may hold only plain data, not {module}.{name}")
+
+
+def loads(data: bytes) -> Any:
+    """Plain data from a frame; ValueError for anything else."""
+    try:
+        return _DataUnpickler(io.BytesIO(data)).load()
+    except Exception as exc:  # truncated or foreign bytes fail in many ways
+        raise ValueError(f"not a frame of plain data ({type(exc).__name__}: {exc})") from None
+
+
+class _DataPickler(pickle.Pickler):
+    # Called only for objects that are not of a builtin type (str, int, dict,
+    # list...): refusing them here costs nothing on plain data, and an engine's
+    # numpy float or str subclass fails in the manager, where the request it
+    # answers is known, not in the worker's unpickler.
+    def reducer_override(self, obj: Any) -> Any:
+        raise pickle.PicklingError(f"a frame may hold only plain data, not {type(obj).__module__}."
+                                   f"{type(obj).__qualname__}")
+
+
+def frame(obj: Any) -> bytes:
+    """A frame of plain data; pickle.PicklingError for anything else."""
+    buf = io.BytesIO()
+    buf.write(b"\0" * _HEADER.size)
+    _DataPickler(buf, protocol=pickle.HIGHEST_PROTOCOL).dump(obj)
+    view = buf.getbuffer()
+    _HEADER.pack_into(view, 0, len(view) - _HEADER.size)
+    del view
+    return buf.getvalue()
+
+
+def send_frame(sock: socket.socket, obj: Any) -> int:
+    data = frame(obj)
+    sock.sendall(data)
+    return len(data)
+
+
+def recv_frame(sock: socket.socket, max_bytes: int, deadline: float | None = None) -> tuple[bytes, int]:
+    """A frame's payload and the bytes it took; ProtocolError when it is longer than ``max_bytes``."""
+    (n,) = _HEADER.unpack(recv_exact(sock, _HEADER.size, deadline))
+    if n > max_bytes:
+        raise ProtocolError(f"frame of {n} bytes exceeds the limit of {max_bytes}")
+    return recv_exact(sock, n, deadline), n + _HEADER.size
+
+
+# ----- handshake ----------------------------------------------------------------
+
+def _digest(key: bytes, label: bytes, nonce: bytes) -> bytes:
+    return hmac.new(key, label + nonce, hashlib.sha256).digest()
+
+
+def server_handshake(sock: socket.socket, key: bytes, timeout_s: float) -> None:
+    """The manager's side, within ``timeout_s`` in all: AuthenticationError for
+    a wrong key, TimeoutError when the peer is too slow."""
+    deadline = time.monotonic() + timeout_s
+    sock.settimeout(timeout_s)
+    nonce = secrets.token_bytes(NONCE_BYTES)
+    sock.sendall(MAGIC + nonce)
+    answer = recv_exact(sock, DIGEST_BYTES, deadline)
+    if not hmac.compare_digest(answer, _digest(key, CLIENT_LABEL, nonce)):
+        raise AuthenticationError("wrong key")
+    client_nonce = recv_exact(sock, NONCE_BYTES, deadline)
+    sock.settimeout(max(1e-3, deadline - time.monotonic()))
+    send_frame(sock, {"ok": True, "proof": _digest(key, SERVER_LABEL, client_nonce)})
+    sock.settimeout(None)
+
+
+def client_handshake(sock: socket.socket, key: bytes, address: Any, timeout_s: float) -> None:
+    """The worker's side: it proves the key over the manager's nonce, the
+    manager over the worker's (a server that does not know the key must not
+    feed workers answers)."""
+    deadline = time.monotonic() + timeout_s
+    hello = recv_exact(sock, len(MAGIC) + NONCE_BYTES, deadline)
+    if not hello.startswith(MAGIC):
+        raise ProtocolError(f"{address} is not a ragen LLM manager (of this version)")
+    nonce = secrets.token_bytes(NONCE_BYTES)
+    sock.sendall(_digest(key, CLIENT_LABEL, hello[len(MAGIC):]) + nonce)
+    try:
+        data, _ = recv_frame(sock, 1 << 10, deadline)
+    except (EOFError, ConnectionResetError):  # reset: it closed before reading our nonce
+        raise ConnectionRefusedError(f"the LLM manager at {address} refused the key") from None
+    reply = loads(data)
+    if not isinstance(reply, dict) or not reply.get("ok"):
+        raise ConnectionRefusedError(f"the LLM manager at {address} refused the connection")
+    proof = reply.get("proof")
+    if not isinstance(proof, bytes) or not hmac.compare_digest(proof, _digest(key, SERVER_LABEL, nonce)):
+        raise AuthenticationError(
+            f"the server at {address} did not prove it holds the key of this client's LLM manager: "
+            "it is not that manager (a stale address, or another process on its port); refusing it")
+
+
+# ----- messages -----------------------------------------------------------------
+
+@dataclass(frozen=True)
+class StreamsMessage:
+    """A worker opens (``op="open"``) or closes ``n`` streams."""
+
+    op: str
+    n: int
+    rollout: int | None
+
+
+@dataclass(frozen=True)
+class GenMessage:
+    """A worker asks for completions of ``requests`` under ``sampling``."""
+
+    ticket: int
+    requests: list[GenerationRequest]
+    sampling: SamplingParams
+
+
+class BadMessage(ValueError):
+    """A malformed message; ``ticket`` is its ticket where one could be read."""
+
+    def __init__(self, message: str, ticket: int | None = None) -> None:
+        super().__init__(message)
+        self.ticket = ticket
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+# What each field of a request and of its sampling params must be. Checked
+# when a request arrives: a wrong type found by the engine would fail the
+# whole coalesced call, other workers' requests with it.
+_REQUEST_FIELDS = {
+    "env_id": (_is_int, "an integer"),
+    "turn": (_is_int, "an integer"),
+    "seed": (_is_int, "an integer"),
+    # 0 is an answer of no tokens (every engine handles it): a turn with no room left
+    "max_tokens": (lambda v: v is None or (_is_int(v) and v >= 0), "null or an integer >= 0"),
+}
+_SAMPLING_FIELDS = {
+    "temperature": (lambda v: _is_number(v) and v >= 0, "a number >= 0"),
+    "top_p": (lambda v: _is_number(v) and 0 < v <= 1, "a number in (0, 1]"),
+    "top_k": (lambda v: _is_int(v) and v >= -1, "an integer >= -1 (-1: no top-k)"),
+    "max_tokens": (lambda v: _is_int(v) and v >= 0, "an integer >= 0"),
+    "seed": (_is_int, "an integer"),
+    "stop": (lambda v: isinstance(v, list) and all(isinstance(x, str) for x in v), "a list of strings"),
+}
+
+
+def _check_fields(values: dict[str, Any], checks: dict[str, Any], where: str) -> None:
+    for name, (ok, what) in checks.items():
+        if not ok(values[name]):
+            raise ValueError(f"{where}.{name} must be {what}, got {repr(values[name])[:80]}")
+
+
+def parse_message(data: bytes) -> StreamsMessage | GenMessage:
+    """A client's message, every field checked; BadMessage saying what is wrong otherwise."""
+    ticket = None
+    try:
+        msg = loads(data)
+        if not isinstance(msg, dict):
+            raise ValueError("a message must be a dict")
+        op = msg.get("op")
+        if op in ("open", "close"):
+            n = msg.get("n")
+            if not _is_int(n) or not 0 <= n <= 1 << 16:
+                raise ValueError(f"'n' must be a small non-negative integer, got {n!r}")
+            rollout = msg.get("rollout")
+            if rollout is not None and not _is_int(rollout):
+                raise ValueError(f"'rollout' must be an integer, got {rollout!r}")
+            return StreamsMessage(op, n, rollout)
+        if op != "gen":
+            raise ValueError(f"unknown op {op!r}")
+        ticket = msg.get("ticket")
+        if not _is_int(ticket):
+            ticket = None
+            raise ValueError("'ticket' must be an integer")
+        raw = msg.get("requests")
+        if not isinstance(raw, list) or not all(isinstance(r, dict) for r in raw):
+            raise ValueError("'requests' must be a list of objects")
+        requests = [GenerationRequest.from_dict(r) for r in raw]
+        for i, r in enumerate(requests):
+            if not isinstance(r.messages, list) or not all(
+                isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+                for m in r.messages
+            ):
+                raise ValueError(f"requests[{i}].messages must be a list of {{role, content}} (strings)")
+            _check_fields(r.to_dict(), _REQUEST_FIELDS, f"requests[{i}]")
+        sampling_raw = msg.get("sampling") or {}
+        if not isinstance(sampling_raw, dict):
+            raise ValueError("'sampling' must be an object")
+        sampling = SamplingParams.from_dict(sampling_raw)
+        _check_fields(sampling.to_dict(), _SAMPLING_FIELDS, "sampling")
+        return GenMessage(ticket, requests, sampling)
+    except (ValueError, TypeError) as exc:
+        raise BadMessage(str(exc), ticket) from None
+
+
+def completion_for_wire(completion: Completion, request: GenerationRequest) -> dict[str, Any]:
+    """A completion as plain data for the worker; TypeError if the engine answered something else."""
+    if not isinstance(completion, Completion):
+        raise TypeError(f"the engine returned {type(completion).__name__}, not a Completion, for the request "
+                        f"of env_id {request.env_id}, turn {request.turn}")
+    # Workers read the text, finish reason and policy version, never the token
+    # ids (the trainer tokenizes trajectories itself): keep them out of the
+    # reply, where they would be most of its bytes and of its encoding time.
+    d = completion.to_dict()
+    d["prompt_token_ids"] = []
+    d["response_token_ids"] = []
+    return d
+
+
+def answers_frame(answers: list[dict[str, Any]]) -> bytes:
+    """The frame of one connection's answers. An answer that is not plain
+    data (an engine's numpy number, say) becomes an error for its request
+    list alone: encoded apart, only on this rare path."""
+    try:
+        return frame({"answers": answers})
+    except pickle.PicklingError:
+        pass
+    checked = []
+    for a in answers:
+        try:
+            frame(a)
+            checked.append(a)
+            continue
+        except pickle.PicklingError as exc:
+            problem = exc
+        for c in a.get("completions", []):
+            try:
+                frame(c)
+            except pickle.PicklingError as exc:
+                problem = f"the completion for env_id {c.get('env_id')!r} (turn {c.get('turn')!r}): {exc}"
+                break
+        logger.error("malformed completion from the engine: %s", problem)
+        checked.append({"ticket": a.get("ticket"), "error": f"the engine's answer cannot be sent: {problem}"})
+    return frame({"answers": checked})
