@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import dataclasses
 import json
 import logging
 import numbers
@@ -51,10 +50,11 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from ragen.env import make_env, make_env_config, resolve_env_type, to_plain
+from ragen.pickling import describe_unpicklable
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["CheckReport", "CheckResult", "check_env", "describe_unpicklable", "main"]
+__all__ = ["CheckReport", "CheckResult", "check_env", "main"]
 
 INFO_KEYS = ("action_is_valid", "action_is_effective", "success")
 # answers for language envs (no ACTION_LOOKUP): well formed, wrong and garbage
@@ -314,40 +314,6 @@ def _clear_memos(env: Any) -> None:
                     clear()
                 except Exception:
                     logger.debug("could not clear %r", value, exc_info=True)
-
-
-# ----- pickling ------------------------------------------------------------------
-
-def describe_unpicklable(obj: Any, prefix: str) -> str | None:
-    """None when ``obj`` pickles; else what does not, e.g.
-    ``"env_config.hook (a _thread.lock: TypeError: cannot pickle ...)"``.
-    Callers that send configs to worker processes can use it to name the key."""
-    try:
-        pickle.dumps(obj)
-        return None
-    except Exception as exc:
-        part = _unpicklable_part(obj, prefix)
-        return part if part != prefix else f"{prefix} ({_exc(exc)})"
-
-
-def _unpicklable_part(obj: Any, prefix: str) -> str:
-    """Name the attribute, key or field of ``obj`` that does not pickle."""
-    if isinstance(obj, Mapping):
-        items = list(obj.items())
-    elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        items = [(f.name, getattr(obj, f.name, None)) for f in dataclasses.fields(obj)]
-    elif hasattr(obj, "__dict__"):
-        items = list(vars(obj).items())
-    else:
-        return prefix
-    for name, value in items:
-        try:
-            pickle.dumps(value)
-        except Exception as exc:
-            kind = "a lambda" if getattr(value, "__name__", "") == "<lambda>" else f"a {type(value).__module__}." \
-                f"{type(value).__qualname__}"
-            return f"{prefix}.{name} ({kind}: {_exc(exc)})"
-    return prefix
 
 
 # ----- the checks ---------------------------------------------------------------
