@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from ragen.env.check import CheckReport, check_env, main, parse_config_args
+from ragen.env.check import CheckReport, check_env
+from ragen.env.check.cli import main, parse_config_args
 
 ROOT = Path(__file__).resolve().parents[1]
 BUILTIN = {
