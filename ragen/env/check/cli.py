@@ -19,6 +19,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Sequence
 
+from ragen.config_files import config_dir
 from ragen.env import to_plain
 from ragen.env.check.checker import check_env
 
@@ -59,7 +60,7 @@ def _merge(base: dict[str, Any], extra: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def _default_envs_yaml() -> Path:
-    return Path(__file__).resolve().parents[3] / "config" / "envs.yaml"
+    return config_dir() / "envs.yaml"
 
 
 def _tag_spec(name: str, envs_yaml: Path) -> dict[str, Any] | None:
