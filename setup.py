@@ -8,7 +8,9 @@ setup(
     long_description_content_type="text/markdown",
     python_requires=">=3.10",
     packages=find_packages(include=["ragen", "ragen.*"]),
-    package_data={"ragen": ["py.typed"]},
+    # config/ (one copy of each YAML, read by train.py through Hydra) ships as
+    # ragen/_config, a symlink to it in the source tree: see ragen/config_files.py
+    package_data={"ragen": ["py.typed", "_config/*.yaml", "_config/*/*.yaml"]},
     install_requires=[
         "numpy>=1.24",
         "joblib>=1.4",

@@ -40,9 +40,11 @@ import time
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
+from ragen import config_files
+
 logger = logging.getLogger(__name__)
 
-CONFIG_DIR = Path(__file__).resolve().parents[1] / "config"
+CONFIG_DIR = config_files.config_dir()  # the config/ folder shipped with ragen
 DEFAULT_TAGS = ("SimpleSokoban", "FrozenLake", "Bandit", "Countdown")
 _HELPERS = ("resource_tracker", "semaphore_tracker", "forkserver")
 _PAGE_KB = os.sysconf("SC_PAGE_SIZE") // 1024 if hasattr(os, "sysconf") else 4
@@ -305,7 +307,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m ragen.soak", description=__doc__.split("\n\n")[0])
     parser.add_argument("--rollouts", type=int, default=100)
     parser.add_argument("--config-name", default="soak", help="a config in config/ (default: soak)")
-    parser.add_argument("--config-dir", type=Path, default=CONFIG_DIR)
+    parser.add_argument("--config-dir", type=Path, default=CONFIG_DIR,
+                        help="where --config-name is looked up (default: the config/ shipped with ragen)")
     parser.add_argument("--split", default="train", choices=("train", "val"))
     parser.add_argument("--envs", type=int, default=None,
                         help="replace the split by N envs of group size 1 over --tags and report memory per env")

@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from ragen.env.check import CheckReport, check_env, describe_unpicklable, main, parse_config_args
+from ragen.env.check import CheckReport, check_env
+from ragen.env.check.cli import main, parse_config_args
 
 ROOT = Path(__file__).resolve().parents[1]
 BUILTIN = {
@@ -136,8 +137,3 @@ def test_cli_as_a_module():
     assert proc.returncode == 1
     assert "FAIL  build" in proc.stdout and "dim_x" in proc.stdout
 
-
-def test_describe_unpicklable_names_the_key():
-    assert describe_unpicklable({"a": 1, "b": [2]}, "env_config") is None
-    text = describe_unpicklable({"a": 1, "hook": threading.Lock()}, "custom_envs.X.env_config")
-    assert text.startswith("custom_envs.X.env_config.hook (a _thread.lock")

@@ -250,7 +250,7 @@ class ParallelRolloutManager:
         per config, instead of joblib's anonymous pickling error."""
         if self.backend in IN_PROCESS_BACKENDS:
             return
-        from ragen.env.check import describe_unpicklable
+        from ragen.pickling import describe_unpicklable
 
         for spec in specs:
             if spec.pool_key in self._picklable:

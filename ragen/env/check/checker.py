@@ -1,20 +1,9 @@
-"""The env checker: tells an env author what in an env breaks the rollout engine.
-
-    python -m ragen.env.check sokoban
-    python -m ragen.env.check my_pkg.envs:MyEnv --config-type my_pkg.envs:MyConfig \\
-        --config size=6 --config 'names=[a, b]' --seeds 8
-    python -m ragen.env.check SimpleSokoban          # a tag of config/envs.yaml
-
-Concepts:
+"""The env checker: runs every check on an env and says what would break the
+rollout engine, and how to fix it.
 
 - ``check_env(env_type, env_config, config_type, seeds)`` builds the env through
   ``ragen.env.make_env`` (as a worker does), runs every check and returns a
-  ``CheckReport``: a list of ``CheckResult`` (``name``, ``ok``, ``status``,
-  ``message``, ``fix``) plus reset/step timings.
-- A *status* is ``pass``, ``fail`` (the rollout engine would break or give
-  wrong results), ``warn`` (suspicious, the engine still works) or ``skip``
-  (an earlier failure makes the check meaningless). ``CheckReport.ok`` is True
-  when nothing failed; the CLI exits 1 otherwise.
+  ``CheckReport`` (``ragen.env.check.report``) plus reset/step timings.
 - An *episode* here is ``reset(seed)`` then up to ``max_steps`` steps of a fixed
   action sequence drawn from the seed (ids of ``ACTION_LOOKUP`` for a discrete
   env, short answer texts for a language env); episodes are compared as plain
@@ -33,10 +22,7 @@ long ``reset`` and ``step`` take.
 
 from __future__ import annotations
 
-import argparse
 import copy
-import dataclasses
-import json
 import logging
 import numbers
 import pickle
@@ -44,17 +30,17 @@ import random
 import sys
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from ragen.env import make_env, make_env_config, resolve_env_type, to_plain
+from ragen.env import make_env, make_env_config, resolve_env_type
+from ragen.env.check.report import CheckReport
+from ragen.pickling import describe_unpicklable
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["CheckReport", "CheckResult", "check_env", "describe_unpicklable", "main"]
+__all__ = ["check_env"]
 
 INFO_KEYS = ("action_is_valid", "action_is_effective", "success")
 # answers for language envs (no ACTION_LOOKUP): well formed, wrong and garbage
@@ -70,75 +56,6 @@ _RNG_FIX = (
     "and draw only from self.np_random; never call np.random.<fn>, np.random.seed, random.<fn> "
     "or random.seed, and do not use time or os.urandom as a source of randomness"
 )
-
-
-@dataclass
-class CheckResult:
-    name: str
-    status: str  # pass | fail | warn | skip
-    message: str
-    fix: str = ""
-
-    @property
-    def ok(self) -> bool:
-        return self.status != "fail"
-
-    def as_dict(self) -> dict[str, Any]:
-        return {"name": self.name, "ok": self.ok, "status": self.status, "message": self.message, "fix": self.fix}
-
-
-@dataclass
-class CheckReport:
-    env_type: str
-    env_config: Any
-    config_type: str | None
-    seeds: list[int]
-    results: list[CheckResult] = field(default_factory=list)
-    timings: dict[str, float] = field(default_factory=dict)  # reset_/step_ mean_ms, p95_ms, n
-
-    @property
-    def ok(self) -> bool:
-        return all(r.ok for r in self.results)
-
-    def __getitem__(self, name: str) -> CheckResult:
-        for r in self.results:
-            if r.name == name:
-                return r
-        raise KeyError(name)
-
-    def failures(self) -> list[CheckResult]:
-        return [r for r in self.results if r.status == "fail"]
-
-    def warnings(self) -> list[CheckResult]:
-        return [r for r in self.results if r.status == "warn"]
-
-    def add(self, name: str, status: str, message: str, fix: str = "") -> CheckResult:
-        result = CheckResult(name, status, message, fix)
-        self.results.append(result)
-        return result
-
-    def as_dict(self) -> dict[str, Any]:
-        return {"env_type": self.env_type, "env_config": _jsonable(self.env_config), "config_type": self.config_type,
-                "seeds": self.seeds, "ok": self.ok, "results": [r.as_dict() for r in self.results],
-                "timings": self.timings}
-
-    def format(self) -> str:
-        lines = [f"env check: {self.env_type}" + (f" (config_type {self.config_type})" if self.config_type else "")
-                 + f", seeds {_seed_range(self.seeds)}"]
-        for r in self.results:
-            lines.append(f"  {r.status.upper():5} {r.name:16} {r.message}")
-            if r.fix and r.status in ("fail", "warn"):
-                lines.append(f"  {'':5} {'':16} fix: {r.fix}")
-        n_fail, n_warn = len(self.failures()), len(self.warnings())
-        lines.append(("OK" if self.ok else "FAILED") + f": {n_fail} failed, {n_warn} warning(s), "
-                     f"{sum(r.status == 'pass' for r in self.results)} passed")
-        return "\n".join(lines)
-
-
-def _seed_range(seeds: Sequence[int]) -> str:
-    if seeds and list(seeds) == list(range(seeds[0], seeds[0] + len(seeds))):
-        return f"{seeds[0]}..{seeds[-1]}"
-    return ", ".join(map(str, seeds))
 
 
 def _short(value: Any, n: int = 80) -> str:
@@ -161,14 +78,6 @@ def _canon(x: Any) -> Any:
 
 def _same(a: Any, b: Any) -> bool:
     return repr(_canon(a)) == repr(_canon(b))
-
-
-def _jsonable(x: Any) -> Any:
-    try:
-        json.dumps(x)
-        return x
-    except (TypeError, ValueError):
-        return repr(x)
 
 
 def _exc(exc: BaseException) -> str:
@@ -314,40 +223,6 @@ def _clear_memos(env: Any) -> None:
                     clear()
                 except Exception:
                     logger.debug("could not clear %r", value, exc_info=True)
-
-
-# ----- pickling ------------------------------------------------------------------
-
-def describe_unpicklable(obj: Any, prefix: str) -> str | None:
-    """None when ``obj`` pickles; else what does not, e.g.
-    ``"env_config.hook (a _thread.lock: TypeError: cannot pickle ...)"``.
-    Callers that send configs to worker processes can use it to name the key."""
-    try:
-        pickle.dumps(obj)
-        return None
-    except Exception as exc:
-        part = _unpicklable_part(obj, prefix)
-        return part if part != prefix else f"{prefix} ({_exc(exc)})"
-
-
-def _unpicklable_part(obj: Any, prefix: str) -> str:
-    """Name the attribute, key or field of ``obj`` that does not pickle."""
-    if isinstance(obj, Mapping):
-        items = list(obj.items())
-    elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        items = [(f.name, getattr(obj, f.name, None)) for f in dataclasses.fields(obj)]
-    elif hasattr(obj, "__dict__"):
-        items = list(vars(obj).items())
-    else:
-        return prefix
-    for name, value in items:
-        try:
-            pickle.dumps(value)
-        except Exception as exc:
-            kind = "a lambda" if getattr(value, "__name__", "") == "<lambda>" else f"a {type(value).__module__}." \
-                f"{type(value).__qualname__}"
-            return f"{prefix}.{name} ({kind}: {_exc(exc)})"
-    return prefix
 
 
 # ----- the checks ---------------------------------------------------------------
@@ -707,100 +582,3 @@ def _timing(report: CheckReport) -> None:
                    "(functools.lru_cache keyed by the seed) and keep step cheap")
     else:
         report.add("timing", "pass", msg)
-
-
-# ----- command line --------------------------------------------------------------
-
-def _parse_value(text: str) -> Any:
-    import yaml
-
-    try:
-        return yaml.safe_load(text)
-    except yaml.YAMLError:
-        return text
-
-
-def parse_config_args(items: Sequence[str]) -> dict[str, Any]:
-    """``["size=6", "names=[a, b]", "room.dim=4"]`` -> a nested dict (values as YAML)."""
-    out: dict[str, Any] = {}
-    for item in items:
-        key, sep, value = item.partition("=")
-        if not sep or not key.strip():
-            raise ValueError(f"--config {item!r}: expected key=value")
-        node = out
-        parts = key.strip().split(".")
-        for part in parts[:-1]:
-            node = node.setdefault(part, {})
-            if not isinstance(node, dict):
-                raise ValueError(f"--config {item!r}: {part} is both a value and a mapping")
-        node[parts[-1]] = _parse_value(value)
-    return out
-
-
-def _merge(base: dict[str, Any], extra: Mapping[str, Any]) -> dict[str, Any]:
-    out = dict(base)
-    for k, v in extra.items():
-        out[k] = _merge(out[k], v) if isinstance(v, Mapping) and isinstance(out.get(k), dict) else v
-    return out
-
-
-def _default_envs_yaml() -> Path:
-    return Path(__file__).resolve().parents[2] / "config" / "envs.yaml"
-
-
-def _tag_spec(name: str, envs_yaml: Path) -> dict[str, Any] | None:
-    """``custom_envs.<name>`` of an envs YAML file, if ``name`` is a tag there."""
-    if not envs_yaml.is_file():
-        return None
-    import yaml
-
-    data = yaml.safe_load(envs_yaml.read_text()) or {}
-    spec = (data.get("custom_envs") or {}).get(name)
-    return spec if isinstance(spec, dict) else None
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    from ragen.env import REGISTERED_ENVS
-
-    parser = argparse.ArgumentParser(
-        prog="python -m ragen.env.check",
-        description="Check that an env keeps the contract of the rollout engine.")
-    parser.add_argument("env", help="a registered env name (e.g. sokoban), an import path 'package.module:EnvClass', "
-                                    "or a tag of custom_envs in config/envs.yaml (e.g. SimpleSokoban)")
-    parser.add_argument("--config-type", default=None, help="'package.module:ConfigClass' of the env config")
-    parser.add_argument("--config", action="append", default=[], metavar="KEY=VALUE",
-                        help="an env_config value (parsed as YAML: 6, 0.8, true, [a, b]); repeatable")
-    parser.add_argument("--seeds", type=int, default=5, help="number of seeds (0..N-1); default 5")
-    parser.add_argument("--first-seed", type=int, default=0,
-                        help="seeds start here (first..first+N-1): the seed of an env that failed in a rollout")
-    parser.add_argument("--max-steps", type=int, default=20, help="steps per checked episode; default 20")
-    parser.add_argument("--envs-yaml", type=Path, default=_default_envs_yaml(), help="where tags are looked up")
-    parser.add_argument("--json", type=Path, default=None, help="also write the report as JSON here")
-    args = parser.parse_args(argv)
-    if args.seeds < 1:
-        parser.error("--seeds must be >= 1")
-    if args.max_steps < 1:
-        parser.error("--max-steps must be >= 1")
-    try:
-        overrides = parse_config_args(args.config)
-    except ValueError as exc:
-        parser.error(str(exc))
-    env_type, config_type, env_config = args.env, args.config_type, overrides
-    if env_type not in REGISTERED_ENVS and ":" not in env_type:
-        spec = _tag_spec(env_type, args.envs_yaml)
-        if spec is not None:
-            print(f"tag {env_type} of {args.envs_yaml}: env_type {spec.get('env_type')}")
-            env_type = spec.get("env_type", env_type)
-            config_type = config_type or spec.get("config_type")
-            env_config = _merge(to_plain(spec.get("env_config") or {}), overrides)
-    seeds = list(range(args.first_seed, args.first_seed + args.seeds))
-    report = check_env(env_type, env_config or None, config_type, seeds=seeds, max_steps=args.max_steps)
-    print(report.format())
-    if args.json:
-        args.json.write_text(json.dumps(report.as_dict(), indent=2))
-        print(f"wrote {args.json}")
-    return 0 if report.ok else 1
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

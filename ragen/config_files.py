@@ -1,0 +1,23 @@
+"""Where ragen's YAML configs are, for tools that run from an installed ragen.
+
+The repository's ``config/`` folder (Hydra's config tree for ``train.py``)
+holds the one copy of every YAML file. In the source tree ``ragen/_config`` is
+a symlink to it, and ``setup.py`` ships the files under it as package data, so
+``python -m ragen.env.check`` and ``python -m ragen.soak`` find ``envs.yaml``
+and ``soak.yaml`` next to ragen's modules, whether ragen is installed editable
+(or run from a checkout) or not.
+"""
+
+from __future__ import annotations
+
+from importlib.resources import files
+from pathlib import Path
+
+__all__ = ["config_dir"]
+
+
+def config_dir() -> Path:
+    """The folder of ragen's YAML configs (``envs.yaml``, ``soak.yaml``,
+    ``base.yaml``, ``engine/``, ...): ``ragen/_config`` of the imported ragen."""
+    # ragen is installed as plain files (never zipped): Hydra needs a real folder
+    return Path(str(files("ragen").joinpath("_config")))
