@@ -89,10 +89,6 @@ class EnvStateManager:
             for m in range(self.group_size)
         ]
 
-    @property
-    def rollouts_done(self) -> int:
-        return self._rollouts
-
     def state_dict(self) -> dict[str, int]:
         return {"rollouts": self._rollouts}
 
