@@ -4,7 +4,8 @@ Every ``import`` of a ``ragen`` module is read with ``ast``, lazy ones inside
 functions included, so a cycle hidden behind a function-level import counts.
 Layers (README.md, "Layout"): ``ragen.env`` and ``ragen.llm`` never
 import the agent loop (``ragen.llm_agent``) or the trainer; the agent loop never
-imports the trainer.
+imports the trainer. And one name per thing: ``ContextManager`` in ``ragen`` is
+``ragen.llm_agent.ctx_manager.ContextManager``, never ``typing.ContextManager``.
 """
 
 from __future__ import annotations
@@ -140,3 +141,14 @@ def test_layers_import_one_way():
             if module == layer or module.startswith(layer + "."):
                 wrong += [f"{module} -> {dep}" for dep in sorted(deps) if dep.startswith(above)]
     assert wrong == []
+
+
+@pytest.mark.timeout(60)
+def test_contextmanager_names_only_ragens_class():
+    clashes = []
+    for module, (path, _) in _modules(ROOT).items():
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            if isinstance(node, ast.ImportFrom) and node.module in ("typing", "contextlib", "typing_extensions"):
+                clashes += [f"{module}: from {node.module} import {a.name}" for a in node.names
+                            if (a.asname or a.name) == "ContextManager"]
+    assert clashes == []
