@@ -1,4 +1,6 @@
-"""Compare sequential and parallel rollout on your config and hardware.
+"""The sequential-vs-parallel rollout benchmark script, not a test (its name is kept for users).
+
+Compares sequential and parallel rollout on your config and hardware:
 
     python test_parallel_rollout.py --config-name base-parallel [benchmark=env_bound] [overrides]
 

@@ -21,6 +21,27 @@ def run(*args, cwd=ROOT):
                           capture_output=True, text=True, timeout=300, cwd=cwd)
 
 
+@pytest.mark.timeout(120)
+def test_the_benchmark_script_is_not_collected_as_a_test():
+    """Its name starts with test_, so two things keep pytest off it: pytest.ini
+    collects tests/ only, and the script defines nothing pytest would collect."""
+    import ast
+    import configparser
+
+    ini = configparser.ConfigParser()
+    ini.read(ROOT / "pytest.ini")
+    assert ini["pytest"]["testpaths"].split() == ["tests"]
+    tree = ast.parse((ROOT / "test_parallel_rollout.py").read_text())
+    collectable = [n.name for n in tree.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))
+                   and n.name.startswith(("test", "Test"))]
+    assert collectable == []
+    assert ast.get_docstring(tree).splitlines()[0].startswith("The sequential-vs-parallel rollout benchmark script")
+    listed = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
+                             str(ROOT / "test_parallel_rollout.py")], capture_output=True, text=True, timeout=110,
+                            cwd=ROOT)
+    assert listed.returncode == 5, listed.stdout[-2000:]  # 5: no tests collected
+
+
 def test_report_json_and_plot(tmp_path):
     out, png = tmp_path / "r.json", tmp_path / "r.png"
     p = run(*SMALL, "benchmark.inject_fault=true", f"benchmark.output={out}", f"benchmark.plot={png}")

@@ -17,13 +17,18 @@ from ragen.llm.default_model import cache_dir, ensure_default_model, resolve_mod
 from ragen.llm.types import GenerationRequest, SamplingParams
 
 
-def test_default_model_generates_on_cpu():
+def test_default_model_generates_on_cpu(monkeypatch):
     path = Path(resolve_model_path("default"))  # converts once, then cached
     assert (path / "config.json").is_file() and (path / "model.safetensors").is_file()
     assert json.loads((path / default_model.MARKER_FILE).read_text())["dtype"] == "float32"
-    start = time.perf_counter()
+    # Later calls read the cached folder: no conversion, not even a look for the GGUF.
+    touched = []
+    monkeypatch.setattr(default_model, "_convert_gguf", lambda *a: touched.append("convert"))
+    monkeypatch.setattr(default_model, "gguf_path", lambda: touched.append("gguf_path"))
     assert resolve_model_path(None) == str(path)
-    assert time.perf_counter() - start < 1.0
+    assert resolve_model_path("default") == str(path)
+    assert touched == []
+    monkeypatch.undo()
 
     from ragen.llm import make_engine
 

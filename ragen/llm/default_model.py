@@ -28,6 +28,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from ragen.llm.transformers_compat import dtype_kwarg
+
 logger = logging.getLogger(__name__)
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
@@ -159,8 +161,6 @@ def ensure_default_model() -> Path:
 def _convert_gguf(source: Path, out_dir: Path) -> None:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
-
-    from ragen.llm.hf import dtype_kwarg
 
     tokenizer = AutoTokenizer.from_pretrained(str(source.parent), gguf_file=source.name)
     if not getattr(tokenizer, "chat_template", None):

@@ -36,6 +36,7 @@ from typing import Any, Iterable, Mapping, Sequence
 import torch
 
 from ragen.llm.default_model import resolve_model_path
+from ragen.llm.transformers_compat import dtype_kwarg
 from ragen.llm.types import Completion, Engine, GenerationRequest, SamplingParams, request_seed
 
 logger = logging.getLogger(__name__)
@@ -68,15 +69,6 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype
     if dtype not in _DTYPES:
         raise ValueError(f"engine.dtype={dtype!r} is not one of {['auto', *_DTYPES]}")
     return _DTYPES[dtype]
-
-
-def dtype_kwarg(dtype: torch.dtype) -> dict[str, torch.dtype]:
-    """``from_pretrained``'s dtype argument: ``dtype`` since transformers 4.56, ``torch_dtype`` before."""
-    import transformers
-    from packaging.version import Version
-
-    new = Version(transformers.__version__.split("+")[0]) >= Version("4.56")
-    return {"dtype" if new else "torch_dtype": dtype}
 
 
 class HFEngine(Engine):

@@ -62,6 +62,13 @@ class ContextConfig:
 
 
 class ContextManager:
+    """Holds no context, only a ``ContextConfig``: it makes prompts, parses answers and builds training tensors.
+
+    RAGEN's name is kept. The context of an episode lives in its ``Trajectory``
+    (its turns); every method here reads it from its arguments, so one instance
+    serves any number of envs and threads.
+    """
+
     def __init__(self, config: ContextConfig) -> None:
         self.config = config
 

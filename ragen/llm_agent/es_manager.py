@@ -23,6 +23,16 @@ from ragen.llm_agent.types import EnvSpec, StopReason, Trajectory
 
 
 class EnvStateManager:
+    """Holds no env state: it schedules env groups and seeds (which tag each group plays, which seed it gets).
+
+    RAGEN's name is kept. What it holds is one split's group layout
+    (``env_groups`` x ``group_size``, a tag per group) and a count of rollouts
+    made, from which seeds advance; ``state_dict`` is that count. The envs
+    themselves are built and stepped by the turn loop in the workers, from the
+    plain ``EnvSpec``s handed out here (``make_specs`` for a whole rollout,
+    ``group_specs`` for the fully-async stream of groups).
+    """
+
     def __init__(self, split: str, split_cfg: Mapping, custom_envs: Mapping, seed: int) -> None:
         self.split = split
         key = f"es_manager.{split}"
@@ -88,10 +98,6 @@ class EnvStateManager:
                     env_threads=ts["env_threads"], mode=self.split)
             for m in range(self.group_size)
         ]
-
-    @property
-    def rollouts_done(self) -> int:
-        return self._rollouts
 
     def state_dict(self) -> dict[str, int]:
         return {"rollouts": self._rollouts}

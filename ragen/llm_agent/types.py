@@ -91,10 +91,6 @@ class Trajectory:
     def num_actions(self) -> int:
         return sum(len(t.executed_actions) for t in self.turns)
 
-    @property
-    def policy_versions(self) -> list[int]:
-        return sorted({t.policy_version for t in self.turns})
-
 
 @dataclass
 class RolloutResult:

@@ -30,7 +30,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
-from typing import Any, Callable, ContextManager, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -47,7 +47,7 @@ class PPOActor:
         config: TrainerConfig,
         pad_token_id: int = 0,
         reference: Callable[[Sequence[Sample]], list[torch.Tensor]] | None = None,
-        weights_lock: Callable[[], ContextManager] | None = None,
+        weights_lock: Callable[[], contextlib.AbstractContextManager] | None = None,
     ) -> None:
         self.model = model
         self.config = config

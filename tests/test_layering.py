@@ -1,0 +1,154 @@
+"""The import graph of ``ragen``: no cycles, and the layers import one way.
+
+Every ``import`` of a ``ragen`` module is read with ``ast``, lazy ones inside
+functions included, so a cycle hidden behind a function-level import counts.
+Layers (README.md, "Layout"): ``ragen.env`` and ``ragen.llm`` never
+import the agent loop (``ragen.llm_agent``) or the trainer; the agent loop never
+imports the trainer. And one name per thing: ``ContextManager`` in ``ragen`` is
+``ragen.llm_agent.ctx_manager.ContextManager``, never ``typing.ContextManager``.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _modules(root: Path) -> dict[str, tuple[Path, bool]]:
+    """Dotted module name -> (file, is_package) for every ``.py`` under ``root/ragen/``."""
+    modules = {}
+    for path in sorted((root / "ragen").rglob("*.py")):
+        parts = list(path.relative_to(root).with_suffix("").parts)
+        is_package = parts[-1] == "__init__"
+        if is_package:
+            parts = parts[:-1]
+        modules[".".join(parts)] = (path, is_package)
+    return modules
+
+
+def import_graph(root: Path = ROOT) -> dict[str, set[str]]:
+    """Module -> the ``ragen`` modules it imports (at any depth of its code)."""
+    modules = _modules(root)
+
+    def owner(name: str) -> str | None:
+        while name and name not in modules:
+            name = name.rpartition(".")[0]
+        return name or None
+
+    graph: dict[str, set[str]] = {}
+    for module, (path, is_package) in modules.items():
+        package = module if is_package else module.rpartition(".")[0]
+        targets: set[str | None] = set()
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            if isinstance(node, ast.Import):
+                targets.update(owner(alias.name) for alias in node.names if alias.name.split(".")[0] == "ragen")
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:  # relative: from . import x, from ..y import z
+                    parent = package.split(".")[: len(package.split(".")) - (node.level - 1)]
+                    base = ".".join(parent + ([base] if base else []))
+                if base.split(".")[0] != "ragen":
+                    continue
+                for alias in node.names:  # `from pkg import submodule` imports the submodule
+                    full = f"{base}.{alias.name}"
+                    targets.add(full if full in modules else owner(base))
+        targets.discard(None)
+        targets.discard(module)
+        graph[module] = targets  # type: ignore[assignment]
+    return graph
+
+
+def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components with more than one module (Tarjan, iterative)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    cycles: list[list[str]] = []
+    for start in graph:
+        if start in index:
+            continue
+        work = [(start, iter(sorted(graph[start])))]
+        index[start] = low[start] = len(index)
+        stack.append(start)
+        on_stack.add(start)
+        while work:
+            node, children = work[-1]
+            child = next(children, None)
+            if child is not None:
+                if child not in index:
+                    index[child] = low[child] = len(index)
+                    stack.append(child)
+                    on_stack.add(child)
+                    work.append((child, iter(sorted(graph.get(child, ())))))
+                elif child in on_stack:
+                    low[node] = min(low[node], index[child])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                component = []
+                while True:
+                    member = stack.pop()
+                    on_stack.discard(member)
+                    component.append(member)
+                    if member == node:
+                        break
+                if len(component) > 1:
+                    cycles.append(sorted(component))
+    return cycles
+
+
+@pytest.mark.timeout(60)
+def test_the_cycle_finder_finds_a_cycle_and_only_a_cycle():
+    assert import_cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert import_cycles({"a": {"b"}, "b": {"c"}, "c": set(), "d": {"a", "c"}}) == []
+
+
+@pytest.mark.timeout(60)
+def test_the_graph_sees_lazy_and_relative_imports(tmp_path):
+    package = tmp_path / "ragen"
+    (package / "sub").mkdir(parents=True)
+    (package / "__init__.py").write_text("")
+    (package / "sub" / "__init__.py").write_text("from . import b\n")
+    (package / "a.py").write_text("import ragen.sub.b\n")
+    (package / "sub" / "b.py").write_text("def f():\n    from ragen.a import x\n    from ..c import y\n")
+    (package / "c.py").write_text("import os\n")
+    graph = import_graph(tmp_path)
+    assert graph == {"ragen": set(), "ragen.sub": {"ragen.sub.b"}, "ragen.a": {"ragen.sub.b"},
+                     "ragen.sub.b": {"ragen.a", "ragen.c"}, "ragen.c": set()}
+    assert import_cycles(graph) == [["ragen.a", "ragen.sub.b"]]
+
+
+@pytest.mark.timeout(60)
+def test_no_import_cycle_among_ragen_modules():
+    assert import_cycles(import_graph()) == []
+
+
+@pytest.mark.timeout(60)
+def test_layers_import_one_way():
+    below = {"ragen.env": ("ragen.llm_agent", "ragen.trainer"),
+             "ragen.llm": ("ragen.llm_agent", "ragen.trainer"),
+             "ragen.llm_agent": ("ragen.trainer",)}
+    wrong = []
+    for module, deps in import_graph().items():
+        for layer, above in below.items():
+            if module == layer or module.startswith(layer + "."):
+                wrong += [f"{module} -> {dep}" for dep in sorted(deps) if dep.startswith(above)]
+    assert wrong == []
+
+
+@pytest.mark.timeout(60)
+def test_contextmanager_names_only_ragens_class():
+    clashes = []
+    for module, (path, _) in _modules(ROOT).items():
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            if isinstance(node, ast.ImportFrom) and node.module in ("typing", "contextlib", "typing_extensions"):
+                clashes += [f"{module}: from {node.module} import {a.name}" for a in node.names
+                            if (a.asname or a.name) == "ContextManager"]
+    assert clashes == []
