@@ -49,6 +49,28 @@ def test_partition_keeps_groups_whole_and_assigns_every_env():
     assert len(partition(specs, 2, max_env_num_per_worker=3)) == 7
 
 
+@pytest.mark.timeout(60)
+def test_a_shard_result_is_frozen_plain_data_and_combines_its_parts():
+    import dataclasses
+    import pickle
+
+    from ragen.llm_agent.parallel_rollout import ShardResult
+    from ragen.llm_agent.rollout_loop import LoopStats
+    from ragen.llm_agent.types import Trajectory
+
+    a = ShardResult(shard=2, trajectories=[Trajectory(env_id=1, group_id=0, tag="t", seed=5)],
+                    stats=LoopStats(env_step_s=0.5, envs_created=2), pid=123, wall_s=1.5)
+    b = ShardResult(shard=2, trajectories=[Trajectory(env_id=0, group_id=0, tag="t", seed=5)],
+                    stats=LoopStats(env_step_s=0.25, env_retries=1))
+    assert pickle.loads(pickle.dumps(a)) == a
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        a.error = "x"
+    both = ShardResult.combine(2, [a, b])
+    assert [t.env_id for t in both.trajectories] == [1, 0]  # in the parts' order
+    assert both.stats == LoopStats(env_step_s=0.75, envs_created=2, env_retries=1)
+    assert (both.shard, both.error, both.pid, both.wall_s, both.cause) == (2, None, -1, 0.0, None)
+
+
 @pytest.mark.parametrize("backend,n_jobs", [
     ("loky", 1), ("loky", 2), ("loky", 3), ("loky", -1),
     ("threading", 2), ("threading", 3), ("multiprocessing", 2), ("multiprocessing", -1), ("sequential", 1),

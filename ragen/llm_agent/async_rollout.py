@@ -224,16 +224,16 @@ class FullyAsyncRolloutPool:
                     index = inflight.pop(future)
                     try:
                         result = future.result()
-                        failure = result["error"]
+                        failure = result.error
                     except Exception as exc:  # the worker died: its pool is broken
                         result, failure = None, f"{type(exc).__name__}: {exc}"
                         self._replace_broken_executor()
-                    versions = {t.policy_version for tr in (result or {}).get("trajectories", []) for t in tr.turns}
+                    versions = {t.policy_version for tr in (result.trajectories if result else []) for t in tr.turns}
                     if failure is None and versions and max(versions) - min(versions) > self.max_version_span:
                         failure = f"weight updates landed mid-group (versions {sorted(versions)})"
                     with self._cond:
                         if failure is None:
-                            self._completed[index] = result["trajectories"]
+                            self._completed[index] = result.trajectories
                             self.counts["completed"] += 1
                         else:
                             self._attempts[index] = self._attempts.get(index, 0) + 1

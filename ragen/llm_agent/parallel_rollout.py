@@ -29,6 +29,9 @@
   fails again ends its own trajectory with stop reason ``error`` or
   ``timeout``, and the others are kept. ``fallback_to_sequential: false``
   raises ``RolloutError`` instead.
+- A shard's result is a ``ShardResult`` (plain frozen data: it crosses the
+  process boundary): its trajectories, the loop's ``LoopStats``, the error
+  that failed it, the process that ran it and its wall time.
 - The driver merges trajectories in env_id order and checks that every spec
   has exactly one.
 """
@@ -41,14 +44,14 @@ import logging
 import os
 import threading
 import time
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
 from typing import Any, Iterator, Sequence
 
 import joblib
 
 from ragen.llm_agent.cluster import ClusterConfig, open_cluster
 from ragen.llm_agent.es_manager import compute_metrics
-from ragen.llm_agent.rollout_loop import EnvPool, LoopConfig, run_envs, stream_count
+from ragen.llm_agent.rollout_loop import EnvPool, LoopConfig, LoopStats, run_envs, stream_count
 from ragen.llm_agent.shared_llm import SharedLLMClient, SharedLLMInferenceManager
 from ragen.llm_agent.types import EnvSpec, RolloutResult, StopReason, Trajectory
 
@@ -71,8 +74,27 @@ def _worker_pool() -> EnvPool:
     return pools.setdefault(os.getpid(), EnvPool())
 
 
+@dataclass(frozen=True)
+class ShardResult:
+    """What one shard hands back to the driver."""
+
+    shard: int
+    trajectories: list[Trajectory] = field(default_factory=list)  # none when ``error`` is set
+    stats: LoopStats = field(default_factory=LoopStats)
+    error: str | None = None  # why the shard failed as a whole (not an env's own failure)
+    pid: int = -1  # the process that ran it; -1: put together by the fallback from its parts
+    wall_s: float = 0.0
+    cause: str | None = None  # why the fallback re-ran it, when it did
+
+    @classmethod
+    def combine(cls, shard: int, parts: Sequence["ShardResult"]) -> "ShardResult":
+        """One shard's result from the results of its parts (the fallback splits a shard)."""
+        return cls(shard=shard, trajectories=[t for p in parts for t in p.trajectories],
+                   stats=sum((p.stats for p in parts), LoopStats()))
+
+
 def run_shard(shard_id: int, specs: list[EnvSpec], client: SharedLLMClient, config: LoopConfig,
-              isolate_errors: bool = False, fault: dict[str, int] | None = None) -> dict[str, Any]:
+              isolate_errors: bool = False, fault: dict[str, int] | None = None) -> ShardResult:
     """One shard in a worker. Failures come back as data, not exceptions, so
     joblib does not cancel the other shards."""
     t0 = time.perf_counter()
@@ -81,9 +103,9 @@ def run_shard(shard_id: int, specs: list[EnvSpec], client: SharedLLMClient, conf
                                        isolate_errors=isolate_errors, fault=fault)
         error = None
     except Exception as exc:
-        trajectories, stats, error = [], None, f"{type(exc).__name__}: {exc}"
-    return {"shard": shard_id, "trajectories": trajectories, "stats": stats.as_dict() if stats else {},
-            "error": error, "pid": os.getpid(), "wall_s": time.perf_counter() - t0}
+        trajectories, stats, error = [], LoopStats(), f"{type(exc).__name__}: {exc}"
+    return ShardResult(shard=shard_id, trajectories=trajectories, stats=stats, error=error, pid=os.getpid(),
+                       wall_s=time.perf_counter() - t0)
 
 
 def partition(specs: Sequence[EnvSpec], n_workers: int, max_env_num_per_worker: int | None = None) -> list[list[EnvSpec]]:
@@ -174,7 +196,7 @@ class ParallelRolloutManager:
             if not keep:
                 lease.close()
 
-    def _results(self, lease: "_Executors", calls: list[tuple]) -> Iterator[dict[str, Any]]:
+    def _results(self, lease: "_Executors", calls: list[tuple]) -> Iterator[ShardResult]:
         """``run_shard`` on each argument tuple; results as shards finish.
         Raises TimeoutError past rollout_timeout_s, or the executor's error
         when a worker died."""
@@ -232,10 +254,9 @@ class ParallelRolloutManager:
                     ids = [s.env_id for s in shards[i]]
                     logger.warning("[Fallback] shard %d (%d envs, env_id %d..%d) failed: %s; re-running it "
                                    "sequentially with the same seeds", i, len(ids), min(ids), max(ids), cause)
-                    results[i] = self._fallback(lease, i, shards[i], config)
-                    results[i]["cause"] = cause
+                    results[i] = replace(self._fallback(lease, i, shards[i], config), cause=cause)
                 fallback_s = time.perf_counter() - t0
-        trajectories = sorted((t for r in results.values() for t in r["trajectories"]), key=lambda t: t.env_id)
+        trajectories = sorted((t for r in results.values() for t in r.trajectories), key=lambda t: t.env_id)
         _check_complete(specs, trajectories)
         metrics = compute_metrics(trajectories)
         metrics.update(self._timing_metrics(results, stats_before, failures, len(shards)))
@@ -268,7 +289,7 @@ class ParallelRolloutManager:
         """Shards on the workers -> (results, failed: shard -> cause, crashed:
         shard -> cause for the shards the executor lost, whether a shard ran
         past rollout_timeout_s)."""
-        results: dict[int, dict[str, Any]] = {}
+        results: dict[int, ShardResult] = {}
         failed: dict[int, str] = {}
         crashed: dict[int, str] = {}
         # The manager waits for the streams of workers that have not started yet;
@@ -289,10 +310,10 @@ class ParallelRolloutManager:
                  for i, shard in shards.items()]
         try:
             for res in self._results(lease, calls):
-                if res["error"]:
-                    failed[res["shard"]] = res["error"]
+                if res.error:
+                    failed[res.shard] = res.error
                 else:
-                    results[res["shard"]] = res
+                    results[res.shard] = res
         except Exception as exc:  # a dead worker, a timeout: the executor is gone
             if isinstance(exc, TimeoutError):
                 cause = f"no result within agent_proxy.rollout_timeout_s={self.rollout_timeout_s} s"
@@ -309,7 +330,7 @@ class ParallelRolloutManager:
         return results, failed, crashed, False
 
     def _fallback(self, lease: "_Executors", shard_id: int, specs: list[EnvSpec],
-                  config: LoopConfig) -> dict[str, Any]:
+                  config: LoopConfig) -> ShardResult:
         config = replace(config, env_timeout_s=config.env_timeout_s or self.fallback_env_timeout_s,
                          pipeline_depth=1)
         if self.backend in IN_PROCESS_BACKENDS:
@@ -320,8 +341,8 @@ class ParallelRolloutManager:
             result = run_shard(shard_id, specs, self._client, config, isolate_errors=True)
         else:
             result = _run_isolated(lease.fallback_pool, shard_id, specs, self._client, config)
-        if result["error"]:  # not an env's fault (the engine, the manager): nothing to isolate
-            raise RolloutError(f"shard {shard_id} failed again in the fallback: {result['error']}")
+        if result.error:  # not an env's fault (the engine, the manager): nothing to isolate
+            raise RolloutError(f"shard {shard_id} failed again in the fallback: {result.error}")
         return result
 
     def _timing_metrics(self, results, before, failures, n_shards) -> dict[str, float]:
@@ -329,9 +350,9 @@ class ParallelRolloutManager:
         calls = after.engine_calls - before.engine_calls
         sizes = list(after.batch_sizes)[-calls:] if calls else []
         m = {
-            "timing/env_reset_s": sum(r["stats"].get("env_reset_s", 0.0) for r in results.values()),
-            "timing/env_step_s": sum(r["stats"].get("env_step_s", 0.0) for r in results.values()),
-            "timing/wait_llm_s": sum(r["stats"].get("wait_s", 0.0) for r in results.values()),
+            "timing/env_reset_s": sum(r.stats.env_reset_s for r in results.values()),
+            "timing/env_step_s": sum(r.stats.env_step_s for r in results.values()),
+            "timing/wait_llm_s": sum(r.stats.wait_s for r in results.values()),
             "timing/engine_s": after.engine_time_s - before.engine_time_s,
             "engine/calls": float(after.engine_calls - before.engine_calls),
             "engine/requests": float(after.requests - before.requests),
@@ -341,14 +362,14 @@ class ParallelRolloutManager:
             "ipc/bytes_out": float(after.bytes_out - before.bytes_out),
             "ipc/messages": float(after.messages_in - before.messages_in),
             "parallel/shards": float(n_shards),
-            "parallel/envs_created": sum(r["stats"].get("envs_created", 0.0) for r in results.values()),
-            "rollout/env_retries": sum(r["stats"].get("env_retries", 0.0) for r in results.values()),
+            "parallel/envs_created": float(sum(r.stats.envs_created for r in results.values())),
+            "rollout/env_retries": float(sum(r.stats.env_retries for r in results.values())),
             "parallel/fallbacks": float(len(failures)),
-            "parallel/workers_used": float(len({r["pid"] for r in results.values()})),
+            "parallel/workers_used": float(len({r.pid for r in results.values()})),
         }
         m["timing/env_s"] = m["timing/env_reset_s"] + m["timing/env_step_s"]
         for r in results.values():
-            m[f"worker/shard{r['shard']}_wall_s"] = r["wall_s"]
+            m[f"worker/shard{r.shard}_wall_s"] = r.wall_s
         return m
 
     def close(self) -> None:
@@ -440,7 +461,7 @@ class _Executors:
 
 
 def _run_isolated(pool_factory, shard_id: int, specs: list[EnvSpec], client: SharedLLMClient,
-                  config: LoopConfig) -> dict[str, Any]:
+                  config: LoopConfig) -> ShardResult:
     """Run specs one group after another in the spare process, with per-env
     isolation; if the process dies, split until the env that kills it is
     found: that env gets an ``error`` trajectory, the others their results."""
@@ -465,15 +486,9 @@ def _run_isolated(pool_factory, shard_id: int, specs: list[EnvSpec], client: Sha
                            s.env_id, s.tag, cause)
             traj = Trajectory(env_id=s.env_id, group_id=s.group_id, tag=s.tag, seed=s.seed,
                               stop_reason=reason, error=f"worker process failed: {cause}")
-            return {"shard": shard_id, "trajectories": [traj], "stats": {}, "error": None,
-                    "pid": -1, "wall_s": 0.0}
-        out = {"shard": shard_id, "trajectories": [], "stats": {}, "error": None, "pid": -1, "wall_s": 0.0}
-        for part in parts:
-            r = _run_isolated(pool_factory, shard_id, part, client, config)
-            out["trajectories"] += r["trajectories"]
-            for k, v in r["stats"].items():
-                out["stats"][k] = out["stats"].get(k, 0.0) + v
-        return out
+            return ShardResult(shard=shard_id, trajectories=[traj])
+        return ShardResult.combine(shard_id, [_run_isolated(pool_factory, shard_id, part, client, config)
+                                              for part in parts])
 
 
 def _thread_limits(n_workers: int) -> dict[str, str]:

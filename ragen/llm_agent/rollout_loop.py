@@ -37,7 +37,7 @@ import threading
 import time
 import traceback
 from collections import defaultdict, deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any, Protocol, Sequence
 
 from ragen.llm.types import Completion, Engine, GenerationRequest, SamplingParams
@@ -281,8 +281,8 @@ class LoopStats:
     env_retries: int = 0  # retries of failed envs on fresh instances
     envs_created: int = 0  # 0 once a worker keeps its envs between rollouts
 
-    def as_dict(self) -> dict[str, float]:
-        return {k: float(v) for k, v in self.__dict__.items()}
+    def __add__(self, other: "LoopStats") -> "LoopStats":
+        return LoopStats(**{f.name: getattr(self, f.name) + getattr(other, f.name) for f in fields(self)})
 
 
 def run_envs(
