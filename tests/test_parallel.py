@@ -262,6 +262,25 @@ def test_groups_are_dealt_out_over_shards_and_micro_batches():
     assert [{s.spec.tag for s in stream} for stream in streams] == [{"SimpleSokoban", "FrozenLake"}] * 2
 
 
+@pytest.mark.timeout(60)
+def test_shards_and_micro_batches_get_groups_dealt_in_turn_in_order():
+    """Group k of n goes to shard (micro-batch) k % n, and each keeps the
+    groups' order: the exact layout, so results and worker load stay as they were."""
+    from ragen.llm_agent.rollout_loop import _EnvSlot, _split_streams
+    from ragen.utils import deal
+
+    specs = specs_for(["Bandit"], [7], 2, custom_envs())
+    assert [[s.group_id for s in shard] for shard in partition(specs, 3)] == [
+        [0, 0, 3, 3, 6, 6], [1, 1, 4, 4], [2, 2, 5, 5]]
+    assert [[s.env_id for s in shard] for shard in partition(specs, 3)][0] == [0, 1, 6, 7, 12, 13]
+    assert len(partition(specs, 9)) == 7  # never an empty shard
+    streams = _split_streams([_EnvSlot(s) for s in specs], 2)
+    assert [[s.spec.group_id for s in stream] for stream in streams] == [
+        [0, 0, 2, 2, 4, 4, 6, 6], [1, 1, 3, 3, 5, 5]]
+    assert deal("abcdefg", 3) == [["a", "d", "g"], ["b", "e"], ["c", "f"]]
+    assert deal([1, 2], 4) == [[1], [2], [], []]
+
+
 def test_an_engine_with_a_large_cost_per_call_sees_the_sequential_loops_batches():
     """A GPU engine pays about a whole decode per call, whatever its size: a
     turn split over two calls costs a turn. With 4 workers and 2 micro-batches

@@ -54,6 +54,7 @@ from ragen.llm_agent.es_manager import compute_metrics
 from ragen.llm_agent.rollout_loop import EnvPool, LoopConfig, LoopStats, run_envs, stream_count
 from ragen.llm_agent.shared_llm import SharedLLMClient, SharedLLMInferenceManager
 from ragen.llm_agent.types import EnvSpec, RolloutResult, StopReason, Trajectory
+from ragen.utils import deal
 
 logger = logging.getLogger(__name__)
 
@@ -124,7 +125,7 @@ def partition(specs: Sequence[EnvSpec], n_workers: int, max_env_num_per_worker: 
         per_shard = max(1, max_env_num_per_worker // per_group)
         n_shards = max(n_shards, -(-len(members) // per_shard))
     n_shards = min(n_shards, len(members))
-    return [[s for g in members[i::n_shards] for s in g] for i in range(n_shards)]
+    return [[s for g in hand for s in g] for hand in deal(members, n_shards)]
 
 
 class ParallelRolloutManager:

@@ -43,6 +43,7 @@ from typing import Any, Protocol, Sequence
 from ragen.llm.types import Completion, Engine, GenerationRequest, SamplingParams
 from ragen.llm_agent.ctx_manager import ContextConfig, ContextManager
 from ragen.llm_agent.types import EnvSpec, StopReason, Trajectory, Turn
+from ragen.utils import deal
 
 logger = logging.getLogger(__name__)
 
@@ -395,7 +396,7 @@ def _split_streams(slots: list[_EnvSlot], depth: int) -> list[list[_EnvSlot]]:
         groups.setdefault(s.spec.group_id, []).append(s)
     members = list(groups.values())
     depth = stream_count([s.spec for s in slots], depth)
-    return [[s for g in members[i::depth] for s in g] for i in range(depth)]
+    return [[s for g in hand for s in g] for hand in deal(members, depth)]
 
 
 def _submit(stream, client, ctx, config, inflight, stats) -> bool:
