@@ -25,6 +25,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
+from ragen.llm_agent.executors import KeptExecutor
 from ragen.llm_agent.types import RolloutResult
 
 logger = logging.getLogger(__name__)
@@ -186,7 +187,8 @@ class FullyAsyncRolloutPool:
         # in-flight group (not per core) keeps max_inflight_groups really in flight.
         self._n_workers = max(joblib.effective_n_jobs(n_jobs), max_inflight_groups)
         self._processes = backend == "loky"
-        self._executor = self._new_executor()
+        self._workers = KeptExecutor(self._new_executor)
+        self._workers.get()
         self._cond = threading.Condition()
         self._completed: dict[int, list] = {}
         self._restart: list[int] = []
@@ -199,7 +201,7 @@ class FullyAsyncRolloutPool:
         self._thread.start()
 
     def _schedule(self) -> None:
-        from concurrent.futures import FIRST_COMPLETED, wait
+        from concurrent.futures import FIRST_COMPLETED, BrokenExecutor, wait
 
         from ragen.llm_agent.parallel_rollout import run_shard
 
@@ -216,18 +218,20 @@ class FullyAsyncRolloutPool:
                             index = self._next_group
                             self._next_group += 1
                         specs = self.es.group_specs(index)
-                        future = self._executor.submit(run_shard, index, specs, self.client, self.config)
-                        inflight[future] = index
+                        executor = self._workers.get()
+                        future = executor.submit(run_shard, index, specs, self.client, self.config)
+                        inflight[future] = (index, executor)
                         self.counts["started"] += 1
                 done, _ = wait(list(inflight), timeout=0.1, return_when=FIRST_COMPLETED)
                 for future in done:
-                    index = inflight.pop(future)
+                    index, executor = inflight.pop(future)
                     try:
                         result = future.result()
                         failure = result.error
-                    except Exception as exc:  # the worker died: its pool is broken
+                    except Exception as exc:
                         result, failure = None, f"{type(exc).__name__}: {exc}"
-                        self._replace_broken_executor()
+                        if isinstance(exc, BrokenExecutor):  # a worker died and took its executor down
+                            self._workers.replace(failed=executor)
                     versions = {t.policy_version for tr in (result.trajectories if result else []) for t in tr.turns}
                     if failure is None and versions and max(versions) - min(versions) > self.max_version_span:
                         failure = f"weight updates landed mid-group (versions {sorted(versions)})"
@@ -258,17 +262,6 @@ class FullyAsyncRolloutPool:
 
         return ThreadPoolExecutor(max_workers=self._n_workers, thread_name_prefix="ragen-async")
 
-    def _shutdown_executor(self, wait: bool) -> None:
-        if self._processes:
-            self._executor.shutdown(wait=wait, kill_workers=True)
-        else:
-            self._executor.shutdown(wait=wait)
-
-    def _replace_broken_executor(self) -> None:
-        if self._processes and self._executor._flags.broken:
-            self._shutdown_executor(wait=False)
-            self._executor = self._new_executor()
-
     def get_batch(self, n: int, timeout: float | None = None) -> list[tuple[int, list]]:
         """``n`` completed groups ``(index, trajectories)``, lowest index first."""
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -293,4 +286,4 @@ class FullyAsyncRolloutPool:
             self._stop = True
             self._cond.notify_all()
         self._thread.join(timeout=60)
-        self._shutdown_executor(wait=True)
+        self._workers.close(wait=True)

@@ -51,6 +51,7 @@ import joblib
 
 from ragen.llm_agent.cluster import ClusterConfig, open_cluster
 from ragen.llm_agent.es_manager import compute_metrics
+from ragen.llm_agent.executors import KeptExecutor
 from ragen.llm_agent.rollout_loop import EnvPool, LoopConfig, LoopStats, run_envs, stream_count
 from ragen.llm_agent.shared_llm import SharedLLMClient, SharedLLMInferenceManager
 from ragen.llm_agent.types import EnvSpec, RolloutResult, StopReason, Trajectory
@@ -201,7 +202,7 @@ class ParallelRolloutManager:
         """``run_shard`` on each argument tuple; results as shards finish.
         Raises TimeoutError past rollout_timeout_s, or the executor's error
         when a worker died."""
-        executor = lease.executor()
+        executor = lease.workers.get()
         if isinstance(executor, joblib.Parallel):
             yield from executor(joblib.delayed(run_shard)(*args) for args in calls)
             return
@@ -321,7 +322,7 @@ class ParallelRolloutManager:
             else:  # its first line: loky adds a paragraph on what may kill a worker
                 lines = str(exc).strip().splitlines()
                 cause = f"{type(exc).__name__}: {lines[0]}" if lines else type(exc).__name__
-            lease.drop()
+            lease.workers.replace()
             crashed = {i: cause for i in shards if i not in results and i not in failed}
             return results, failed, crashed, isinstance(exc, TimeoutError)
         finally:
@@ -341,7 +342,7 @@ class ParallelRolloutManager:
             # env_timeout_s (set just above), each engine wait by engine_timeout_s.
             result = run_shard(shard_id, specs, self._client, config, isolate_errors=True)
         else:
-            result = _run_isolated(lease.fallback_pool, shard_id, specs, self._client, config)
+            result = _run_isolated(lease.spare, shard_id, specs, self._client, config)
         if result.error:  # not an env's fault (the engine, the manager): nothing to isolate
             raise RolloutError(f"shard {shard_id} failed again in the fallback: {result.error}")
         return result
@@ -406,75 +407,52 @@ class _Executors:
 
     def __init__(self, manager: "ParallelRolloutManager") -> None:
         self.manager = manager
-        self._parallel: Any = None
-        self._fallback: Any = None
+        self.workers = KeptExecutor(self._build_workers)
+        self.spare = KeptExecutor(_spare_process)
 
-    def executor(self):
-        if self._parallel is None:
-            m = self.manager
-            if m.backend == "loky":
-                from loky import ProcessPoolExecutor
+    def _build_workers(self):
+        m = self.manager
+        if m.backend == "loky":
+            from loky import ProcessPoolExecutor
 
-                self._parallel = ProcessPoolExecutor(max_workers=m.n_workers, env=_thread_limits(m.n_workers))
-            elif m.backend == "threading":
-                self._parallel = concurrent.futures.ThreadPoolExecutor(m.n_workers, thread_name_prefix="ragen-shard")
-            else:
-                self._parallel = joblib.Parallel(
-                    n_jobs=1 if m.backend == "sequential" else m.n_jobs,
-                    backend=m._joblib_backend(), batch_size=1,
-                    # results as shards finish, so a failure keeps the finished ones; the
-                    # multiprocessing and ray backends return all at once (multiprocessing
-                    # cannot see a killed worker: set rollout_timeout_s with it)
-                    return_as="list" if m.backend in ("multiprocessing", "ray") else "generator_unordered",
-                    pre_dispatch="all", timeout=m.rollout_timeout_s,
-                )
-                self._parallel.__enter__()
-        return self._parallel
-
-    def drop(self) -> None:
-        """Stop the workers' executor (after a failure); the next call builds a new one."""
-        executor, self._parallel = self._parallel, None
-        try:
-            if isinstance(executor, joblib.Parallel):
-                executor.__exit__(None, None, None)
-            elif self.manager.backend == "loky":
-                executor.shutdown(wait=False, kill_workers=True)
-            elif executor is not None:
-                executor.shutdown(wait=False, cancel_futures=True)  # a hung thread cannot be stopped
-        except Exception:
-            logger.debug("closing the executor failed", exc_info=True)
-
-    def fallback_pool(self, reset: bool = False):
-        from loky import ProcessPoolExecutor
-
-        if reset and self._fallback is not None:
-            self._fallback.shutdown(wait=False, kill_workers=True)
-            self._fallback = None
-        if self._fallback is None:
-            self._fallback = ProcessPoolExecutor(max_workers=1)
-        return self._fallback
+            return ProcessPoolExecutor(max_workers=m.n_workers, env=_thread_limits(m.n_workers))
+        if m.backend == "threading":
+            return concurrent.futures.ThreadPoolExecutor(m.n_workers, thread_name_prefix="ragen-shard")
+        parallel = joblib.Parallel(
+            n_jobs=1 if m.backend == "sequential" else m.n_jobs,
+            backend=m._joblib_backend(), batch_size=1,
+            # results as shards finish, so a failure keeps the finished ones; the
+            # multiprocessing and ray backends return all at once (multiprocessing
+            # cannot see a killed worker: set rollout_timeout_s with it)
+            return_as="list" if m.backend in ("multiprocessing", "ray") else "generator_unordered",
+            pre_dispatch="all", timeout=m.rollout_timeout_s,
+        )
+        parallel.__enter__()
+        return parallel
 
     def close(self) -> None:
-        self.drop()
-        if self._fallback is not None:
-            self._fallback.shutdown(wait=True, kill_workers=True)
-            self._fallback = None
+        self.workers.close(wait=False)
+        self.spare.close(wait=True)
 
 
-def _run_isolated(pool_factory, shard_id: int, specs: list[EnvSpec], client: SharedLLMClient,
+def _spare_process():
+    from loky import ProcessPoolExecutor
+
+    return ProcessPoolExecutor(max_workers=1)
+
+
+def _run_isolated(spare: KeptExecutor, shard_id: int, specs: list[EnvSpec], client: SharedLLMClient,
                   config: LoopConfig) -> ShardResult:
     """Run specs one group after another in the spare process, with per-env
     isolation; if the process dies, split until the env that kills it is
     found: that env gets an ``error`` trajectory, the others their results."""
-    from loky.process_executor import BrokenProcessPool
-
     timeout = None if config.env_timeout_s is None else \
         config.env_timeout_s * (config.max_turn + 2) * (1 + config.env_retries) * max(1, len(specs))
     try:
-        future = pool_factory().submit(run_shard, shard_id, specs, client, config, True, None)
+        future = spare.get().submit(run_shard, shard_id, specs, client, config, True, None)
         return future.result(timeout=timeout)
-    except (BrokenProcessPool, TimeoutError, OSError) as exc:
-        pool_factory(reset=True)
+    except (concurrent.futures.BrokenExecutor, TimeoutError, OSError) as exc:
+        spare.replace()
         cause = f"{type(exc).__name__}: {exc}".strip() or type(exc).__name__
         groups: dict[int, list[EnvSpec]] = {}
         for s in specs:
@@ -488,7 +466,7 @@ def _run_isolated(pool_factory, shard_id: int, specs: list[EnvSpec], client: Sha
             traj = Trajectory(env_id=s.env_id, group_id=s.group_id, tag=s.tag, seed=s.seed,
                               stop_reason=reason, error=f"worker process failed: {cause}")
             return ShardResult(shard=shard_id, trajectories=[traj])
-        return ShardResult.combine(shard_id, [_run_isolated(pool_factory, shard_id, part, client, config)
+        return ShardResult.combine(shard_id, [_run_isolated(spare, shard_id, part, client, config)
                                               for part in parts])
 
 
