@@ -11,7 +11,7 @@ import pytest
 
 from ragen.llm.scripted import ScriptedEngine
 from ragen.llm_agent.parallel_rollout import ParallelRolloutManager, RolloutError, partition
-from ragen.llm_agent.rollout_loop import DirectClient, EnvPool, run_envs
+from ragen.llm_agent.rollout_loop import DirectClient, KeptEnvs, run_envs
 from ragen.llm_agent.shared_llm import SharedLLMInferenceManager
 from ragen.llm_agent.types import StopReason
 
@@ -241,12 +241,12 @@ def test_answers_that_arrive_while_envs_reset_are_handled_between_resets(mixed_s
             log.append("answer")
             return ticket, completions
 
-    class LoggingPool(EnvPool):
+    class LoggingKeptEnvs(KeptEnvs):
         def acquire(self, spec):
             log.append("reset")
             return super().acquire(spec)
 
-    trajectories, _ = run_envs(mixed_specs, EagerClient(engine), loop_config(depth=3), pool=LoggingPool())
+    trajectories, _ = run_envs(mixed_specs, EagerClient(engine), loop_config(depth=3), kept_envs=LoggingKeptEnvs())
     assert trajectories == reference
     # the first micro-batch's answers were stepped before the last micro-batch was reset
     assert log.index("answer") < len(log) - 1 - log[::-1].index("reset")
@@ -291,7 +291,7 @@ def test_an_engine_with_a_large_cost_per_call_sees_the_sequential_loops_batches(
     specs = specs_for(["SimpleSokoban", "FrozenLake"], [8, 8], 1, custom_envs())
     config = loop_config(max_turn=3, depth=2)
     counting = DirectClient(engine)
-    run_envs(specs, counting, replace(config, pipeline_depth=1), pool=EnvPool())  # RAGEN's loop
+    run_envs(specs, counting, replace(config, pipeline_depth=1), kept_envs=KeptEnvs())  # RAGEN's loop
     with SharedLLMInferenceManager(engine) as shared, ParallelRolloutManager(shared, n_jobs=4) as prm:
         prm.rollout(specs, config)  # the worker processes start (that can take longer than any wait)
         for _ in range(3):

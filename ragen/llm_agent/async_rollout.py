@@ -12,6 +12,9 @@
   one: the trainer decides whether to go on, with a new ``RolloutAhead``).
   After ``close()``, ``get`` hands out what was made, then raises
   ``RuntimeError``: it never blocks for good.
+- ``GroupsInFlight`` (``rollout_mode: fully_async``): env groups kept in
+  flight on workers across step boundaries; the trainer takes completed
+  groups as they come.
 - Staleness of a batch is ``version - min(policy versions of its turns)``.
 """
 
@@ -149,7 +152,7 @@ class RolloutAhead:
             self._thread = None
 
 
-class FullyAsyncRolloutPool:
+class GroupsInFlight:
     """``rollout_mode: fully_async``: env groups generating at all times.
 
     A scheduler thread in the driver keeps up to ``max_inflight_groups`` groups

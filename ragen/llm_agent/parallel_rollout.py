@@ -5,7 +5,7 @@
   more when ``max_env_num_per_worker`` asks for it.
 - Workers (loky processes by default; threading; multiprocessing, sequential,
   dask and ray through joblib's backends) build their envs locally, keep them
-  between rollouts (``EnvPool`` per process and thread), run the turn loop of
+  between rollouts (``KeptEnvs`` per process and thread), run the turn loop of
   ``rollout_loop`` for their shard and return plain-data trajectories. They
   reach the driver's ``SharedLLMInferenceManager`` through a picklable client.
   Inside a shard, ``pipeline_depth`` micro-batches overlap env stepping with
@@ -52,7 +52,7 @@ import joblib
 from ragen.llm_agent.cluster import ClusterConfig, open_cluster
 from ragen.llm_agent.es_manager import compute_metrics
 from ragen.llm_agent.executors import KeptExecutor
-from ragen.llm_agent.rollout_loop import EnvPool, LoopConfig, LoopStats, run_envs, stream_count
+from ragen.llm_agent.rollout_loop import KeptEnvs, LoopConfig, LoopStats, run_envs, stream_count
 from ragen.llm_agent.shared_llm import SharedLLMClient, SharedLLMInferenceManager
 from ragen.llm_agent.types import EnvSpec, RolloutResult, StopReason, Trajectory
 from ragen.utils import deal
@@ -68,12 +68,12 @@ class RolloutError(RuntimeError):
     pass
 
 
-def _worker_pool() -> EnvPool:
+def _worker_envs() -> KeptEnvs:
     """This process's (and thread's) env instances, kept between rollouts."""
-    pools = getattr(_LOCAL, "pools", None)
-    if pools is None:
-        pools = _LOCAL.pools = {}
-    return pools.setdefault(os.getpid(), EnvPool())
+    by_pid = getattr(_LOCAL, "kept_envs", None)
+    if by_pid is None:
+        by_pid = _LOCAL.kept_envs = {}
+    return by_pid.setdefault(os.getpid(), KeptEnvs())
 
 
 @dataclass(frozen=True)
@@ -101,7 +101,7 @@ def run_shard(shard_id: int, specs: list[EnvSpec], client: SharedLLMClient, conf
     joblib does not cancel the other shards."""
     t0 = time.perf_counter()
     try:
-        trajectories, stats = run_envs(specs, client, config, pool=_worker_pool(),
+        trajectories, stats = run_envs(specs, client, config, kept_envs=_worker_envs(),
                                        isolate_errors=isolate_errors, fault=fault)
         error = None
     except Exception as exc:
@@ -162,7 +162,7 @@ class ParallelRolloutManager:
         self._leased: set[_Executors] = set()
         self._closed = False
         self._rollouts_running = 0  # rollouts with shards on the workers now (for a cluster's announcements)
-        self._picklable: set[tuple] = set()  # pool keys whose env config is known to pickle
+        self._picklable: set[tuple] = set()  # reuse keys whose env config is known to pickle
         # dask, ray: a cluster client held until close(); the workers get an address they can reach
         self._cluster = open_cluster(backend, cluster, n_jobs)
         try:
@@ -276,7 +276,7 @@ class ParallelRolloutManager:
         from ragen.env.check import describe_unpicklable
 
         for spec in specs:
-            if spec.pool_key in self._picklable:
+            if spec.reuse_key in self._picklable:
                 continue
             problem = describe_unpicklable(spec.env_config, f"custom_envs.{spec.tag}.env_config")
             if problem:
@@ -284,7 +284,7 @@ class ParallelRolloutManager:
                     f"{problem}: env configs travel to worker processes in every EnvSpec; use plain data, "
                     "build locks, clients and callables inside the env, or set agent_proxy.parallel_backend=threading"
                 )
-            self._picklable.add(spec.pool_key)
+            self._picklable.add(spec.reuse_key)
 
     def _run_parallel(self, lease: "_Executors", shards: dict[int, list[EnvSpec]], config: LoopConfig,
                       fault: dict[str, Any] | None):
