@@ -41,6 +41,7 @@ from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 from ragen import config_files
+from ragen.utils import deal
 
 logger = logging.getLogger(__name__)
 
@@ -136,7 +137,7 @@ def compose_config(config_name: str, overrides: Sequence[str], config_dir: Path 
 
 def validation_layout(n_envs: int, tags: Sequence[str]) -> dict[str, Any]:
     """``es_manager.<split>`` for ``n_envs`` envs of group size 1, ``tags`` in turn."""
-    n_groups = [n_envs // len(tags) + (1 if i < n_envs % len(tags) else 0) for i in range(len(tags))]
+    n_groups = [len(hand) for hand in deal(range(n_envs), len(tags))]
     pairs = [(t, n) for t, n in zip(tags, n_groups) if n]
     return {"env_groups": n_envs, "group_size": 1,
             "env_configs": {"tags": [t for t, _ in pairs], "n_groups": [n for _, n in pairs]}}

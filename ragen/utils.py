@@ -1,5 +1,9 @@
 """Small helpers shared across ragen.
 
+``deal`` hands items out in turn, as cards are dealt: it is how whole env
+groups are spread over shards and micro-batches, and envs over tags in a
+soak's validation layout, so that tags laid out in blocks end up mixed.
+
 ``all_seed`` exists for RAGEN compatibility: RAGEN's env modules seed the
 process-global ``random`` and ``numpy`` generators around room generation and
 import it from here. Our own envs never touch a global generator (each owns a
@@ -14,12 +18,15 @@ from __future__ import annotations
 
 import random
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from typing import TypeVar
 
 import numpy as np
 
-__all__ = ["all_seed", "GLOBAL_RNG_WAIT_S"]
+__all__ = ["all_seed", "deal", "GLOBAL_RNG_WAIT_S"]
+
+T = TypeVar("T")
 
 # Bound on the wait for another thread's ``all_seed`` block: a block lasts as
 # long as one env's generation (milliseconds to a second), so only an env stuck
@@ -27,6 +34,13 @@ __all__ = ["all_seed", "GLOBAL_RNG_WAIT_S"]
 # wait this long.
 GLOBAL_RNG_WAIT_S = 120.0
 _GLOBAL_RNG_LOCK = threading.RLock()  # re-entrant: an env may nest all_seed blocks
+
+
+def deal(items: Sequence[T], n: int) -> list[list[T]]:
+    """``items`` dealt out in turn into ``n`` hands: item ``k`` goes to hand
+    ``k % n``, and each hand keeps the items' order (hands past the last item
+    are empty)."""
+    return [list(items[i::n]) for i in range(n)]
 
 
 @contextmanager

@@ -13,7 +13,7 @@ from ragen.llm.types import SamplingParams
 from ragen.llm_agent.ctx_manager import ContextConfig
 from ragen.llm_agent.es_manager import EnvStateManager
 from ragen.llm_agent.inference import DirectClient
-from ragen.llm_agent.rollout_loop import EnvPool, LoopConfig, run_envs
+from ragen.llm_agent.rollout_loop import KeptEnvs, LoopConfig, run_envs
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -47,7 +47,7 @@ def loop_config(max_turn: int = 4, depth: int = 1, **kw) -> LoopConfig:
 
 def sequential(specs, config: LoopConfig, engine=None):
     engine = engine or ScriptedEngine(malformed_rate=0.1)
-    trajectories, _ = run_envs(specs, DirectClient(engine), config, pool=EnvPool(), isolate_errors=True)
+    trajectories, _ = run_envs(specs, DirectClient(engine), config, kept_envs=KeptEnvs(), isolate_errors=True)
     return trajectories
 
 

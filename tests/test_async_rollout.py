@@ -1,5 +1,5 @@
 """Asynchronous rollout: generate-ahead bounded by policy lag, and the
-fully-async pool that never loses or duplicates a group."""
+fully-async rollout that never loses or duplicates a group."""
 
 from __future__ import annotations
 

@@ -16,7 +16,7 @@ from ragen.env.base import BaseDiscreteActionEnv
 from ragen.llm.scripted import ScriptedEngine
 from ragen.llm_agent import AgentSetup, LLMAgentProxy
 from ragen.llm_agent.inference import DirectClient
-from ragen.llm_agent.rollout_loop import EnvPool, run_envs
+from ragen.llm_agent.rollout_loop import KeptEnvs, run_envs
 from ragen.llm_agent.types import RolloutResult, StopReason
 
 from tests.rollout_helpers import ROOT, custom_envs, fault_tag, loop_config, sequential, specs_for
@@ -33,7 +33,7 @@ def _specs(fault: str = "none", transient: bool = False, tmp_path=None, **kw):
 
 
 def _run(specs, config, isolate=True):
-    return run_envs(specs, DirectClient(ScriptedEngine()), config, pool=EnvPool(), isolate_errors=isolate)
+    return run_envs(specs, DirectClient(ScriptedEngine()), config, kept_envs=KeptEnvs(), isolate_errors=isolate)
 
 
 @pytest.mark.parametrize("fault", ["raise_step", "raise_reset"])

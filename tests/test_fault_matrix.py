@@ -42,7 +42,7 @@ from ragen.llm_agent import AgentSetup, LLMAgentProxy
 from ragen.llm_agent.cluster import ClusterConfig
 from ragen.llm_agent.parallel_rollout import ParallelRolloutManager, RolloutError
 from ragen.llm_agent.inference import DirectClient
-from ragen.llm_agent.rollout_loop import EnvPool, run_envs
+from ragen.llm_agent.rollout_loop import KeptEnvs, run_envs
 from ragen.llm_agent.inference import SharedLLMInferenceManager
 from ragen.llm_agent.types import StopReason
 
@@ -490,7 +490,7 @@ def assert_one_sane_trajectory_each(trajectories, specs, max_turn):
 @given(texts=completion_texts)
 def test_arbitrary_completions_never_break_the_loop(mixed_specs, texts):
     config = loop_config(max_turn=3)
-    trajectories, _ = run_envs(mixed_specs, DirectClient(TextEngine(texts)), config, pool=EnvPool(),
+    trajectories, _ = run_envs(mixed_specs, DirectClient(TextEngine(texts)), config, kept_envs=KeptEnvs(),
                                isolate_errors=True)
     assert_one_sane_trajectory_each(trajectories, mixed_specs, 3)
 

@@ -12,7 +12,7 @@ import pytest
 from ragen.llm.scripted import ScriptedEngine
 from ragen.llm_agent.parallel_rollout import ParallelRolloutManager, RolloutError, partition
 from ragen.llm_agent.inference import DirectClient
-from ragen.llm_agent.rollout_loop import EnvPool, run_envs
+from ragen.llm_agent.rollout_loop import KeptEnvs, run_envs
 from ragen.llm_agent.inference import SharedLLMInferenceManager
 from ragen.llm_agent.types import StopReason
 
@@ -48,6 +48,28 @@ def test_partition_keeps_groups_whole_and_assigns_every_env():
             assert sum(s.group_id == g for s in sh) == 3
     assert sorted(len(sh) for sh in shards) == [6, 6, 9]
     assert len(partition(specs, 2, max_env_num_per_worker=3)) == 7
+
+
+@pytest.mark.timeout(60)
+def test_a_shard_result_is_frozen_plain_data_and_combines_its_parts():
+    import dataclasses
+    import pickle
+
+    from ragen.llm_agent.parallel_rollout import ShardResult
+    from ragen.llm_agent.rollout_loop import LoopStats
+    from ragen.llm_agent.types import Trajectory
+
+    a = ShardResult(shard=2, trajectories=[Trajectory(env_id=1, group_id=0, tag="t", seed=5)],
+                    stats=LoopStats(env_step_s=0.5, envs_created=2), pid=123, wall_s=1.5)
+    b = ShardResult(shard=2, trajectories=[Trajectory(env_id=0, group_id=0, tag="t", seed=5)],
+                    stats=LoopStats(env_step_s=0.25, env_retries=1))
+    assert pickle.loads(pickle.dumps(a)) == a
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        a.error = "x"
+    both = ShardResult.combine(2, [a, b])
+    assert [t.env_id for t in both.trajectories] == [1, 0]  # in the parts' order
+    assert both.stats == LoopStats(env_step_s=0.75, envs_created=2, env_retries=1)
+    assert (both.shard, both.error, both.pid, both.wall_s, both.cause) == (2, None, -1, 0.0, None)
 
 
 @pytest.mark.parametrize("backend,n_jobs", [
@@ -220,12 +242,12 @@ def test_answers_that_arrive_while_envs_reset_are_handled_between_resets(mixed_s
             log.append("answer")
             return ticket, completions
 
-    class LoggingPool(EnvPool):
+    class LoggingKeptEnvs(KeptEnvs):
         def acquire(self, spec):
             log.append("reset")
             return super().acquire(spec)
 
-    trajectories, _ = run_envs(mixed_specs, EagerClient(engine), loop_config(depth=3), pool=LoggingPool())
+    trajectories, _ = run_envs(mixed_specs, EagerClient(engine), loop_config(depth=3), kept_envs=LoggingKeptEnvs())
     assert trajectories == reference
     # the first micro-batch's answers were stepped before the last micro-batch was reset
     assert log.index("answer") < len(log) - 1 - log[::-1].index("reset")
@@ -241,6 +263,25 @@ def test_groups_are_dealt_out_over_shards_and_micro_batches():
     assert [{s.spec.tag for s in stream} for stream in streams] == [{"SimpleSokoban", "FrozenLake"}] * 2
 
 
+@pytest.mark.timeout(60)
+def test_shards_and_micro_batches_get_groups_dealt_in_turn_in_order():
+    """Group k of n goes to shard (micro-batch) k % n, and each keeps the
+    groups' order: the exact layout, so results and worker load stay as they were."""
+    from ragen.llm_agent.rollout_loop import _EnvSlot, _split_streams
+    from ragen.utils import deal
+
+    specs = specs_for(["Bandit"], [7], 2, custom_envs())
+    assert [[s.group_id for s in shard] for shard in partition(specs, 3)] == [
+        [0, 0, 3, 3, 6, 6], [1, 1, 4, 4], [2, 2, 5, 5]]
+    assert [[s.env_id for s in shard] for shard in partition(specs, 3)][0] == [0, 1, 6, 7, 12, 13]
+    assert len(partition(specs, 9)) == 7  # never an empty shard
+    streams = _split_streams([_EnvSlot(s) for s in specs], 2)
+    assert [[s.spec.group_id for s in stream] for stream in streams] == [
+        [0, 0, 2, 2, 4, 4, 6, 6], [1, 1, 3, 3, 5, 5]]
+    assert deal("abcdefg", 3) == [["a", "d", "g"], ["b", "e"], ["c", "f"]]
+    assert deal([1, 2], 4) == [[1], [2], [], []]
+
+
 def test_an_engine_with_a_large_cost_per_call_sees_the_sequential_loops_batches():
     """A GPU engine pays about a whole decode per call, whatever its size: a
     turn split over two calls costs a turn. With 4 workers and 2 micro-batches
@@ -251,7 +292,7 @@ def test_an_engine_with_a_large_cost_per_call_sees_the_sequential_loops_batches(
     specs = specs_for(["SimpleSokoban", "FrozenLake"], [8, 8], 1, custom_envs())
     config = loop_config(max_turn=3, depth=2)
     counting = DirectClient(engine)
-    run_envs(specs, counting, replace(config, pipeline_depth=1), pool=EnvPool())  # RAGEN's loop
+    run_envs(specs, counting, replace(config, pipeline_depth=1), kept_envs=KeptEnvs())  # RAGEN's loop
     with SharedLLMInferenceManager(engine) as shared, ParallelRolloutManager(shared, n_jobs=4) as prm:
         prm.rollout(specs, config)  # the worker processes start (that can take longer than any wait)
         for _ in range(3):

@@ -27,11 +27,11 @@ from typing import Any, Iterator, Mapping
 
 from ragen.llm.types import Engine, SamplingParams
 from ragen.llm_agent.cluster import ClusterConfig
-from ragen.llm_agent.async_rollout import FullyAsyncRolloutPool, RolloutAhead, staleness
+from ragen.llm_agent.async_rollout import GroupsInFlight, RolloutAhead, staleness
 from ragen.llm_agent.ctx_manager import ContextConfig
 from ragen.llm_agent.es_manager import EnvStateManager, compute_metrics, to_plain
 from ragen.llm_agent.parallel_rollout import BACKENDS, ParallelRolloutManager
-from ragen.llm_agent.rollout_loop import EnvPool, LoopConfig, run_envs
+from ragen.llm_agent.rollout_loop import KeptEnvs, LoopConfig, run_envs
 from ragen.llm_agent.inference import DirectClient, SharedLLMInferenceManager, check_listen_address
 from ragen.llm_agent.types import RolloutResult
 
@@ -179,7 +179,7 @@ class LLMAgentProxy:
         logger.info("[Concurrency] Set max concurrent rollouts to %d", setup.max_concurrent_rollouts)
         self.shared: SharedLLMInferenceManager | None = None
         self.parallel: ParallelRolloutManager | None = None
-        self._pool = EnvPool()
+        self._kept_envs = KeptEnvs()
         self._lock = threading.Lock()  # the engine lock of the sequential path
         if setup.use_parallel_rollout or setup.rollout_mode == "fully_async":
             self.shared = SharedLLMInferenceManager(
@@ -197,7 +197,7 @@ class LLMAgentProxy:
                 cluster=setup.cluster,
             )
         self._ahead: RolloutAhead | None = None
-        self._pool_async: FullyAsyncRolloutPool | None = None
+        self._groups_in_flight: GroupsInFlight | None = None
         self._async_counts: dict[str, Any] = {"dropped_stale": 0, "staleness": []}
 
     # ----- training batches (sync, generate-ahead, fully async) -----------------
@@ -205,7 +205,7 @@ class LLMAgentProxy:
         """The next training batch under the configured mode: a synchronous
         rollout (``async_generation_ratio: 0``), one generated ahead in the
         background (``k > 0``; never more than ``k`` versions old), or
-        ``env_groups`` groups from the fully-async pool."""
+        ``env_groups`` groups from the fully-async groups in flight."""
         setup = self.setup
         if setup.rollout_mode == "fully_async":
             return self._fully_async_batch(policy_version)
@@ -217,8 +217,8 @@ class LLMAgentProxy:
 
     def _fully_async_batch(self, policy_version: int) -> RolloutResult:
         es = self.setup.es["train"]
-        if self._pool_async is None:
-            self._pool_async = FullyAsyncRolloutPool(
+        if self._groups_in_flight is None:
+            self._groups_in_flight = GroupsInFlight(
                 es, self.shared.client(timeout_s=self.setup.engine_timeout_s), self.setup.loop,
                 max_inflight_groups=self.setup.max_inflight_groups, n_jobs=self.setup.parallel_n_jobs,
                 backend="threading" if self.setup.parallel_backend == "threading" else "loky",
@@ -227,7 +227,7 @@ class LLMAgentProxy:
         t0 = time.perf_counter()
         groups = []
         while len(groups) < es.env_groups:
-            for index, trajs in self._pool_async.get_batch(es.env_groups - len(groups)):
+            for index, trajs in self._groups_in_flight.get_batch(es.env_groups - len(groups)):
                 lag = staleness(trajs, policy_version)
                 if lag > bound:
                     self._async_counts["dropped_stale"] += 1
@@ -244,7 +244,7 @@ class LLMAgentProxy:
     @contextmanager
     def generation_paused(self) -> Iterator[None]:
         """Validation runs in here: background generate-ahead stops first
-        (the fully-async pool keeps generating train groups; evaluation uses
+        (the fully-async rollout keeps generating train groups; evaluation uses
         the synchronous path)."""
         if self._ahead is None:
             yield
@@ -261,10 +261,10 @@ class LLMAgentProxy:
             lags += st.staleness
             m.update({"async/trainer_wait_s": st.trainer_wait_s, "async/generator_wait_s": st.generator_wait_s,
                       "async/dropped_stale": float(st.dropped_stale), "async/produced": float(st.produced)})
-        if self._pool_async is not None:
-            m.update({f"async/groups_{k}": float(v) for k, v in self._pool_async.counts.items()})
+        if self._groups_in_flight is not None:
+            m.update({f"async/groups_{k}": float(v) for k, v in self._groups_in_flight.counts.items()})
             m["async/dropped_stale"] = m.get("async/dropped_stale", 0.0) + self._async_counts["dropped_stale"]
-            m["async/queued_groups"] = float(self._pool_async.queued())
+            m["async/queued_groups"] = float(self._groups_in_flight.queued())
         if lags:
             m["async/staleness_mean"] = sum(lags) / len(lags)
             m["async/staleness_max"] = float(max(lags))
@@ -306,7 +306,7 @@ class LLMAgentProxy:
         client = _LockedClient(self.engine, self._lock)
         # one stream: one engine call per turn over all active envs
         trajectories, stats = run_envs(specs, client, LoopConfig(**{**config.__dict__, "pipeline_depth": 1}),
-                                       pool=self._pool, isolate_errors=True)
+                                       kept_envs=self._kept_envs, isolate_errors=True)
         metrics = compute_metrics(trajectories)
         sizes = client.batch_sizes
         metrics.update({
@@ -328,13 +328,13 @@ class LLMAgentProxy:
     def close(self) -> None:
         if self._ahead is not None:
             self._ahead.close()
-        if self._pool_async is not None:
-            self._pool_async.close()
+        if self._groups_in_flight is not None:
+            self._groups_in_flight.close()
         if self.parallel is not None:
             self.parallel.close()
         if self.shared is not None:
             self.shared.close()
-        self._pool.close()
+        self._kept_envs.close()
 
     def __enter__(self) -> "LLMAgentProxy":
         return self

@@ -12,6 +12,9 @@
   one: the trainer decides whether to go on, with a new ``RolloutAhead``).
   After ``close()``, ``get`` hands out what was made, then raises
   ``RuntimeError``: it never blocks for good.
+- ``GroupsInFlight`` (``rollout_mode: fully_async``): env groups kept in
+  flight on workers across step boundaries; the trainer takes completed
+  groups as they come.
 - Staleness of a batch is ``version - min(policy versions of its turns)``.
 """
 
@@ -25,6 +28,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
+from ragen.llm_agent.executors import KeptExecutor
 from ragen.llm_agent.types import RolloutResult
 
 logger = logging.getLogger(__name__)
@@ -148,7 +152,7 @@ class RolloutAhead:
             self._thread = None
 
 
-class FullyAsyncRolloutPool:
+class GroupsInFlight:
     """``rollout_mode: fully_async``: env groups generating at all times.
 
     A scheduler thread in the driver keeps up to ``max_inflight_groups`` groups
@@ -186,7 +190,8 @@ class FullyAsyncRolloutPool:
         # in-flight group (not per core) keeps max_inflight_groups really in flight.
         self._n_workers = max(joblib.effective_n_jobs(n_jobs), max_inflight_groups)
         self._processes = backend == "loky"
-        self._executor = self._new_executor()
+        self._workers = KeptExecutor(self._new_executor)
+        self._workers.get()
         self._cond = threading.Condition()
         self._completed: dict[int, list] = {}
         self._restart: list[int] = []
@@ -199,7 +204,7 @@ class FullyAsyncRolloutPool:
         self._thread.start()
 
     def _schedule(self) -> None:
-        from concurrent.futures import FIRST_COMPLETED, wait
+        from concurrent.futures import FIRST_COMPLETED, BrokenExecutor, wait
 
         from ragen.llm_agent.parallel_rollout import run_shard
 
@@ -216,24 +221,26 @@ class FullyAsyncRolloutPool:
                             index = self._next_group
                             self._next_group += 1
                         specs = self.es.group_specs(index)
-                        future = self._executor.submit(run_shard, index, specs, self.client, self.config)
-                        inflight[future] = index
+                        executor = self._workers.get()
+                        future = executor.submit(run_shard, index, specs, self.client, self.config)
+                        inflight[future] = (index, executor)
                         self.counts["started"] += 1
                 done, _ = wait(list(inflight), timeout=0.1, return_when=FIRST_COMPLETED)
                 for future in done:
-                    index = inflight.pop(future)
+                    index, executor = inflight.pop(future)
                     try:
                         result = future.result()
-                        failure = result["error"]
-                    except Exception as exc:  # the worker died: its pool is broken
+                        failure = result.error
+                    except Exception as exc:
                         result, failure = None, f"{type(exc).__name__}: {exc}"
-                        self._replace_broken_executor()
-                    versions = {t.policy_version for tr in (result or {}).get("trajectories", []) for t in tr.turns}
+                        if isinstance(exc, BrokenExecutor):  # a worker died and took its executor down
+                            self._workers.replace(failed=executor)
+                    versions = {t.policy_version for tr in (result.trajectories if result else []) for t in tr.turns}
                     if failure is None and versions and max(versions) - min(versions) > self.max_version_span:
                         failure = f"weight updates landed mid-group (versions {sorted(versions)})"
                     with self._cond:
                         if failure is None:
-                            self._completed[index] = result["trajectories"]
+                            self._completed[index] = result.trajectories
                             self.counts["completed"] += 1
                         else:
                             self._attempts[index] = self._attempts.get(index, 0) + 1
@@ -257,17 +264,6 @@ class FullyAsyncRolloutPool:
         from concurrent.futures import ThreadPoolExecutor
 
         return ThreadPoolExecutor(max_workers=self._n_workers, thread_name_prefix="ragen-async")
-
-    def _shutdown_executor(self, wait: bool) -> None:
-        if self._processes:
-            self._executor.shutdown(wait=wait, kill_workers=True)
-        else:
-            self._executor.shutdown(wait=wait)
-
-    def _replace_broken_executor(self) -> None:
-        if self._processes and self._executor._flags.broken:
-            self._shutdown_executor(wait=False)
-            self._executor = self._new_executor()
 
     def get_batch(self, n: int, timeout: float | None = None) -> list[tuple[int, list]]:
         """``n`` completed groups ``(index, trajectories)``, lowest index first."""
@@ -293,4 +289,4 @@ class FullyAsyncRolloutPool:
             self._stop = True
             self._cond.notify_all()
         self._thread.join(timeout=60)
-        self._shutdown_executor(wait=True)
+        self._workers.close(wait=True)

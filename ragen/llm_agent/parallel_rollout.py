@@ -5,7 +5,7 @@
   more when ``max_env_num_per_worker`` asks for it.
 - Workers (loky processes by default; threading; multiprocessing, sequential,
   dask and ray through joblib's backends) build their envs locally, keep them
-  between rollouts (``EnvPool`` per process and thread), run the turn loop of
+  between rollouts (``KeptEnvs`` per process and thread), run the turn loop of
   ``rollout_loop`` for their shard and return plain-data trajectories. They
   reach the driver's ``SharedLLMInferenceManager`` through a picklable client.
   Inside a shard, ``pipeline_depth`` micro-batches overlap env stepping with
@@ -29,6 +29,9 @@
   fails again ends its own trajectory with stop reason ``error`` or
   ``timeout``, and the others are kept. ``fallback_to_sequential: false``
   raises ``RolloutError`` instead.
+- A shard's result is a ``ShardResult`` (plain frozen data: it crosses the
+  process boundary): its trajectories, the loop's ``LoopStats``, the error
+  that failed it, the process that ran it and its wall time.
 - The driver merges trajectories in env_id order and checks that every spec
   has exactly one.
 """
@@ -41,16 +44,18 @@ import logging
 import os
 import threading
 import time
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
 from typing import Any, Iterator, Sequence
 
 import joblib
 
 from ragen.llm_agent.cluster import ClusterConfig, open_cluster
 from ragen.llm_agent.es_manager import compute_metrics
-from ragen.llm_agent.rollout_loop import EnvPool, LoopConfig, run_envs, stream_count
+from ragen.llm_agent.executors import KeptExecutor
+from ragen.llm_agent.rollout_loop import KeptEnvs, LoopConfig, LoopStats, run_envs, stream_count
 from ragen.llm_agent.inference import SharedLLMClient, SharedLLMInferenceManager
 from ragen.llm_agent.types import EnvSpec, RolloutResult, StopReason, Trajectory
+from ragen.utils import deal
 
 logger = logging.getLogger(__name__)
 
@@ -63,27 +68,46 @@ class RolloutError(RuntimeError):
     pass
 
 
-def _worker_pool() -> EnvPool:
+def _worker_envs() -> KeptEnvs:
     """This process's (and thread's) env instances, kept between rollouts."""
-    pools = getattr(_LOCAL, "pools", None)
-    if pools is None:
-        pools = _LOCAL.pools = {}
-    return pools.setdefault(os.getpid(), EnvPool())
+    by_pid = getattr(_LOCAL, "kept_envs", None)
+    if by_pid is None:
+        by_pid = _LOCAL.kept_envs = {}
+    return by_pid.setdefault(os.getpid(), KeptEnvs())
+
+
+@dataclass(frozen=True)
+class ShardResult:
+    """What one shard hands back to the driver."""
+
+    shard: int
+    trajectories: list[Trajectory] = field(default_factory=list)  # none when ``error`` is set
+    stats: LoopStats = field(default_factory=LoopStats)
+    error: str | None = None  # why the shard failed as a whole (not an env's own failure)
+    pid: int = -1  # the process that ran it; -1: put together by the fallback from its parts
+    wall_s: float = 0.0
+    cause: str | None = None  # why the fallback re-ran it, when it did
+
+    @classmethod
+    def combine(cls, shard: int, parts: Sequence["ShardResult"]) -> "ShardResult":
+        """One shard's result from the results of its parts (the fallback splits a shard)."""
+        return cls(shard=shard, trajectories=[t for p in parts for t in p.trajectories],
+                   stats=sum((p.stats for p in parts), LoopStats()))
 
 
 def run_shard(shard_id: int, specs: list[EnvSpec], client: SharedLLMClient, config: LoopConfig,
-              isolate_errors: bool = False, fault: dict[str, int] | None = None) -> dict[str, Any]:
+              isolate_errors: bool = False, fault: dict[str, int] | None = None) -> ShardResult:
     """One shard in a worker. Failures come back as data, not exceptions, so
     joblib does not cancel the other shards."""
     t0 = time.perf_counter()
     try:
-        trajectories, stats = run_envs(specs, client, config, pool=_worker_pool(),
+        trajectories, stats = run_envs(specs, client, config, kept_envs=_worker_envs(),
                                        isolate_errors=isolate_errors, fault=fault)
         error = None
     except Exception as exc:
-        trajectories, stats, error = [], None, f"{type(exc).__name__}: {exc}"
-    return {"shard": shard_id, "trajectories": trajectories, "stats": stats.as_dict() if stats else {},
-            "error": error, "pid": os.getpid(), "wall_s": time.perf_counter() - t0}
+        trajectories, stats, error = [], LoopStats(), f"{type(exc).__name__}: {exc}"
+    return ShardResult(shard=shard_id, trajectories=trajectories, stats=stats, error=error, pid=os.getpid(),
+                       wall_s=time.perf_counter() - t0)
 
 
 def partition(specs: Sequence[EnvSpec], n_workers: int, max_env_num_per_worker: int | None = None) -> list[list[EnvSpec]]:
@@ -102,7 +126,7 @@ def partition(specs: Sequence[EnvSpec], n_workers: int, max_env_num_per_worker: 
         per_shard = max(1, max_env_num_per_worker // per_group)
         n_shards = max(n_shards, -(-len(members) // per_shard))
     n_shards = min(n_shards, len(members))
-    return [[s for g in members[i::n_shards] for s in g] for i in range(n_shards)]
+    return [[s for g in hand for s in g] for hand in deal(members, n_shards)]
 
 
 class ParallelRolloutManager:
@@ -138,7 +162,7 @@ class ParallelRolloutManager:
         self._leased: set[_Executors] = set()
         self._closed = False
         self._rollouts_running = 0  # rollouts with shards on the workers now (for a cluster's announcements)
-        self._picklable: set[tuple] = set()  # pool keys whose env config is known to pickle
+        self._picklable: set[tuple] = set()  # reuse keys whose env config is known to pickle
         # dask, ray: a cluster client held until close(); the workers get an address they can reach
         self._cluster = open_cluster(backend, cluster, n_jobs)
         try:
@@ -174,11 +198,11 @@ class ParallelRolloutManager:
             if not keep:
                 lease.close()
 
-    def _results(self, lease: "_Executors", calls: list[tuple]) -> Iterator[dict[str, Any]]:
+    def _results(self, lease: "_Executors", calls: list[tuple]) -> Iterator[ShardResult]:
         """``run_shard`` on each argument tuple; results as shards finish.
         Raises TimeoutError past rollout_timeout_s, or the executor's error
         when a worker died."""
-        executor = lease.executor()
+        executor = lease.workers.get()
         if isinstance(executor, joblib.Parallel):
             yield from executor(joblib.delayed(run_shard)(*args) for args in calls)
             return
@@ -232,10 +256,9 @@ class ParallelRolloutManager:
                     ids = [s.env_id for s in shards[i]]
                     logger.warning("[Fallback] shard %d (%d envs, env_id %d..%d) failed: %s; re-running it "
                                    "sequentially with the same seeds", i, len(ids), min(ids), max(ids), cause)
-                    results[i] = self._fallback(lease, i, shards[i], config)
-                    results[i]["cause"] = cause
+                    results[i] = replace(self._fallback(lease, i, shards[i], config), cause=cause)
                 fallback_s = time.perf_counter() - t0
-        trajectories = sorted((t for r in results.values() for t in r["trajectories"]), key=lambda t: t.env_id)
+        trajectories = sorted((t for r in results.values() for t in r.trajectories), key=lambda t: t.env_id)
         _check_complete(specs, trajectories)
         metrics = compute_metrics(trajectories)
         metrics.update(self._timing_metrics(results, stats_before, failures, len(shards)))
@@ -253,7 +276,7 @@ class ParallelRolloutManager:
         from ragen.pickling import describe_unpicklable
 
         for spec in specs:
-            if spec.pool_key in self._picklable:
+            if spec.reuse_key in self._picklable:
                 continue
             problem = describe_unpicklable(spec.env_config, f"custom_envs.{spec.tag}.env_config")
             if problem:
@@ -261,14 +284,14 @@ class ParallelRolloutManager:
                     f"{problem}: env configs travel to worker processes in every EnvSpec; use plain data, "
                     "build locks, clients and callables inside the env, or set agent_proxy.parallel_backend=threading"
                 )
-            self._picklable.add(spec.pool_key)
+            self._picklable.add(spec.reuse_key)
 
     def _run_parallel(self, lease: "_Executors", shards: dict[int, list[EnvSpec]], config: LoopConfig,
                       fault: dict[str, Any] | None):
         """Shards on the workers -> (results, failed: shard -> cause, crashed:
         shard -> cause for the shards the executor lost, whether a shard ran
         past rollout_timeout_s)."""
-        results: dict[int, dict[str, Any]] = {}
+        results: dict[int, ShardResult] = {}
         failed: dict[int, str] = {}
         crashed: dict[int, str] = {}
         # The manager waits for the streams of workers that have not started yet;
@@ -289,17 +312,17 @@ class ParallelRolloutManager:
                  for i, shard in shards.items()]
         try:
             for res in self._results(lease, calls):
-                if res["error"]:
-                    failed[res["shard"]] = res["error"]
+                if res.error:
+                    failed[res.shard] = res.error
                 else:
-                    results[res["shard"]] = res
+                    results[res.shard] = res
         except Exception as exc:  # a dead worker, a timeout: the executor is gone
             if isinstance(exc, TimeoutError):
                 cause = f"no result within agent_proxy.rollout_timeout_s={self.rollout_timeout_s} s"
             else:  # its first line: loky adds a paragraph on what may kill a worker
                 lines = str(exc).strip().splitlines()
                 cause = f"{type(exc).__name__}: {lines[0]}" if lines else type(exc).__name__
-            lease.drop()
+            lease.workers.replace()
             crashed = {i: cause for i in shards if i not in results and i not in failed}
             return results, failed, crashed, isinstance(exc, TimeoutError)
         finally:
@@ -309,7 +332,7 @@ class ParallelRolloutManager:
         return results, failed, crashed, False
 
     def _fallback(self, lease: "_Executors", shard_id: int, specs: list[EnvSpec],
-                  config: LoopConfig) -> dict[str, Any]:
+                  config: LoopConfig) -> ShardResult:
         config = replace(config, env_timeout_s=config.env_timeout_s or self.fallback_env_timeout_s,
                          pipeline_depth=1)
         if self.backend in IN_PROCESS_BACKENDS:
@@ -319,9 +342,9 @@ class ParallelRolloutManager:
             # env_timeout_s (set just above), each engine wait by engine_timeout_s.
             result = run_shard(shard_id, specs, self._client, config, isolate_errors=True)
         else:
-            result = _run_isolated(lease.fallback_pool, shard_id, specs, self._client, config)
-        if result["error"]:  # not an env's fault (the engine, the manager): nothing to isolate
-            raise RolloutError(f"shard {shard_id} failed again in the fallback: {result['error']}")
+            result = _run_isolated(lease.spare, shard_id, specs, self._client, config)
+        if result.error:  # not an env's fault (the engine, the manager): nothing to isolate
+            raise RolloutError(f"shard {shard_id} failed again in the fallback: {result.error}")
         return result
 
     def _timing_metrics(self, results, before, failures, n_shards) -> dict[str, float]:
@@ -329,9 +352,9 @@ class ParallelRolloutManager:
         calls = after.engine_calls - before.engine_calls
         sizes = list(after.batch_sizes)[-calls:] if calls else []
         m = {
-            "timing/env_reset_s": sum(r["stats"].get("env_reset_s", 0.0) for r in results.values()),
-            "timing/env_step_s": sum(r["stats"].get("env_step_s", 0.0) for r in results.values()),
-            "timing/wait_llm_s": sum(r["stats"].get("wait_s", 0.0) for r in results.values()),
+            "timing/env_reset_s": sum(r.stats.env_reset_s for r in results.values()),
+            "timing/env_step_s": sum(r.stats.env_step_s for r in results.values()),
+            "timing/wait_llm_s": sum(r.stats.wait_s for r in results.values()),
             "timing/engine_s": after.engine_time_s - before.engine_time_s,
             "engine/calls": float(after.engine_calls - before.engine_calls),
             "engine/requests": float(after.requests - before.requests),
@@ -341,14 +364,14 @@ class ParallelRolloutManager:
             "ipc/bytes_out": float(after.bytes_out - before.bytes_out),
             "ipc/messages": float(after.messages_in - before.messages_in),
             "parallel/shards": float(n_shards),
-            "parallel/envs_created": sum(r["stats"].get("envs_created", 0.0) for r in results.values()),
-            "rollout/env_retries": sum(r["stats"].get("env_retries", 0.0) for r in results.values()),
+            "parallel/envs_created": float(sum(r.stats.envs_created for r in results.values())),
+            "rollout/env_retries": float(sum(r.stats.env_retries for r in results.values())),
             "parallel/fallbacks": float(len(failures)),
-            "parallel/workers_used": float(len({r["pid"] for r in results.values()})),
+            "parallel/workers_used": float(len({r.pid for r in results.values()})),
         }
         m["timing/env_s"] = m["timing/env_reset_s"] + m["timing/env_step_s"]
         for r in results.values():
-            m[f"worker/shard{r['shard']}_wall_s"] = r["wall_s"]
+            m[f"worker/shard{r.shard}_wall_s"] = r.wall_s
         return m
 
     def close(self) -> None:
@@ -384,75 +407,52 @@ class _Executors:
 
     def __init__(self, manager: "ParallelRolloutManager") -> None:
         self.manager = manager
-        self._parallel: Any = None
-        self._fallback: Any = None
+        self.workers = KeptExecutor(self._build_workers)
+        self.spare = KeptExecutor(_spare_process)
 
-    def executor(self):
-        if self._parallel is None:
-            m = self.manager
-            if m.backend == "loky":
-                from loky import ProcessPoolExecutor
+    def _build_workers(self):
+        m = self.manager
+        if m.backend == "loky":
+            from loky import ProcessPoolExecutor
 
-                self._parallel = ProcessPoolExecutor(max_workers=m.n_workers, env=_thread_limits(m.n_workers))
-            elif m.backend == "threading":
-                self._parallel = concurrent.futures.ThreadPoolExecutor(m.n_workers, thread_name_prefix="ragen-shard")
-            else:
-                self._parallel = joblib.Parallel(
-                    n_jobs=1 if m.backend == "sequential" else m.n_jobs,
-                    backend=m._joblib_backend(), batch_size=1,
-                    # results as shards finish, so a failure keeps the finished ones; the
-                    # multiprocessing and ray backends return all at once (multiprocessing
-                    # cannot see a killed worker: set rollout_timeout_s with it)
-                    return_as="list" if m.backend in ("multiprocessing", "ray") else "generator_unordered",
-                    pre_dispatch="all", timeout=m.rollout_timeout_s,
-                )
-                self._parallel.__enter__()
-        return self._parallel
-
-    def drop(self) -> None:
-        """Stop the workers' executor (after a failure); the next call builds a new one."""
-        executor, self._parallel = self._parallel, None
-        try:
-            if isinstance(executor, joblib.Parallel):
-                executor.__exit__(None, None, None)
-            elif self.manager.backend == "loky":
-                executor.shutdown(wait=False, kill_workers=True)
-            elif executor is not None:
-                executor.shutdown(wait=False, cancel_futures=True)  # a hung thread cannot be stopped
-        except Exception:
-            logger.debug("closing the executor failed", exc_info=True)
-
-    def fallback_pool(self, reset: bool = False):
-        from loky import ProcessPoolExecutor
-
-        if reset and self._fallback is not None:
-            self._fallback.shutdown(wait=False, kill_workers=True)
-            self._fallback = None
-        if self._fallback is None:
-            self._fallback = ProcessPoolExecutor(max_workers=1)
-        return self._fallback
+            return ProcessPoolExecutor(max_workers=m.n_workers, env=_thread_limits(m.n_workers))
+        if m.backend == "threading":
+            return concurrent.futures.ThreadPoolExecutor(m.n_workers, thread_name_prefix="ragen-shard")
+        parallel = joblib.Parallel(
+            n_jobs=1 if m.backend == "sequential" else m.n_jobs,
+            backend=m._joblib_backend(), batch_size=1,
+            # results as shards finish, so a failure keeps the finished ones; the
+            # multiprocessing and ray backends return all at once (multiprocessing
+            # cannot see a killed worker: set rollout_timeout_s with it)
+            return_as="list" if m.backend in ("multiprocessing", "ray") else "generator_unordered",
+            pre_dispatch="all", timeout=m.rollout_timeout_s,
+        )
+        parallel.__enter__()
+        return parallel
 
     def close(self) -> None:
-        self.drop()
-        if self._fallback is not None:
-            self._fallback.shutdown(wait=True, kill_workers=True)
-            self._fallback = None
+        self.workers.close(wait=False)
+        self.spare.close(wait=True)
 
 
-def _run_isolated(pool_factory, shard_id: int, specs: list[EnvSpec], client: SharedLLMClient,
-                  config: LoopConfig) -> dict[str, Any]:
+def _spare_process():
+    from loky import ProcessPoolExecutor
+
+    return ProcessPoolExecutor(max_workers=1)
+
+
+def _run_isolated(spare: KeptExecutor, shard_id: int, specs: list[EnvSpec], client: SharedLLMClient,
+                  config: LoopConfig) -> ShardResult:
     """Run specs one group after another in the spare process, with per-env
     isolation; if the process dies, split until the env that kills it is
     found: that env gets an ``error`` trajectory, the others their results."""
-    from loky.process_executor import BrokenProcessPool
-
     timeout = None if config.env_timeout_s is None else \
         config.env_timeout_s * (config.max_turn + 2) * (1 + config.env_retries) * max(1, len(specs))
     try:
-        future = pool_factory().submit(run_shard, shard_id, specs, client, config, True, None)
+        future = spare.get().submit(run_shard, shard_id, specs, client, config, True, None)
         return future.result(timeout=timeout)
-    except (BrokenProcessPool, TimeoutError, OSError) as exc:
-        pool_factory(reset=True)
+    except (concurrent.futures.BrokenExecutor, TimeoutError, OSError) as exc:
+        spare.replace()
         cause = f"{type(exc).__name__}: {exc}".strip() or type(exc).__name__
         groups: dict[int, list[EnvSpec]] = {}
         for s in specs:
@@ -465,15 +465,9 @@ def _run_isolated(pool_factory, shard_id: int, specs: list[EnvSpec], client: Sha
                            s.env_id, s.tag, cause)
             traj = Trajectory(env_id=s.env_id, group_id=s.group_id, tag=s.tag, seed=s.seed,
                               stop_reason=reason, error=f"worker process failed: {cause}")
-            return {"shard": shard_id, "trajectories": [traj], "stats": {}, "error": None,
-                    "pid": -1, "wall_s": 0.0}
-        out = {"shard": shard_id, "trajectories": [], "stats": {}, "error": None, "pid": -1, "wall_s": 0.0}
-        for part in parts:
-            r = _run_isolated(pool_factory, shard_id, part, client, config)
-            out["trajectories"] += r["trajectories"]
-            for k, v in r["stats"].items():
-                out["stats"][k] = out["stats"].get(k, 0.0) + v
-        return out
+            return ShardResult(shard=shard_id, trajectories=[traj])
+        return ShardResult.combine(shard_id, [_run_isolated(spare, shard_id, part, client, config)
+                                              for part in parts])
 
 
 def _thread_limits(n_workers: int) -> dict[str, str]:

@@ -21,7 +21,7 @@ own requests, so the split never changes results.
 The envs of a tag with ``parallel_friendly: true`` (RAGEN's key) are reset
 and stepped ``max_workers`` at a time on threads (``EnvSpec.env_threads``),
 in the sequential loop and in each parallel worker alike; other envs one after
-another. ``EnvPool`` keeps env instances between rollouts (reset with new seeds).
+another. ``KeptEnvs`` keeps env instances between rollouts (reset with new seeds).
 """
 
 from __future__ import annotations
@@ -35,13 +35,14 @@ import threading
 import time
 import traceback
 from collections import defaultdict
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any, Sequence
 
 from ragen.llm.types import Completion, GenerationRequest, SamplingParams
 from ragen.llm_agent.ctx_manager import ContextConfig, ContextManager
 from ragen.llm_agent.inference.client import LLMClient
 from ragen.llm_agent.types import EnvSpec, StopReason, Trajectory, Turn
+from ragen.utils import deal
 
 logger = logging.getLogger(__name__)
 
@@ -70,8 +71,8 @@ class ShardError(Exception):
     """An env failed in a worker; the shard is re-run by the fallback."""
 
 
-class EnvPool:
-    """Env instances kept between rollouts, by ``EnvSpec.pool_key``."""
+class KeptEnvs:
+    """Env instances kept between rollouts, by ``EnvSpec.reuse_key``."""
 
     def __init__(self) -> None:
         self._free: dict[tuple, list[Any]] = defaultdict(list)
@@ -80,7 +81,7 @@ class EnvPool:
 
     def acquire(self, spec: EnvSpec) -> Any:
         with self._lock:
-            free = self._free.get(spec.pool_key)
+            free = self._free.get(spec.reuse_key)
             if free:
                 return free.pop()
             self.created += 1
@@ -89,7 +90,7 @@ class EnvPool:
         return make_env(spec.env_type, spec.env_config, config_type=spec.config_type, tag=spec.tag)
 
     def release(self, spec: EnvSpec, env: Any) -> None:
-        self._free[spec.pool_key].append(env)
+        self._free[spec.reuse_key].append(env)
 
     def __len__(self) -> int:
         return sum(len(v) for v in self._free.values())
@@ -116,26 +117,26 @@ class _Caller:
     def __init__(self, timeout_s: float | None) -> None:
         self.timeout_s = timeout_s
         self._local = threading.local()
-        self._pools: list[concurrent.futures.ThreadPoolExecutor] = []
+        self._helpers: list[concurrent.futures.ThreadPoolExecutor] = []
 
     def __call__(self, fn, *args, **kwargs):
         if not self.timeout_s:
             return fn(*args, **kwargs)
-        pool = getattr(self._local, "pool", None)
-        if pool is None:
-            pool = self._local.pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="ragen-env")
-            self._pools.append(pool)
-        future = pool.submit(fn, *args, **kwargs)
+        helper = getattr(self._local, "helper", None)
+        if helper is None:
+            helper = self._local.helper = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="ragen-env")
+            self._helpers.append(helper)
+        future = helper.submit(fn, *args, **kwargs)
         try:
             return future.result(timeout=self.timeout_s)
         except concurrent.futures.TimeoutError:
-            pool.shutdown(wait=False)
-            self._local.pool = None
+            helper.shutdown(wait=False)
+            self._local.helper = None
             raise EnvTimeout(f"env call {getattr(fn, '__name__', fn)} took longer than {self.timeout_s} s") from None
 
     def close(self) -> None:
-        for pool in self._pools:
-            pool.shutdown(wait=False)
+        for helper in self._helpers:
+            helper.shutdown(wait=False)
 
 
 class _EnvThreads:
@@ -150,7 +151,7 @@ class _EnvThreads:
     """
 
     def __init__(self) -> None:
-        self._pools: dict[int, concurrent.futures.ThreadPoolExecutor] = {}
+        self._executors: dict[int, concurrent.futures.ThreadPoolExecutor] = {}  # by thread count
 
     def run(self, jobs: list[tuple["_EnvSlot", Any]]) -> None:
         by_tag: dict[str, list[Any]] = defaultdict(list)
@@ -165,10 +166,11 @@ class _EnvThreads:
                 tag_jobs[0][1]()
                 continue
             n = tag_jobs[0][0].spec.env_threads
-            pool = self._pools.get(n)
-            if pool is None:
-                pool = self._pools[n] = concurrent.futures.ThreadPoolExecutor(n, thread_name_prefix="ragen-envs")
-            futures += [pool.submit(job) for _, job in tag_jobs]
+            executor = self._executors.get(n)
+            if executor is None:
+                executor = concurrent.futures.ThreadPoolExecutor(n, thread_name_prefix="ragen-envs")
+                self._executors[n] = executor
+            futures += [executor.submit(job) for _, job in tag_jobs]
         # Bounded: each job is one env call sequence, itself bounded by
         # env_timeout_s when set (the call runs on the _Caller's thread).
         concurrent.futures.wait(futures)
@@ -176,8 +178,8 @@ class _EnvThreads:
             f.result()
 
     def close(self) -> None:
-        for pool in self._pools.values():
-            pool.shutdown(wait=False)  # every job has ended: run() waits for them
+        for executor in self._executors.values():
+            executor.shutdown(wait=False)  # every job has ended: run() waits for them
 
 
 def _plain_info(info: Any) -> dict[str, Any]:
@@ -226,15 +228,15 @@ class LoopStats:
     env_retries: int = 0  # retries of failed envs on fresh instances
     envs_created: int = 0  # 0 once a worker keeps its envs between rollouts
 
-    def as_dict(self) -> dict[str, float]:
-        return {k: float(v) for k, v in self.__dict__.items()}
+    def __add__(self, other: "LoopStats") -> "LoopStats":
+        return LoopStats(**{f.name: getattr(self, f.name) + getattr(other, f.name) for f in fields(self)})
 
 
 def run_envs(
     specs: Sequence[EnvSpec],
     client: LLMClient,
     config: LoopConfig,
-    pool: EnvPool | None = None,
+    kept_envs: KeptEnvs | None = None,
     isolate_errors: bool = True,
     fault: dict[str, int] | None = None,
 ) -> tuple[list[Trajectory], LoopStats]:
@@ -247,13 +249,13 @@ def run_envs(
     calling process exit at turn k (fault injection for benchmarks and tests).
     """
     ctx = ContextManager(config.context)
-    pool = pool if pool is not None else EnvPool()
+    kept_envs = kept_envs if kept_envs is not None else KeptEnvs()
     call = _Caller(config.env_timeout_s)
     threads = _EnvThreads()
     stats = LoopStats()
     slots = [_EnvSlot(s) for s in specs]
     try:
-        created = pool.created
+        created = kept_envs.created
         streams = _split_streams(slots, config.pipeline_depth)
         client.open_streams(len(streams))
         open_streams = len(streams)
@@ -281,7 +283,7 @@ def run_envs(
                 for chunk in _reset_chunks(stream):
                     t0 = time.perf_counter()
                     threads.run([(slot, functools.partial(_guard, slot, stats, isolate_errors, config, call,
-                                                          _reset, slot, pool, call))
+                                                          _reset, slot, kept_envs, call))
                                  for slot in chunk])
                     stats.env_reset_s += time.perf_counter() - t0
                     while inflight and client.ready():  # keep the model busy while later envs reset
@@ -289,7 +291,7 @@ def run_envs(
                 if not _submit(stream, client, ctx, config, inflight, stats):
                     client.close_stream()
                     open_streams -= 1
-            stats.envs_created = pool.created - created
+            stats.envs_created = kept_envs.created - created
             while inflight:
                 t0 = time.perf_counter()
                 ticket, completions = client.wait_any()
@@ -300,7 +302,7 @@ def run_envs(
                 client.close_stream()
         for slot in slots:
             if slot.env is not None:
-                pool.release(slot.spec, slot.env)
+                kept_envs.release(slot.spec, slot.env)
         return [s.traj for s in slots], stats
     except BaseException:
         client.reset()
@@ -340,7 +342,7 @@ def _split_streams(slots: list[_EnvSlot], depth: int) -> list[list[_EnvSlot]]:
         groups.setdefault(s.spec.group_id, []).append(s)
     members = list(groups.values())
     depth = stream_count([s.spec for s in slots], depth)
-    return [[s for g in members[i::depth] for s in g] for i in range(depth)]
+    return [[s for g in hand for s in g] for hand in deal(members, depth)]
 
 
 def _submit(stream, client, ctx, config, inflight, stats) -> bool:
@@ -403,7 +405,7 @@ def _guard(slot: _EnvSlot, stats: LoopStats, isolate: bool, config: LoopConfig, 
 
 
 def _rebuild(slot: _EnvSlot, call: _Caller, expect: str | None) -> None:
-    """A fresh instance of the slot's env (not from the pool), reset with the
+    """A fresh instance of the slot's env (not a kept one), reset with the
     same seed, with every recorded action stepped again; ``expect``: the
     observation the failed instance had shown, which the replay must give."""
     from ragen.env import make_env
@@ -421,8 +423,8 @@ def _rebuild(slot: _EnvSlot, call: _Caller, expect: str | None) -> None:
                            "(set agent_proxy.env_retries=0 for it)")
 
 
-def _reset(slot: _EnvSlot, pool: EnvPool, call: _Caller) -> None:
-    slot.env = pool.acquire(slot.spec)
+def _reset(slot: _EnvSlot, kept_envs: KeptEnvs, call: _Caller) -> None:
+    slot.env = kept_envs.acquire(slot.spec)
     _reset_env(slot, call)
 
 

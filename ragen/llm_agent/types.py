@@ -51,7 +51,7 @@ class EnvSpec:
     mode: str = "train"
 
     @property
-    def pool_key(self) -> tuple:
+    def reuse_key(self) -> tuple:
         """Envs with equal keys are interchangeable: a worker reuses them."""
         return (self.tag, self.env_type, self.config_type, repr(sorted(self.env_config.items())))
 

@@ -1,0 +1,69 @@
+"""KeptExecutor: built once, replaced after a failure, never by reading an
+executor's private state."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import os
+
+import joblib
+import pytest
+
+from ragen.llm_agent.executors import KeptExecutor
+
+
+def _exit_now():
+    os._exit(3)
+
+
+def _pid():
+    return os.getpid()
+
+
+def _loky():
+    from loky import ProcessPoolExecutor
+
+    return ProcessPoolExecutor(max_workers=1)
+
+
+@pytest.mark.timeout(120)
+def test_a_dead_worker_is_seen_in_what_it_raises_and_its_executor_replaced_once():
+    kept = KeptExecutor(_loky)
+    try:
+        broken = kept.get()
+        assert kept.get() is broken  # kept between uses
+        first = broken.submit(_pid).result(timeout=60)
+        with pytest.raises(concurrent.futures.BrokenExecutor):  # loky's BrokenProcessPool derives from it
+            broken.submit(_exit_now).result(timeout=60)
+        kept.replace(failed=broken)
+        fresh = kept.get()
+        assert fresh is not broken
+        kept.replace(failed=broken)  # another task of the broken executor reports it too: the successor stays
+        assert kept.get() is fresh
+        assert fresh.submit(_pid).result(timeout=60) != first
+    finally:
+        kept.close()
+
+
+@pytest.mark.timeout(60)
+def test_replace_and_close_stop_every_kind_of_executor():
+    built = []
+
+    def build():
+        built.append(concurrent.futures.ThreadPoolExecutor(1))
+        return built[-1]
+
+    kept = KeptExecutor(build)
+    assert kept.get().submit(lambda: 7).result(timeout=10) == 7
+    kept.replace()
+    with pytest.raises(RuntimeError):  # shut down: takes no more tasks
+        built[0].submit(lambda: 7)
+    assert kept.get() is built[1]
+    kept.close()
+    with pytest.raises(RuntimeError):
+        built[1].submit(lambda: 7)
+    kept.close()  # closing twice, or with nothing built, is fine
+
+    parallel = KeptExecutor(lambda: joblib.Parallel(n_jobs=1).__enter__())
+    assert list(parallel.get()(joblib.delayed(abs)(-i) for i in range(3))) == [0, 1, 2]
+    parallel.close()
