@@ -47,6 +47,7 @@ from typing import Any, Iterator, Sequence
 import joblib
 
 from ragen.llm_agent.cluster import ClusterConfig, open_cluster
+from ragen.llm_agent.config import BACKENDS
 from ragen.llm_agent.es_manager import compute_metrics
 from ragen.llm_agent.rollout_loop import EnvPool, LoopConfig, run_envs, stream_count
 from ragen.llm_agent.inference import SharedLLMClient, SharedLLMInferenceManager
@@ -54,7 +55,6 @@ from ragen.llm_agent.types import EnvSpec, RolloutResult, StopReason, Trajectory
 
 logger = logging.getLogger(__name__)
 
-BACKENDS = ("loky", "threading", "multiprocessing", "sequential", "dask", "ray")
 IN_PROCESS_BACKENDS = ("threading", "sequential")  # shards run in the driver process
 _LOCAL = threading.local()
 
