@@ -33,6 +33,7 @@ __all__ = [
     "SamplingParams",
     "request_seed",
     "make_engine",
+    "check_engine_config",
     "ENGINE_CLASSES",
     "ScriptedEngine",
     "HFEngine",
@@ -54,22 +55,28 @@ def _load_class(name: str) -> type:
     return getattr(importlib.import_module(module_name), class_name)
 
 
-def make_engine(engine_cfg: Mapping[str, Any], model_path: str | None = None) -> Engine:
-    """Build the engine named by ``engine_cfg["name"]``.
-
-    The other keys are that engine's options (see ``config/engine/<name>.yaml``);
-    an unknown key is an error rather than silently ignored.
-    """
+def check_engine_config(engine_cfg: Mapping[str, Any]) -> tuple[str, dict[str, Any]]:
+    """``(name, options)`` of the ``engine`` section: the name must be a known
+    engine and every other key one of its options (ValueError naming the key)."""
     cfg = to_plain(engine_cfg)
     name = cfg.pop("name", None)
     if name not in ENGINE_CLASSES:
         raise ValueError(
             f"engine.name={name!r} is not a known engine; choose one of {sorted(ENGINE_CLASSES)}"
         )
-    cls = _load_class(name)
-    check_keys(cfg, cls.config_keys, "engine",
-               hint=f"; the options of engine {name!r} are {sorted(cls.config_keys)}")
-    return cls.from_config(cfg, model_path)
+    keys = _load_class(name).config_keys
+    check_keys(cfg, keys, "engine", hint=f"; the options of engine {name!r} are {sorted(keys)}")
+    return name, cfg
+
+
+def make_engine(engine_cfg: Mapping[str, Any], model_path: str | None = None) -> Engine:
+    """Build the engine named by ``engine_cfg["name"]``.
+
+    The other keys are that engine's options (see ``config/engine/<name>.yaml``);
+    an unknown key is an error rather than silently ignored.
+    """
+    name, cfg = check_engine_config(engine_cfg)
+    return _load_class(name).from_config(cfg, model_path)
 
 
 def __getattr__(attr: str) -> Any:
