@@ -140,7 +140,7 @@ def summarize(mode: str, runs: list, warmup_s: float, setup, proxy) -> dict[str,
     m = result.metrics
     return {
         "mode": mode,
-        "backend": setup.parallel_backend if mode == "parallel" else "none",
+        "backend": setup.agent_proxy.parallel_backend if mode == "parallel" else "none",
         "n_jobs": (proxy.parallel.n_workers if proxy.parallel else 1),
         "wall_s": median_wall,
         "wall_s_all": walls,

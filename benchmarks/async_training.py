@@ -31,7 +31,7 @@ def setup(custom_envs: dict, mode: dict) -> AgentSetup:
     return AgentSetup.from_config({
         "custom_envs": custom_envs,
         "seed": {"train": 1, "val": 2},
-        "agent_proxy": {"max_turn": 5, "use_parallel_rollout": True, "parallel_n_jobs": 2, **mode},
+        "agent_proxy": {"max_turn": 5, "use_parallel_rollout": True, "parallel_n_jobs": 2, "pipeline_depth": 1, **mode},
         "es_manager": {
             "train": {"env_groups": 8, "group_size": 4,
                       "env_configs": {"tags": ["Bandit", "SimpleSokoban"], "n_groups": [4, 4]}},

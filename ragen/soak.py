@@ -199,7 +199,7 @@ def run_soak(cfg: Mapping[str, Any], rollouts: int, split: str = "train", envs: 
     after = {"children_after_close": len([p for p in descendants() if not p["helper"]])}
     report = {
         "config": {"split": split, "envs": n_envs, "rollouts": rollouts, "engine": cfg["engine"].get("name"),
-                   "backend": setup.parallel_backend, "n_jobs": setup.parallel_n_jobs,
+                   "backend": setup.agent_proxy.parallel_backend, "n_jobs": setup.agent_proxy.parallel_n_jobs,
                    "tags": sorted(set(setup.es[split].group_tags)),
                    "group_size": setup.es[split].group_size, "pipeline_depth": setup.loop.pipeline_depth,
                    "max_turn": setup.loop.max_turn, "cores": os.cpu_count()},

@@ -20,7 +20,7 @@ def setup_for(**agent_proxy) -> AgentSetup:
     cfg = {
         "custom_envs": custom_envs(),
         "seed": {"train": 5, "val": 9},
-        "agent_proxy": {"max_turn": 3, "parallel_n_jobs": 2, **agent_proxy},
+        "agent_proxy": {"max_turn": 3, "parallel_n_jobs": 2, "pipeline_depth": 1, **agent_proxy},
         "es_manager": {
             "train": {"env_groups": 4, "group_size": 2,
                       "env_configs": {"tags": ["SimpleSokoban", "FrozenLake"], "n_groups": [2, 2]}},
@@ -157,7 +157,7 @@ def test_fully_async_loses_and_duplicates_nothing(backend):
     assert len(seen) == len(set(seen))  # no group trained twice
     # every started group: restarted, trained, still queued, dropped as stale, or in flight at close
     assert completed <= started - restarted
-    assert started - restarted - completed <= setup.max_inflight_groups  # in flight at close
+    assert started - restarted - completed <= setup.agent_proxy.max_inflight_groups  # in flight at close
     assert completed >= len(seen) + dropped
     assert handed_out == len(seen) + dropped  # each group handed out is trained on or dropped
     assert queued == completed - handed_out  # each completed group is handed out or still queued

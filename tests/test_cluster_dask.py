@@ -228,7 +228,7 @@ def test_wildcard_host_is_advertised_and_the_key_stays_out_of_logs(scheduler_add
 
 def test_agent_proxy_reads_the_cluster_keys(scheduler_address):
     cfg = {
-        "agent_proxy": {"use_parallel_rollout": True, "parallel_backend": "dask", "max_turn": 3},
+        "agent_proxy": {"use_parallel_rollout": True, "parallel_backend": "dask", "max_turn": 3, "pipeline_depth": 1},
         "custom_envs": custom_envs(),
         "es_manager": {"train": {"env_groups": 4, "group_size": 2, "env_configs": {"tags": ["Bandit"], "n_groups": [4]}},
                        "val": {"env_groups": 2, "group_size": 1, "env_configs": {"tags": ["Bandit"], "n_groups": [2]}}},

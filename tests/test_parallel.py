@@ -3,7 +3,6 @@ every backend and layout, and nothing lost when workers fail."""
 
 from __future__ import annotations
 
-import threading
 from dataclasses import replace
 import time
 

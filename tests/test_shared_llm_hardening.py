@@ -303,9 +303,9 @@ def test_bad_llm_server_config_is_an_error_naming_the_key(llm_server, key):
 
 def test_good_llm_server_config_is_read():
     setup = AgentSetup.from_config(_config(host="0.0.0.0", port=65535))
-    assert (setup.host, setup.port) == ("0.0.0.0", 65535)
+    assert (setup.llm_server.host, setup.llm_server.port) == ("0.0.0.0", 65535)
     setup = AgentSetup.from_config(_config())
-    assert (setup.host, setup.port) == ("127.0.0.1", 0)
+    assert (setup.llm_server.host, setup.llm_server.port) == ("127.0.0.1", 0)
 
 
 @pytest.mark.parametrize("kw, key", [

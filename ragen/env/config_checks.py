@@ -8,8 +8,7 @@ Concepts:
   ``custom_envs.LargerSokoban.env_config.num_boxes: 40 boxes do not fit ...``.
 - ``check_*`` helpers: cheap type and range checks that env config dataclasses
   call from ``__post_init__``; each returns the (normalised) value.
-- ``to_plain``: turns OmegaConf containers (or any Mapping/Sequence) into plain
-  dicts and lists, without importing omegaconf.
+- ``to_plain``: re-exported from ``ragen.config_reader`` (the one copy).
 """
 
 from __future__ import annotations
@@ -17,6 +16,8 @@ from __future__ import annotations
 import numbers
 from collections.abc import Mapping, Sequence
 from typing import Any
+
+from ragen.config_reader import to_plain
 
 __all__ = [
     "EnvConfigError",
@@ -43,20 +44,6 @@ class EnvConfigError(ValueError):
 
     def __reduce__(self):  # exceptions cross process boundaries; keep both fields
         return (type(self), (self.field, self.reason))
-
-
-def to_plain(value: Any) -> Any:
-    """Plain python copy of ``value``: Mappings -> dict, non-string Sequences -> list.
-
-    OmegaConf's DictConfig/ListConfig are a Mapping/Sequence, so they convert
-    here without this module importing omegaconf (interpolations resolve on
-    access).
-    """
-    if isinstance(value, Mapping):
-        return {k: to_plain(v) for k, v in value.items()}
-    if isinstance(value, Sequence) and not isinstance(value, (str, bytes)):
-        return [to_plain(v) for v in value]
-    return value
 
 
 def check_int(field: str, value: Any, minimum: int | None = None, maximum: int | None = None) -> int:

@@ -23,6 +23,7 @@ import importlib
 from collections.abc import Mapping
 from typing import Any
 
+from ragen.config_reader import check_keys, to_plain
 from ragen.llm.types import Completion, Engine, GenerationRequest, SamplingParams, request_seed
 
 __all__ = [
@@ -32,6 +33,7 @@ __all__ = [
     "SamplingParams",
     "request_seed",
     "make_engine",
+    "check_engine_config",
     "ENGINE_CLASSES",
     "ScriptedEngine",
     "HFEngine",
@@ -53,13 +55,18 @@ def _load_class(name: str) -> type:
     return getattr(importlib.import_module(module_name), class_name)
 
 
-def _plain(value: Any) -> Any:
-    """OmegaConf containers -> dict/list, so engines see plain data."""
-    if isinstance(value, Mapping):
-        return {str(k): _plain(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)) or type(value).__name__ == "ListConfig":
-        return [_plain(v) for v in value]
-    return value
+def check_engine_config(engine_cfg: Mapping[str, Any]) -> tuple[str, dict[str, Any]]:
+    """``(name, options)`` of the ``engine`` section: the name must be a known
+    engine and every other key one of its options (ValueError naming the key)."""
+    cfg = to_plain(engine_cfg)
+    name = cfg.pop("name", None)
+    if name not in ENGINE_CLASSES:
+        raise ValueError(
+            f"engine.name={name!r} is not a known engine; choose one of {sorted(ENGINE_CLASSES)}"
+        )
+    keys = _load_class(name).config_keys
+    check_keys(cfg, keys, "engine", hint=f"; the options of engine {name!r} are {sorted(keys)}")
+    return name, cfg
 
 
 def make_engine(engine_cfg: Mapping[str, Any], model_path: str | None = None) -> Engine:
@@ -68,20 +75,8 @@ def make_engine(engine_cfg: Mapping[str, Any], model_path: str | None = None) ->
     The other keys are that engine's options (see ``config/engine/<name>.yaml``);
     an unknown key is an error rather than silently ignored.
     """
-    cfg = _plain(engine_cfg)
-    name = cfg.pop("name", None)
-    if name not in ENGINE_CLASSES:
-        raise ValueError(
-            f"engine.name={name!r} is not a known engine; choose one of {sorted(ENGINE_CLASSES)}"
-        )
-    cls = _load_class(name)
-    unknown = sorted(set(cfg) - set(cls.config_keys))
-    if unknown:
-        raise ValueError(
-            f"engine.{unknown[0]} is not an option of engine {name!r} "
-            f"(unknown: {unknown}); its options are {sorted(cls.config_keys)}"
-        )
-    return cls.from_config(cfg, model_path)
+    name, cfg = check_engine_config(engine_cfg)
+    return _load_class(name).from_config(cfg, model_path)
 
 
 def __getattr__(attr: str) -> Any:

@@ -1,8 +1,10 @@
 """LLMAgentProxy: the rollout entry point, sequential or parallel by config.
 
-``AgentSetup.from_config(cfg)`` reads and checks every rollout key of the Hydra
-config (``agent_proxy.*``, ``es_manager.*``, ``ctx_manager.generation.*``,
-``custom_envs``, ``seed.*``) before any model loads; errors name the key.
+``AgentSetup.from_config(cfg)`` reads every rollout section of the Hydra
+config into its typed dataclass (``ragen.llm_agent.config``: ``agent_proxy``,
+``es_manager``, ``ctx_manager``, ``llm_server``, ``seed``, ``dask``, ``ray``),
+checks ``custom_envs``, and holds the sections whole (``setup.agent_proxy.
+parallel_n_jobs``), all before any model loads; errors name the key.
 ``LLMAgentProxy(setup, engine).rollout(split)`` plays the next rollout of the
 ``train`` or ``val`` env set:
 
@@ -29,144 +31,83 @@ from ragen.llm.types import Engine, SamplingParams
 from ragen.llm_agent.cluster import ClusterConfig
 from ragen.llm_agent.async_rollout import GroupsInFlight, RolloutAhead, staleness
 from ragen.llm_agent.ctx_manager import ContextConfig
-from ragen.llm_agent.es_manager import EnvStateManager, compute_metrics, to_plain
-from ragen.llm_agent.parallel_rollout import BACKENDS, ParallelRolloutManager
+from ragen.config_reader import to_plain
+from ragen.llm_agent.config import (AgentProxyConfig, CtxManagerConfig, EsManagerConfig, LlmServerConfig, SeedConfig,
+                                    read_rollout_sections)
+from ragen.llm_agent.es_manager import EnvStateManager, compute_metrics
+from ragen.llm_agent.parallel_rollout import ParallelRolloutManager
 from ragen.llm_agent.rollout_loop import KeptEnvs, LoopConfig, run_envs
-from ragen.llm_agent.inference import DirectClient, SharedLLMInferenceManager, check_listen_address
+from ragen.llm_agent.inference import DirectClient, SharedLLMInferenceManager
 from ragen.llm_agent.types import RolloutResult
 
 logger = logging.getLogger(__name__)
 
 
-def _get(cfg: Mapping, dotted: str, default: Any = None) -> Any:
-    node: Any = cfg
-    for part in dotted.split("."):
-        if not isinstance(node, Mapping) or part not in node:
-            return default
-        node = node[part]
-    return node
-
-
-def _number(cfg: Mapping, key: str, default: Any, kind=float, minimum: float | None = None,
-            allow_none: bool = False) -> Any:
-    value = _get(cfg, key, default)
-    if value is None and allow_none:
-        return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or (kind is int and not isinstance(value, int)):
-        raise ValueError(f"{key} must be {'an integer' if kind is int else 'a number'}, got {value!r}")
-    if minimum is not None and value < minimum:
-        raise ValueError(f"{key} must be >= {minimum}, got {value}")
-    return kind(value)
-
-
-def _text(cfg: Mapping, key: str) -> str | None:
-    value = _get(cfg, key)
-    if value is not None and not isinstance(value, str):
-        raise ValueError(f"{key} must be a string or null, got {value!r}")
-    return value or None
-
-
 @dataclass
 class AgentSetup:
+    """The rollout sections of the config, read once, and what the proxy builds from them:
+    the turn loop's settings per split, the env state managers, the cluster keys."""
+
+    agent_proxy: AgentProxyConfig
+    es_manager: EsManagerConfig
+    ctx_manager: CtxManagerConfig
+    llm_server: LlmServerConfig
+    seed: SeedConfig
     loop: LoopConfig
     val_loop: LoopConfig
     es: dict[str, EnvStateManager]
-    use_parallel_rollout: bool
-    parallel_n_jobs: int
-    parallel_backend: str
-    max_env_num_per_worker: int | None
-    max_batch_size: int
-    coalesce_wait_s: float
-    fallback_to_sequential: bool
-    rollout_timeout_s: float | None
-    engine_timeout_s: float | None
-    max_concurrent_rollouts: int
-    host: str
-    port: int
-    rollout_mode: str = "sync"
-    async_generation_ratio: int = 0
-    max_inflight_groups: int = 8
     cluster: ClusterConfig = ClusterConfig()
 
     @classmethod
     def from_config(cls, cfg: Mapping) -> "AgentSetup":
         cfg = to_plain(cfg)
-        ap = "agent_proxy"
-        rn = _get(cfg, f"{ap}.reward_normalization", {}) or {}
+        sections = read_rollout_sections(cfg)
+        ap: AgentProxyConfig = sections["agent_proxy"]
+        gen = sections["ctx_manager"].generation
+        seed: SeedConfig = sections["seed"]
+        es_cfg: EsManagerConfig = sections["es_manager"]
         context = ContextConfig(
-            action_sep=str(_get(cfg, f"{ap}.action_sep", "||")),
-            max_actions_per_turn=_number(cfg, f"{ap}.max_actions_per_turn", 5, int, 1),
-            enable_think=bool(_get(cfg, f"{ap}.enable_think", True)),
-            max_context_window=_number(cfg, f"{ap}.max_context_window", -1, int, -1),
-            use_turn_scores=bool(_get(cfg, f"{ap}.use_turn_scores", False)),
-            reward_grouping=str(rn.get("grouping", "state")),
-            reward_method=str(rn.get("method", "identity")),
+            action_sep=ap.action_sep,
+            max_actions_per_turn=ap.max_actions_per_turn,
+            enable_think=ap.enable_think,
+            max_context_window=ap.max_context_window,
+            use_turn_scores=ap.use_turn_scores,
+            reward_grouping=ap.reward_normalization.grouping,
+            reward_method=ap.reward_normalization.method,
         )
-        gen = "ctx_manager.generation"
-        sampling = SamplingParams(
-            temperature=_number(cfg, f"{gen}.temperature", 1.0, float, 0.0),
-            top_p=_number(cfg, f"{gen}.top_p", 1.0, float, 0.0),
-            top_k=_number(cfg, f"{gen}.top_k", -1, int, -1),
-            max_tokens=_number(cfg, f"{gen}.response_length", 128, int, 1),
-            seed=_number(cfg, "seed.train", 0, int),
-        )
-        if not 0.0 < sampling.top_p <= 1.0:
-            raise ValueError(f"{gen}.top_p must be in (0, 1], got {sampling.top_p}")
-        val_sampling = SamplingParams(**{**sampling.to_dict(), "seed": _number(cfg, "seed.val", 0, int)})
-        pipeline_depth = _number(cfg, f"{ap}.pipeline_depth", 1, int, 1)
+        sampling = SamplingParams(temperature=gen.temperature, top_p=gen.top_p, top_k=gen.top_k,
+                                  max_tokens=gen.response_length, seed=seed.train)
+        val_sampling = SamplingParams(**{**sampling.to_dict(), "seed": seed.val})
         loop = LoopConfig(
             context=context,
             sampling=sampling,
-            max_turn=_number(cfg, f"{ap}.max_turn", 5, int, 1),
-            format_penalty=_number(cfg, "es_manager.format_penalty", -0.1, float),
-            env_timeout_s=_number(cfg, f"{ap}.env_timeout_s", None, float, 0.0, allow_none=True) or None,
-            pipeline_depth=pipeline_depth,
-            env_retries=_number(cfg, f"{ap}.env_retries", 1, int, 0),
+            max_turn=ap.max_turn,
+            format_penalty=es_cfg.format_penalty,
+            env_timeout_s=ap.env_timeout_s or None,
+            pipeline_depth=ap.pipeline_depth,
+            env_retries=ap.env_retries,
         )
         val_loop = LoopConfig(**{**loop.__dict__, "sampling": val_sampling})
-        custom_envs = _get(cfg, "custom_envs")
+        custom_envs = cfg.get("custom_envs")
         if not isinstance(custom_envs, Mapping) or not custom_envs:
             raise ValueError("custom_envs is missing or empty: add config/envs.yaml to the defaults list")
-        es = {}
-        for split in ("train", "val"):
-            split_cfg = _get(cfg, f"es_manager.{split}")
-            if split_cfg is None:
-                raise ValueError(f"es_manager.{split} is missing")
-            es[split] = EnvStateManager(split, split_cfg, custom_envs, _number(cfg, f"seed.{split}", 0, int))
-        backend = str(_get(cfg, f"{ap}.parallel_backend", "loky"))
-        if backend not in BACKENDS:
-            raise ValueError(f"{ap}.parallel_backend: unknown {backend!r}; choose one of {BACKENDS}")
-        rollout_mode = str(_get(cfg, f"{ap}.rollout_mode", "sync"))
-        if rollout_mode not in ("sync", "fully_async"):
-            raise ValueError(f"{ap}.rollout_mode: unknown {rollout_mode!r}; choose 'sync' or 'fully_async'")
-        n_jobs = _number(cfg, f"{ap}.parallel_n_jobs", -1, int, -1)
-        host, port = check_listen_address(_get(cfg, "llm_server.host", "127.0.0.1"), _get(cfg, "llm_server.port", 0))
-        if n_jobs == 0:
-            raise ValueError(f"{ap}.parallel_n_jobs must be -1 (one per core) or >= 1, got 0")
+        es = {split: EnvStateManager(split, getattr(es_cfg, split), custom_envs, getattr(seed, split))
+              for split in ("train", "val")}
+        server: LlmServerConfig = sections["llm_server"]
         return cls(
+            agent_proxy=ap,
+            es_manager=es_cfg,
+            ctx_manager=sections["ctx_manager"],
+            llm_server=server,
+            seed=seed,
             loop=loop,
             val_loop=val_loop,
             es=es,
-            use_parallel_rollout=bool(_get(cfg, f"{ap}.use_parallel_rollout", False)),
-            parallel_n_jobs=n_jobs,
-            parallel_backend=backend,
-            max_env_num_per_worker=_number(cfg, f"{ap}.max_env_num_per_worker", None, int, 1, allow_none=True),
-            max_batch_size=_number(cfg, f"{ap}.max_batch_size", 256, int, 1),
-            coalesce_wait_s=_number(cfg, f"{ap}.coalesce_wait_s", 0.002, float, 0.0),
-            fallback_to_sequential=bool(_get(cfg, f"{ap}.fallback_to_sequential", True)),
-            rollout_timeout_s=_number(cfg, f"{ap}.rollout_timeout_s", None, float, 0.0, allow_none=True) or None,
-            engine_timeout_s=_number(cfg, f"{ap}.engine_timeout_s", None, float, 0.0, allow_none=True) or None,
-            max_concurrent_rollouts=_number(cfg, f"{ap}.max_concurrent_rollouts", 1, int, 1),
-            host=host,
-            port=port,
-            rollout_mode=rollout_mode,
-            async_generation_ratio=_number(cfg, f"{ap}.async_generation_ratio", 0, int, 0),
-            max_inflight_groups=_number(cfg, f"{ap}.max_inflight_groups", 8, int, 1),
             cluster=ClusterConfig(
-                dask_scheduler_address=_text(cfg, "dask.scheduler_address"),
-                dask_n_workers=_number(cfg, "dask.n_workers", None, int, 1, allow_none=True),
-                ray_address=_text(cfg, "ray.address"),
-                advertise_host=_text(cfg, "llm_server.advertise_host"),
+                dask_scheduler_address=sections["dask"].scheduler_address or None,
+                dask_n_workers=sections["dask"].n_workers,
+                ray_address=sections["ray"].address or None,
+                advertise_host=server.advertise_host or None,
             ),
         )
 
@@ -175,25 +116,26 @@ class LLMAgentProxy:
     def __init__(self, setup: AgentSetup, engine: Engine) -> None:
         self.setup = setup
         self.engine = engine
-        self._semaphore = threading.BoundedSemaphore(setup.max_concurrent_rollouts)
-        logger.info("[Concurrency] Set max concurrent rollouts to %d", setup.max_concurrent_rollouts)
+        ap = setup.agent_proxy
+        self._semaphore = threading.BoundedSemaphore(ap.max_concurrent_rollouts)
+        logger.info("[Concurrency] Set max concurrent rollouts to %d", ap.max_concurrent_rollouts)
         self.shared: SharedLLMInferenceManager | None = None
         self.parallel: ParallelRolloutManager | None = None
         self._kept_envs = KeptEnvs()
         self._lock = threading.Lock()  # the engine lock of the sequential path
-        if setup.use_parallel_rollout or setup.rollout_mode == "fully_async":
+        if ap.use_parallel_rollout or ap.rollout_mode == "fully_async":
             self.shared = SharedLLMInferenceManager(
-                engine, max_batch_size=setup.max_batch_size, coalesce_wait_s=setup.coalesce_wait_s,
-                host=setup.host, port=setup.port,
+                engine, max_batch_size=ap.max_batch_size, coalesce_wait_s=ap.coalesce_wait_s,
+                host=setup.llm_server.host, port=setup.llm_server.port,
             )
             self._lock = self.shared.engine_lock
-        if setup.use_parallel_rollout:
+        if ap.use_parallel_rollout:
             self.parallel = ParallelRolloutManager(
-                self.shared, n_jobs=setup.parallel_n_jobs, backend=setup.parallel_backend,
-                max_env_num_per_worker=setup.max_env_num_per_worker,
-                fallback_to_sequential=setup.fallback_to_sequential,
-                rollout_timeout_s=setup.rollout_timeout_s,
-                engine_timeout_s=setup.engine_timeout_s,
+                self.shared, n_jobs=ap.parallel_n_jobs, backend=ap.parallel_backend,
+                max_env_num_per_worker=ap.max_env_num_per_worker,
+                fallback_to_sequential=ap.fallback_to_sequential,
+                rollout_timeout_s=ap.rollout_timeout_s or None,
+                engine_timeout_s=ap.engine_timeout_s or None,
                 cluster=setup.cluster,
             )
         self._ahead: RolloutAhead | None = None
@@ -206,24 +148,25 @@ class LLMAgentProxy:
         rollout (``async_generation_ratio: 0``), one generated ahead in the
         background (``k > 0``; never more than ``k`` versions old), or
         ``env_groups`` groups from the fully-async groups in flight."""
-        setup = self.setup
-        if setup.rollout_mode == "fully_async":
+        ap = self.setup.agent_proxy
+        if ap.rollout_mode == "fully_async":
             return self._fully_async_batch(policy_version)
-        if setup.async_generation_ratio == 0:
+        if ap.async_generation_ratio == 0:
             return self.rollout("train")
         if self._ahead is None:
-            self._ahead = RolloutAhead(lambda: self.rollout("train"), setup.async_generation_ratio)
+            self._ahead = RolloutAhead(lambda: self.rollout("train"), ap.async_generation_ratio)
         return self._ahead.get(policy_version)
 
     def _fully_async_batch(self, policy_version: int) -> RolloutResult:
         es = self.setup.es["train"]
+        ap = self.setup.agent_proxy
         if self._groups_in_flight is None:
             self._groups_in_flight = GroupsInFlight(
-                es, self.shared.client(timeout_s=self.setup.engine_timeout_s), self.setup.loop,
-                max_inflight_groups=self.setup.max_inflight_groups, n_jobs=self.setup.parallel_n_jobs,
-                backend="threading" if self.setup.parallel_backend == "threading" else "loky",
-                max_version_span=max(1, self.setup.async_generation_ratio))
-        bound = max(1, self.setup.async_generation_ratio)
+                es, self.shared.client(timeout_s=ap.engine_timeout_s or None), self.setup.loop,
+                max_inflight_groups=ap.max_inflight_groups, n_jobs=ap.parallel_n_jobs,
+                backend="threading" if ap.parallel_backend == "threading" else "loky",
+                max_version_span=max(1, ap.async_generation_ratio))
+        bound = max(1, ap.async_generation_ratio)
         t0 = time.perf_counter()
         groups = []
         while len(groups) < es.env_groups:

@@ -23,7 +23,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from ragen.llm_agent.types import EnvSpec, Trajectory, Turn
+from ragen.llm_agent.types import EnvSpec, Turn
 
 FORMAT_THINK = "<think> [Your thoughts] </think> <answer> [your answer] </answer>"
 FORMAT_ANSWER = "<answer> [your answer] </answer>"

@@ -18,7 +18,8 @@ import threading
 from collections import Counter, defaultdict
 from typing import Any, Mapping, Sequence
 
-from ragen.env import to_plain
+from ragen.config_reader import check_keys, read, to_plain
+from ragen.llm_agent.config import EnvSplitConfig
 from ragen.llm_agent.types import EnvSpec, StopReason, Trajectory
 
 
@@ -33,17 +34,14 @@ class EnvStateManager:
     ``group_specs`` for the fully-async stream of groups).
     """
 
-    def __init__(self, split: str, split_cfg: Mapping, custom_envs: Mapping, seed: int) -> None:
+    def __init__(self, split: str, split_cfg: EnvSplitConfig | Mapping, custom_envs: Mapping, seed: int) -> None:
         self.split = split
         key = f"es_manager.{split}"
-        cfg = to_plain(split_cfg)
-        if not isinstance(cfg, dict):
-            raise ValueError(f"{key} must be a mapping, got {type(cfg).__name__}")
-        self.env_groups = _positive_int(cfg.get("env_groups"), f"{key}.env_groups")
-        self.group_size = _positive_int(cfg.get("group_size"), f"{key}.group_size")
-        env_configs = cfg.get("env_configs") or {}
-        tags = list(env_configs.get("tags") or [])
-        n_groups = list(env_configs.get("n_groups") or [])
+        cfg = read(EnvSplitConfig, split_cfg, key)
+        self.env_groups = cfg.env_groups
+        self.group_size = cfg.group_size
+        tags = list(cfg.env_configs.tags)
+        n_groups = list(cfg.env_configs.n_groups)
         if not tags:
             raise ValueError(f"{key}.env_configs.tags is empty: name at least one tag of custom_envs")
         if len(tags) != len(n_groups):
@@ -124,9 +122,7 @@ def _validate_tag(tag: str, spec: Any) -> dict[str, Any]:
         raise ValueError(f"{key}.env_type is missing")
     allowed = {"env_type", "config_type", "max_actions_per_traj", "env_instruction", "max_tokens", "env_config",
                "format_example", "parallel_friendly", "max_workers"}
-    unknown = set(spec) - allowed
-    if unknown:
-        raise ValueError(f"{key}: unknown keys {sorted(unknown)}; allowed: {sorted(allowed)}")
+    check_keys(spec, allowed, key)
     env_config = spec.get("env_config") or {}
     # Builds (and so validates) the config now, before any model loads.
     make_env_config(spec["env_type"], env_config, config_type=spec.get("config_type"), tag=tag)

@@ -50,6 +50,7 @@ from typing import Any, Iterator, Sequence
 import joblib
 
 from ragen.llm_agent.cluster import ClusterConfig, open_cluster
+from ragen.llm_agent.config import BACKENDS
 from ragen.llm_agent.es_manager import compute_metrics
 from ragen.llm_agent.executors import KeptExecutor
 from ragen.llm_agent.rollout_loop import KeptEnvs, LoopConfig, LoopStats, run_envs, stream_count
@@ -59,7 +60,6 @@ from ragen.utils import deal
 
 logger = logging.getLogger(__name__)
 
-BACKENDS = ("loky", "threading", "multiprocessing", "sequential", "dask", "ray")
 IN_PROCESS_BACKENDS = ("threading", "sequential")  # shards run in the driver process
 _LOCAL = threading.local()
 

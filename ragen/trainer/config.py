@@ -11,9 +11,15 @@ RAGEN's (verl's) key names, from ``config/trainer_defaults.yaml``:
   sequence;
 - ``algorithm.*``: the advantage estimator.
 
-``TrainerConfig.from_config(cfg)`` touches no model; ``check_against(setup,
-engine_name)`` checks the keys that depend on the rollout config. Every error
-names its key and says what would be valid.
+Each section is a typed dataclass here (``TrainerSection``,
+``ActorRolloutRefSection``, ``AlgorithmSection``), read by
+``ragen.config_reader.read``: unknown keys, wrong types and out-of-range
+numbers are errors naming the key. Their defaults are the keys' defaults;
+``config/trainer_defaults.yaml`` sets the default job's values (and
+``tests/test_config_reader.py`` lists where they differ, and why).
+``TrainerConfig.from_config(cfg)`` reads them and flattens them for the actor;
+it touches no model; ``check_against(train_batch_size, engine_name)`` checks
+the keys that depend on the rollout config.
 """
 
 from __future__ import annotations
@@ -22,100 +28,192 @@ import importlib.util
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-from ragen.llm_agent.es_manager import to_plain
+from ragen.config_reader import check_keys, read, setting, to_plain
+from ragen.llm_agent.config import ROLLOUT_SECTIONS
 from ragen.trainer.core import ADV_ESTIMATORS, KL_TYPES
 
 LOGGERS = ("console", "jsonl", "tensorboard", "wandb")
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean")
 TRAINABLE_ENGINES = ("hf", "vllm")
-_MISSING = object()
 
 
-def _get(cfg: Mapping, dotted: str, default: Any = _MISSING) -> Any:
-    node: Any = cfg
-    for part in dotted.split("."):
-        if not isinstance(node, Mapping) or part not in node:
-            if default is _MISSING:
-                raise ValueError(f"{dotted} is missing (see config/trainer_defaults.yaml)")
-            return default
-        node = node[part]
-    return node
+@dataclass(frozen=True)
+class TrainerSection:
+    """``trainer.*``: the run."""
+
+    default_local_dir: str = setting()  # the run folder (base.yaml: runs/<project>/<experiment>)
+    project_name: str = "ragen"
+    experiment_name: str = "default"
+    total_training_steps: int = setting(20, minimum=1)
+    test_freq: int = 5  # <= 0: no periodic validation (the last step is still validated)
+    save_freq: int = 10  # <= 0: only the last step is saved
+    val_before_train: bool = True
+    resume: bool = False
+    logger: str | list[str] = setting(default_factory=lambda: ["console", "jsonl"])
+    max_actor_ckpt_to_keep: int | None = setting(None, minimum=1)
+    seed: int | None = None  # None: seed.train
+
+    def __post_init__(self) -> None:
+        if not self.default_local_dir or self.default_local_dir == "None":
+            raise ValueError("trainer.default_local_dir must name the run folder")
+        names = [self.logger] if isinstance(self.logger, str) else self.logger
+        for name in names:
+            if name not in LOGGERS:
+                raise ValueError(f"trainer.logger: unknown logger {name!r}; choose from {LOGGERS}")
+        for name, module in (("tensorboard", "torch.utils.tensorboard"), ("wandb", "wandb")):
+            if name in names and not _importable(module):
+                raise ValueError(f"trainer.logger asks for {name!r} but {module} is not installed; "
+                                 f"install it or remove {name!r} from trainer.logger")
 
 
-def _int(cfg: Mapping, key: str, default: Any = _MISSING, minimum: int | None = None,
-         allow_none: bool = False) -> Any:
-    value = _get(cfg, key, default)
-    if value is None and allow_none:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ValueError(f"{key} must be an integer, got {value!r}")
-    if minimum is not None and value < minimum:
-        raise ValueError(f"{key} must be >= {minimum}, got {value}")
-    return value
+@dataclass(frozen=True)
+class OptimSection:
+    lr: float = setting(1e-5, minimum=0.0)
+    weight_decay: float = setting(0.01, minimum=0.0)
+    betas: tuple[float, float] = (0.9, 0.999)
+
+    def __post_init__(self) -> None:
+        if not all(0 <= b < 1 for b in self.betas):
+            raise ValueError(f"actor_rollout_ref.actor.optim.betas must be two numbers in [0, 1), got {self.betas!r}")
+        if self.lr == 0.0:
+            raise ValueError("actor_rollout_ref.actor.optim.lr is 0: nothing would be trained")
 
 
-def _float(cfg: Mapping, key: str, default: Any = _MISSING, minimum: float | None = None,
-           maximum: float | None = None, allow_none: bool = False) -> Any:
-    value = _get(cfg, key, default)
-    if value is None and allow_none:
-        return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ValueError(f"{key} must be a number, got {value!r}")
-    if minimum is not None and value < minimum:
-        raise ValueError(f"{key} must be >= {minimum}, got {value}")
-    if maximum is not None and value > maximum:
-        raise ValueError(f"{key} must be <= {maximum}, got {value}")
-    return float(value)
+@dataclass(frozen=True)
+class ActorSection:
+    """``actor_rollout_ref.actor.*``: the PPO update."""
+
+    ppo_mini_batch_size: int = setting(32, minimum=1)
+    ppo_micro_batch_size_per_gpu: int = setting(8, minimum=1)
+    ppo_epochs: int = setting(1, minimum=1)
+    clip_ratio: float = setting(0.2, minimum=0.0)
+    clip_ratio_low: float | None = setting(None, minimum=0.0)  # None: clip_ratio
+    clip_ratio_high: float | None = setting(None, minimum=0.0)  # None: clip_ratio
+    grad_clip: float = setting(1.0, minimum=0.0)
+    entropy_coeff: float = 0.0
+    use_kl_loss: bool = False
+    kl_loss_coef: float = setting(0.001, minimum=0.0)
+    kl_loss_type: str = setting("low_var_kl", choices=KL_TYPES)
+    loss_agg_mode: str = setting("token-mean", choices=LOSS_AGG_MODES)
+    shuffle: bool = True
+    optim: OptimSection = field(default_factory=OptimSection)
+
+    def __post_init__(self) -> None:
+        a = "actor_rollout_ref.actor"
+        low = self.clip_ratio if self.clip_ratio_low is None else self.clip_ratio_low
+        if low >= 1.0:
+            raise ValueError(f"{a}.clip_ratio_low (or clip_ratio) must be < 1, got {low}")
+        if self.ppo_micro_batch_size_per_gpu > self.ppo_mini_batch_size:
+            raise ValueError(
+                f"{a}.ppo_micro_batch_size_per_gpu ({self.ppo_micro_batch_size_per_gpu}) is larger than "
+                f"{a}.ppo_mini_batch_size ({self.ppo_mini_batch_size}); make it <= the mini-batch"
+            )
 
 
-def _bool(cfg: Mapping, key: str, default: Any = _MISSING) -> bool:
-    value = _get(cfg, key, default)
-    if not isinstance(value, bool):
-        raise ValueError(f"{key} must be true or false, got {value!r}")
-    return value
+@dataclass(frozen=True)
+class ModelSection:
+    """``actor_rollout_ref.model.*``: LoRA (``lora_rank > 0``) or full fine-tuning."""
+
+    lora_rank: int = setting(0, minimum=0)
+    lora_alpha: float = setting(16.0, minimum=0.0)
+    target_modules: str | list[str] = "all-linear"
+    share_prefix: bool = True
+
+    def __post_init__(self) -> None:
+        if isinstance(self.target_modules, list) and not self.target_modules:
+            raise ValueError("actor_rollout_ref.model.target_modules must be 'all-linear' or a list of module "
+                             "names, got []")
+
+
+@dataclass(frozen=True)
+class RolloutSection:
+    """``actor_rollout_ref.rollout.*``: group filtering and the longest training sequence."""
+
+    rollout_filter_ratio: float = setting(1.0, minimum=0.0, maximum=1.0)
+    max_model_len: int | None = setting(None, minimum=2)
+
+    def __post_init__(self) -> None:
+        if self.rollout_filter_ratio == 0.0:
+            raise ValueError("actor_rollout_ref.rollout.rollout_filter_ratio must be in (0, 1], got 0.0")
+
+
+@dataclass(frozen=True)
+class ActorRolloutRefSection:
+    model: ModelSection = field(default_factory=ModelSection)
+    actor: ActorSection = field(default_factory=ActorSection)
+    rollout: RolloutSection = field(default_factory=RolloutSection)
+
+
+@dataclass(frozen=True)
+class AlgorithmSection:
+    """``algorithm.*``: the advantage estimator."""
+
+    adv_estimator: str = setting("grpo", choices=ADV_ESTIMATORS)
+    norm_adv_by_std_in_grpo: bool = True
+
+
+# section name -> its dataclass
+TRAINER_SECTIONS: dict[str, type] = {
+    "trainer": TrainerSection,
+    "actor_rollout_ref": ActorRolloutRefSection,
+    "algorithm": AlgorithmSection,
+}
+
+# The top-level keys of a training config: the typed sections, and those read elsewhere
+# (engine: ragen.llm.make_engine; custom_envs: the env registry; benchmark: test_parallel_rollout.py).
+TOP_LEVEL_KEYS = (*ROLLOUT_SECTIONS, *TRAINER_SECTIONS, "engine", "custom_envs", "model_path", "benchmark")
+
+
+def check_top_level(cfg: Mapping) -> None:
+    """A misspelt section name (``+agent_proxi.max_turn=3``) is an error, not a section nobody reads."""
+    check_keys(cfg, TOP_LEVEL_KEYS, "")
 
 
 @dataclass
 class TrainerConfig:
+    """The trainer's settings, flattened for the PPO actor and the loop (clip
+    ratios resolved, ``jsonl`` always among the loggers). Its defaults are the
+    sections' defaults; build it from a config with ``from_config``."""
+
     # trainer.*
-    project_name: str = "ragen"
-    experiment_name: str = "default"
-    total_training_steps: int = 20
-    test_freq: int = 5  # <= 0: no periodic validation (the last step is still validated)
-    save_freq: int = 10  # <= 0: only the last step is saved
-    val_before_train: bool = True
+    project_name: str = TrainerSection.project_name
+    experiment_name: str = TrainerSection.experiment_name
+    total_training_steps: int = TrainerSection.total_training_steps
+    test_freq: int = TrainerSection.test_freq
+    save_freq: int = TrainerSection.save_freq
+    val_before_train: bool = TrainerSection.val_before_train
     default_local_dir: str = "runs/ragen/default"
-    resume: bool = False
+    resume: bool = TrainerSection.resume
     logger: list[str] = field(default_factory=lambda: ["console", "jsonl"])
-    max_ckpt_to_keep: int | None = None
+    max_ckpt_to_keep: int | None = TrainerSection.max_actor_ckpt_to_keep
     seed: int = 0  # the trainer's own randomness (mini-batch order, LoRA init)
     # actor_rollout_ref.actor.*
-    ppo_mini_batch_size: int = 32
-    ppo_micro_batch_size_per_gpu: int = 8
-    ppo_epochs: int = 1
-    clip_ratio_low: float = 0.2
-    clip_ratio_high: float = 0.2
-    grad_clip: float = 1.0
-    entropy_coeff: float = 0.0
-    use_kl_loss: bool = False
-    kl_loss_coef: float = 0.001
-    kl_loss_type: str = "low_var_kl"
-    loss_agg_mode: str = "token-mean"
-    shuffle: bool = True
-    lr: float = 1e-5
-    weight_decay: float = 0.01
-    betas: tuple[float, float] = (0.9, 0.999)
+    ppo_mini_batch_size: int = ActorSection.ppo_mini_batch_size
+    ppo_micro_batch_size_per_gpu: int = ActorSection.ppo_micro_batch_size_per_gpu
+    ppo_epochs: int = ActorSection.ppo_epochs
+    clip_ratio_low: float = ActorSection.clip_ratio
+    clip_ratio_high: float = ActorSection.clip_ratio
+    grad_clip: float = ActorSection.grad_clip
+    entropy_coeff: float = ActorSection.entropy_coeff
+    use_kl_loss: bool = ActorSection.use_kl_loss
+    kl_loss_coef: float = ActorSection.kl_loss_coef
+    kl_loss_type: str = ActorSection.kl_loss_type
+    loss_agg_mode: str = ActorSection.loss_agg_mode
+    shuffle: bool = ActorSection.shuffle
+    lr: float = OptimSection.lr
+    weight_decay: float = OptimSection.weight_decay
+    betas: tuple[float, float] = OptimSection.betas
     # actor_rollout_ref.model.*
-    lora_rank: int = 0
-    lora_alpha: float = 16.0
-    target_modules: Any = "all-linear"
-    share_prefix: bool = True
+    lora_rank: int = ModelSection.lora_rank
+    lora_alpha: float = ModelSection.lora_alpha
+    target_modules: Any = ModelSection.target_modules
+    share_prefix: bool = ModelSection.share_prefix
     # actor_rollout_ref.rollout.*
-    rollout_filter_ratio: float = 1.0
-    max_model_len: int | None = None
+    rollout_filter_ratio: float = RolloutSection.rollout_filter_ratio
+    max_model_len: int | None = RolloutSection.max_model_len
     # algorithm.*
-    adv_estimator: str = "grpo"
-    norm_adv_by_std_in_grpo: bool = True
+    adv_estimator: str = AlgorithmSection.adv_estimator
+    norm_adv_by_std_in_grpo: bool = AlgorithmSection.norm_adv_by_std_in_grpo
 
     @property
     def use_lora(self) -> bool:
@@ -124,101 +222,54 @@ class TrainerConfig:
     @classmethod
     def from_config(cls, cfg: Mapping) -> "TrainerConfig":
         cfg = to_plain(cfg)
-        t, a, m, r, al = "trainer", "actor_rollout_ref.actor", "actor_rollout_ref.model", \
-            "actor_rollout_ref.rollout", "algorithm"
-        logger = _get(cfg, f"{t}.logger", ["console", "jsonl"])
-        if isinstance(logger, str):
-            logger = [logger]
-        if not isinstance(logger, list) or not all(isinstance(x, str) for x in logger):
-            raise ValueError(f"{t}.logger must be a list of names from {LOGGERS}, got {logger!r}")
-        for name in logger:
-            if name not in LOGGERS:
-                raise ValueError(f"{t}.logger: unknown logger {name!r}; choose from {LOGGERS}")
-        for name, module in (("tensorboard", "torch.utils.tensorboard"), ("wandb", "wandb")):
-            if name in logger and not _importable(module):
-                raise ValueError(f"{t}.logger asks for {name!r} but {module} is not installed; "
-                                 f"install it or remove {name!r} from {t}.logger")
+        run: TrainerSection = read(TrainerSection, cfg.get("trainer"), "trainer")
+        arr: ActorRolloutRefSection = read(ActorRolloutRefSection, cfg.get("actor_rollout_ref"), "actor_rollout_ref")
+        algorithm: AlgorithmSection = read(AlgorithmSection, cfg.get("algorithm"), "algorithm")
+        return cls.from_sections(run, arr, algorithm, seed_train=(cfg.get("seed") or {}).get("train", 0))
+
+    @classmethod
+    def from_sections(cls, run: TrainerSection, arr: ActorRolloutRefSection, algorithm: AlgorithmSection,
+                      seed_train: int = 0) -> "TrainerConfig":
+        actor, model, rollout = arr.actor, arr.model, arr.rollout
+        logger = [run.logger] if isinstance(run.logger, str) else list(run.logger)
         # The jsonl log is what resume, the learning curve and the tests read: always on.
         logger = list(dict.fromkeys([*logger, "jsonl"]))
-
-        clip = _float(cfg, f"{a}.clip_ratio", 0.2, minimum=0.0)
-        clip_low = _float(cfg, f"{a}.clip_ratio_low", None, minimum=0.0, allow_none=True)
-        clip_high = _float(cfg, f"{a}.clip_ratio_high", None, minimum=0.0, allow_none=True)
-        clip_low = clip if clip_low is None else clip_low
-        clip_high = clip if clip_high is None else clip_high
-        if clip_low >= 1.0:
-            raise ValueError(f"{a}.clip_ratio_low (or clip_ratio) must be < 1, got {clip_low}")
-
-        optim = f"{a}.optim"
-        betas = _get(cfg, f"{optim}.betas", [0.9, 0.999])
-        if not (isinstance(betas, (list, tuple)) and len(betas) == 2
-                and all(isinstance(b, (int, float)) and 0 <= b < 1 for b in betas)):
-            raise ValueError(f"{optim}.betas must be two numbers in [0, 1), got {betas!r}")
-
-        target_modules = _get(cfg, f"{m}.target_modules", "all-linear")
-        names_ok = isinstance(target_modules, list) and target_modules and all(isinstance(x, str) for x in target_modules)
-        if not (isinstance(target_modules, str) or names_ok):
-            raise ValueError(f"{m}.target_modules must be 'all-linear' or a list of module names, "
-                             f"got {target_modules!r}")
-
-        estimator = _get(cfg, f"{al}.adv_estimator", "grpo")
-        if estimator not in ADV_ESTIMATORS:
-            raise ValueError(f"{al}.adv_estimator: unknown {estimator!r}; choose one of {ADV_ESTIMATORS}")
-        kl_type = _get(cfg, f"{a}.kl_loss_type", "low_var_kl")
-        if kl_type not in KL_TYPES:
-            raise ValueError(f"{a}.kl_loss_type: unknown {kl_type!r}; choose one of {KL_TYPES}")
-        agg = _get(cfg, f"{a}.loss_agg_mode", "token-mean")
-        if agg not in LOSS_AGG_MODES:
-            raise ValueError(f"{a}.loss_agg_mode: unknown {agg!r}; choose one of {LOSS_AGG_MODES}")
-
-        out = cls(
-            project_name=str(_get(cfg, f"{t}.project_name", "ragen")),
-            experiment_name=str(_get(cfg, f"{t}.experiment_name", "default")),
-            total_training_steps=_int(cfg, f"{t}.total_training_steps", 20, minimum=1),
-            test_freq=_int(cfg, f"{t}.test_freq", 5),
-            save_freq=_int(cfg, f"{t}.save_freq", 10),
-            val_before_train=_bool(cfg, f"{t}.val_before_train", True),
-            default_local_dir=str(_get(cfg, f"{t}.default_local_dir")),
-            resume=_bool(cfg, f"{t}.resume", False),
+        return cls(
+            project_name=run.project_name,
+            experiment_name=run.experiment_name,
+            total_training_steps=run.total_training_steps,
+            test_freq=run.test_freq,
+            save_freq=run.save_freq,
+            val_before_train=run.val_before_train,
+            default_local_dir=run.default_local_dir,
+            resume=run.resume,
             logger=logger,
-            max_ckpt_to_keep=_int(cfg, f"{t}.max_actor_ckpt_to_keep", None, minimum=1, allow_none=True),
-            seed=_int(cfg, f"{t}.seed", _get(cfg, "seed.train", 0)),
-            ppo_mini_batch_size=_int(cfg, f"{a}.ppo_mini_batch_size", 32, minimum=1),
-            ppo_micro_batch_size_per_gpu=_int(cfg, f"{a}.ppo_micro_batch_size_per_gpu", 8, minimum=1),
-            ppo_epochs=_int(cfg, f"{a}.ppo_epochs", 1, minimum=1),
-            clip_ratio_low=clip_low,
-            clip_ratio_high=clip_high,
-            grad_clip=_float(cfg, f"{a}.grad_clip", 1.0, minimum=0.0),
-            entropy_coeff=_float(cfg, f"{a}.entropy_coeff", 0.0),
-            use_kl_loss=_bool(cfg, f"{a}.use_kl_loss", False),
-            kl_loss_coef=_float(cfg, f"{a}.kl_loss_coef", 0.001, minimum=0.0),
-            kl_loss_type=kl_type,
-            loss_agg_mode=agg,
-            shuffle=_bool(cfg, f"{a}.shuffle", True),
-            lr=_float(cfg, f"{optim}.lr", 1e-5, minimum=0.0),
-            weight_decay=_float(cfg, f"{optim}.weight_decay", 0.01, minimum=0.0),
-            betas=(float(betas[0]), float(betas[1])),
-            lora_rank=_int(cfg, f"{m}.lora_rank", 0, minimum=0),
-            lora_alpha=_float(cfg, f"{m}.lora_alpha", 16, minimum=0.0),
-            target_modules=target_modules,
-            share_prefix=_bool(cfg, f"{m}.share_prefix", True),
-            rollout_filter_ratio=_float(cfg, f"{r}.rollout_filter_ratio", 1.0),
-            max_model_len=_int(cfg, f"{r}.max_model_len", None, minimum=2, allow_none=True),
-            adv_estimator=estimator,
-            norm_adv_by_std_in_grpo=_bool(cfg, f"{al}.norm_adv_by_std_in_grpo", True),
+            max_ckpt_to_keep=run.max_actor_ckpt_to_keep,
+            seed=seed_train if run.seed is None else run.seed,
+            ppo_mini_batch_size=actor.ppo_mini_batch_size,
+            ppo_micro_batch_size_per_gpu=actor.ppo_micro_batch_size_per_gpu,
+            ppo_epochs=actor.ppo_epochs,
+            clip_ratio_low=actor.clip_ratio if actor.clip_ratio_low is None else actor.clip_ratio_low,
+            clip_ratio_high=actor.clip_ratio if actor.clip_ratio_high is None else actor.clip_ratio_high,
+            grad_clip=actor.grad_clip,
+            entropy_coeff=actor.entropy_coeff,
+            use_kl_loss=actor.use_kl_loss,
+            kl_loss_coef=actor.kl_loss_coef,
+            kl_loss_type=actor.kl_loss_type,
+            loss_agg_mode=actor.loss_agg_mode,
+            shuffle=actor.shuffle,
+            lr=actor.optim.lr,
+            weight_decay=actor.optim.weight_decay,
+            betas=actor.optim.betas,
+            lora_rank=model.lora_rank,
+            lora_alpha=model.lora_alpha,
+            target_modules=model.target_modules,
+            share_prefix=model.share_prefix,
+            rollout_filter_ratio=rollout.rollout_filter_ratio,
+            max_model_len=rollout.max_model_len,
+            adv_estimator=algorithm.adv_estimator,
+            norm_adv_by_std_in_grpo=algorithm.norm_adv_by_std_in_grpo,
         )
-        if not 0.0 < out.rollout_filter_ratio <= 1.0:
-            raise ValueError(f"{r}.rollout_filter_ratio must be in (0, 1], got {out.rollout_filter_ratio}")
-        if out.ppo_micro_batch_size_per_gpu > out.ppo_mini_batch_size:
-            raise ValueError(
-                f"{a}.ppo_micro_batch_size_per_gpu ({out.ppo_micro_batch_size_per_gpu}) is larger than "
-                f"{a}.ppo_mini_batch_size ({out.ppo_mini_batch_size}); make it <= the mini-batch"
-            )
-        if out.lr == 0.0:
-            raise ValueError(f"{optim}.lr is 0: nothing would be trained")
-        if not out.default_local_dir or out.default_local_dir == "None":
-            raise ValueError(f"{t}.default_local_dir must name the run folder")
-        return out
 
     def check_against(self, train_batch_size: int, engine_name: str) -> None:
         """Checks that need the rollout config: batch sizes and a trainable engine."""

@@ -41,15 +41,16 @@ from typing import Any, Callable, Mapping
 import numpy as np
 import torch
 
+from ragen.config_reader import to_plain
+from ragen.llm import check_engine_config
 from ragen.llm.default_model import resolve_model_path
 from ragen.llm_agent.agent_proxy import AgentSetup, LLMAgentProxy
 from ragen.llm_agent.async_rollout import staleness
 from ragen.llm_agent.ctx_manager import ContextManager
-from ragen.llm_agent.es_manager import to_plain
 from ragen.llm_agent.types import RolloutResult
 from ragen.trainer import checkpoint as ckpt
 from ragen.trainer.actor import PPOActor, adapter_off_reference, frozen_copy_reference
-from ragen.trainer.config import TrainerConfig
+from ragen.trainer.config import TrainerConfig, check_top_level
 from ragen.trainer.core import Sample, compute_advantages, filter_groups
 from ragen.trainer.tracking import CURVE_FILE, METRICS_FILE, Tracking, plot_learning_curve, summary_line, \
     truncate_metrics
@@ -78,9 +79,12 @@ class AgentTrainer:
                  console: Callable[[str], None] | None = None) -> None:
         plain = to_plain(cfg)
         # ---- start-up checks: no model is loaded before all of these pass
+        check_top_level(plain)
         self.config = TrainerConfig.from_config(plain)
         self.setup = AgentSetup.from_config(plain)
         engine_cfg = dict(plain.get("engine") or {})
+        if engine is None:
+            check_engine_config(engine_cfg)
         self.engine_name = getattr(engine, "name", None) or engine_cfg.get("name")
         self.config.check_against(self.setup.es["train"].num_envs, str(self.engine_name))
         self.model_path = resolve_model_path(plain.get("model_path", "default")) if engine is None else None
@@ -236,7 +240,7 @@ class AgentTrainer:
         lag = staleness(result.trajectories, version)
         metrics["train/policy_lag"] = float(lag)
         setup = self.proxy.setup
-        if lag and setup.async_generation_ratio == 0 and setup.rollout_mode == "sync":
+        if lag and setup.agent_proxy.async_generation_ratio == 0 and setup.agent_proxy.rollout_mode == "sync":
             logger.warning("step %d: the rollout was answered by a policy %d versions old, the trainer is at %d",
                            step, lag, version)
         t1 = time.perf_counter()

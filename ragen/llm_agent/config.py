@@ -1,0 +1,151 @@
+"""The rollout sections of the Hydra config, one typed dataclass each.
+
+``agent_proxy``, ``es_manager``, ``ctx_manager``, ``llm_server``, ``seed``,
+``dask`` and ``ray`` (RAGEN's key names). A field's default is the key's
+default when a config leaves it out; ``config/base.yaml`` lists every key
+again, because Hydra's ``agent_proxy.X=...`` override needs it there, and
+``tests/test_config_reader.py`` checks that the YAML, the README and these
+defaults agree. ``read_rollout_sections(cfg)`` reads them all with
+``ragen.config_reader.read``: an unknown key, a wrong type or an out-of-range
+number is a ValueError naming the key, before any model loads.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+from ragen.config_reader import read, setting
+from ragen.llm_agent.ctx_manager import GROUPINGS, METHODS
+from ragen.llm_agent.inference.server import check_listen_address
+
+BACKENDS = ("loky", "threading", "multiprocessing", "sequential", "dask", "ray")  # agent_proxy.parallel_backend
+ROLLOUT_MODES = ("sync", "fully_async")
+
+
+@dataclass(frozen=True)
+class RewardNormalization:
+    grouping: str = setting("state", choices=GROUPINGS)
+    method: str = setting("identity", choices=METHODS)
+
+
+@dataclass(frozen=True)
+class AgentProxyConfig:
+    """``agent_proxy.*``: the turn loop, prompts, and the rollout engine."""
+
+    max_turn: int = setting(5, minimum=1)
+    action_sep: str = "||"
+    max_actions_per_turn: int = setting(5, minimum=1)
+    enable_think: bool = True
+    max_context_window: int = setting(-1, minimum=-1)  # past turns kept in prompts; -1: all
+    use_turn_scores: bool = False
+    reward_normalization: RewardNormalization = field(default_factory=RewardNormalization)
+    # rollout engine
+    use_parallel_rollout: bool = False
+    parallel_n_jobs: int = setting(-1, minimum=-1)  # -1: one worker per available core
+    parallel_backend: str = setting("loky", choices=BACKENDS)
+    max_env_num_per_worker: int | None = setting(None, minimum=1)
+    pipeline_depth: int = setting(2, minimum=1)
+    max_batch_size: int = setting(256, minimum=1)
+    coalesce_wait_s: float = setting(0.002, minimum=0.0)
+    fallback_to_sequential: bool = True
+    rollout_timeout_s: float | None = setting(None, minimum=0.0)  # 0 or null: no limit
+    env_timeout_s: float | None = setting(None, minimum=0.0)
+    env_retries: int = setting(1, minimum=0)
+    engine_timeout_s: float | None = setting(None, minimum=0.0)
+    max_concurrent_rollouts: int = setting(1, minimum=1)
+    # asynchronous training
+    async_generation_ratio: int = setting(0, minimum=0)
+    rollout_mode: str = setting("sync", choices=ROLLOUT_MODES)
+    max_inflight_groups: int = setting(8, minimum=1)
+
+    def __post_init__(self) -> None:
+        if self.parallel_n_jobs == 0:
+            raise ValueError("agent_proxy.parallel_n_jobs must be -1 (one per core) or >= 1, got 0")
+        if not self.action_sep:
+            raise ValueError("agent_proxy.action_sep must be a non-empty string")
+
+
+@dataclass(frozen=True)
+class EnvConfigs:
+    tags: tuple[str, ...] = ()
+    n_groups: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class EnvSplitConfig:
+    """``es_manager.train`` / ``es_manager.val``: groups x group_size envs, a tag per group."""
+
+    env_groups: int = setting(minimum=1)
+    group_size: int = setting(minimum=1)
+    env_configs: EnvConfigs = field(default_factory=EnvConfigs)
+
+
+@dataclass(frozen=True)
+class EsManagerConfig:
+    train: EnvSplitConfig = setting()
+    val: EnvSplitConfig = setting()
+    format_penalty: float = -0.1
+
+
+@dataclass(frozen=True)
+class GenerationConfig:
+    response_length: int = setting(128, minimum=1)
+    temperature: float = setting(1.0, minimum=0.0)
+    top_p: float = setting(1.0, minimum=0.0, maximum=1.0)
+    top_k: int = setting(-1, minimum=-1)
+
+    def __post_init__(self) -> None:
+        if self.top_p == 0.0:
+            raise ValueError("ctx_manager.generation.top_p must be in (0, 1], got 0.0")
+
+
+@dataclass(frozen=True)
+class CtxManagerConfig:
+    generation: GenerationConfig = field(default_factory=GenerationConfig)
+
+
+@dataclass(frozen=True)
+class LlmServerConfig:
+    """``llm_server.*``: where the shared inference manager listens for workers."""
+
+    host: str = "127.0.0.1"
+    port: int = 0  # 0: any free port
+    advertise_host: str | None = None  # how workers reach the driver; null: found for you
+
+    def __post_init__(self) -> None:
+        check_listen_address(self.host, self.port)
+
+
+@dataclass(frozen=True)
+class SeedConfig:
+    train: int = 0
+    val: int = 0
+
+
+@dataclass(frozen=True)
+class DaskConfig:
+    scheduler_address: str | None = None
+    n_workers: int | None = setting(None, minimum=1)
+
+
+@dataclass(frozen=True)
+class RayConfig:
+    address: str | None = None
+
+
+# section name -> its dataclass
+ROLLOUT_SECTIONS: dict[str, type] = {
+    "agent_proxy": AgentProxyConfig,
+    "es_manager": EsManagerConfig,
+    "ctx_manager": CtxManagerConfig,
+    "llm_server": LlmServerConfig,
+    "seed": SeedConfig,
+    "dask": DaskConfig,
+    "ray": RayConfig,
+}
+
+
+def read_rollout_sections(cfg: Mapping[str, Any]) -> dict[str, Any]:
+    """Section name -> its dataclass instance, read from the whole config."""
+    return {name: read(cls, cfg.get(name), name) for name, cls in ROLLOUT_SECTIONS.items()}
