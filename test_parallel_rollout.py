@@ -28,11 +28,14 @@ import os
 import statistics
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import hydra
 from omegaconf import DictConfig, OmegaConf
+
+from ragen.config_reader import read, setting
 
 ROOT = Path(__file__).resolve().parent
 MODES = ("sequential", "parallel")
@@ -52,18 +55,31 @@ def check_preset_args(argv: list[str]) -> None:
             fail(f"unknown preset {arg.split('=', 1)[1]!r} (benchmark=...); choose one of {presets}")
 
 
-def validate(bench: dict[str, Any]) -> None:
-    modes = list(bench.get("modes") or [])
-    bad = [m for m in modes if m not in MODES]
-    if bad or not modes:
-        fail(f"benchmark.modes: unknown mode(s) {bad or modes}; choose from {list(MODES)}")
-    repeats = bench.get("repeats")
-    if not isinstance(repeats, int) or isinstance(repeats, bool) or repeats < 1:
-        fail(f"benchmark.repeats must be an integer >= 1, got {repeats!r}")
-    if bench.get("split") not in ("train", "val"):
-        fail(f"benchmark.split must be 'train' or 'val', got {bench.get('split')!r}")
+@dataclass(frozen=True)
+class BenchmarkConfig:
+    """``benchmark.*``; every key is set in config/benchmark/default.yaml (the one place of its defaults)."""
+
+    preset: str
+    repeats: int = setting(minimum=1)
+    split: str = setting(choices=("train", "val"))
+    modes: list[str] = setting()
+    inject_fault: bool = setting()  # kill one worker mid-rollout and check the fallback
+    metric_tolerance: float = setting(minimum=0.0)  # sampling engines: allowed gap in success / mean reward
+    output: str | None = setting()  # JSON report; null: none
+    plot: str | None = setting()  # PNG; null: none
+
+
+def validate(bench_cfg: Any) -> BenchmarkConfig:
+    """The ``benchmark`` section, checked; an error naming the key exits 2."""
+    try:
+        bench = read(BenchmarkConfig, bench_cfg, "benchmark")
+    except ValueError as exc:
+        fail(str(exc))
+    bad = [m for m in bench.modes if m not in MODES]
+    if bad or not bench.modes:
+        fail(f"benchmark.modes: unknown mode(s) {bad or bench.modes}; choose from {list(MODES)}")
     for key in ("output", "plot"):
-        path = bench.get(key)
+        path = getattr(bench, key)
         if not path:
             continue
         p = Path(path)
@@ -75,6 +91,7 @@ def validate(bench: dict[str, Any]) -> None:
             fail(f"benchmark.{key}: cannot write {str(p)!r}: {exc.strerror or exc}")
         if not existed:
             p.unlink()
+    return bench
 
 
 def deterministic(cfg: DictConfig) -> bool:
@@ -82,7 +99,7 @@ def deterministic(cfg: DictConfig) -> bool:
     return name == "scripted" or (name in ("hf", "vllm") and float(cfg.ctx_manager.generation.temperature) == 0.0)
 
 
-def run_modes(cfg: DictConfig, engine, bench: dict[str, Any]) -> list[dict[str, Any]]:
+def run_modes(cfg: DictConfig, engine, bench: BenchmarkConfig) -> list[dict[str, Any]]:
     """Every mode on the same seeds, interleaved: repeat r runs each mode in
     turn, so a machine that drifts (other load, clocks) slows all modes alike
     and the per-repeat ratios stay fair."""
@@ -91,12 +108,12 @@ def run_modes(cfg: DictConfig, engine, bench: dict[str, Any]) -> list[dict[str, 
     from ragen.env import clear_caches
     from ragen.llm_agent import AgentSetup, LLMAgentProxy
 
-    split = bench["split"]
+    split = bench.split
     proxies, setups, warmup = {}, {}, {}
-    runs: dict[str, list] = {m: [] for m in bench["modes"]}
+    runs: dict[str, list] = {m: [] for m in bench.modes}
     fault_info = None
     with ExitStack() as stack:
-        for mode in bench["modes"]:
+        for mode in bench.modes:
             plain = OmegaConf.to_container(cfg, resolve=True)
             plain["agent_proxy"]["use_parallel_rollout"] = mode == "parallel"
             setups[mode] = AgentSetup.from_config(plain)
@@ -104,15 +121,15 @@ def run_modes(cfg: DictConfig, engine, bench: dict[str, Any]) -> list[dict[str, 
             proxies[mode] = stack.enter_context(LLMAgentProxy(setups[mode], engine))
             proxies[mode].rollout(split, rollout_index=10_000)  # warm-up: processes, caches, imports
             warmup[mode] = time.perf_counter() - t0
-        for r in range(bench["repeats"]):
-            for mode in bench["modes"]:
+        for r in range(bench.repeats):
+            for mode in bench.modes:
                 clear_caches()  # every timed run generates its rooms (workers never saw these seeds)
                 t = time.perf_counter()
                 result = proxies[mode].rollout(split, rollout_index=r)
                 wall = time.perf_counter() - t
                 runs[mode].append((wall, result))
                 logger.info("%s run %d: %.3f s", mode, r + 1, wall)
-        if "parallel" in proxies and bench["inject_fault"]:
+        if "parallel" in proxies and bench.inject_fault:
             from ragen.llm_agent.types import rollout_digest
 
             clear_caches()
@@ -125,7 +142,7 @@ def run_modes(cfg: DictConfig, engine, bench: dict[str, Any]) -> list[dict[str, 
                 "fallbacks": int(faulty.metrics.get("parallel/fallbacks", 0)
                                  + faulty.metrics.get("parallel/retried_shards", 0)),
             }
-        out = [summarize(mode, runs[mode], warmup[mode], setups[mode], proxies[mode]) for mode in bench["modes"]]
+        out = [summarize(mode, runs[mode], warmup[mode], setups[mode], proxies[mode]) for mode in bench.modes]
     if fault_info is not None:
         next(o for o in out if o["mode"] == "parallel")["_fault"] = fault_info
     return out
@@ -245,8 +262,13 @@ def plot(report: dict[str, Any], path: str) -> None:
 @hydra.main(config_path="config", config_name="base-parallel", version_base=None)
 def main(cfg: DictConfig) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    bench = OmegaConf.to_container(cfg.benchmark, resolve=True)
-    validate(bench)
+    from ragen.trainer.config import check_top_level
+
+    try:
+        check_top_level(cfg)  # a misspelt section name is an error, not a section nobody reads
+    except ValueError as exc:
+        fail(str(exc))
+    bench = validate(OmegaConf.to_container(cfg.benchmark, resolve=True))
     from ragen.llm import make_engine
     from ragen.llm_agent import AgentSetup
 
@@ -273,8 +295,8 @@ def main(cfg: DictConfig) -> None:
             consistent = all(d == seq["digests"][i] for i, d in enumerate(par["digests"]))
             check = "digests of every repeat equal"
         else:
-            consistent = compare_metrics(seq, par, bench["metric_tolerance"])
-            check = f"sampling engine: success and mean reward within {bench['metric_tolerance']:.0%}"
+            consistent = compare_metrics(seq, par, bench.metric_tolerance)
+            check = f"sampling engine: success and mean reward within {bench.metric_tolerance:.0%}"
         workers = max(1, par["n_jobs"])
         ideal = max(seq["engine_time_s"], seq["env_time_s"] / workers)
         # the median of the per-repeat ratios: each pair ran back to back on the same seeds
@@ -285,7 +307,7 @@ def main(cfg: DictConfig) -> None:
     if fault is not None:
         consistent = consistent and fault["consistent"]
     report = {
-        "preset": bench["preset"],
+        "preset": bench.preset,
         "config": OmegaConf.to_container(cfg, resolve=True),
         "model_load_s": load_s,
         "runs": runs,
@@ -298,12 +320,12 @@ def main(cfg: DictConfig) -> None:
         "cores": os.cpu_count(),
     }
     print_report(report)
-    if bench.get("output"):
-        Path(bench["output"]).write_text(json.dumps(report, indent=2, default=str))
-        print(f"wrote {bench['output']}")
-    if bench.get("plot"):
-        plot(report, bench["plot"])
-        print(f"wrote {bench['plot']}")
+    if bench.output:
+        Path(bench.output).write_text(json.dumps(report, indent=2, default=str))
+        print(f"wrote {bench.output}")
+    if bench.plot:
+        plot(report, bench.plot)
+        print(f"wrote {bench.plot}")
     if not consistent or (fault is not None and not fault["recovered"]):
         raise SystemExit(1)
 

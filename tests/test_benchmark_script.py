@@ -82,9 +82,33 @@ def test_failed_envs_are_in_the_report(tmp_path):
     (["benchmark.repeats=0"], "benchmark.repeats"),
     (["benchmark.modes=[sequential,turbo]"], "benchmark.modes"),
     (["benchmark.output=/proc/nope/r.json"], "benchmark.output"),
+    (["+benchmark.repeat=2"], "benchmark.repeat is not a known key (did you mean 'repeats'?)"),
+    (["benchmark.inject_fault=maybe"], "benchmark.inject_fault must be true or false"),
+    (["+agent_prox.max_turn=2"], "agent_prox is not a known key (did you mean 'agent_proxy'?)"),
 ])
 def test_bad_input_is_one_line_before_anything_runs(args, needle):
     p = run(*SMALL, *args)
     assert p.returncode == 2
     lines = [line for line in p.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and needle in lines[0], p.stderr
+
+
+@pytest.mark.timeout(60)
+def test_every_benchmark_key_in_config_is_known_and_default_yaml_sets_them_all():
+    """config/benchmark/default.yaml is the one place of the benchmark's
+    defaults (BenchmarkConfig has none): it sets every key, and no preset sets
+    a key the script does not read."""
+    import dataclasses
+
+    from omegaconf import OmegaConf
+
+    from test_parallel_rollout import BenchmarkConfig
+
+    fields = {f.name for f in dataclasses.fields(BenchmarkConfig)}
+    presets = sorted((ROOT / "config" / "benchmark").glob("*.yaml"))
+    assert len(presets) >= 5
+    for path in presets:
+        keys = set(OmegaConf.to_container(OmegaConf.load(path)).get("benchmark") or {})
+        assert keys <= fields, (path.name, keys - fields)
+        if path.name == "default.yaml":
+            assert keys == fields
