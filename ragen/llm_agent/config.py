@@ -16,7 +16,8 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 from ragen.config_reader import read, setting
-from ragen.llm_agent.ctx_manager import GROUPINGS, METHODS
+from ragen.llm.types import SamplingParams
+from ragen.llm_agent.ctx_manager import GROUPINGS, METHODS, ContextConfig
 from ragen.llm_agent.inference.server import check_listen_address
 
 BACKENDS = ("loky", "threading", "multiprocessing", "sequential", "dask", "ray")  # agent_proxy.parallel_backend
@@ -25,8 +26,8 @@ ROLLOUT_MODES = ("sync", "fully_async")
 
 @dataclass(frozen=True)
 class RewardNormalization:
-    grouping: str = setting("state", choices=GROUPINGS)
-    method: str = setting("identity", choices=METHODS)
+    grouping: str = setting(ContextConfig.reward_grouping, choices=GROUPINGS)
+    method: str = setting(ContextConfig.reward_method, choices=METHODS)
 
 
 @dataclass(frozen=True)
@@ -34,11 +35,12 @@ class AgentProxyConfig:
     """``agent_proxy.*``: the turn loop, prompts, and the rollout engine."""
 
     max_turn: int = setting(5, minimum=1)
-    action_sep: str = "||"
-    max_actions_per_turn: int = setting(5, minimum=1)
-    enable_think: bool = True
-    max_context_window: int = setting(-1, minimum=-1)  # past turns kept in prompts; -1: all
-    use_turn_scores: bool = False
+    # the prompt and parsing keys: ContextConfig's defaults (it is built from them)
+    action_sep: str = ContextConfig.action_sep
+    max_actions_per_turn: int = setting(ContextConfig.max_actions_per_turn, minimum=1)
+    enable_think: bool = ContextConfig.enable_think
+    max_context_window: int = setting(ContextConfig.max_context_window, minimum=-1)  # past turns kept; -1: all
+    use_turn_scores: bool = ContextConfig.use_turn_scores
     reward_normalization: RewardNormalization = field(default_factory=RewardNormalization)
     # rollout engine
     use_parallel_rollout: bool = False
@@ -90,10 +92,12 @@ class EsManagerConfig:
 
 @dataclass(frozen=True)
 class GenerationConfig:
-    response_length: int = setting(128, minimum=1)
-    temperature: float = setting(1.0, minimum=0.0)
-    top_p: float = setting(1.0, minimum=0.0, maximum=1.0)
-    top_k: int = setting(-1, minimum=-1)
+    """``ctx_manager.generation.*``: the sampling of the rollout (SamplingParams' defaults)."""
+
+    response_length: int = setting(SamplingParams.max_tokens, minimum=1)
+    temperature: float = setting(SamplingParams.temperature, minimum=0.0)
+    top_p: float = setting(SamplingParams.top_p, minimum=0.0, maximum=1.0)
+    top_k: int = setting(SamplingParams.top_k, minimum=-1)
 
     def __post_init__(self) -> None:
         if self.top_p == 0.0:

@@ -39,6 +39,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any, Sequence
 
 from ragen.llm.types import Completion, GenerationRequest, SamplingParams
+from ragen.llm_agent.config import AgentProxyConfig, EsManagerConfig
 from ragen.llm_agent.ctx_manager import ContextConfig, ContextManager
 from ragen.llm_agent.inference.client import LLMClient
 from ragen.llm_agent.types import EnvSpec, StopReason, Trajectory, Turn
@@ -49,15 +50,17 @@ logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class LoopConfig:
-    """Everything the loop needs besides specs and a client (plain, picklable)."""
+    """Everything the loop needs besides specs and a client (plain, picklable).
+    ``AgentSetup.from_config`` builds it from the config sections; its
+    defaults are theirs (``ragen.llm_agent.config``)."""
 
     context: ContextConfig = field(default_factory=ContextConfig)
     sampling: SamplingParams = field(default_factory=SamplingParams)
-    max_turn: int = 5
-    format_penalty: float = -0.1
-    env_timeout_s: float | None = None  # per reset/step; None: no limit
-    pipeline_depth: int = 1
-    env_retries: int = 1  # a failing env is retried this often on a fresh instance before it ends in error
+    max_turn: int = AgentProxyConfig.max_turn
+    format_penalty: float = EsManagerConfig.format_penalty
+    env_timeout_s: float | None = AgentProxyConfig.env_timeout_s  # per reset/step; None: no limit
+    pipeline_depth: int = AgentProxyConfig.pipeline_depth
+    env_retries: int = AgentProxyConfig.env_retries  # retries of a failing env on a fresh instance
 
 
 _ERRORS_LOCK = threading.Lock()
