@@ -36,7 +36,7 @@ def run(cfg: DictConfig) -> dict:
         print(f"error: {exc}", file=sys.stderr)
         sys.exit(2)
     try:
-        total = trainer.config.total_training_steps
+        total = trainer.config.run.total_training_steps
         bar = tqdm(total=total, initial=trainer.global_step, desc="train", unit="step", dynamic_ncols=True,
                    file=sys.stderr)
         last = trainer.fit(on_step=lambda step, metrics: bar.update(1))

@@ -18,6 +18,7 @@ from ragen.llm.types import GenerationRequest, SamplingParams
 from ragen.llm_agent.ctx_manager import ContextConfig, ContextManager
 from ragen.trainer import AgentTrainer, PPOActor, Sample, TrainerConfig, compute_advantages, filter_groups
 from ragen.trainer import checkpoint as ckpt
+from ragen.trainer.config import ActorSection, OptimSection
 from ragen.trainer.core import kl_penalty, policy_loss, sequence_logprobs
 from ragen.trainer.tracking import read_metrics
 from tests.rollout_helpers import ROOT
@@ -153,10 +154,15 @@ def test_shared_prefix_log_probs_and_gradients_match_plain_passes(tiny_model_and
     assert float((grads[0] - grads[1]).norm() / grads[1].norm()) < 1e-4
 
 
+def _trainer_config(lr: float, weight_decay: float = OptimSection.weight_decay, **actor) -> TrainerConfig:
+    """A TrainerConfig whose ``actor_rollout_ref.actor`` keys are ``actor`` (``optim.lr`` / ``weight_decay``
+    given apart); every other section at its defaults."""
+    return TrainerConfig(actor=ActorSection(**actor, optim=OptimSection(lr=lr, weight_decay=weight_decay)))
+
+
 def _actor(model, **overrides) -> PPOActor:
-    options = {"ppo_mini_batch_size": 8, "ppo_micro_batch_size_per_gpu": 8, "lr": 3e-3, "weight_decay": 0.0,
-               "shuffle": False, **overrides}
-    cfg = TrainerConfig(**options)
+    options = {"ppo_mini_batch_size": 8, "ppo_micro_batch_size_per_gpu": 8, "shuffle": False, **overrides}
+    cfg = _trainer_config(lr=3e-3, weight_decay=0.0, **options)
     return PPOActor(model, cfg, pad_token_id=0)
 
 
@@ -203,8 +209,10 @@ def test_update_is_deterministic_and_independent_of_the_micro_batch_split(tiny_m
 def test_several_minibatches_and_epochs_use_precomputed_old_log_probs(tiny_model_and_tokenizer):
     model, tok = tiny_model_and_tokenizer
     samples = _episode_samples(tok, ["<answer> dragon </answer>", "<answer> phoenix </answer>"] * 4, [1.0, -1.0] * 4)
-    actor = PPOActor(model, TrainerConfig(ppo_mini_batch_size=4, ppo_micro_batch_size_per_gpu=2, ppo_epochs=2,
-                                          lr=1e-2, clip_ratio_low=0.1, clip_ratio_high=0.1), pad_token_id=0)
+    cfg = _trainer_config(lr=1e-2, ppo_mini_batch_size=4, ppo_micro_batch_size_per_gpu=2, ppo_epochs=2,
+                          clip_ratio_low=0.1, clip_ratio_high=0.1)
+    assert (cfg.clip_ratio_low, cfg.clip_ratio_high) == (0.1, 0.1)
+    actor = PPOActor(model, cfg, pad_token_id=0)
     m = actor.update(samples, 0)
     assert m["actor/n_optimizer_steps"] == 4.0
     # after the first optimizer step the policy moved away from pi_old: the ratio is no longer 1

@@ -1,7 +1,8 @@
 """The trainer: GRPO/PPO on the agent's rollouts, with the rollout engine's own model.
 
 - ``config``: ``TrainerConfig``, the ``trainer.*`` / ``actor_rollout_ref.*`` /
-  ``algorithm.*`` keys, checked at start-up.
+  ``algorithm.*`` sections, read and checked once at start-up and held whole
+  (``config.run``, ``config.actor``, ``config.model``, ...).
 - ``core``: ``Sample`` (one episode as tokens + loss mask + advantage), group
   filtering, advantage estimators, token log-probs with shared prompt
   prefixes, the clipped policy loss and the KL estimators.

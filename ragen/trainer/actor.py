@@ -58,10 +58,11 @@ class PPOActor:
         if not self.params:
             key = "actor_rollout_ref.model.target_modules" if config.use_lora else "actor_rollout_ref.model"
             raise ValueError(f"the model has no trainable parameters (check {key})")
-        if config.use_kl_loss and reference is None:
+        if config.actor.use_kl_loss and reference is None:
             raise ValueError("actor_rollout_ref.actor.use_kl_loss is true but no reference policy was given")
-        self.optimizer = torch.optim.AdamW(self.params, lr=config.lr, betas=config.betas,
-                                           weight_decay=config.weight_decay)
+        optim = config.actor.optim
+        self.optimizer = torch.optim.AdamW(self.params, lr=optim.lr, betas=optim.betas,
+                                           weight_decay=optim.weight_decay)
 
     @property
     def num_trainable(self) -> int:
@@ -71,14 +72,14 @@ class PPOActor:
 
     def _forward(self, samples: Sequence[Sample], entropy_grad: bool = False):
         return sequence_logprobs(self.model, samples, self.pad_token_id, with_entropy_grad=entropy_grad,
-                                 share_prefix=self.config.share_prefix)
+                                 share_prefix=self.config.model.share_prefix)
 
     @torch.no_grad()
     def compute_log_probs(self, samples: Sequence[Sample]) -> list[torch.Tensor]:
         """Per sample: log-probs of its answer tokens under the current weights."""
         self.model.eval()
         out: list[torch.Tensor] = []
-        micro = self.config.ppo_micro_batch_size_per_gpu
+        micro = self.config.actor.ppo_micro_batch_size_per_gpu
         for start in range(0, len(samples), micro):
             stats = self._forward(samples[start: start + micro])
             out += list(torch.split(stats.logp.detach(), stats.counts))
@@ -89,14 +90,14 @@ class PPOActor:
     def _order(self, samples: Sequence[Sample], step: int, epoch: int) -> list[int]:
         """Sample positions, whole groups together; the group order shuffled per (seed, step, epoch)."""
         groups = list(group_indices([s.group_key for s in samples]).values())
-        if self.config.shuffle and len(groups) > 1:
+        if self.config.actor.shuffle and len(groups) > 1:
             gen = torch.Generator().manual_seed(
                 (self.config.seed * 1_000_003 + step * 1_009 + epoch) % (2**63 - 1))
             groups = [groups[i] for i in torch.randperm(len(groups), generator=gen).tolist()]
         return [i for g in groups for i in g]
 
     def update(self, samples: Sequence[Sample], step: int = 0) -> dict[str, float]:
-        cfg = self.config
+        cfg = self.config.actor
         samples = [s for s in samples if s.num_loss_tokens > 0]
         if not samples:
             logger.warning("step %d: no sample has answer tokens; the update is skipped", step)
@@ -155,13 +156,13 @@ class PPOActor:
 
     def _micro_step(self, samples: Sequence[Sample], old: list[torch.Tensor] | None,
                     ref: list[torch.Tensor] | None, denom: float, sums: dict[str, float]) -> None:
-        cfg = self.config
+        cfg = self.config.actor
         stats = self._forward(samples, entropy_grad=cfg.entropy_coeff != 0.0)
         logp = stats.logp
         device = logp.device
         old_logp = logp.detach() if old is None else torch.cat(old).to(device)
         adv = torch.cat([torch.full((c,), float(s.advantage), device=device) for s, c in zip(samples, stats.counts)])
-        pg, clipped = policy_loss(logp, old_logp, adv, cfg.clip_ratio_low, cfg.clip_ratio_high)
+        pg, clipped = policy_loss(logp, old_logp, adv, self.config.clip_ratio_low, self.config.clip_ratio_high)
         per_token = pg
         if cfg.entropy_coeff != 0.0:
             per_token = per_token - cfg.entropy_coeff * stats.entropy
@@ -193,11 +194,11 @@ def adapter_off_reference(peft_model: Any, pad_token_id: int, config: TrainerCon
     @torch.no_grad()
     def ref(samples: Sequence[Sample]) -> list[torch.Tensor]:
         out: list[torch.Tensor] = []
-        micro = config.ppo_micro_batch_size_per_gpu
+        micro = config.actor.ppo_micro_batch_size_per_gpu
         with peft_model.disable_adapter():
             for start in range(0, len(samples), micro):
                 stats = sequence_logprobs(peft_model, samples[start: start + micro], pad_token_id,
-                                          share_prefix=config.share_prefix)
+                                          share_prefix=config.model.share_prefix)
                 out += list(torch.split(stats.logp, stats.counts))
         return out
 
@@ -215,10 +216,10 @@ def frozen_copy_reference(model: Any, pad_token_id: int, config: TrainerConfig):
     @torch.no_grad()
     def ref(samples: Sequence[Sample]) -> list[torch.Tensor]:
         out: list[torch.Tensor] = []
-        micro = config.ppo_micro_batch_size_per_gpu
+        micro = config.actor.ppo_micro_batch_size_per_gpu
         for start in range(0, len(samples), micro):
             stats = sequence_logprobs(frozen, samples[start: start + micro], pad_token_id,
-                                      share_prefix=config.share_prefix)
+                                      share_prefix=config.model.share_prefix)
             out += list(torch.split(stats.logp, stats.counts))
         return out
 

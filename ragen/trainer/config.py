@@ -17,16 +17,20 @@ Each section is a typed dataclass here (``TrainerSection``,
 numbers are errors naming the key. Their defaults are the keys' defaults;
 ``config/trainer_defaults.yaml`` sets the default job's values (and
 ``tests/test_config_reader.py`` lists where they differ, and why).
-``TrainerConfig.from_config(cfg)`` reads them and flattens them for the actor;
-it touches no model; ``check_against(train_batch_size, engine_name)`` checks
-the keys that depend on the rollout config.
+``TrainerConfig.from_config(cfg)`` reads them once at start-up into one
+``TrainerConfig`` that holds each section whole (``run``, ``actor``,
+``model``, ``rollout``, ``algorithm``), passed as it is to the trainer and the
+actor; only the values derived from several keys (the clip range, the
+loggers, the seed, ``use_lora``) are properties. It touches no model;
+``check_against(train_batch_size, engine_name)`` checks the keys that depend
+on the rollout config.
 """
 
 from __future__ import annotations
 
 import importlib.util
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Mapping
 
 from ragen.config_reader import check_keys, read, setting, to_plain
 from ragen.llm_agent.config import ROLLOUT_SECTIONS
@@ -169,55 +173,52 @@ def check_top_level(cfg: Mapping) -> None:
     check_keys(cfg, TOP_LEVEL_KEYS, "")
 
 
-@dataclass
-class TrainerConfig:
-    """The trainer's settings, flattened for the PPO actor and the loop (clip
-    ratios resolved, ``jsonl`` always among the loggers). Its defaults are the
-    sections' defaults; build it from a config with ``from_config``."""
+def _default_run() -> TrainerSection:
+    return TrainerSection(default_local_dir="runs/ragen/default")
 
-    # trainer.*
-    project_name: str = TrainerSection.project_name
-    experiment_name: str = TrainerSection.experiment_name
-    total_training_steps: int = TrainerSection.total_training_steps
-    test_freq: int = TrainerSection.test_freq
-    save_freq: int = TrainerSection.save_freq
-    val_before_train: bool = TrainerSection.val_before_train
-    default_local_dir: str = "runs/ragen/default"
-    resume: bool = TrainerSection.resume
-    logger: list[str] = field(default_factory=lambda: ["console", "jsonl"])
-    max_ckpt_to_keep: int | None = TrainerSection.max_actor_ckpt_to_keep
-    seed: int = 0  # the trainer's own randomness (mini-batch order, LoRA init)
-    # actor_rollout_ref.actor.*
-    ppo_mini_batch_size: int = ActorSection.ppo_mini_batch_size
-    ppo_micro_batch_size_per_gpu: int = ActorSection.ppo_micro_batch_size_per_gpu
-    ppo_epochs: int = ActorSection.ppo_epochs
-    clip_ratio_low: float = ActorSection.clip_ratio
-    clip_ratio_high: float = ActorSection.clip_ratio
-    grad_clip: float = ActorSection.grad_clip
-    entropy_coeff: float = ActorSection.entropy_coeff
-    use_kl_loss: bool = ActorSection.use_kl_loss
-    kl_loss_coef: float = ActorSection.kl_loss_coef
-    kl_loss_type: str = ActorSection.kl_loss_type
-    loss_agg_mode: str = ActorSection.loss_agg_mode
-    shuffle: bool = ActorSection.shuffle
-    lr: float = OptimSection.lr
-    weight_decay: float = OptimSection.weight_decay
-    betas: tuple[float, float] = OptimSection.betas
-    # actor_rollout_ref.model.*
-    lora_rank: int = ModelSection.lora_rank
-    lora_alpha: float = ModelSection.lora_alpha
-    target_modules: Any = ModelSection.target_modules
-    share_prefix: bool = ModelSection.share_prefix
-    # actor_rollout_ref.rollout.*
-    rollout_filter_ratio: float = RolloutSection.rollout_filter_ratio
-    max_model_len: int | None = RolloutSection.max_model_len
-    # algorithm.*
-    adv_estimator: str = AlgorithmSection.adv_estimator
-    norm_adv_by_std_in_grpo: bool = AlgorithmSection.norm_adv_by_std_in_grpo
+
+@dataclass(frozen=True)
+class TrainerConfig:
+    """The trainer's sections, each whole, read once at start-up and passed to
+    the parts that need them (``config.run.total_training_steps``,
+    ``config.actor.ppo_epochs``, ``config.actor.optim.lr``, ...); only the
+    values derived from several keys are properties here. Build it from a
+    config with ``from_config``; for a variant, ``dataclasses.replace`` a
+    section (``replace(cfg, actor=replace(cfg.actor, ppo_epochs=2))``)."""
+
+    run: TrainerSection = field(default_factory=_default_run)  # trainer.*
+    actor: ActorSection = field(default_factory=ActorSection)  # actor_rollout_ref.actor.*
+    model: ModelSection = field(default_factory=ModelSection)  # actor_rollout_ref.model.*
+    rollout: RolloutSection = field(default_factory=RolloutSection)  # actor_rollout_ref.rollout.*
+    algorithm: AlgorithmSection = field(default_factory=AlgorithmSection)  # algorithm.*
+    seed_train: int = 0  # seed.train: the trainer's seed when trainer.seed is unset
+
+    @property
+    def clip_ratio_low(self) -> float:
+        a = self.actor
+        return a.clip_ratio if a.clip_ratio_low is None else a.clip_ratio_low
+
+    @property
+    def clip_ratio_high(self) -> float:
+        a = self.actor
+        return a.clip_ratio if a.clip_ratio_high is None else a.clip_ratio_high
+
+    @property
+    def loggers(self) -> list[str]:
+        """``trainer.logger`` as a list, with ``jsonl`` always on: the jsonl log is
+        what resume, the learning curve and the tests read."""
+        logger = self.run.logger
+        logger = [logger] if isinstance(logger, str) else list(logger)
+        return list(dict.fromkeys([*logger, "jsonl"]))
+
+    @property
+    def seed(self) -> int:
+        """The trainer's own randomness (mini-batch order, LoRA init): trainer.seed, else seed.train."""
+        return self.seed_train if self.run.seed is None else self.run.seed
 
     @property
     def use_lora(self) -> bool:
-        return self.lora_rank > 0
+        return self.model.lora_rank > 0
 
     @classmethod
     def from_config(cls, cfg: Mapping) -> "TrainerConfig":
@@ -225,64 +226,21 @@ class TrainerConfig:
         run: TrainerSection = read(TrainerSection, cfg.get("trainer"), "trainer")
         arr: ActorRolloutRefSection = read(ActorRolloutRefSection, cfg.get("actor_rollout_ref"), "actor_rollout_ref")
         algorithm: AlgorithmSection = read(AlgorithmSection, cfg.get("algorithm"), "algorithm")
-        return cls.from_sections(run, arr, algorithm, seed_train=(cfg.get("seed") or {}).get("train", 0))
-
-    @classmethod
-    def from_sections(cls, run: TrainerSection, arr: ActorRolloutRefSection, algorithm: AlgorithmSection,
-                      seed_train: int = 0) -> "TrainerConfig":
-        actor, model, rollout = arr.actor, arr.model, arr.rollout
-        logger = [run.logger] if isinstance(run.logger, str) else list(run.logger)
-        # The jsonl log is what resume, the learning curve and the tests read: always on.
-        logger = list(dict.fromkeys([*logger, "jsonl"]))
-        return cls(
-            project_name=run.project_name,
-            experiment_name=run.experiment_name,
-            total_training_steps=run.total_training_steps,
-            test_freq=run.test_freq,
-            save_freq=run.save_freq,
-            val_before_train=run.val_before_train,
-            default_local_dir=run.default_local_dir,
-            resume=run.resume,
-            logger=logger,
-            max_ckpt_to_keep=run.max_actor_ckpt_to_keep,
-            seed=seed_train if run.seed is None else run.seed,
-            ppo_mini_batch_size=actor.ppo_mini_batch_size,
-            ppo_micro_batch_size_per_gpu=actor.ppo_micro_batch_size_per_gpu,
-            ppo_epochs=actor.ppo_epochs,
-            clip_ratio_low=actor.clip_ratio if actor.clip_ratio_low is None else actor.clip_ratio_low,
-            clip_ratio_high=actor.clip_ratio if actor.clip_ratio_high is None else actor.clip_ratio_high,
-            grad_clip=actor.grad_clip,
-            entropy_coeff=actor.entropy_coeff,
-            use_kl_loss=actor.use_kl_loss,
-            kl_loss_coef=actor.kl_loss_coef,
-            kl_loss_type=actor.kl_loss_type,
-            loss_agg_mode=actor.loss_agg_mode,
-            shuffle=actor.shuffle,
-            lr=actor.optim.lr,
-            weight_decay=actor.optim.weight_decay,
-            betas=actor.optim.betas,
-            lora_rank=model.lora_rank,
-            lora_alpha=model.lora_alpha,
-            target_modules=model.target_modules,
-            share_prefix=model.share_prefix,
-            rollout_filter_ratio=rollout.rollout_filter_ratio,
-            max_model_len=rollout.max_model_len,
-            adv_estimator=algorithm.adv_estimator,
-            norm_adv_by_std_in_grpo=algorithm.norm_adv_by_std_in_grpo,
-        )
+        return cls(run=run, actor=arr.actor, model=arr.model, rollout=arr.rollout, algorithm=algorithm,
+                   seed_train=(cfg.get("seed") or {}).get("train", 0))
 
     def check_against(self, train_batch_size: int, engine_name: str) -> None:
         """Checks that need the rollout config: batch sizes and a trainable engine."""
-        a = "actor_rollout_ref.actor"
-        if self.ppo_mini_batch_size > train_batch_size:
+        a, actor = "actor_rollout_ref.actor", self.actor
+        if actor.ppo_mini_batch_size > train_batch_size:
             raise ValueError(
-                f"{a}.ppo_mini_batch_size ({self.ppo_mini_batch_size}) is larger than the train batch "
+                f"{a}.ppo_mini_batch_size ({actor.ppo_mini_batch_size}) is larger than the train batch "
                 f"(es_manager.train.env_groups x group_size = {train_batch_size} episodes); make it <= "
                 f"{train_batch_size}"
             )
-        if self.ppo_micro_batch_size_per_gpu > train_batch_size:
+        if actor.ppo_micro_batch_size_per_gpu > train_batch_size:
             raise ValueError(
-                f"{a}.ppo_micro_batch_size_per_gpu ({self.ppo_micro_batch_size_per_gpu}) is larger than the "
+                f"{a}.ppo_micro_batch_size_per_gpu ({actor.ppo_micro_batch_size_per_gpu}) is larger than the "
                 f"train batch ({train_batch_size} episodes)"
             )
         if engine_name not in TRAINABLE_ENGINES:

@@ -88,7 +88,7 @@ class AgentTrainer:
         self.engine_name = getattr(engine, "name", None) or engine_cfg.get("name")
         self.config.check_against(self.setup.es["train"].num_envs, str(self.engine_name))
         self.model_path = resolve_model_path(plain.get("model_path", "default")) if engine is None else None
-        self.run_dir = Path(self.config.default_local_dir).expanduser().resolve()
+        self.run_dir = Path(self.config.run.default_local_dir).expanduser().resolve()
         resume_step = self._check_run_dir()
 
         # ---- build: engine (loads the model), trainable policy, proxy
@@ -120,7 +120,7 @@ class AgentTrainer:
         pad = self.tokenizer.pad_token_id
         pad = pad if pad is not None else (self.tokenizer.eos_token_id or 0)
         reference = None
-        if self.config.use_kl_loss:
+        if self.config.actor.use_kl_loss:
             reference = (adapter_off_reference(self.peft_model, pad, self.config) if self.peft_model is not None
                          else frozen_copy_reference(self.model, pad, self.config))
         self.proxy = LLMAgentProxy(self.setup, engine)
@@ -130,20 +130,20 @@ class AgentTrainer:
         self.ctx = ContextManager(self.setup.loop.context)
         self.global_step = 0
         logger.info("trainable parameters: %d (%s)", self.actor.num_trainable,
-                    f"LoRA rank {self.config.lora_rank}" if self.config.use_lora else "full fine-tuning")
+                    f"LoRA rank {self.config.model.lora_rank}" if self.config.use_lora else "full fine-tuning")
         if resume_step is not None:
             self._load(resume_step)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self._save_config(cfg)
-        self.tracking = Tracking(self.run_dir, self.config.logger, self.config.project_name,
-                                 self.config.experiment_name, config=plain, console=console)
+        self.tracking = Tracking(self.run_dir, self.config.loggers, self.config.run.project_name,
+                                 self.config.run.experiment_name, config=plain, console=console)
 
     # ------------------------------------------------------------ construction helpers
 
     def _check_run_dir(self) -> int | None:
         """The checkpoint step to resume from, or None for a fresh run."""
         existing = ckpt.list_checkpoints(self.run_dir)
-        if self.config.resume:
+        if self.config.run.resume:
             step = ckpt.latest_checkpoint(self.run_dir)
             if step is None:
                 logger.info("trainer.resume is true but %s holds no checkpoint: starting from step 0", self.run_dir)
@@ -174,7 +174,7 @@ class AgentTrainer:
     def _apply_lora(self, model: Any) -> Any:
         from peft import LoraConfig, get_peft_model
 
-        cfg = self.config
+        cfg = self.config.model
         lora = LoraConfig(r=cfg.lora_rank, lora_alpha=cfg.lora_alpha, target_modules=cfg.target_modules,
                           lora_dropout=0.0, bias="none", task_type="CAUSAL_LM")
         try:
@@ -200,7 +200,7 @@ class AgentTrainer:
 
     def fit(self, on_step: Callable[[int, dict[str, float]], None] | None = None) -> dict[str, float]:
         """Train to ``total_training_steps``; return the last step's metrics."""
-        cfg = self.config
+        cfg = self.config.run
         last: dict[str, float] = {}
         if cfg.val_before_train and self.global_step == 0:
             t0 = time.perf_counter()
@@ -268,7 +268,7 @@ class AgentTrainer:
             return [], {"batch/n_samples": 0.0}
         episodes = [{"messages": self.ctx.episode_messages(spec, t.turns, t.action_names),
                      "turn_rewards": [tn.reward + tn.penalty for tn in t.turns]} for t, spec in trajs]
-        rows = self.ctx.formulate_rollouts(episodes, self.tokenizer, cfg.max_model_len)
+        rows = self.ctx.formulate_rollouts(episodes, self.tokenizer, cfg.rollout.max_model_len)
         n_turns = sum(len(t.turns) for t, _ in trajs)
         answer_tokens = [sum(r["loss_mask"]) for r in rows]
         metrics["response_length/mean"] = sum(answer_tokens) / max(n_turns, 1)
@@ -277,17 +277,17 @@ class AgentTrainer:
             tn.finish_reason == "length" for t, _ in trajs for tn in t.turns) / max(n_turns, 1)
         scores = [t.reward for t, _ in trajs]
         group_ids = [t.group_id for t, _ in trajs]
-        kept = filter_groups(scores, group_ids, cfg.rollout_filter_ratio)
+        kept = filter_groups(scores, group_ids, cfg.rollout.rollout_filter_ratio)
         adv = compute_advantages([scores[i] for i in kept], [group_ids[i] for i in kept],
                                  [trajs[i][0].tag for i in kept], self.setup.loop.context,
-                                 cfg.adv_estimator, cfg.norm_adv_by_std_in_grpo)
+                                 cfg.algorithm.adv_estimator, cfg.algorithm.norm_adv_by_std_in_grpo)
         samples = []
         for a, i in zip(adv, kept):
             row = rows[i]
             samples.append(Sample(
                 input_ids=row["input_ids"], loss_mask=row["loss_mask"], advantage=float(a),
                 group_key=group_ids[i], score=scores[i],
-                truncated=cfg.max_model_len is not None and len(row["input_ids"]) >= cfg.max_model_len,
+                truncated=cfg.rollout.max_model_len is not None and len(row["input_ids"]) >= cfg.rollout.max_model_len,
             ))
         n_groups = len(set(group_ids))
         metrics.update({
@@ -348,10 +348,10 @@ class AgentTrainer:
             "rng": ckpt.rng_state(),
             "es_manager": {split: es.state_dict() for split, es in self.setup.es.items()},
         }
-        meta = {"policy_version": self.engine.policy_version, "lora_rank": self.config.lora_rank,
-                "experiment_name": self.config.experiment_name}
+        meta = {"policy_version": self.engine.policy_version, "lora_rank": self.config.model.lora_rank,
+                "experiment_name": self.config.run.experiment_name}
         return ckpt.save_checkpoint(self.run_dir, self.global_step, state, meta,
-                                    peft_model=self.peft_model, max_to_keep=self.config.max_ckpt_to_keep)
+                                    peft_model=self.peft_model, max_to_keep=self.config.run.max_actor_ckpt_to_keep)
 
     def _load(self, step: int) -> None:
         state = ckpt.load_checkpoint(self.run_dir, step)
@@ -389,7 +389,7 @@ class AgentTrainer:
     def plot(self) -> Path | None:
         try:
             path = plot_learning_curve(self.run_dir / METRICS_FILE, self.run_dir / CURVE_FILE,
-                                       title=f"{self.config.project_name}/{self.config.experiment_name}")
+                                       title=f"{self.config.run.project_name}/{self.config.run.experiment_name}")
         except Exception:  # a missing plot must not fail a finished run
             logger.exception("could not draw the learning curve")
             return None
