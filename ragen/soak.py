@@ -152,6 +152,7 @@ def run_soak(cfg: Mapping[str, Any], rollouts: int, split: str = "train", envs: 
     """Run ``rollouts`` parallel rollouts of ``split``; the report (see the module docstring)."""
     from ragen.llm import make_engine
     from ragen.llm_agent import AgentSetup, LLMAgentProxy
+    from ragen.trainer.config import check_top_level
 
     if rollouts < 1:
         raise ValueError(f"--rollouts must be >= 1, got {rollouts}")
@@ -165,6 +166,7 @@ def run_soak(cfg: Mapping[str, Any], rollouts: int, split: str = "train", envs: 
             raise ValueError(f"--envs must be >= 1, got {envs}")
         cfg["es_manager"][split] = validation_layout(envs, tags)
         cfg["es_manager"][other] = validation_layout(len(tags), tags)  # the warm-up: one env per tag
+    check_top_level(cfg)  # a misspelt section name is an error, not a section nobody reads
     setup = AgentSetup.from_config(cfg)  # config errors before the engine is built
     n_envs = setup.es[split].num_envs
     engine = make_engine(cfg["engine"], cfg.get("model_path"))

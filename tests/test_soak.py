@@ -94,10 +94,16 @@ def test_proc_scan_sees_this_process_children():
         proc.wait()
 
 
-def test_bad_config_is_one_clear_line(capsys):
-    assert main(["--rollouts", "1", "es_manager.train.env_configs.tags=[NoSuchTag,FrozenLake]"]) == 2
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("override,needle", [
+    ("es_manager.train.env_configs.tags=[NoSuchTag,FrozenLake]", "NoSuchTag"),
+    ("+agent_prox.max_turn=2", "agent_prox is not a known key (did you mean 'agent_proxy'?)"),
+    ("+agent_proxy.pipline_depth=2", "agent_proxy.pipline_depth is not a known key (did you mean 'pipeline_depth'?)"),
+])
+def test_bad_config_is_one_clear_line(capsys, override, needle):
+    assert main(["--rollouts", "1", override]) == 2
     err = capsys.readouterr().err
-    assert err.startswith("error:") and "NoSuchTag" in err
+    assert err.startswith("error:") and needle in err and len(err.strip().splitlines()) == 1
 
 
 def test_engine_defaults_to_scripted():
