@@ -5,9 +5,9 @@ Concepts:
 - A *section* is a dataclass whose fields are the keys of one config section
   (``agent_proxy``, ``trainer``, ...); a field's annotation is its type, its
   default is the key's default, and ``setting(...)`` adds what the type cannot
-  say (``choices``, ``minimum``, ``maximum``). A field typed as another
-  section dataclass is a nested section; one typed ``dict``/``Mapping`` or
-  ``Any`` is passed through as it is.
+  say (``choices``, ``minimum``, ``maximum``; on a list, they hold for each
+  item). A field typed as another section dataclass is a nested section; one
+  typed ``dict``/``Mapping`` or ``Any`` is passed through as it is.
 - ``read(Section, mapping, "agent_proxy")`` builds the section from plain or
   OmegaConf data. It is strict, and every error names the dotted key: an
   unknown key (with a "did you mean"), a string where a boolean belongs, a
@@ -151,6 +151,15 @@ def _describe(tp: Any) -> str:
 
 def _value(value: Any, tp: Any, key: str, metadata: Mapping) -> Any:
     value = _typed(value, tp, key)
+    if isinstance(value, (list, tuple)):  # a list's choices and bounds hold for each item
+        for i, item in enumerate(value):
+            _checked(item, f"{key}[{i}]", metadata)
+        return value
+    return _checked(value, key, metadata)
+
+
+def _checked(value: Any, key: str, metadata: Mapping) -> Any:
+    """``value`` within ``metadata``'s choices and bounds, or ValueError naming ``key``."""
     if value is None or isinstance(value, (bool, list, tuple, dict)) or dataclasses.is_dataclass(value):
         return value
     choices = metadata.get("choices")

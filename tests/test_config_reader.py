@@ -251,6 +251,7 @@ class _Outer:
     mode: str = setting("a", choices=("a", "b"))
     pair: tuple[float, float] = (0.0, 1.0)
     inner: _Inner = dataclasses.field(default_factory=_Inner)
+    sizes: tuple[int, ...] = setting((), minimum=1)  # a bound on a list holds for each item
 
 
 @pytest.mark.timeout(30)
@@ -271,10 +272,12 @@ def test_reader_types():
         ({"inner": []}, "s.inner must be a mapping of keys"),
         ({"inner": {"nams": []}}, "s.inner.nams is not a known key (did you mean 'names'?)"),
         ({"zzz": 1}, "s.zzz is not a known key; the keys of s are"),
+        ({"sizes": [2, 0]}, "s.sizes[1] must be >= 1, got 0"),
     ]:
         with pytest.raises(ValueError, match=re.escape(message)):
             read(_Outer, data, "s")
-    assert set(section_keys(_Outer, "s")) == {"s.ratio", "s.count", "s.mode", "s.pair", "s.inner.names",
+    assert read(_Outer, {"sizes": [1, 3]}, "s").sizes == (1, 3)
+    assert set(section_keys(_Outer, "s")) == {"s.ratio", "s.count", "s.mode", "s.pair", "s.sizes", "s.inner.names",
                                               "s.inner.free", "s.inner.free.*"}
     assert to_plain(OmegaConf.create({"a": [1, {"b": 2}]})) == {"a": [1, {"b": 2}]}
 

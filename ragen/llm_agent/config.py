@@ -71,7 +71,24 @@ class AgentProxyConfig:
 @dataclass(frozen=True)
 class EnvConfigs:
     tags: tuple[str, ...] = ()
-    n_groups: tuple[int, ...] = ()
+    n_groups: tuple[int, ...] = setting((), minimum=1)
+
+
+@dataclass(frozen=True)
+class EnvTagConfig:
+    """``custom_envs.<tag>``: an env type and its config, and how the loop plays it."""
+
+    env_type: str = setting()
+    config_type: str | None = None
+    env_config: Any = None  # checked by the env's config class (ragen.env.make_env_config)
+    max_actions_per_traj: int = setting(10, minimum=1)
+    env_instruction: str | None = ""
+    max_tokens: int | None = setting(None, minimum=1)
+    format_example: Any = None  # {observation, answer, actions?}: checked where it is read
+    # RAGEN's keys (its defaults: false, 1): the envs of a parallel_friendly
+    # tag are reset and stepped on a thread pool of max_workers.
+    parallel_friendly: bool = False
+    max_workers: int = setting(1, minimum=1)
 
 
 @dataclass(frozen=True)

@@ -18,8 +18,8 @@ import threading
 from collections import Counter, defaultdict
 from typing import Any, Mapping, Sequence
 
-from ragen.config_reader import check_keys, read, to_plain
-from ragen.llm_agent.config import EnvSplitConfig
+from ragen.config_reader import read, to_plain
+from ragen.llm_agent.config import EnvSplitConfig, EnvTagConfig
 from ragen.llm_agent.types import EnvSpec, StopReason, Trajectory
 
 
@@ -46,8 +46,6 @@ class EnvStateManager:
             raise ValueError(f"{key}.env_configs.tags is empty: name at least one tag of custom_envs")
         if len(tags) != len(n_groups):
             raise ValueError(f"{key}.env_configs: {len(tags)} tags but {len(n_groups)} n_groups entries")
-        for i, n in enumerate(n_groups):
-            _positive_int(n, f"{key}.env_configs.n_groups[{i}]")
         if sum(n_groups) != self.env_groups:
             raise ValueError(
                 f"{key}.env_configs.n_groups sums to {sum(n_groups)} but {key}.env_groups is {self.env_groups}"
@@ -104,39 +102,15 @@ class EnvStateManager:
         self._rollouts = int(state["rollouts"])
 
 
-def _positive_int(value: Any, key: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ValueError(f"{key} must be an integer >= 1, got {value!r}")
-    if value < 1:
-        raise ValueError(f"{key} must be >= 1, got {value}")
-    return value
-
-
 def _validate_tag(tag: str, spec: Any) -> dict[str, Any]:
     from ragen.env import make_env_config
 
     key = f"custom_envs.{tag}"
-    if not isinstance(spec, dict):
-        raise ValueError(f"{key} must be a mapping")
-    if "env_type" not in spec:
-        raise ValueError(f"{key}.env_type is missing")
-    allowed = {"env_type", "config_type", "max_actions_per_traj", "env_instruction", "max_tokens", "env_config",
-               "format_example", "parallel_friendly", "max_workers"}
-    check_keys(spec, allowed, key)
-    env_config = spec.get("env_config") or {}
+    cfg = read(EnvTagConfig, spec, key)
+    env_config = cfg.env_config or {}
     # Builds (and so validates) the config now, before any model loads.
-    make_env_config(spec["env_type"], env_config, config_type=spec.get("config_type"), tag=tag)
-    max_actions = _positive_int(spec.get("max_actions_per_traj", 10), f"{key}.max_actions_per_traj")
-    max_tokens = spec.get("max_tokens")
-    if max_tokens is not None:
-        max_tokens = _positive_int(max_tokens, f"{key}.max_tokens")
-    # RAGEN's keys (its defaults: false, 1): the envs of a parallel_friendly
-    # tag are reset and stepped on a thread pool of max_workers.
-    friendly = spec.get("parallel_friendly", False)
-    if not isinstance(friendly, bool):
-        raise ValueError(f"{key}.parallel_friendly must be true or false, got {friendly!r}")
-    max_workers = _positive_int(spec.get("max_workers", 1), f"{key}.max_workers")
-    example = spec.get("format_example")
+    make_env_config(cfg.env_type, env_config, config_type=cfg.config_type, tag=tag)
+    example = cfg.format_example
     if example is not None:
         if not isinstance(example, dict) or not isinstance(example.get("observation"), str) \
                 or not isinstance(example.get("answer"), str):
@@ -146,13 +120,13 @@ def _validate_tag(tag: str, spec: Any) -> dict[str, Any]:
         example = (example["observation"], example["answer"], tuple(str(n) for n in names) if names else None)
     return {
         "format_example": example,
-        "env_type": spec["env_type"],
-        "config_type": spec.get("config_type"),
+        "env_type": cfg.env_type,
+        "config_type": cfg.config_type,
         "env_config": env_config,
-        "max_actions_per_traj": max_actions,
-        "env_instruction": spec.get("env_instruction", "") or "",
-        "max_tokens": max_tokens,
-        "env_threads": max_workers if friendly else 1,
+        "max_actions_per_traj": cfg.max_actions_per_traj,
+        "env_instruction": cfg.env_instruction or "",
+        "max_tokens": cfg.max_tokens,
+        "env_threads": cfg.max_workers if cfg.parallel_friendly else 1,
     }
 
 
