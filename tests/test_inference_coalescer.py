@@ -113,8 +113,7 @@ def test_a_stream_due_after_the_budget_is_not_waited_for():
     for n in (8, 32, 64, 128):  # fixed cost 10 ms per call
         c.cost.add(n, 0.01 + 0.001 * n)
     c.connect("fast"), c.connect("slow")
-    c.clocks["slow"] = _clock([1.0, 1.0], [(0.0, True)], last_request=0.0)  # back in 1 s
-    c.open_streams += 1
+    c.clocks["slow"] = _clock([1.0, 1.0], [(0.0, True)], last_request=0.0)  # one stream, back in 1 s
     c.open("fast", 1, None, 0.0)
     _arrive(c, "fast", 4, 0.0)
     assert _sizes(c.decide(0.0)) == [4]  # the slow worker would cost more than a call of its own

@@ -119,7 +119,7 @@ class Pending:
     requests: list[GenerationRequest]
     sampling: SamplingParams
     arrived: float
-    sampling_key: str = ""
+    sampling_key: str = field(init=False)
 
     def __post_init__(self) -> None:
         self.sampling_key = json.dumps(self.sampling.to_dict(), sort_keys=True)  # one call, one sampling
@@ -150,7 +150,6 @@ class Coalescer:
         self.cost = CallCostModel()
         self.engine_free_at = 0.0
         self.pending: deque[Pending] = deque()
-        self.open_streams = 0  # over every connection
         self.clocks: dict[Hashable, StreamClock] = {}
         # streams of dispatched shards whose workers have not opened them yet, by rollout
         self.announced: dict[int, int] = {}
@@ -162,15 +161,12 @@ class Coalescer:
 
     def disconnect(self, conn: Hashable) -> None:
         """The connection is gone: its streams close and its queued requests are dropped."""
-        clock = self.clocks.pop(conn, None)
-        if clock is not None:
-            self.open_streams -= clock.streams
+        self.clocks.pop(conn, None)
         self.pending = deque(p for p in self.pending if p.conn != conn)
 
     def open(self, conn: Hashable, n: int, rollout: int | None, now: float) -> None:
         clock = self.clocks[conn]
         clock.streams += n
-        self.open_streams += n
         clock.rollout = rollout
         if rollout in self.announced:
             self.announced[rollout] -= n
@@ -180,9 +176,13 @@ class Coalescer:
         clock = self.clocks[conn]
         n = min(n, clock.streams)
         clock.streams -= n
-        self.open_streams -= n
         for _ in range(min(n, len(clock.idle))):
             clock.idle.pop()  # a stream closes right after its last answer
+
+    @property
+    def open_streams(self) -> int:
+        """Streams open over every connection."""
+        return sum(clock.streams for clock in self.clocks.values())
 
     def announce(self, n_streams: int) -> int:
         """Shards whose workers will open ``n_streams`` streams were
@@ -197,7 +197,6 @@ class Coalescer:
         self.announced.pop(rollout, None)
         for clock in self.clocks.values():
             if clock.rollout == rollout and clock.streams:
-                self.open_streams -= clock.streams
                 clock.streams = 0
                 clock.idle.clear()
 
