@@ -211,7 +211,7 @@ def test_several_minibatches_and_epochs_use_precomputed_old_log_probs(tiny_model
     samples = _episode_samples(tok, ["<answer> dragon </answer>", "<answer> phoenix </answer>"] * 4, [1.0, -1.0] * 4)
     cfg = _trainer_config(lr=1e-2, ppo_mini_batch_size=4, ppo_micro_batch_size_per_gpu=2, ppo_epochs=2,
                           clip_ratio_low=0.1, clip_ratio_high=0.1)
-    assert (cfg.clip_ratio_low, cfg.clip_ratio_high) == (0.1, 0.1)
+    assert cfg.actor.clip_range == (0.1, 0.1)
     actor = PPOActor(model, cfg, pad_token_id=0)
     m = actor.update(samples, 0)
     assert m["actor/n_optimizer_steps"] == 4.0

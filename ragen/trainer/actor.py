@@ -162,7 +162,7 @@ class PPOActor:
         device = logp.device
         old_logp = logp.detach() if old is None else torch.cat(old).to(device)
         adv = torch.cat([torch.full((c,), float(s.advantage), device=device) for s, c in zip(samples, stats.counts)])
-        pg, clipped = policy_loss(logp, old_logp, adv, self.config.clip_ratio_low, self.config.clip_ratio_high)
+        pg, clipped = policy_loss(logp, old_logp, adv, *self.config.actor.clip_range)
         per_token = pg
         if cfg.entropy_coeff != 0.0:
             per_token = per_token - cfg.entropy_coeff * stats.entropy

@@ -20,8 +20,8 @@ numbers are errors naming the key. Their defaults are the keys' defaults;
 ``TrainerConfig.from_config(cfg)`` reads them once at start-up into one
 ``TrainerConfig`` that holds each section whole (``run``, ``actor``,
 ``model``, ``rollout``, ``algorithm``), passed as it is to the trainer and the
-actor; only the values derived from several keys (the clip range, the
-loggers, the seed, ``use_lora``) are properties. It touches no model;
+actor; only the values derived from several keys are properties (the
+loggers, the seed, ``use_lora``; the clip range on ``ActorSection``). It touches no model;
 ``check_against(train_batch_size, engine_name)`` checks the keys that depend
 on the rollout config.
 """
@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from typing import Mapping
 
 from ragen.config_reader import check_keys, read, setting, to_plain
-from ragen.llm_agent.config import ROLLOUT_SECTIONS
+from ragen.llm_agent.config import ROLLOUT_SECTIONS, SeedConfig
 from ragen.trainer.core import ADV_ESTIMATORS, KL_TYPES
 
 LOGGERS = ("console", "jsonl", "tensorboard", "wandb")
@@ -102,9 +102,15 @@ class ActorSection:
     shuffle: bool = True
     optim: OptimSection = field(default_factory=OptimSection)
 
+    @property
+    def clip_range(self) -> tuple[float, float]:
+        """(low, high): clip_ratio_low / clip_ratio_high, each clip_ratio when unset."""
+        return (self.clip_ratio if self.clip_ratio_low is None else self.clip_ratio_low,
+                self.clip_ratio if self.clip_ratio_high is None else self.clip_ratio_high)
+
     def __post_init__(self) -> None:
         a = "actor_rollout_ref.actor"
-        low = self.clip_ratio if self.clip_ratio_low is None else self.clip_ratio_low
+        low = self.clip_range[0]
         if low >= 1.0:
             raise ValueError(f"{a}.clip_ratio_low (or clip_ratio) must be < 1, got {low}")
         if self.ppo_micro_batch_size_per_gpu > self.ppo_mini_batch_size:
@@ -194,16 +200,6 @@ class TrainerConfig:
     seed_train: int = 0  # seed.train: the trainer's seed when trainer.seed is unset
 
     @property
-    def clip_ratio_low(self) -> float:
-        a = self.actor
-        return a.clip_ratio if a.clip_ratio_low is None else a.clip_ratio_low
-
-    @property
-    def clip_ratio_high(self) -> float:
-        a = self.actor
-        return a.clip_ratio if a.clip_ratio_high is None else a.clip_ratio_high
-
-    @property
     def loggers(self) -> list[str]:
         """``trainer.logger`` as a list, with ``jsonl`` always on: the jsonl log is
         what resume, the learning curve and the tests read."""
@@ -226,8 +222,9 @@ class TrainerConfig:
         run: TrainerSection = read(TrainerSection, cfg.get("trainer"), "trainer")
         arr: ActorRolloutRefSection = read(ActorRolloutRefSection, cfg.get("actor_rollout_ref"), "actor_rollout_ref")
         algorithm: AlgorithmSection = read(AlgorithmSection, cfg.get("algorithm"), "algorithm")
+        seed: SeedConfig = read(SeedConfig, cfg.get("seed"), "seed")
         return cls(run=run, actor=arr.actor, model=arr.model, rollout=arr.rollout, algorithm=algorithm,
-                   seed_train=(cfg.get("seed") or {}).get("train", 0))
+                   seed_train=seed.train)
 
     def check_against(self, train_batch_size: int, engine_name: str) -> None:
         """Checks that need the rollout config: batch sizes and a trainable engine."""
