@@ -103,6 +103,8 @@ def run_shard(shard_id: int, specs: list[EnvSpec], client: SharedLLMClient, conf
     try:
         trajectories, stats = run_envs(specs, client, config, kept_envs=_worker_envs(),
                                        isolate_errors=isolate_errors, fault=fault)
+        for t in trajectories:
+            t.worker = os.getpid()
         error = None
     except Exception as exc:
         trajectories, stats, error = [], LoopStats(), f"{type(exc).__name__}: {exc}"

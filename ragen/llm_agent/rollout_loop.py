@@ -42,7 +42,7 @@ from ragen.llm.types import Completion, GenerationRequest, SamplingParams
 from ragen.llm_agent.config import AgentProxyConfig, EsManagerConfig
 from ragen.llm_agent.ctx_manager import ContextConfig, ContextManager
 from ragen.llm_agent.inference.client import LLMClient
-from ragen.llm_agent.types import EnvSpec, StopReason, Trajectory, Turn
+from ragen.llm_agent.types import EnvSpec, Step, StopReason, Trajectory, Turn
 from ragen.utils import deal
 
 logger = logging.getLogger(__name__)
@@ -427,8 +427,10 @@ def _rebuild(slot: _EnvSlot, call: _Caller, expect: str | None) -> None:
 
 
 def _reset(slot: _EnvSlot, kept_envs: KeptEnvs, call: _Caller) -> None:
+    t0 = time.perf_counter()
     slot.env = kept_envs.acquire(slot.spec)
     _reset_env(slot, call)
+    slot.traj.reset_s = time.perf_counter() - t0
 
 
 def _reset_env(slot: _EnvSlot, call: _Caller) -> None:
@@ -458,16 +460,19 @@ def _apply(slot: _EnvSlot, completion: Completion, ctx: ContextManager, config: 
         valid = [(a, a) for a in actions]
     budget = slot.actions_left
     shown = slot.observation
-    reward, done, info, executed = 0.0, False, {}, []
+    reward, done, info, executed, steps = 0.0, False, {}, [], []
+    t0 = time.perf_counter()
     for name, action in valid[:budget]:
         obs, r, done, step_info = call(slot.env.step, action)
         slot.observation = str(obs)
         reward += float(r)
         info.update(_plain_info(step_info))
         executed.append(name)
+        steps.append(Step(action=name, observation=slot.observation, reward=float(r), done=bool(done)))
         slot.actions_left -= 1
         if done:
             break
+    env_s = time.perf_counter() - t0
     penalty = config.format_penalty if (not valid or len(valid) != len(actions)) else 0.0
     slot.traj.turns.append(
         Turn(
@@ -481,6 +486,8 @@ def _apply(slot: _EnvSlot, completion: Completion, ctx: ContextManager, config: 
             info=info,
             policy_version=completion.policy_version,
             finish_reason=completion.finish_reason,
+            steps=tuple(steps),
+            env_s=env_s,
         )
     )
     if info.get("success"):

@@ -4,6 +4,8 @@
   config, seed, ids); plain data, so it crosses process boundaries.
 - ``Turn``: one exchange: the state shown, the model's answer, the actions
   parsed from it and executed, the reward, and the policy version that answered.
+- ``Step``: one ``env.step`` within a turn: the action and what the env gave
+  back (observation, reward, done); what a replay checks against.
 - ``Trajectory``: one env's episode: its turns and a ``StopReason``.
 - ``StopReason``: why an episode ended; also used in metric names
   (``rollout/stop/<reason>``).
@@ -57,6 +59,14 @@ class EnvSpec:
 
 
 @dataclass(frozen=True)
+class Step:
+    action: str  # the action's name, as executed
+    observation: str  # the env's observation after it
+    reward: float
+    done: bool
+
+
+@dataclass(frozen=True)
 class Turn:
     observation: str  # the state shown in this turn's prompt
     actions_left: int  # the action budget shown in this turn's prompt
@@ -68,6 +78,8 @@ class Turn:
     info: dict[str, Any]  # the env's info after the last executed action
     policy_version: int
     finish_reason: str = "stop"
+    steps: tuple[Step, ...] = ()  # one per executed action, in order
+    env_s: float = field(default=0.0, compare=False)  # time in env.step this turn (a timing: not compared)
 
 
 @dataclass
@@ -82,6 +94,9 @@ class Trajectory:
     success: bool = False
     error: str | None = None
     action_names: list[str] | None = None  # the env's ACTION_LOOKUP names, listed in prompts
+    # where and how long it ran: records for people, not part of the result (not compared)
+    reset_s: float = field(default=0.0, compare=False)
+    worker: int | None = field(default=None, compare=False)  # the worker process's pid; None: the driver
 
     @property
     def reward(self) -> float:
