@@ -16,8 +16,9 @@ digest of every trajectory checks that both modes give the same rollout (or,
 for a sampling engine, that success and reward agree within
 ``benchmark.metric_tolerance``). ``benchmark.inject_fault=true`` kills one
 worker mid-rollout to show the fallback. Writes ``benchmark.output`` (JSON) and
-``benchmark.plot`` (PNG); exits 1 when the results are inconsistent or a run
-failed.
+``benchmark.plot`` (PNG), and with ``benchmark.dump_dir`` every timed rollout
+(``ragen.llm_agent.dump``; ``python -m ragen.viewer`` / ``ragen.replay`` read
+them); exits 1 when the results are inconsistent or a run failed.
 """
 
 from __future__ import annotations
@@ -67,6 +68,7 @@ class BenchmarkConfig:
     metric_tolerance: float = setting(minimum=0.0)  # sampling engines: allowed gap in success / mean reward
     output: str | None = setting()  # JSON report; null: none
     plot: str | None = setting()  # PNG; null: none
+    dump_dir: str | None = setting()  # every timed rollout dumped here (<mode>_<split>_<repeat>.jsonl); null: none
 
 
 def validate(bench_cfg: Any) -> BenchmarkConfig:
@@ -91,6 +93,11 @@ def validate(bench_cfg: Any) -> BenchmarkConfig:
             fail(f"benchmark.{key}: cannot write {str(p)!r}: {exc.strerror or exc}")
         if not existed:
             p.unlink()
+    if bench.dump_dir:
+        try:
+            Path(bench.dump_dir).mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            fail(f"benchmark.dump_dir: cannot create {bench.dump_dir!r}: {exc.strerror or exc}")
     return bench
 
 
@@ -107,6 +114,7 @@ def run_modes(cfg: DictConfig, engine, bench: BenchmarkConfig) -> list[dict[str,
 
     from ragen.env import clear_caches
     from ragen.llm_agent import AgentSetup, LLMAgentProxy
+    from ragen.llm_agent.dump import write_dump
 
     split = bench.split
     proxies, setups, warmup = {}, {}, {}
@@ -129,6 +137,13 @@ def run_modes(cfg: DictConfig, engine, bench: BenchmarkConfig) -> list[dict[str,
                 wall = time.perf_counter() - t
                 runs[mode].append((wall, result))
                 logger.info("%s run %d: %.3f s", mode, r + 1, wall)
+        if bench.dump_dir:  # after every timed rollout, so no dump slows one; each dump's time is reported
+            for mode in bench.modes:
+                loop = setups[mode].loop if split == "train" else setups[mode].val_loop
+                for r, (_, result) in enumerate(runs[mode]):
+                    t = time.perf_counter()
+                    write_dump(bench.dump_dir, f"{mode}_{split}_{r:03d}", result, loop, split=split, step=r)
+                    result.metrics["timing/dump_s"] = time.perf_counter() - t
         if "parallel" in proxies and bench.inject_fault:
             from ragen.llm_agent.types import rollout_digest
 
@@ -171,6 +186,8 @@ def summarize(mode: str, runs: list, warmup_s: float, setup, proxy) -> dict[str,
         "env_time_s": m.get("timing/env_s", 0.0),
         "engine_time_s": m.get("timing/engine_s", 0.0),
         "wait_time_s": m.get("timing/wait_llm_s", 0.0),
+        # benchmark.dump_dir: the median time to write one rollout's dump (not part of wall_s); None: no dumps
+        "dump_s": statistics.median(r.metrics["timing/dump_s"] for _, r in runs) if "timing/dump_s" in m else None,
         # parallel only: where the engine sat idle (before its first call, between calls, after its last)
         "engine_idle_s": [m.get(f"timing/engine_idle_{k}_s") for k in ("before", "between", "after")],
         "fallbacks": int(m.get("parallel/fallbacks", 0)),
@@ -203,6 +220,7 @@ def print_report(report: dict[str, Any]) -> None:
         ("engine time (s)", "engine_time_s", "{:.3f}"),
         ("waiting for model (s, summed)", "wait_time_s", "{:.3f}"),
         ("fallbacks", "fallbacks", "{}"),
+        ("dump write (s, median, untimed)", "dump_s", "{:.3f}"),
         ("engine idle before/betw./after", "engine_idle_s", "idle"),
         ("warm-up (s, untimed)", "warmup_s", "{:.2f}"),
     ]
@@ -226,7 +244,7 @@ def print_report(report: dict[str, Any]) -> None:
 def _cell(fmt: str, value: Any) -> str:
     if fmt == "idle":  # three numbers, or none for the sequential mode
         return "n/a" if None in value else "/".join(f"{v:.3f}" for v in value)
-    return fmt.format(value)
+    return "n/a" if value is None else fmt.format(value)
 
 
 def plot(report: dict[str, Any], path: str) -> None:

@@ -44,7 +44,9 @@ def test_the_benchmark_script_is_not_collected_as_a_test():
 
 def test_report_json_and_plot(tmp_path):
     out, png = tmp_path / "r.json", tmp_path / "r.png"
-    p = run(*SMALL, "benchmark.inject_fault=true", f"benchmark.output={out}", f"benchmark.plot={png}")
+    dumps = tmp_path / "dumps"
+    p = run(*SMALL, "benchmark.inject_fault=true", f"benchmark.output={out}", f"benchmark.plot={png}",
+            f"benchmark.dump_dir={dumps}")
     assert p.returncode == 0, p.stderr[-3000:]
     assert "speedup" in p.stdout and "consistent: True" in p.stdout
     report = json.loads(out.read_text())
@@ -60,6 +62,13 @@ def test_report_json_and_plot(tmp_path):
     assert fault["recovered"] is True and fault["consistent"] is True and fault["fallbacks"] >= 1
     assert png.stat().st_size > 1000
     assert all(r["failed_envs"] == [] and r["env_retries"] == 0 for r in report["runs"])
+    # benchmark.dump_dir: every timed rollout, in both modes, replayable
+    assert sorted(p.name for p in dumps.iterdir()) == [f"{m}_train_{r:03d}.jsonl" for m in ("parallel", "sequential")
+                                                       for r in range(2)]
+    assert all(r["dump_s"] > 0 for r in report["runs"])
+    replayed = subprocess.run([sys.executable, "-m", "ragen.replay", str(dumps / "parallel_train_001.jsonl")],
+                              capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert replayed.returncode == 0 and "8 of 8 envs identical" in replayed.stdout, replayed.stdout + replayed.stderr
 
 
 def test_failed_envs_are_in_the_report(tmp_path):
@@ -82,6 +91,7 @@ def test_failed_envs_are_in_the_report(tmp_path):
     (["benchmark.repeats=0"], "benchmark.repeats"),
     (["benchmark.modes=[sequential,turbo]"], "benchmark.modes"),
     (["benchmark.output=/proc/nope/r.json"], "benchmark.output"),
+    (["benchmark.dump_dir=/proc/nope"], "benchmark.dump_dir: cannot create"),
     (["+benchmark.repeat=2"], "benchmark.repeat is not a known key (did you mean 'repeats'?)"),
     (["benchmark.inject_fault=maybe"], "benchmark.inject_fault must be true or false"),
     (["+agent_prox.max_turn=2"], "agent_prox is not a known key (did you mean 'agent_proxy'?)"),

@@ -403,3 +403,25 @@ def test_metrics_log_has_the_stable_names(tiny_model_path, tmp_path):
     assert names <= set(rows[1]), names - set(rows[1])
     assert (run / "learning_curve.png").stat().st_size > 0
     assert json.loads((run / "checkpoints" / "global_step_1" / "meta.json").read_text())["policy_version"] == 1
+
+
+def test_rollout_data_dir_dumps_every_rollout_for_the_viewer_and_replay(tiny_model_path, tmp_path):
+    from ragen.llm_agent.dump import read_dump
+    from ragen.replay import replay
+
+    run, dumps = tmp_path / "run", tmp_path / "run" / "rollouts"
+    cfg = compose_cfg(small_overrides(tiny_model_path, run, "trainer.total_training_steps=2",
+                                      "trainer.val_before_train=true", "trainer.test_freq=2",
+                                      f"trainer.rollout_data_dir={dumps}"))
+    with AgentTrainer(cfg) as trainer:
+        trainer.fit()
+    assert sorted(p.name for p in dumps.iterdir()) == [
+        "step_000001.jsonl", "step_000002.jsonl", "val_step_000000.jsonl", "val_step_000002.jsonl"]
+    train = read_dump(dumps / "step_000002.jsonl")
+    assert len(train) == 8 and {r.split for r in train} == {"train"} and {r.step for r in train} == {2}
+    # the second step's rollout was answered by the weights after the first update
+    assert {t.policy_version for r in train for t in r.trajectory.turns} == {1}
+    assert len(read_dump(dumps / "val_step_000000.jsonl")) == 2
+    assert all(replay(r).identical for r in train)
+    rows = read_metrics(run / "metrics.jsonl")
+    assert "timing/dump_train_s" in rows[1] and "timing/dump_val_s" in rows[2]

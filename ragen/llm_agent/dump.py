@@ -101,12 +101,15 @@ def _loop_row(loop: LoopConfig) -> dict[str, Any]:
 
 def _record_row(traj: Trajectory, spec: EnvSpec, ctx: ContextManager, loop: LoopConfig, loop_row: dict,
                 split: str, step: int) -> dict[str, Any]:
-    turns = []
+    turns, previous = [], []
     for i, turn in enumerate(traj.turns):
-        row = {f.name: getattr(turn, f.name) for f in dataclasses.fields(turn)}
-        row["steps"] = [dataclasses.asdict(s) for s in turn.steps]
-        row["messages"] = ctx.build_messages(spec, traj.turns[:i], turn.observation, turn.actions_left,
-                                             traj.action_names)
+        row = dict(turn.__dict__)
+        row["steps"] = [s.__dict__ for s in turn.steps]
+        messages = ctx.build_messages(spec, traj.turns[:i], turn.observation, turn.actions_left, traj.action_names)
+        # a turn's prompt is mostly the previous one: only the messages after the common start are written
+        kept = _common_start(previous, messages)
+        row["prompt"] = {"from_previous": kept, "messages": messages[kept:]}
+        previous = messages
         row["request_seed"] = request_seed(loop.sampling.seed, (spec.seed, spec.env_id, i))
         turns.append(row)
     row = {"format": FORMAT, "version": VERSION, "split": split, "step": step}
@@ -114,6 +117,15 @@ def _record_row(traj: Trajectory, spec: EnvSpec, ctx: ContextManager, loop: Loop
     row.update(turns=turns, stop_reason=traj.stop_reason.value, reward=traj.reward, num_actions=traj.num_actions,
                spec=dataclasses.asdict(spec), loop=loop_row)
     return row
+
+
+def _common_start(a: list, b: list) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
 
 
 # ----------------------------------------------------------------------------- reading
@@ -177,8 +189,14 @@ def _record(row: Any, where: str, number: int) -> DumpRecord:
                              "sampling": SamplingParams.from_dict(loop_row["sampling"])})
         turns, messages, seeds = [], [], []
         turn_fields = {f.name for f in dataclasses.fields(Turn)}
+        previous: list = []
         for t in row["turns"]:
-            messages.append(t["messages"])
+            kept = int(t["prompt"]["from_previous"])
+            if not 0 <= kept <= len(previous):
+                raise ValueError(f"turn {len(turns)}: prompt.from_previous={kept} but the previous prompt has "
+                                 f"{len(previous)} messages")
+            previous = previous[:kept] + list(t["prompt"]["messages"])
+            messages.append(previous)
             seeds.append(int(t["request_seed"]))
             turns.append(Turn(**{**{k: v for k, v in t.items() if k in turn_fields},
                                  "steps": tuple(Step(**s) for s in t["steps"])}))

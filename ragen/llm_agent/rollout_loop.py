@@ -403,6 +403,8 @@ def _guard(slot: _EnvSlot, stats: LoopStats, isolate: bool, config: LoopConfig, 
             logger.warning("%s ended in %s at turn %d: %s", where,
                            "timeout" if isinstance(exc, EnvTimeout) else "error", len(slot.traj.turns), message)
             logger.debug("%s", traceback.format_exc())
+            if fn is _apply:  # args: (slot, completion, ...); the turn is lost, its answer kept for a replay
+                slot.traj.failed_response = args[1].text
             slot.finish(StopReason.TIMEOUT if isinstance(exc, EnvTimeout) else StopReason.ERROR, message)
             return
 

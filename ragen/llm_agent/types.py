@@ -93,6 +93,8 @@ class Trajectory:
     stop_reason: StopReason = StopReason.DONE
     success: bool = False
     error: str | None = None
+    # the answer whose actions the env failed on (an error or timeout within a turn): a replay feeds it again
+    failed_response: str | None = None
     action_names: list[str] | None = None  # the env's ACTION_LOOKUP names, listed in prompts
     # where and how long it ran: records for people, not part of the result (not compared)
     reset_s: float = field(default=0.0, compare=False)

@@ -56,6 +56,7 @@ class TrainerSection:
     logger: str | list[str] = setting(default_factory=lambda: ["console", "jsonl"])
     max_actor_ckpt_to_keep: int | None = setting(None, minimum=1)
     seed: int | None = None  # None: seed.train
+    rollout_data_dir: str | None = None  # verl's key: dump every rollout here (ragen.llm_agent.dump); None: off
 
     def __post_init__(self) -> None:
         if not self.default_local_dir or self.default_local_dir == "None":

@@ -22,6 +22,10 @@ rollout it trains on came from the current version.
 ``max_concurrent_rollouts``) before training (``val_before_train``) and every
 ``test_freq`` steps (and at the last step).
 
+*Dumps* (``trainer.rollout_data_dir``): every training and validation rollout
+written down by the driver after it ran (``ragen.llm_agent.dump``), for
+``python -m ragen.viewer`` and ``python -m ragen.replay``.
+
 *Checkpoints* (``save_freq`` and the last step) and *resume*: see
 ``ragen.trainer.checkpoint``. On resume the metrics log is cut back to the
 checkpoint's step, so the steps redone are logged once.
@@ -47,6 +51,7 @@ from ragen.llm.default_model import resolve_model_path
 from ragen.llm_agent.agent_proxy import AgentSetup, LLMAgentProxy
 from ragen.llm_agent.async_rollout import staleness
 from ragen.llm_agent.ctx_manager import ContextManager
+from ragen.llm_agent.dump import dump_name, write_dump
 from ragen.llm_agent.types import RolloutResult
 from ragen.trainer import checkpoint as ckpt
 from ragen.trainer.actor import PPOActor, adapter_off_reference, frozen_copy_reference
@@ -204,7 +209,7 @@ class AgentTrainer:
         last: dict[str, float] = {}
         if cfg.val_before_train and self.global_step == 0:
             t0 = time.perf_counter()
-            last = {**self.validate(), "timing/val_s": time.perf_counter() - t0,
+            last = {**self.validate(step=0), "timing/val_s": time.perf_counter() - t0,
                     "policy_version": self.engine.policy_version}
             self.tracking.log(last, step=0)
             self.tracking.summary("baseline " + summary_line({"step": 0, **last}, cfg.total_training_steps))
@@ -213,7 +218,7 @@ class AgentTrainer:
             metrics = self.train_step(step)
             if cfg.test_freq > 0 and (step % cfg.test_freq == 0 or step == cfg.total_training_steps):
                 tv = time.perf_counter()
-                metrics.update(self.validate())
+                metrics.update(self.validate(step))
                 metrics["timing/val_s"] = time.perf_counter() - tv
             metrics["timing/step_s"] = time.perf_counter() - t0
             metrics["step"] = step
@@ -237,6 +242,7 @@ class AgentTrainer:
         metrics = rename_rollout_metrics(result.metrics, "train")
         metrics["timing/rollout_s"] = rollout_s
         metrics.update(self.proxy.async_metrics())
+        metrics.update(self._dump(result, "train", step))
         lag = staleness(result.trajectories, version)
         metrics["train/policy_lag"] = float(lag)
         setup = self.proxy.setup
@@ -252,10 +258,24 @@ class AgentTrainer:
         metrics["policy_version"] = self.engine.policy_version
         return metrics
 
-    def validate(self) -> dict[str, float]:
+    def validate(self, step: int | None = None) -> dict[str, float]:
+        """A validation rollout; ``step`` names its dump (``val_step_<step>``) when rollouts are dumped."""
         with self.proxy.generation_paused():  # background generation waits while we evaluate
             result = self.proxy.rollout("val")
-        return rename_rollout_metrics(result.metrics, "val")
+        metrics = rename_rollout_metrics(result.metrics, "val")
+        metrics.update(self._dump(result, "val", self.global_step if step is None else step))
+        return metrics
+
+    def _dump(self, result: RolloutResult, split: str, step: int) -> dict[str, float]:
+        """Write the rollout to ``trainer.rollout_data_dir`` (when set), in this (the driver's) process."""
+        directory = self.config.run.rollout_data_dir
+        if not directory:
+            return {}
+        t0 = time.perf_counter()
+        loop = self.setup.loop if split == "train" else self.setup.val_loop
+        path = write_dump(directory, dump_name(split, step), result, loop, split=split, step=step)
+        logger.debug("dumped the %s rollout of step %d to %s", split, step, path)
+        return {f"timing/dump_{split}_s": time.perf_counter() - t0}
 
     # ------------------------------------------------------------ batch
 

@@ -1,0 +1,261 @@
+"""Replay: play a dumped episode again, in this process, and check it.
+
+``python -m ragen.replay DUMP.jsonl [--env-id N ...] [--engine NAME]``
+
+For each env asked for (every env of the dump when none is), the env is built
+again from its spec and reset with its seed, and the turn loop (the same
+``run_envs`` as in a rollout) feeds it the answers recorded in the dump, turn
+by turn. Everything runs in the calling thread, one env after another, with no
+time limits and no retries, so ``pdb`` (or a breakpoint in the env's code)
+works. Every prompt, observation, reward and done flag is checked against the
+dump; the first difference is printed, or "identical". ``--engine`` has a
+model answer instead of the recorded answers (with the dump's sampling
+parameters and seeds: for greedy decoding, or a scripted policy, it must
+reproduce the dump too).
+
+- ``RecordedEngine``: an ``Engine`` that answers each request with the dump's
+  answer for its ``(env_id, turn)``.
+- ``replay(record, engine=None) -> Replay``: one env played again and compared.
+- ``first_difference(record, trajectory, prompts)``: where a replayed
+  trajectory first differs from its record, as a sentence; ``None`` if nowhere.
+
+Exit status: 0 when every env replays identically, 1 when one differs, 2 for
+bad input (a missing, truncated or foreign file, an env id not in the dump).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import sys
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+from ragen.llm.types import Completion, Engine, GenerationRequest, SamplingParams
+from ragen.llm_agent.dump import DumpError, DumpRecord, read_dump
+from ragen.llm_agent.inference import DirectClient
+from ragen.llm_agent.rollout_loop import KeptEnvs, ShardError, run_envs
+from ragen.llm_agent.types import Trajectory
+
+logger = logging.getLogger(__name__)
+
+
+class RecordedEngine(Engine):
+    """Answers with the recorded answers of one dump record (and, after its
+    last turn, the answer its env failed on, if it failed within a turn); a
+    turn the dump does not have is answered with an empty text (the
+    comparison reports it)."""
+
+    name = "recorded"
+
+    def __init__(self, record: DumpRecord) -> None:
+        super().__init__()
+        self.record = record
+
+    def generate(self, requests: Sequence[GenerationRequest], sampling: SamplingParams) -> list[Completion]:
+        trajectory = self.record.trajectory
+        turns = trajectory.turns
+        out = []
+        for r in requests:
+            turn = turns[r.turn] if r.turn < len(turns) else None
+            if turn is not None:
+                text, finish, version = turn.response, turn.finish_reason, turn.policy_version
+            elif r.turn == len(turns) and trajectory.failed_response is not None:
+                text, finish, version = trajectory.failed_response, "stop", -1  # the answer the env failed on
+            else:
+                text, finish, version = "", "error", -1
+            out.append(Completion(text=text, prompt_token_ids=[], response_token_ids=[], finish_reason=finish,
+                                  policy_version=version, env_id=r.env_id, turn=r.turn))
+        return out
+
+
+class _PromptsSeen(Engine):
+    """Passes requests to ``engine`` and keeps each turn's prompt."""
+
+    def __init__(self, engine: Engine) -> None:
+        super().__init__()
+        self.engine = engine
+        self.name = engine.name
+        self.prompts: dict[int, list[dict[str, str]]] = {}
+
+    def generate(self, requests: Sequence[GenerationRequest], sampling: SamplingParams) -> list[Completion]:
+        for r in requests:
+            self.prompts[r.turn] = r.messages
+        return self.engine.generate(requests, sampling)
+
+
+@dataclass
+class Replay:
+    record: DumpRecord
+    trajectory: Trajectory  # as played again
+    difference: str | None  # None: identical
+
+    @property
+    def identical(self) -> bool:
+        return self.difference is None
+
+
+def replay(record: DumpRecord, engine: Engine | None = None, raise_errors: bool = False) -> Replay:
+    """Play ``record``'s env again from its spec and seed, in the calling
+    thread, with the recorded answers (or ``engine``'s), and compare.
+    ``raise_errors``: an exception in the env propagates (for a debugger)
+    instead of ending the replay in ``error`` as the rollout did."""
+    spec = dataclasses.replace(record.spec, env_threads=1)  # the calling thread steps it
+    loop = dataclasses.replace(record.loop, env_timeout_s=None, pipeline_depth=1, env_retries=0)
+    seen = _PromptsSeen(engine if engine is not None else RecordedEngine(record))
+    kept = KeptEnvs()
+    try:
+        (trajectory,), _ = run_envs([spec], DirectClient(seen), loop, kept_envs=kept,
+                                    isolate_errors=not raise_errors)
+    except ShardError as exc:
+        raise exc.__cause__ or exc
+    finally:
+        kept.close()
+    return Replay(record, trajectory, first_difference(record, trajectory, seen.prompts))
+
+
+def first_difference(record: DumpRecord, replayed: Trajectory,
+                     prompts: dict[int, list[dict[str, str]]] | None = None) -> str | None:
+    """The first place where ``replayed`` differs from the dump, as a sentence."""
+    dumped = record.trajectory
+    for i in range(max(len(dumped.turns), len(replayed.turns))):
+        if i >= len(replayed.turns):
+            return (f"turn {i}: the dump has this turn, the replay ended before it "
+                    f"(replay stop reason {replayed.stop_reason.value}{_error(replayed)})")
+        if i >= len(dumped.turns):
+            return (f"turn {i}: the replay went on past the dump's last turn "
+                    f"(dump stop reason {dumped.stop_reason.value})")
+        a, b = dumped.turns[i], replayed.turns[i]
+        if a.observation != b.observation:
+            return f"turn {i}: state shown: {_diff(a.observation, b.observation)}"
+        if prompts is not None and i in prompts and record.messages[i] != prompts[i]:
+            return f"turn {i}: prompt: {_prompt_diff(record.messages[i], prompts[i])}"
+        for name in ("response", "actions", "executed_actions"):
+            if getattr(a, name) != getattr(b, name):
+                return f"turn {i}: {name}: {_diff(getattr(a, name), getattr(b, name))}"
+        for j in range(max(len(a.steps), len(b.steps))):
+            if j >= len(a.steps) or j >= len(b.steps):
+                return f"turn {i}: the dump has {len(a.steps)} env steps, the replay {len(b.steps)}"
+            for name in ("action", "observation", "reward", "done"):
+                x, y = getattr(a.steps[j], name), getattr(b.steps[j], name)
+                if x != y:
+                    return f"turn {i}, step {j} ({a.steps[j].action}): {name}: {_diff(x, y)}"
+        for name in ("reward", "penalty", "info", "finish_reason"):
+            if getattr(a, name) != getattr(b, name):
+                return f"turn {i}: {name}: {_diff(getattr(a, name), getattr(b, name))}"
+    for name in ("stop_reason", "success", "error", "failed_response", "final_observation"):
+        x, y = getattr(dumped, name), getattr(replayed, name)
+        if x != y:
+            return f"end of episode: {name}: {_diff(x, y)}"
+    return None
+
+
+def _error(t: Trajectory) -> str:
+    return f": {t.error}" if t.error else ""
+
+
+def _short(value: Any, limit: int = 200) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+def _diff(dumped: Any, replayed: Any) -> str:
+    return f"dump {_short(dumped)}, replay {_short(replayed)}"
+
+
+def _prompt_diff(dumped: list[dict[str, str]], replayed: list[dict[str, str]]) -> str:
+    for m, (x, y) in enumerate(zip(dumped, replayed)):
+        if x != y:
+            return f"message {m} ({x.get('role')}): {_diff(x.get('content'), y.get('content'))}"
+    return f"the dump has {len(dumped)} messages, the replay {len(replayed)}"
+
+
+# ----------------------------------------------------------------------------- command line
+
+
+def _id_list(ids: Sequence[int]) -> str:
+    """``0-7, 12, 14-15``: the ids as ranges."""
+    ids = sorted(set(ids))
+    parts, start = [], None
+    for k, x in enumerate(ids):
+        if start is None:
+            start = x
+        if k + 1 == len(ids) or ids[k + 1] != x + 1:
+            parts.append(str(start) if start == x else f"{start}-{x}")
+            start = None
+    return ", ".join(parts)
+
+
+def _engine_from_args(args: argparse.Namespace) -> Engine | None:
+    if args.engine is None:
+        return None
+    from ragen.llm import make_engine
+
+    options: dict[str, Any] = {"name": args.engine}
+    for item in args.engine_opt:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ValueError(f"--engine-opt {item!r}: write it as key=value")
+        import yaml
+
+        options[key] = yaml.safe_load(value)
+    model = args.model
+    if model is None and args.engine in ("hf", "vllm"):
+        model = "default"
+    if model is not None:
+        from ragen.llm.default_model import resolve_model_path
+
+        model = resolve_model_path(model)
+    return make_engine(options, model)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m ragen.replay", description=__doc__.split("\n\n")[1],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("dump", help="a rollout dump (.jsonl or .jsonl.gz)")
+    parser.add_argument("--env-id", type=int, action="append", default=[],
+                        help="an env of the dump to replay (repeatable); default: every env")
+    parser.add_argument("--engine", help="re-generate the answers with this engine (hf, vllm, openai, scripted) "
+                                         "instead of feeding the recorded ones")
+    parser.add_argument("--model", help="the engine's model (hf, vllm; default: the embedded default model)")
+    parser.add_argument("--engine-opt", action="append", default=[], metavar="KEY=VALUE",
+                        help="an engine option, as in config/engine/<name>.yaml (repeatable)")
+    parser.add_argument("--raise", dest="raise_errors", action="store_true",
+                        help="let an exception in the env propagate (with its traceback, for a debugger) "
+                             "instead of comparing it with the dump")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        records = read_dump(args.dump)
+        by_id = {r.env_id: r for r in records}
+        missing = [i for i in args.env_id if i not in by_id]
+        if missing:
+            raise DumpError(f"{args.dump}: env id(s) {missing} not in the dump; its env ids: "
+                            f"{_id_list(list(by_id))}")
+        engine = _engine_from_args(args)
+    except (DumpError, ValueError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    chosen = [by_id[i] for i in args.env_id] if args.env_id else records
+    differ = 0
+    try:
+        for record in chosen:
+            result = replay(record, engine, raise_errors=args.raise_errors)
+            t = record.trajectory
+            where = f"env {t.env_id} ({t.tag}, seed {t.seed}, {len(t.turns)} turns)"
+            if result.identical:
+                print(f"{where}: identical")
+            else:
+                differ += 1
+                print(f"{where}: differs at {result.difference}")
+    finally:
+        if engine is not None:
+            engine.close()
+    if len(chosen) > 1:
+        print(f"{len(chosen) - differ} of {len(chosen)} envs identical")
+    return 1 if differ else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

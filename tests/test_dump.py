@@ -1,0 +1,142 @@
+"""Rollout dumps (ragen.llm_agent.dump): what is written is what was played,
+read back exactly; bad files are refused with the file and line."""
+
+from __future__ import annotations
+
+import gzip
+import json
+
+import pytest
+
+from ragen.llm.scripted import ScriptedEngine
+from ragen.llm.types import request_seed
+from ragen.llm_agent import dump as dump_module
+from ragen.llm_agent.dump import DumpError, dump_name, read_dump, write_dump
+from ragen.llm_agent.inference import DirectClient, SharedLLMInferenceManager
+from ragen.llm_agent.parallel_rollout import ParallelRolloutManager
+from ragen.llm_agent.rollout_loop import KeptEnvs, run_envs
+from ragen.llm_agent.types import RolloutResult, StopReason
+
+from tests.rollout_helpers import custom_envs, fault_tag, loop_config, specs_for
+
+
+class _Recording(ScriptedEngine):
+    """A scripted engine that keeps every request it answered."""
+
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        self.requests = []
+
+    def generate(self, requests, sampling):
+        self.requests += list(requests)
+        return super().generate(requests, sampling)
+
+
+@pytest.fixture(scope="module")
+def played():
+    layout = (["SimpleSokoban", "FrozenLake", "Broken"], [2, 2, 1], 2)
+    seed = specs_for(*layout, custom_envs(Broken=fault_tag()))[-1].seed
+    specs = specs_for(*layout, custom_envs(Broken=fault_tag("raise_step", fault_seed=seed)))
+    config = loop_config(max_turn=4)
+    engine = _Recording(malformed_rate=0.2)
+    trajectories, _ = run_envs(specs, DirectClient(engine), config, kept_envs=KeptEnvs())
+    return RolloutResult(trajectories, specs), config, engine
+
+
+def test_a_dump_reads_back_as_the_rollout_that_was_played(played, tmp_path):
+    result, config, engine = played
+    path = write_dump(tmp_path, dump_name("train", 12), result, config, split="train", step=12)
+    assert path.name == "step_000012.jsonl"
+    records = read_dump(path)
+    assert [r.trajectory for r in records] == result.trajectories
+    assert [r.spec for r in records] == result.specs
+    assert all(r.loop == config and r.split == "train" and r.step == 12 for r in records)
+    # every turn's prompt is the one the engine was sent, and its seed the one the engine drew from
+    sent = {(q.env_id, q.turn): q for q in engine.requests}
+    for r in records:
+        for i, messages in enumerate(r.messages):
+            request = sent[(r.env_id, i)]
+            assert messages == request.messages
+            assert r.request_seeds[i] == request_seed(config.sampling.seed, request.key)
+    # each env step is written: its observation, reward and done flag
+    turns = [t for r in records for t in r.trajectory.turns]
+    assert sum(len(t.steps) for t in turns) == sum(len(t.executed_actions) for t in turns) > 0
+    assert all(sum(s.reward for s in t.steps) == pytest.approx(t.reward) for t in turns)
+    # the failing env is there too, with its error text
+    broken = [r.trajectory for r in records if r.trajectory.tag == "Broken"]
+    assert broken and all(t.stop_reason == StopReason.ERROR and "RuntimeError" in t.error for t in broken)
+
+
+def test_a_large_dump_is_gzipped_and_reads_back(played, tmp_path, monkeypatch):
+    result, config, _ = played
+    monkeypatch.setattr(dump_module, "COMPRESS_ABOVE_BYTES", 1000)
+    path = write_dump(tmp_path, dump_name("val", 3), result, config, split="val", step=3)
+    assert path.name == "val_step_000003.jsonl.gz"
+    assert [r.trajectory for r in read_dump(path)] == result.trajectories
+    assert not list(tmp_path.glob(".*tmp"))  # written atomically: no temporary left
+
+
+def _lines(played, tmp_path) -> list[str]:
+    result, config, _ = played
+    return write_dump(tmp_path, "d", result, config, split="train", step=1).read_text().splitlines(keepends=True)
+
+
+@pytest.mark.parametrize("case, message", [
+    ("missing", "no such file"),
+    ("empty", "empty: no trajectories"),
+    ("cut", "line 3: the file is truncated"),
+    ("garbage", "line 2: not JSON"),
+    ("foreign", "line 1: not a ragen rollout dump"),
+    ("newer", "line 1: dump format version 99"),
+    ("field", "line 2: missing field(s) ['turns']"),
+    ("gzip_cut", "cannot be read as a gzip file"),
+])
+def test_a_bad_file_is_refused_naming_file_and_line(played, tmp_path, case, message):
+    lines = _lines(played, tmp_path)
+    bad = tmp_path / "bad.jsonl"
+    if case == "empty":
+        bad.write_text("")
+    elif case == "cut":
+        bad.write_text("".join(lines[:2]) + lines[2][: len(lines[2]) // 2])
+    elif case == "garbage":
+        bad.write_text(lines[0] + "{oops\n")
+    elif case == "foreign":
+        bad.write_text('{"a": 1}\n')
+    elif case == "newer":
+        bad.write_text(json.dumps({**json.loads(lines[0]), "version": 99}) + "\n")
+    elif case == "field":
+        row = json.loads(lines[1])
+        del row["turns"]
+        bad.write_text(lines[0] + json.dumps(row) + "\n")
+    elif case == "gzip_cut":
+        data = gzip.compress("".join(lines).encode())
+        bad = tmp_path / "bad.jsonl.gz"
+        bad.write_bytes(data[: len(data) // 2])
+    with pytest.raises(DumpError) as err:
+        read_dump(bad)
+    assert str(bad) in str(err.value) and message in str(err.value)
+
+
+@pytest.mark.timeout(300)
+def test_sequential_and_parallel_dumps_are_identical_apart_from_timings_and_workers(tmp_path):
+    specs = specs_for(["SimpleSokoban", "FrozenLake"], [3, 3], 2, custom_envs())
+    config = loop_config(max_turn=4, depth=2)
+    engine = ScriptedEngine(malformed_rate=0.1)
+    trajectories, _ = run_envs(specs, DirectClient(engine), config, kept_envs=KeptEnvs())
+    seq = write_dump(tmp_path / "seq", "d", RolloutResult(trajectories, specs), config, split="train", step=0)
+    with SharedLLMInferenceManager(engine, coalesce_wait_s=0.005) as shared, \
+            ParallelRolloutManager(shared, n_jobs=2, backend="loky") as prm:
+        result = prm.rollout(specs, config)
+    assert {t.worker for t in result.trajectories} - {None}  # parallel: the worker that ran each env
+    par = write_dump(tmp_path / "par", "d", result, config, split="train", step=0)
+
+    def without_timings(path):
+        rows = [json.loads(line) for line in path.read_text().splitlines()]
+        for row in rows:
+            for key in ("worker", "reset_s"):
+                row.pop(key)
+            for turn in row["turns"]:
+                turn.pop("env_s")
+        return rows
+
+    assert without_timings(seq) == without_timings(par)
