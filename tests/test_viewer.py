@@ -15,11 +15,17 @@ from pathlib import Path
 
 import pytest
 
-from ragen.llm_agent.dump import read_dump, write_dump
+from ragen.llm_agent.dump import DumpRecord, read_dump, write_dump
 from ragen.llm_agent.types import RolloutResult, StopReason
 from ragen.viewer import default_output, render_html, write_viewer
 from ragen.viewer.page import split_response
-from tests.rollout_helpers import custom_envs, fault_tag, loop_config, sequential, specs_for
+from tests.rollout_helpers import (
+    custom_envs,
+    fault_tag,
+    loop_config,
+    sequential,
+    specs_for,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 # the symbols of config/envs.yaml's grid envs, written out here so the test does not read them from the viewer
@@ -241,8 +247,8 @@ def test_curve_from_metrics_beside_the_dump(tmp_path, dump):
 
 def cli(*args, timeout=120) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    return subprocess.run([sys.executable, "-m", "ragen.viewer", *map(str, args)], capture_output=True, text=True,
-                          timeout=timeout, env=env, cwd=ROOT)
+    return subprocess.run([sys.executable, "-m", "ragen.viewer", *map(str, args)], check=False,
+                          capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
 
 
 def test_cli_writes_the_page(tmp_path, dump):
@@ -302,7 +308,7 @@ def browser() -> str:
     found = _find_browser()
     if found is None and hasattr(os, "geteuid") and os.geteuid() == 0 and shutil.which("apt-get"):
         try:
-            subprocess.run(["apt-get", "install", "-y", "chromium"], capture_output=True, timeout=600,
+            subprocess.run(["apt-get", "install", "-y", "chromium"], check=False, capture_output=True, timeout=600,
                            env={**os.environ, "DEBIAN_FRONTEND": "noninteractive"})
         except subprocess.TimeoutExpired:
             pass
@@ -316,7 +322,7 @@ def browser() -> str:
 def _chromium(browser: str, tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
     cmd = [browser, "--headless", "--no-sandbox", "--disable-gpu", "--no-first-run", "--disable-dev-shm-usage",
            f"--user-data-dir={tmp_path / 'profile'}", *args]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    return subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=120)
 
 
 @pytest.mark.timeout(300)
@@ -351,3 +357,33 @@ def test_browser_screenshot(browser, tmp_path, dump):
     assert res.returncode == 0, res.stderr[-2000:]
     assert shot.is_file() and shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert shot.stat().st_size > 20_000, shot.stat().st_size
+
+
+@pytest.mark.parametrize("fmt", ["grid_coord", "coord"])
+def test_observation_formats(fmt):
+    envs = custom_envs()
+    envs["SimpleSokoban"]["env_config"] = {**(envs["SimpleSokoban"].get("env_config") or {}),
+                                           "observation_format": fmt}
+    specs = specs_for(["SimpleSokoban"], [1], 1, envs)
+    cfg = loop_config(max_turn=1)
+    trajs = sequential(specs, cfg)
+    page = render_html([_record(t, s, cfg) for t, s in zip(trajs, specs)])
+    obs = trajs[0].turns[0].observation
+    grids = parse(page).grids
+    if fmt == "grid_coord":
+        assert obs.startswith("Coordinates:\n") and "Grid Map:\n" in obs
+        assert cells(grids[(0, "0", "0", None)]) == expected(obs.split("Grid Map:\n")[1], SOKOBAN)
+        assert f'<pre class="coords">{html.escape(obs.split(chr(10) + "Grid Map:")[0])}</pre>' in page
+    else:
+        assert not grids  # coordinates only: shown as text
+        assert f'<pre class="obs" data-env="0" data-turn="0" data-step="0">{html.escape(obs)}</pre>' in page
+
+
+def _record(traj, spec, cfg):
+    return DumpRecord(split="train", step=1, spec=spec, loop=cfg, trajectory=traj,
+                      messages=[[] for _ in traj.turns], request_seeds=[0] * len(traj.turns), line=1)
+
+
+def test_default_output_names():
+    assert default_output("/a/step_000001.jsonl") == Path("/a/step_000001.html")
+    assert default_output("/a/val_step_000002.jsonl.gz") == Path("/a/val_step_000002.html")

@@ -75,7 +75,7 @@ def symbols_for(spec: EnvSpec) -> Symbols | None:
     try:
         config = make_env_config(spec.env_type, spec.env_config, spec.config_type, spec.tag)
         vocab = getattr(config, "grid_vocab", None)
-    except Exception as exc:  # a custom env not importable here: fall back to the defaults
+    except (ImportError, ValueError, TypeError) as exc:  # a custom env not importable here: use the defaults
         logger.info("env %s (%s): config not built (%s); using the default symbols", spec.tag, spec.env_type, exc)
     if not isinstance(vocab, dict):
         vocab = DEFAULT_VOCABS.get(spec.env_type)

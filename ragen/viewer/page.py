@@ -190,6 +190,7 @@ def _turn(r: DumpRecord, i: int, symbols: Symbols | None) -> str:
     steps_html = (f'<table class="steps"><tr><th>#</th><th>action</th><th>reward</th><th>done</th>'
                   f"<th>state after</th></tr>{steps}</table>") if steps else ""
     messages = _messages(r.messages[i]) if i < len(r.messages) else ""
+    info = json.dumps(turn.info, ensure_ascii=False, default=str)
     seed = f" · request seed {r.request_seeds[i]}" if i < len(r.request_seeds) else ""
     return (
         f'<li class="turn" data-turn="{i}"><h4>turn {i + 1} · reward {turn.reward:.3f} · penalty {turn.penalty:.3f}'
@@ -200,8 +201,7 @@ def _turn(r: DumpRecord, i: int, symbols: Symbols | None) -> str:
         f"{messages}{_response(turn.response, r.loop.context.enable_think)}"
         f'<p class="actions">parsed: {_list(turn.actions)} · executed: {_list(turn.executed_actions)}</p>'
         f"{steps_html}"
-        f'<details class="info"><summary>info</summary><pre>{escape(json.dumps(turn.info, ensure_ascii=False, default=str))}'
-        f"</pre></details></li>")
+        f'<details class="info"><summary>info</summary><pre>{escape(info)}</pre></details></li>')
 
 
 def _episode(r: DumpRecord, symbols: Symbols | None) -> str:
@@ -238,7 +238,8 @@ tr.failed td,.episode.failed>summary{background:#fde2e2}
 .turns{padding-left:1.5em}.turn{margin:.6em 0;border-top:1px solid #eee}
 .response b,.before b,.final b{display:block;font-size:.85em;color:#555}
 pre.think{background:#eef3ff}pre.answer{background:#eefbe9}.malformed pre{background:#fff6dc}
-table.steps{border-collapse:collapse}table.steps td,table.steps th{border:1px solid #ddd;padding:2px 6px;vertical-align:top}
+table.steps{border-collapse:collapse}
+table.steps td,table.steps th{border:1px solid #ddd;padding:2px 6px;vertical-align:top}
 .state{display:flex;gap:1em;align-items:flex-start}
 table.grid{border-collapse:collapse;margin:.2em 0}
 table.grid td{width:18px;height:18px;padding:0;border:1px solid #fff;position:relative;background:#dde6cf}
