@@ -1,0 +1,102 @@
+"""Grid pictures of text observations.
+
+- ``Cell``: one square of a grid env's map: the symbol as written, its
+  ``kind`` (the env's ``grid_vocab`` name as a slug: ``wall``, ``box-on-target``,
+  ``hole``, ``player-on-goal``, ...), the ``terrain`` under it (``wall``,
+  ``target``, ``hole``, ``goal`` or ``floor``) and whether a player or a box
+  stands on it.
+- ``GridPicture``: a parsed observation: the rows of cells, plus the text that
+  came with the map (the coordinates of ``observation_format: grid_coord``).
+- ``Symbols``: what an env's symbols mean, taken from its config class
+  (``grid_vocab``, so custom vocabularies are drawn right), else from the
+  default tables of Sokoban and FrozenLake, else none: the observation is shown
+  as text.
+- ``picture(observation, symbols)``: the ``GridPicture`` of one observation, or
+  ``None`` when it is not a map in those symbols (coordinates only, a bandit's
+  story, a countdown's numbers).
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from dataclasses import dataclass
+
+from ragen.env import make_env_config
+from ragen.env.frozen_lake.config import FrozenLakeEnvConfig
+from ragen.env.sokoban.config import SokobanEnvConfig
+from ragen.llm_agent.types import EnvSpec
+
+logger = logging.getLogger(__name__)
+
+# what a dump names its grid envs, when their config class cannot be had
+DEFAULT_VOCABS: dict[str, dict[str, str]] = {
+    "sokoban": SokobanEnvConfig().grid_vocab,
+    "frozen_lake": FrozenLakeEnvConfig().grid_vocab,
+}
+_TERRAINS = ("wall", "target", "hole", "goal")
+_GRID_MAP = "Grid Map:\n"
+
+
+@dataclass(frozen=True)
+class Cell:
+    symbol: str
+    kind: str  # the vocab name as a slug: "box-on-target"
+    terrain: str  # wall, target, hole, goal or floor
+    player: bool
+    box: bool
+
+
+@dataclass(frozen=True)
+class GridPicture:
+    rows: list[list[Cell]]
+    text: str = ""  # what came before the map (grid_coord's coordinates), "" for a plain map
+
+
+@dataclass(frozen=True)
+class Symbols:
+    cells: dict[str, Cell]  # symbol -> its cell
+
+    @classmethod
+    def from_vocab(cls, vocab: dict[str, str]) -> Symbols:
+        return cls({symbol: _cell(symbol, name) for symbol, name in vocab.items() if len(symbol) == 1})
+
+
+def _cell(symbol: str, name: str) -> Cell:
+    words = re.findall(r"[a-z0-9]+", name.lower())
+    terrain = next((t for t in _TERRAINS if t in words), "floor")
+    return Cell(symbol, "-".join(words) or "unknown", terrain, "player" in words, "box" in words)
+
+
+def symbols_for(spec: EnvSpec) -> Symbols | None:
+    """The symbols of ``spec``'s env, or None when it draws no grid. Builds the
+    env's config (cheap, no env): callers keep one per ``spec.reuse_key``."""
+    vocab = None
+    try:
+        config = make_env_config(spec.env_type, spec.env_config, spec.config_type, spec.tag)
+        vocab = getattr(config, "grid_vocab", None)
+    except (ImportError, ValueError, TypeError) as exc:  # a custom env not importable here: use the defaults
+        logger.info("env %s (%s): config not built (%s); using the default symbols", spec.tag, spec.env_type, exc)
+    if not isinstance(vocab, dict):
+        vocab = DEFAULT_VOCABS.get(spec.env_type)
+    if not vocab:
+        return None
+    return Symbols.from_vocab({str(k): str(v) for k, v in vocab.items()})
+
+
+def picture(observation: str, symbols: Symbols | None) -> GridPicture | None:
+    """The map in ``observation`` as cells, or None when there is none."""
+    if symbols is None or not observation:
+        return None
+    text, grid = "", observation
+    at = observation.find(_GRID_MAP)
+    if at >= 0:
+        text, grid = observation[:at].rstrip("\n"), observation[at + len(_GRID_MAP):]
+    lines = grid.strip("\n").split("\n")
+    if not lines or not lines[0] or len({len(line) for line in lines}) != 1:
+        return None
+    try:
+        rows = [[symbols.cells[ch] for ch in line] for line in lines]
+    except KeyError:
+        return None
+    return GridPicture(rows, text)
