@@ -160,10 +160,20 @@ def _grid(pic: GridPicture, where: str) -> str:
     return f'<div class="state"><table class="grid" {where}>{"".join(rows)}</table>{text}</div>'
 
 
-def _messages(messages: list[dict[str, str]]) -> str:
+def _messages(messages: list[dict[str, str]], previous: list[dict[str, str]]) -> str:
+    """The turn's prompt; the messages it starts with in common with the
+    previous turn's prompt are counted, not repeated (a page stays linear in
+    the turns, not quadratic)."""
+    kept = 0
+    for a, b in zip(previous, messages):
+        if a != b:
+            break
+        kept += 1
     body = "".join(f'<div class="msg"><b>{escape(str(m.get("role", "?")))}</b>'
-                   f'<pre>{escape(str(m.get("content", "")))}</pre></div>' for m in messages)
-    return f'<details class="prompt"><summary>prompt ({len(messages)} messages)</summary>{body}</details>'
+                   f'<pre>{escape(str(m.get("content", "")))}</pre></div>' for m in messages[kept:])
+    shown = f"; the first {kept} as in the previous turn, the {len(messages) - kept} new ones shown" if kept else ""
+    return f'<details class="prompt"><summary>prompt ({len(messages)} messages{shown})</summary>{body}</details>'
+
 
 
 def _response(text: str, think: bool) -> str:
@@ -189,7 +199,7 @@ def _turn(r: DumpRecord, i: int, symbols: Symbols | None) -> str:
         for j, s in enumerate(turn.steps))
     steps_html = (f'<table class="steps"><tr><th>#</th><th>action</th><th>reward</th><th>done</th>'
                   f"<th>state after</th></tr>{steps}</table>") if steps else ""
-    messages = _messages(r.messages[i]) if i < len(r.messages) else ""
+    messages = _messages(r.messages[i], r.messages[i - 1] if i else []) if i < len(r.messages) else ""
     info = json.dumps(turn.info, ensure_ascii=False, default=str)
     seed = f" · request seed {r.request_seeds[i]}" if i < len(r.request_seeds) else ""
     return (
