@@ -173,14 +173,18 @@ class LLMAgentProxy:
         bound = max(1, ap.async_generation_ratio)
         t0 = time.perf_counter()
         groups = []
-        while len(groups) < es.env_groups:
-            for index, trajs in self._groups_in_flight.get_batch(es.env_groups - len(groups)):
-                lag = staleness(trajs, policy_version)
-                if lag > bound:
-                    self._async_counts["dropped_stale"] += 1
-                    continue
-                self._async_counts["staleness"].append(lag)
-                groups.append((index, trajs))
+        # coarse: envs of the groups taken for this batch, as they come (no turns: the
+        # groups in flight belong to no one batch)
+        with RolloutProgress(es.num_envs, "train (fully async)") as progress:
+            while len(groups) < es.env_groups:
+                for index, trajs in self._groups_in_flight.get_batch(es.env_groups - len(groups)):
+                    lag = staleness(trajs, policy_version)
+                    if lag > bound:
+                        self._async_counts["dropped_stale"] += 1
+                        continue
+                    self._async_counts["staleness"].append(lag)
+                    groups.append((index, trajs))
+                    progress.envs_finished(len(trajs))
         groups.sort(key=lambda g: g[0])
         trajectories = [t for _, trajs in groups for t in trajs]
         specs = [s for index, _ in groups for s in es.group_specs(index)]
