@@ -176,3 +176,32 @@ def test_the_count_never_passes_the_total():
     assert progress.finished == 2
     progress.close()
     progress.close()  # closing twice is harmless
+
+
+@pytest.mark.timeout(120)
+def test_rollouts_at_once_keep_their_counts_apart(mixed_specs):
+    """max_concurrent_rollouts: 2 share one manager: each rollout's progress
+    counts its own turns (by the rollout its workers' streams were opened under)."""
+    import threading
+
+    total = len(mixed_specs)
+    progresses = [RecordingProgress(total), RecordingProgress(total)]
+    results: list = [None, None]
+    with SharedLLMInferenceManager(ScriptedEngine(malformed_rate=0.1), coalesce_wait_s=0.005) as shared, \
+            ParallelRolloutManager(shared, n_jobs=2, backend="threading") as prm:
+        start = threading.Barrier(2)
+
+        def run(i: int) -> None:
+            start.wait(30)
+            results[i] = prm.rollout(mixed_specs, loop_config(depth=2), progress=progresses[i])
+
+        threads = [threading.Thread(target=run, args=(i,), daemon=True) for i in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert not any(t.is_alive() for t in threads)
+    for progress, result in zip(progresses, results):
+        assert result is not None
+        assert progress.finished == total
+        assert progress.turns == turns_of(result.trajectories)

@@ -7,7 +7,9 @@ an engine in the caller's thread (the sequential rollout: one engine call per
 turn over all active envs, RAGEN's loop). ``SharedLLMClient`` reaches the
 driver's ``SharedLLMInferenceManager`` from worker processes: it is small and
 picklable (address and key), and each process and thread opens its own
-connection on first use.
+connection on first use. It also counts the envs its caller reports ended
+(``envs_finished``) and adds the count to its next message, for the driver's
+progress.
 """
 
 from __future__ import annotations
