@@ -26,7 +26,7 @@ setup(
         "accelerate>=0.34",
         "safetensors",
         "peft>=0.13",
-        "tqdm",
+        "tqdm>=4.60",  # tqdm(delay=): the rollout progress bar shows only past 2 s
         "matplotlib",
     ],
     extras_require={

@@ -13,7 +13,10 @@ parallel_n_jobs``), all before any model loads; errors name the key.
 - ``use_parallel_rollout: true``: ``ParallelRolloutManager`` over joblib
   workers, all talking to one ``SharedLLMInferenceManager`` around the engine.
 
-Both give the same trajectories for a deterministic policy. At most
+Both give the same trajectories for a deterministic policy. While a rollout
+runs, a ``RolloutProgress`` shows envs finished, turns and the engine's batch
+size (a bar on a terminal, log lines elsewhere; nothing for rollouts under
+2 s); one summary line follows each rollout. At most
 ``max_concurrent_rollouts`` rollouts run at once (one semaphore for training
 rollouts, baseline and periodic evaluation).
 """
@@ -36,6 +39,7 @@ from ragen.llm_agent.config import (AgentProxyConfig, CtxManagerConfig, EsManage
                                     read_rollout_sections)
 from ragen.llm_agent.es_manager import EnvStateManager, compute_metrics
 from ragen.llm_agent.parallel_rollout import ParallelRolloutManager
+from ragen.llm_agent.progress import RolloutProgress
 from ragen.llm_agent.rollout_loop import KeptEnvs, LoopConfig, run_envs
 from ragen.llm_agent.inference import DirectClient, SharedLLMInferenceManager
 from ragen.llm_agent.types import RolloutResult
@@ -169,14 +173,18 @@ class LLMAgentProxy:
         bound = max(1, ap.async_generation_ratio)
         t0 = time.perf_counter()
         groups = []
-        while len(groups) < es.env_groups:
-            for index, trajs in self._groups_in_flight.get_batch(es.env_groups - len(groups)):
-                lag = staleness(trajs, policy_version)
-                if lag > bound:
-                    self._async_counts["dropped_stale"] += 1
-                    continue
-                self._async_counts["staleness"].append(lag)
-                groups.append((index, trajs))
+        # coarse: envs of the groups taken for this batch, as they come (no turns: the
+        # groups in flight belong to no one batch)
+        with RolloutProgress(es.num_envs, "train (fully async)") as progress:
+            while len(groups) < es.env_groups:
+                for index, trajs in self._groups_in_flight.get_batch(es.env_groups - len(groups)):
+                    lag = staleness(trajs, policy_version)
+                    if lag > bound:
+                        self._async_counts["dropped_stale"] += 1
+                        continue
+                    self._async_counts["staleness"].append(lag)
+                    groups.append((index, trajs))
+                    progress.envs_finished(len(trajs))
         groups.sort(key=lambda g: g[0])
         trajectories = [t for _, trajs in groups for t in trajs]
         specs = [s for index, _ in groups for s in es.group_specs(index)]
@@ -219,18 +227,20 @@ class LLMAgentProxy:
         return self._lock
 
     def rollout(self, split: str = "train", fault: dict[str, Any] | None = None,
-                rollout_index: int | None = None) -> RolloutResult:
+                rollout_index: int | None = None, progress: RolloutProgress | None = None) -> RolloutResult:
         """The next rollout of ``split`` (or the one numbered ``rollout_index``:
-        same index, same seeds)."""
+        same index, same seeds). ``progress``: the one to tell (the rollout
+        closes it); by default a bar on a terminal, log lines elsewhere."""
         if split not in self.setup.es:
             raise ValueError(f"unknown split {split!r}; choose 'train' or 'val'")
         specs = self.setup.es[split].make_specs(rollout_index)
         config = self.setup.loop if split == "train" else self.setup.val_loop
-        with self._semaphore:
-            if self.parallel is not None:
-                result = self.parallel.rollout(specs, config, fault=fault)
-            else:
-                result = self._sequential(specs, config)
+        with self._semaphore:  # the bar's clock starts once the rollout may run
+            with progress if progress is not None else RolloutProgress(len(specs), split) as progress:
+                if self.parallel is not None:
+                    result = self.parallel.rollout(specs, config, fault=fault, progress=progress)
+                else:
+                    result = self._sequential(specs, config, progress)
         m = result.metrics
         logger.info(
             "[Rollout] %s: %d envs in %.2f s | engine %.2f s, %d calls, mean batch %.1f | env %.2f s | "
@@ -244,12 +254,13 @@ class LLMAgentProxy:
                            f["stop_reason"], f["turn"], f["error"], f["tag"], f["seed"])
         return result
 
-    def _sequential(self, specs, config: LoopConfig) -> RolloutResult:
+    def _sequential(self, specs, config: LoopConfig, progress: RolloutProgress | None = None) -> RolloutResult:
         t0 = time.perf_counter()
-        client = _LockedClient(self.engine, self._lock)
+        client = _LockedClient(self.engine, self._lock, progress)
         # one stream: one engine call per turn over all active envs
         trajectories, stats = run_envs(specs, client, LoopConfig(**{**config.__dict__, "pipeline_depth": 1}),
-                                       kept_envs=self._kept_envs, isolate_errors=True)
+                                       kept_envs=self._kept_envs, isolate_errors=True,
+                                       on_finished=progress.envs_finished if progress is not None else None)
         metrics = compute_metrics(trajectories)
         sizes = client.batch_sizes
         metrics.update({
@@ -287,10 +298,18 @@ class LLMAgentProxy:
 
 
 class _LockedClient(DirectClient):
-    def __init__(self, engine: Engine, lock: threading.Lock) -> None:
+    """The sequential rollout's client: engine calls under the engine lock,
+    each one told to the rollout's progress."""
+
+    def __init__(self, engine: Engine, lock: threading.Lock, progress: RolloutProgress | None = None) -> None:
         super().__init__(engine)
         self._engine_lock = lock
+        self._progress = progress
 
     def wait_any(self):
         with self._engine_lock:
-            return super().wait_any()
+            ticket, completions = super().wait_any()
+        if self._progress is not None:
+            self._progress.engine_batch(len(completions))
+            self._progress.answered(len(completions))
+        return ticket, completions

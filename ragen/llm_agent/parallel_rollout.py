@@ -34,6 +34,12 @@
   that failed it, the process that ran it and its wall time.
 - The driver merges trajectories in env_id order and checks that every spec
   has exactly one.
+- Progress (optional ``RolloutProgress``): the shared manager counts the
+  requests it answers for the rollout and the envs finished that workers add
+  to their requests and stream closes; a shard the fallback re-runs counts
+  when its result comes back. Envs of a shard that failed midway may be
+  counted twice while it runs again (the count stops at the total), and the
+  count is set exact once every trajectory is in.
 """
 
 from __future__ import annotations
@@ -55,6 +61,7 @@ from ragen.llm_agent.es_manager import compute_metrics
 from ragen.llm_agent.executors import KeptExecutor
 from ragen.llm_agent.rollout_loop import KeptEnvs, LoopConfig, LoopStats, run_envs, stream_count
 from ragen.llm_agent.inference import SharedLLMClient, SharedLLMInferenceManager
+from ragen.llm_agent.progress import RolloutProgress
 from ragen.llm_agent.types import EnvSpec, RolloutResult, StopReason, Trajectory
 from ragen.utils import deal
 
@@ -102,7 +109,8 @@ def run_shard(shard_id: int, specs: list[EnvSpec], client: SharedLLMClient, conf
     t0 = time.perf_counter()
     try:
         trajectories, stats = run_envs(specs, client, config, kept_envs=_worker_envs(),
-                                       isolate_errors=isolate_errors, fault=fault)
+                                       isolate_errors=isolate_errors, fault=fault,
+                                       on_finished=client.envs_finished)
         for t in trajectories:
             t.worker = os.getpid()
         error = None
@@ -224,16 +232,18 @@ class ParallelRolloutManager:
 
     # ----- rollout ---------------------------------------------------------------
     def rollout(self, specs: Sequence[EnvSpec], config: LoopConfig,
-                fault: dict[str, Any] | None = None) -> RolloutResult:
+                fault: dict[str, Any] | None = None, progress: RolloutProgress | None = None) -> RolloutResult:
         """``fault``: ``{"shard": i, "exit_at_turn": k}`` kills the worker of
-        shard i at turn k (fault injection)."""
+        shard i at turn k (fault injection). ``progress``: told how far the
+        rollout has got (the caller closes it)."""
         t_start = time.perf_counter()
         t_start_mono = time.monotonic()
         stats_before = self.shared.stats.snapshot()
         self._check_picklable(specs)
         shards = partition(specs, self.n_workers, self.max_env_num_per_worker)
         with self._lease() as lease:
-            results, failures, crashed, timed_out = self._run_parallel(lease, dict(enumerate(shards)), config, fault)
+            results, failures, crashed, timed_out = self._run_parallel(lease, dict(enumerate(shards)), config, fault,
+                                                                       progress)
             retried = 0
             if crashed and self.fallback_to_sequential and not timed_out:
                 # A dead worker takes the executor down with every shard in flight on the
@@ -243,7 +253,7 @@ class ParallelRolloutManager:
                 logger.warning("[Retry] a worker died (%s); re-running shards %s in parallel",
                                next(iter(crashed.values())), sorted(crashed))
                 again, failed, crashed_again, _ = self._run_parallel(
-                    lease, {i: shards[i] for i in crashed}, config, None)
+                    lease, {i: shards[i] for i in crashed}, config, None, progress)
                 results.update(again)
                 failures.update(failed)
                 failures.update(crashed_again)
@@ -259,9 +269,14 @@ class ParallelRolloutManager:
                     logger.warning("[Fallback] shard %d (%d envs, env_id %d..%d) failed: %s; re-running it "
                                    "sequentially with the same seeds", i, len(ids), min(ids), max(ids), cause)
                     results[i] = replace(self._fallback(lease, i, shards[i], config), cause=cause)
+                    if progress is not None:  # the fallback's client reports to no rollout
+                        progress.envs_finished(len(results[i].trajectories))
+                        progress.answered(results[i].stats.requests)
                 fallback_s = time.perf_counter() - t0
         trajectories = sorted((t for r in results.values() for t in r.trajectories), key=lambda t: t.env_id)
         _check_complete(specs, trajectories)
+        if progress is not None:
+            progress.complete()
         metrics = compute_metrics(trajectories)
         metrics.update(self._timing_metrics(results, stats_before, failures, len(shards)))
         metrics["parallel/retried_shards"] = float(retried)
@@ -289,7 +304,7 @@ class ParallelRolloutManager:
             self._picklable.add(spec.reuse_key)
 
     def _run_parallel(self, lease: "_Executors", shards: dict[int, list[EnvSpec]], config: LoopConfig,
-                      fault: dict[str, Any] | None):
+                      fault: dict[str, Any] | None, progress: RolloutProgress | None = None):
         """Shards on the workers -> (results, failed: shard -> cause, crashed:
         shard -> cause for the shards the executor lost, whether a shard ran
         past rollout_timeout_s)."""
@@ -307,6 +322,8 @@ class ParallelRolloutManager:
         starting = list(shards.values())[: self.n_workers] if alone else []
         rollout = self.shared.announce(sum(stream_count(shard, config.pipeline_depth) for shard in starting))
         client = replace(self._client, rollout=rollout)
+        if progress is not None:
+            self.shared.watch(rollout, progress)
         # Workers isolate env errors: a failing env is retried alone and, if it
         # keeps failing, ends its own trajectory; its shard goes on.
         calls = [(i, shard, client, config, True,
@@ -329,6 +346,7 @@ class ParallelRolloutManager:
             return results, failed, crashed, isinstance(exc, TimeoutError)
         finally:
             self.shared.withdraw(rollout)
+            self.shared.unwatch(rollout)
             with self._lock:
                 self._rollouts_running -= 1
         return results, failed, crashed, False

@@ -36,7 +36,7 @@ import time
 import traceback
 from collections import defaultdict
 from dataclasses import dataclass, field, fields
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from ragen.llm.types import Completion, GenerationRequest, SamplingParams
 from ragen.llm_agent.config import AgentProxyConfig, EsManagerConfig
@@ -212,6 +212,7 @@ class _EnvSlot:
         self.actions_left = spec.max_actions_per_traj
         self.active = True
         self.lookup: dict[str, Any] | None = None  # lower-case action name -> action id
+        self.reported = False  # its end was told to the progress callback
 
     def finish(self, reason: StopReason, error: str | None = None) -> None:
         self.active = False
@@ -242,6 +243,7 @@ def run_envs(
     kept_envs: KeptEnvs | None = None,
     isolate_errors: bool = True,
     fault: dict[str, int] | None = None,
+    on_finished: Callable[[int], None] | None = None,
 ) -> tuple[list[Trajectory], LoopStats]:
     """Play every spec to the end; one trajectory per spec, in spec order.
 
@@ -250,6 +252,8 @@ def run_envs(
     otherwise the first failure raises ``ShardError`` (workers do this, so the
     fallback re-runs the shard). ``fault``: ``{"exit_at_turn": k}`` makes the
     calling process exit at turn k (fault injection for benchmarks and tests).
+    ``on_finished(n)``: ``n`` more envs ended (for progress), told just before
+    the stream's next request or its close; it must not raise.
     """
     ctx = ContextManager(config.context)
     kept_envs = kept_envs if kept_envs is not None else KeptEnvs()
@@ -277,6 +281,7 @@ def run_envs(
                                                   _apply, slot, completion, ctx, config, call))
                          for slot, completion in zip(batch, completions)])
             stats.env_step_s += time.perf_counter() - t0
+            _report_finished(batch, on_finished)
             if not _submit(batch, client, ctx, config, inflight, stats):
                 client.close_stream()
                 open_streams -= 1
@@ -291,6 +296,7 @@ def run_envs(
                     stats.env_reset_s += time.perf_counter() - t0
                     while inflight and client.ready():  # keep the model busy while later envs reset
                         answer(*client.wait_any())
+                _report_finished(stream, on_finished)
                 if not _submit(stream, client, ctx, config, inflight, stats):
                     client.close_stream()
                     open_streams -= 1
@@ -346,6 +352,19 @@ def _split_streams(slots: list[_EnvSlot], depth: int) -> list[list[_EnvSlot]]:
     members = list(groups.values())
     depth = stream_count([s.spec for s in slots], depth)
     return [[s for g in hand for s in g] for hand in deal(members, depth)]
+
+
+def _report_finished(slots: list[_EnvSlot], on_finished: Callable[[int], None] | None) -> None:
+    """Tell ``on_finished`` of the slots that ended since they were last looked at."""
+    if on_finished is None:
+        return
+    n = 0
+    for s in slots:
+        if not s.active and not s.reported:
+            s.reported = True
+            n += 1
+    if n:
+        on_finished(n)
 
 
 def _submit(stream, client, ctx, config, inflight, stats) -> bool:

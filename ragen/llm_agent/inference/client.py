@@ -7,7 +7,9 @@ an engine in the caller's thread (the sequential rollout: one engine call per
 turn over all active envs, RAGEN's loop). ``SharedLLMClient`` reaches the
 driver's ``SharedLLMInferenceManager`` from worker processes: it is small and
 picklable (address and key), and each process and thread opens its own
-connection on first use.
+connection on first use. It also counts the envs its caller reports ended
+(``envs_finished``) and adds the count to its next message, for the driver's
+progress.
 """
 
 from __future__ import annotations
@@ -101,7 +103,7 @@ class SharedLLMClient:
         key = (os.getpid(), tuple(self.address), self.authkey)
         state = cache.get(key)
         if state is None:
-            state = {"sock": self._connect(), "ticket": 0, "outstanding": set(), "inbox": deque()}
+            state = {"sock": self._connect(), "ticket": 0, "outstanding": set(), "inbox": deque(), "finished": 0}
             cache[key] = state
         return state
 
@@ -131,15 +133,27 @@ class SharedLLMClient:
         wire.send_frame(self._state()["sock"], {"op": "open", "n": n, "rollout": self.rollout})
 
     def close_stream(self) -> None:
-        wire.send_frame(self._state()["sock"], {"op": "close", "n": 1})
+        state = self._state()
+        wire.send_frame(state["sock"], self._with_finished(state, {"op": "close", "n": 1}))
+
+    def envs_finished(self, n: int) -> None:
+        """Counted here and sent with the next message (a request or a
+        stream's close, which always follows an env's end): no message of its own."""
+        self._state()["finished"] += n
+
+    @staticmethod
+    def _with_finished(state: dict[str, Any], msg: dict[str, Any]) -> dict[str, Any]:
+        if state["finished"]:
+            msg["finished"], state["finished"] = state["finished"], 0
+        return msg
 
     def submit(self, requests: list[GenerationRequest], sampling: SamplingParams) -> int:
         state = self._state()
         state["ticket"] += 1
         ticket = state["ticket"]
-        wire.send_frame(state["sock"], {"op": "gen", "ticket": ticket,
-                                        "requests": [r.to_dict() for r in requests],
-                                        "sampling": sampling.to_dict()})
+        wire.send_frame(state["sock"], self._with_finished(state, {
+            "op": "gen", "ticket": ticket, "requests": [r.to_dict() for r in requests],
+            "sampling": sampling.to_dict()}))
         state["outstanding"].add(ticket)
         return ticket
 

@@ -12,6 +12,13 @@ a failed handshake closes that connection only; an engine that fails, or
 answers with something other than one plain-data ``Completion`` per request,
 gets its batch (or only the request lists it answered badly) answered with
 errors, and the batcher goes on serving.
+
+Progress: the driver may ``watch`` an announced rollout with a
+``RolloutProgress``; the manager tells it the requests it answers for the
+streams opened under that rollout, the size of each engine call, and the envs
+finished that workers add to their messages. It is told outside the
+manager's lock (answers just before they are sent, so a worker cannot end its
+shard before its answers are counted) and decides nothing here.
 """
 
 from __future__ import annotations
@@ -24,12 +31,15 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ragen.llm.types import Completion, Engine, GenerationRequest, SamplingParams
 from ragen.llm_agent.inference import wire
 from ragen.llm_agent.inference.client import SharedLLMClient
 from ragen.llm_agent.inference.coalescer import Coalescer, Pending
+
+if TYPE_CHECKING:
+    from ragen.llm_agent.progress import RolloutProgress
 
 logger = logging.getLogger(__name__)
 
@@ -60,6 +70,7 @@ class _Conn:
     peer: str
     send_lock: threading.Lock = field(default_factory=threading.Lock)
     alive: bool = True
+    rollout: int | None = None  # the rollout its streams were last opened under (for progress)
 
     def send(self, obj: Any) -> int:
         return self.send_frame(wire.frame(obj))
@@ -155,6 +166,8 @@ class SharedLLMInferenceManager:
         self._cond = threading.Condition()  # guards the coalescer and _conns
         self._conns: set[_Conn] = set()
         self._closed = False
+        self._watch_lock = threading.Lock()
+        self._watchers: dict[int, "RolloutProgress"] = {}  # by announced rollout
         self._listener = socket.create_server((host, port))
         self.address: tuple[str, int] = self._listener.getsockname()[:2]
         self._threads = [
@@ -196,6 +209,36 @@ class SharedLLMInferenceManager:
         with self._cond:
             self.coalescer.withdraw(rollout)
             self._cond.notify_all()
+
+    def watch(self, rollout: int, progress: "RolloutProgress") -> None:
+        """Tell ``progress`` what the streams opened under ``rollout`` do, until ``unwatch``."""
+        with self._watch_lock:
+            self._watchers[rollout] = progress
+
+    def unwatch(self, rollout: int) -> None:
+        with self._watch_lock:
+            self._watchers.pop(rollout, None)
+
+    def _tell(self, counts: dict[int | None, int], batch_size: int | None = None, finished: bool = False) -> None:
+        """Progress of the watched rollouts: ``counts`` requests answered (or
+        envs finished) by rollout, and the engine's latest batch size."""
+        with self._watch_lock:
+            if not self._watchers:
+                return
+            watchers = dict(self._watchers)
+        for rollout, progress in watchers.items():
+            try:
+                n = counts.get(rollout, 0)
+                if finished:
+                    if n:
+                        progress.envs_finished(n)
+                    continue
+                if batch_size is not None:
+                    progress.engine_batch(batch_size)
+                if n:
+                    progress.answered(n)
+            except Exception:  # progress never fails the manager
+                logger.debug("progress of rollout %s failed", rollout, exc_info=True)
 
     @property
     def open_streams(self) -> int:
@@ -289,9 +332,12 @@ class SharedLLMInferenceManager:
             logger.warning("bad message from %s: %s", conn.peer, exc)
             conn.send({"answers": [{"ticket": exc.ticket, "error": f"bad message: {exc}"}]})
             return
+        if msg.finished:
+            self._tell({conn.rollout: msg.finished}, finished=True)
         if isinstance(msg, wire.StreamsMessage):
             with self._cond:
                 if msg.op == "open":
+                    conn.rollout = msg.rollout
                     self.coalescer.open(conn, msg.n, msg.rollout, time.monotonic())
                 else:
                     self.coalescer.close(conn, msg.n)
@@ -323,7 +369,9 @@ class SharedLLMInferenceManager:
             if batch is None:
                 return
             try:
-                self._reply(self._answers(batch))
+                answers = self._answers(batch)
+                self._progress(batch, answers)  # before the reply: counted before a worker can end its shard
+                self._reply(answers)
             except Exception as exc:  # a bug here must not end the thread: every later request would wait forever
                 logger.exception("the batcher failed on %d requests; answering them with an error", len(batch))
                 answers: dict[_Conn, list[dict[str, Any]]] = {}
@@ -363,6 +411,15 @@ class SharedLLMInferenceManager:
                 answer = {"ticket": p.ticket, "error": f"{type(exc).__name__}: {exc}"}
             answers.setdefault(p.conn, []).append(answer)
         return answers
+
+    def _progress(self, batch: list[Pending], answers: dict[_Conn, list[dict[str, Any]]]) -> None:
+        """Tell the watched rollouts of one engine call: its size, and the
+        requests answered with completions, by the rollout of their connection."""
+        counts: dict[int | None, int] = {}
+        for conn, conn_answers in answers.items():
+            n = sum(len(a.get("completions", ())) for a in conn_answers)
+            counts[conn.rollout] = counts.get(conn.rollout, 0) + n
+        self._tell(counts, batch_size=min(self.max_batch_size, sum(len(p.requests) for p in batch)))
 
     def generate(self, requests: list[GenerationRequest], sampling: SamplingParams) -> list[Completion]:
         """One engine call (in chunks of ``max_batch_size``) under the engine lock."""

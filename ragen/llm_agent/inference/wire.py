@@ -18,7 +18,9 @@ refuses a frame longer than its ``max_message_bytes``.
   (streams), or ``{"op": "gen", "ticket": t, "requests": [...], "sampling":
   {...}}``, checked field by field on arrival (``parse_message``): a request of
   the wrong type or range is refused alone, never failing the engine call it
-  would have joined.
+  would have joined. A ``close`` or ``gen`` message may add ``"finished": k``:
+  k more of the worker's envs ended since its last message (for the driver's
+  progress; absent means 0, and a manager that does not know it ignores it).
 - Manager -> client: ``{"answers": [...]}``, one frame per connection and
   engine call; each answer is ``{"ticket": t, "completions": [...]}`` (without
   token ids: they stay in the driver) or ``{"ticket": t, "error": msg}``.
@@ -187,6 +189,7 @@ class StreamsMessage:
     op: str
     n: int
     rollout: int | None
+    finished: int = 0  # envs of the worker that ended since its last message
 
 
 @dataclass(frozen=True)
@@ -196,6 +199,7 @@ class GenMessage:
     ticket: int
     requests: list[GenerationRequest]
     sampling: SamplingParams
+    finished: int = 0  # envs of the worker that ended since its last message
 
 
 class BadMessage(ValueError):
@@ -248,6 +252,9 @@ def parse_message(data: bytes) -> StreamsMessage | GenMessage:
         if not isinstance(msg, dict):
             raise ValueError("a message must be a dict")
         op = msg.get("op")
+        finished = msg.get("finished", 0)
+        if not _is_int(finished) or not 0 <= finished <= 1 << 24:
+            raise ValueError(f"'finished' must be a non-negative integer, got {finished!r}")
         if op in ("open", "close"):
             n = msg.get("n")
             if not _is_int(n) or not 0 <= n <= 1 << 16:
@@ -255,7 +262,7 @@ def parse_message(data: bytes) -> StreamsMessage | GenMessage:
             rollout = msg.get("rollout")
             if rollout is not None and not _is_int(rollout):
                 raise ValueError(f"'rollout' must be an integer, got {rollout!r}")
-            return StreamsMessage(op, n, rollout)
+            return StreamsMessage(op, n, rollout, finished)
         if op != "gen":
             raise ValueError(f"unknown op {op!r}")
         ticket = msg.get("ticket")
@@ -278,7 +285,7 @@ def parse_message(data: bytes) -> StreamsMessage | GenMessage:
             raise ValueError("'sampling' must be an object")
         sampling = SamplingParams.from_dict(sampling_raw)
         _check_fields(sampling.to_dict(), _SAMPLING_FIELDS, "sampling")
-        return GenMessage(ticket, requests, sampling)
+        return GenMessage(ticket, requests, sampling, finished)
     except (ValueError, TypeError) as exc:
         raise BadMessage(str(exc), ticket) from None
 
