@@ -115,7 +115,8 @@ def _record_row(traj: Trajectory, spec: EnvSpec, ctx: ContextManager, loop: Loop
     row = {"format": FORMAT, "version": VERSION, "split": split, "step": step}
     row.update({f.name: getattr(traj, f.name) for f in dataclasses.fields(traj)})
     row.update(turns=turns, stop_reason=traj.stop_reason.value, reward=traj.reward, num_actions=traj.num_actions,
-               spec=dataclasses.asdict(spec), loop=loop_row)
+               spec=dict(spec.__dict__), loop=loop_row)  # shallow: a spec holds plain data (asdict's deep copy
+    # was a third of the dump's time)
     return row
 
 
