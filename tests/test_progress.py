@@ -128,7 +128,8 @@ def test_finished_on_the_wire_is_optional_and_checked():
 
 def test_not_on_a_terminal_it_logs_after_the_delay_and_then_at_most_every_interval(caplog):
     now = [100.0]
-    progress = RolloutProgress(4, "train", delay_s=2, log_every_s=10, file=io.StringIO(), clock=lambda: now[0])
+    progress = RolloutProgress(4, "train", delay_s=2, log_every_s=10, file=io.StringIO(), clock=lambda: now[0],
+                               tick_s=None)
     caplog.set_level(logging.INFO, logger="ragen.llm_agent.progress")
     for t, event in [(100.5, "batch"), (101.5, "env"), (102.5, "turns"), (105, "turns"), (112, "env"),
                      (113, "turns")]:
@@ -140,6 +141,23 @@ def test_not_on_a_terminal_it_logs_after_the_delay_and_then_at_most_every_interv
     assert lines == ["[Progress] train: 1/4 envs finished | 4 turns | engine batch 4 | 2 s",
                      "[Progress] train: 2/4 envs finished | 12 turns | engine batch 4 | 13 s"]  # 112: 9.5 s after the last
     assert progress.lines_logged == 2
+
+
+def test_one_long_engine_call_still_shows_its_batch_and_time(caplog):
+    """No event comes while the engine runs one long call (a whole Bandit
+    rollout is one): the ticker shows the batch running, as lines or a bar."""
+    caplog.set_level(logging.INFO, logger="ragen.llm_agent.progress")
+    out = io.StringIO()
+    with RolloutProgress(8, "train", delay_s=0.05, log_every_s=0.1, tick_s=0.02, file=io.StringIO(),
+                         terminal=False) as lines, \
+            RolloutProgress(8, "train", delay_s=0.05, tick_s=0.02, file=out, terminal=True) as bar:
+        lines.engine_batch(8)
+        bar.engine_batch(8)
+        time.sleep(0.5)  # the "engine call": no event
+        logged = [r.getMessage() for r in caplog.records if r.name == "ragen.llm_agent.progress"]
+        drawn = out.getvalue()
+    assert len(logged) >= 2 and all("0/8 envs finished | 0 turns | engine batch 8" in m for m in logged)
+    assert "rollout train" in drawn and "0/8" in drawn and "batch=8" in drawn
 
 
 def test_a_rollout_shorter_than_the_delay_shows_nothing(caplog):

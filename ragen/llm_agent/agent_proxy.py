@@ -307,9 +307,10 @@ class _LockedClient(DirectClient):
         self._progress = progress
 
     def wait_any(self):
+        if self._progress is not None and self._queue:
+            self._progress.engine_batch(len(self._queue[0][1]))  # the call about to run
         with self._engine_lock:
             ticket, completions = super().wait_any()
         if self._progress is not None:
-            self._progress.engine_batch(len(completions))
             self._progress.answered(len(completions))
         return ticket, completions

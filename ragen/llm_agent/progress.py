@@ -12,8 +12,9 @@ On a terminal it is a ``tqdm`` bar on stderr that appears only once the
 rollout has run ``delay_s`` (short rollouts show nothing) and is removed when
 the rollout ends, where the per-step summary line takes over. Elsewhere (a log
 file, a job scheduler) the same reading goes out as a ``logger.info`` line,
-after ``delay_s`` and then at most every ``log_every_s``, written when one of
-the three events arrives (none during one long engine call).
+after ``delay_s`` and then at most every ``log_every_s``. Besides the events,
+a ticker thread redraws every ``tick_s``, so one long engine call (a whole
+Bandit rollout is one) still shows the batch it is running and the time.
 
 Progress only reads counts: it never changes a trajectory, and its calls are
 cheap (a lock and a few additions; the bar redraws at most every 0.5 s). An
@@ -39,7 +40,7 @@ class RolloutProgress:
 
     def __init__(self, total: int, split: str = "rollout", *, delay_s: float = 2.0, log_every_s: float = 10.0,
                  file: TextIO | None = None, terminal: bool | None = None, disable: bool = False,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, tick_s: float | None = 1.0) -> None:
         self.total = int(total)
         self.split = split
         self.finished = 0
@@ -64,6 +65,9 @@ class RolloutProgress:
 
             self._bar = tqdm(total=self.total, desc=f"rollout {split}", unit="env", delay=delay_s, file=file,
                              leave=False, dynamic_ncols=True, mininterval=0.5)
+        self._stop = threading.Event()
+        if tick_s and (self._bar is not None or self._log):
+            threading.Thread(target=self._tick, args=(tick_s,), name="ragen-progress", daemon=True).start()
 
     # ----- events (any thread) -------------------------------------------------------
     def envs_finished(self, n: int) -> None:
@@ -95,6 +99,7 @@ class RolloutProgress:
 
     def close(self) -> None:
         """The rollout ended (or failed): the bar goes away."""
+        self._stop.set()
         with self._lock:
             if self._closed:
                 return
@@ -117,6 +122,18 @@ class RolloutProgress:
                 f"engine batch {self.batch_size}")
 
     # ----- display (under the lock) ---------------------------------------------------
+    def _tick(self, every_s: float) -> None:
+        # Bounded: each wait ends after every_s, and close() sets the event.
+        while not self._stop.wait(every_s):
+            with self._lock:
+                if self._bar is not None and self._clock() - self._start >= self.delay_s:
+                    try:
+                        self._bar.refresh()  # the elapsed time moves even when no event comes
+                    except Exception:  # progress must never fail a rollout
+                        logger.debug("progress display failed", exc_info=True)
+                else:
+                    self._show(0)
+
     def _show(self, advanced: int) -> None:
         if self._closed:
             return

@@ -221,7 +221,7 @@ class SharedLLMInferenceManager:
 
     def _tell(self, counts: dict[int | None, int], batch_size: int | None = None, finished: bool = False) -> None:
         """Progress of the watched rollouts: ``counts`` requests answered (or
-        envs finished) by rollout, and the engine's latest batch size."""
+        envs finished) by rollout, and the size of the engine call starting."""
         with self._watch_lock:
             if not self._watchers:
                 return
@@ -369,8 +369,10 @@ class SharedLLMInferenceManager:
             if batch is None:
                 return
             try:
+                size = min(self.max_batch_size, sum(len(p.requests) for p in batch))
+                self._tell({}, batch_size=size)  # the call about to run: shown while it runs
                 answers = self._answers(batch)
-                self._progress(batch, answers)  # before the reply: counted before a worker can end its shard
+                self._progress(answers)  # before the reply: counted before a worker can end its shard
                 self._reply(answers)
             except Exception as exc:  # a bug here must not end the thread: every later request would wait forever
                 logger.exception("the batcher failed on %d requests; answering them with an error", len(batch))
@@ -412,14 +414,14 @@ class SharedLLMInferenceManager:
             answers.setdefault(p.conn, []).append(answer)
         return answers
 
-    def _progress(self, batch: list[Pending], answers: dict[_Conn, list[dict[str, Any]]]) -> None:
-        """Tell the watched rollouts of one engine call: its size, and the
-        requests answered with completions, by the rollout of their connection."""
+    def _progress(self, answers: dict[_Conn, list[dict[str, Any]]]) -> None:
+        """Tell the watched rollouts of one engine call the requests answered
+        with completions, by the rollout of their connection."""
         counts: dict[int | None, int] = {}
         for conn, conn_answers in answers.items():
             n = sum(len(a.get("completions", ())) for a in conn_answers)
             counts[conn.rollout] = counts.get(conn.rollout, 0) + n
-        self._tell(counts, batch_size=min(self.max_batch_size, sum(len(p.requests) for p in batch)))
+        self._tell(counts)
 
     def generate(self, requests: list[GenerationRequest], sampling: SamplingParams) -> list[Completion]:
         """One engine call (in chunks of ``max_batch_size``) under the engine lock."""
