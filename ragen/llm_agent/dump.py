@@ -138,7 +138,8 @@ def read_dump(path: str | os.PathLike) -> list[DumpRecord]:
     """Every trajectory of the dump at ``path`` (``.jsonl`` or ``.jsonl.gz``)."""
     path = Path(path)
     if not path.is_file():
-        raise DumpError(f"{path}: no such file" + (" (a folder: give one of its .jsonl files)" if path.is_dir() else ""))
+        hint = " (a folder: give one of its .jsonl files)" if path.is_dir() else ""
+        raise DumpError(f"{path}: no such file{hint}")
     try:
         raw = path.read_bytes()
         text = (gzip.decompress(raw) if raw[:2] == b"\x1f\x8b" else raw).decode("utf-8")
