@@ -307,12 +307,17 @@ def _find_browser() -> str | None:
 def browser() -> str:
     found = _find_browser()
     if found is None and hasattr(os, "geteuid") and os.geteuid() == 0 and shutil.which("apt-get"):
-        try:
-            subprocess.run(["apt-get", "install", "-y", "chromium"], check=False, capture_output=True, timeout=600,
-                           env={**os.environ, "DEBIAN_FRONTEND": "noninteractive"})
-        except subprocess.TimeoutExpired:
-            pass
-        found = _find_browser()
+        # A fresh machine may have no package lists yet: update once when the install fails.
+        env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
+        for command in (["apt-get", "install", "-y", "chromium"], ["apt-get", "update"],
+                        ["apt-get", "install", "-y", "chromium"]):
+            try:
+                subprocess.run(command, check=False, capture_output=True, timeout=300, env=env)
+            except subprocess.TimeoutExpired:
+                break
+            found = _find_browser()
+            if found is not None:
+                break
     if found is None:
         pytest.skip(f"no headless browser on PATH (looked for {', '.join(BROWSERS)}; "
                     "install Debian's chromium: apt-get install -y chromium)")
@@ -325,7 +330,7 @@ def _chromium(browser: str, tmp_path: Path, *args: str) -> subprocess.CompletedP
     return subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=120)
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(1200)  # the first may install chromium
 def test_browser_runs_the_page_and_filters_by_hash(browser, tmp_path, records, dump):
     out = write_viewer(dump, tmp_path / "page.html")
     res = _chromium(browser, tmp_path, "--dump-dom", out.as_uri() + "#tag=FrozenLake")
@@ -349,7 +354,7 @@ def test_browser_runs_the_page_and_filters_by_hash(browser, tmp_path, records, d
     assert visible == {r.env_id for r in records if r.trajectory.stop_reason == StopReason.ERROR}
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(1200)  # the first may install chromium
 def test_browser_screenshot(browser, tmp_path, dump):
     out = write_viewer(dump, tmp_path / "page.html")
     shot = tmp_path / "page.png"
