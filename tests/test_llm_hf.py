@@ -190,3 +190,40 @@ def test_tiny_model_is_deterministic_and_keeps_answer_tags(tmp_path, tiny_model_
     rendered = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False,
                                              add_generation_prompt=True)
     assert rendered == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+
+
+def _grpo_like_requests(groups: int = 3, size: int = 4) -> list[GenerationRequest]:
+    """``groups`` prompts, each asked ``size`` times (a GRPO group shares its seed and prompt),
+    all starting with one long system message."""
+    system = {"role": "system", "content": "You are a careful agent. " * 8}
+    return [GenerationRequest(messages=[system, {"role": "user", "content": f"Available actions: Up, Down. "
+                                                                             f"State {'#' * (5 * g + 1)}"}],
+                              env_id=g * size + k, seed=100 + g)
+            for g in range(groups) for k in range(size)]
+
+
+@pytest.mark.parametrize("sampling", [GREEDY, SamplingParams(temperature=1.0, max_tokens=12, seed=5)])
+def test_shared_prefixes_give_the_tokens_of_full_prompts(tiny_model_path, sampling):
+    """prefix_cache computes a group's prompt once and the common system message once; every
+    row still samples on its own stream, so the answers are those of prompts computed in full."""
+    shared = make_engine({"name": "hf", "device": "cpu", "prefix_cache": True}, tiny_model_path)
+    full = make_engine({"name": "hf", "device": "cpu", "prefix_cache": False}, tiny_model_path)
+    reqs = _grpo_like_requests()
+    a, b = shared.generate(reqs, sampling), full.generate(reqs, sampling)
+    assert ids(a) == ids(b)
+    if not sampling.greedy:  # members of a group differ: one prompt computed, sampled per request
+        assert len({tuple(c.response_token_ids) for c in a[:4]}) > 1
+    total = sum(len(c.prompt_token_ids) for c in a)
+    assert full.tokens_prefilled == total and full.tokens_reused == 0
+    assert shared.tokens_prefilled + shared.tokens_reused == total
+    distinct = {tuple(c.prompt_token_ids) for c in a}
+    # each group's prompt once, and their common start (the system message) once for all three
+    assert shared.tokens_prefilled < sum(len(p) for p in distinct) - 2 * 16
+    # alone, a request gets the same answer as in the shared batch
+    alone = shared.generate([reqs[5]], sampling)
+    assert ids(alone) == [a[5].response_token_ids]
+
+
+def test_prefix_cache_must_be_a_boolean(tiny_model_path):
+    with pytest.raises(ValueError, match="engine.prefix_cache"):
+        make_engine({"name": "hf", "device": "cpu", "prefix_cache": "yes"}, tiny_model_path)

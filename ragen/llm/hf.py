@@ -11,6 +11,16 @@ the request's CDF at that stream's next uniform. A request therefore gets the
 same tokens alone or in any batch, in any order (up to float noise from
 different matmul shapes). ``temperature == 0`` is greedy.
 
+*Prefix sharing* (``prefix_cache``, on by default): a chunk's identical
+prompts (a GRPO group's members share one) are prefilled once and their KV
+cache gathered into every row that asked for them; and the distinct prompts'
+common start (system message, instruction, format example) is prefilled once
+for all of them, their remaining tokens after it (rows padded between the two;
+positions from the mask, so nothing shifts). Sampling stays per row. The
+engine counts the prompt tokens it computed and those it reused
+(``tokens_prefilled``, ``tokens_reused``); ``prefix_cache=False`` computes
+every row's prompt in full, as before.
+
 *Stopping*: at EOS or the chat end token (``<|im_end|>``), at a
 ``sampling.stop`` string (cut from the text, like OpenAI/vLLM; its tokens stay in
 the ids) -> ``"stop"``; at ``max_tokens`` (the request's, else the sampling's)
@@ -52,6 +62,20 @@ _DTYPES = {
 _CHAT_END_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>")
 
 
+_MIN_SHARED_TOKENS = 16  # a shorter common start is not worth its own forward pass
+
+
+def _common_start(prompts: Sequence[Sequence[int]]) -> int:
+    """How many leading tokens every prompt has in common."""
+    first, n = prompts[0], min(len(p) for p in prompts)
+    for p in prompts[1:]:
+        k = 0
+        while k < n and p[k] == first[k]:
+            k += 1
+        n = k
+    return n
+
+
 def resolve_device(device: str | torch.device = "auto") -> torch.device:
     if str(device) == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -75,7 +99,7 @@ class HFEngine(Engine):
     """transformers causal LM behind ``generate``; see the module docstring."""
 
     name = "hf"
-    config_keys = ("device", "dtype", "max_batch_size")
+    config_keys = ("device", "dtype", "max_batch_size", "prefix_cache")
 
     def __init__(
         self,
@@ -86,11 +110,15 @@ class HFEngine(Engine):
         device: str | torch.device = "auto",
         dtype: str | torch.dtype = "auto",
         max_batch_size: int = 64,
+        prefix_cache: bool = True,
     ) -> None:
         super().__init__()
         if int(max_batch_size) < 1:
             raise ValueError(f"engine.max_batch_size={max_batch_size} must be >= 1")
+        if not isinstance(prefix_cache, bool):
+            raise ValueError(f"engine.prefix_cache must be true or false, got {prefix_cache!r}")
         self.max_batch_size = int(max_batch_size)
+        self.prefix_cache = prefix_cache
         if model is None:
             from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -163,8 +191,9 @@ class HFEngine(Engine):
         prompts = [self.encode_prompt(r.messages) for r in requests]
         limits = [max(0, r.max_tokens if r.max_tokens is not None else sampling.max_tokens) for r in requests]
         seeds = [request_seed(sampling.seed, r.key) for r in requests]
-        # Similar lengths together: less padding; results do not depend on the grouping.
-        order = sorted(range(len(requests)), key=lambda i: len(prompts[i]))
+        # Similar lengths together: less padding, and identical prompts side by side (shared
+        # in a chunk); results do not depend on the grouping.
+        order = sorted(range(len(requests)), key=lambda i: (len(prompts[i]), prompts[i]))
         results: list[tuple[list[int], str] | None] = [None] * len(requests)
         modes = {module: module.training for module in self.model.modules()}
         self.model.eval()
@@ -209,14 +238,8 @@ class HFEngine(Engine):
         steps = max(limits)
         if steps == 0:
             return [([], "length") for _ in range(batch)]
-        width = max(len(p) for p in prompts)
-        input_ids = torch.full((batch, width), self.pad_token_id, dtype=torch.long)
-        mask = torch.zeros((batch, width), dtype=torch.long)
-        for row, prompt in enumerate(prompts):  # left padding
-            input_ids[row, width - len(prompt) :] = torch.tensor(prompt, dtype=torch.long)
-            mask[row, width - len(prompt) :] = 1
-        input_ids, mask = input_ids.to(self.device), mask.to(self.device)
-        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        extra = {self._logits_kwarg: 1} if self._logits_kwarg else {}
+        past, logits, mask = self._prefill(prompts, extra)
         uniforms = None
         if not sampling.greedy:
             # One CPU stream per request, drawn up front: row i's t-th token uses
@@ -226,19 +249,12 @@ class HFEngine(Engine):
             ).to(self.device)
         stop_strings = [s for s in sampling.stop if s]
         tail = 4 * max((len(s) for s in stop_strings), default=0) + 2
-        extra = {self._logits_kwarg: 1} if self._logits_kwarg else {}
-        past = None
         for step in range(steps):
-            out = self.model(
-                input_ids=input_ids,
-                attention_mask=mask,
-                position_ids=positions,
-                past_key_values=past,
-                use_cache=True,
-                **extra,
-            )
-            past = out.past_key_values
-            logits = out.logits[:, -1, :].float()
+            if step:
+                out = self.model(input_ids=tokens[:, None], attention_mask=mask, position_ids=positions,
+                                 past_key_values=past, use_cache=True, **extra)
+                past = out.past_key_values
+                logits = out.logits[:, -1, :].float()
             tokens = self._choose(logits, sampling, None if uniforms is None else uniforms[:, step])
             for row, token in enumerate(tokens.tolist()):
                 if reasons[row] is not None:
@@ -254,10 +270,58 @@ class HFEngine(Engine):
                 break
             # Finished rows keep decoding (their tokens are ignored): cheaper than
             # re-slicing the cache, and it leaves the other rows untouched.
-            input_ids = tokens[:, None]
             mask = torch.cat([mask, mask.new_ones((batch, 1))], dim=-1)
             positions = mask.sum(-1, keepdim=True) - 1
         return [(resp, reason or "length") for resp, reason in zip(responses, reasons)]
+
+    def _prefill(self, prompts: list[list[int]], extra: dict[str, int]) -> tuple[Any, torch.Tensor, torch.Tensor]:
+        """The KV cache, last-position logits (float) and attention mask of
+        ``prompts``, one row each. With ``prefix_cache``, each distinct prompt
+        is computed once (its rows gathered from it) and their common start
+        once for all of them."""
+        total = sum(len(p) for p in prompts)
+        if not self.prefix_cache:
+            self.tokens_prefilled += total
+            return self._forward(prompts, extra)
+        where: dict[tuple[int, ...], int] = {}
+        rows = torch.tensor([where.setdefault(tuple(p), len(where)) for p in prompts])
+        distinct = list(where)
+        shared = _common_start(distinct) if len(distinct) > 1 else 0
+        shared = min(shared, min(len(p) for p in distinct) - 1)  # every row keeps a token to compute
+        start = None
+        if shared >= _MIN_SHARED_TOKENS:
+            start = self._forward([list(distinct[0][:shared])], extra)[0]
+            start.batch_select_indices(torch.zeros(len(distinct), dtype=torch.long, device=self.device))
+        else:
+            shared = 0
+        past, logits, mask = self._forward([list(p[shared:]) for p in distinct], extra, start, shared)
+        computed = shared + sum(len(p) - shared for p in distinct)
+        self.tokens_prefilled += computed
+        self.tokens_reused += total - computed
+        if len(distinct) < len(prompts):
+            rows = rows.to(self.device)
+            past.batch_select_indices(rows)
+            logits, mask = logits[rows], mask[rows]
+        return past, logits, mask
+
+    def _forward(self, prompts: list[list[int]], extra: dict[str, int], past: Any = None,
+                 past_len: int = 0) -> tuple[Any, torch.Tensor, torch.Tensor]:
+        """One forward pass over left-padded ``prompts`` after ``past`` (a cache
+        of ``past_len`` tokens, the same for every row, or None): the cache,
+        the last position's logits and the whole attention mask. Padding sits
+        between the cached start and the prompts; positions come from the mask."""
+        batch, width = len(prompts), max(len(p) for p in prompts)
+        input_ids = torch.full((batch, width), self.pad_token_id, dtype=torch.long)
+        mask = torch.zeros((batch, past_len + width), dtype=torch.long)
+        mask[:, :past_len] = 1
+        for row, prompt in enumerate(prompts):  # left padding
+            input_ids[row, width - len(prompt):] = torch.tensor(prompt, dtype=torch.long)
+            mask[row, past_len + width - len(prompt):] = 1
+        input_ids, mask = input_ids.to(self.device), mask.to(self.device)
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)[:, past_len:]
+        out = self.model(input_ids=input_ids, attention_mask=mask, position_ids=positions, past_key_values=past,
+                         use_cache=True, **extra)
+        return out.past_key_values, out.logits[:, -1, :].float(), mask
 
     @staticmethod
     def _choose(logits: torch.Tensor, sampling: SamplingParams, uniforms: torch.Tensor | None) -> torch.Tensor:

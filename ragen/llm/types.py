@@ -106,13 +106,18 @@ class Engine(ABC):
 
     ``policy_version`` counts weight updates: the trainer calls
     ``bump_policy_version()`` after it changed the weights the engine uses, and
-    every completion records the version that produced it.
+    every completion records the version that produced it. ``tokens_prefilled``
+    and ``tokens_reused`` count prompt tokens computed and shared (see ``HFEngine``).
     """
 
     name: str = "engine"
 
     def __init__(self) -> None:
         self.policy_version = 0
+        # Prompt tokens computed, and those whose KV came from a prefix computed once for
+        # several requests (engines that share prefixes count them; others leave both 0).
+        self.tokens_prefilled = 0
+        self.tokens_reused = 0
 
     @abstractmethod
     def generate(self, requests: Sequence[GenerationRequest], sampling: SamplingParams) -> list[Completion]:

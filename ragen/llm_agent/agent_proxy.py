@@ -236,18 +236,26 @@ class LLMAgentProxy:
         specs = self.setup.es[split].make_specs(rollout_index)
         config = self.setup.loop if split == "train" else self.setup.val_loop
         with self._semaphore:  # the bar's clock starts once the rollout may run
+            # the engine's counts over this rollout (rollouts at once, or generating ahead, add theirs)
+            prefilled, reused = _prompt_counts(self.engine)
             with progress if progress is not None else RolloutProgress(len(specs), split) as progress:
                 if self.parallel is not None:
                     result = self.parallel.rollout(specs, config, fault=fault, progress=progress)
                 else:
                     result = self._sequential(specs, config, progress)
+            prefilled, reused = (after - before for after, before in zip(_prompt_counts(self.engine), (prefilled, reused)))
         m = result.metrics
+        if prefilled or reused:
+            m.update({"engine/prefill_tokens": float(prefilled), "engine/reused_tokens": float(reused),
+                      "engine/prefix_reuse": reused / (prefilled + reused)})
         logger.info(
-            "[Rollout] %s: %d envs in %.2f s | engine %.2f s, %d calls, mean batch %.1f | env %.2f s | "
+            "[Rollout] %s: %d envs in %.2f s | engine %.2f s, %d calls, mean batch %.1f%s | env %.2f s | "
             "waiting for the model %.2f s | fallbacks %d | success %.3f",
             split, len(specs), m.get("timing/rollout_s", 0.0), m.get("timing/engine_s", 0.0),
-            int(m.get("engine/calls", 0)), m.get("engine/mean_batch_size", 0.0), m.get("timing/env_s", 0.0),
-            m.get("timing/wait_llm_s", 0.0), int(m.get("parallel/fallbacks", 0)), m.get("rollout/success", 0.0))
+            int(m.get("engine/calls", 0)), m.get("engine/mean_batch_size", 0.0),
+            f", prompt tokens {reused / (prefilled + reused):.0%} reused" if prefilled or reused else "",
+            m.get("timing/env_s", 0.0), m.get("timing/wait_llm_s", 0.0), int(m.get("parallel/fallbacks", 0)),
+            m.get("rollout/success", 0.0))
         for f in result.failed_envs:
             logger.warning("[Rollout] %s: env_id %d (tag %s, seed %d) ended in %s at turn %d: %s | check it alone: "
                            "python -m ragen.env.check %s --first-seed %d", split, f["env_id"], f["tag"], f["seed"],
@@ -295,6 +303,11 @@ class LLMAgentProxy:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+def _prompt_counts(engine: Engine) -> tuple[int, int]:
+    """The engine's prompt tokens computed and reused so far (0, 0 for an engine that does not count)."""
+    return getattr(engine, "tokens_prefilled", 0), getattr(engine, "tokens_reused", 0)
 
 
 class _LockedClient(DirectClient):
