@@ -234,9 +234,10 @@ def test_engine_samples_from_the_trained_weights(tiny_model_path, tmp_path):
         before = engine.generate(request, greedy)[0]
         first = trainer.proxy.rollout("train")
         assert {t.policy_version for tr in first.trajectories for t in tr.turns} == {0}
-        # groups of 4 share a prompt: computed once (engine.prefix_cache), reused by the other three
+        # a group's 4 members share their first prompt (computed once: engine.prefix_cache), and every
+        # prompt its start; without sharing the share would be 0
         m = first.metrics
-        assert m["engine/prefix_reuse"] >= 0.75 and m["engine/reused_tokens"] > m["engine/prefill_tokens"]
+        assert m["engine/prefix_reuse"] > 0.5 and m["engine/reused_tokens"] > m["engine/prefill_tokens"]
         samples, _ = trainer.make_samples(first)
         # make sure this step moves the weights whatever the random rewards were
         for i, s in enumerate(samples):
