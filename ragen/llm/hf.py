@@ -250,7 +250,8 @@ class HFEngine(Engine):
         stop_strings = [s for s in sampling.stop if s]
         tail = 4 * max((len(s) for s in stop_strings), default=0) + 2
         for step in range(steps):
-            if step:
+            if step:  # the last tokens chosen, at the next position of each row
+                positions = mask.sum(-1, keepdim=True) - 1
                 out = self.model(input_ids=tokens[:, None], attention_mask=mask, position_ids=positions,
                                  past_key_values=past, use_cache=True, **extra)
                 past = out.past_key_values
@@ -271,7 +272,6 @@ class HFEngine(Engine):
             # Finished rows keep decoding (their tokens are ignored): cheaper than
             # re-slicing the cache, and it leaves the other rows untouched.
             mask = torch.cat([mask, mask.new_ones((batch, 1))], dim=-1)
-            positions = mask.sum(-1, keepdim=True) - 1
         return [(resp, reason or "length") for resp, reason in zip(responses, reasons)]
 
     def _prefill(self, prompts: list[list[int]], extra: dict[str, int]) -> tuple[Any, torch.Tensor, torch.Tensor]:

@@ -243,7 +243,8 @@ class LLMAgentProxy:
                     result = self.parallel.rollout(specs, config, fault=fault, progress=progress)
                 else:
                     result = self._sequential(specs, config, progress)
-            prefilled, reused = (after - before for after, before in zip(_prompt_counts(self.engine), (prefilled, reused)))
+            after = _prompt_counts(self.engine)
+            prefilled, reused = after[0] - prefilled, after[1] - reused
         m = result.metrics
         if prefilled or reused:
             m.update({"engine/prefill_tokens": float(prefilled), "engine/reused_tokens": float(reused),
