@@ -190,6 +190,8 @@ def _id_list(ids: Sequence[int]) -> str:
 def _engine_from_args(args: argparse.Namespace) -> Engine | None:
     if args.engine is None:
         return None
+    import yaml
+
     from ragen.llm import make_engine
 
     options: dict[str, Any] = {"name": args.engine}
@@ -197,8 +199,6 @@ def _engine_from_args(args: argparse.Namespace) -> Engine | None:
         key, sep, value = item.partition("=")
         if not sep or not key:
             raise ValueError(f"--engine-opt {item!r}: write it as key=value")
-        import yaml
-
         options[key] = yaml.safe_load(value)
     model = args.model
     if model is None and args.engine in ("hf", "vllm"):

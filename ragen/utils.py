@@ -4,6 +4,10 @@
 groups are spread over shards and micro-batches, and envs over tags in a
 soak's validation layout, so that tags laid out in blocks end up mixed.
 
+``common_prefix_length`` counts the leading items that sequences share: a
+group's common prompt (the trainer's update, the hf engine's prefill) and a
+turn's prompt messages kept from the previous turn (dumps, the viewer).
+
 ``all_seed`` exists for RAGEN compatibility: RAGEN's env modules seed the
 process-global ``random`` and ``numpy`` generators around room generation and
 import it from here. Our own envs never touch a global generator (each owns a
@@ -24,7 +28,7 @@ from typing import TypeVar
 
 import numpy as np
 
-__all__ = ["all_seed", "deal", "GLOBAL_RNG_WAIT_S"]
+__all__ = ["all_seed", "common_prefix_length", "deal", "GLOBAL_RNG_WAIT_S"]
 
 T = TypeVar("T")
 
@@ -41,6 +45,19 @@ def deal(items: Sequence[T], n: int) -> list[list[T]]:
     ``k % n``, and each hand keeps the items' order (hands past the last item
     are empty)."""
     return [list(items[i::n]) for i in range(n)]
+
+
+def common_prefix_length(seqs: Sequence[Sequence]) -> int:
+    """How many leading items every sequence of ``seqs`` has in common (0 for none)."""
+    if not seqs:
+        return 0
+    first = seqs[0]
+    n = min(len(s) for s in seqs)
+    for i in range(n):
+        item = first[i]
+        if any(s[i] != item for s in seqs[1:]):
+            return i
+    return n
 
 
 @contextmanager

@@ -48,6 +48,7 @@ import torch
 from ragen.llm.default_model import resolve_model_path
 from ragen.llm.transformers_compat import dtype_kwarg
 from ragen.llm.types import Completion, Engine, GenerationRequest, SamplingParams, request_seed
+from ragen.utils import common_prefix_length
 
 logger = logging.getLogger(__name__)
 
@@ -63,17 +64,6 @@ _CHAT_END_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>")
 
 
 _MIN_SHARED_TOKENS = 16  # a shorter common start is not worth its own forward pass
-
-
-def _common_start(prompts: Sequence[Sequence[int]]) -> int:
-    """How many leading tokens every prompt has in common."""
-    first, n = prompts[0], min(len(p) for p in prompts)
-    for p in prompts[1:]:
-        k = 0
-        while k < n and p[k] == first[k]:
-            k += 1
-        n = k
-    return n
 
 
 def resolve_device(device: str | torch.device = "auto") -> torch.device:
@@ -286,7 +276,7 @@ class HFEngine(Engine):
         where: dict[tuple[int, ...], int] = {}
         rows = torch.tensor([where.setdefault(tuple(p), len(where)) for p in prompts])
         distinct = list(where)
-        shared = _common_start(distinct) if len(distinct) > 1 else 0
+        shared = common_prefix_length(distinct) if len(distinct) > 1 else 0
         shared = min(shared, min(len(p) for p in distinct) - 1)  # every row keeps a token to compute
         start = None
         if shared >= _MIN_SHARED_TOKENS:

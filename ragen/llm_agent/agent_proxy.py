@@ -254,7 +254,7 @@ class LLMAgentProxy:
             "waiting for the model %.2f s | fallbacks %d | success %.3f",
             split, len(specs), m.get("timing/rollout_s", 0.0), m.get("timing/engine_s", 0.0),
             int(m.get("engine/calls", 0)), m.get("engine/mean_batch_size", 0.0),
-            f", prompt tokens {reused / (prefilled + reused):.0%} reused" if prefilled or reused else "",
+            f", prompt tokens {m['engine/prefix_reuse']:.0%} reused" if "engine/prefix_reuse" in m else "",
             m.get("timing/env_s", 0.0), m.get("timing/wait_llm_s", 0.0), int(m.get("parallel/fallbacks", 0)),
             m.get("rollout/success", 0.0))
         for f in result.failed_envs:

@@ -35,6 +35,7 @@ from ragen.llm.types import SamplingParams, request_seed
 from ragen.llm_agent.ctx_manager import ContextConfig, ContextManager
 from ragen.llm_agent.rollout_loop import LoopConfig
 from ragen.llm_agent.types import EnvSpec, RolloutResult, Step, StopReason, Trajectory, Turn
+from ragen.utils import common_prefix_length
 
 FORMAT = "ragen.rollout_dump"
 VERSION = 1
@@ -107,7 +108,7 @@ def _record_row(traj: Trajectory, spec: EnvSpec, ctx: ContextManager, loop: Loop
         row["steps"] = [s.__dict__ for s in turn.steps]
         messages = ctx.build_messages(spec, traj.turns[:i], turn.observation, turn.actions_left, traj.action_names)
         # a turn's prompt is mostly the previous one: only the messages after the common start are written
-        kept = _common_start(previous, messages)
+        kept = common_prefix_length([previous, messages])
         row["prompt"] = {"from_previous": kept, "messages": messages[kept:]}
         previous = messages
         row["request_seed"] = request_seed(loop.sampling.seed, (spec.seed, spec.env_id, i))
@@ -118,15 +119,6 @@ def _record_row(traj: Trajectory, spec: EnvSpec, ctx: ContextManager, loop: Loop
                spec=dict(spec.__dict__), loop=loop_row)  # shallow: a spec holds plain data (asdict's deep copy
     # was a third of the dump's time)
     return row
-
-
-def _common_start(a: list, b: list) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 # ----------------------------------------------------------------------------- reading

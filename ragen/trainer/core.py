@@ -37,6 +37,7 @@ import numpy as np
 import torch
 
 from ragen.llm_agent.ctx_manager import ContextConfig, ContextManager
+from ragen.utils import common_prefix_length
 
 ADV_ESTIMATORS = ("grpo", "reinforce")
 # Below this many shared tokens a separate prefix pass costs more than it saves.
@@ -142,16 +143,6 @@ def _loss_positions(sample: Sample) -> list[int]:
     return [t for t, m in enumerate(sample.loss_mask) if m and t >= 1]
 
 
-def _common_prefix(seqs: Sequence[Sequence[int]]) -> int:
-    first = seqs[0]
-    n = min(len(s) for s in seqs)
-    for i in range(n):
-        tok = first[i]
-        if any(s[i] != tok for s in seqs[1:]):
-            return i
-    return n
-
-
 def _model_device(model: Any) -> torch.device:
     return next(model.parameters()).device
 
@@ -183,7 +174,7 @@ def sequence_logprobs(
         seqs = [samples[i].input_ids for i in members]
         first_loss = min(_loss_positions(samples[i])[0] for i in members if _loss_positions(samples[i]))
         # The token before the first answer token stays in the suffix: its logits score that answer token.
-        shared = min(_common_prefix(seqs), first_loss - 1)
+        shared = min(common_prefix_length(seqs), first_loss - 1)
         if shared < MIN_SHARED_PREFIX:
             rest += members
             continue

@@ -22,6 +22,7 @@ from typing import Any
 
 from ragen.llm_agent.dump import DumpRecord
 from ragen.llm_agent.types import StopReason
+from ragen.utils import common_prefix_length
 from ragen.viewer.curve import curve_svg
 from ragen.viewer.grid import GridPicture, Symbols, picture, symbols_for
 
@@ -164,11 +165,7 @@ def _messages(messages: list[dict[str, str]], previous: list[dict[str, str]]) ->
     """The turn's prompt; the messages it starts with in common with the
     previous turn's prompt are counted, not repeated (a page stays linear in
     the turns, not quadratic)."""
-    kept = 0
-    for a, b in zip(previous, messages):
-        if a != b:
-            break
-        kept += 1
+    kept = common_prefix_length([previous, messages])
     body = "".join(f'<div class="msg"><b>{escape(str(m.get("role", "?")))}</b>'
                    f'<pre>{escape(str(m.get("content", "")))}</pre></div>' for m in messages[kept:])
     shown = f"; the first {kept} as in the previous turn, the {len(messages) - kept} new ones shown" if kept else ""
