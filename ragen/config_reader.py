@@ -5,7 +5,7 @@ Concepts:
 - A *section* is a dataclass whose fields are the keys of one config section
   (``agent_proxy``, ``trainer``, ...); a field's annotation is its type, its
   default is the key's default, and ``setting(...)`` adds what the type cannot
-  say (``choices``, ``minimum``, ``maximum``; on a list, they hold for each
+  say (``choices``, ``minimum``, ``above``, ``maximum``; on a list, they hold for each
   item). A field typed as another section dataclass is a nested section; one
   typed ``dict``/``Mapping`` or ``Any`` is passed through as it is.
 - ``read(Section, mapping, "agent_proxy")`` builds the section from plain or
@@ -54,11 +54,13 @@ def to_plain(value: Any) -> Any:
 
 def setting(default: Any = dataclasses.MISSING, *, default_factory: Any = dataclasses.MISSING,
             choices: Sequence[Any] | None = None, minimum: float | None = None,
-            maximum: float | None = None) -> Any:
-    """A section field with the checks its annotation cannot express.
+            maximum: float | None = None, above: float | None = None) -> Any:
+    """A section field with the checks its annotation cannot express
+    (``minimum`` and ``maximum`` inclusive, ``above`` exclusive).
 
     Without ``default`` (and ``default_factory``) the key is required."""
-    metadata = {"choices": tuple(choices) if choices is not None else None, "minimum": minimum, "maximum": maximum}
+    metadata = {"choices": tuple(choices) if choices is not None else None, "minimum": minimum, "maximum": maximum,
+                "above": above}
     return dataclasses.field(default=default, default_factory=default_factory, metadata=metadata)
 
 
@@ -170,6 +172,9 @@ def _checked(value: Any, key: str, metadata: Mapping) -> Any:
     minimum, maximum = metadata.get("minimum"), metadata.get("maximum")
     if minimum is not None and value < minimum:
         raise ValueError(f"{key} must be >= {minimum}, got {value!r}")
+    above = metadata.get("above")
+    if above is not None and value <= above:
+        raise ValueError(f"{key} must be > {above}, got {value!r}")
     if maximum is not None and value > maximum:
         raise ValueError(f"{key} must be <= {maximum}, got {value!r}")
     return value

@@ -113,12 +113,8 @@ class GenerationConfig:
 
     response_length: int = setting(SamplingParams.max_tokens, minimum=1)
     temperature: float = setting(SamplingParams.temperature, minimum=0.0)
-    top_p: float = setting(SamplingParams.top_p, minimum=0.0, maximum=1.0)
+    top_p: float = setting(SamplingParams.top_p, above=0.0, maximum=1.0)
     top_k: int = setting(SamplingParams.top_k, minimum=-1)
-
-    def __post_init__(self) -> None:
-        if self.top_p == 0.0:
-            raise ValueError("ctx_manager.generation.top_p must be in (0, 1], got 0.0")
 
 
 @dataclass(frozen=True)

@@ -140,12 +140,8 @@ class ModelSection:
 class RolloutSection:
     """``actor_rollout_ref.rollout.*``: group filtering and the longest training sequence."""
 
-    rollout_filter_ratio: float = setting(1.0, minimum=0.0, maximum=1.0)
+    rollout_filter_ratio: float = setting(1.0, above=0.0, maximum=1.0)
     max_model_len: int | None = setting(None, minimum=2)
-
-    def __post_init__(self) -> None:
-        if self.rollout_filter_ratio == 0.0:
-            raise ValueError("actor_rollout_ref.rollout.rollout_filter_ratio must be in (0, 1], got 0.0")
 
 
 @dataclass(frozen=True)
