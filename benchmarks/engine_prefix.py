@@ -1,6 +1,7 @@
 """Engine time of three rollouts on the default model, with and without prefix sharing.
 
-    python benchmarks/engine_prefix.py [--rollouts bandit_train,bandit_val,sokoban_5turn] [--json OUT]
+    python benchmarks/engine_prefix.py [--rollouts bandit_train,bandit_val,sokoban_5turn]
+                                       [--settings off,calls,turns] [--json OUT]
 
 The rollouts (sequential, the hf engine on the embedded SmolLM2-135M, seed 0):
 
@@ -9,8 +10,10 @@ The rollouts (sequential, the hf engine on the embedded SmolLM2-135M, seed 0):
 - ``sokoban_5turn``: SimpleSokoban, 4 groups x 4, five turns with ``enable_think``,
   48-token answers.
 
-Each runs with ``engine.prefix_cache=false`` (every prompt computed in full) and
-``true``, side by side in one process. For each: engine time, prompt tokens
+Each runs under three settings, side by side in one process: ``off``
+(``engine.prefix_cache=false``: every prompt computed in full), ``calls``
+(prompts shared within a call only: ``engine.turn_cache_mb=0``) and ``turns``
+(the default: also each episode's cache kept for its next turn). For each: engine time, prompt tokens
 computed and reused, answer tokens, whether the trajectories are the same
 (``rollout_digest``), and the floor: the forward-pass FLOPs of the tokens the
 engine computed (prompt tokens prefilled, and one decode step per row and step,
@@ -40,6 +43,8 @@ SOKOBAN = ["agent_proxy.max_turn=5", "agent_proxy.enable_think=true", "es_manage
            "es_manager.train.env_configs.n_groups=[4]", "ctx_manager.generation.response_length=48",
            "custom_envs.SimpleSokoban.max_tokens=48"]
 ROLLOUTS = {"bandit_train": ([], "train"), "bandit_val": ([], "val"), "sokoban_5turn": (SOKOBAN, "train")}
+SETTINGS = {"off": ["engine.prefix_cache=false"], "calls": ["engine.prefix_cache=true", "engine.turn_cache_mb=0"],
+            "turns": ["engine.prefix_cache=true"]}
 
 
 def matmul_gflops(hidden: int, intermediate: int) -> float:
@@ -63,10 +68,10 @@ def flops_per_token(model, context: int, with_head: bool) -> float:
     return 2 * body + attention + (2 * embed if with_head else 0)
 
 
-def run(name: str, prefix_cache: bool, model_path: str) -> dict:
+def run(name: str, setting: str, model_path: str) -> dict:
     extra, split = ROLLOUTS[name]
     with initialize_config_dir(config_dir=str(config_dir()), version_base=None):
-        cfg = compose("base", overrides=extra + [f"engine.prefix_cache={str(prefix_cache).lower()}"])
+        cfg = compose("base", overrides=extra + SETTINGS[setting])
     engine = make_engine(OmegaConf.to_container(cfg.engine), model_path)
     setup = AgentSetup.from_config(OmegaConf.to_container(cfg, resolve=True))
     with LLMAgentProxy(setup, engine) as proxy:
@@ -85,13 +90,16 @@ def run(name: str, prefix_cache: bool, model_path: str) -> dict:
     context = int(prefilled / max(1, len(prompts)))
     flops = (prefilled * flops_per_token(engine.model, context // 2, with_head=False)
              + decode_rows * flops_per_token(engine.model, context, with_head=True))
-    out = {"rollout": name, "prefix_cache": prefix_cache, "engine_s": m["timing/engine_s"],
+    out = {"rollout": name, "setting": setting, "engine_s": m["timing/engine_s"],
            "calls": int(m["engine/calls"]), "requests": len(prompts), "prompt_tokens_computed": int(prefilled),
            "prompt_tokens_reused": int(m.get("engine/reused_tokens", 0.0)), "decode_token_steps": decode_rows,
            "tflop": flops / 1e12, "digest": rollout_digest(result.trajectories),
            "success": m.get("rollout/success")}
     cfg_model = engine.model.config
     out["floor_s"] = flops / 1e9 / matmul_gflops(cfg_model.hidden_size, cfg_model.intermediate_size)
+    cache = getattr(engine, "turn_cache", None)
+    out["turn_cache_mb"] = cache.bytes / 2**20 if cache is not None else 0.0
+    out["turn_cache_evicted"] = cache.evicted if cache is not None else 0
     engine.close()
     return out
 
@@ -99,26 +107,33 @@ def run(name: str, prefix_cache: bool, model_path: str) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rollouts", default=",".join(ROLLOUTS), help="comma-separated, from " + ", ".join(ROLLOUTS))
+    parser.add_argument("--settings", default=",".join(SETTINGS), help="comma-separated, from " + ", ".join(SETTINGS))
     parser.add_argument("--json", help="also write the rows here")
     args = parser.parse_args()
     names = [n for n in args.rollouts.split(",") if n]
+    settings = [n for n in args.settings.split(",") if n]
     bad = [n for n in names if n not in ROLLOUTS]
     if bad:
         parser.error(f"--rollouts: unknown {bad}; choose from {list(ROLLOUTS)}")
+    bad = [n for n in settings if n not in SETTINGS]
+    if bad:
+        parser.error(f"--settings: unknown {bad}; choose from {list(SETTINGS)}")
     model_path = resolve_model_path("default")
     print(f"torch threads {torch.get_num_threads()}, cores {os.cpu_count()}")
     rows = []
     for name in names:
-        pair = [run(name, False, model_path), run(name, True, model_path)]
-        rows += pair
-        off, on = pair
-        for r in pair:
-            print(f"{name:14} prefix_cache={str(r['prefix_cache']).lower():5} engine {r['engine_s']:7.2f} s | "
+        runs = [run(name, setting, model_path) for setting in settings]
+        rows += runs
+        for r in runs:
+            print(f"{name:14} {r['setting']:5} engine {r['engine_s']:7.2f} s | "
                   f"prompt tokens computed {r['prompt_tokens_computed']:6d} reused {r['prompt_tokens_reused']:6d} | "
                   f"decode steps {r['decode_token_steps']:5d} | {r['tflop']:.2f} TFLOP, floor {r['floor_s']:6.2f} s "
-                  f"({r['floor_s'] / r['engine_s']:.0%} of it)")
-        print(f"{name:14} speed-up {off['engine_s'] / on['engine_s']:.1f}x, same trajectories: "
-              f"{off['digest'] == on['digest']}")
+                  f"({r['floor_s'] / r['engine_s']:.0%} of it) | turn cache {r['turn_cache_mb']:.0f} MiB, "
+                  f"{r['turn_cache_evicted']} evicted")
+        first = runs[0]
+        for r in runs[1:]:
+            print(f"{name:14} {r['setting']} vs {first['setting']}: {first['engine_s'] / r['engine_s']:.1f}x, "
+                  f"same trajectories: {first['digest'] == r['digest']}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)

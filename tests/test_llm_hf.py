@@ -13,6 +13,7 @@ from ragen.llm import make_engine
 from ragen.llm.hf import HFEngine
 from ragen.llm.tiny_model import TAG_TOKENS, build_tiny_model
 from ragen.llm.types import GenerationRequest, SamplingParams
+from ragen.utils import common_prefix_length
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12)
 
@@ -227,3 +228,89 @@ def test_shared_prefixes_give_the_tokens_of_full_prompts(tiny_model_path, sampli
 def test_prefix_cache_must_be_a_boolean(tiny_model_path):
     with pytest.raises(ValueError, match="engine.prefix_cache"):
         make_engine({"name": "hf", "device": "cpu", "prefix_cache": "yes"}, tiny_model_path)
+
+
+def _conversations(completions=None, episodes: int = 4) -> list[GenerationRequest]:
+    """A multi-turn episode's requests: the first turn, or (given the first turn's answers) the
+    second, whose prompt is the first turn's plus the answer and a new state."""
+    system = {"role": "system", "content": "You are a careful agent. " * 6}
+    reqs = []
+    for e in range(episodes):
+        messages = [system, {"role": "user", "content": f"Available actions: Up, Down. State {'#' * (4 * e + 1)}"}]
+        if completions is not None:
+            messages += [{"role": "assistant", "content": completions[e].text},
+                         {"role": "user", "content": f"Reward 0. State {'*' * (e + 2)}"}]
+        reqs.append(GenerationRequest(messages=messages, env_id=e, seed=7, turn=0 if completions is None else 1))
+    return reqs
+
+
+@pytest.mark.parametrize("sampling", [GREEDY, SamplingParams(temperature=1.0, max_tokens=12, seed=5)])
+def test_the_turn_cache_gives_the_tokens_of_full_prompts(tiny_model_path, sampling):
+    """The second turn starts from each episode's cache of the first (its prompt and answer),
+    computes only what follows, and answers as if the whole conversation were computed."""
+    kept = make_engine({"name": "hf", "device": "cpu"}, tiny_model_path)
+    full = make_engine({"name": "hf", "device": "cpu", "prefix_cache": False}, tiny_model_path)
+    first = kept.generate(_conversations(), sampling)
+    assert ids(first) == ids(full.generate(_conversations(), sampling))
+    assert len(kept.turn_cache) == 4 and 0 < kept.turn_cache.bytes <= kept.turn_cache.max_bytes
+    second_reqs = _conversations(first)
+    computed_before = kept.tokens_prefilled
+    second = kept.generate(second_reqs, sampling)
+    assert ids(second) == ids(full.generate(second_reqs, sampling))
+    # each episode computed only what follows the start it shares with its first turn's
+    # prompt and answer (the answer's last token was never fed back; a random model's bytes
+    # may come back as other tokens when the template renders the answer again)
+    kept_starts = [common_prefix_length([a.prompt_token_ids + a.response_token_ids[:-1], b.prompt_token_ids])
+                   for a, b in zip(first, second)]
+    assert all(n >= len(a.prompt_token_ids) for n, a in zip(kept_starts, first))
+    assert kept.tokens_prefilled - computed_before == sum(len(b.prompt_token_ids) - n
+                                                          for n, b in zip(kept_starts, second))
+    assert kept.tokens_prefilled + kept.tokens_reused == sum(len(c.prompt_token_ids) for c in first + second)
+
+
+def test_a_weight_update_drops_the_turn_cache(tiny_model_path, tiny_model_and_tokenizer):
+    engine = make_engine({"name": "hf", "device": "cpu"}, tiny_model_path)
+    first = engine.generate(_conversations(), GREEDY)
+    assert len(engine.turn_cache) == 4
+    engine.bump_policy_version()  # no call running: freed at once
+    assert len(engine.turn_cache) == 0 and engine.turn_cache.bytes == 0
+    engine.generate(_conversations(), GREEDY)
+    engine.load_weights({name: p.detach().clone() for name, p in engine.model.named_parameters()})
+    assert engine.turn_cache.bytes == 0
+    # an update while a call holds the engine: the next call still finds the old cache unusable
+    engine.generate(_conversations(), GREEDY)
+    with engine._lock:
+        engine.bump_policy_version()
+    assert len(engine.turn_cache) == 4  # not freed under a running call ...
+    reused = engine.tokens_reused
+    engine.generate(_conversations(first), GREEDY)
+    # ... and not used: only the common system message of the four prompts is reused
+    assert engine.tokens_reused - reused < sum(len(c.prompt_token_ids) for c in first)
+
+
+def test_the_turn_cache_stays_within_its_bound(tiny_model_path):
+    unbounded = make_engine({"name": "hf", "device": "cpu"}, tiny_model_path)
+    first = unbounded.generate(_conversations(), GREEDY)
+    one_call = unbounded.turn_cache.bytes
+    # room for one call's cache: the second call's evicts the first's
+    bounded = make_engine({"name": "hf", "device": "cpu", "turn_cache_mb": one_call * 1.5 / 2**20}, tiny_model_path)
+    bounded.generate(_conversations(), GREEDY)
+    other = [GenerationRequest(messages=r.messages, env_id=r.env_id + 10, seed=7) for r in _conversations()]
+    bounded.generate(other, GREEDY)
+    assert bounded.turn_cache.bytes <= bounded.turn_cache.max_bytes and bounded.turn_cache.evicted == 4
+    # too small for any call: nothing kept, the same answers
+    tiny = make_engine({"name": "hf", "device": "cpu", "turn_cache_mb": 0.001}, tiny_model_path)
+    assert ids(tiny.generate(_conversations(), GREEDY)) == ids(first)
+    assert tiny.turn_cache.bytes == 0 and len(tiny.turn_cache) == 0
+    assert ids(tiny.generate(_conversations(first), GREEDY)) == ids(unbounded.generate(_conversations(first), GREEDY))
+
+
+@pytest.mark.parametrize("value", [-1, "lots", True])
+def test_turn_cache_mb_must_be_a_number(tiny_model_path, value):
+    with pytest.raises(ValueError, match="engine.turn_cache_mb"):
+        make_engine({"name": "hf", "device": "cpu", "turn_cache_mb": value}, tiny_model_path)
+
+
+def test_no_turn_cache_without_prefix_sharing_or_at_zero(tiny_model_path):
+    assert make_engine({"name": "hf", "device": "cpu", "prefix_cache": False}, tiny_model_path).turn_cache is None
+    assert make_engine({"name": "hf", "device": "cpu", "turn_cache_mb": 0}, tiny_model_path).turn_cache is None

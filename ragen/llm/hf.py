@@ -47,6 +47,7 @@ import torch
 
 from ragen.llm.default_model import resolve_model_path
 from ragen.llm.transformers_compat import dtype_kwarg
+from ragen.llm.turn_cache import Hit, TurnCache
 from ragen.llm.types import Completion, Engine, GenerationRequest, SamplingParams, request_seed
 from ragen.utils import common_prefix_length
 
@@ -64,6 +65,19 @@ _CHAT_END_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>")
 
 
 _MIN_SHARED_TOKENS = 16  # a shorter common start is not worth its own forward pass
+
+
+def _plain_cache_layers(model: Any) -> bool:
+    """Whether the model's KV cache is full-attention ``DynamicLayer``s (no sliding window,
+    no linear attention): the layout ``HFEngine`` can assemble row by row."""
+    from transformers.cache_utils import DynamicCache, DynamicLayer
+
+    try:
+        layers = DynamicCache(config=model.config).layers
+    except (AttributeError, TypeError, ValueError, KeyError) as exc:
+        logger.info("HFEngine: no prefix reuse beyond identical prompts (%s's cache: %s)", type(model).__name__, exc)
+        return False
+    return all(type(layer) is DynamicLayer for layer in layers)
 
 
 def resolve_device(device: str | torch.device = "auto") -> torch.device:
@@ -89,7 +103,7 @@ class HFEngine(Engine):
     """transformers causal LM behind ``generate``; see the module docstring."""
 
     name = "hf"
-    config_keys = ("device", "dtype", "max_batch_size", "prefix_cache")
+    config_keys = ("device", "dtype", "max_batch_size", "prefix_cache", "turn_cache_mb")
 
     def __init__(
         self,
@@ -101,12 +115,15 @@ class HFEngine(Engine):
         dtype: str | torch.dtype = "auto",
         max_batch_size: int = 64,
         prefix_cache: bool = True,
+        turn_cache_mb: float = 2048,
     ) -> None:
         super().__init__()
         if int(max_batch_size) < 1:
             raise ValueError(f"engine.max_batch_size={max_batch_size} must be >= 1")
         if not isinstance(prefix_cache, bool):
             raise ValueError(f"engine.prefix_cache must be true or false, got {prefix_cache!r}")
+        if isinstance(turn_cache_mb, bool) or not isinstance(turn_cache_mb, (int, float)) or turn_cache_mb < 0:
+            raise ValueError(f"engine.turn_cache_mb must be a number >= 0 (0: off), got {turn_cache_mb!r}")
         self.max_batch_size = int(max_batch_size)
         self.prefix_cache = prefix_cache
         if model is None:
@@ -138,6 +155,12 @@ class HFEngine(Engine):
         self.pad_token_id = int(pad if pad is not None else min(self.stop_token_ids, default=0))
         params = inspect.signature(model.forward).parameters
         self._logits_kwarg = next((k for k in ("logits_to_keep", "num_logits_to_keep") if k in params), None)
+        # Starts computed once and episodes' caches kept between calls are assembled into a
+        # batch cache by hand: only for models whose cache is plain full-attention layers.
+        self._assemble = prefix_cache and _plain_cache_layers(model)
+        self.turn_cache = (TurnCache(int(turn_cache_mb * 2**20))
+                           if self._assemble and turn_cache_mb > 0 else None)
+        self._turn_cache_version = self.policy_version
         # generate() flips the model to eval and back: one call at a time.
         self._lock = threading.Lock()
 
@@ -163,6 +186,18 @@ class HFEngine(Engine):
                 targets[name].copy_(tensor.to(device=targets[name].device, dtype=targets[name].dtype))
         return self.bump_policy_version()
 
+    def bump_policy_version(self) -> int:
+        version = super().bump_policy_version()
+        # Free the old weights' keys and values now, unless a call is running (it checks the
+        # version before its next use of them).
+        if self.turn_cache is not None and self._lock.acquire(blocking=False):
+            try:
+                self.turn_cache.clear()
+                self._turn_cache_version = version
+            finally:
+                self._lock.release()
+        return version
+
     # -- generation -------------------------------------------------------
 
     def encode_prompt(self, messages: Sequence[Mapping[str, str]]) -> list[int]:
@@ -181,6 +216,10 @@ class HFEngine(Engine):
         prompts = [self.encode_prompt(r.messages) for r in requests]
         limits = [max(0, r.max_tokens if r.max_tokens is not None else sampling.max_tokens) for r in requests]
         seeds = [request_seed(sampling.seed, r.key) for r in requests]
+        episodes = [(r.seed, r.env_id) for r in requests]
+        if self.turn_cache is not None and self._turn_cache_version != self.policy_version:
+            self.turn_cache.clear()  # keys and values of the old weights
+            self._turn_cache_version = self.policy_version
         # Similar lengths together: less padding, and identical prompts side by side (shared
         # in a chunk); results do not depend on the grouping.
         order = sorted(range(len(requests)), key=lambda i: (len(prompts[i]), prompts[i]))
@@ -191,9 +230,8 @@ class HFEngine(Engine):
             with torch.no_grad():
                 for first in range(0, len(order), self.max_batch_size):
                     chunk = order[first : first + self.max_batch_size]
-                    outputs = self._generate_chunk(
-                        [prompts[i] for i in chunk], [limits[i] for i in chunk], [seeds[i] for i in chunk], sampling
-                    )
+                    outputs = self._generate_chunk([prompts[i] for i in chunk], [limits[i] for i in chunk],
+                                                   [seeds[i] for i in chunk], [episodes[i] for i in chunk], sampling)
                     for i, output in zip(chunk, outputs):
                         results[i] = output
         finally:
@@ -219,9 +257,8 @@ class HFEngine(Engine):
         )
         return completions
 
-    def _generate_chunk(
-        self, prompts: list[list[int]], limits: list[int], seeds: list[int], sampling: SamplingParams
-    ) -> list[tuple[list[int], str]]:
+    def _generate_chunk(self, prompts: list[list[int]], limits: list[int], seeds: list[int],
+                        episodes: list[tuple[int, int]], sampling: SamplingParams) -> list[tuple[list[int], str]]:
         batch = len(prompts)
         responses: list[list[int]] = [[] for _ in range(batch)]
         reasons: list[str | None] = ["length" if limit == 0 else None for limit in limits]
@@ -229,7 +266,7 @@ class HFEngine(Engine):
         if steps == 0:
             return [([], "length") for _ in range(batch)]
         extra = {self._logits_kwarg: 1} if self._logits_kwarg else {}
-        past, logits, mask = self._prefill(prompts, extra)
+        past, logits, mask = self._prefill(prompts, episodes, extra)
         uniforms = None
         if not sampling.greedy:
             # One CPU stream per request, drawn up front: row i's t-th token uses
@@ -262,53 +299,103 @@ class HFEngine(Engine):
             # Finished rows keep decoding (their tokens are ignored): cheaper than
             # re-slicing the cache, and it leaves the other rows untouched.
             mask = torch.cat([mask, mask.new_ones((batch, 1))], dim=-1)
+        if self.turn_cache is not None:
+            self._keep(past, mask, prompts, responses, episodes)
         return [(resp, reason or "length") for resp, reason in zip(responses, reasons)]
 
-    def _prefill(self, prompts: list[list[int]], extra: dict[str, int]) -> tuple[Any, torch.Tensor, torch.Tensor]:
-        """The KV cache, last-position logits (float) and attention mask of
-        ``prompts``, one row each. With ``prefix_cache``, each distinct prompt
-        is computed once (its rows gathered from it) and their common start
-        once for all of them."""
+    def _keep(self, past: Any, mask: torch.Tensor, prompts: list[list[int]], responses: list[list[int]],
+              episodes: list[tuple[int, int]]) -> None:
+        """Keep each row's cache for its episode's next turn: its prompt and its answer but the
+        last token (never fed back); the steps a finished row kept decoding are not kept."""
+        rows = []
+        for row, (prompt, response, episode) in enumerate(zip(prompts, responses, episodes)):
+            tokens = prompt + response[:-1]
+            rows.append((episode, row, tokens, mask[row].nonzero().squeeze(-1)[: len(tokens)]))
+        self.turn_cache.put([(layer.keys, layer.values) for layer in past.layers], rows)
+
+    def _prefill(self, prompts: list[list[int]], episodes: list[tuple[int, int]],
+                 extra: dict[str, int]) -> tuple[Any, torch.Tensor, torch.Tensor]:
+        """The KV cache, last-position logits (float) and attention mask of ``prompts``, one
+        row each. With ``prefix_cache``, each distinct prompt is computed once (its rows
+        gathered from it), after the longest start that is already computed: its episode's
+        cache from an earlier call (``turn_cache``), or else the common start of the prompts
+        without one, computed once for all of them."""
         total = sum(len(p) for p in prompts)
         if not self.prefix_cache:
             self.tokens_prefilled += total
             return self._forward(prompts, extra)
         where: dict[tuple[int, ...], int] = {}
-        rows = torch.tensor([where.setdefault(tuple(p), len(where)) for p in prompts])
-        distinct = list(where)
-        shared = common_prefix_length(distinct) if len(distinct) > 1 else 0
-        shared = min(shared, min(len(p) for p in distinct) - 1)  # every row keeps a token to compute
-        start = None
+        rows = [where.setdefault(tuple(p), len(where)) for p in prompts]
+        distinct = [list(p) for p in where]
+        starts: list[Hit | None] = [None] * len(distinct)
+        if self.turn_cache is not None:
+            for row, episode in zip(rows, episodes):
+                hit = self.turn_cache.get(episode, distinct[row])
+                if hit and hit.length >= _MIN_SHARED_TOKENS and hit.length > getattr(starts[row], "length", 0):
+                    starts[row] = hit
+        rest = [d for d, start in enumerate(starts) if start is None]
+        shared = common_prefix_length([distinct[d] for d in rest]) if len(rest) > 1 and self._assemble else 0
+        shared = min([shared] + [len(distinct[d]) - 1 for d in rest])  # every row keeps a token to compute
         if shared >= _MIN_SHARED_TOKENS:
-            start = self._forward([list(distinct[0][:shared])], extra)[0]
-            start.batch_select_indices(torch.zeros(len(distinct), dtype=torch.long, device=self.device))
+            start_cache = self._forward([distinct[rest[0]][:shared]], extra)[0]
+            common = Hit(shared, [(layer.keys, layer.values) for layer in start_cache.layers], 0,
+                         torch.arange(shared, device=self.device))
+            for d in rest:
+                starts[d] = common
         else:
             shared = 0
-        past, logits, mask = self._forward([list(p[shared:]) for p in distinct], extra, start, shared)
-        computed = shared + sum(len(p) - shared for p in distinct)
+        lengths = [start.length if start else 0 for start in starts]
+        past, past_mask = self._assemble_cache(starts)
+        past, logits, mask = self._forward([p[n:] for p, n in zip(distinct, lengths)], extra, past, past_mask)
+        computed = shared + sum(len(p) - n for p, n in zip(distinct, lengths))
         self.tokens_prefilled += computed
         self.tokens_reused += total - computed
         if len(distinct) < len(prompts):
-            rows = rows.to(self.device)
-            past.batch_select_indices(rows)
-            logits, mask = logits[rows], mask[rows]
+            index = torch.tensor(rows, device=self.device)
+            past.batch_select_indices(index)
+            logits, mask = logits[index], mask[index]
         return past, logits, mask
 
+    def _assemble_cache(self, starts: list[Hit | None]) -> tuple[Any, torch.Tensor | None]:
+        """One batch cache from each row's computed start (or none), left-padded to the longest,
+        and its attention mask; (None, None) when no row has one."""
+        width = max((start.length for start in starts if start), default=0)
+        if width == 0:
+            return None, None
+        from transformers.cache_utils import DynamicCache
+
+        mask = torch.zeros((len(starts), width), dtype=torch.long, device=self.device)
+        for row, start in enumerate(starts):
+            if start:
+                mask[row, width - start.length:] = 1
+        layers = []
+        for index, (keys, values) in enumerate(starts[next(i for i, s in enumerate(starts) if s)].layers):
+            batch_keys = keys.new_zeros((len(starts), keys.shape[1], width, keys.shape[3]))
+            batch_values = values.new_zeros((len(starts), values.shape[1], width, values.shape[3]))
+            for row, start in enumerate(starts):
+                if start:
+                    source_keys, source_values = start.layers[index]
+                    batch_keys[row, :, width - start.length:] = source_keys[start.row][:, start.columns]
+                    batch_values[row, :, width - start.length:] = source_values[start.row][:, start.columns]
+            layers.append((batch_keys, batch_values))
+        return DynamicCache(ddp_cache_data=layers), mask
+
     def _forward(self, prompts: list[list[int]], extra: dict[str, int], past: Any = None,
-                 past_len: int = 0) -> tuple[Any, torch.Tensor, torch.Tensor]:
-        """One forward pass over left-padded ``prompts`` after ``past`` (a cache
-        of ``past_len`` tokens, the same for every row, or None): the cache,
-        the last position's logits and the whole attention mask. Padding sits
-        between the cached start and the prompts; positions come from the mask."""
+                 past_mask: torch.Tensor | None = None) -> tuple[Any, torch.Tensor, torch.Tensor]:
+        """One forward pass over left-padded ``prompts`` after ``past`` (a cache whose attention
+        mask is ``past_mask``, or None): the cache, the last position's logits and the whole
+        attention mask. Padding sits between each row's cached start and its prompt; positions
+        come from the mask."""
         batch, width = len(prompts), max(len(p) for p in prompts)
         input_ids = torch.full((batch, width), self.pad_token_id, dtype=torch.long)
-        mask = torch.zeros((batch, past_len + width), dtype=torch.long)
-        mask[:, :past_len] = 1
+        mask = torch.zeros((batch, width), dtype=torch.long)
         for row, prompt in enumerate(prompts):  # left padding
             input_ids[row, width - len(prompt):] = torch.tensor(prompt, dtype=torch.long)
-            mask[row, past_len + width - len(prompt):] = 1
+            mask[row, width - len(prompt):] = 1
         input_ids, mask = input_ids.to(self.device), mask.to(self.device)
-        positions = (mask.cumsum(-1) - 1).clamp(min=0)[:, past_len:]
+        if past_mask is not None:
+            mask = torch.cat([past_mask, mask], dim=-1)
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)[:, mask.shape[1] - width:]
         out = self.model(input_ids=input_ids, attention_mask=mask, position_ids=positions, past_key_values=past,
                          use_cache=True, **extra)
         return out.past_key_values, out.logits[:, -1, :].float(), mask
