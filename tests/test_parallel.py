@@ -218,6 +218,29 @@ def test_hf_greedy_parallel_equals_sequential(tiny_model_path):
     assert result.metrics["engine/max_batch_size"] <= 3
 
 
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_hf_turn_cache_keeps_multi_turn_trajectories(tiny_model_path, temperature):
+    """Episodes of several turns, each turn starting from the episode's cache of the last: the
+    trajectories of an engine that recomputes every prompt, with most prompt tokens reused."""
+    from dataclasses import replace
+
+    from ragen.llm.hf import HFEngine
+
+    specs = specs_for(["SimpleSokoban", "FrozenLake"], [2, 2], 2, custom_envs())
+    config = loop_config(max_turn=3)
+    config = replace(config, sampling=replace(config.sampling, temperature=temperature, max_tokens=12, seed=3))
+    kept = HFEngine(tiny_model_path, device="cpu")
+    within_calls = HFEngine(tiny_model_path, device="cpu", turn_cache_mb=0)
+    full = HFEngine(tiny_model_path, device="cpu", prefix_cache=False)
+    trajectories = sequential(specs, config, kept)
+    assert trajectories == sequential(specs, config, full) == sequential(specs, config, within_calls)
+    assert max(len(t.turns) for t in trajectories) == 3
+    assert kept.tokens_prefilled + kept.tokens_reused == full.tokens_prefilled
+    # each turn after the first computes what is new since the episode's last call (a random
+    # model's answers come back as other tokens now and then, which are computed again)
+    assert kept.tokens_prefilled < 0.6 * within_calls.tokens_prefilled < 0.6 * full.tokens_prefilled
+
+
 def test_engine_idle_splits_a_rollout_around_its_engine_calls():
     from ragen.llm_agent.parallel_rollout import _engine_idle
 

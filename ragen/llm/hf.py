@@ -16,10 +16,17 @@ prompts (a GRPO group's members share one) are prefilled once and their KV
 cache gathered into every row that asked for them; and the distinct prompts'
 common start (system message, instruction, format example) is prefilled once
 for all of them, their remaining tokens after it (rows padded between the two;
-positions from the mask, so nothing shifts). Sampling stays per row. The
-engine counts the prompt tokens it computed and those it reused
-(``tokens_prefilled``, ``tokens_reused``); ``prefix_cache=False`` computes
-every row's prompt in full, as before.
+positions from the mask, so nothing shifts). Sampling stays per row. Across
+calls, ``turn_cache`` (``ragen.llm.turn_cache``, ``turn_cache_mb``) keeps each
+episode's cache (its prompt and answer), and the episode's next prompt, which
+starts with them, computes only the tokens after the start they share; rows
+with cached starts of different lengths are left-padded into one batch cache.
+It is bounded, least recently used out, and cleared whenever the policy
+version changes. The engine counts the prompt tokens it computed and those it
+reused (``tokens_prefilled``, ``tokens_reused``); ``prefix_cache=False``
+computes every row's prompt in full, as before. Both reuses apply to models
+whose cache is plain full-attention layers (``DynamicLayer``); others (sliding
+window, linear attention) share identical prompts only.
 
 *Stopping*: at EOS or the chat end token (``<|im_end|>``), at a
 ``sampling.stop`` string (cut from the text, like OpenAI/vLLM; its tokens stay in

@@ -237,18 +237,20 @@ class LLMAgentProxy:
         config = self.setup.loop if split == "train" else self.setup.val_loop
         with self._semaphore:  # the bar's clock starts once the rollout may run
             # the engine's counts over this rollout (rollouts at once, or generating ahead, add theirs)
-            prefilled, reused = _prompt_counts(self.engine)
+            before = _engine_counts(self.engine)
             with progress if progress is not None else RolloutProgress(len(specs), split) as progress:
                 if self.parallel is not None:
                     result = self.parallel.rollout(specs, config, fault=fault, progress=progress)
                 else:
                     result = self._sequential(specs, config, progress)
-            after = _prompt_counts(self.engine)
-            prefilled, reused = after[0] - prefilled, after[1] - reused
+            prefilled, reused, evicted = (b - a for a, b in zip(before, _engine_counts(self.engine)))
         m = result.metrics
         if prefilled or reused:
             m.update({"engine/prefill_tokens": float(prefilled), "engine/reused_tokens": float(reused),
                       "engine/prefix_reuse": reused / (prefilled + reused)})
+        turn_cache = getattr(self.engine, "turn_cache", None)
+        if turn_cache is not None:  # the memory it holds now, and the episodes it let go to stay in its bound
+            m.update({"engine/turn_cache_mb": turn_cache.bytes / 2**20, "engine/turn_cache_evicted": float(evicted)})
         logger.info(
             "[Rollout] %s: %d envs in %.2f s | engine %.2f s, %d calls, mean batch %.1f%s | env %.2f s | "
             "waiting for the model %.2f s | fallbacks %d | success %.3f",
@@ -306,9 +308,12 @@ class LLMAgentProxy:
         self.close()
 
 
-def _prompt_counts(engine: Engine) -> tuple[int, int]:
-    """The engine's prompt tokens computed and reused so far (0, 0 for an engine that does not count)."""
-    return getattr(engine, "tokens_prefilled", 0), getattr(engine, "tokens_reused", 0)
+def _engine_counts(engine: Engine) -> tuple[int, int, int]:
+    """The engine's prompt tokens computed and reused so far, and the episodes its turn cache
+    evicted (0 for what an engine does not count)."""
+    turn_cache = getattr(engine, "turn_cache", None)
+    return (getattr(engine, "tokens_prefilled", 0), getattr(engine, "tokens_reused", 0),
+            turn_cache.evicted if turn_cache is not None else 0)
 
 
 class _LockedClient(DirectClient):
