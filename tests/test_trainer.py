@@ -238,8 +238,10 @@ def test_engine_samples_from_the_trained_weights(tiny_model_path, tmp_path):
         # prompt its start; without sharing the share would be 0
         m = first.metrics
         assert m["engine/prefix_reuse"] > 0.5 and m["engine/reused_tokens"] > m["engine/prefill_tokens"]
-        # each episode's cache is kept for a next turn, within the bound; an update drops it
+        # each episode's cache is kept for a next turn, within the bound, and freed when the
+        # rollout (every episode in it) has ended
         assert 0 < m["engine/turn_cache_mb"] <= 2048 and m["engine/turn_cache_evicted"] == 0
+        assert len(engine.turn_cache) == 0 and engine.turn_cache.bytes == 0
         samples, _ = trainer.make_samples(first)
         # make sure this step moves the weights whatever the random rewards were
         for i, s in enumerate(samples):

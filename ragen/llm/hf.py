@@ -21,8 +21,8 @@ calls, ``turn_cache`` (``ragen.llm.turn_cache``, ``turn_cache_mb``) keeps each
 episode's cache (its prompt and answer), and the episode's next prompt, which
 starts with them, computes only the tokens after the start they share; rows
 with cached starts of different lengths are left-padded into one batch cache.
-It is bounded, least recently used out, and cleared whenever the policy
-version changes. The engine counts the prompt tokens it computed and those it
+It is bounded, least recently used out, cleared whenever the policy version
+changes, and freed by ``release_cache`` (the rollout calls it at its end). The engine counts the prompt tokens it computed and those it
 reused (``tokens_prefilled``, ``tokens_reused``); ``prefix_cache=False``
 computes every row's prompt in full, as before. Both reuses apply to models
 whose cache is plain full-attention layers (``DynamicLayer``); others (sliding
@@ -195,15 +195,18 @@ class HFEngine(Engine):
 
     def bump_policy_version(self) -> int:
         version = super().bump_policy_version()
-        # Free the old weights' keys and values now, unless a call is running (it checks the
-        # version before its next use of them).
+        self.release_cache()  # the old weights' keys and values
+        return version
+
+    def release_cache(self) -> None:
+        """Free the turn cache now, unless a call is running: that call, or the next, finds the
+        version changed and clears it then (a rollout's end with a call running frees nothing)."""
         if self.turn_cache is not None and self._lock.acquire(blocking=False):
             try:
                 self.turn_cache.clear()
-                self._turn_cache_version = version
+                self._turn_cache_version = self.policy_version
             finally:
                 self._lock.release()
-        return version
 
     # -- generation -------------------------------------------------------
 

@@ -127,5 +127,9 @@ class Engine(ABC):
         self.policy_version += 1
         return self.policy_version
 
+    def release_cache(self) -> None:
+        """Free what the engine keeps between calls for episodes in flight; called when none
+        is (the end of a rollout). Engines that keep nothing do nothing."""
+
     def close(self) -> None:
         pass

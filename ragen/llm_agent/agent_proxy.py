@@ -127,6 +127,8 @@ class LLMAgentProxy:
         self.parallel: ParallelRolloutManager | None = None
         self._kept_envs = KeptEnvs()
         self._lock = threading.Lock()  # the engine lock of the sequential path
+        self._rollouts_running = 0  # the engine's per-episode caches are freed when none is
+        self._running_lock = threading.Lock()
         if ap.use_parallel_rollout or ap.rollout_mode == "fully_async":
             self.shared = SharedLLMInferenceManager(
                 engine, max_batch_size=ap.max_batch_size, coalesce_wait_s=ap.coalesce_wait_s,
@@ -236,21 +238,33 @@ class LLMAgentProxy:
         specs = self.setup.es[split].make_specs(rollout_index)
         config = self.setup.loop if split == "train" else self.setup.val_loop
         with self._semaphore:  # the bar's clock starts once the rollout may run
-            # the engine's counts over this rollout (rollouts at once, or generating ahead, add theirs)
-            before = _engine_counts(self.engine)
-            with progress if progress is not None else RolloutProgress(len(specs), split) as progress:
-                if self.parallel is not None:
-                    result = self.parallel.rollout(specs, config, fault=fault, progress=progress)
-                else:
-                    result = self._sequential(specs, config, progress)
-            prefilled, reused, evicted = (b - a for a, b in zip(before, _engine_counts(self.engine)))
+            with self._running_lock:
+                self._rollouts_running += 1
+            try:
+                # the engine's counts over this rollout (rollouts at once, or generating ahead, add theirs)
+                before = _engine_counts(self.engine)
+                with progress if progress is not None else RolloutProgress(len(specs), split) as progress:
+                    if self.parallel is not None:
+                        result = self.parallel.rollout(specs, config, fault=fault, progress=progress)
+                    else:
+                        result = self._sequential(specs, config, progress)
+                prefilled, reused, evicted = (b - a for a, b in zip(before, _engine_counts(self.engine)))
+                # the memory kept for next turns at the rollout's end, and the episodes let go to stay in bound
+                turn_cache = getattr(self.engine, "turn_cache", None)
+                cache_mb = turn_cache.bytes / 2**20 if turn_cache is not None else None
+            finally:
+                with self._running_lock:
+                    self._rollouts_running -= 1
+                    # every episode of this rollout has ended: unless another rollout or the
+                    # fully-async groups still run episodes, nothing the engine keeps is needed
+                    if self._rollouts_running == 0 and self._groups_in_flight is None:
+                        self.engine.release_cache()
         m = result.metrics
         if prefilled or reused:
             m.update({"engine/prefill_tokens": float(prefilled), "engine/reused_tokens": float(reused),
                       "engine/prefix_reuse": reused / (prefilled + reused)})
-        turn_cache = getattr(self.engine, "turn_cache", None)
-        if turn_cache is not None:  # the memory it holds now, and the episodes it let go to stay in its bound
-            m.update({"engine/turn_cache_mb": turn_cache.bytes / 2**20, "engine/turn_cache_evicted": float(evicted)})
+        if cache_mb is not None:
+            m.update({"engine/turn_cache_mb": cache_mb, "engine/turn_cache_evicted": float(evicted)})
         logger.info(
             "[Rollout] %s: %d envs in %.2f s | engine %.2f s, %d calls, mean batch %.1f%s | env %.2f s | "
             "waiting for the model %.2f s | fallbacks %d | success %.3f",
