@@ -51,6 +51,9 @@ def test_a_dump_reads_back_as_the_rollout_that_was_played(played, tmp_path):
     assert [r.trajectory for r in records] == result.trajectories
     assert [r.spec for r in records] == result.specs
     assert all(r.loop == config and r.split == "train" and r.step == 12 for r in records)
+    # how each answer was sampled (left out of a turn's equality): token ids and log-probs, exactly
+    assert [[(t.response_ids, t.logprobs) for t in r.trajectory.turns] for r in records] == \
+        [[(t.response_ids, t.logprobs) for t in tr.turns] for tr in result.trajectories]
     # every turn's prompt is the one the engine was sent, and its seed the one the engine drew from
     sent = {(q.env_id, q.turn): q for q in engine.requests}
     for r in records:

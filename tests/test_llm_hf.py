@@ -314,3 +314,47 @@ def test_turn_cache_mb_must_be_a_number(tiny_model_path, value):
 def test_no_turn_cache_without_prefix_sharing_or_at_zero(tiny_model_path):
     assert make_engine({"name": "hf", "device": "cpu", "prefix_cache": False}, tiny_model_path).turn_cache is None
     assert make_engine({"name": "hf", "device": "cpu", "turn_cache_mb": 0}, tiny_model_path).turn_cache is None
+
+
+def _recomputed_logprobs(engine, completion, temperature: float = 1.0, top_k: int = 0) -> list[float]:
+    """log p of each response token from one forward pass over prompt + response, as a trainer
+    would compute it: logits / temperature, top_k of them kept and renormalized."""
+    ids = torch.tensor([completion.prompt_token_ids + completion.response_token_ids])
+    with torch.no_grad():
+        logits = engine.model(input_ids=ids).logits[0].float()
+    n = len(completion.prompt_token_ids)
+    logits = logits[n - 1: n - 1 + len(completion.response_token_ids)] / temperature
+    if top_k:
+        kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    targets = torch.tensor(completion.response_token_ids)
+    return torch.log_softmax(logits, dim=-1).gather(-1, targets[:, None]).squeeze(-1).tolist()
+
+
+@pytest.mark.parametrize("sampling", [
+    GREEDY,
+    SamplingParams(temperature=1.0, max_tokens=12, seed=5),
+    SamplingParams(temperature=0.7, max_tokens=12, seed=5),
+    SamplingParams(temperature=1.3, top_k=5, max_tokens=12, seed=5),
+], ids=["greedy", "t1", "t0.7", "t1.3-top5"])
+def test_logprobs_are_those_of_the_sampling_distribution(engine, sampling):
+    """One log-prob per response token (the end token included), equal within 1e-4 to a
+    forward pass over the whole sequence with the sampling's temperature and top-k (greedy:
+    the model's own distribution), in a left-padded batch with shared prefixes."""
+    completions = engine.generate(_grpo_like_requests(2, 3), sampling)
+    for c in completions:
+        assert len(c.logprobs) == len(c.response_token_ids) > 0
+        temperature = 1.0 if sampling.greedy else sampling.temperature
+        expected = _recomputed_logprobs(engine, c, temperature, max(0, sampling.top_k))
+        assert c.logprobs == pytest.approx(expected, abs=1e-4)
+        assert all(lp <= 0.0 for lp in c.logprobs)
+
+
+def test_top_p_log_probs_are_renormalized_over_the_kept_tokens(engine):
+    wide = engine.generate(requests(4), SamplingParams(temperature=1.0, max_tokens=8, seed=2))
+    narrow = engine.generate(requests(4), SamplingParams(temperature=1.0, top_p=0.5, max_tokens=8, seed=2))
+    for c in narrow:
+        full = _recomputed_logprobs(engine, c)
+        # renormalized over a mass of at most 1: a kept token's log-prob can only rise
+        assert all(lp >= f - 1e-5 for lp, f in zip(c.logprobs, full))
+    assert any(a.logprobs != b.logprobs for a, b in zip(wide, narrow))

@@ -3,6 +3,7 @@ answer format, malformed rate, cost model and token limits."""
 
 from __future__ import annotations
 
+import math
 import re
 import subprocess
 import sys
@@ -223,3 +224,35 @@ def test_scripted_engine_does_not_import_torch():
     )
     root = Path(__file__).resolve().parents[1]
     subprocess.run([sys.executable, "-c", code], check=True, cwd=root, timeout=120)
+
+
+@pytest.mark.parametrize("think", [True, False])
+def test_logprobs_are_those_of_the_scripted_policy(think):
+    """The answer's log-probs (on its first token, 0 on the rest) are the probability with which
+    the script draws it: over every answer it can give, they sum to 1, and each answer's
+    frequency over many requests is its probability."""
+    engine = ScriptedEngine(think=think)
+    content = "Available actions: Up, Down\nYou can take up to 2 actions per turn, separated by ||."
+    completions = engine.generate(requests(3000, content=content), SamplingParams())
+    seen: dict[str, float] = {}
+    counts: dict[str, int] = {}
+    for c in completions:
+        assert len(c.logprobs) == len(c.response_token_ids)
+        assert c.logprobs[1:] == [0.0] * (len(c.logprobs) - 1)
+        assert seen.setdefault(c.text, c.logprobs[0]) == c.logprobs[0]  # one answer, one probability
+        counts[c.text] = counts.get(c.text, 0) + 1
+    assert sum(math.exp(lp) for lp in seen.values()) == pytest.approx(1.0, abs=1e-9)
+    for text, lp in seen.items():
+        # binomial noise of 3000 draws: 4 standard errors
+        p = math.exp(lp)
+        assert abs(counts[text] / 3000 - p) < 4 * math.sqrt(p * (1 - p) / 3000) + 1e-9, text
+
+
+def test_malformed_answers_carry_the_malformed_draw_in_their_logprob():
+    clean = ScriptedEngine(malformed_rate=0.0).generate(requests(50), SamplingParams())
+    noisy = ScriptedEngine(malformed_rate=0.25).generate(requests(50), SamplingParams())
+    for a, b in zip(clean, noisy):
+        if a.text == b.text:  # drawn well-formed: the same answer, times 0.75
+            assert b.logprobs[0] == pytest.approx(a.logprobs[0] + math.log(0.75))
+        else:  # drawn malformed: times 0.25, times 1/5 for its kind
+            assert b.logprobs[0] == pytest.approx(a.logprobs[0] + math.log(0.25) - math.log(5))

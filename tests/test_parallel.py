@@ -18,6 +18,11 @@ from ragen.llm_agent.types import StopReason
 from tests.rollout_helpers import custom_envs, fault_tag, loop_config, rollouts_at_once, sequential, specs_for
 
 
+def sampled(trajectories):
+    """What the trajectories' equality leaves out: each turn's token ids and their log-probs."""
+    return [[(t.response_ids, t.logprobs) for t in traj.turns] for traj in trajectories]
+
+
 @pytest.fixture(scope="module")
 def engine():
     return ScriptedEngine(malformed_rate=0.1)
@@ -81,6 +86,9 @@ def test_parallel_equals_sequential(backend, n_jobs, mixed_specs, reference, eng
         for depth in (1, 2):
             result = prm.rollout(mixed_specs, loop_config(depth=depth))
             assert result.trajectories == reference
+            # the log-probs too, to the bit (the scripted engine's answers do not depend on the batch)
+            assert sampled(result.trajectories) == sampled(reference)
+            assert all(t.logprobs for traj in reference for t in traj.turns)
             assert result.metrics["parallel/fallbacks"] == 0
 
 
@@ -215,6 +223,13 @@ def test_hf_greedy_parallel_equals_sequential(tiny_model_path):
             ParallelRolloutManager(shared, n_jobs=2, backend="loky") as prm:
         result = prm.rollout(specs, replace(config, pipeline_depth=2))
     assert result.trajectories == ref
+    # the same tokens; their log-probs as close as float32 kernels over other batches give
+    # (left padding and batch size change the rounding of a matmul, not its value)
+    got, want = sampled(result.trajectories), sampled(ref)
+    assert [[ids for ids, _ in traj] for traj in got] == [[ids for ids, _ in traj] for traj in want]
+    diffs = [abs(a - b) for g, w in zip(got, want) for (_, la), (_, lb) in zip(g, w) for a, b in zip(la, lb)]
+    print("largest log-prob difference, parallel vs sequential:", max(diffs))
+    assert max(diffs) < 1e-4
     assert result.metrics["engine/max_batch_size"] <= 3
 
 

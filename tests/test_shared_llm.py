@@ -71,8 +71,9 @@ def test_answers_equal_direct_engine_calls():
     with SharedLLMInferenceManager(engine) as shared:
         got = ask(shared.client(), reqs, SamplingParams())
     want = engine.generate(reqs, SamplingParams())
-    # token ids stay in the driver: workers read the text
-    assert [dataclasses.replace(c, prompt_token_ids=[], response_token_ids=[]) for c in want] == got
+    # prompt token ids stay in the driver; the answer's token ids and log-probs travel with it
+    assert [dataclasses.replace(c, prompt_token_ids=[]) for c in want] == got
+    assert all(c.logprobs and len(c.logprobs) == len(c.response_token_ids) for c in got)
 
 
 def test_client_pickles_without_showing_the_key():
@@ -97,7 +98,8 @@ def _raw(shared):
 
 
 def test_garbage_and_oversized_frames_do_not_stop_the_server():
-    with SharedLLMInferenceManager(ScriptedEngine(), max_message_bytes=1024) as shared:
+    # small, yet room for 3 answers with their token ids and log-probs
+    with SharedLLMInferenceManager(ScriptedEngine(), max_message_bytes=4096) as shared:
         # garbage instead of a handshake
         s = _raw(shared)
         s.recv(64)

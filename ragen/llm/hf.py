@@ -110,6 +110,7 @@ class HFEngine(Engine):
     """transformers causal LM behind ``generate``; see the module docstring."""
 
     name = "hf"
+    returns_logprobs = True
     config_keys = ("device", "dtype", "max_batch_size", "prefix_cache", "turn_cache_mb")
 
     def __init__(
@@ -233,7 +234,7 @@ class HFEngine(Engine):
         # Similar lengths together: less padding, and identical prompts side by side (shared
         # in a chunk); results do not depend on the grouping.
         order = sorted(range(len(requests)), key=lambda i: (len(prompts[i]), prompts[i]))
-        results: list[tuple[list[int], str] | None] = [None] * len(requests)
+        results: list[tuple[list[int], str, list[float]] | None] = [None] * len(requests)
         modes = {module: module.training for module in self.model.modules()}
         self.model.eval()
         try:
@@ -248,7 +249,7 @@ class HFEngine(Engine):
             for module, training in modes.items():
                 module.training = training
         completions = []
-        for request, prompt, (response_ids, finish_reason) in zip(requests, prompts, results):
+        for request, prompt, (response_ids, finish_reason, logprobs) in zip(requests, prompts, results):
             text, finish_reason = self._response_text(response_ids, finish_reason, sampling.stop)
             completions.append(
                 Completion(
@@ -259,6 +260,7 @@ class HFEngine(Engine):
                     policy_version=self.policy_version,
                     env_id=request.env_id,
                     turn=request.turn,
+                    logprobs=logprobs,
                 )
             )
         logger.debug(
@@ -268,13 +270,15 @@ class HFEngine(Engine):
         return completions
 
     def _generate_chunk(self, prompts: list[list[int]], limits: list[int], seeds: list[int],
-                        episodes: list[tuple[int, int]], sampling: SamplingParams) -> list[tuple[list[int], str]]:
+                        episodes: list[tuple[int, int]],
+                        sampling: SamplingParams) -> list[tuple[list[int], str, list[float]]]:
         batch = len(prompts)
         responses: list[list[int]] = [[] for _ in range(batch)]
+        logprobs: list[list[float]] = [[] for _ in range(batch)]
         reasons: list[str | None] = ["length" if limit == 0 else None for limit in limits]
         steps = max(limits)
         if steps == 0:
-            return [([], "length") for _ in range(batch)]
+            return [([], "length", []) for _ in range(batch)]
         extra = {self._logits_kwarg: 1} if self._logits_kwarg else {}
         past, logits, mask = self._prefill(prompts, episodes, extra)
         uniforms = None
@@ -293,11 +297,12 @@ class HFEngine(Engine):
                                  past_key_values=past, use_cache=True, **extra)
                 past = out.past_key_values
                 logits = out.logits[:, -1, :].float()
-            tokens = self._choose(logits, sampling, None if uniforms is None else uniforms[:, step])
-            for row, token in enumerate(tokens.tolist()):
+            tokens, token_logprobs = self._choose(logits, sampling, None if uniforms is None else uniforms[:, step])
+            for row, (token, logprob) in enumerate(zip(tokens.tolist(), token_logprobs.tolist())):
                 if reasons[row] is not None:
                     continue
                 responses[row].append(token)
+                logprobs[row].append(logprob)
                 if token in self.stop_token_ids:
                     reasons[row] = "stop"
                 elif stop_strings and self._hits_stop_string(responses[row][-tail:], stop_strings):
@@ -311,7 +316,7 @@ class HFEngine(Engine):
             mask = torch.cat([mask, mask.new_ones((batch, 1))], dim=-1)
         if self.turn_cache is not None:
             self._keep(past, mask, prompts, responses, episodes)
-        return [(resp, reason or "length") for resp, reason in zip(responses, reasons)]
+        return [(resp, reason or "length", lps) for resp, reason, lps in zip(responses, reasons, logprobs)]
 
     def _keep(self, past: Any, mask: torch.Tensor, prompts: list[list[int]], responses: list[list[int]],
               episodes: list[tuple[int, int]]) -> None:
@@ -411,10 +416,14 @@ class HFEngine(Engine):
         return out.past_key_values, out.logits[:, -1, :].float(), mask
 
     @staticmethod
-    def _choose(logits: torch.Tensor, sampling: SamplingParams, uniforms: torch.Tensor | None) -> torch.Tensor:
-        """Next token per row: argmax, or the inverse CDF of the filtered distribution at ``uniforms``."""
+    def _choose(logits: torch.Tensor, sampling: SamplingParams,
+                uniforms: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Next token per row (argmax, or the inverse CDF of the filtered distribution at
+        ``uniforms``) and its log-prob under the distribution it was drawn from: temperature,
+        top-k and top-p applied and renormalized; for greedy, the model's own (temperature 1)."""
         if sampling.greedy or uniforms is None:
-            return logits.argmax(dim=-1)
+            tokens = logits.argmax(dim=-1)
+            return tokens, torch.log_softmax(logits, dim=-1).gather(-1, tokens[:, None]).squeeze(-1)
         logits = logits / float(sampling.temperature)
         vocab = logits.shape[-1]
         if 0 < sampling.top_k < vocab:
@@ -429,7 +438,11 @@ class HFEngine(Engine):
             probs = torch.zeros_like(probs).scatter(-1, index, sorted_probs)
         cdf = probs.double().cumsum(dim=-1)
         targets = (uniforms.double() * cdf[:, -1]).unsqueeze(-1)
-        return torch.searchsorted(cdf, targets, right=True).squeeze(-1).clamp(max=vocab - 1)
+        tokens = torch.searchsorted(cdf, targets, right=True).squeeze(-1).clamp(max=vocab - 1)
+        # log p(token) after filtering: the log-softmax there, less the log of the mass kept
+        logprobs = (torch.log_softmax(logits.double(), dim=-1).gather(-1, tokens[:, None]).squeeze(-1)
+                    - cdf[:, -1].log())
+        return tokens, logprobs.float()
 
     def _hits_stop_string(self, ids: list[int], stop_strings: list[str]) -> bool:
         text = self.tokenizer.decode(ids, skip_special_tokens=True)

@@ -16,6 +16,9 @@ without torch:
   unknown action, unclosed tag or nested tags, so parsers meet every defect.
 - *Tokens*: a byte-level tokenizer (utf-8 bytes) of a plain rendering of the
   messages; ``max_tokens`` truncates the response (finish reason ``length``).
+- *Log-probs*: the log-probability of the choices that made the answer (each
+  uniform among its options; the malformed draw at ``malformed_rate``), on
+  the first response token, 0 on the rest (they follow from the choices).
 - *Cost model* of a GPU engine: each ``generate`` call sleeps
   ``base_s + per_token_s * response tokens in the call`` (a sleep, so it holds
   no CPU, as a GPU-bound call would not).
@@ -24,6 +27,7 @@ without torch:
 from __future__ import annotations
 
 import logging
+import math
 import re
 import time
 from typing import Any, Mapping, Sequence
@@ -77,6 +81,7 @@ class ScriptedEngine(Engine):
     """Deterministic fake policy; see the module docstring."""
 
     name = "scripted"
+    returns_logprobs = True
     config_keys = ("seed", "malformed_rate", "base_s", "per_token_s", "think", "return_prompt_ids")
 
     def __init__(
@@ -115,6 +120,10 @@ class ScriptedEngine(Engine):
 
     def answer_text(self, request: GenerationRequest, sampling: SamplingParams) -> str:
         """The full (untruncated) answer for a request; a pure function of its inputs."""
+        return self._answer(request, sampling)[0]
+
+    def _answer(self, request: GenerationRequest, sampling: SamplingParams) -> tuple[str, float]:
+        """The full answer and the log-probability of the script's choices that made it."""
         # random.Random, not numpy: seeding one per request is 5x cheaper, and this
         # engine's own CPU time counts against the driver in benchmarks
         rng = random.Random(request_seed(self.seed, (sampling.seed, *request.key)))
@@ -122,26 +131,29 @@ class ScriptedEngine(Engine):
         names, max_actions = parse_action_space(prompt)
         if not names:  # instructions may sit in an earlier (system) message
             names, max_actions = parse_action_space("\n".join(m.get("content", "") for m in request.messages))
-        answer = self._actions(rng, names, max_actions) if names else self._expression(rng, prompt)
+        answer, logp = self._actions(rng, names, max_actions) if names else self._expression(rng, prompt)
         thought = _THOUGHTS[rng.randrange(len(_THOUGHTS))]
         think = f"<think>{thought}</think>" if self.think else ""
+        if self.think:
+            logp -= math.log(len(_THOUGHTS))
         # Always drawn, so the well-formed answers do not shift with the rate.
         malformed = rng.random() < self.malformed_rate
         kind = MALFORMED_KINDS[rng.randrange(len(MALFORMED_KINDS))]
         if not malformed:
-            return f"{think}<answer>{answer}</answer>"
+            return f"{think}<answer>{answer}</answer>", logp + math.log1p(-self.malformed_rate)
+        logp += math.log(self.malformed_rate) - math.log(len(MALFORMED_KINDS))
         if kind == "no_tags":
-            return answer
+            return answer, logp
         if kind == "empty_answer":
-            return f"{think}<answer></answer>"
+            return f"{think}<answer></answer>", logp
         if kind == "unknown_action":
-            return f"{think}<answer>{'Jump' if names else 'banana'}</answer>"
+            return f"{think}<answer>{'Jump' if names else 'banana'}</answer>", logp
         if kind == "unclosed_tag":
-            return f"{think}<answer>{answer}"
-        return f"{think}<answer><answer>{answer}</answer></answer>"
+            return f"{think}<answer>{answer}", logp
+        return f"{think}<answer><answer>{answer}</answer></answer>", logp
 
     def _complete(self, request: GenerationRequest, sampling: SamplingParams) -> Completion:
-        text = self.answer_text(request, sampling)
+        text, logp = self._answer(request, sampling)
         response_ids = list(text.encode("utf-8"))
         limit = request.max_tokens if request.max_tokens is not None else sampling.max_tokens
         finish_reason = "stop"
@@ -158,21 +170,29 @@ class ScriptedEngine(Engine):
             policy_version=self.policy_version,
             env_id=request.env_id,
             turn=request.turn,
+            # the choices' log-probability on the first token (every later byte follows from
+            # them with probability 1): the tokens' log-probs sum to the answer's
+            logprobs=[logp] + [0.0] * (len(response_ids) - 1) if response_ids else [],
         )
 
     @staticmethod
-    def _actions(rng: random.Random, names: list[str], max_actions: int) -> str:
+    def _actions(rng: random.Random, names: list[str], max_actions: int) -> tuple[str, float]:
         count = rng.randint(1, max_actions)
-        return ACTION_SEPARATOR.join(names[rng.randrange(len(names))] for _ in range(count))
+        text = ACTION_SEPARATOR.join(names[rng.randrange(len(names))] for _ in range(count))
+        return text, -math.log(max_actions) - count * math.log(len(names))
 
     @staticmethod
-    def _expression(rng: random.Random, prompt: str) -> str:
+    def _expression(rng: random.Random, prompt: str) -> tuple[str, float]:
         numbers = _INTEGER.findall(prompt)
         if not numbers:
-            return str(rng.randrange(10))
-        count = min(len(numbers), rng.randint(2, 4))
+            return str(rng.randrange(10)), -math.log(10)
+        drawn = rng.randint(2, 4)
+        count = min(len(numbers), drawn)
+        # every draw of 2..4 that min() maps to this count, then the ordered pick, then the operators
+        logp = math.log(sum(min(len(numbers), d) == count for d in (2, 3, 4)) / 3)
+        logp -= sum(math.log(len(numbers) - i) for i in range(count)) + (count - 1) * math.log(len(_OPERATORS))
         picked = [numbers[i] for i in rng.sample(range(len(numbers)), count)]
         parts = [picked[0]]
         for number in picked[1:]:
             parts += [_OPERATORS[rng.randrange(len(_OPERATORS))], number]
-        return " ".join(parts)
+        return " ".join(parts), logp

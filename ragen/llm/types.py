@@ -3,7 +3,8 @@
 - ``GenerationRequest``: one chat prompt, keyed by ``(seed, env_id, turn)`` so a
   policy's randomness can be tied to the request, never to batch order.
 - ``SamplingParams``: how to decode (``temperature == 0`` means greedy).
-- ``Completion``: the answer text, prompt and response token ids, why it
+- ``Completion``: the answer text, prompt and response token ids, the log-prob
+  of each response token under the distribution it was sampled from, why it
   stopped, and the policy version that produced it.
 - ``Engine``: ``generate(requests, sampling) -> completions``, one completion per
   request, in request order.
@@ -92,6 +93,9 @@ class Completion:
     policy_version: int
     env_id: int = 0
     turn: int = 0
+    # log p of each response token under the distribution it was sampled from (temperature,
+    # top-k, top-p applied); None: the engine gives none
+    logprobs: list[float] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return _as_dict(self)
@@ -111,6 +115,9 @@ class Engine(ABC):
     """
 
     name: str = "engine"
+    # whether completions carry ``logprobs`` (the trainer's off-policy correction needs them);
+    # an engine that asks a server for them may still get none back, and says so per completion
+    returns_logprobs: bool = False
 
     def __init__(self) -> None:
         self.policy_version = 0

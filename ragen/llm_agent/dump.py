@@ -192,8 +192,11 @@ def _record(row: Any, where: str, number: int) -> DumpRecord:
             previous = previous[:kept] + list(t["prompt"]["messages"])
             messages.append(previous)
             seeds.append(int(t["request_seed"]))
+            logprobs = t.get("logprobs")
             turns.append(Turn(**{**{k: v for k, v in t.items() if k in turn_fields},
-                                 "steps": tuple(Step(**s) for s in t["steps"])}))
+                                 "steps": tuple(Step(**s) for s in t["steps"]),
+                                 "response_ids": tuple(t.get("response_ids") or ()),
+                                 "logprobs": None if logprobs is None else tuple(logprobs)}))
         traj_fields = {f.name for f in dataclasses.fields(Trajectory)}
         traj = Trajectory(**{**{k: v for k, v in row.items() if k in traj_fields},
                              "turns": turns, "stop_reason": StopReason(row["stop_reason"])})

@@ -509,6 +509,8 @@ def _apply(slot: _EnvSlot, completion: Completion, ctx: ContextManager, config: 
             finish_reason=completion.finish_reason,
             steps=tuple(steps),
             env_s=env_s,
+            response_ids=tuple(completion.response_token_ids),
+            logprobs=None if completion.logprobs is None else tuple(completion.logprobs),
         )
     )
     if info.get("success"):

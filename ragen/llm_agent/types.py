@@ -3,7 +3,8 @@
 - ``EnvSpec``: everything a worker needs to build and reset one env (tag, type,
   config, seed, ids); plain data, so it crosses process boundaries.
 - ``Turn``: one exchange: the state shown, the model's answer, the actions
-  parsed from it and executed, the reward, and the policy version that answered.
+  parsed from it and executed, the reward, the policy version that answered
+  and the log-probs of the answer's tokens under the policy that sampled them.
 - ``Step``: one ``env.step`` within a turn: the action and what the env gave
   back (observation, reward, done); what a replay checks against.
 - ``Trajectory``: one env's episode: its turns and a ``StopReason``.
@@ -80,6 +81,11 @@ class Turn:
     finish_reason: str = "stop"
     steps: tuple[Step, ...] = ()  # one per executed action, in order
     env_s: float = field(default=0.0, compare=False)  # time in env.step this turn (a timing: not compared)
+    # How the answer was sampled: the engine's token ids of it and each one's log-prob under the
+    # distribution it was drawn from (None: the engine gives none); the trainer's off-policy
+    # correction reads them. Not compared: an engine's float rounding may depend on the batch.
+    response_ids: tuple[int, ...] = field(default=(), compare=False)
+    logprobs: tuple[float, ...] | None = field(default=None, compare=False)
 
 
 @dataclass

@@ -295,12 +295,11 @@ def completion_for_wire(completion: Completion, request: GenerationRequest) -> d
     if not isinstance(completion, Completion):
         raise TypeError(f"the engine returned {type(completion).__name__}, not a Completion, for the request "
                         f"of env_id {request.env_id}, turn {request.turn}")
-    # Workers read the text, finish reason and policy version, never the token
-    # ids (the trainer tokenizes trajectories itself): keep them out of the
-    # reply, where they would be most of its bytes and of its encoding time.
+    # Workers keep the answer's token ids and log-probs with its turn (the trainer's
+    # off-policy correction reads them), never the prompt's: those are most of a
+    # completion's bytes and of its encoding time, and the trainer renders prompts itself.
     d = completion.to_dict()
     d["prompt_token_ids"] = []
-    d["response_token_ids"] = []
     return d
 
 
