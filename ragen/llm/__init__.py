@@ -34,6 +34,7 @@ __all__ = [
     "request_seed",
     "make_engine",
     "check_engine_config",
+    "engine_returns_logprobs",
     "ENGINE_CLASSES",
     "ScriptedEngine",
     "HFEngine",
@@ -67,6 +68,11 @@ def check_engine_config(engine_cfg: Mapping[str, Any]) -> tuple[str, dict[str, A
     keys = _load_class(name).config_keys
     check_keys(cfg, keys, "engine", hint=f"; the options of engine {name!r} are {sorted(keys)}")
     return name, cfg
+
+
+def engine_returns_logprobs(name: str) -> bool:
+    """Whether the engine called ``name`` returns sampled tokens' log-probs (without building it)."""
+    return bool(_load_class(name).returns_logprobs)
 
 
 def make_engine(engine_cfg: Mapping[str, Any], model_path: str | None = None) -> Engine:

@@ -9,14 +9,16 @@ trajectories to training tensors.
   only when ``enable_think`` is off) -> action strings split on ``action_sep``,
   at most ``max_actions_per_turn``. Never raises.
 - ``formulate_rollouts``: token ids of each whole episode with a loss mask over
-  the model's own tokens only, and rewards at the end of each answer
-  (``use_turn_scores``) or at the last answer token.
+  the model's own tokens only, rewards at the end of each answer
+  (``use_turn_scores``) or at the last answer token, and, where the engine gave
+  them, the log-prob each answer token was sampled with.
 - ``normalize_rewards``: RAGEN's grouping (``state`` / ``inductive`` / ``batch``)
   and method (``identity`` / ``mean`` / ``mean_std`` / ``asym_clip``).
 """
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass
 from typing import Any, Sequence
@@ -24,6 +26,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from ragen.llm_agent.types import EnvSpec, Turn
+from ragen.utils import common_prefix_length
 
 FORMAT_THINK = "<think> [Your thoughts] </think> <answer> [your answer] </answer>"
 FORMAT_ANSWER = "<answer> [your answer] </answer>"
@@ -168,19 +171,31 @@ class ContextManager:
         template's headers) get mask 0, each answer and the template's
         end-of-turn token after it get mask 1. Assistant messages before the
         last ``len(turn_rewards)`` ones are format examples: mask 0.
+
+        ``sampled`` (optional; one per turn): the engine's ``(token ids,
+        log-probs)`` of each answer (log-probs None where the engine gave none).
+        ``behaviour_logprobs`` then holds, per token, the log-prob it was sampled
+        with: for the answer tokens up to where the engine's tokens and these
+        first differ (a token's log-prob holds only after the same prefix), NaN
+        elsewhere; None without ``sampled``.
         """
         out = []
         for ep in episodes:
-            ids, mask, rewards = self._tokenize_episode(ep["messages"], ep["turn_rewards"], tokenizer)
+            ids, mask, rewards, behaviour = self._tokenize_episode(ep["messages"], ep["turn_rewards"], tokenizer,
+                                                                   ep.get("sampled"))
             if max_length is not None and len(ids) > max_length:
                 ids, mask, rewards = ids[:max_length], mask[:max_length], rewards[:max_length]
-            out.append({"input_ids": ids, "loss_mask": mask, "token_rewards": rewards})
+                behaviour = None if behaviour is None else behaviour[:max_length]
+            out.append({"input_ids": ids, "loss_mask": mask, "token_rewards": rewards,
+                        "behaviour_logprobs": behaviour})
         return out
 
-    def _tokenize_episode(self, messages, turn_rewards, tokenizer):
+    def _tokenize_episode(self, messages, turn_rewards, tokenizer, sampled=None):
         ids: list[int] = []
         mask: list[int] = []
         rewards: list[float] = []
+        behaviour: list[float] | None = None if sampled is None else []
+        answers = iter(sampled or ())
         rendered = ""
         answer_ends: list[int] = []
         n_examples = sum(m["role"] == "assistant" for m in messages) - len(turn_rewards)
@@ -198,6 +213,13 @@ class ContextManager:
             ids += p + a
             mask += [0] * len(p) + [0 if example else 1] * len(a)
             rewards += [0.0] * (len(p) + len(a))
+            if behaviour is not None:
+                known: list[float] = []
+                if not example:
+                    engine_ids, logprobs = next(answers, ((), None))
+                    if logprobs is not None:
+                        known = list(logprobs[:common_prefix_length([a, list(engine_ids)])])
+                behaviour += [math.nan] * len(p) + known + [math.nan] * (len(a) - len(known))
             if not example:
                 answer_ends.append(len(ids) - 1)
             rendered = before + answer_piece
@@ -207,7 +229,7 @@ class ContextManager:
                     rewards[end] += float(r)
             else:
                 rewards[answer_ends[-1]] += float(sum(turn_rewards))
-        return ids, mask, rewards
+        return ids, mask, rewards, behaviour
 
     def normalize_rewards(self, scores: Sequence[float], group_ids: Sequence[Any], tags: Sequence[str]) -> np.ndarray:
         """RAGEN's reward normalization of episode scores."""

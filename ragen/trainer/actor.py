@@ -17,6 +17,13 @@ One ``update(samples, step)``:
    gradient is clipped to ``grad_clip`` and the optimizer steps, under the
    engine's lock when the engine shares these weights.
 
+Every log-prob is taken at the rollout's sampling temperature. The policy
+gradient term of each token is weighted by the off-policy correction in force
+(``none``, ``tis`` or ``decoupled``; ``ragen.trainer.core.importance_weights``)
+against the log-prob the engine sampled the token with, with the old
+log-probs as the proximal policy; the weights' statistics are logged under
+``off_policy/`` whatever the correction.
+
 The loss per token is ``pg - entropy_coeff * entropy + kl_loss_coef * kl``,
 aggregated by ``loss_agg_mode``: ``token-mean`` (every answer token of the
 mini-batch weighs the same) or ``seq-mean-token-mean`` (every episode weighs
@@ -35,7 +42,8 @@ from typing import Any, Callable, Sequence
 import torch
 
 from ragen.trainer.config import TrainerConfig
-from ragen.trainer.core import Sample, group_indices, kl_penalty, policy_loss, sequence_logprobs
+from ragen.trainer.core import (Sample, WeightStats, group_indices, importance_weights, kl_penalty, policy_loss,
+                                sequence_logprobs)
 
 logger = logging.getLogger(__name__)
 
@@ -48,9 +56,14 @@ class PPOActor:
         pad_token_id: int = 0,
         reference: Callable[[Sequence[Sample]], list[torch.Tensor]] | None = None,
         weights_lock: Callable[[], contextlib.AbstractContextManager] | None = None,
+        temperature: float = 1.0,
+        correction: str = "none",
     ) -> None:
         self.model = model
         self.config = config
+        self.temperature = float(temperature)  # the rollout's sampling temperature (1 for greedy)
+        self.correction = correction  # the off-policy correction in force (ActorSection.correction)
+        self._warned_no_logprobs = False
         self.pad_token_id = int(pad_token_id)
         self.reference = reference
         self.weights_lock = weights_lock or contextlib.nullcontext
@@ -72,7 +85,7 @@ class PPOActor:
 
     def _forward(self, samples: Sequence[Sample], entropy_grad: bool = False):
         return sequence_logprobs(self.model, samples, self.pad_token_id, with_entropy_grad=entropy_grad,
-                                 share_prefix=self.config.model.share_prefix)
+                                 share_prefix=self.config.model.share_prefix, temperature=self.temperature)
 
     @torch.no_grad()
     def compute_log_probs(self, samples: Sequence[Sample]) -> list[torch.Tensor]:
@@ -107,12 +120,18 @@ class PPOActor:
         mini = min(cfg.ppo_mini_batch_size, n)
         micro = min(cfg.ppo_micro_batch_size_per_gpu, mini)
         n_updates = cfg.ppo_epochs * math.ceil(n / mini)
+        if (self.correction != "none" and not self._warned_no_logprobs
+                and all(s.behaviour_logp is None for s in samples)):
+            self._warned_no_logprobs = True
+            logger.warning("step %d: the engine returned no log-probs of the tokens it sampled, so the "
+                           "off-policy correction (%s) falls back to none", step, self.correction)
         old = None if n_updates == 1 else self.compute_log_probs(samples)
         ref = None
         if cfg.use_kl_loss:
             with torch.no_grad():
                 ref = self.reference(samples)  # type: ignore[misc]
         sums: dict[str, float] = {"pg": 0.0, "entropy": 0.0, "kl": 0.0, "ppo_kl": 0.0, "clip": 0.0, "tokens": 0.0}
+        weights = WeightStats()
         grad_norms: list[float] = []
         skipped = 0
         for epoch in range(cfg.ppo_epochs):
@@ -126,7 +145,8 @@ class PPOActor:
                 for mc_start in range(0, len(mb), micro):
                     idx = mb[mc_start: mc_start + micro]
                     self._micro_step([samples[i] for i in idx], None if old is None else [old[i] for i in idx],
-                                     None if ref is None else [ref[i] for i in idx], denom, sums)
+                                     None if ref is None else [ref[i] for i in idx], denom, sums,
+                                     weights if epoch == 0 else None)
                 max_norm = cfg.grad_clip if cfg.grad_clip > 0 else float("inf")
                 norm = float(torch.nn.utils.clip_grad_norm_(self.params, max_norm))
                 if math.isfinite(norm):
@@ -152,17 +172,42 @@ class PPOActor:
         }
         if cfg.use_kl_loss:
             metrics["actor/kl"] = sums["kl"] / tokens
+        metrics.update(self._weight_metrics(weights, metrics["actor/n_tokens"]))
         return metrics
 
+    def _weight_metrics(self, w: WeightStats, n_tokens: float) -> dict[str, float]:
+        """The off-policy correction's statistics over the batch's tokens with a behaviour log-prob."""
+        cap = self.config.actor.tis_cap
+        out = {"off_policy/logprob_token_frac": w.tokens / n_tokens if n_tokens else 0.0}
+        if w.tokens:
+            out.update({
+                "off_policy/mismatch_kl": w.mismatch_kl / w.tokens,
+                "off_policy/is_weight_mean": w.weight_sum / w.tokens,
+                "off_policy/is_weight_max": w.weight_max,
+                # tis truncates these to the cap; decoupled drops them
+                "off_policy/over_cap_frac": w.over_cap / w.tokens,
+                "off_policy/tis_cap": cap,
+            })
+        return out
+
     def _micro_step(self, samples: Sequence[Sample], old: list[torch.Tensor] | None,
-                    ref: list[torch.Tensor] | None, denom: float, sums: dict[str, float]) -> None:
+                    ref: list[torch.Tensor] | None, denom: float, sums: dict[str, float],
+                    weights: WeightStats | None) -> None:
         cfg = self.config.actor
         stats = self._forward(samples, entropy_grad=cfg.entropy_coeff != 0.0)
         logp = stats.logp
         device = logp.device
+        # the proximal policy: the weights at the start of the update
         old_logp = logp.detach() if old is None else torch.cat(old).to(device)
         adv = torch.cat([torch.full((c,), float(s.advantage), device=device) for s, c in zip(samples, stats.counts)])
+        behaviour = torch.cat([torch.full((c,), math.nan, device=device) if s.behaviour_logp is None
+                               else torch.tensor(s.behaviour_logp, dtype=torch.float32, device=device)
+                               for s, c in zip(samples, stats.counts)])
+        weight, weight_stats = importance_weights(old_logp, behaviour, self.correction, cfg.tis_cap)
+        if weights is not None:  # once per token: the weights do not change between epochs
+            weights.add(weight_stats)
         pg, clipped = policy_loss(logp, old_logp, adv, *self.config.actor.clip_range)
+        pg = pg * weight
         per_token = pg
         if cfg.entropy_coeff != 0.0:
             per_token = per_token - cfg.entropy_coeff * stats.entropy
@@ -188,7 +233,7 @@ class PPOActor:
 # ---------------------------------------------------------------- reference policies
 
 
-def adapter_off_reference(peft_model: Any, pad_token_id: int, config: TrainerConfig):
+def adapter_off_reference(peft_model: Any, pad_token_id: int, config: TrainerConfig, temperature: float = 1.0):
     """The reference of a LoRA run: the same model with its adapter switched off (no copy)."""
 
     @torch.no_grad()
@@ -198,14 +243,14 @@ def adapter_off_reference(peft_model: Any, pad_token_id: int, config: TrainerCon
         with peft_model.disable_adapter():
             for start in range(0, len(samples), micro):
                 stats = sequence_logprobs(peft_model, samples[start: start + micro], pad_token_id,
-                                          share_prefix=config.model.share_prefix)
+                                          share_prefix=config.model.share_prefix, temperature=temperature)
                 out += list(torch.split(stats.logp, stats.counts))
         return out
 
     return ref
 
 
-def frozen_copy_reference(model: Any, pad_token_id: int, config: TrainerConfig):
+def frozen_copy_reference(model: Any, pad_token_id: int, config: TrainerConfig, temperature: float = 1.0):
     """The reference of a full fine-tuning run: a frozen copy of the initial weights."""
     import copy
 
@@ -219,7 +264,7 @@ def frozen_copy_reference(model: Any, pad_token_id: int, config: TrainerConfig):
         micro = config.actor.ppo_micro_batch_size_per_gpu
         for start in range(0, len(samples), micro):
             stats = sequence_logprobs(frozen, samples[start: start + micro], pad_token_id,
-                                      share_prefix=config.model.share_prefix)
+                                      share_prefix=config.model.share_prefix, temperature=temperature)
             out += list(torch.split(stats.logp, stats.counts))
         return out
 

@@ -5,7 +5,8 @@ RAGEN's (verl's) key names, from ``config/trainer_defaults.yaml``:
 - ``trainer.*``: the run (steps, validation and checkpoint cadence, run dir,
   resume, loggers);
 - ``actor_rollout_ref.actor.*``: the PPO update (mini/micro batches, epochs,
-  clip range, gradient clipping, entropy bonus, KL to a reference, optimizer);
+  clip range, gradient clipping, entropy bonus, KL to a reference, off-policy
+  correction, optimizer);
 - ``actor_rollout_ref.model.*``: LoRA (``lora_rank > 0``) or full fine-tuning;
 - ``actor_rollout_ref.rollout.*``: group filtering and the longest training
   sequence;
@@ -34,7 +35,7 @@ from typing import Mapping
 
 from ragen.config_reader import check_keys, read, setting, to_plain
 from ragen.llm_agent.config import ROLLOUT_SECTIONS, SeedConfig
-from ragen.trainer.core import ADV_ESTIMATORS, KL_TYPES
+from ragen.trainer.core import ADV_ESTIMATORS, CORRECTIONS, KL_TYPES
 
 LOGGERS = ("console", "jsonl", "tensorboard", "wandb")
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean")
@@ -101,7 +102,17 @@ class ActorSection:
     kl_loss_type: str = setting("low_var_kl", choices=KL_TYPES)
     loss_agg_mode: str = setting("token-mean", choices=LOSS_AGG_MODES)
     shuffle: bool = True
+    # none | tis | decoupled (ragen.trainer.core.importance_weights); None: tis when the
+    # engine returns log-probs, else none
+    off_policy_correction: str | None = setting(None, choices=CORRECTIONS)
+    tis_cap: float = setting(2.0, minimum=1.0)  # C: the largest importance weight (tis), or the last kept (decoupled)
     optim: OptimSection = field(default_factory=OptimSection)
+
+    def correction(self, engine_returns_logprobs: bool) -> str:
+        """The off-policy correction in force with an engine that does (not) return log-probs."""
+        if self.off_policy_correction is None:
+            return "tis" if engine_returns_logprobs else "none"
+        return self.off_policy_correction
 
     @property
     def clip_range(self) -> tuple[float, float]:
@@ -223,8 +234,9 @@ class TrainerConfig:
         return cls(run=run, actor=arr.actor, model=arr.model, rollout=arr.rollout, algorithm=algorithm,
                    seed_train=seed.train)
 
-    def check_against(self, train_batch_size: int, engine_name: str) -> None:
-        """Checks that need the rollout config: batch sizes and a trainable engine."""
+    def check_against(self, train_batch_size: int, engine_name: str, engine_returns_logprobs: bool = True) -> None:
+        """Checks that need the rollout config: batch sizes, a trainable engine, and log-probs
+        from it where the off-policy correction cannot do without them."""
         a, actor = "actor_rollout_ref.actor", self.actor
         if actor.ppo_mini_batch_size > train_batch_size:
             raise ValueError(
@@ -241,6 +253,11 @@ class TrainerConfig:
             raise ValueError(
                 f"engine.name={engine_name!r} cannot be trained (its weights are out of reach); "
                 f"train with one of {TRAINABLE_ENGINES} (e.g. engine=hf)"
+            )
+        if actor.off_policy_correction == "decoupled" and not engine_returns_logprobs:
+            raise ValueError(
+                f"{a}.off_policy_correction=decoupled needs the log-prob of every sampled token, and "
+                f"engine {engine_name!r} returns none; use tis or none"
             )
 
 

@@ -20,6 +20,16 @@
   run once (its key/value cache repeated for the members, which keeps gradients
   exact) instead of once per member. On a CPU most tokens of an agent episode
   are prompt, so this is the largest saving of the update.
+  Logits are divided by the rollout's sampling temperature first (1 for greedy
+  decoding), so the policy scored is the distribution the engine sampled from.
+- *Off-policy correction* (``importance_weights``, ``CORRECTIONS``): the
+  engine's log-prob of each sampled token (the *behaviour* policy, which may be
+  versions older than the trainer, or numerically different) against the
+  proximal policy recomputed at the start of the update. ``tis`` multiplies the
+  policy-gradient term by the truncated weight ``min(pi_prox / pi_behav, C)``;
+  ``decoupled`` is AReaL's decoupled PPO objective, whose cap drops the tokens
+  with a weight above ``C`` rather than truncating it; ``none`` uses no weight.
+  Tokens without a behaviour log-prob weigh 1.
 - *Losses*: PPO's clipped surrogate (``policy_loss``, asymmetric clip range
   allowed), the low-variance KL estimator to a reference (``kl_penalty``), and
   an entropy bonus; all are per-token and summed by the caller, who divides by
@@ -40,6 +50,7 @@ from ragen.llm_agent.ctx_manager import ContextConfig, ContextManager
 from ragen.utils import common_prefix_length
 
 ADV_ESTIMATORS = ("grpo", "reinforce")
+CORRECTIONS = ("none", "tis", "decoupled")
 # Below this many shared tokens a separate prefix pass costs more than it saves.
 MIN_SHARED_PREFIX = 8
 
@@ -54,6 +65,9 @@ class Sample:
     group_key: Any  # sequences with equal keys usually share their prompt
     score: float = 0.0
     truncated: bool = False  # cut at the maximum sequence length
+    # per loss token: its log-prob under the policy that sampled it (NaN: not known); None: none known
+    behaviour_logp: list[float] | None = None
+    policy_version: int = 0  # of the oldest turn: the policy that sampled the episode's first answer
 
     @property
     def num_loss_tokens(self) -> int:
@@ -123,9 +137,12 @@ class TokenStats:
     counts: list[int]  # loss tokens per sample
 
 
-def _gather(logits: torch.Tensor, targets: torch.Tensor, with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """log p(targets) and entropy from (n, vocab) logits, in float32."""
+def _gather(logits: torch.Tensor, targets: torch.Tensor, with_entropy: bool,
+            temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """log p(targets) and entropy from (n, vocab) logits divided by ``temperature``, in float32."""
     logits = logits.float()
+    if temperature != 1.0:
+        logits = logits / temperature
     logz = torch.logsumexp(logits, dim=-1)
     logp = logits.gather(-1, targets[:, None])[:, 0] - logz
     if with_entropy:
@@ -138,7 +155,7 @@ def _gather(logits: torch.Tensor, targets: torch.Tensor, with_entropy: bool) -> 
     return logp, entropy
 
 
-def _loss_positions(sample: Sample) -> list[int]:
+def loss_positions(sample: Sample) -> list[int]:
     """Positions t (t >= 1) whose token is the model's; its log-prob comes from logits at t - 1."""
     return [t for t, m in enumerate(sample.loss_mask) if m and t >= 1]
 
@@ -153,8 +170,10 @@ def sequence_logprobs(
     pad_token_id: int = 0,
     with_entropy_grad: bool = False,
     share_prefix: bool = True,
+    temperature: float = 1.0,
 ) -> TokenStats:
-    """Log-probs (and entropies) of each sample's loss tokens under ``model``.
+    """Log-probs (and entropies) of each sample's loss tokens under ``model`` with its logits
+    divided by ``temperature`` (the sampling temperature; 1 for greedy decoding).
 
     Samples with the same ``group_key`` whose token lists share at least
     ``MIN_SHARED_PREFIX`` leading tokens are run as one prefix pass plus a
@@ -172,19 +191,19 @@ def sequence_logprobs(
             rest += members
             continue
         seqs = [samples[i].input_ids for i in members]
-        first_loss = min(_loss_positions(samples[i])[0] for i in members if _loss_positions(samples[i]))
+        first_loss = min(loss_positions(samples[i])[0] for i in members if loss_positions(samples[i]))
         # The token before the first answer token stays in the suffix: its logits score that answer token.
         shared = min(common_prefix_length(seqs), first_loss - 1)
         if shared < MIN_SHARED_PREFIX:
             rest += members
             continue
         for i, out in zip(members, _shared_prefix_pass(model, [samples[i] for i in members], shared, device,
-                                                        pad_token_id, with_entropy_grad)):
+                                                        pad_token_id, with_entropy_grad, temperature)):
             per_sample[i] = out
     if rest:
         rest.sort()
         for i, out in zip(rest, _padded_pass(model, [samples[i] for i in rest], device, pad_token_id,
-                                             with_entropy_grad)):
+                                             with_entropy_grad, temperature)):
             per_sample[i] = out
     logps = [p[0] for p in per_sample]  # type: ignore[index]
     ents = [p[1] for p in per_sample]  # type: ignore[index]
@@ -192,7 +211,7 @@ def sequence_logprobs(
 
 
 def _shared_prefix_pass(model, samples: Sequence[Sample], shared: int, device, pad_token_id: int,
-                        with_entropy_grad: bool) -> list[tuple[torch.Tensor, torch.Tensor]]:
+                        with_entropy_grad: bool, temperature: float) -> list[tuple[torch.Tensor, torch.Tensor]]:
     n = len(samples)
     prefix = torch.tensor([samples[0].input_ids[:shared]], dtype=torch.long, device=device)
     out = model(input_ids=prefix, use_cache=True, logits_to_keep=1)
@@ -211,14 +230,14 @@ def _shared_prefix_pass(model, samples: Sequence[Sample], shared: int, device, p
                    use_cache=True).logits
     results = []
     for row, sample in enumerate(samples):
-        pos = torch.tensor(_loss_positions(sample), dtype=torch.long, device=device)
+        pos = torch.tensor(loss_positions(sample), dtype=torch.long, device=device)
         targets = torch.tensor(sample.input_ids, dtype=torch.long, device=device)[pos]
-        results.append(_gather(logits[row, pos - 1 - shared], targets, with_entropy_grad))
+        results.append(_gather(logits[row, pos - 1 - shared], targets, with_entropy_grad, temperature))
     return results
 
 
 def _padded_pass(model, samples: Sequence[Sample], device, pad_token_id: int,
-                 with_entropy_grad: bool) -> list[tuple[torch.Tensor, torch.Tensor]]:
+                 with_entropy_grad: bool, temperature: float) -> list[tuple[torch.Tensor, torch.Tensor]]:
     n = len(samples)
     width = max(len(s.input_ids) for s in samples)
     ids = torch.full((n, width), pad_token_id, dtype=torch.long, device=device)
@@ -231,16 +250,17 @@ def _padded_pass(model, samples: Sequence[Sample], device, pad_token_id: int,
         offsets.append(off)
     positions = (mask.cumsum(-1) - 1).clamp(min=0)
     # Logits only where they are read: the last `keep` positions hold every answer token.
-    firsts = [offsets[r] + _loss_positions(s)[0] - 1 for r, s in enumerate(samples) if _loss_positions(s)]
+    firsts = [offsets[r] + loss_positions(s)[0] - 1 for r, s in enumerate(samples) if loss_positions(s)]
     start = min(firsts) if firsts else width - 1
     keep = width - start
     logits = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=False,
                    logits_to_keep=keep).logits
     results = []
     for row, sample in enumerate(samples):
-        pos = torch.tensor(_loss_positions(sample), dtype=torch.long, device=device)
+        pos = torch.tensor(loss_positions(sample), dtype=torch.long, device=device)
         targets = torch.tensor(sample.input_ids, dtype=torch.long, device=device)[pos]
-        results.append(_gather(logits[row, pos + offsets[row] - 1 - start], targets, with_entropy_grad))
+        results.append(_gather(logits[row, pos + offsets[row] - 1 - start], targets, with_entropy_grad,
+                               temperature))
     return results
 
 
@@ -260,6 +280,58 @@ def policy_loss(
     clipped = -advantages * torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high)
     loss = torch.maximum(unclipped, clipped)
     return loss, (clipped > unclipped).float()
+
+
+@dataclass
+class WeightStats:
+    """Sums over the tokens that have a behaviour log-prob (the statistics of the correction)."""
+
+    tokens: int = 0  # loss tokens with a behaviour log-prob
+    weight_sum: float = 0.0  # of pi_prox / pi_behav, before any cap
+    weight_max: float = 0.0
+    over_cap: int = 0  # tokens whose weight passed the cap (truncated by tis, dropped by decoupled)
+    mismatch_kl: float = 0.0  # k3 estimate of KL(pi_behav || pi_prox), summed
+
+    def add(self, other: "WeightStats") -> None:
+        self.tokens += other.tokens
+        self.weight_sum += other.weight_sum
+        self.weight_max = max(self.weight_max, other.weight_max)
+        self.over_cap += other.over_cap
+        self.mismatch_kl += other.mismatch_kl
+
+
+def importance_weights(proximal: torch.Tensor, behaviour: torch.Tensor, mode: str,
+                       cap: float) -> tuple[torch.Tensor, WeightStats]:
+    """Per token, the weight of the policy-gradient term, and its statistics.
+
+    ``proximal``: log pi_prox, recomputed at the start of the update; ``behaviour``: log pi_behav,
+    the engine's (NaN where unknown: weight 1, left out of the statistics). The weight is
+    ``w = pi_prox / pi_behav``: truncated at ``cap`` (``tis``), or 0 past ``cap`` (``decoupled``),
+    or 1 (``none``). The statistics are the same in every mode.
+    """
+    if mode not in CORRECTIONS:
+        raise ValueError(f"actor_rollout_ref.actor.off_policy_correction: unknown {mode!r}; choose one of "
+                         f"{list(CORRECTIONS)}")
+    proximal = proximal.detach()
+    known = ~torch.isnan(behaviour)
+    # clamped as the KL penalty is: a token the engine found 1e9 times likelier must not overflow
+    log_w = torch.where(known, (proximal - behaviour).clamp(-20.0, 20.0), torch.zeros_like(proximal))
+    w = torch.exp(log_w)
+    if mode == "tis":
+        weight = torch.clamp(w, max=cap)
+    elif mode == "decoupled":
+        weight = torch.where(w <= cap, w, torch.zeros_like(w))
+    else:
+        weight = torch.ones_like(w)
+    n = int(known.sum())
+    stats = WeightStats(
+        tokens=n,
+        weight_sum=float(w[known].sum()) if n else 0.0,
+        weight_max=float(w[known].max()) if n else 0.0,
+        over_cap=int((known & (w > cap)).sum()),
+        mismatch_kl=float((w - log_w - 1.0)[known].sum()) if n else 0.0,
+    )
+    return weight, stats
 
 
 def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, kind: str = "low_var_kl") -> torch.Tensor:

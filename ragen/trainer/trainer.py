@@ -38,6 +38,7 @@ the train env count, the engine kind, ``model_path`` and the run folder.
 from __future__ import annotations
 
 import logging
+import math
 import time
 from pathlib import Path
 from typing import Any, Callable, Mapping
@@ -46,7 +47,7 @@ import numpy as np
 import torch
 
 from ragen.config_reader import to_plain
-from ragen.llm import check_engine_config
+from ragen.llm import check_engine_config, engine_returns_logprobs
 from ragen.llm.default_model import resolve_model_path
 from ragen.llm_agent.agent_proxy import AgentSetup, LLMAgentProxy
 from ragen.llm_agent.async_rollout import staleness
@@ -55,8 +56,8 @@ from ragen.llm_agent.dump import dump_name, write_dump
 from ragen.llm_agent.types import RolloutResult
 from ragen.trainer import checkpoint as ckpt
 from ragen.trainer.actor import PPOActor, adapter_off_reference, frozen_copy_reference
-from ragen.trainer.config import TrainerConfig, check_top_level
-from ragen.trainer.core import Sample, compute_advantages, filter_groups
+from ragen.trainer.config import TRAINABLE_ENGINES, TrainerConfig, check_top_level
+from ragen.trainer.core import Sample, compute_advantages, filter_groups, loss_positions
 from ragen.trainer.tracking import CURVE_FILE, METRICS_FILE, Tracking, plot_learning_curve, summary_line, \
     truncate_metrics
 
@@ -91,7 +92,10 @@ class AgentTrainer:
         if engine is None:
             check_engine_config(engine_cfg)
         self.engine_name = getattr(engine, "name", None) or engine_cfg.get("name")
-        self.config.check_against(self.setup.es["train"].num_envs, str(self.engine_name))
+        returns_logprobs = (bool(getattr(engine, "returns_logprobs", False)) if engine is not None
+                            else self.engine_name in TRAINABLE_ENGINES and engine_returns_logprobs(self.engine_name))
+        self.config.check_against(self.setup.es["train"].num_envs, str(self.engine_name), returns_logprobs)
+        self.correction = self.config.actor.correction(returns_logprobs)
         self.model_path = resolve_model_path(plain.get("model_path", "default")) if engine is None else None
         self.run_dir = Path(self.config.run.default_local_dir).expanduser().resolve()
         resume_step = self._check_run_dir()
@@ -124,18 +128,24 @@ class AgentTrainer:
         self.policy = self.peft_model if self.peft_model is not None else self.model
         pad = self.tokenizer.pad_token_id
         pad = pad if pad is not None else (self.tokenizer.eos_token_id or 0)
+        sampling = self.setup.loop.sampling
+        # log-probs are scored at the temperature the rollout sampled with (greedy: the model's own)
+        temperature = 1.0 if sampling.greedy else float(sampling.temperature)
         reference = None
         if self.config.actor.use_kl_loss:
-            reference = (adapter_off_reference(self.peft_model, pad, self.config) if self.peft_model is not None
-                         else frozen_copy_reference(self.model, pad, self.config))
+            reference = (adapter_off_reference(self.peft_model, pad, self.config, temperature)
+                         if self.peft_model is not None
+                         else frozen_copy_reference(self.model, pad, self.config, temperature))
         self.proxy = LLMAgentProxy(self.setup, engine)
         shares_weights = self.engine_name == "hf"
         self.actor = PPOActor(self.policy, self.config, pad, reference=reference,
-                              weights_lock=(lambda: self.proxy.engine_lock) if shares_weights else None)
+                              weights_lock=(lambda: self.proxy.engine_lock) if shares_weights else None,
+                              temperature=temperature, correction=self.correction)
         self.ctx = ContextManager(self.setup.loop.context)
         self.global_step = 0
-        logger.info("trainable parameters: %d (%s)", self.actor.num_trainable,
-                    f"LoRA rank {self.config.model.lora_rank}" if self.config.use_lora else "full fine-tuning")
+        logger.info("trainable parameters: %d (%s); off-policy correction: %s%s", self.actor.num_trainable,
+                    f"LoRA rank {self.config.model.lora_rank}" if self.config.use_lora else "full fine-tuning",
+                    self.correction, f" (cap {self.config.actor.tis_cap:g})" if self.correction != "none" else "")
         if resume_step is not None:
             self._load(resume_step)
         self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -252,6 +262,10 @@ class AgentTrainer:
         t1 = time.perf_counter()
         samples, batch_metrics = self.make_samples(result)
         metrics.update(batch_metrics)
+        if samples:  # how many versions behind the trainer each sample's oldest answer is
+            lags = [version - s.policy_version for s in samples]
+            metrics["off_policy/version_lag_mean"] = sum(lags) / len(lags)
+            metrics["off_policy/version_lag_max"] = float(max(lags))
         metrics.update(self.actor.update(samples, step))
         self.sync_weights()
         metrics["timing/update_s"] = time.perf_counter() - t1
@@ -287,7 +301,8 @@ class AgentTrainer:
         if not trajs:
             return [], {"batch/n_samples": 0.0}
         episodes = [{"messages": self.ctx.episode_messages(spec, t.turns, t.action_names),
-                     "turn_rewards": [tn.reward + tn.penalty for tn in t.turns]} for t, spec in trajs]
+                     "turn_rewards": [tn.reward + tn.penalty for tn in t.turns],
+                     "sampled": [(tn.response_ids, tn.logprobs) for tn in t.turns]} for t, spec in trajs]
         rows = self.ctx.formulate_rollouts(episodes, self.tokenizer, cfg.rollout.max_model_len)
         n_turns = sum(len(t.turns) for t, _ in trajs)
         answer_tokens = [sum(r["loss_mask"]) for r in rows]
@@ -304,11 +319,16 @@ class AgentTrainer:
         samples = []
         for a, i in zip(adv, kept):
             row = rows[i]
-            samples.append(Sample(
+            sample = Sample(
                 input_ids=row["input_ids"], loss_mask=row["loss_mask"], advantage=float(a),
                 group_key=group_ids[i], score=scores[i],
                 truncated=cfg.rollout.max_model_len is not None and len(row["input_ids"]) >= cfg.rollout.max_model_len,
-            ))
+                policy_version=min(tn.policy_version for tn in trajs[i][0].turns),
+            )
+            behaviour = row["behaviour_logprobs"]
+            if behaviour is not None and any(not math.isnan(x) for x in behaviour):
+                sample.behaviour_logp = [behaviour[t] for t in loss_positions(sample)]
+            samples.append(sample)
         n_groups = len(set(group_ids))
         metrics.update({
             "batch/n_groups": float(n_groups),
