@@ -200,3 +200,82 @@ def test_shutdown_mid_step_leaves_nothing_behind():
         time.sleep(0.2)
     assert not extra_threads, extra_threads
     assert not extra_children, extra_children
+
+
+class UpdatedEveryCall(ScriptedEngine):
+    """A weight update lands after every engine call: every group of several turns is interrupted
+    between each two of its turns."""
+
+    def generate(self, requests, sampling):
+        completions = super().generate(requests, sampling)
+        self.bump_policy_version()
+        return completions
+
+
+@pytest.mark.timeout(180)
+def test_fully_async_partial_rollouts_go_on_across_weight_updates():
+    """A group interrupted by weight updates is completed, not restarted: its early turns carry the
+    old versions and its later turns the new ones (with their own log-probs); no group is
+    restarted, dropped, lost or trained on twice."""
+    engine = UpdatedEveryCall(base_s=0.005)
+    setup = setup_for(rollout_mode="fully_async", max_inflight_groups=4, parallel_backend="threading",
+                      async_generation_ratio=1, partial_rollout=True)
+    seen: list[int] = []
+    spans = []
+    with LLMAgentProxy(setup, engine) as proxy:
+        for _ in range(4):
+            batch = proxy.next_train_batch(engine.policy_version)
+            seen += sorted({t.group_id for t in batch.trajectories})
+            for t in batch.trajectories:
+                versions = [x.policy_version for x in t.turns]
+                assert versions == sorted(set(versions))  # every turn after an update: a newer policy
+                assert all(x.logprobs for x in t.turns)  # each turn keeps how it was sampled
+                spans.append(versions[-1] - versions[0])
+    m = proxy.async_metrics()
+    assert max(spans) >= 2  # groups went on across two updates or more
+    assert m["async/groups_restarted"] == 0 and m["async/tokens_restarted"] == 0
+    assert m["async/dropped_stale"] == 0
+    assert len(seen) == len(set(seen)) == m["async/groups_handed_out"]  # each handed out once, trained on
+    assert m["async/queued_groups"] == m["async/groups_completed"] - m["async/groups_handed_out"]
+    # every group drawn is completed or was in flight at close: none lost
+    assert m["async/groups_started"] - m["async/groups_completed"] <= setup.agent_proxy.max_inflight_groups
+    assert m["async/tokens_generated"] > 0
+
+
+@pytest.mark.timeout(180)
+def test_fully_async_without_partial_rollouts_restarts_groups_that_span_updates():
+    """partial_rollout: false: a group whose turns span more than the bound (1) restarts from its
+    first turn; the tokens it had generated are counted as thrown away."""
+    engine = ScriptedEngine(base_s=0.02)
+    setup = setup_for(rollout_mode="fully_async", max_inflight_groups=4, parallel_backend="threading",
+                      async_generation_ratio=1, partial_rollout=False)
+    seen: list[int] = []
+    with LLMAgentProxy(setup, engine) as proxy:
+        for _ in range(5):
+            batch = proxy.next_train_batch(engine.policy_version)
+            seen += sorted({t.group_id for t in batch.trajectories})
+            for t in batch.trajectories:
+                versions = [x.policy_version for x in t.turns]
+                assert not versions or versions[-1] - versions[0] <= 1
+            for _ in range(3):  # updates land mid-group
+                update(proxy, engine)
+                time.sleep(0.02)
+    m = proxy.async_metrics()
+    assert len(seen) == len(set(seen))
+    assert (m["async/groups_restarted"] > 0) == (m["async/tokens_restarted"] > 0)
+
+
+@pytest.mark.timeout(120)
+def test_fully_async_generates_no_further_ahead_than_the_bound():
+    """A trainer that takes no batch: generation stops once (bound + 1) batches of groups are
+    drawn, instead of queueing groups without limit."""
+    engine = ScriptedEngine(base_s=0.005)
+    setup = setup_for(rollout_mode="fully_async", max_inflight_groups=3, parallel_backend="threading",
+                      async_generation_ratio=2)
+    with LLMAgentProxy(setup, engine) as proxy:
+        proxy.next_train_batch(engine.policy_version)
+        time.sleep(1.5)
+        m = proxy.async_metrics()
+    envs_groups = setup.es["train"].env_groups
+    assert m["async/groups_completed"] - m["async/groups_handed_out"] <= 3 * envs_groups
+    assert m["async/groups_started"] <= 4 * envs_groups  # the batch taken, and 3 batches ahead

@@ -146,7 +146,7 @@ class LLMAgentProxy:
             )
         self._ahead: RolloutAhead | None = None
         self._groups_in_flight: GroupsInFlight | None = None
-        self._async_counts: dict[str, Any] = {"dropped_stale": 0, "staleness": []}
+        self._async_counts: dict[str, Any] = {"dropped_stale": 0, "tokens_dropped": 0, "staleness": []}
 
     # ----- training batches (sync, generate-ahead, fully async) -----------------
     def next_train_batch(self, policy_version: int) -> RolloutResult:
@@ -166,13 +166,15 @@ class LLMAgentProxy:
     def _fully_async_batch(self, policy_version: int) -> RolloutResult:
         es = self.setup.es["train"]
         ap = self.setup.agent_proxy
+        bound = max(1, ap.async_generation_ratio)
         if self._groups_in_flight is None:
             self._groups_in_flight = GroupsInFlight(
                 es, self.shared.client(timeout_s=ap.engine_timeout_s or None), self.setup.loop,
                 max_inflight_groups=ap.max_inflight_groups, n_jobs=ap.parallel_n_jobs,
                 backend="threading" if ap.parallel_backend == "threading" else "loky",
-                max_version_span=max(1, ap.async_generation_ratio))
-        bound = max(1, ap.async_generation_ratio)
+                max_version_span=bound, partial_rollout=ap.partial_rollout,
+                # this batch's groups and `bound` batches more: taken in order, none is older than the bound
+                ahead_groups=(bound + 1) * es.env_groups)
         t0 = time.perf_counter()
         groups = []
         # coarse: envs of the groups taken for this batch, as they come (no turns: the
@@ -181,8 +183,12 @@ class LLMAgentProxy:
             while len(groups) < es.env_groups:
                 for index, trajs in self._groups_in_flight.get_batch(es.env_groups - len(groups)):
                     lag = staleness(trajs, policy_version)
-                    if lag > bound:
+                    # a partial group's turns each carry their version (and log-probs): it is trained on
+                    # whole; a restarting one older than the bound is dropped
+                    if lag > bound and not ap.partial_rollout:
                         self._async_counts["dropped_stale"] += 1
+                        self._async_counts["tokens_dropped"] += sum(len(t.response_ids) for tr in trajs
+                                                                    for t in tr.turns)
                         continue
                     self._async_counts["staleness"].append(lag)
                     groups.append((index, trajs))
@@ -215,8 +221,10 @@ class LLMAgentProxy:
             m.update({"async/trainer_wait_s": st.trainer_wait_s, "async/generator_wait_s": st.generator_wait_s,
                       "async/dropped_stale": float(st.dropped_stale), "async/produced": float(st.produced)})
         if self._groups_in_flight is not None:
-            m.update({f"async/groups_{k}": float(v) for k, v in self._groups_in_flight.counts.items()})
+            m.update({f"async/{k}" if k.startswith("tokens") else f"async/groups_{k}": float(v)
+                      for k, v in self._groups_in_flight.counts.items()})
             m["async/dropped_stale"] = m.get("async/dropped_stale", 0.0) + self._async_counts["dropped_stale"]
+            m["async/tokens_dropped"] = float(self._async_counts["tokens_dropped"])
             m["async/queued_groups"] = float(self._groups_in_flight.queued())
         if lags:
             m["async/staleness_mean"] = sum(lags) / len(lags)

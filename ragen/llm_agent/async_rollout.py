@@ -163,17 +163,29 @@ class GroupsInFlight:
 
     - ``get_batch(n)``: the ``n`` lowest-numbered completed groups, sorted by
       number; the others stay queued for the next call.
-    - A group whose turns were answered by policy versions more than
-      ``max_version_span`` apart (weight updates landed mid-group; the bound is
-      ``max(1, async_generation_ratio)``: restarting on every update would
-      never finish groups longer than a training step) or whose worker failed
-      is put back and restarted from its start: never lost, never returned
-      half-done.
+    - *Admission*: a new group starts only while fewer than ``ahead_groups``
+      groups are drawn and not yet handed out (``(bound + 1)`` batches: taken
+      in order, a group's first turn is then at most ``bound`` versions old
+      when it is trained on). Generation never runs further ahead of the
+      trainer than that, so it neither queues without limit nor makes groups
+      only to drop them as stale.
+    - *Weight updates mid-group*: with ``partial_rollout`` a group goes on with
+      the new weights from its next turn; each turn keeps the version that
+      answered it (and its log-probs, which the trainer corrects with).
+      Without it, a group whose turns span more than ``max_version_span``
+      versions is restarted from its first turn (the bound is ``max(1,
+      async_generation_ratio)``: restarting on every update would never
+      finish groups longer than a training step).
+    - A group whose worker failed is put back and restarted from its start:
+      never lost, never returned half-done.
+    - ``counts``: groups started, completed, restarted, handed out; response
+      tokens generated, and those thrown away by restarts.
     - ``close()`` stops the scheduler and the worker processes.
     """
 
     def __init__(self, es, client, config, max_inflight_groups: int = 8, n_jobs: int = -1,
-                 backend: str = "loky", max_restarts: int = 3, max_version_span: int = 1) -> None:
+                 backend: str = "loky", max_restarts: int = 3, max_version_span: int = 1,
+                 partial_rollout: bool = True, ahead_groups: int | None = None) -> None:
         if max_inflight_groups < 1:
             raise ValueError(f"agent_proxy.max_inflight_groups must be >= 1, got {max_inflight_groups}")
         if backend not in ("loky", "threading"):
@@ -186,6 +198,8 @@ class GroupsInFlight:
         self.max_inflight_groups = max_inflight_groups
         self.max_restarts = max_restarts
         self.max_version_span = max_version_span
+        self.partial_rollout = partial_rollout
+        self.ahead_groups = ahead_groups  # None: no admission bound
         # One task is one group, and a group mostly waits for the engine: a worker per
         # in-flight group (not per core) keeps max_inflight_groups really in flight.
         self._n_workers = max(joblib.effective_n_jobs(n_jobs), max_inflight_groups)
@@ -199,7 +213,8 @@ class GroupsInFlight:
         self._next_group = 0
         self._stop = False
         self._error: BaseException | None = None
-        self.counts = {"started": 0, "completed": 0, "restarted": 0, "handed_out": 0}
+        self.counts = {"started": 0, "completed": 0, "restarted": 0, "handed_out": 0,
+                       "tokens_generated": 0, "tokens_restarted": 0}
         self._thread = threading.Thread(target=self._schedule, name="ragen-fully-async", daemon=True)
         self._thread.start()
 
@@ -217,14 +232,19 @@ class GroupsInFlight:
                     while len(inflight) < self.max_inflight_groups:
                         if self._restart:
                             index = self._restart.pop(0)
-                        else:
+                        elif self._admits():
                             index = self._next_group
                             self._next_group += 1
+                        else:  # far enough ahead of the trainer: wait for it to take a batch
+                            break
                         specs = self.es.group_specs(index)
                         executor = self._workers.get()
                         future = executor.submit(run_shard, index, specs, self.client, self.config)
                         inflight[future] = (index, executor)
                         self.counts["started"] += 1
+                    if not inflight:  # nothing to wait for until the trainer takes a batch (get_batch notifies)
+                        self._cond.wait(timeout=0.1)
+                        continue
                 done, _ = wait(list(inflight), timeout=0.1, return_when=FIRST_COMPLETED)
                 for future in done:
                     index, executor = inflight.pop(future)
@@ -235,10 +255,14 @@ class GroupsInFlight:
                         result, failure = None, f"{type(exc).__name__}: {exc}"
                         if isinstance(exc, BrokenExecutor):  # a worker died and took its executor down
                             self._workers.replace(failed=executor)
-                    versions = {t.policy_version for tr in (result.trajectories if result else []) for t in tr.turns}
-                    if failure is None and versions and max(versions) - min(versions) > self.max_version_span:
+                    turns = [t for tr in (result.trajectories if result else []) for t in tr.turns]
+                    versions = {t.policy_version for t in turns}
+                    if (not self.partial_rollout and failure is None and versions
+                            and max(versions) - min(versions) > self.max_version_span):
                         failure = f"weight updates landed mid-group (versions {sorted(versions)})"
+                    tokens = sum(len(t.response_ids) for t in turns)
                     with self._cond:
+                        self.counts["tokens_generated"] += tokens
                         if failure is None:
                             self._completed[index] = result.trajectories
                             self.counts["completed"] += 1
@@ -249,12 +273,17 @@ class GroupsInFlight:
                             logger.info("group %d restarts from its start: %s", index, failure)
                             self._restart.append(index)
                             self.counts["restarted"] += 1
+                            self.counts["tokens_restarted"] += tokens
                         self._cond.notify_all()
         except BaseException as exc:
             logger.exception("the fully-async scheduler stopped")
             with self._cond:
                 self._error = exc
                 self._cond.notify_all()
+
+    def _admits(self) -> bool:
+        """Whether a new group may start: the groups drawn and not handed out are under the bound."""
+        return self.ahead_groups is None or self._next_group - self.counts["handed_out"] < self.ahead_groups
 
     def _new_executor(self):
         if self._processes:
@@ -278,6 +307,7 @@ class GroupsInFlight:
                 self._cond.wait(remaining if remaining is not None else 1.0)
             indexes = sorted(self._completed)[:n]
             self.counts["handed_out"] += n
+            self._cond.notify_all()  # the scheduler may admit new groups now
             return [(i, self._completed.pop(i)) for i in indexes]
 
     def queued(self) -> int:

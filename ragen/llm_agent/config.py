@@ -60,6 +60,9 @@ class AgentProxyConfig:
     async_generation_ratio: int = setting(0, minimum=0)
     rollout_mode: str = setting("sync", choices=ROLLOUT_MODES)
     max_inflight_groups: int = setting(8, minimum=1)
+    # fully_async: a group that weight updates interrupt goes on with the new weights (each turn
+    # keeps its version); false: it restarts from its first turn when they span over the bound
+    partial_rollout: bool = True
 
     def __post_init__(self) -> None:
         if self.parallel_n_jobs == 0:
