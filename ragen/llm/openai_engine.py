@@ -19,6 +19,19 @@ standard library only (``urllib.request`` + ``json``):
   unaffected, and the rollout records the error as that env's stop reason.
 - *Token ids*: the chat API does not return them, so they are empty lists,
   unless the server sends them (vLLM does when ``return_token_ids`` is set).
+- *Log-probs*: the body asks for ``"logprobs": true`` (``logprobs``, on by
+  default) and ``Completion.logprobs`` is the ``logprob`` of each entry of
+  ``choices[0].logprobs.content`` (one per generated token). What they mean is
+  the server's choice: OpenAI's are the sampled tokens' log-probs; ``vllm
+  serve`` (V1) returns the raw model's (before temperature, top-k, top-p)
+  unless it is started with ``--logprobs-mode processed_logprobs`` (then those
+  of the distribution it sampled from, which is what off-policy correction
+  wants; see ``ragen/llm/vllm_engine.py``). A reply without them (field missing
+  or null), or with anything but a list of numbers (or, when the server sends
+  token ids, not one per token), gives ``logprobs=None`` for that completion
+  and one warning per engine: off-policy correction then falls back to none.
+  For a server that rejects the field (an HTTP 400 naming it), set
+  ``engine.logprobs=false``: nothing is asked, every completion has None.
 - *Model name*: ``model``, else ``model_path`` (when not ``default``), else
   the server's first model from ``GET {base_url}/models``.
 
@@ -61,6 +74,7 @@ class OpenAIEngine(Engine):
         "max_retries",
         "backoff_s",
         "return_token_ids",
+        "logprobs",
     )
 
     def __init__(
@@ -74,8 +88,11 @@ class OpenAIEngine(Engine):
         max_retries: int = 3,
         backoff_s: float = 0.5,
         return_token_ids: bool = False,
+        logprobs: bool = True,
     ) -> None:
         super().__init__()
+        if not isinstance(logprobs, bool):
+            raise ValueError(f"engine.logprobs must be true or false, got {logprobs!r}")
         if int(max_concurrency) < 1:
             raise ValueError(f"engine.max_concurrency={max_concurrency} must be >= 1")
         if float(timeout_s) <= 0:
@@ -90,6 +107,9 @@ class OpenAIEngine(Engine):
         self.max_retries = int(max_retries)
         self.backoff_s = float(backoff_s)
         self.return_token_ids = bool(return_token_ids)
+        self.returns_logprobs = logprobs  # asked for; a server may still send none
+        self._warned_no_logprobs = False
+        self._warn_lock = threading.Lock()
         self._pool = ThreadPoolExecutor(max_workers=self.max_concurrency, thread_name_prefix="openai-engine")
         self._model_lock = threading.Lock()
 
@@ -116,7 +136,8 @@ class OpenAIEngine(Engine):
     def _complete(self, request: GenerationRequest, sampling: SamplingParams, model: str, version: int) -> Completion:
         limit = request.max_tokens if request.max_tokens is not None else sampling.max_tokens
         if limit <= 0:
-            return Completion("", [], [], "length", version, request.env_id, request.turn)
+            return Completion("", [], [], "length", version, request.env_id, request.turn,
+                              logprobs=[] if self.returns_logprobs else None)
         body: dict[str, Any] = {
             "model": model,
             "messages": [dict(m) for m in request.messages],
@@ -132,6 +153,8 @@ class OpenAIEngine(Engine):
             body["top_k"] = int(sampling.top_k)
         if self.return_token_ids:
             body["return_token_ids"] = True
+        if self.returns_logprobs:
+            body["logprobs"] = True
         try:
             reply = self._post_with_retries("/chat/completions", body)
             choice = reply["choices"][0]
@@ -142,14 +165,44 @@ class OpenAIEngine(Engine):
                 request.env_id, request.turn, exc,
             )
             return self._error(request, version)
+        response_ids = [int(t) for t in choice.get("token_ids") or []]
         return Completion(
             text=text,
             prompt_token_ids=[int(t) for t in reply.get("prompt_token_ids") or choice.get("prompt_token_ids") or []],
-            response_token_ids=[int(t) for t in choice.get("token_ids") or []],
+            response_token_ids=response_ids,
             finish_reason="length" if choice.get("finish_reason") == "length" else "stop",
             policy_version=version,
             env_id=request.env_id,
             turn=request.turn,
+            logprobs=self._logprobs(choice, response_ids) if self.returns_logprobs else None,
+        )
+
+    def _logprobs(self, choice: Mapping[str, Any], response_ids: list[int]) -> list[float] | None:
+        """The sampled tokens' log-probs from ``choice["logprobs"]["content"]``, or None
+        (and the engine's one warning) when the reply has none or they are malformed."""
+        raw = choice.get("logprobs")
+        content = raw.get("content") if isinstance(raw, dict) else None
+        values = None
+        if isinstance(content, list) and all(isinstance(entry, dict) for entry in content):
+            values = [entry.get("logprob") for entry in content]
+            if not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values):
+                values = None
+            elif response_ids and len(values) != len(response_ids):
+                values = None  # not aligned with the tokens: worse than none
+        if values is None:
+            self._warn_no_logprobs(raw)
+            return None
+        return [float(v) for v in values]
+
+    def _warn_no_logprobs(self, got: Any) -> None:
+        with self._warn_lock:
+            if self._warned_no_logprobs:
+                return
+            self._warned_no_logprobs = True
+        logger.warning(
+            "OpenAIEngine: the server at %s returned no usable log-probs (got %.100r), so completions carry "
+            "logprobs=None and off-policy correction falls back to none (said once per engine)",
+            self.base_url, got,
         )
 
     @staticmethod

@@ -6,6 +6,22 @@ tokenizer), passes token prompts, and gives every request its own
 own ``max_tokens``, the chat end token as a stop token), so a request's sample
 does not depend on the batch. It returns vLLM's token ids and finish reasons.
 
+*Log-probs*: every request asks for ``logprobs=0``, for which vLLM returns, per
+generated token, ``{token_id: Logprob}`` holding just the sampled token;
+``Completion.logprobs`` is that ``.logprob`` for each response token. What the
+number means depends on vLLM's ``logprobs_mode`` (an ``LLM`` argument, one per
+engine): V1's default, ``raw_logprobs``, is the log-softmax of the model's raw
+logits, before temperature, top-k and top-p, so at temperature 0.7 it is not
+the distribution the token was drawn from. The engine starts vLLM with
+``logprobs_mode="processed_logprobs"``: the log-softmax after temperature and
+top-k/top-p masking (renormalized over the tokens kept), i.e. the log-prob
+under the sampling distribution actually used; a greedy request gets the
+model's own distribution (temperature 1), as in ``HFEngine``. (Read in vLLM
+0.32.0's ``v1/sample``; on CUDA that mode also turns FlashInfer's sampler off
+for the PyTorch one.) A vLLM without ``logprobs_mode`` (older than about 0.10)
+is started without it and the engine warns: its V1 gives raw log-probs, its V0
+processed ones.
+
 *Weight updates*: ``load_weights(named_tensors)`` pushes new weights (HF
 parameter names) into the running engine, resets the prefix cache (cached KV
 blocks were computed with the old weights) and bumps ``policy_version``. The
@@ -58,6 +74,38 @@ from ragen.llm.types import Completion, Engine, GenerationRequest, SamplingParam
 logger = logging.getLogger(__name__)
 
 _CHAT_END_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>")
+# vLLM's log-probs of the distribution sampled from (temperature, top-k, top-p applied)
+_LOGPROBS_MODE = "processed_logprobs"
+
+
+def _logprobs_mode_kwargs(vllm: Any) -> dict[str, str]:
+    """``{"logprobs_mode": ...}`` where this vLLM's ``EngineArgs`` has the field (about 0.10 on)."""
+    try:
+        supported = "logprobs_mode" in inspect.signature(vllm.EngineArgs).parameters
+    except (AttributeError, TypeError, ValueError):
+        supported = False
+    if supported:
+        return {"logprobs_mode": _LOGPROBS_MODE}
+    logger.warning(
+        "vllm %s has no logprobs_mode: completions carry its default log-probs (V1: the raw model's, "
+        "before temperature/top-k/top-p, so off by the temperature when sampling; V0: the sampling "
+        "distribution's); a recent vLLM gives the sampling distribution's",
+        getattr(vllm, "__version__", "?"),
+    )
+    return {}
+
+
+def _sampled_logprobs(sample: Any) -> list[float] | None:
+    """The sampled tokens' log-probs from a vLLM ``CompletionOutput`` (asked with
+    ``logprobs=0``: one ``{token_id: Logprob}`` per generated token), or None where
+    they are missing or do not line up with the tokens."""
+    steps, token_ids = sample.logprobs, list(sample.token_ids)
+    if steps is None or len(steps) != len(token_ids):
+        return None
+    try:
+        return [float(step[token].logprob) for step, token in zip(steps, token_ids)]
+    except (KeyError, TypeError, AttributeError):
+        return None
 
 
 # Fused vLLM layers and the HF parameters they are built from (Llama, Qwen,
@@ -137,6 +185,7 @@ class VLLMEngine(Engine):
     """``vllm.LLM`` behind ``generate``; see the module docstring."""
 
     name = "vllm"
+    returns_logprobs = True
     config_keys = ("dtype", "gpu_memory_utilization", "enforce_eager", "max_model_len", "tensor_parallel_size")
 
     def __init__(
@@ -167,6 +216,7 @@ class VLLMEngine(Engine):
             enforce_eager=bool(enforce_eager),
             max_model_len=int(max_model_len),
             tensor_parallel_size=int(tensor_parallel_size),
+            **_logprobs_mode_kwargs(vllm),
         )
         self.tokenizer = self.llm.get_tokenizer()
         self.stop_token_ids = self._stop_token_ids()
@@ -193,10 +243,14 @@ class VLLMEngine(Engine):
             outputs = dict(zip(live, results))
         completions = []
         for i, request in enumerate(requests):
-            text, response_ids, finish_reason = "", [], "length"
+            text, response_ids, finish_reason, logprobs = "", [], "length", []
             if i in outputs:
                 sample = outputs[i].outputs[0]
                 text, response_ids = sample.text, list(sample.token_ids)
+                logprobs = _sampled_logprobs(sample)
+                if logprobs is None:
+                    logger.warning("vLLM returned no log-probs (one per token) for env %s turn %s; "
+                                   "its completion carries logprobs=None", request.env_id, request.turn)
                 finish_reason = "length" if sample.finish_reason == "length" else "stop"
                 if sample.finish_reason not in ("stop", "length"):
                     logger.warning("vLLM finished env %s turn %s with %r", request.env_id, request.turn,
@@ -210,6 +264,7 @@ class VLLMEngine(Engine):
                     policy_version=self.policy_version,
                     env_id=request.env_id,
                     turn=request.turn,
+                    logprobs=logprobs,
                 )
             )
         return completions
@@ -224,6 +279,7 @@ class VLLMEngine(Engine):
             seed=request_seed(sampling.seed, request.key),
             stop=list(sampling.stop) or None,
             stop_token_ids=sorted(self.stop_token_ids),
+            logprobs=0,  # the sampled token's only
         )
 
     def load_weights(self, named_tensors: Iterable[tuple[str, Any]] | Mapping[str, Any]) -> int:
