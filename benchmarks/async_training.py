@@ -7,7 +7,9 @@ call) on a mix of one-turn (Bandit) and five-turn (SimpleSokoban) groups, so
 some groups straggle; the training step is a sleep of ``--train-s`` seconds
 (a GPU-bound update holds no CPU either). For each mode it reports the mean
 step time after the first step, the time the trainer waited for data, the
-staleness of what it trained on, and the ideal ``max(rollout, train)``.
+staleness of what it trained on, and the ideal ``max(rollout, train)``; for
+the fully-async modes, partial rollouts against restarts: groups restarted and
+dropped per step, and the response tokens generated and thrown away.
 """
 
 from __future__ import annotations
@@ -23,7 +25,10 @@ from ragen.llm_agent import AgentSetup, LLMAgentProxy
 MODES = {
     "sync (k=0)": {"async_generation_ratio": 0},
     "generate-ahead (k=1)": {"async_generation_ratio": 1},
-    "fully_async": {"rollout_mode": "fully_async", "async_generation_ratio": 1, "max_inflight_groups": 8},
+    "fully_async, partial rollouts": {"rollout_mode": "fully_async", "async_generation_ratio": 1,
+                                      "max_inflight_groups": 8, "partial_rollout": True},
+    "fully_async, restarts": {"rollout_mode": "fully_async", "async_generation_ratio": 1,
+                              "max_inflight_groups": 8, "partial_rollout": False},
 }
 
 
@@ -66,15 +71,22 @@ def main() -> None:
                 rollouts.append(batch.metrics.get("timing/rollout_s", t1 - t0))
             m = proxy.async_metrics()
         sync_rollout = statistics.mean(rollouts[1:]) if name.startswith("sync") else None
+        thrown = m.get("async/tokens_restarted", 0.0) + m.get("async/tokens_dropped", 0.0)
         rows.append((name, statistics.mean(steps[1:]), m.get("async/trainer_wait_s", float("nan")),
-                     m.get("async/staleness_max", 0.0), m.get("async/dropped_stale", 0.0), sync_rollout))
-    rollout_s = rows[0][5]
+                     m.get("async/staleness_max", 0.0), m.get("async/dropped_stale", 0.0),
+                     m.get("async/groups_restarted", 0.0), m.get("async/tokens_generated", float("nan")), thrown,
+                     sync_rollout))
+    rollout_s = rows[0][-1]
     print(f"train step {args.train_s:.2f} s, synchronous rollout {rollout_s:.2f} s: "
-          f"sum {rollout_s + args.train_s:.2f} s, ideal max {max(rollout_s, args.train_s):.2f} s\n")
-    print("| mode | mean step s | trainer waited s | max staleness | dropped stale |")
-    print("|---|---|---|---|---|")
-    for name, step_s, wait_s, stale, dropped, _ in rows:
-        print(f"| {name} | {step_s:.3f} | {wait_s:.2f} | {stale:.0f} | {dropped:.0f} |")
+          f"sum {rollout_s + args.train_s:.2f} s, ideal max {max(rollout_s, args.train_s):.2f} s; "
+          f"{args.steps} steps\n")
+    print("| mode | mean step s | trainer waited s | max staleness | groups dropped / step | "
+          "groups restarted / step | tokens generated | tokens thrown away |")
+    print("|---|---|---|---|---|---|---|---|")
+    for name, step_s, wait_s, stale, dropped, restarted, generated, thrown, _ in rows:
+        share = f" ({thrown / generated:.0%})" if generated == generated and generated else ""
+        print(f"| {name} | {step_s:.3f} | {wait_s:.2f} | {stale:.0f} | {dropped / args.steps:.2f} | "
+              f"{restarted / args.steps:.2f} | {generated:.0f} | {thrown:.0f}{share} |")
 
 
 if __name__ == "__main__":
