@@ -520,8 +520,8 @@ def test_the_correction_weights_the_policy_gradient_as_configured():
 
 
 @pytest.mark.parametrize("override, key", [
-    ("+actor_rollout_ref.actor.off_policy_correction=importance", "actor_rollout_ref.actor.off_policy_correction"),
-    ("+actor_rollout_ref.actor.tis_cap=0.5", "actor_rollout_ref.actor.tis_cap must be >= 1"),
+    ("actor_rollout_ref.actor.off_policy_correction=importance", "actor_rollout_ref.actor.off_policy_correction"),
+    ("actor_rollout_ref.actor.tis_cap=0.5", "actor_rollout_ref.actor.tis_cap must be >= 1"),
 ])
 def test_bad_correction_keys_fail_at_start_up(tiny_model_path, tmp_path, no_model_loading, override, key):
     with pytest.raises(ValueError, match=re.escape(key)):
@@ -536,6 +536,27 @@ def test_decoupled_needs_an_engine_that_returns_log_probs(tiny_model_path, tmp_p
         returns_logprobs = False
 
     cfg = compose_cfg(small_overrides(tiny_model_path, tmp_path / "run",
-                                      "+actor_rollout_ref.actor.off_policy_correction=decoupled"))
+                                      "actor_rollout_ref.actor.off_policy_correction=decoupled"))
     with pytest.raises(ValueError, match=r"actor_rollout_ref\.actor\.off_policy_correction=decoupled"):
         AgentTrainer(cfg, engine=NoLogprobs())
+
+
+def test_no_behaviour_log_probs_fall_back_to_no_correction_with_one_warning(tiny_model_path, caplog):
+    """An engine (or server) that returned no log-probs: tis trains as none would, and says so once."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_model_path)
+    answers, advantages = ["<answer> dragon </answer>", "<answer> phoenix </answer>"] * 2, [1.0, -1.0] * 2
+    weights = []
+    for correction in ("none", "tis"):
+        model = AutoModelForCausalLM.from_pretrained(tiny_model_path).eval()
+        actor = PPOActor(model, _trainer_config(lr=3e-3, ppo_mini_batch_size=4, ppo_micro_batch_size_per_gpu=4,
+                                                shuffle=False), pad_token_id=0, correction=correction)
+        with caplog.at_level("WARNING", logger="ragen.trainer.actor"):
+            for step in (1, 2):
+                m = actor.update(_episode_samples(tok, answers, advantages), step)
+        assert m["off_policy/logprob_token_frac"] == 0.0 and "off_policy/mismatch_kl" not in m
+        weights.append(torch.cat([p.detach().flatten() for p in model.parameters()]))
+    assert torch.equal(weights[0], weights[1])
+    warned = [r for r in caplog.records if "returned no log-probs" in r.getMessage()]
+    assert len(warned) == 1 and "falls back to none" in warned[0].getMessage()

@@ -166,7 +166,8 @@ class GroupsInFlight:
     - *Admission*: a new group starts only while fewer than ``ahead_groups``
       groups are drawn and not yet handed out (``(bound + 1)`` batches: taken
       in order, a group's first turn is then at most ``bound`` versions old
-      when it is trained on). Generation never runs further ahead of the
+      when it is trained on; a straggler taken after its turn can be older,
+      and training logs its lag). Generation never runs further ahead of the
       trainer than that, so it neither queues without limit nor makes groups
       only to drop them as stale.
     - *Weight updates mid-group*: with ``partial_rollout`` a group goes on with

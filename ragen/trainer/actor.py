@@ -177,7 +177,6 @@ class PPOActor:
 
     def _weight_metrics(self, w: WeightStats, n_tokens: float) -> dict[str, float]:
         """The off-policy correction's statistics over the batch's tokens with a behaviour log-prob."""
-        cap = self.config.actor.tis_cap
         out = {"off_policy/logprob_token_frac": w.tokens / n_tokens if n_tokens else 0.0}
         if w.tokens:
             out.update({
@@ -186,7 +185,6 @@ class PPOActor:
                 "off_policy/is_weight_max": w.weight_max,
                 # tis truncates these to the cap; decoupled drops them
                 "off_policy/over_cap_frac": w.over_cap / w.tokens,
-                "off_policy/tis_cap": cap,
             })
         return out
 

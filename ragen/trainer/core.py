@@ -329,7 +329,8 @@ def importance_weights(proximal: torch.Tensor, behaviour: torch.Tensor, mode: st
         weight_sum=float(w[known].sum()) if n else 0.0,
         weight_max=float(w[known].max()) if n else 0.0,
         over_cap=int((known & (w > cap)).sum()),
-        mismatch_kl=float((w - log_w - 1.0)[known].sum()) if n else 0.0,
+        # w - 1 - log w, as expm1 so that float32 rounding cannot make a near-zero KL negative
+        mismatch_kl=float((torch.expm1(log_w.double()) - log_w.double())[known].sum()) if n else 0.0,
     )
     return weight, stats
 
