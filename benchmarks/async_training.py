@@ -22,14 +22,16 @@ from ragen.env import to_plain
 from ragen.llm.scripted import ScriptedEngine
 from ragen.llm_agent import AgentSetup, LLMAgentProxy
 
-MODES = {
-    "sync (k=0)": {"async_generation_ratio": 0},
-    "generate-ahead (k=1)": {"async_generation_ratio": 1},
-    "fully_async, partial rollouts": {"rollout_mode": "fully_async", "async_generation_ratio": 1,
-                                      "max_inflight_groups": 8, "partial_rollout": True},
-    "fully_async, restarts": {"rollout_mode": "fully_async", "async_generation_ratio": 1,
-                              "max_inflight_groups": 8, "partial_rollout": False},
-}
+def modes(k: int) -> dict[str, dict]:
+    """The modes compared; ``k`` is the asynchronous ones' async_generation_ratio (the staleness bound)."""
+    return {
+        "sync (k=0)": {"async_generation_ratio": 0},
+        f"generate-ahead (k={k})": {"async_generation_ratio": k},
+        f"fully_async (k={k}), partial rollouts": {"rollout_mode": "fully_async", "async_generation_ratio": k,
+                                                   "max_inflight_groups": 8, "partial_rollout": True},
+        f"fully_async (k={k}), restarts": {"rollout_mode": "fully_async", "async_generation_ratio": k,
+                                           "max_inflight_groups": 8, "partial_rollout": False},
+    }
 
 
 def setup(custom_envs: dict, mode: dict) -> AgentSetup:
@@ -50,12 +52,13 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--train-s", type=float, default=0.3)
     ap.add_argument("--engine-base-s", type=float, default=0.05)
+    ap.add_argument("--k", type=int, default=1, help="async_generation_ratio of the asynchronous modes")
     args = ap.parse_args()
     from omegaconf import OmegaConf
 
     envs = to_plain(OmegaConf.load("config/envs.yaml"))["custom_envs"]
     rows = []
-    for name, mode in MODES.items():
+    for name, mode in modes(args.k).items():
         engine = ScriptedEngine(base_s=args.engine_base_s, per_token_s=2e-5, return_prompt_ids=False)
         with LLMAgentProxy(setup(envs, mode), engine) as proxy:
             proxy.rollout("val")  # start the workers

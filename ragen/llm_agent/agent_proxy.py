@@ -173,8 +173,9 @@ class LLMAgentProxy:
                 max_inflight_groups=ap.max_inflight_groups, n_jobs=ap.parallel_n_jobs,
                 backend="threading" if ap.parallel_backend == "threading" else "loky",
                 max_version_span=bound, partial_rollout=ap.partial_rollout,
-                # this batch's groups and `bound` batches more: taken in order, none is older than the bound
-                ahead_groups=(bound + 1) * es.env_groups)
+                # `bound` batches drawn ahead of the trainer: a group drawn while it trains on version v
+                # is taken, in order, at version v + bound at the latest
+                ahead_groups=bound * es.env_groups)
         t0 = time.perf_counter()
         groups = []
         # coarse: envs of the groups taken for this batch, as they come (no turns: the

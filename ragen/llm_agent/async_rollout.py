@@ -164,9 +164,10 @@ class GroupsInFlight:
     - ``get_batch(n)``: the ``n`` lowest-numbered completed groups, sorted by
       number; the others stay queued for the next call.
     - *Admission*: a new group starts only while fewer than ``ahead_groups``
-      groups are drawn and not yet handed out (``(bound + 1)`` batches: taken
-      in order, a group's first turn is then at most ``bound`` versions old
-      when it is trained on; a straggler taken after its turn can be older,
+      groups are drawn and not yet handed out (``bound`` batches: a group
+      drawn while the trainer trains on version v is, taken in order, trained
+      on at version v + bound at the latest, so its first turn is at most
+      ``bound`` versions old; a straggler taken after its turn can be older,
       and training logs its lag). Generation never runs further ahead of the
       trainer than that, so it neither queues without limit nor makes groups
       only to drop them as stale.
