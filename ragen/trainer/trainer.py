@@ -15,8 +15,9 @@ the next rollout samples from the new weights with no copy; the optimizer
 steps under the proxy's engine lock and the engine's policy version is then
 bumped. With ``vllm`` the trainer keeps its own transformers model and pushes
 its (LoRA-merged) weights with ``engine.load_weights`` after each step. Every
-turn records the policy version that answered it; the step checks that the
-rollout it trains on came from the current version.
+turn records the policy version that answered it and the log-prob of each
+token it sampled; the step logs how many versions old each sample is, and the
+actor corrects for the policy that sampled (``off_policy_correction``).
 
 *Validation* runs the ``val`` env set through the same proxy (so it shares
 ``max_concurrent_rollouts``) before training (``val_before_train``) and every
