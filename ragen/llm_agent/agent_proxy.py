@@ -32,7 +32,7 @@ from typing import Any, Iterator, Mapping
 
 from ragen.llm.types import Engine, SamplingParams
 from ragen.llm_agent.cluster import ClusterConfig
-from ragen.llm_agent.async_rollout import GroupsInFlight, RolloutAhead, staleness
+from ragen.llm_agent.async_rollout import GroupsInFlight, RolloutAhead, response_tokens, staleness
 from ragen.llm_agent.ctx_manager import ContextConfig
 from ragen.config_reader import to_plain
 from ragen.llm_agent.config import (AgentProxyConfig, CtxManagerConfig, EsManagerConfig, LlmServerConfig, SeedConfig,
@@ -188,8 +188,7 @@ class LLMAgentProxy:
                     # whole; a restarting one older than the bound is dropped
                     if lag > bound and not ap.partial_rollout:
                         self._async_counts["dropped_stale"] += 1
-                        self._async_counts["tokens_dropped"] += sum(len(t.response_ids) for tr in trajs
-                                                                    for t in tr.turns)
+                        self._async_counts["tokens_dropped"] += response_tokens(trajs)
                         continue
                     self._async_counts["staleness"].append(lag)
                     groups.append((index, trajs))

@@ -34,6 +34,11 @@ from ragen.llm_agent.types import RolloutResult
 logger = logging.getLogger(__name__)
 
 
+def response_tokens(trajectories) -> int:
+    """The tokens the engine generated for ``trajectories`` (what a dropped or restarted group throws away)."""
+    return sum(len(t.response_ids) for tr in trajectories for t in tr.turns)
+
+
 def staleness(trajectories, version: int) -> int:
     """How many policy versions behind ``version`` the oldest answer in ``trajectories`` is."""
     versions = [t.policy_version for tr in trajectories for t in tr.turns]
@@ -257,12 +262,12 @@ class GroupsInFlight:
                         result, failure = None, f"{type(exc).__name__}: {exc}"
                         if isinstance(exc, BrokenExecutor):  # a worker died and took its executor down
                             self._workers.replace(failed=executor)
-                    turns = [t for tr in (result.trajectories if result else []) for t in tr.turns]
-                    versions = {t.policy_version for t in turns}
+                    trajectories = result.trajectories if result else []
+                    versions = {t.policy_version for tr in trajectories for t in tr.turns}
                     if (not self.partial_rollout and failure is None and versions
                             and max(versions) - min(versions) > self.max_version_span):
                         failure = f"weight updates landed mid-group (versions {sorted(versions)})"
-                    tokens = sum(len(t.response_ids) for t in turns)
+                    tokens = response_tokens(trajectories)
                     with self._cond:
                         self.counts["tokens_generated"] += tokens
                         if failure is None:

@@ -57,7 +57,7 @@ from ragen.llm_agent.dump import dump_name, write_dump
 from ragen.llm_agent.types import RolloutResult
 from ragen.trainer import checkpoint as ckpt
 from ragen.trainer.actor import PPOActor, adapter_off_reference, frozen_copy_reference
-from ragen.trainer.config import TRAINABLE_ENGINES, TrainerConfig, check_top_level
+from ragen.trainer.config import TrainerConfig, check_top_level
 from ragen.trainer.core import Sample, compute_advantages, filter_groups, loss_positions
 from ragen.trainer.tracking import CURVE_FILE, METRICS_FILE, Tracking, plot_learning_curve, summary_line, \
     truncate_metrics
@@ -94,7 +94,7 @@ class AgentTrainer:
             check_engine_config(engine_cfg)
         self.engine_name = getattr(engine, "name", None) or engine_cfg.get("name")
         returns_logprobs = (bool(getattr(engine, "returns_logprobs", False)) if engine is not None
-                            else self.engine_name in TRAINABLE_ENGINES and engine_returns_logprobs(self.engine_name))
+                            else engine_returns_logprobs(self.engine_name))
         self.config.check_against(self.setup.es["train"].num_envs, str(self.engine_name), returns_logprobs)
         self.correction = self.config.actor.correction(returns_logprobs)
         self.model_path = resolve_model_path(plain.get("model_path", "default")) if engine is None else None
