@@ -9,7 +9,9 @@ after one untimed warm-up (process start-up and model load are reported
 apart), ``benchmark.repeats`` times with the modes interleaved (repeat r runs
 every mode in turn, so drift in the machine's speed hits them alike), and
 reports medians: wall time, throughput, engine calls and batch sizes, env /
-engine / waiting time, fallbacks; then the speedup (the median of the
+engine / waiting time, fallbacks, what parallel rollout itself cost (dispatch,
+messages in transit, coalescing wait, merge: the ``overhead`` preset isolates
+it, with parallel minus sequential wall per rollout and per turn); then the speedup (the median of the
 per-repeat ratios), the ideal floor ``max(engine time, env time / workers)``
 (sequential engine time at full batches) and the efficiency against it. A
 digest of every trajectory checks that both modes give the same rollout (or,
@@ -190,6 +192,9 @@ def summarize(mode: str, runs: list, warmup_s: float, setup, proxy) -> dict[str,
         "dump_s": statistics.median(r.metrics["timing/dump_s"] for _, r in runs) if "timing/dump_s" in m else None,
         # parallel only: where the engine sat idle (before its first call, between calls, after its last)
         "engine_idle_s": [m.get(f"timing/engine_idle_{k}_s") for k in ("before", "between", "after")],
+        # parallel only, medians over the repeats: what parallel rollout itself cost (dispatch to the
+        # last worker's start, a worker's messages in transit, the engine held for more requests, merge)
+        "overhead_s": [_median_metric(runs, f"overhead/{k}_s") for k in OVERHEAD_PARTS],
         "fallbacks": int(m.get("parallel/fallbacks", 0)),
         "env_retries": int(m.get("rollout/env_retries", 0)),
         # every env that ended in error or timeout, in any repeat: tag, seed, turn, exception
@@ -199,6 +204,14 @@ def summarize(mode: str, runs: list, warmup_s: float, setup, proxy) -> dict[str,
         # outcome metrics of the first repeat: the same seeds in both modes
         "metrics": {k: v for k, v in runs[0][1].metrics.items() if k.startswith("rollout/")},
     }
+
+
+OVERHEAD_PARTS = ("dispatch", "ipc", "coalesce_wait", "merge")
+
+
+def _median_metric(runs: list, key: str) -> float | None:
+    values = [r.metrics[key] for _, r in runs if key in r.metrics]
+    return statistics.median(values) if values else None
 
 
 def compare_metrics(a: dict, b: dict, tol: float) -> bool:
@@ -222,6 +235,7 @@ def print_report(report: dict[str, Any]) -> None:
         ("fallbacks", "fallbacks", "{}"),
         ("dump write (s, median, untimed)", "dump_s", "{:.3f}"),
         ("engine idle before/betw./after", "engine_idle_s", "idle"),
+        ("dispatch/IPC/coalesce/merge (ms)", "overhead_s", "ms"),
         ("warm-up (s, untimed)", "warmup_s", "{:.2f}"),
     ]
     header = f"{'':32}" + "".join(f"{r['mode'] + (' (' + r['backend'] + ' x' + str(r['n_jobs']) + ')' if r['mode'] == 'parallel' else ''):>26}" for r in runs)
@@ -236,6 +250,9 @@ def print_report(report: dict[str, Any]) -> None:
     if report["speedup"] is not None:
         print(f"speedup {report['speedup']:.2f}x   ideal floor {report['ideal_wall_s']:.3f} s   "
               f"efficiency {report['efficiency']:.0%}")
+        extra = report["overhead"]
+        print(f"parallel - sequential: {extra['per_rollout_s'] * 1000:+.1f} ms per rollout, "
+              f"{extra['per_turn_s'] * 1000:+.1f} ms per turn (median of the per-repeat differences)")
     print(f"consistent: {report['consistent']} ({report['consistency_check']})")
     if report["fault_injection"]:
         print(f"fault injection: {report['fault_injection']}")
@@ -244,6 +261,9 @@ def print_report(report: dict[str, Any]) -> None:
 def _cell(fmt: str, value: Any) -> str:
     if fmt == "idle":  # three numbers, or none for the sequential mode
         return "n/a" if None in value else "/".join(f"{v:.3f}" for v in value)
+    if fmt == "ms":  # parts of the parallel overhead, in ms; none for the sequential mode
+        return "n/a" if all(v is None for v in value) else "/".join(
+            "-" if v is None else f"{v * 1000:.1f}" for v in value)
     return "n/a" if value is None else fmt.format(value)
 
 
@@ -320,8 +340,12 @@ def main(cfg: DictConfig) -> None:
         # the median of the per-repeat ratios: each pair ran back to back on the same seeds
         speedup = statistics.median(a / b for a, b in zip(seq["wall_s_all"], par["wall_s_all"]))
         efficiency = ideal / par["wall_s"]
+        extra_s = statistics.median(b - a for a, b in zip(seq["wall_s_all"], par["wall_s_all"]))
+        overhead = {"per_rollout_s": extra_s, "per_turn_s": extra_s / max(1, int(cfg.agent_proxy.max_turn)),
+                    **dict(zip((f"{k}_s" for k in OVERHEAD_PARTS), par["overhead_s"]))}
     else:
         consistent, check, ideal, speedup, efficiency = True, "one mode only: nothing to compare", None, None, None
+        overhead = None
     if fault is not None:
         consistent = consistent and fault["consistent"]
     report = {
@@ -332,6 +356,7 @@ def main(cfg: DictConfig) -> None:
         "speedup": speedup,
         "ideal_wall_s": ideal,
         "efficiency": efficiency,
+        "overhead": overhead,  # parallel wall minus sequential wall, and its parts (parallel/sequential only)
         "consistent": consistent,
         "consistency_check": check,
         "fault_injection": fault,

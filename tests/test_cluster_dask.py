@@ -144,10 +144,11 @@ def test_workers_keep_their_envs_between_rollouts(scheduler_address, tmp_path, e
             assert result.trajectories == ref
             assert result.metrics["parallel/fallbacks"] == 0  # played on the workers
     created = [int(line) for line in log.read_text().split()]
-    # every env was built on a worker, and each worker built at most one shard's
-    # worth (6 envs) over 4 rollouts: later rollouts reused them (48 otherwise)
+    # every env was built on a worker, and each worker built at most as many as
+    # it ever held at once (at most all 12; the chunks it takes vary from rollout
+    # to rollout) over 4 rollouts: later rollouts reused them (48 otherwise)
     assert set(created) <= worker_pids
-    assert len(created) <= 2 * 6
+    assert len(created) <= 2 * 12
     assert all(created.count(pid) <= 6 for pid in worker_pids)
 
 

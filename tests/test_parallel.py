@@ -4,12 +4,13 @@ every backend and layout, and nothing lost when workers fail."""
 from __future__ import annotations
 
 from dataclasses import replace
+import threading
 import time
 
 import pytest
 
 from ragen.llm.scripted import ScriptedEngine
-from ragen.llm_agent.parallel_rollout import ParallelRolloutManager, RolloutError, partition
+from ragen.llm_agent.parallel_rollout import ParallelRolloutManager, RolloutError
 from ragen.llm_agent.inference import DirectClient
 from ragen.llm_agent.rollout_loop import KeptEnvs, run_envs
 from ragen.llm_agent.inference import SharedLLMInferenceManager
@@ -40,20 +41,6 @@ def reference(mixed_specs, engine):
     return sequential(mixed_specs, loop_config(), engine)
 
 
-def test_partition_keeps_groups_whole_and_assigns_every_env():
-    envs = custom_envs()
-    specs = specs_for(["Bandit"], [7], 3, envs)
-    shards = partition(specs, 3)
-    assert len(shards) == 3
-    assert sorted(s.env_id for sh in shards for s in sh) == [s.env_id for s in specs]
-    for sh in shards:
-        groups = {s.group_id for s in sh}
-        for g in groups:
-            assert sum(s.group_id == g for s in sh) == 3
-    assert sorted(len(sh) for sh in shards) == [6, 6, 9]
-    assert len(partition(specs, 2, max_env_num_per_worker=3)) == 7
-
-
 @pytest.mark.timeout(60)
 def test_a_shard_result_is_frozen_plain_data_and_combines_its_parts():
     import dataclasses
@@ -77,13 +64,14 @@ def test_a_shard_result_is_frozen_plain_data_and_combines_its_parts():
 
 
 @pytest.mark.parametrize("backend,n_jobs", [
-    ("loky", 1), ("loky", 2), ("loky", 3), ("loky", -1),
-    ("threading", 2), ("threading", 3), ("multiprocessing", 2), ("multiprocessing", -1), ("sequential", 1),
+    ("loky", 1), ("loky", 2), ("loky", 3), ("loky", -1), ("loky", "auto"),
+    ("threading", 2), ("threading", 3), ("threading", "auto"), ("multiprocessing", 2), ("multiprocessing", -1),
+    ("sequential", 1),
 ])
 def test_parallel_equals_sequential(backend, n_jobs, mixed_specs, reference, engine):
     with SharedLLMInferenceManager(engine, coalesce_wait_s=0.005) as shared, \
             ParallelRolloutManager(shared, n_jobs=n_jobs, backend=backend) as prm:
-        for depth in (1, 2):
+        for depth in (1, 2, 2):  # auto: the second and third rollouts run on its choice
             result = prm.rollout(mixed_specs, loop_config(depth=depth))
             assert result.trajectories == reference
             # the log-probs too, to the bit (the scripted engine's answers do not depend on the batch)
@@ -107,6 +95,36 @@ def test_two_rollouts_at_once_on_a_joblib_backend(backend, mixed_specs, referenc
                 assert result.metrics["parallel/fallbacks"] == 0
                 assert result.metrics["parallel/retried_shards"] == 0
         assert prm.rollout(mixed_specs, loop_config()).trajectories == reference  # and one alone after
+
+
+def test_auto_sizes_each_rollout_from_the_last_and_says_why(mixed_specs, reference, engine, caplog):
+    """parallel_n_jobs: auto: the first rollout on every core, each later one
+    on the workers and depth chosen from the last one's measurements; the
+    choice is logged with its reason and returned as metrics."""
+    import logging
+
+    with SharedLLMInferenceManager(engine) as shared, ParallelRolloutManager(shared, n_jobs="auto") as prm:
+        with caplog.at_level(logging.INFO, logger="ragen.llm_agent.autosize"):
+            first = prm.rollout(mixed_specs, loop_config(depth=2))
+            second = prm.rollout(mixed_specs, loop_config(depth=2))
+    assert first.trajectories == second.trajectories == reference
+    assert first.metrics["auto/workers"] == prm.n_workers and "auto/pipeline_depth" not in first.metrics
+    assert 1 <= second.metrics["auto/workers"] <= prm.n_workers
+    assert second.metrics["auto/pipeline_depth"] in (1.0, 2.0) and second.metrics["auto/predicted_s"] > 0
+    said = [r.getMessage() for r in caplog.records if "[Auto]" in r.getMessage()]
+    assert len(said) == 2 and "engine" in said[0] and "predicted" in said[0]
+
+
+@pytest.mark.parametrize("n_jobs", [0, -2, "two", 1.5, True, None])
+def test_a_bad_parallel_n_jobs_is_refused_naming_the_key(n_jobs, engine):
+    from ragen.config_reader import read
+    from ragen.llm_agent.config import AgentProxyConfig
+
+    with pytest.raises(ValueError, match="agent_proxy.parallel_n_jobs"):
+        read(AgentProxyConfig, {"parallel_n_jobs": n_jobs}, "agent_proxy")
+    with SharedLLMInferenceManager(engine) as shared:
+        with pytest.raises(ValueError, match="agent_proxy.parallel_n_jobs must be auto"):
+            ParallelRolloutManager(shared, n_jobs=n_jobs)
 
 
 @pytest.mark.parametrize("group_size,n_groups", [(1, [5, 2]), (16, [2, 1])])
@@ -191,7 +209,7 @@ def test_transient_hang_recovers(tmp_path):
 
 def test_fallback_off_raises(tmp_path):
     # a worker that dies (an env raising no longer fails its shard: it ends in error alone)
-    with pytest.raises(RolloutError, match="shard"):
+    with pytest.raises(RolloutError, match="not played"):
         _fault_run(tmp_path, "exit_step", transient=False, fallback_to_sequential=False)
 
 
@@ -290,28 +308,22 @@ def test_answers_that_arrive_while_envs_reset_are_handled_between_resets(mixed_s
     assert log.index("answer") < len(log) - 1 - log[::-1].index("reset")
 
 
-def test_groups_are_dealt_out_over_shards_and_micro_batches():
+def test_groups_are_dealt_out_over_micro_batches():
     from ragen.llm_agent.rollout_loop import _EnvSlot, _split_streams
 
     specs = specs_for(["SimpleSokoban", "FrozenLake"], [4, 4], 1, custom_envs())
-    for shard in partition(specs, 2):  # each shard gets both tags, not one tag each
-        assert {s.tag for s in shard} == {"SimpleSokoban", "FrozenLake"}
     streams = _split_streams([_EnvSlot(s) for s in specs], 2)
     assert [{s.spec.tag for s in stream} for stream in streams] == [{"SimpleSokoban", "FrozenLake"}] * 2
 
 
 @pytest.mark.timeout(60)
-def test_shards_and_micro_batches_get_groups_dealt_in_turn_in_order():
-    """Group k of n goes to shard (micro-batch) k % n, and each keeps the
-    groups' order: the exact layout, so results and worker load stay as they were."""
+def test_micro_batches_get_groups_dealt_in_turn_in_order():
+    """Group k of n goes to micro-batch k % n, and each keeps the groups'
+    order: the exact layout, so results and worker load stay as they were."""
     from ragen.llm_agent.rollout_loop import _EnvSlot, _split_streams
     from ragen.utils import deal
 
     specs = specs_for(["Bandit"], [7], 2, custom_envs())
-    assert [[s.group_id for s in shard] for shard in partition(specs, 3)] == [
-        [0, 0, 3, 3, 6, 6], [1, 1, 4, 4], [2, 2, 5, 5]]
-    assert [[s.env_id for s in shard] for shard in partition(specs, 3)][0] == [0, 1, 6, 7, 12, 13]
-    assert len(partition(specs, 9)) == 7  # never an empty shard
     streams = _split_streams([_EnvSlot(s) for s in specs], 2)
     assert [[s.spec.group_id for s in stream] for stream in streams] == [
         [0, 0, 2, 2, 4, 4, 6, 6], [1, 1, 3, 3, 5, 5]]
@@ -337,21 +349,37 @@ def test_an_engine_with_a_large_cost_per_call_sees_the_sequential_loops_batches(
             assert result.metrics["engine/calls"] == counting.engine_calls
 
 
-def test_only_the_shards_that_start_at_once_are_announced():
-    """With more shards than workers, the shards that wait for a free worker
-    open their streams only when another shard ends: announcing them would
-    make the engine sit out its wait budget for them on every call."""
-    announced = []
+def test_every_chunk_is_announced_and_a_worker_holds_at_most_max_env_num_per_worker_envs():
+    """Each chunk a worker takes is a stream the manager waits for (within its
+    budget) before it is taken; with ``max_env_num_per_worker`` a worker
+    takes another chunk only when its envs have ended, so at most that many
+    envs per worker play at once (here one each: two streams open at most)."""
+    announced, most_open = [], []
 
     class Recording(SharedLLMInferenceManager):
-        def announce(self, n_streams):
+        def announce(self, n_streams, queue=None):
             announced.append(n_streams)
-            return super().announce(n_streams)
+            return super().announce(n_streams, queue)
 
     specs = specs_for(["Bandit", "SimpleSokoban"], [6, 2], 1, custom_envs())
-    with Recording(ScriptedEngine()) as shared, \
+    with Recording(ScriptedEngine(base_s=0.002)) as shared, \
             ParallelRolloutManager(shared, n_jobs=2, max_env_num_per_worker=1) as prm:
-        result = prm.rollout(specs, loop_config(max_turn=2, depth=2))
-    assert result.metrics["parallel/shards"] == 8
-    assert announced == [2]  # two workers, one group (one stream) in each of their first shards
+        prm.rollout(specs, loop_config(max_turn=2, depth=2))  # workers started
+        done = threading.Event()
+
+        def watch():
+            while not done.is_set():
+                most_open.append(shared.open_streams)
+                time.sleep(0.0005)
+
+        watcher = threading.Thread(target=watch)
+        watcher.start()
+        try:
+            result = prm.rollout(specs, loop_config(max_turn=2, depth=2))
+        finally:
+            done.set()
+            watcher.join(10)
+    assert result.metrics["parallel/chunks"] == 8  # one group each
+    assert announced == [8, 8]
+    assert max(most_open) <= 2
     assert shared.announced == {}  # withdrawn when the rollout ended

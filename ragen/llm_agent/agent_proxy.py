@@ -170,7 +170,8 @@ class LLMAgentProxy:
         if self._groups_in_flight is None:
             self._groups_in_flight = GroupsInFlight(
                 es, self.shared.client(timeout_s=ap.engine_timeout_s or None), self.setup.loop,
-                max_inflight_groups=ap.max_inflight_groups, n_jobs=ap.parallel_n_jobs,
+                max_inflight_groups=ap.max_inflight_groups,
+                n_jobs=-1 if ap.parallel_n_jobs == "auto" else ap.parallel_n_jobs,
                 backend="threading" if ap.parallel_backend == "threading" else "loky",
                 max_version_span=bound, partial_rollout=ap.partial_rollout,
                 # `bound` batches drawn ahead of the trainer: a group drawn while it trains on version v

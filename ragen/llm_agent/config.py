@@ -30,6 +30,14 @@ class RewardNormalization:
     method: str = setting(ContextConfig.reward_method, choices=METHODS)
 
 
+def check_n_jobs(n_jobs: Any) -> None:
+    """``agent_proxy.parallel_n_jobs``: auto, -1 or a positive integer; ValueError naming the key otherwise."""
+    if n_jobs == "auto" or (isinstance(n_jobs, int) and not isinstance(n_jobs, bool) and (n_jobs == -1 or n_jobs >= 1)):
+        return
+    raise ValueError(f"agent_proxy.parallel_n_jobs must be auto (sized from each rollout), -1 (one worker per "
+                     f"core) or a positive integer, got {n_jobs!r}")
+
+
 @dataclass(frozen=True)
 class AgentProxyConfig:
     """``agent_proxy.*``: the turn loop, prompts, and the rollout engine."""
@@ -44,7 +52,8 @@ class AgentProxyConfig:
     reward_normalization: RewardNormalization = field(default_factory=RewardNormalization)
     # rollout engine
     use_parallel_rollout: bool = False
-    parallel_n_jobs: int = setting(-1, minimum=-1)  # -1: one worker per available core
+    # -1: one worker per available core; auto: sized from each rollout (ragen.llm_agent.autosize)
+    parallel_n_jobs: int | str = -1
     parallel_backend: str = setting("loky", choices=BACKENDS)
     max_env_num_per_worker: int | None = setting(None, minimum=1)
     pipeline_depth: int = setting(2, minimum=1)
@@ -65,8 +74,7 @@ class AgentProxyConfig:
     partial_rollout: bool = True
 
     def __post_init__(self) -> None:
-        if self.parallel_n_jobs == 0:
-            raise ValueError("agent_proxy.parallel_n_jobs must be -1 (one per core) or >= 1, got 0")
+        check_n_jobs(self.parallel_n_jobs)
         if not self.action_sep:
             raise ValueError("agent_proxy.action_sep must be a non-empty string")
 

@@ -56,14 +56,15 @@ from typing import Any, Iterator, Sequence
 import joblib
 
 from ragen.llm_agent.cluster import ClusterConfig, open_cluster
-from ragen.llm_agent.config import BACKENDS
+from ragen.llm_agent.autosize import AutoSizer, Measured
+from ragen.llm_agent.config import BACKENDS, check_n_jobs
 from ragen.llm_agent.es_manager import compute_metrics
 from ragen.llm_agent.executors import KeptExecutor
-from ragen.llm_agent.rollout_loop import KeptEnvs, LoopConfig, LoopStats, run_envs, stream_count
+from ragen.llm_agent.rollout_loop import KeptEnvs, LoopConfig, LoopStats, run_envs
 from ragen.llm_agent.inference import SharedLLMClient, SharedLLMInferenceManager
 from ragen.llm_agent.progress import RolloutProgress
+from ragen.llm_agent.schedule import GroupQueue, groups_of
 from ragen.llm_agent.types import EnvSpec, RolloutResult, StopReason, Trajectory
-from ragen.utils import deal
 
 logger = logging.getLogger(__name__)
 
@@ -94,6 +95,8 @@ class ShardResult:
     pid: int = -1  # the process that ran it; -1: put together by the fallback from its parts
     wall_s: float = 0.0
     cause: str | None = None  # why the fallback re-ran it, when it did
+    started_at: float = 0.0  # time.monotonic() in the worker when it began (comparable on one machine)
+    ipc_s: float = 0.0  # its messages' time on the wire (SharedLLMClient.transit)
 
     @classmethod
     def combine(cls, shard: int, parts: Sequence["ShardResult"]) -> "ShardResult":
@@ -103,47 +106,34 @@ class ShardResult:
 
 
 def run_shard(shard_id: int, specs: list[EnvSpec], client: SharedLLMClient, config: LoopConfig,
-              isolate_errors: bool = False, fault: dict[str, int] | None = None) -> ShardResult:
-    """One shard in a worker. Failures come back as data, not exceptions, so
-    joblib does not cancel the other shards."""
-    t0 = time.perf_counter()
+              isolate_errors: bool = False, fault: dict[str, int] | None = None,
+              groups: list[list[EnvSpec]] | None = None, max_live_envs: int | None = None) -> ShardResult:
+    """One worker's shard: ``specs``, and with ``groups`` the chunks of them it
+    takes from the rollout's queue (``client.take``) as it frees up. Failures
+    come back as data, not exceptions, so the executor does not cancel the
+    other workers."""
+    started_at, t0 = time.monotonic(), time.perf_counter()
+    take = None if groups is None else (lambda: [s for i in client.take() for s in groups[i]])
+    transit_before = client.transit()[0]
     try:
         trajectories, stats = run_envs(specs, client, config, kept_envs=_worker_envs(),
                                        isolate_errors=isolate_errors, fault=fault,
-                                       on_finished=client.envs_finished)
+                                       on_finished=client.envs_finished, take=take, max_live_envs=max_live_envs)
         for t in trajectories:
             t.worker = os.getpid()
         error = None
     except Exception as exc:
         trajectories, stats, error = [], LoopStats(), f"{type(exc).__name__}: {exc}"
     return ShardResult(shard=shard_id, trajectories=trajectories, stats=stats, error=error, pid=os.getpid(),
-                       wall_s=time.perf_counter() - t0)
-
-
-def partition(specs: Sequence[EnvSpec], n_workers: int, max_env_num_per_worker: int | None = None) -> list[list[EnvSpec]]:
-    """Whole groups per shard, as even as groups allow, every env assigned.
-    Groups are dealt out in turn, so tags laid out in blocks (cheap rooms, then
-    costly ones) are spread over all shards instead of loading one worker."""
-    groups: dict[int, list[EnvSpec]] = {}
-    for s in specs:
-        groups.setdefault(s.group_id, []).append(s)
-    members = list(groups.values())
-    if not members:
-        return []
-    n_shards = max(1, n_workers)
-    if max_env_num_per_worker:
-        per_group = max(len(g) for g in members)
-        per_shard = max(1, max_env_num_per_worker // per_group)
-        n_shards = max(n_shards, -(-len(members) // per_shard))
-    n_shards = min(n_shards, len(members))
-    return [[s for g in hand for s in g] for hand in deal(members, n_shards)]
+                       wall_s=time.perf_counter() - t0, started_at=started_at,
+                       ipc_s=max(0.0, client.transit()[0] - transit_before))
 
 
 class ParallelRolloutManager:
     def __init__(
         self,
         shared: SharedLLMInferenceManager,
-        n_jobs: int = -1,
+        n_jobs: int | str = -1,
         backend: str = "loky",
         max_env_num_per_worker: int | None = None,
         fallback_to_sequential: bool = True,
@@ -154,8 +144,7 @@ class ParallelRolloutManager:
     ) -> None:
         if backend not in BACKENDS:
             raise ValueError(f"agent_proxy.parallel_backend: unknown {backend!r}; choose one of {BACKENDS}")
-        if not isinstance(n_jobs, int) or n_jobs == 0 or n_jobs < -1:
-            raise ValueError(f"agent_proxy.parallel_n_jobs must be -1 or >= 1, got {n_jobs!r}")
+        check_n_jobs(n_jobs)
         if max_env_num_per_worker is not None and max_env_num_per_worker < 1:
             raise ValueError(f"agent_proxy.max_env_num_per_worker must be >= 1, got {max_env_num_per_worker}")
         self.shared = shared
@@ -174,15 +163,18 @@ class ParallelRolloutManager:
         self._rollouts_running = 0  # rollouts with shards on the workers now (for a cluster's announcements)
         self._picklable: set[tuple] = set()  # reuse keys whose env config is known to pickle
         # dask, ray: a cluster client held until close(); the workers get an address they can reach
-        self._cluster = open_cluster(backend, cluster, n_jobs)
+        auto = n_jobs == "auto"
+        self._cluster = open_cluster(backend, cluster, -1 if auto else n_jobs)
         try:
             if self._cluster is not None:
                 self._client = self._cluster.worker_client(self._client)
             with joblib.parallel_config(backend=self._joblib_backend()):
-                self.n_workers = 1 if backend == "sequential" else joblib.effective_n_jobs(n_jobs)
+                # auto: a pool of one process per core, of which each rollout uses as many as chosen
+                self.n_workers = 1 if backend == "sequential" else joblib.effective_n_jobs(-1 if auto else n_jobs)
         except BaseException:
             self.close()
             raise
+        self._auto = AutoSizer(self.n_workers) if auto else None
 
     def _joblib_backend(self):
         return self._cluster.joblib_backend() if self._cluster is not None else self.backend
@@ -233,56 +225,75 @@ class ParallelRolloutManager:
     # ----- rollout ---------------------------------------------------------------
     def rollout(self, specs: Sequence[EnvSpec], config: LoopConfig,
                 fault: dict[str, Any] | None = None, progress: RolloutProgress | None = None) -> RolloutResult:
-        """``fault``: ``{"shard": i, "exit_at_turn": k}`` kills the worker of
-        shard i at turn k (fault injection). ``progress``: told how far the
+        """``fault``: ``{"shard": i, "exit_at_turn": k}`` kills worker i's
+        process at turn k (fault injection). ``progress``: told how far the
         rollout has got (the caller closes it)."""
         t_start = time.perf_counter()
         t_start_mono = time.monotonic()
         stats_before = self.shared.stats.snapshot()
         self._check_picklable(specs)
-        shards = partition(specs, self.n_workers, self.max_env_num_per_worker)
+        groups = groups_of(specs)
+        workers, choice = self.n_workers, None
+        if self._auto is not None:
+            choice = self._auto.choice
+            workers = choice.workers
+            config = replace(config, pipeline_depth=choice.depth or config.pipeline_depth)
         with self._lease() as lease:
-            results, failures, crashed, timed_out = self._run_parallel(lease, dict(enumerate(shards)), config, fault,
-                                                                       progress)
+            results, failures, crashed, timed_out = self._run_parallel(lease, groups, config, fault, progress,
+                                                                       workers)
             retried = 0
-            if crashed and self.fallback_to_sequential and not timed_out:
-                # A dead worker takes the executor down with every shard in flight on the
+            missing = _missing(groups, results)
+            if crashed and missing and self.fallback_to_sequential and not timed_out:
+                # A dead worker takes the executor down with the groups in flight on the
                 # other workers, which did nothing wrong: all get one parallel retry on a
                 # fresh executor; what fails again goes to the sequential fallback.
                 retried = len(crashed)
-                logger.warning("[Retry] a worker died (%s); re-running shards %s in parallel",
-                               next(iter(crashed.values())), sorted(crashed))
-                again, failed, crashed_again, _ = self._run_parallel(
-                    lease, {i: shards[i] for i in crashed}, config, None, progress)
-                results.update(again)
-                failures.update(failed)
-                failures.update(crashed_again)
+                logger.warning("[Retry] a worker died (%s); re-running its %d groups and the other workers' "
+                               "unfinished ones in parallel", next(iter(crashed.values())), len(missing))
+                again, failed, crashed_again, _ = self._run_parallel(lease, missing, config, None, progress,
+                                                                     workers)
+                results += again
+                failures.update({f"retry {k}": v for k, v in {**failed, **crashed_again}.items()})
+                missing = _missing(groups, results)
             else:
                 failures.update(crashed)
             fallback_s = 0.0
-            if failures:
+            if missing:
+                causes = "; ".join(f"worker {i}: {c}" for i, c in sorted(failures.items(), key=str)) or "unknown"
                 if not self.fallback_to_sequential:
-                    raise RolloutError("; ".join(f"shard {i} failed: {c}" for i, c in sorted(failures.items())))
+                    raise RolloutError(f"{sum(map(len, missing))} envs were not played ({causes})")
                 t0 = time.perf_counter()
-                for i, cause in sorted(failures.items()):
-                    ids = [s.env_id for s in shards[i]]
-                    logger.warning("[Fallback] shard %d (%d envs, env_id %d..%d) failed: %s; re-running it "
-                                   "sequentially with the same seeds", i, len(ids), min(ids), max(ids), cause)
-                    results[i] = replace(self._fallback(lease, i, shards[i], config), cause=cause)
-                    if progress is not None:  # the fallback's client reports to no rollout
-                        progress.envs_finished(len(results[i].trajectories))
-                        progress.answered(results[i].stats.requests)
+                rest = [s for g in missing for s in g]
+                ids = [s.env_id for s in rest]
+                logger.warning("[Fallback] %d envs (%d groups, env_id %d..%d) were not played (%s); re-running "
+                               "them sequentially with the same seeds", len(ids), len(missing), min(ids), max(ids),
+                               causes)
+                result = replace(self._fallback(lease, -1, rest, config), cause=causes)
+                results.append(result)
+                if progress is not None:  # the fallback's client reports to no rollout
+                    progress.envs_finished(len(result.trajectories))
+                    progress.answered(result.stats.requests)
                 fallback_s = time.perf_counter() - t0
-        trajectories = sorted((t for r in results.values() for t in r.trajectories), key=lambda t: t.env_id)
+        t_merge = time.perf_counter()
+        trajectories = sorted((t for r in results for t in r.trajectories), key=lambda t: t.env_id)
         _check_complete(specs, trajectories)
         if progress is not None:
             progress.complete()
         metrics = compute_metrics(trajectories)
-        metrics.update(self._timing_metrics(results, stats_before, failures, len(shards)))
+        metrics.update(self._timing_metrics(results, stats_before, failures))
         metrics["parallel/retried_shards"] = float(retried)
         metrics["timing/fallback_s"] = fallback_s
-        metrics["timing/rollout_s"] = time.perf_counter() - t_start
+        workers_ran = [r for r in results if r.pid != -1]
+        if workers_ran and self._cluster is None:  # monotonic clocks compare on one machine only
+            metrics["overhead/dispatch_s"] = max(0.0, max(r.started_at for r in workers_ran) - t_start_mono)
         metrics.update(_engine_idle(self.shared.stats.call_spans, t_start_mono, time.monotonic()))
+        if choice is not None:
+            metrics.update(choice.metrics())
+            self._auto.update(Measured(engine_s=metrics["timing/engine_s"], ipc_s=metrics["overhead/ipc_s"],
+                                       busy_s=sum(max(0.0, r.wall_s - r.stats.wait_s) for r in workers_ran),
+                                       workers=max(1, len(workers_ran))))
+        metrics["overhead/merge_s"] = time.perf_counter() - t_merge
+        metrics["timing/rollout_s"] = time.perf_counter() - t_start
         return RolloutResult(trajectories=trajectories, specs=sorted(specs, key=lambda s: s.env_id), metrics=metrics)
 
     def _check_picklable(self, specs: Sequence[EnvSpec]) -> None:
@@ -303,38 +314,47 @@ class ParallelRolloutManager:
                 )
             self._picklable.add(spec.reuse_key)
 
-    def _run_parallel(self, lease: "_Executors", shards: dict[int, list[EnvSpec]], config: LoopConfig,
-                      fault: dict[str, Any] | None, progress: RolloutProgress | None = None):
-        """Shards on the workers -> (results, failed: shard -> cause, crashed:
-        shard -> cause for the shards the executor lost, whether a shard ran
-        past rollout_timeout_s)."""
-        results: dict[int, ShardResult] = {}
+    def _run_parallel(self, lease: "_Executors", groups: list[list[EnvSpec]], config: LoopConfig,
+                      fault: dict[str, Any] | None, progress: RolloutProgress | None, workers: int):
+        """The groups played by ``workers`` workers, each taking chunks of them from
+        the rollout's queue as it frees up -> (results of the workers that
+        returned, failed: worker -> cause for those that returned an error,
+        crashed: worker -> cause for those the executor lost, whether the
+        rollout ran past rollout_timeout_s)."""
+        results: list[ShardResult] = []
         failed: dict[int, str] = {}
         crashed: dict[int, str] = {}
-        # The manager waits for the streams of workers that have not started yet;
-        # shards beyond one per worker start only as others end: not announced. The
-        # workers of a cluster (dask, ray) are shared by rollouts at once: the shards of
-        # a rollout that finds another on it start only as that one's end, and waiting
-        # for them held every engine call to its full budget: not announced either.
+        max_groups = max_live = None
+        if self.max_env_num_per_worker:  # no worker holds more envs than this at once
+            per_group = max(len(g) for g in groups)
+            max_groups = max(1, self.max_env_num_per_worker // per_group)
+            max_live = max(1, self.max_env_num_per_worker - max_groups * per_group + 1)
+        n_tasks = min(workers, len(groups))
+        queue = GroupQueue(len(groups), n_tasks, config.pipeline_depth, max_groups)
+        # The manager waits for the streams (chunks) not taken yet, within its budget.
+        # The workers of a cluster (dask, ray) are shared by rollouts at once: the
+        # workers of a rollout that finds another on it start only as that one's
+        # end, and waiting for them held every engine call to its full budget: not
+        # announced then.
         with self._lock:
             alone = self._cluster is None or self._rollouts_running == 0
             self._rollouts_running += 1
-        starting = list(shards.values())[: self.n_workers] if alone else []
-        rollout = self.shared.announce(sum(stream_count(shard, config.pipeline_depth) for shard in starting))
+        rollout = self.shared.announce(len(queue) if alone else 0, queue)
         client = replace(self._client, rollout=rollout)
         if progress is not None:
             self.shared.watch(rollout, progress)
         # Workers isolate env errors: a failing env is retried alone and, if it
-        # keeps failing, ends its own trajectory; its shard goes on.
-        calls = [(i, shard, client, config, True,
-                  {"exit_at_turn": fault["exit_at_turn"]} if fault and fault.get("shard") == i else None)
-                 for i, shard in shards.items()]
+        # keeps failing, ends its own trajectory; its worker goes on.
+        calls = [(i, [], client, config, True,
+                  {"exit_at_turn": fault["exit_at_turn"]} if fault and fault.get("shard") == i else None,
+                  groups, max_live)
+                 for i in range(n_tasks)]
         try:
             for res in self._results(lease, calls):
                 if res.error:
                     failed[res.shard] = res.error
                 else:
-                    results[res.shard] = res
+                    results.append(res)
         except Exception as exc:  # a dead worker, a timeout: the executor is gone
             if isinstance(exc, TimeoutError):
                 cause = f"no result within agent_proxy.rollout_timeout_s={self.rollout_timeout_s} s"
@@ -342,7 +362,8 @@ class ParallelRolloutManager:
                 lines = str(exc).strip().splitlines()
                 cause = f"{type(exc).__name__}: {lines[0]}" if lines else type(exc).__name__
             lease.workers.replace()
-            crashed = {i: cause for i in shards if i not in results and i not in failed}
+            done = {r.shard for r in results}
+            crashed = {i: cause for i in range(n_tasks) if i not in done and i not in failed}
             return results, failed, crashed, isinstance(exc, TimeoutError)
         finally:
             self.shared.withdraw(rollout)
@@ -367,15 +388,19 @@ class ParallelRolloutManager:
             raise RolloutError(f"shard {shard_id} failed again in the fallback: {result.error}")
         return result
 
-    def _timing_metrics(self, results, before, failures, n_shards) -> dict[str, float]:
+    def _timing_metrics(self, results, before, failures) -> dict[str, float]:
         after = self.shared.stats.snapshot()  # one consistent reading while the batcher goes on
         calls = after.engine_calls - before.engine_calls
         sizes = list(after.batch_sizes)[-calls:] if calls else []
         m = {
-            "timing/env_reset_s": sum(r.stats.env_reset_s for r in results.values()),
-            "timing/env_step_s": sum(r.stats.env_step_s for r in results.values()),
-            "timing/wait_llm_s": sum(r.stats.wait_s for r in results.values()),
+            "timing/env_reset_s": sum(r.stats.env_reset_s for r in results),
+            "timing/env_step_s": sum(r.stats.env_step_s for r in results),
+            "timing/wait_llm_s": sum(r.stats.wait_s for r in results),
             "timing/engine_s": after.engine_time_s - before.engine_time_s,
+            # what parallel rollout itself costs (the overhead preset): besides dispatch and merge
+            # (set in rollout), the engine held for more requests, and a worker's messages in transit
+            "overhead/coalesce_wait_s": after.coalesce_wait_s - before.coalesce_wait_s,
+            "overhead/ipc_s": _mean([r.ipc_s for r in results if r.pid != -1]),
             "engine/calls": float(after.engine_calls - before.engine_calls),
             "engine/requests": float(after.requests - before.requests),
             "engine/mean_batch_size": (sum(sizes) / len(sizes)) if sizes else 0.0,
@@ -383,15 +408,17 @@ class ParallelRolloutManager:
             "ipc/bytes_in": float(after.bytes_in - before.bytes_in),
             "ipc/bytes_out": float(after.bytes_out - before.bytes_out),
             "ipc/messages": float(after.messages_in - before.messages_in),
-            "parallel/shards": float(n_shards),
-            "parallel/envs_created": float(sum(r.stats.envs_created for r in results.values())),
-            "rollout/env_retries": float(sum(r.stats.env_retries for r in results.values())),
+            "parallel/shards": float(sum(r.pid != -1 for r in results)),
+            "parallel/chunks": float(sum(r.stats.chunks for r in results)),
+            "parallel/envs_created": float(sum(r.stats.envs_created for r in results)),
+            "rollout/env_retries": float(sum(r.stats.env_retries for r in results)),
             "parallel/fallbacks": float(len(failures)),
-            "parallel/workers_used": float(len({r.pid for r in results.values()})),
+            "parallel/workers_used": float(len({r.pid for r in results if r.trajectories and r.pid != -1})),
         }
         m["timing/env_s"] = m["timing/env_reset_s"] + m["timing/env_step_s"]
-        for r in results.values():
-            m[f"worker/shard{r.shard}_wall_s"] = r.wall_s
+        for r in results:
+            if r.pid != -1:
+                m[f"worker/shard{r.shard}_wall_s"] = r.wall_s
         return m
 
     def close(self) -> None:
@@ -439,7 +466,7 @@ class _Executors:
         if m.backend == "threading":
             return concurrent.futures.ThreadPoolExecutor(m.n_workers, thread_name_prefix="ragen-shard")
         parallel = joblib.Parallel(
-            n_jobs=1 if m.backend == "sequential" else m.n_jobs,
+            n_jobs=1 if m.backend == "sequential" else (-1 if m._auto is not None else m.n_jobs),
             backend=m._joblib_backend(), batch_size=1,
             # results as shards finish, so a failure keeps the finished ones; the
             # multiprocessing and ray backends return all at once (multiprocessing
@@ -510,6 +537,16 @@ def _engine_idle(spans, start: float, end: float) -> dict[str, float]:
     return {"timing/engine_idle_before_s": mine[0][0] - start,
             "timing/engine_idle_between_s": between,
             "timing/engine_idle_after_s": max(0.0, end - mine[-1][1])}
+
+
+def _mean(values: Sequence[float]) -> float:
+    return sum(values) / len(values) if values else 0.0
+
+
+def _missing(groups: list[list[EnvSpec]], results: list[ShardResult]) -> list[list[EnvSpec]]:
+    """The groups none of ``results`` played (a worker's groups come back together or not at all)."""
+    played = {t.env_id for r in results for t in r.trajectories}
+    return [g for g in groups if g[0].env_id not in played]
 
 
 def _check_complete(specs: Sequence[EnvSpec], trajectories: Sequence[Trajectory]) -> None:

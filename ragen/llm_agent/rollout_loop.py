@@ -231,6 +231,7 @@ class LoopStats:
     env_errors: int = 0  # envs that ended in error or timeout
     env_retries: int = 0  # retries of failed envs on fresh instances
     envs_created: int = 0  # 0 once a worker keeps its envs between rollouts
+    chunks: int = 0  # chunks of groups taken from the rollout's queue (pull-based work)
 
     def __add__(self, other: "LoopStats") -> "LoopStats":
         return LoopStats(**{f.name: getattr(self, f.name) + getattr(other, f.name) for f in fields(self)})
@@ -244,6 +245,8 @@ def run_envs(
     isolate_errors: bool = True,
     fault: dict[str, int] | None = None,
     on_finished: Callable[[int], None] | None = None,
+    take: Callable[[], list[EnvSpec]] | None = None,
+    max_live_envs: int | None = None,
 ) -> tuple[list[Trajectory], LoopStats]:
     """Play every spec to the end; one trajectory per spec, in spec order.
 
@@ -254,6 +257,13 @@ def run_envs(
     calling process exit at turn k (fault injection for benchmarks and tests).
     ``on_finished(n)``: ``n`` more envs ended (for progress), told just before
     the stream's next request or its close; it must not raise.
+
+    ``take``: pull-based work (``ragen.llm_agent.schedule``): besides
+    ``specs``, each call returns the specs of one more chunk of whole groups,
+    a stream of its own already opened by the manager, until it returns none.
+    The loop takes the next chunk as soon as the last one is reset and its
+    requests are sent, while fewer than ``max_live_envs`` envs are playing
+    (None: no limit); trajectories come back in the order the specs came.
     """
     ctx = ContextManager(config.context)
     kept_envs = kept_envs if kept_envs is not None else KeptEnvs()
@@ -263,10 +273,18 @@ def run_envs(
     slots = [_EnvSlot(s) for s in specs]
     try:
         created = kept_envs.created
-        streams = _split_streams(slots, config.pipeline_depth)
-        client.open_streams(len(streams))
+        streams = _split_streams(slots, config.pipeline_depth) if slots else []
+        if streams:
+            client.open_streams(len(streams))
         open_streams = len(streams)
         inflight: dict[int, list[_EnvSlot]] = {}
+
+        def release_ended(batch: list[_EnvSlot]) -> None:
+            """Ended envs go back to kept_envs at once: a chunk taken later reuses them."""
+            for slot in batch:
+                if not slot.active and slot.env is not None:
+                    kept_envs.release(slot.spec, slot.env)
+                    slot.env = None
 
         def answer(ticket: int, completions: list[Completion]) -> None:
             nonlocal open_streams
@@ -282,36 +300,53 @@ def run_envs(
                          for slot, completion in zip(batch, completions)])
             stats.env_step_s += time.perf_counter() - t0
             _report_finished(batch, on_finished)
+            release_ended(batch)
             if not _submit(batch, client, ctx, config, inflight, stats):
                 client.close_stream()
                 open_streams -= 1
 
+        def start(stream: list[_EnvSlot]) -> None:
+            nonlocal open_streams
+            for chunk in _reset_chunks(stream):
+                t0 = time.perf_counter()
+                threads.run([(slot, functools.partial(_guard, slot, stats, isolate_errors, config, call,
+                                                      _reset, slot, kept_envs, call))
+                             for slot in chunk])
+                stats.env_reset_s += time.perf_counter() - t0
+                while inflight and client.ready():  # keep the model busy while later envs reset
+                    answer(*client.wait_any())
+            _report_finished(stream, on_finished)
+            release_ended(stream)
+            if not _submit(stream, client, ctx, config, inflight, stats):
+                client.close_stream()
+                open_streams -= 1
+
+        def wait_one() -> None:
+            t0 = time.perf_counter()
+            ticket, completions = client.wait_any()
+            stats.wait_s += time.perf_counter() - t0
+            answer(ticket, completions)
+
         try:
             for stream in streams:
-                for chunk in _reset_chunks(stream):
-                    t0 = time.perf_counter()
-                    threads.run([(slot, functools.partial(_guard, slot, stats, isolate_errors, config, call,
-                                                          _reset, slot, kept_envs, call))
-                                 for slot in chunk])
-                    stats.env_reset_s += time.perf_counter() - t0
-                    while inflight and client.ready():  # keep the model busy while later envs reset
-                        answer(*client.wait_any())
-                _report_finished(stream, on_finished)
-                if not _submit(stream, client, ctx, config, inflight, stats):
-                    client.close_stream()
-                    open_streams -= 1
+                start(stream)
+            while take is not None:
+                while inflight and max_live_envs is not None and sum(s.active for s in slots) >= max_live_envs:
+                    wait_one()  # no room for another chunk until envs end
+                taken = [_EnvSlot(s) for s in take()]
+                if not taken:
+                    break
+                open_streams += 1
+                stats.chunks += 1
+                slots += taken
+                start(taken)
             stats.envs_created = kept_envs.created - created
             while inflight:
-                t0 = time.perf_counter()
-                ticket, completions = client.wait_any()
-                stats.wait_s += time.perf_counter() - t0
-                answer(ticket, completions)
+                wait_one()
         finally:
             for _ in range(open_streams):
                 client.close_stream()
-        for slot in slots:
-            if slot.env is not None:
-                kept_envs.release(slot.spec, slot.env)
+        release_ended(slots)
         return [s.traj for s in slots], stats
     except BaseException:
         client.reset()

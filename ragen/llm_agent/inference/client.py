@@ -9,7 +9,7 @@ driver's ``SharedLLMInferenceManager`` from worker processes: it is small and
 picklable (address and key), and each process and thread opens its own
 connection on first use. It also counts the envs its caller reports ended
 (``envs_finished``) and adds the count to its next message, for the driver's
-progress.
+progress, and ``take``s chunks of a rollout's groups from the manager's queue.
 """
 
 from __future__ import annotations
@@ -103,7 +103,10 @@ class SharedLLMClient:
         key = (os.getpid(), tuple(self.address), self.authkey)
         state = cache.get(key)
         if state is None:
-            state = {"sock": self._connect(), "ticket": 0, "outstanding": set(), "inbox": deque(), "finished": 0}
+            # outstanding: ticket -> when it was sent; transit: seconds its messages spent
+            # on the wire (round trip less the manager's time), summed, and how many answers
+            state = {"sock": self._connect(), "ticket": 0, "outstanding": {}, "inbox": deque(), "finished": 0,
+                     "transit": [0.0, 0]}
             cache[key] = state
         return state
 
@@ -154,7 +157,7 @@ class SharedLLMClient:
         wire.send_frame(state["sock"], self._with_finished(state, {
             "op": "gen", "ticket": ticket, "requests": [r.to_dict() for r in requests],
             "sampling": sampling.to_dict()}))
-        state["outstanding"].add(ticket)
+        state["outstanding"][ticket] = time.perf_counter()
         return ticket
 
     def ready(self) -> bool:
@@ -163,38 +166,78 @@ class SharedLLMClient:
             return True
         return bool(select.select([state["sock"]], [], [], 0)[0])
 
-    def wait_any(self) -> tuple[int, list[Completion]]:
+    def transit(self) -> tuple[float, int]:
+        """Seconds this thread's messages spent on the wire (encoding, sending,
+        waking the reader; a request and its answer: the round trip less the
+        manager's time; a take: its round trip), summed, and how many."""
+        state = getattr(_LOCAL, "conns", {}).get((os.getpid(), tuple(self.address), self.authkey))
+        if state is None:  # not connected (yet, or any more after a failure): nothing to read, nothing opened
+            return 0.0, 0
+        seconds, n = state["transit"]
+        return seconds, n
+
+    def take(self) -> list[int]:
+        """The next chunk of the rollout's groups (indices into the groups the
+        worker was given), which opens one stream; empty when none are left.
+        Answers that arrive meanwhile wait in the inbox for ``wait_any``."""
         state = self._state()
-        sock, inbox = state["sock"], state["inbox"]
+        t0 = time.perf_counter()
+        wire.send_frame(state["sock"], self._with_finished(state, {"op": "take", "rollout": self.rollout}))
+        while True:
+            reply = self._read_reply(state)
+            if "take" in reply:
+                state["transit"][0] += time.perf_counter() - t0  # the manager's part is a queue pop
+                state["transit"][1] += 1
+                return list(reply["take"])
+            state["inbox"].extend(reply["answers"])
+
+    def _read_reply(self, state: dict[str, Any]) -> dict[str, Any]:
+        """One frame from the manager: ``{"answers": [...]}`` or ``{"take": [...]}``."""
+        sock = state["sock"]
         sock.settimeout(self.timeout_s)
         try:
-            while True:
-                while not inbox:
-                    try:
-                        data, _ = wire.recv_frame(sock, self.max_message_bytes)
-                        reply = wire.loads(data)
-                        if not isinstance(reply, dict) or not isinstance(reply.get("answers"), list):
-                            raise ValueError("a reply must be {'answers': [...]}")
-                    except socket.timeout:
-                        self.reset()
-                        raise TimeoutError(f"no answer from the LLM manager within {self.timeout_s} s") from None
-                    except wire.ProtocolError as exc:  # not read: the stream is out of step, drop it
-                        self.reset()
-                        raise wire.ProtocolError(f"a reply from the LLM manager at {self.address}: {exc} (the "
-                                                 "client's max_message_bytes, the manager's max_message_bytes "
-                                                 "for its clients)") from None
-                    except ValueError as exc:
-                        self.reset()
-                        raise wire.ProtocolError(f"bad reply from the LLM manager at {self.address}: {exc}") from None
-                    inbox.extend(reply["answers"])
-                msg = inbox.popleft()
-                ticket = msg.get("ticket")
-                if ticket not in state["outstanding"]:
-                    continue  # an answer to a request abandoned after a failure
-                state["outstanding"].discard(ticket)
-                if "error" in msg:
-                    raise wire.EngineError(msg["error"])
-                return ticket, [Completion.from_dict(c) for c in msg["completions"]]
+            data, _ = wire.recv_frame(sock, self.max_message_bytes)
+            reply = wire.loads(data)
+            if not isinstance(reply, dict) or not (
+                    isinstance(reply.get("answers"), list)
+                    or (isinstance(reply.get("take"), list) and all(type(i) is int for i in reply["take"]))):
+                raise ValueError("a reply must be {'answers': [...]} or {'take': [integers]}")
+            return reply
+        except socket.timeout:
+            self.reset()
+            raise TimeoutError(f"no answer from the LLM manager within {self.timeout_s} s") from None
+        except wire.ProtocolError as exc:  # not read: the stream is out of step, drop it
+            self.reset()
+            raise wire.ProtocolError(f"a reply from the LLM manager at {self.address}: {exc} (the "
+                                     "client's max_message_bytes, the manager's max_message_bytes "
+                                     "for its clients)") from None
+        except ValueError as exc:
+            self.reset()
+            raise wire.ProtocolError(f"bad reply from the LLM manager at {self.address}: {exc}") from None
         finally:
             if not sock._closed:  # type: ignore[attr-defined]
                 sock.settimeout(None)
+
+    def wait_any(self) -> tuple[int, list[Completion]]:
+        state = self._state()
+        inbox = state["inbox"]
+        while True:
+            while not inbox:
+                reply = self._read_reply(state)
+                if "take" in reply:  # only ever sent in reply to take(), which reads it itself
+                    self.reset()
+                    raise wire.ProtocolError(f"bad reply from the LLM manager at {self.address}: "
+                                             "a chunk of groups that was not asked for")
+                inbox.extend(reply["answers"])
+            msg = inbox.popleft()
+            ticket = msg.get("ticket")
+            if ticket not in state["outstanding"]:
+                continue  # an answer to a request abandoned after a failure
+            sent = state["outstanding"].pop(ticket)
+            if "error" in msg:
+                raise wire.EngineError(msg["error"])
+            server_s = msg.get("server_s")
+            if isinstance(server_s, (int, float)):
+                state["transit"][0] += max(0.0, time.perf_counter() - sent - server_s)
+                state["transit"][1] += 1
+            return ticket, [Completion.from_dict(c) for c in msg["completions"]]

@@ -13,6 +13,11 @@ answers with something other than one plain-data ``Completion`` per request,
 gets its batch (or only the request lists it answered badly) answered with
 errors, and the batcher goes on serving.
 
+Work: a rollout announced with a ``GroupQueue`` hands its groups to the
+workers that ``take`` them, a chunk at a time, as they free up (pull-based
+load balancing, ``ragen.llm_agent.schedule``); each chunk taken opens one
+stream on the taker's connection.
+
 Progress: the driver may ``watch`` an announced rollout with a
 ``RolloutProgress``; the manager tells it the requests it answers for the
 streams opened under that rollout, the size of each engine call, and the envs
@@ -37,6 +42,7 @@ from ragen.llm.types import Completion, Engine, GenerationRequest, SamplingParam
 from ragen.llm_agent.inference import wire
 from ragen.llm_agent.inference.client import SharedLLMClient
 from ragen.llm_agent.inference.coalescer import Coalescer, Pending
+from ragen.llm_agent.schedule import GroupQueue
 
 if TYPE_CHECKING:
     from ragen.llm_agent.progress import RolloutProgress
@@ -92,6 +98,7 @@ class ManagerStats:
     engine_calls: int = 0
     requests: int = 0
     engine_time_s: float = 0.0
+    coalesce_wait_s: float = 0.0  # the engine free and requests queued, held for more (summed over calls)
     messages_in: int = 0
     bytes_in: int = 0
     bytes_out: int = 0
@@ -168,6 +175,7 @@ class SharedLLMInferenceManager:
         self._closed = False
         self._watch_lock = threading.Lock()
         self._watchers: dict[int, "RolloutProgress"] = {}  # by announced rollout
+        self._queues: dict[int, GroupQueue] = {}  # the groups workers take, by announced rollout (guarded by _cond)
         self._listener = socket.create_server((host, port))
         self.address: tuple[str, int] = self._listener.getsockname()[:2]
         self._threads = [
@@ -191,14 +199,18 @@ class SharedLLMInferenceManager:
         return SharedLLMClient(address=self.address, authkey=self._key, timeout_s=timeout_s,
                                max_message_bytes=self.max_message_bytes)
 
-    def announce(self, n_streams: int) -> int:
-        """The driver dispatched shards whose workers will open ``n_streams``
+    def announce(self, n_streams: int, queue: GroupQueue | None = None) -> int:
+        """The driver dispatched work whose workers will open ``n_streams``
         streams: the coalescer waits for them (within its budget) before they
-        connect, so a worker that starts its shard late is not left out of the
-        first call. Returns the id for ``SharedLLMClient.rollout`` and
-        ``withdraw``."""
+        connect, so a worker that starts late is not left out of the first
+        call. ``queue``: the rollout's groups, which workers ``take`` chunk by
+        chunk (each take opens one stream). Returns the id for
+        ``SharedLLMClient.rollout`` and ``withdraw``."""
         with self._cond:
-            return self.coalescer.announce(n_streams)
+            rollout = self.coalescer.announce(n_streams)
+            if queue is not None:
+                self._queues[rollout] = queue
+            return rollout
 
     def withdraw(self, rollout: int) -> None:
         """The rollout's shards ended (or failed): expect none of its streams.
@@ -208,6 +220,9 @@ class SharedLLMInferenceManager:
         Their connection may still send requests; they are answered as usual."""
         with self._cond:
             self.coalescer.withdraw(rollout)
+            queue = self._queues.pop(rollout, None)
+            if queue is not None:
+                queue.close()
             self._cond.notify_all()
 
     def watch(self, rollout: int, progress: "RolloutProgress") -> None:
@@ -334,6 +349,16 @@ class SharedLLMInferenceManager:
             return
         if msg.finished:
             self._tell({conn.rollout: msg.finished}, finished=True)
+        if isinstance(msg, wire.TakeMessage):
+            with self._cond:
+                queue = self._queues.get(msg.rollout)
+                chunk = queue.take() if queue is not None else []
+                if chunk:  # the chunk is a stream of its own from now on
+                    conn.rollout = msg.rollout
+                    self.coalescer.open(conn, 1, msg.rollout, time.monotonic())
+                    self._cond.notify_all()
+            self.stats.add(bytes_out=conn.send({"take": chunk}))
+            return
         if isinstance(msg, wire.StreamsMessage):
             with self._cond:
                 if msg.op == "open":
@@ -355,8 +380,11 @@ class SharedLLMInferenceManager:
     def _next_batch(self) -> list[Pending] | None:
         with self._cond:
             while not self._closed:
-                decision = self.coalescer.decide(time.monotonic())
+                now = time.monotonic()
+                decision = self.coalescer.decide(now)
                 if decision.batch is not None:
+                    held = now - max(decision.batch[0].arrived, self.coalescer.engine_free_at)
+                    self.stats.add(coalesce_wait_s=max(0.0, held))
                     return decision.batch
                 # no bound needed: every change the decision depends on (a
                 # request, a stream, a connection, close()) notifies
@@ -402,11 +430,12 @@ class SharedLLMInferenceManager:
                 answers.setdefault(p.conn, []).append({"ticket": p.ticket, "error": f"{type(exc).__name__}: {exc}"})
             return answers
         i = 0
+        now = time.monotonic()
         for p in batch:
             part = completions[i: i + len(p.requests)]
             i += len(p.requests)
             try:
-                answer = {"ticket": p.ticket,
+                answer = {"ticket": p.ticket, "server_s": now - p.arrived,
                           "completions": [wire.completion_for_wire(c, r) for c, r in zip(part, p.requests)]}
             except Exception as exc:  # that request list only: the others' completions are good
                 logger.error("malformed completion from the engine: %s", exc)

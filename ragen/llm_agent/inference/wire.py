@@ -15,14 +15,15 @@ refuses a frame longer than its ``max_message_bytes``.
   checks before it sends anything. Nothing else is read before the key is
   proven, and a worker never takes answers from a server that lacks the key.
 - Client -> manager: ``{"op": "open"|"close", "n": k, "rollout": r}``
-  (streams), or ``{"op": "gen", "ticket": t, "requests": [...], "sampling":
+  (streams), ``{"op": "take", "rollout": r}`` (the next chunk of the
+  rollout's groups, which opens one stream: ``ragen.llm_agent.schedule``), or ``{"op": "gen", "ticket": t, "requests": [...], "sampling":
   {...}}``, checked field by field on arrival (``parse_message``): a request of
   the wrong type or range is refused alone, never failing the engine call it
   would have joined. A ``close`` or ``gen`` message may add ``"finished": k``:
   k more of the worker's envs ended since its last message (for the driver's
   progress; absent means 0, and a manager that does not know it ignores it).
-- Manager -> client: ``{"answers": [...]}``, one frame per connection and
-  engine call; each answer is ``{"ticket": t, "completions": [...]}`` (without
+- Manager -> client: ``{"take": [group indices]}`` (none left: empty), or
+  ``{"answers": [...]}``, one frame per connection and engine call; each answer is ``{"ticket": t, "completions": [...]}`` (without
   token ids: they stay in the driver) or ``{"ticket": t, "error": msg}``.
 """
 
@@ -193,6 +194,14 @@ class StreamsMessage:
 
 
 @dataclass(frozen=True)
+class TakeMessage:
+    """A worker asks for the next chunk of an announced rollout's groups."""
+
+    rollout: int
+    finished: int = 0
+
+
+@dataclass(frozen=True)
 class GenMessage:
     """A worker asks for completions of ``requests`` under ``sampling``."""
 
@@ -244,7 +253,7 @@ def _check_fields(values: dict[str, Any], checks: dict[str, Any], where: str) ->
             raise ValueError(f"{where}.{name} must be {what}, got {repr(values[name])[:80]}")
 
 
-def parse_message(data: bytes) -> StreamsMessage | GenMessage:
+def parse_message(data: bytes) -> StreamsMessage | TakeMessage | GenMessage:
     """A client's message, every field checked; BadMessage saying what is wrong otherwise."""
     ticket = None
     try:
@@ -263,6 +272,11 @@ def parse_message(data: bytes) -> StreamsMessage | GenMessage:
             if rollout is not None and not _is_int(rollout):
                 raise ValueError(f"'rollout' must be an integer, got {rollout!r}")
             return StreamsMessage(op, n, rollout, finished)
+        if op == "take":
+            rollout = msg.get("rollout")
+            if not _is_int(rollout):
+                raise ValueError(f"'rollout' must be an integer, got {rollout!r}")
+            return TakeMessage(rollout, finished)
         if op != "gen":
             raise ValueError(f"unknown op {op!r}")
         ticket = msg.get("ticket")

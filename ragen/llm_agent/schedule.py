@@ -1,0 +1,79 @@
+"""Which groups a parallel worker plays next: a rollout's groups handed out
+in chunks as workers ask for them (pull-based load balancing).
+
+Fixed shards, decided before the rollout, let the slowest shard decide the
+rollout's wall time when env cost is uneven (Sokoban room generation in
+``env_bound_heavy``: a group's env time runs from a few ms to 2.7x the
+median, 108 ms). Here every worker takes its next chunk of
+whole groups when it has reset the last one, so a worker that drew costly
+rooms simply takes fewer.
+
+Chunk sizes follow guided self-scheduling (Polychronopoulos & Kuck, 1987):
+each chunk is ``ceil(remaining / (workers * depth))`` groups, so the first
+``workers * depth`` chunks are about the size of the fixed micro-batches they
+replace (the engine gets its first requests as early) and the last ones are
+single groups (the tail evens out). The sizes depend only on how many groups
+remain, never on which worker asks, so the number of chunks, each of which
+is one stream, is known before the rollout (``chunk_sizes``): the shared
+manager is told how many streams to wait for.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Sequence
+
+from ragen.llm_agent.types import EnvSpec
+
+
+def groups_of(specs: Sequence[EnvSpec]) -> list[list[EnvSpec]]:
+    """Specs by group, groups in order of first appearance, members in order."""
+    groups: dict[int, list[EnvSpec]] = {}
+    for s in specs:
+        groups.setdefault(s.group_id, []).append(s)
+    return list(groups.values())
+
+
+def chunk_sizes(n_groups: int, n_workers: int, depth: int = 1, max_groups: int | None = None) -> list[int]:
+    """Groups in each chunk, in the order they are handed out.
+    ``max_groups``: no chunk larger (``max_env_num_per_worker``)."""
+    if n_groups < 0 or n_workers < 1 or depth < 1:
+        raise ValueError(f"chunk_sizes: bad arguments n_groups={n_groups}, n_workers={n_workers}, depth={depth}")
+    sizes, remaining, slots = [], n_groups, n_workers * depth
+    while remaining:
+        size = -(-remaining // slots)
+        if max_groups:
+            size = min(size, max_groups)
+        sizes.append(size)
+        remaining -= size
+    return sizes
+
+
+class GroupQueue:
+    """One rollout's groups, handed out in chunks (thread-safe: the shared
+    manager serves each worker's connection on a thread of its own)."""
+
+    def __init__(self, n_groups: int, n_workers: int, depth: int = 1, max_groups: int | None = None) -> None:
+        self.sizes = chunk_sizes(n_groups, n_workers, depth, max_groups)
+        self._next_chunk = 0
+        self._next_group = 0
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        """Chunks in all (each is one stream)."""
+        return len(self.sizes)
+
+    def take(self) -> list[int]:
+        """The next chunk's group indices; empty once every group is handed out."""
+        with self._lock:
+            if self._next_chunk >= len(self.sizes):
+                return []
+            size = self.sizes[self._next_chunk]
+            self._next_chunk += 1
+            start, self._next_group = self._next_group, self._next_group + size
+            return list(range(start, start + size))
+
+    def close(self) -> None:
+        """Hand out nothing more (the rollout ended or failed)."""
+        with self._lock:
+            self._next_chunk = len(self.sizes)
