@@ -103,9 +103,8 @@ class SharedLLMClient:
         key = (os.getpid(), tuple(self.address), self.authkey)
         state = cache.get(key)
         if state is None:
-            # outstanding: ticket -> when it was sent; transit: seconds its messages spent
-            # on the wire (round trip less the manager's time), summed, and how many answers
-            state = {"sock": self._connect(), "ticket": 0, "outstanding": {}, "inbox": deque(), "finished": 0,
+            # transit: seconds its messages spent on the wire, summed, and how many (transit())
+            state = {"sock": self._connect(), "ticket": 0, "outstanding": set(), "inbox": deque(), "finished": 0,
                      "transit": [0.0, 0]}
             cache[key] = state
         return state
@@ -155,9 +154,9 @@ class SharedLLMClient:
         state["ticket"] += 1
         ticket = state["ticket"]
         wire.send_frame(state["sock"], self._with_finished(state, {
-            "op": "gen", "ticket": ticket, "requests": [r.to_dict() for r in requests],
+            "op": "gen", "ticket": ticket, "sent": time.monotonic(), "requests": [r.to_dict() for r in requests],
             "sampling": sampling.to_dict()}))
-        state["outstanding"][ticket] = time.perf_counter()
+        state["outstanding"].add(ticket)
         return ticket
 
     def ready(self) -> bool:
@@ -168,8 +167,11 @@ class SharedLLMClient:
 
     def transit(self) -> tuple[float, int]:
         """Seconds this thread's messages spent on the wire (encoding, sending,
-        waking the reader; a request and its answer: the round trip less the
-        manager's time; a take: its round trip), summed, and how many."""
+        waking the reader, decoding), summed, and how many: each request from
+        its send to its arrival, each reply from its encoding to its decoding
+        when this thread was already waiting for it (a reply that waited for
+        a busy worker was not slowed by the wire). Only on the manager's
+        machine (one monotonic clock)."""
         state = getattr(_LOCAL, "conns", {}).get((os.getpid(), tuple(self.address), self.authkey))
         if state is None:  # not connected (yet, or any more after a failure): nothing to read, nothing opened
             return 0.0, 0
@@ -181,27 +183,37 @@ class SharedLLMClient:
         worker was given), which opens one stream; empty when none are left.
         Answers that arrive meanwhile wait in the inbox for ``wait_any``."""
         state = self._state()
-        t0 = time.perf_counter()
         wire.send_frame(state["sock"], self._with_finished(state, {"op": "take", "rollout": self.rollout}))
         while True:
             reply = self._read_reply(state)
             if "take" in reply:
-                state["transit"][0] += time.perf_counter() - t0  # the manager's part is a queue pop
-                state["transit"][1] += 1
                 return list(reply["take"])
             state["inbox"].extend(reply["answers"])
+
+    @staticmethod
+    def _add_transit(state: dict[str, Any], seconds: float) -> None:
+        if 0.0 <= seconds < 60.0:  # else not one clock (a worker on another machine)
+            state["transit"][0] += seconds
+            state["transit"][1] += 1
 
     def _read_reply(self, state: dict[str, Any]) -> dict[str, Any]:
         """One frame from the manager: ``{"answers": [...]}`` or ``{"take": [...]}``."""
         sock = state["sock"]
         sock.settimeout(self.timeout_s)
         try:
+            waiting_since = time.monotonic()
             data, _ = wire.recv_frame(sock, self.max_message_bytes)
             reply = wire.loads(data)
             if not isinstance(reply, dict) or not (
                     isinstance(reply.get("answers"), list)
                     or (isinstance(reply.get("take"), list) and all(type(i) is int for i in reply["take"]))):
                 raise ValueError("a reply must be {'answers': [...]} or {'take': [integers]}")
+            sent = reply.get("sent")
+            if isinstance(sent, float) and waiting_since <= sent:
+                self._add_transit(state, time.monotonic() - sent)
+            for answer in reply.get("answers", ()):
+                if isinstance(answer, dict) and isinstance(answer.get("transit_in"), float):
+                    self._add_transit(state, answer["transit_in"])
             return reply
         except socket.timeout:
             self.reset()
@@ -233,11 +245,7 @@ class SharedLLMClient:
             ticket = msg.get("ticket")
             if ticket not in state["outstanding"]:
                 continue  # an answer to a request abandoned after a failure
-            sent = state["outstanding"].pop(ticket)
+            state["outstanding"].discard(ticket)
             if "error" in msg:
                 raise wire.EngineError(msg["error"])
-            server_s = msg.get("server_s")
-            if isinstance(server_s, (int, float)):
-                state["transit"][0] += max(0.0, time.perf_counter() - sent - server_s)
-                state["transit"][1] += 1
             return ticket, [Completion.from_dict(c) for c in msg["completions"]]

@@ -119,6 +119,7 @@ class Pending:
     requests: list[GenerationRequest]
     sampling: SamplingParams
     arrived: float
+    transit_in: float | None = None  # from the worker's send to ``arrived`` (both on one machine's clock)
     sampling_key: str = field(init=False)
 
     def __post_init__(self) -> None:

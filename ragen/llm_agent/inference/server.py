@@ -357,7 +357,7 @@ class SharedLLMInferenceManager:
                     conn.rollout = msg.rollout
                     self.coalescer.open(conn, 1, msg.rollout, time.monotonic())
                     self._cond.notify_all()
-            self.stats.add(bytes_out=conn.send({"take": chunk}))
+            self.stats.add(bytes_out=conn.send({"take": chunk, "sent": time.monotonic()}))
             return
         if isinstance(msg, wire.StreamsMessage):
             with self._cond:
@@ -371,7 +371,9 @@ class SharedLLMInferenceManager:
         if not msg.requests:
             conn.send({"answers": [{"ticket": msg.ticket, "completions": []}]})
             return
-        pending = Pending(conn, msg.ticket, msg.requests, msg.sampling, time.monotonic())
+        now = time.monotonic()
+        pending = Pending(conn, msg.ticket, msg.requests, msg.sampling, now,
+                          None if msg.sent is None else now - msg.sent)
         with self._cond:
             self.coalescer.arrive(pending)
             self._cond.notify_all()
@@ -430,12 +432,11 @@ class SharedLLMInferenceManager:
                 answers.setdefault(p.conn, []).append({"ticket": p.ticket, "error": f"{type(exc).__name__}: {exc}"})
             return answers
         i = 0
-        now = time.monotonic()
         for p in batch:
             part = completions[i: i + len(p.requests)]
             i += len(p.requests)
             try:
-                answer = {"ticket": p.ticket, "server_s": now - p.arrived,
+                answer = {"ticket": p.ticket, "transit_in": p.transit_in,
                           "completions": [wire.completion_for_wire(c, r) for c, r in zip(part, p.requests)]}
             except Exception as exc:  # that request list only: the others' completions are good
                 logger.error("malformed completion from the engine: %s", exc)

@@ -209,6 +209,7 @@ class GenMessage:
     requests: list[GenerationRequest]
     sampling: SamplingParams
     finished: int = 0  # envs of the worker that ended since its last message
+    sent: float | None = None  # the worker's time.monotonic() when it began encoding the message
 
 
 class BadMessage(ValueError):
@@ -299,7 +300,8 @@ def parse_message(data: bytes) -> StreamsMessage | TakeMessage | GenMessage:
             raise ValueError("'sampling' must be an object")
         sampling = SamplingParams.from_dict(sampling_raw)
         _check_fields(sampling.to_dict(), _SAMPLING_FIELDS, "sampling")
-        return GenMessage(ticket, requests, sampling, finished)
+        sent = msg.get("sent")
+        return GenMessage(ticket, requests, sampling, finished, float(sent) if _is_number(sent) else None)
     except (ValueError, TypeError) as exc:
         raise BadMessage(str(exc), ticket) from None
 
@@ -321,8 +323,9 @@ def answers_frame(answers: list[dict[str, Any]]) -> bytes:
     """The frame of one connection's answers. An answer that is not plain
     data (an engine's numpy number, say) becomes an error for its request
     list alone: encoded apart, only on this rare path."""
+    sent = time.monotonic()
     try:
-        return frame({"answers": answers})
+        return frame({"answers": answers, "sent": sent})
     except pickle.PicklingError:
         pass
     checked = []
@@ -341,4 +344,4 @@ def answers_frame(answers: list[dict[str, Any]]) -> bytes:
                 break
         logger.error("malformed completion from the engine: %s", problem)
         checked.append({"ticket": a.get("ticket"), "error": f"the engine's answer cannot be sent: {problem}"})
-    return frame({"answers": checked})
+    return frame({"answers": checked, "sent": sent})
