@@ -195,6 +195,9 @@ def summarize(mode: str, runs: list, warmup_s: float, setup, proxy) -> dict[str,
         # parallel only, medians over the repeats: what parallel rollout itself cost (dispatch to the
         # last worker's start, a worker's messages in transit, the engine held for more requests, merge)
         "overhead_s": [_median_metric(runs, f"overhead/{k}_s") for k in OVERHEAD_PARTS],
+        # parallel_n_jobs=auto: the workers and depth each timed repeat ran on (autosize's choices)
+        "auto": [[r.metrics.get("auto/workers"), r.metrics.get("auto/pipeline_depth")] for _, r in runs
+                 if "auto/workers" in r.metrics],
         "fallbacks": int(m.get("parallel/fallbacks", 0)),
         "env_retries": int(m.get("rollout/env_retries", 0)),
         # every env that ended in error or timeout, in any repeat: tag, seed, turn, exception
@@ -236,6 +239,7 @@ def print_report(report: dict[str, Any]) -> None:
         ("dump write (s, median, untimed)", "dump_s", "{:.3f}"),
         ("engine idle before/betw./after", "engine_idle_s", "idle"),
         ("dispatch/IPC/coalesce/merge (ms)", "overhead_s", "ms"),
+        ("auto: workers x depth per repeat", "auto", "auto"),
         ("warm-up (s, untimed)", "warmup_s", "{:.2f}"),
     ]
     header = f"{'':32}" + "".join(f"{r['mode'] + (' (' + r['backend'] + ' x' + str(r['n_jobs']) + ')' if r['mode'] == 'parallel' else ''):>26}" for r in runs)
@@ -261,6 +265,9 @@ def print_report(report: dict[str, Any]) -> None:
 def _cell(fmt: str, value: Any) -> str:
     if fmt == "idle":  # three numbers, or none for the sequential mode
         return "n/a" if None in value else "/".join(f"{v:.3f}" for v in value)
+    if fmt == "auto":  # parallel_n_jobs=auto only
+        return "n/a" if not value else " ".join(
+            f"{w:.0f}x{'-' if d is None else f'{d:.0f}'}" for w, d in value)
     if fmt == "ms":  # parts of the parallel overhead, in ms; none for the sequential mode
         return "n/a" if all(v is None for v in value) else "/".join(
             "-" if v is None else f"{v * 1000:.1f}" for v in value)

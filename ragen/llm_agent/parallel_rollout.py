@@ -1,15 +1,23 @@
 """ParallelRolloutManager: a rollout's envs played by parallel workers.
 
-- Partitioning: whole groups stay in one shard; every env is in exactly one
-  shard (remainders included); there are at least as many shards as workers,
-  more when ``max_env_num_per_worker`` asks for it.
+- Scheduling is pull-based (``ragen.llm_agent.schedule``): the rollout's
+  groups wait in a ``GroupQueue`` held by the shared manager; each worker
+  takes the next chunk of whole groups when it has reset the last one and
+  sent its requests, so a worker that drew costly envs takes fewer. Chunk
+  sizes shrink from about one micro-batch's worth to single groups; each
+  chunk is a stream of its own (a request in flight), and the manager is
+  told how many there will be. What one worker played is its "shard".
 - Workers (loky processes by default; threading; multiprocessing, sequential,
   dask and ray through joblib's backends) build their envs locally, keep them
-  between rollouts (``KeptEnvs`` per process and thread), run the turn loop of
-  ``rollout_loop`` for their shard and return plain-data trajectories. They
-  reach the driver's ``SharedLLMInferenceManager`` through a picklable client.
-  Inside a shard, ``pipeline_depth`` micro-batches overlap env stepping with
-  generation.
+  between rollouts (``KeptEnvs`` per process and thread, by env spec, so a
+  worker that takes other groups than last time still reuses them), run the
+  turn loop of ``rollout_loop`` and return plain-data trajectories. They
+  reach the driver's ``SharedLLMInferenceManager`` through a picklable
+  client. ``max_env_num_per_worker`` caps the envs a worker plays at once: it
+  takes another chunk only as its envs end.
+- ``parallel_n_jobs: auto`` (``ragen.llm_agent.autosize``): a pool of one
+  process per core, of which each rollout uses the workers, at the pipeline
+  depth, chosen from the last rollout's measurements.
 - The executor is kept between rollouts: for loky and threading a
   ``concurrent.futures`` executor (loky's own, the one under joblib's loky
   backend), which hands the driver each shard's result the moment it ends;
@@ -20,18 +28,24 @@
 - Env failures stay with the env: a worker retries an env that raises or
   times out on a fresh instance (``LoopConfig.env_retries``), and one that
   keeps failing ends its own trajectory in ``error``/``timeout``.
-- Fallback: a shard that fails (a worker process that dies, a shard past
-  ``rollout_timeout_s``, the engine failing) is re-run sequentially, with the same
-  seeds, in one spare process owned by the driver (so an env that kills its
-  process cannot take the driver down), or in the calling thread for the
+- Fallback: the groups a worker did not bring back (its process died, the
+  rollout passed ``rollout_timeout_s``, the engine failed) are re-run
+  sequentially, with the same seeds, in one spare process owned by the
+  driver (so an env that kills its process cannot take the driver down), or in the calling thread for the
   ``threading`` and ``sequential`` backends (their envs never left the driver:
   configs that do not pickle, envs registered at run time); there an env that
   fails again ends its own trajectory with stop reason ``error`` or
   ``timeout``, and the others are kept. ``fallback_to_sequential: false``
-  raises ``RolloutError`` instead.
+  raises ``RolloutError`` instead. A worker that dies takes the executor
+  down with the others' groups in flight: those get one parallel retry first.
 - A shard's result is a ``ShardResult`` (plain frozen data: it crosses the
   process boundary): its trajectories, the loop's ``LoopStats``, the error
-  that failed it, the process that ran it and its wall time.
+  that failed it, the process that ran it, when it started, its wall time and
+  its messages' time on the wire.
+- Overhead (``overhead/*`` metrics, the ``overhead`` benchmark preset):
+  dispatch (the rollout's start to its last worker's), IPC (a worker's
+  messages on the wire, mean over workers), the engine held for more
+  requests (summed over calls) and the merge.
 - The driver merges trajectories in env_id order and checks that every spec
   has exactly one.
 - Progress (optional ``RolloutProgress``): the shared manager counts the
@@ -248,8 +262,9 @@ class ParallelRolloutManager:
                 # other workers, which did nothing wrong: all get one parallel retry on a
                 # fresh executor; what fails again goes to the sequential fallback.
                 retried = len(crashed)
-                logger.warning("[Retry] a worker died (%s); re-running its %d groups and the other workers' "
-                               "unfinished ones in parallel", next(iter(crashed.values())), len(missing))
+                logger.warning("[Retry] a worker died (%s); re-running the %d groups not played (its own and "
+                               "the other workers' unfinished ones) in parallel", next(iter(crashed.values())),
+                               len(missing))
                 again, failed, crashed_again, _ = self._run_parallel(lease, missing, config, None, progress,
                                                                      workers)
                 results += again
