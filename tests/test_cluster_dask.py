@@ -149,7 +149,7 @@ def test_workers_keep_their_envs_between_rollouts(scheduler_address, tmp_path, e
     # to rollout) over 4 rollouts: later rollouts reused them (48 otherwise)
     assert set(created) <= worker_pids
     assert len(created) <= 2 * 12
-    assert all(created.count(pid) <= 6 for pid in worker_pids)
+    assert all(created.count(pid) <= 12 for pid in worker_pids)
 
 
 # ----- a worker lost mid-rollout ---------------------------------------------------
@@ -162,7 +162,8 @@ def _recovered(metrics) -> float:
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("fault", ["exit_step", "kill_step"])
 def test_worker_killed_by_an_env_the_rollout_is_the_fault_free_one(scheduler_address, tmp_path, fault):
-    # the first attempt kills its worker process; Dask runs the shard again elsewhere
+    # the first attempt kills its worker process; Dask runs the task again elsewhere, and
+    # the groups the lost worker had taken are run again by the rollout manager
     clean = specs_for(["Fault"], [6], 2, custom_envs(Fault=fault_tag()))
     faulty = specs_for(["Fault"], [6], 2, custom_envs(Fault=fault_tag(
         fault, fault_seed=clean[4].seed, marker=str(tmp_path / "marker"))))
@@ -174,7 +175,7 @@ def test_worker_killed_by_an_env_the_rollout_is_the_fault_free_one(scheduler_add
                                    cluster=ClusterConfig(dask_scheduler_address=scheduler_address)) as prm:
         result = prm.rollout(faulty, loop_config())
     assert int((tmp_path / "marker").read_text()) != os.getpid()  # a worker died, not the driver
-    assert _recovered(result.metrics) == 0  # Dask itself re-ran the shard on another worker
+    assert _recovered(result.metrics) == 1
     assert result.trajectories == ref
     assert time.monotonic() - t0 < 60
 
@@ -182,16 +183,16 @@ def test_worker_killed_by_an_env_the_rollout_is_the_fault_free_one(scheduler_add
 @pytest.mark.timeout(120)
 def test_worker_lost_on_every_try_dask_gives_up_and_nothing_hangs(scheduler_address, mixed_specs, reference,
                                                                   engine, caplog):
-    # shard 0 kills each worker it runs on: Dask gives up (KilledWorker reaches
-    # joblib) and the rollout manager runs the shard again; the next rollout is
-    # parallel again
+    # worker task 0 kills each worker it runs on at turn 2; Dask runs it again
+    # (and gives up with KilledWorker if it dies every time), while the groups
+    # it had taken stay unplayed: the rollout manager runs them again, nothing
+    # is lost or hangs, and the next rollout is parallel again
     t0 = time.monotonic()
     with SharedLLMInferenceManager(engine) as shared, \
             ParallelRolloutManager(shared, backend="dask",
                                    cluster=ClusterConfig(dask_scheduler_address=scheduler_address)) as prm:
         result = prm.rollout(mixed_specs, loop_config(), fault={"shard": 0, "exit_at_turn": 2})
         assert _recovered(result.metrics) >= 1
-        assert "KilledWorker" in caplog.text  # Dask's verdict reached joblib (and did not hang it)
         assert result.trajectories == reference
         again = prm.rollout(mixed_specs, loop_config())
         assert again.metrics["parallel/fallbacks"] == 0

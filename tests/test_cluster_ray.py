@@ -93,7 +93,8 @@ def test_local_ray_gives_the_sequential_trajectories_and_keeps_envs(mixed_specs,
             assert result.metrics["parallel/retried_shards"] == 0
     created = [int(line) for line in log.read_text().split()]
     assert os.getpid() not in created
-    assert len(set(created)) <= 2 and len(created) <= 8  # 2 actors, each built its shard's envs once
+    # 2 actors, each built at most one instance per env (the groups each takes vary), reused after
+    assert len(set(created)) <= 2 and len(created) <= 2 * len(mixed_specs)
     # ray started for the run is stopped with it; joblib's own pool is given back
     assert not ray.is_initialized()
     assert PicklingPool.__bases__ == bases

@@ -145,8 +145,12 @@ def test_workers_keep_their_envs_between_rollouts(engine):
         first = prm.rollout(specs, loop_config())
         second = prm.rollout(specs, loop_config())
         assert first.trajectories == second.trajectories
-        # reset with new seeds, not rebuilt (a worker that ran no shard the first time builds its own)
-        assert second.metrics["parallel/envs_created"] <= len(specs) // 2
+        third = prm.rollout(specs, loop_config())
+        assert third.trajectories == first.trajectories
+        # reset with new seeds, not rebuilt: a worker builds only envs beyond the most it held before
+        # (the groups each takes vary), so each worker builds at most one per env over all rollouts
+        created = sum(r.metrics["parallel/envs_created"] for r in (first, second, third))
+        assert created <= 2 * len(specs) < 3 * len(specs)
         pids = {k: v for k, v in second.metrics.items() if k.startswith("worker/")}
         assert pids  # per-shard timings are reported
 

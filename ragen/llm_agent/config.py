@@ -53,7 +53,7 @@ class AgentProxyConfig:
     # rollout engine
     use_parallel_rollout: bool = False
     # -1: one worker per available core; auto: sized from each rollout (ragen.llm_agent.autosize)
-    parallel_n_jobs: int | str = -1
+    parallel_n_jobs: Any = -1  # checked by check_n_jobs (auto, -1 or a positive integer)
     parallel_backend: str = setting("loky", choices=BACKENDS)
     max_env_num_per_worker: int | None = setting(None, minimum=1)
     pipeline_depth: int = setting(2, minimum=1)

@@ -274,7 +274,9 @@ class ParallelRolloutManager:
                 failures.update(crashed)
             fallback_s = 0.0
             if missing:
-                causes = "; ".join(f"worker {i}: {c}" for i, c in sorted(failures.items(), key=str)) or "unknown"
+                if not failures:  # a cluster re-ran a lost worker's task, which found its groups taken
+                    failures["lost"] = "a worker was lost; the cluster ran its task again, but its groups were taken"
+                causes = "; ".join(f"worker {i}: {c}" for i, c in sorted(failures.items(), key=str))
                 if not self.fallback_to_sequential:
                     raise RolloutError(f"{sum(map(len, missing))} envs were not played ({causes})")
                 t0 = time.perf_counter()
