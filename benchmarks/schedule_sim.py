@@ -48,10 +48,7 @@ def partition(specs: Sequence[EnvSpec], n_workers: int, max_env_num_per_worker: 
     Whole groups per shard, as even as groups allow, every env assigned.
     Groups are dealt out in turn, so tags laid out in blocks (cheap rooms, then
     costly ones) are spread over all shards instead of loading one worker."""
-    groups: dict[int, list[EnvSpec]] = {}
-    for s in specs:
-        groups.setdefault(s.group_id, []).append(s)
-    members = list(groups.values())
+    members = groups_of(specs)
     if not members:
         return []
     n_shards = max(1, n_workers)

@@ -518,10 +518,8 @@ def _run_isolated(spare: KeptExecutor, shard_id: int, specs: list[EnvSpec], clie
     except (concurrent.futures.BrokenExecutor, TimeoutError, OSError) as exc:
         spare.replace()
         cause = f"{type(exc).__name__}: {exc}".strip() or type(exc).__name__
-        groups: dict[int, list[EnvSpec]] = {}
-        for s in specs:
-            groups.setdefault(s.group_id, []).append(s)
-        parts = list(groups.values()) if len(groups) > 1 else [[s] for s in specs]
+        groups = groups_of(specs)
+        parts = groups if len(groups) > 1 else [[s] for s in specs]
         if len(parts) == 1:
             s = specs[0]
             reason = StopReason.TIMEOUT if isinstance(exc, TimeoutError) else StopReason.ERROR

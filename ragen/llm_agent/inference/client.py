@@ -96,11 +96,15 @@ class SharedLLMClient:
     rollout: int | None = None  # the announced rollout whose streams this client opens
     max_message_bytes: int = 64 << 20  # the largest frame it reads, as the manager caps what it reads
 
+    def _key(self) -> tuple:
+        """This process's connection to this manager (a forked child opens its own)."""
+        return (os.getpid(), tuple(self.address), self.authkey)
+
     def _state(self) -> dict[str, Any]:
         cache = getattr(_LOCAL, "conns", None)
         if cache is None:
             cache = _LOCAL.conns = {}
-        key = (os.getpid(), tuple(self.address), self.authkey)
+        key = self._key()
         state = cache.get(key)
         if state is None:
             # transit: seconds its messages spent on the wire, summed, and how many (transit())
@@ -127,7 +131,7 @@ class SharedLLMClient:
     def reset(self) -> None:
         """Drop this thread's connection (after a failure, answers may be stale)."""
         cache = getattr(_LOCAL, "conns", {})
-        state = cache.pop((os.getpid(), tuple(self.address), self.authkey), None)
+        state = cache.pop(self._key(), None)
         if state is not None:
             state["sock"].close()
 
@@ -172,7 +176,7 @@ class SharedLLMClient:
         when this thread was already waiting for it (a reply that waited for
         a busy worker was not slowed by the wire). Only on the manager's
         machine (one monotonic clock)."""
-        state = getattr(_LOCAL, "conns", {}).get((os.getpid(), tuple(self.address), self.authkey))
+        state = getattr(_LOCAL, "conns", {}).get(self._key())
         if state is None:  # not connected (yet, or any more after a failure): nothing to read, nothing opened
             return 0.0, 0
         seconds, n = state["transit"]
