@@ -312,6 +312,66 @@ def test_answers_that_arrive_while_envs_reset_are_handled_between_resets(mixed_s
     assert log.index("answer") < len(log) - 1 - log[::-1].index("reset")
 
 
+@pytest.mark.timeout(60)
+def test_streams_of_taken_chunks_merge_back_into_pipeline_depth_once_answered_together(engine):
+    """A worker opens a stream per chunk it takes; the chunks past its first
+    pipeline_depth streams ("riders") join the next request of a stream
+    answered in the same engine call and close their own. Every turn after the
+    first is then at most pipeline_depth request lists, every opened stream
+    is closed exactly once, and the trajectories are the sequential loop's."""
+    from collections import deque
+
+    from ragen.llm_agent.schedule import chunk_sizes, groups_of
+
+    specs = specs_for(["SimpleSokoban", "FrozenLake", "Bandit"], [4, 4, 4], 1, custom_envs())
+    config = loop_config(max_turn=4, depth=2)
+    reference = sequential(specs, config, engine)
+
+    class OneCallClient(DirectClient):
+        """Answers every request list queued so far in one engine call, whose
+        answers then arrive together (as one frame of the shared manager)."""
+
+        def __init__(self, engine):
+            super().__init__(engine)
+            self.arrived, self.calls, self.opened, self.closed = deque(), [], 0, 0
+
+        def wait_any(self):
+            if not self.arrived:
+                self.calls.append(len(self._queue))  # request lists in this call
+                while self._queue:
+                    self.arrived.append(super().wait_any())
+            return self.arrived.popleft()
+
+        def ready(self):
+            return bool(self.arrived)
+
+        def open_streams(self, n):
+            self.opened += n
+
+        def close_stream(self):
+            self.closed += 1
+
+    client = OneCallClient(engine)
+    groups = groups_of(specs)
+    chunks = deque()
+    start = 0
+    for size in chunk_sizes(len(groups), 1, depth=2):  # one worker: chunks of 6, 3, 2 and 1 groups
+        chunks.append([s for g in groups[start:start + size] for s in g])
+        start += size
+
+    def take():
+        chunk = chunks.popleft() if chunks else []
+        client.opened += bool(chunk)  # the manager opens a stream per chunk taken
+        return chunk
+
+    trajectories, stats = run_envs([], client, config, kept_envs=KeptEnvs(), take=take)
+    assert stats.chunks == 4
+    assert sorted(trajectories, key=lambda t: t.env_id) == reference
+    assert client.opened == client.closed == 4
+    assert client.calls[0] == 4  # each chunk's first request list
+    assert len(client.calls) == config.max_turn and max(client.calls[1:]) <= config.pipeline_depth  # merged
+
+
 def test_groups_are_dealt_out_over_micro_batches():
     from ragen.llm_agent.rollout_loop import _EnvSlot, _split_streams
 

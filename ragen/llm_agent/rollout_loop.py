@@ -16,7 +16,11 @@ model, another steps its envs. Each micro-batch asks for its first answers as
 soon as its own envs are reset, and answers that arrive while later ones are
 still resetting are handled between two resets, so the model is kept busy
 from the start. A trajectory depends only on its own env and the answers to its
-own requests, so the split never changes results.
+own requests, so the split never changes results. With pull-based work
+(``take``) each chunk of groups a worker takes starts as a stream of its own;
+the ones past ``pipeline_depth`` join another stream answered in the same
+engine call (``handle``), so the worker is back to ``pipeline_depth`` requests
+a turn.
 
 The envs of a tag with ``parallel_friendly: true`` (RAGEN's key) are reset
 and stepped ``max_workers`` at a time on threads (``EnvSpec.env_threads``),
@@ -278,6 +282,7 @@ def run_envs(
             client.open_streams(len(streams))
         open_streams = len(streams)
         inflight: dict[int, list[_EnvSlot]] = {}
+        riders: set[int] = set()  # tickets of streams that taken chunks opened past pipeline_depth
 
         def release_ended(batch: list[_EnvSlot]) -> None:
             """Ended envs go back to kept_envs at once: a chunk taken later reuses them."""
@@ -286,8 +291,8 @@ def run_envs(
                     kept_envs.release(slot.spec, slot.env)
                     slot.env = None
 
-        def answer(ticket: int, completions: list[Completion]) -> None:
-            nonlocal open_streams
+        def step(ticket: int, completions: list[Completion]) -> list[_EnvSlot]:
+            """The answered batch's envs stepped; returns the batch."""
             batch = inflight.pop(ticket)
             if len(completions) != len(batch):
                 raise RuntimeError(f"engine answered {len(completions)} completions for {len(batch)} requests")
@@ -301,12 +306,50 @@ def run_envs(
             stats.env_step_s += time.perf_counter() - t0
             _report_finished(batch, on_finished)
             release_ended(batch)
-            if not _submit(batch, client, ctx, config, inflight, stats):
+            return batch
+
+        def submit(batch: list[_EnvSlot], rider: bool) -> None:
+            """The batch's next request; its stream closes when none of its envs plays on."""
+            nonlocal open_streams
+            ticket = _submit(batch, client, ctx, config, inflight, stats)
+            if ticket is None:
                 client.close_stream()
                 open_streams -= 1
+            elif rider:
+                riders.add(ticket)
 
-        def start(stream: list[_EnvSlot]) -> None:
+        def handle(answers: list[tuple[int, list[Completion]]]) -> None:
+            """Answers that arrived together (one engine call's): the riders
+            among them are stepped first and join the next request of the first
+            other stream answered with them, closing their own, so the streams
+            a worker opened chunk by chunk merge back into pipeline_depth once
+            they are in step (one request per stream and turn, fewer messages).
+            Streams of the first pipeline_depth never merge: they overlap env
+            steps with the engine when the coalescer does not wait for them all."""
             nonlocal open_streams
+            answers = sorted(answers, key=lambda a: a[0] not in riders)  # stable: riders first
+            hosts = sum(t not in riders for t, _ in answers)
+            joined: list[_EnvSlot] = []
+            for i, (ticket, completions) in enumerate(answers):
+                rider = ticket in riders
+                riders.discard(ticket)
+                batch = step(ticket, completions)
+                if rider and (hosts or (i + 1 < len(answers))):
+                    joined += batch  # into the next answered stream's request
+                    client.close_stream()
+                    open_streams -= 1
+                else:
+                    submit(batch + joined, rider)
+                    joined = []
+
+        def gather() -> list[tuple[int, list[Completion]]]:
+            """The next answer and every other one already here."""
+            got = [client.wait_any()]
+            while inflight and client.ready():
+                got.append(client.wait_any())
+            return got
+
+        def start(stream: list[_EnvSlot], rider: bool = False) -> None:
             for chunk in _reset_chunks(stream):
                 t0 = time.perf_counter()
                 threads.run([(slot, functools.partial(_guard, slot, stats, isolate_errors, config, call,
@@ -314,35 +357,33 @@ def run_envs(
                              for slot in chunk])
                 stats.env_reset_s += time.perf_counter() - t0
                 while inflight and client.ready():  # keep the model busy while later envs reset
-                    answer(*client.wait_any())
+                    handle(gather())
             _report_finished(stream, on_finished)
             release_ended(stream)
-            if not _submit(stream, client, ctx, config, inflight, stats):
-                client.close_stream()
-                open_streams -= 1
+            submit(stream, rider)
 
-        def wait_one() -> None:
+        def wait_some() -> None:
             t0 = time.perf_counter()
-            ticket, completions = client.wait_any()
+            got = gather()
             stats.wait_s += time.perf_counter() - t0
-            answer(ticket, completions)
+            handle(got)
 
         try:
             for stream in streams:
                 start(stream)
             while take is not None:
                 while inflight and max_live_envs is not None and sum(s.active for s in slots) >= max_live_envs:
-                    wait_one()  # no room for another chunk until envs end
+                    wait_some()  # no room for another chunk until envs end
                 taken = [_EnvSlot(s) for s in take()]
                 if not taken:
                     break
                 open_streams += 1
                 stats.chunks += 1
                 slots += taken
-                start(taken)
+                start(taken, rider=open_streams > config.pipeline_depth)
             stats.envs_created = kept_envs.created - created
             while inflight:
-                wait_one()
+                wait_some()
         finally:
             for _ in range(open_streams):
                 client.close_stream()
@@ -402,10 +443,11 @@ def _report_finished(slots: list[_EnvSlot], on_finished: Callable[[int], None] |
         on_finished(n)
 
 
-def _submit(stream, client, ctx, config, inflight, stats) -> bool:
+def _submit(stream, client, ctx, config, inflight, stats) -> int | None:
+    """The next request of the stream's active envs: its ticket; None when none is active."""
     active = [s for s in stream if s.active]
     if not active:
-        return False
+        return None
     requests = [
         GenerationRequest(
             messages=ctx.build_messages(s.spec, s.traj.turns, s.observation, s.actions_left, s.traj.action_names),
@@ -420,7 +462,7 @@ def _submit(stream, client, ctx, config, inflight, stats) -> bool:
     inflight[ticket] = active
     stats.requests += len(requests)
     stats.submits += 1
-    return True
+    return ticket
 
 
 def _guard(slot: _EnvSlot, stats: LoopStats, isolate: bool, config: LoopConfig, call: _Caller, fn, *args) -> None:

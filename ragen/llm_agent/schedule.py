@@ -15,7 +15,10 @@ replace (the engine gets its first requests as early) and the last ones are
 single groups (the tail evens out). The sizes depend only on how many groups
 remain, never on which worker asks, so the number of chunks, each of which
 is one stream, is known before the rollout (``chunk_sizes``): the shared
-manager is told how many streams to wait for.
+manager is told how many streams to wait for. A worker's streams past its
+first ``depth`` merge into those once an engine call answers them together
+(``rollout_loop.run_envs``), so the streams opened chunk by chunk do not
+split every later turn into many small requests.
 """
 
 from __future__ import annotations
