@@ -16,6 +16,7 @@
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 from dataclasses import dataclass, field
@@ -53,7 +54,7 @@ class EnvSpec:
     # takes ``mode`` (RAGEN passes it: "train" or "val")
     mode: str = "train"
 
-    @property
+    @functools.cached_property  # asked for per env at each reset and release, and per rollout
     def reuse_key(self) -> tuple:
         """Envs with equal keys are interchangeable: a worker reuses them."""
         return (self.tag, self.env_type, self.config_type, repr(sorted(self.env_config.items())))

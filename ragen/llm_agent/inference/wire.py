@@ -294,12 +294,12 @@ def parse_message(data: bytes) -> StreamsMessage | TakeMessage | GenMessage:
                 for m in r.messages
             ):
                 raise ValueError(f"requests[{i}].messages must be a list of {{role, content}} (strings)")
-            _check_fields(r.to_dict(), _REQUEST_FIELDS, f"requests[{i}]")
+            _check_fields(vars(r), _REQUEST_FIELDS, f"requests[{i}]")
         sampling_raw = msg.get("sampling") or {}
         if not isinstance(sampling_raw, dict):
             raise ValueError("'sampling' must be an object")
         sampling = SamplingParams.from_dict(sampling_raw)
-        _check_fields(sampling.to_dict(), _SAMPLING_FIELDS, "sampling")
+        _check_fields(vars(sampling), _SAMPLING_FIELDS, "sampling")
         sent = msg.get("sent")
         return GenMessage(ticket, requests, sampling, finished, float(sent) if _is_number(sent) else None)
     except (ValueError, TypeError) as exc:
