@@ -58,7 +58,7 @@ class AgentProxyConfig:
     max_env_num_per_worker: int | None = setting(None, minimum=1)
     pipeline_depth: int = setting(2, minimum=1)
     max_batch_size: int = setting(256, minimum=1)
-    coalesce_wait_s: float = setting(0.002, minimum=0.0)
+    coalesce_wait_s: float = setting(0.0005, minimum=0.0)
     fallback_to_sequential: bool = True
     rollout_timeout_s: float | None = setting(None, minimum=0.0)  # 0 or null: no limit
     env_timeout_s: float | None = setting(None, minimum=0.0)

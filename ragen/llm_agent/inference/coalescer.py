@@ -139,7 +139,7 @@ class Coalescer:
     """The queue of requests and the streams they come from; ``decide`` turns
     them into engine calls. Not thread-safe: its owner serialises calls."""
 
-    def __init__(self, max_batch_size: int = 256, coalesce_wait_s: float = 0.002,
+    def __init__(self, max_batch_size: int = 256, coalesce_wait_s: float = 0.0005,
                  max_coalesce_wait_s: float = 1.0) -> None:
         if max_batch_size < 1:
             raise ValueError(f"agent_proxy.max_batch_size must be >= 1, got {max_batch_size}")

@@ -145,7 +145,7 @@ class SharedLLMInferenceManager:
         self,
         engine: Engine,
         max_batch_size: int = 256,
-        coalesce_wait_s: float = 0.002,
+        coalesce_wait_s: float = 0.0005,
         host: str = "127.0.0.1",
         port: int = 0,
         max_message_bytes: int = 64 << 20,
