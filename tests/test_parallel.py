@@ -13,6 +13,7 @@ from ragen.llm.scripted import ScriptedEngine
 from ragen.llm_agent.parallel_rollout import ParallelRolloutManager, RolloutError
 from ragen.llm_agent.inference import DirectClient
 from ragen.llm_agent.rollout_loop import KeptEnvs, run_envs
+from ragen.llm_agent.schedule import chunk_sizes
 from ragen.llm_agent.inference import SharedLLMInferenceManager
 from ragen.llm_agent.types import StopReason
 
@@ -321,7 +322,7 @@ def test_streams_of_taken_chunks_merge_back_into_pipeline_depth_once_answered_to
     is closed exactly once, and the trajectories are the sequential loop's."""
     from collections import deque
 
-    from ragen.llm_agent.schedule import chunk_sizes, groups_of
+    from ragen.llm_agent.schedule import groups_of
 
     specs = specs_for(["SimpleSokoban", "FrozenLake", "Bandit"], [4, 4, 4], 1, custom_envs())
     config = loop_config(max_turn=4, depth=2)
@@ -447,3 +448,19 @@ def test_every_chunk_is_announced_and_a_worker_holds_at_most_max_env_num_per_wor
     assert announced == [8, 8]
     assert max(most_open) <= 2
     assert shared.announced == {}  # withdrawn when the rollout ended
+
+
+@pytest.mark.timeout(120)
+def test_cheap_groups_are_handed_out_in_fewer_chunks_once_their_cost_is_measured(engine):
+    """The first rollout knows nothing of its groups' cost: guided
+    self-scheduling down to single groups. Later rollouts measured groups far
+    cheaper than handing out a chunk costs, so chunks are as large as an even
+    share of workers x pipeline_depth; the trajectories stay the same."""
+    specs = specs_for(["Bandit"], [16], 1, custom_envs())
+    config = loop_config(max_turn=2, depth=2)
+    with SharedLLMInferenceManager(engine) as shared, ParallelRolloutManager(shared, n_jobs=2) as prm:
+        first = prm.rollout(specs, config)
+        second = prm.rollout(specs, config)
+    assert first.metrics["parallel/chunks"] == len(chunk_sizes(16, 2, 2)) == 8
+    assert second.metrics["parallel/chunks"] == 4  # [4, 4, 4, 4]: a Bandit group costs well under 2.5 ms
+    assert second.trajectories == first.trajectories == sequential(specs, config, engine)

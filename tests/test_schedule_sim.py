@@ -66,9 +66,41 @@ def test_chunk_sizes_respect_max_groups(cap):
 def test_chunk_sizes_known_values_and_bad_arguments():
     assert chunk_sizes(16, 4, 2) == [2, 2, 2, 2] + [1] * 8
     assert chunk_sizes(8, 2, 1) == [4, 2, 1, 1]
-    for bad in [(-1, 2, 1), (4, 0, 1), (4, 2, 0)]:
+    for bad in [(-1, 2, 1), (4, 0, 1), (4, 2, 0), (4, 2, 1, None, 0)]:
         with pytest.raises(ValueError, match="chunk_sizes"):
             chunk_sizes(*bad)
+
+
+@pytest.mark.timeout(60)
+def test_chunk_sizes_with_a_floor_stay_above_it_up_to_an_even_share():
+    assert chunk_sizes(128, 2, 2, min_groups=5) == [32, 24, 18, 14, 10, 8, 6, 5, 5, 5, 1]
+    assert chunk_sizes(128, 2, 2, min_groups=87) == [32, 32, 32, 32]  # never coarser than one chunk a slot
+    assert chunk_sizes(10, 3, 1, min_groups=100) == [4, 4, 2]
+    assert chunk_sizes(128, 2, 2, max_groups=10, min_groups=48) == [10] * 12 + [8]  # the memory cap wins
+    for n in (1, 7, 128, 1000):
+        for floor in (1, 2, 9, 50):
+            sizes = chunk_sizes(n, 4, 2, min_groups=floor)
+            assert sum(sizes) == n and all(s >= min(floor, -(-n // 8)) for s in sizes[:-1])
+
+
+@pytest.mark.timeout(60)
+def test_the_floor_comes_from_a_measured_group_cost():
+    from ragen.llm_agent.schedule import CHUNK_WORK_S, group_cost_s, min_chunk_groups
+    from ragen.llm_agent.types import Trajectory, Turn
+
+    assert min_chunk_groups(None) == min_chunk_groups(0.0) == min_chunk_groups(float("nan")) == 1
+    assert min_chunk_groups(CHUNK_WORK_S) == 1 and min_chunk_groups(10 * CHUNK_WORK_S) == 1  # costly groups
+    assert min_chunk_groups(CHUNK_WORK_S / 40) == 40
+
+    def traj(group: int, reset_s: float, *env_s: float) -> Trajectory:
+        turns = [Turn(observation="", actions_left=1, response="", actions=[], executed_actions=[], reward=0.0,
+                      penalty=0.0, info={}, policy_version=0, env_s=s) for s in env_s]
+        return Trajectory(env_id=0, group_id=group, tag="T", seed=0, turns=turns, reset_s=reset_s)
+
+    # group 0: two envs, 0.001 + 0.002 + 0.003 s; group 1: 0.004 s
+    assert group_cost_s([traj(0, 0.001, 0.002), traj(0, 0.003), traj(1, 0.001, 0.001, 0.002)]) == \
+        pytest.approx((0.006 + 0.004) / 2)
+    assert group_cost_s([]) is None
 
 
 # --------------------------- GroupQueue ---------------------------

@@ -77,7 +77,7 @@ from ragen.llm_agent.executors import KeptExecutor
 from ragen.llm_agent.rollout_loop import KeptEnvs, LoopConfig, LoopStats, run_envs
 from ragen.llm_agent.inference import SharedLLMClient, SharedLLMInferenceManager
 from ragen.llm_agent.progress import RolloutProgress
-from ragen.llm_agent.schedule import GroupQueue, groups_of
+from ragen.llm_agent.schedule import GroupQueue, group_cost_s, groups_of, min_chunk_groups
 from ragen.llm_agent.types import EnvSpec, RolloutResult, StopReason, Trajectory
 
 logger = logging.getLogger(__name__)
@@ -189,6 +189,7 @@ class ParallelRolloutManager:
             self.close()
             raise
         self._auto = AutoSizer(self.n_workers) if auto else None
+        self._group_s: float | None = None  # env time of a group, measured on the last rollout (chunk sizes)
 
     def _joblib_backend(self):
         return self._cluster.joblib_backend() if self._cluster is not None else self.backend
@@ -309,6 +310,7 @@ class ParallelRolloutManager:
             self._auto.update(Measured(engine_s=metrics["timing/engine_s"], ipc_s=metrics["overhead/ipc_s"],
                                        busy_s=sum(max(0.0, r.wall_s - r.stats.wait_s) for r in workers_ran),
                                        workers=max(1, len(workers_ran))))
+        self._group_s = group_cost_s([t for r in workers_ran for t in r.trajectories]) or self._group_s
         metrics["overhead/merge_s"] = time.perf_counter() - t_merge
         metrics["timing/rollout_s"] = time.perf_counter() - t_start
         return RolloutResult(trajectories=trajectories, specs=sorted(specs, key=lambda s: s.env_id), metrics=metrics)
@@ -347,7 +349,7 @@ class ParallelRolloutManager:
             max_groups = max(1, self.max_env_num_per_worker // per_group)
             max_live = max(1, self.max_env_num_per_worker - max_groups * per_group + 1)
         n_tasks = min(workers, len(groups))
-        queue = GroupQueue(len(groups), n_tasks, config.pipeline_depth, max_groups)
+        queue = GroupQueue(len(groups), n_tasks, config.pipeline_depth, max_groups, min_chunk_groups(self._group_s))
         # The manager waits for the streams (chunks) not taken yet, within its budget.
         # The workers of a cluster (dask, ray) are shared by rollouts at once: the
         # workers of a rollout that finds another on it start only as that one's

@@ -12,7 +12,9 @@ Chunk sizes follow guided self-scheduling (Polychronopoulos & Kuck, 1987):
 each chunk is ``ceil(remaining / (workers * depth))`` groups, so the first
 ``workers * depth`` chunks are about the size of the fixed micro-batches they
 replace (the engine gets its first requests as early) and the last ones are
-single groups (the tail evens out). The sizes depend only on how many groups
+single groups (the tail evens out), or, once a rollout has measured what a
+group costs, chunks of at least ``CHUNK_WORK_S`` of env work: handing out a
+chunk has a cost of its own, which cheap groups do not repay. The sizes depend only on how many groups
 remain, never on which worker asks, so the number of chunks, each of which
 is one stream, is known before the rollout (``chunk_sizes``): the shared
 manager is told how many streams to wait for. A worker's streams past its
@@ -23,10 +25,36 @@ split every later turn into many small requests.
 
 from __future__ import annotations
 
+import math
 import threading
 from typing import Sequence
 
-from ragen.llm_agent.types import EnvSpec
+from ragen.llm_agent.types import EnvSpec, Trajectory
+
+# The env work a chunk carries at least, once the cost of a group is known.
+# Taking a chunk costs about 1 ms of CPU on 2 cores (a take and its reply, a
+# first request of its own, a merge later: four messages of ~0.3 ms), so a
+# chunk of cheap groups (FrozenLake 4x4: 0.2 ms a group) cost more to hand out
+# than it could balance (the overhead preset: 15 chunks of 128 groups, 4 of
+# them with the floor; dispatch, messages and coalescing wait 29 -> 10 ms).
+# Ten times that cost: what it leaves unbalanced is small next to a chunk.
+CHUNK_WORK_S = 0.01
+
+
+def min_chunk_groups(group_s: float | None) -> int:
+    """The fewest groups in a chunk for groups costing ``group_s`` seconds of
+    env work each (1 while unknown)."""
+    if not group_s or group_s <= 0 or not math.isfinite(group_s):
+        return 1
+    return max(1, math.ceil(CHUNK_WORK_S / group_s))
+
+
+def group_cost_s(trajectories: Sequence[Trajectory]) -> float | None:
+    """Mean env time (resets and steps) of the trajectories' groups; None for none."""
+    groups: dict[int, float] = {}
+    for t in trajectories:
+        groups[t.group_id] = groups.get(t.group_id, 0.0) + t.reset_s + sum(turn.env_s for turn in t.turns)
+    return sum(groups.values()) / len(groups) if groups else None
 
 
 def groups_of(specs: Sequence[EnvSpec]) -> list[list[EnvSpec]]:
@@ -37,14 +65,19 @@ def groups_of(specs: Sequence[EnvSpec]) -> list[list[EnvSpec]]:
     return list(groups.values())
 
 
-def chunk_sizes(n_groups: int, n_workers: int, depth: int = 1, max_groups: int | None = None) -> list[int]:
+def chunk_sizes(n_groups: int, n_workers: int, depth: int = 1, max_groups: int | None = None,
+                min_groups: int = 1) -> list[int]:
     """Groups in each chunk, in the order they are handed out.
-    ``max_groups``: no chunk larger (``max_env_num_per_worker``)."""
-    if n_groups < 0 or n_workers < 1 or depth < 1:
-        raise ValueError(f"chunk_sizes: bad arguments n_groups={n_groups}, n_workers={n_workers}, depth={depth}")
+    ``max_groups``: no chunk larger (``max_env_num_per_worker``, which wins);
+    ``min_groups``: none smaller, but the last (``min_chunk_groups``), up to
+    an even share of ``n_workers * depth`` chunks."""
+    if n_groups < 0 or n_workers < 1 or depth < 1 or min_groups < 1:
+        raise ValueError(f"chunk_sizes: bad arguments n_groups={n_groups}, n_workers={n_workers}, depth={depth}, "
+                         f"min_groups={min_groups}")
     sizes, remaining, slots = [], n_groups, n_workers * depth
+    min_groups = min(min_groups, -(-n_groups // slots))  # never coarser than one chunk per slot
     while remaining:
-        size = -(-remaining // slots)
+        size = min(remaining, max(min_groups, -(-remaining // slots)))
         if max_groups:
             size = min(size, max_groups)
         sizes.append(size)
@@ -56,8 +89,9 @@ class GroupQueue:
     """One rollout's groups, handed out in chunks (thread-safe: the shared
     manager serves each worker's connection on a thread of its own)."""
 
-    def __init__(self, n_groups: int, n_workers: int, depth: int = 1, max_groups: int | None = None) -> None:
-        self.sizes = chunk_sizes(n_groups, n_workers, depth, max_groups)
+    def __init__(self, n_groups: int, n_workers: int, depth: int = 1, max_groups: int | None = None,
+                 min_groups: int = 1) -> None:
+        self.sizes = chunk_sizes(n_groups, n_workers, depth, max_groups, min_groups)
         self._next_chunk = 0
         self._next_group = 0
         self._lock = threading.Lock()
