@@ -16,7 +16,6 @@
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import json
 from dataclasses import dataclass, field
@@ -54,7 +53,7 @@ class EnvSpec:
     # takes ``mode`` (RAGEN passes it: "train" or "val")
     mode: str = "train"
 
-    @functools.cached_property  # asked for per env at each reset and release, and per rollout
+    @property
     def reuse_key(self) -> tuple:
         """Envs with equal keys are interchangeable: a worker reuses them."""
         return (self.tag, self.env_type, self.config_type, repr(sorted(self.env_config.items())))
