@@ -59,6 +59,18 @@ def test_full_rollout_on_every_env():
     assert next(t for t in trajs if t.tag == "Countdown").action_names is None
 
 
+def test_the_proxy_keeps_what_exists_at_its_start_out_of_full_collections_until_it_closes():
+    import gc
+
+    gc.unfreeze()
+    cfg = config("engine=scripted", "es_manager.train.env_groups=1", "es_manager.train.group_size=1",
+                 "es_manager.train.env_configs.tags=[Bandit]", "es_manager.train.env_configs.n_groups=[1]")
+    with LLMAgentProxy(AgentSetup.from_config(cfg), ScriptedEngine()) as proxy:
+        assert gc.get_freeze_count() > 0
+        proxy.rollout("train")
+    assert gc.get_freeze_count() == 0
+
+
 def test_action_budget_and_max_turns():
     cfg = config("engine=scripted", "agent_proxy.max_turn=2", "es_manager.train.env_groups=2",
                  "es_manager.train.group_size=2", "es_manager.train.env_configs.tags=[SimpleSokoban]",

@@ -23,6 +23,7 @@ rollouts, baseline and periodic evaluation).
 
 from __future__ import annotations
 
+import gc
 import logging
 import threading
 import time
@@ -147,6 +148,13 @@ class LLMAgentProxy:
         self._ahead: RolloutAhead | None = None
         self._groups_in_flight: GroupsInFlight | None = None
         self._async_counts: dict[str, Any] = {"dropped_stale": 0, "tokens_dropped": 0, "staleness": []}
+        # What exists now (modules, the model, the engine, the workers' handles) lives about as
+        # long as the proxy: out of the collector's sight (until close), a full collection no
+        # longer walks it. Those walks, set off by the objects rollouts create (trajectories,
+        # unpickled from the workers), stalled one rollout in two or three by 10-80 ms (the
+        # overhead and mixed presets: mean wall 33.5 -> 27.9 ms and 519 -> 504 ms sequentially).
+        gc.collect()
+        gc.freeze()
 
     # ----- training batches (sync, generate-ahead, fully async) -----------------
     def next_train_batch(self, policy_version: int) -> RolloutResult:
@@ -323,6 +331,7 @@ class LLMAgentProxy:
         if self.shared is not None:
             self.shared.close()
         self._kept_envs.close()
+        gc.unfreeze()  # what was frozen at the start is the collector's again (a cycle of it may be garbage now)
 
     def __enter__(self) -> "LLMAgentProxy":
         return self
