@@ -25,6 +25,7 @@ them); exits 1 when the results are inconsistent or a run failed.
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import os
@@ -245,7 +246,7 @@ def print_report(report: dict[str, Any]) -> None:
     header = f"{'':32}" + "".join(f"{r['mode'] + (' (' + r['backend'] + ' x' + str(r['n_jobs']) + ')' if r['mode'] == 'parallel' else ''):>26}" for r in runs)
     print(header)
     for label, key, fmt in rows:
-        print(f"{label:32}" + "".join(f"{_cell(fmt, r[key]):>26}" for r in runs))
+        print(f"{label:32}" + "".join(f" {_cell(fmt, r[key]):>25}" for r in runs))  # a space: long cells stay apart
     tags = sorted({k.split("/")[1] for r in runs for k in r["metrics"] if k.count("/") == 2 and k.split("/")[1] != "stop"})
     for tag in tags:
         for stat in ("success", "reward", "num_actions"):
@@ -265,9 +266,10 @@ def print_report(report: dict[str, Any]) -> None:
 def _cell(fmt: str, value: Any) -> str:
     if fmt == "idle":  # three numbers, or none for the sequential mode
         return "n/a" if None in value else "/".join(f"{v:.3f}" for v in value)
-    if fmt == "auto":  # parallel_n_jobs=auto only
-        return "n/a" if not value else " ".join(
-            f"{w:.0f}x{'-' if d is None else f'{d:.0f}'}" for w, d in value)
+    if fmt == "auto":  # parallel_n_jobs=auto only; repeats of one choice counted: "2x2, 1x2 *19"
+        choices = [f"{w:.0f}x{'-' if d is None else f'{d:.0f}'}" for w, d in value]
+        runs = [[c, sum(1 for _ in group)] for c, group in itertools.groupby(choices)]
+        return "n/a" if not value else ", ".join(c if n == 1 else f"{c} *{n}" for c, n in runs)
     if fmt == "ms":  # parts of the parallel overhead, in ms; none for the sequential mode
         return "n/a" if all(v is None for v in value) else "/".join(
             "-" if v is None else f"{v * 1000:.1f}" for v in value)

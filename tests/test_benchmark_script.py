@@ -122,3 +122,20 @@ def test_every_benchmark_key_in_config_is_known_and_default_yaml_sets_them_all()
         assert keys <= fields, (path.name, keys - fields)
         if path.name == "default.yaml":
             assert keys == fields
+
+
+def test_the_report_counts_repeated_auto_choices_and_keeps_cells_apart(capsys):
+    import importlib
+
+    script = importlib.import_module("test_parallel_rollout")
+    assert script._cell("auto", [[2, 2]] + [[1, 2]] * 19) == "2x2, 1x2 *19"
+    assert script._cell("auto", [[2, None], [1, 1]]) == "2x-, 1x1"
+    assert script._cell("auto", []) == "n/a"
+    run = {"mode": "parallel", "backend": "loky", "n_jobs": 2, "metrics": {}, "auto": [[w, 2] for w in range(20)],
+           "overhead_s": [None] * 4, "engine_idle_s": [None] * 3}
+    run.update({k: 0.0 for k in ("wall_s", "trajectories_per_s", "env_steps_per_s", "engine_calls", "mean_batch_size",
+                                 "env_time_s", "engine_time_s", "wait_time_s", "fallbacks", "dump_s", "warmup_s")})
+    script.print_report({"runs": [dict(run, mode="sequential", auto=[]), run], "speedup": None,
+                         "consistent": True, "consistency_check": "-", "fault_injection": None})
+    row = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("auto:"))
+    assert "n/a 0x2" in row  # a long cell still has a space before it
