@@ -262,3 +262,20 @@ def test_auto_picks_few_workers_when_the_engine_dominates_and_every_core_when_en
     assert choose(Measured(engine_s=0.0, busy_s=1.0, ipc_s=0.001, workers=2), cores=2).workers == 2
     assert choose(Measured(engine_s=0.0, busy_s=0.004, ipc_s=0.002, workers=2), cores=2).workers == 1
     assert "predicted" in env_bound.reason and "env work dominates" in env_bound.reason
+
+
+@pytest.mark.timeout(60)
+def test_auto_keeps_its_worker_count_unless_another_is_clearly_faster():
+    from ragen.llm_agent.autosize import SWITCH_GAIN, AutoSizer, Measured, choose, predicted_s
+
+    m = Measured(engine_s=0.006, busy_s=0.006, ipc_s=0.002, workers=2)
+    t1, t2 = predicted_s(m, 1, 2), predicted_s(m, 2, 2)
+    assert t1 < t2 < t1 * (1 + SWITCH_GAIN)  # 1 is best, by less than the margin
+    assert choose(m, cores=2).workers == 1
+    assert choose(m, cores=2, current=2).workers == 2  # kept
+    assert choose(m, cores=2, current=1).workers == 1
+    clear = Measured(engine_s=0.0, busy_s=0.004, ipc_s=0.002, workers=2)  # 1 predicted far faster
+    assert choose(clear, cores=2, current=2).workers == 1
+    sizer = AutoSizer(2)
+    assert sizer.update(m).workers == 2  # it ran on 2: kept
+    assert sizer.update(Measured(0.006, 0.006, 0.002, workers=1)).workers == 1

@@ -24,8 +24,11 @@ most. Depth: one chunk per worker to start when the engine dominates
 (``G >= B * s / W``: each turn is then one engine call over every env,
 fewer messages), two otherwise (a worker resets and steps one chunk while
 the engine answers the other). The first rollout, with nothing measured,
-runs on every core at the configured depth. Each choice, its inputs and the
-reason are logged and returned as ``auto/*`` metrics.
+runs on every core at the configured depth. A later rollout keeps the last
+worker count unless another is predicted ``SWITCH_GAIN`` faster: two counts
+predicted within the noise of one rollout's measurements had alternated from
+rollout to rollout (the overhead preset: 1, 2, 1, 1, 2...). Each choice, its
+inputs and the reason are logged and returned as ``auto/*`` metrics.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ from dataclasses import dataclass
 logger = logging.getLogger(__name__)
 
 MIN_PER_WORKER_S = 0.0005
+SWITCH_GAIN = 0.05  # another worker count must be predicted this much faster than the current one
 
 
 @dataclass(frozen=True)
@@ -70,11 +74,14 @@ def predicted_s(m: Measured, workers: int, cores: int) -> float:
     return m.engine_s + m.busy_s * stretch / workers + per_worker * workers
 
 
-def choose(m: Measured, cores: int) -> Choice:
-    """The workers (1..cores) with the least predicted wall time (the fewest on a tie), and the depth."""
+def choose(m: Measured, cores: int, current: int | None = None) -> Choice:
+    """The workers (1..cores) with the least predicted wall time (the fewest on a tie),
+    or ``current`` unless that is ``SWITCH_GAIN`` slower; and the depth."""
     cores = max(1, cores)
     times = {w: predicted_s(m, w, cores) for w in range(1, cores + 1)}
     workers = min(times, key=lambda w: (round(times[w], 6), w))
+    if current in times and times[workers] * (1 + SWITCH_GAIN) >= times[current]:
+        workers = current
     stretch = max(1.0, (workers + 1) / cores)
     engine_bound = m.engine_s >= m.busy_s * stretch / workers
     depth = 1 if engine_bound else 2
@@ -96,7 +103,7 @@ class AutoSizer:
         self.choice = Choice(self.cores, None, None, "first rollout: nothing measured yet, every core")
 
     def update(self, m: Measured) -> Choice:
-        self.choice = choose(m, self.cores)
+        self.choice = choose(m, self.cores, current=m.workers)
         logger.info("[Auto] next rollout: %d worker(s), pipeline depth %d (%s)",
                     self.choice.workers, self.choice.depth, self.choice.reason)
         return self.choice
