@@ -450,6 +450,31 @@ def test_every_chunk_is_announced_and_a_worker_holds_at_most_max_env_num_per_wor
     assert shared.announced == {}  # withdrawn when the rollout ended
 
 
+def _worker_gc_state():
+    import gc
+
+    from ragen.llm_agent import parallel_rollout
+
+    parallel_rollout._freeze_once()  # what run_shard does first
+    return gc.get_threshold()[0], gc.get_freeze_count() > 0
+
+
+@pytest.mark.timeout(120)
+def test_loky_workers_collect_less_often_and_leave_their_imports_out_of_full_collections(engine):
+    import gc
+
+    from ragen.llm_agent.parallel_rollout import _Executors
+
+    before = gc.get_threshold()
+    with SharedLLMInferenceManager(engine) as shared, ParallelRolloutManager(shared, n_jobs=1) as prm:
+        executors = _Executors(prm)
+        try:
+            assert executors.workers.get().submit(_worker_gc_state).result(timeout=60) == (10_000, True)
+        finally:
+            executors.close()
+    assert gc.get_threshold() == before  # the driver's collector is the user's
+
+
 @pytest.mark.timeout(120)
 def test_cheap_groups_are_handed_out_in_fewer_chunks_once_their_cost_is_measured(engine):
     """The first rollout knows nothing of its groups' cost: guided
