@@ -35,7 +35,7 @@ from typing import Mapping, Sequence
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
 
-from ragen.llm_agent.schedule import chunk_sizes, groups_of  # noqa: E402
+from ragen.llm_agent.schedule import chunk_sizes, group_costs, groups_of  # noqa: E402
 from ragen.llm_agent.types import EnvSpec  # noqa: E402
 from ragen.utils import deal  # noqa: E402
 
@@ -118,9 +118,7 @@ def measure(preset: str, rollouts: int) -> list[dict]:
         for r in range(rollouts):
             clear_caches()  # every rollout generates its rooms
             result = proxy.rollout("train", rollout_index=r)
-            cost: dict[int, float] = {}
-            for t in result.trajectories:
-                cost[t.group_id] = cost.get(t.group_id, 0.0) + t.reset_s + sum(turn.env_s for turn in t.turns)
+            cost = group_costs(result.trajectories)
             out.append({"rollout_index": r, "groups": [
                 {"group_id": g[0].group_id, "env_ids": [s.env_id for s in g], "cost_s": cost[g[0].group_id]}
                 for g in groups_of(result.specs)]})

@@ -49,12 +49,18 @@ def min_chunk_groups(group_s: float | None) -> int:
     return max(1, math.ceil(CHUNK_WORK_S / group_s))
 
 
+def group_costs(trajectories: Sequence[Trajectory]) -> dict[int, float]:
+    """Env time (resets and steps) of each group, summed over its envs, by group id."""
+    costs: dict[int, float] = {}
+    for t in trajectories:
+        costs[t.group_id] = costs.get(t.group_id, 0.0) + t.reset_s + sum(turn.env_s for turn in t.turns)
+    return costs
+
+
 def group_cost_s(trajectories: Sequence[Trajectory]) -> float | None:
     """Mean env time (resets and steps) of the trajectories' groups; None for none."""
-    groups: dict[int, float] = {}
-    for t in trajectories:
-        groups[t.group_id] = groups.get(t.group_id, 0.0) + t.reset_s + sum(turn.env_s for turn in t.turns)
-    return sum(groups.values()) / len(groups) if groups else None
+    costs = group_costs(trajectories)
+    return sum(costs.values()) / len(costs) if costs else None
 
 
 def groups_of(specs: Sequence[EnvSpec]) -> list[list[EnvSpec]]:
