@@ -40,12 +40,14 @@ import time
 import traceback
 from collections import defaultdict
 from dataclasses import dataclass, field, fields
+from operator import attrgetter
 from typing import Any, Callable, Sequence
 
 from ragen.llm.types import Completion, GenerationRequest, SamplingParams
 from ragen.llm_agent.config import AgentProxyConfig, EsManagerConfig
 from ragen.llm_agent.ctx_manager import ContextConfig, ContextManager
 from ragen.llm_agent.inference.client import LLMClient
+from ragen.llm_agent.schedule import groups_of
 from ragen.llm_agent.types import EnvSpec, Step, StopReason, Trajectory, Turn
 from ragen.utils import deal
 
@@ -422,10 +424,7 @@ def stream_count(specs: Sequence[EnvSpec], depth: int) -> int:
 def _split_streams(slots: list[_EnvSlot], depth: int) -> list[list[_EnvSlot]]:
     """``depth`` micro-batches of whole groups (fewer when there are fewer
     groups), dealt out in turn so that each gets a share of every tag."""
-    groups: dict[int, list[_EnvSlot]] = {}
-    for s in slots:
-        groups.setdefault(s.spec.group_id, []).append(s)
-    members = list(groups.values())
+    members = groups_of(slots, attrgetter("spec.group_id"))
     depth = stream_count([s.spec for s in slots], depth)
     return [[s for g in hand for s in g] for hand in deal(members, depth)]
 

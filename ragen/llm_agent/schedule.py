@@ -27,7 +27,8 @@ from __future__ import annotations
 
 import math
 import threading
-from typing import Sequence
+from operator import attrgetter
+from typing import Callable, Sequence, TypeVar
 
 from ragen.llm_agent.types import EnvSpec, Trajectory
 
@@ -63,11 +64,15 @@ def group_cost_s(trajectories: Sequence[Trajectory]) -> float | None:
     return sum(costs.values()) / len(costs) if costs else None
 
 
-def groups_of(specs: Sequence[EnvSpec]) -> list[list[EnvSpec]]:
-    """Specs by group, groups in order of first appearance, members in order."""
-    groups: dict[int, list[EnvSpec]] = {}
-    for s in specs:
-        groups.setdefault(s.group_id, []).append(s)
+T = TypeVar("T")
+
+
+def groups_of(items: Sequence[T], group_id: Callable[[T], int] = attrgetter("group_id")) -> list[list[T]]:
+    """Items (specs, or what holds one) by group, groups in order of first
+    appearance, members in order."""
+    groups: dict[int, list[T]] = {}
+    for item in items:
+        groups.setdefault(group_id(item), []).append(item)
     return list(groups.values())
 
 
