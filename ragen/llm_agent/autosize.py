@@ -68,10 +68,14 @@ class Choice:
         return m
 
 
+def stretch(workers: int, cores: int) -> float:
+    """``s(W)``: how much longer a worker's work takes with the driver and ``workers`` workers on ``cores``."""
+    return max(1.0, (workers + 1) / cores)
+
+
 def predicted_s(m: Measured, workers: int, cores: int) -> float:
     per_worker = max(MIN_PER_WORKER_S, m.ipc_s)
-    stretch = max(1.0, (workers + 1) / cores)
-    return m.engine_s + m.busy_s * stretch / workers + per_worker * workers
+    return m.engine_s + m.busy_s * stretch(workers, cores) / workers + per_worker * workers
 
 
 def choose(m: Measured, cores: int, current: int | None = None) -> Choice:
@@ -82,8 +86,7 @@ def choose(m: Measured, cores: int, current: int | None = None) -> Choice:
     workers = min(times, key=lambda w: (round(times[w], 6), w))
     if current in times and times[workers] * (1 + SWITCH_GAIN) >= times[current]:
         workers = current
-    stretch = max(1.0, (workers + 1) / cores)
-    engine_bound = m.engine_s >= m.busy_s * stretch / workers
+    engine_bound = m.engine_s >= m.busy_s * stretch(workers, cores) / workers
     depth = 1 if engine_bound else 2
     shown = ", ".join(f"{w}: {t:.3f} s" for w, t in times.items() if w in (1, 2, workers, cores))
     reason = (f"engine {m.engine_s:.3f} s, worker CPU {m.busy_s:.3f} s over {m.workers} worker(s), "
