@@ -4,9 +4,12 @@
   groups wait in a ``GroupQueue`` held by the shared manager; each worker
   takes the next chunk of whole groups when it has reset the last one and
   sent its requests, so a worker that drew costly envs takes fewer. Chunk
-  sizes shrink from about one micro-batch's worth to single groups; each
-  chunk is a stream of its own (a request in flight), and the manager is
-  told how many there will be. What one worker played is its "shard".
+  sizes shrink from about one micro-batch's worth to single groups (no
+  smaller than ``schedule.CHUNK_WORK_S`` of env work once the last rollout
+  measured a group's cost); each chunk starts as a stream of its own (a
+  request in flight), the manager is told how many there will be, and a
+  worker's streams past ``pipeline_depth`` merge back into those
+  (``rollout_loop.run_envs``). What one worker played is its "shard".
 - Workers (loky processes by default; threading; multiprocessing, sequential,
   dask and ray through joblib's backends) build their envs locally, keep them
   between rollouts (``KeptEnvs`` per process and thread, by env spec, so a

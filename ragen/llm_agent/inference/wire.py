@@ -16,15 +16,18 @@ refuses a frame longer than its ``max_message_bytes``.
   proven, and a worker never takes answers from a server that lacks the key.
 - Client -> manager: ``{"op": "open"|"close", "n": k, "rollout": r}``
   (streams), ``{"op": "take", "rollout": r}`` (the next chunk of the
-  rollout's groups, which opens one stream: ``ragen.llm_agent.schedule``), or ``{"op": "gen", "ticket": t, "requests": [...], "sampling":
-  {...}}``, checked field by field on arrival (``parse_message``): a request of
+  rollout's groups, which opens one stream: ``ragen.llm_agent.schedule``),
+  or ``{"op": "gen", "ticket": t, "requests": [...], "sampling": {...}}``,
+  checked field by field on arrival (``parse_message``): a request of
   the wrong type or range is refused alone, never failing the engine call it
   would have joined. A ``close`` or ``gen`` message may add ``"finished": k``:
   k more of the worker's envs ended since its last message (for the driver's
   progress; absent means 0, and a manager that does not know it ignores it).
 - Manager -> client: ``{"take": [group indices]}`` (none left: empty), or
-  ``{"answers": [...]}``, one frame per connection and engine call; each answer is ``{"ticket": t, "completions": [...]}`` (without
-  token ids: they stay in the driver) or ``{"ticket": t, "error": msg}``.
+  ``{"answers": [...]}``, one frame per connection and engine call; each
+  answer is ``{"ticket": t, "completions": [...]}`` (the answers' token ids
+  and log-probs, not the prompts' token ids: those stay in the driver) or
+  ``{"ticket": t, "error": msg}``.
 """
 
 from __future__ import annotations
