@@ -390,6 +390,43 @@ def test_engine_hanging_hits_engine_timeout_through_the_proxy(proxy_reference):
         assert _strip(proxy.rollout("train", rollout_index=0).trajectories) == _strip(proxy_reference)
 
 
+# ----- an observation over the frame cap ------------------------------------------
+
+CAP = 1 << 20  # the manager's max_message_bytes in these cases: a small cap keeps them light
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("backend", ["loky", "threading"])
+def test_observation_over_the_frame_cap_fails_only_its_env(reference, backend):
+    """An env's observation of twice the cap made a message the manager
+    refused: it closed the connection, the shard failed, the fallback failed
+    on the same message (BrokenPipeError) and every trajectory was lost. The
+    sender checks the size first: that env ends in error, naming the size,
+    the limit and the key; the others complete, with no fallback."""
+    _, faulty = fault_specs("huge_step", huge_bytes=2 * CAP)
+    with SharedLLMInferenceManager(ScriptedEngine(), max_message_bytes=CAP) as shared, \
+            ParallelRolloutManager(shared, n_jobs=2, backend=backend, fallback_env_timeout_s=2) as prm:
+        result = prm.rollout(faulty, loop_config())
+        assert_only_bad_group_hit(result, reference, {StopReason.ERROR}, "agent_proxy.max_message_bytes")
+        bad = [t for t in result.trajectories if t.group_id == BAD and t.stop_reason == StopReason.ERROR]
+        assert bad and all(f"limit of {CAP} bytes" in t.error for t in bad)
+        assert result.metrics["parallel/fallbacks"] == 0
+        assert open_streams(shared) == 0
+        clean, _ = fault_specs()  # the connections and workers still serve
+        assert _strip(prm.rollout(clean, loop_config()).trajectories) == _strip(reference)
+
+
+@pytest.mark.timeout(90)
+def test_max_message_bytes_is_read_from_agent_proxy(proxy_reference):
+    clean, _ = fault_specs()
+    bad_seed = next(s.seed for s in clean if s.group_id == BAD)
+    cfg = proxy_config(fault_tag("huge_step", fault_seed=bad_seed, huge_bytes=2 * CAP), max_message_bytes=CAP)
+    with LLMAgentProxy(AgentSetup.from_config(cfg), ScriptedEngine()) as proxy:
+        assert proxy.shared.max_message_bytes == CAP
+        result = proxy.rollout("train", rollout_index=0)
+    assert_only_bad_group_hit(result, proxy_reference, {StopReason.ERROR}, f"limit of {CAP} bytes")
+
+
 # ----- clients disconnecting ----------------------------------------------------
 
 _DYING_CLIENT = """

@@ -9,6 +9,7 @@ the manager goes on serving."""
 from __future__ import annotations
 
 import logging
+import os
 import secrets
 import select
 import socket
@@ -198,8 +199,8 @@ def _conn_threads():
 
 def test_connections_that_have_not_authenticated_are_capped():
     """200 idle connections made 205 threads: the manager handshakes with at
-    most ``max_pending_handshakes`` peers at once; the rest wait in the
-    listen queue, and a worker still gets in once idle peers are gone."""
+    most ``max_pending_handshakes`` peers at once (a new one closes the
+    oldest), and a worker still gets in."""
     before = len(_conn_threads())
     with SharedLLMInferenceManager(ScriptedEngine(), max_pending_handshakes=4, handshake_timeout_s=30) as shared:
         idle = [socket.create_connection(shared.address, timeout=10) for _ in range(40)]
@@ -214,6 +215,53 @@ def test_connections_that_have_not_authenticated_are_capped():
             for s in idle:
                 s.close()
         assert len(ask(shared.client(timeout_s=20), _requests(2), SamplingParams())) == 2
+
+
+def _open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="counts open files in /proc")
+def test_idle_unauthenticated_connections_never_hold_workers_out():
+    """A local process that opened connections and never began the handshake
+    held every pre-auth slot: real workers waited in the listen queue behind
+    it (a rollout failed after 61 s) and open files grew. Now a new peer
+    closes the oldest unauthenticated one: with three times the cap idle, a
+    real rollout goes through at once, and the manager holds at most
+    ``max_pending_handshakes`` unauthenticated sockets."""
+    from ragen.llm_agent.parallel_rollout import ParallelRolloutManager
+    from tests.rollout_helpers import fault_tag, loop_config, sequential, specs_for
+
+    cap = 4
+    specs = specs_for(["Fault"], [4], 2, custom_envs(Fault=fault_tag()))
+    reference = [(t.env_id, [x.response for x in t.turns]) for t in sequential(specs, loop_config(), ScriptedEngine())]
+    idle: list[socket.socket] = []
+    with SharedLLMInferenceManager(ScriptedEngine(), max_pending_handshakes=cap, handshake_timeout_s=30) as shared, \
+            ParallelRolloutManager(shared, n_jobs=2, backend="threading") as prm:
+        fds_before = _open_fds()
+        try:
+            for wave in range(2):
+                idle += [socket.create_connection(shared.address, timeout=10) for _ in range(3 * cap)]
+                t0 = time.monotonic()
+                # a bound well under handshake_timeout_s: idle peers are never waited out
+                result = prm.rollout(specs, loop_config())
+                assert time.monotonic() - t0 < 20
+                assert [(t.env_id, [x.response for x in t.turns]) for t in result.trajectories] == reference
+                assert result.metrics["parallel/fallbacks"] == 0
+                assert len(ask(shared.client(timeout_s=20), _requests(2), SamplingParams())) == 2
+                assert shared.pending_handshakes <= cap
+                # this process holds both ends: its idle sockets, and at most cap of theirs
+                # in the manager (plus the workers' connections)
+                assert _open_fds() - fds_before <= len(idle) + cap + 8
+            deadline = time.monotonic() + 10  # the manager accepts the last ones in its own thread
+            while shared.stats.refused_clients < 2 * 3 * cap - cap and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert shared.stats.refused_clients >= 2 * 3 * cap - cap  # the oldest idle peers were closed
+            assert shared.pending_handshakes <= cap
+        finally:
+            for s in idle:
+                s.close()
 
 
 def test_the_client_refuses_an_oversized_frame():
