@@ -7,12 +7,14 @@ the fault-free run's. Faults: a worker killed (SIGKILL, ``os._exit``), an env
 raising in reset or step, an env hanging (``env_timeout_s`` in the loop,
 ``rollout_timeout_s`` per shard), the engine raising or answering the wrong
 number of completions, the engine hanging (the client's ``engine_timeout_s``),
-a client disconnecting mid-request, malformed completions (property-based),
+a client disconnecting mid-request, an observation longer than a message may
+be (``max_message_bytes``), malformed completions (property-based),
 and an env config that does not pickle.
 
 ``test_matrix`` crosses the common faults (``FAULT_KINDS``: none, an env
 raising, a worker killed, an env hanging past ``env_timeout_s``, the engine
-raising once, the engine answering garbage once) with every
+raising once, the engine answering garbage once, an observation over the
+frame cap) with every
 local backend and Dask, one rollout or two at once on one manager
 (``max_concurrent_rollouts: 2``). A new fault kind is one more entry there.
 Timeouts are short (0.5-3 s) so the whole file stays under two minutes.
@@ -50,6 +52,7 @@ from tests.rollout_helpers import custom_envs, fault_tag, loop_config, rollouts_
 
 ROOT = Path(__file__).resolve().parents[1]
 N_GROUPS, GROUP_SIZE, BAD = 6, 2, 2  # group BAD (env_ids 4, 5) carries the fault
+CAP = 1 << 20  # the managers' max_message_bytes where an observation passes it: a small cap keeps them light
 
 
 # ----- helpers ------------------------------------------------------------------
@@ -182,6 +185,8 @@ FAULT_KINDS = {
                            error_has="longer than 0.5 s", loop_kw=(("env_timeout_s", 0.5),)),
     "engine_raises_once": FaultKind(transient=True, engine=lambda: FaultyEngine("raise", times=1)),
     "engine_garbage_once": FaultKind(transient=True, engine=lambda: FaultyEngine("garbage", times=1)),
+    "obs_over_frame_cap": FaultKind("huge_step", env_kw=(("huge_bytes", 2 * CAP),),
+                                    reasons=frozenset({StopReason.ERROR}), error_has="agent_proxy.max_message_bytes"),
 }
 MATRIX_BACKENDS = ["loky", "threading", "multiprocessing", "sequential", "dask"]
 
@@ -191,7 +196,7 @@ def matrix_manager(request):
     """One shared manager and rollout manager per backend for all its cases
     (workers start once); each case checks that it leaves them working."""
     backend = request.param
-    with SharedLLMInferenceManager(ScriptedEngine()) as shared, \
+    with SharedLLMInferenceManager(ScriptedEngine(), max_message_bytes=CAP) as shared, \
             ParallelRolloutManager(shared, n_jobs=2, backend=backend, fallback_env_timeout_s=2,
                                    # the multiprocessing backend cannot see a killed worker
                                    rollout_timeout_s=3 if backend == "multiprocessing" else None,
@@ -391,9 +396,6 @@ def test_engine_hanging_hits_engine_timeout_through_the_proxy(proxy_reference):
 
 
 # ----- an observation over the frame cap ------------------------------------------
-
-CAP = 1 << 20  # the manager's max_message_bytes in these cases: a small cap keeps them light
-
 
 @pytest.mark.timeout(90)
 @pytest.mark.parametrize("backend", ["loky", "threading"])

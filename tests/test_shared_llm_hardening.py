@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import secrets
 import select
 import socket
@@ -264,6 +265,50 @@ def test_idle_unauthenticated_connections_never_hold_workers_out():
                 s.close()
 
 
+class LongAnswers(ScriptedEngine):
+    """Answers env_id 0 with ``n`` characters, the others as the scripted policy."""
+
+    def __init__(self, n):
+        super().__init__()
+        self.n = n
+
+    def generate(self, requests, sampling):
+        got = super().generate(requests, sampling)
+        return [Completion(**{**c.to_dict(), "text": "x" * self.n}) if r.env_id == 0 else c
+                for c, r in zip(got, requests)]
+
+
+def test_an_answer_longer_than_a_message_is_an_error_and_the_connection_goes_on():
+    """A reply past the limit made the client drop the connection, with every
+    answer in flight on it; now the manager answers that request list with an
+    error naming the limit and the key."""
+    cap = 1 << 16
+    with SharedLLMInferenceManager(LongAnswers(2 * cap), max_message_bytes=cap) as shared:
+        client = shared.client(timeout_s=20)
+        with pytest.raises(EngineError, match=f"limit of {cap} bytes .*agent_proxy.max_message_bytes"):
+            ask(client, _requests(2), SamplingParams())
+        sock = client._state()["sock"]
+        assert [c.env_id for c in ask(client, _requests(2, env0=1), SamplingParams())] == [1, 2]
+        assert client._state()["sock"] is sock  # the same connection
+
+
+def test_a_request_longer_than_a_message_is_not_sent():
+    """The client checks a message's size before sending it: the manager would
+    close the connection on reading its length. It names the requests to
+    leave out, largest first, and the connection goes on."""
+    cap = 1 << 16
+    with SharedLLMInferenceManager(ScriptedEngine(), max_message_bytes=cap) as shared:
+        client = shared.client(timeout_s=20)
+        requests = _requests(3)
+        requests[1] = GenerationRequest(messages=[{"role": "user", "content": "x" * 2 * cap}], env_id=1, turn=0,
+                                        seed=1)
+        with pytest.raises(wire.MessageTooLarge, match=f"exceeds the limit of {cap} bytes") as info:
+            client.submit(requests, SamplingParams())
+        assert info.value.refused == [1] and info.value.size > 2 * cap
+        assert [c.env_id for c in ask(client, [requests[0], requests[2]], SamplingParams())] == [0, 2]
+        assert shared.stats.bad_messages == 0
+
+
 def test_the_client_refuses_an_oversized_frame():
     with SharedLLMInferenceManager(ScriptedEngine()) as shared:
         # a manager gone wrong: it announces a frame of 1 GiB
@@ -343,9 +388,13 @@ def _config(**llm_server):
     ({"port": 70000}, "llm_server.port"),
     ({"port": -1}, "llm_server.port"),
     ({"port": None}, "llm_server.port"),
+    # the manager listens on IPv4: these passed the check and failed to bind once the model had loaded
+    ({"host": "::1"}, "llm_server.host='::1' cannot be listened on: the manager listens on IPv4 only"),
+    ({"host": "no-such-host.invalid"}, "llm_server.host='no-such-host.invalid' cannot be listened on"),
+    ({"host": "192.0.2.1"}, "llm_server.host='192.0.2.1' cannot be listened on"),  # not this machine's (TEST-NET-1)
 ])
 def test_bad_llm_server_config_is_an_error_naming_the_key(llm_server, key):
-    with pytest.raises(ValueError, match=key.replace(".", r"\.")):
+    with pytest.raises(ValueError, match=re.escape(key)):
         AgentSetup.from_config(_config(**llm_server))
 
 
@@ -358,6 +407,7 @@ def test_good_llm_server_config_is_read():
 
 @pytest.mark.parametrize("kw, key", [
     ({"host": ""}, "llm_server.host"), ({"host": None}, "llm_server.host"), ({"port": 70000}, "llm_server.port"),
+    ({"host": "::1"}, "llm_server.host"),
 ])
 def test_the_manager_refuses_a_bad_address_before_binding(kw, key):
     with pytest.raises(ValueError, match=key.replace(".", r"\.")):

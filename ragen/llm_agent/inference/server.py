@@ -61,7 +61,28 @@ def check_listen_address(host: Any, port: Any) -> tuple[str, int]:
                          f"machine, 0.0.0.0 for workers on other machines; got {host!r}{hint}")
     if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
         raise ValueError(f"llm_server.port must be an integer from 0 to 65535 (0: any free port), got {port!r}")
+    _check_bindable(host)
     return host, port
+
+
+def _check_bindable(host: str) -> None:
+    """ValueError naming ``llm_server.host`` unless the manager can listen on
+    it: an IPv4 address (or a name for one) of this machine. Tried on a free
+    port, so that a wrong host is found before a model loads, not when the
+    manager binds after it."""
+    try:
+        infos = socket.getaddrinfo(host, 0, socket.AF_INET, socket.SOCK_STREAM)
+    except socket.gaierror as exc:
+        ipv6 = ":" in host
+        why = ("the manager listens on IPv4 only: use 127.0.0.1 for workers on this machine, 0.0.0.0 for "
+               "workers on other machines" if ipv6 else f"it does not resolve to an IPv4 address ({exc.strerror})")
+        raise ValueError(f"llm_server.host={host!r} cannot be listened on: {why}") from None
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+            probe.bind((infos[0][4][0], 0))
+    except OSError as exc:
+        raise ValueError(f"llm_server.host={host!r} cannot be listened on: {exc.strerror or exc} (an address of "
+                         "this machine, 127.0.0.1 or 0.0.0.0)") from None
 
 
 def _is_loopback(host: str) -> bool:
