@@ -429,6 +429,31 @@ def test_max_message_bytes_is_read_from_agent_proxy(proxy_reference):
     assert_only_bad_group_hit(result, proxy_reference, {StopReason.ERROR}, f"limit of {CAP} bytes")
 
 
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("backend", ["threading", "loky"])
+def test_connections_the_manager_closed_are_not_reused(reference, backend):
+    """Workers and the in-process fallback keep their connection between
+    rollouts: one the manager closed meanwhile (a frame it refused) failed
+    the next shard, and then the fallback on the same dead socket
+    (BrokenPipeError). A shard starts on a live connection, and the fallback
+    on a fresh one."""
+    clean, _ = fault_specs()
+    with SharedLLMInferenceManager(FaultyEngine("raise", times=1)) as shared, \
+            ParallelRolloutManager(shared, n_jobs=2, backend=backend) as prm:
+        for times in (1, 1, 0):  # a fallback (in the driver on threading, which keeps its connection) or none
+            shared.engine.times = times
+            result = prm.rollout(clean, loop_config())
+            assert _strip(result.trajectories) == _strip(reference)
+            assert (result.metrics["parallel/fallbacks"] > 0) == (times > 0)
+            with shared._cond:  # the manager drops every connection
+                conns = list(shared._conns)
+            for c in conns:
+                c.sock.shutdown(socket.SHUT_RDWR)
+            deadline = time.monotonic() + 10
+            while shared._conns and time.monotonic() < deadline:
+                time.sleep(0.02)
+
+
 # ----- clients disconnecting ----------------------------------------------------
 
 _DYING_CLIENT = """
