@@ -5,7 +5,9 @@ lists, strings, bytes, numbers), written by a pickler and read by an
 unpickler that refuse every class and function: a frame carries nothing but
 data (as safe as JSON, and 5-8x cheaper to encode and decode, which matters
 because the full message history of every env travels each turn). Each side
-refuses a frame longer than its ``max_message_bytes``.
+refuses a frame longer than its ``max_message_bytes`` (and closes the
+connection: the stream is out of step), so a sender checks its own message
+against that limit before it sends (``send_frame``, ``MessageTooLarge``).
 
 - Handshake, within one deadline in all: manager -> client ``b"RAGEN2"`` and a
   32-byte nonce; client -> manager ``HMAC-SHA256(key, b"ragen client" + that
