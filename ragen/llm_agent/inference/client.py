@@ -31,7 +31,9 @@ _CONNECT_TRIES = 3
 
 
 class LLMClient(Protocol):
-    def submit(self, requests: list[GenerationRequest], sampling: SamplingParams) -> int: ...
+    def submit(self, requests: list[GenerationRequest], sampling: SamplingParams) -> int:
+        """A ticket for the requests' answers; ``wire.MessageTooLarge``, with
+        nothing sent, when a client with a message limit cannot carry them."""
 
     def wait_any(self) -> tuple[int, list[Completion]]: ...
 
