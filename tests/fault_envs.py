@@ -3,7 +3,8 @@
 ``FaultEnv`` walks a counter from a seed-derived start towards 0 (actions
 Up/Down). ``fault`` picks how it fails when its seed is ``fault_seed``:
 ``raise_reset``, ``raise_step``, ``hang_step`` (sleeps ``hang_s``),
-``exit_step`` (``os._exit``), ``kill_step`` (SIGKILL to itself). With a
+``exit_step`` (``os._exit``), ``kill_step`` (SIGKILL to itself),
+``huge_step`` (an observation of ``huge_bytes`` characters). With a
 ``marker`` path the fault is transient: the first env to fail creates the file
 and later calls (the fallback's re-run) behave normally.
 """
@@ -20,7 +21,7 @@ import numpy as np
 
 from ragen.env.base import BaseDiscreteActionEnv, BaseEnvConfig
 
-FAULTS = ("none", "raise_reset", "raise_step", "hang_step", "exit_step", "kill_step")
+FAULTS = ("none", "raise_reset", "raise_step", "hang_step", "exit_step", "kill_step", "huge_step")
 
 
 @dataclass
@@ -29,6 +30,7 @@ class FaultEnvConfig(BaseEnvConfig):
     fault_seed: int = -1
     marker: str = ""  # transient when set
     hang_s: float = 30.0
+    huge_bytes: int = 1 << 20
     max_start: int = 6
     step_cost_s: float = 0.0
     hook: Any = None  # anything, unused: a lock here makes a config that does not pickle
@@ -76,6 +78,9 @@ class FaultEnv(BaseDiscreteActionEnv):
             os._exit(7)
         if self._fault_now("kill_step"):
             os.kill(os.getpid(), signal.SIGKILL)
+        if self._fault_now("huge_step"):
+            return "x" * self.config.huge_bytes, 0.0, False, {
+                "action_is_valid": True, "action_is_effective": False, "success": False}
         if action not in self.ACTION_LOOKUP:
             return self.render(), 0.0, False, {"action_is_valid": False, "action_is_effective": False, "success": False}
         self.value += 1 if action == 1 else -1

@@ -7,12 +7,14 @@ the fault-free run's. Faults: a worker killed (SIGKILL, ``os._exit``), an env
 raising in reset or step, an env hanging (``env_timeout_s`` in the loop,
 ``rollout_timeout_s`` per shard), the engine raising or answering the wrong
 number of completions, the engine hanging (the client's ``engine_timeout_s``),
-a client disconnecting mid-request, malformed completions (property-based),
+a client disconnecting mid-request, an observation longer than a message may
+be (``max_message_bytes``), malformed completions (property-based),
 and an env config that does not pickle.
 
 ``test_matrix`` crosses the common faults (``FAULT_KINDS``: none, an env
 raising, a worker killed, an env hanging past ``env_timeout_s``, the engine
-raising once, the engine answering garbage once) with every
+raising once, the engine answering garbage once, an observation over the
+frame cap) with every
 local backend and Dask, one rollout or two at once on one manager
 (``max_concurrent_rollouts: 2``). A new fault kind is one more entry there.
 Timeouts are short (0.5-3 s) so the whole file stays under two minutes.
@@ -50,6 +52,7 @@ from tests.rollout_helpers import custom_envs, fault_tag, loop_config, rollouts_
 
 ROOT = Path(__file__).resolve().parents[1]
 N_GROUPS, GROUP_SIZE, BAD = 6, 2, 2  # group BAD (env_ids 4, 5) carries the fault
+CAP = 1 << 20  # the managers' max_message_bytes where an observation passes it: a small cap keeps them light
 
 
 # ----- helpers ------------------------------------------------------------------
@@ -182,6 +185,8 @@ FAULT_KINDS = {
                            error_has="longer than 0.5 s", loop_kw=(("env_timeout_s", 0.5),)),
     "engine_raises_once": FaultKind(transient=True, engine=lambda: FaultyEngine("raise", times=1)),
     "engine_garbage_once": FaultKind(transient=True, engine=lambda: FaultyEngine("garbage", times=1)),
+    "obs_over_frame_cap": FaultKind("huge_step", env_kw=(("huge_bytes", 2 * CAP),),
+                                    reasons=frozenset({StopReason.ERROR}), error_has="agent_proxy.max_message_bytes"),
 }
 MATRIX_BACKENDS = ["loky", "threading", "multiprocessing", "sequential", "dask"]
 
@@ -191,7 +196,7 @@ def matrix_manager(request):
     """One shared manager and rollout manager per backend for all its cases
     (workers start once); each case checks that it leaves them working."""
     backend = request.param
-    with SharedLLMInferenceManager(ScriptedEngine()) as shared, \
+    with SharedLLMInferenceManager(ScriptedEngine(), max_message_bytes=CAP) as shared, \
             ParallelRolloutManager(shared, n_jobs=2, backend=backend, fallback_env_timeout_s=2,
                                    # the multiprocessing backend cannot see a killed worker
                                    rollout_timeout_s=3 if backend == "multiprocessing" else None,
@@ -388,6 +393,65 @@ def test_engine_hanging_hits_engine_timeout_through_the_proxy(proxy_reference):
         engine.mode = None
         wait_engine_idle(proxy.shared)
         assert _strip(proxy.rollout("train", rollout_index=0).trajectories) == _strip(proxy_reference)
+
+
+# ----- an observation over the frame cap ------------------------------------------
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("backend", ["loky", "threading"])
+def test_observation_over_the_frame_cap_fails_only_its_env(reference, backend):
+    """An env's observation of twice the cap made a message the manager
+    refused: it closed the connection, the shard failed, the fallback failed
+    on the same message (BrokenPipeError) and every trajectory was lost. The
+    sender checks the size first: that env ends in error, naming the size,
+    the limit and the key; the others complete, with no fallback."""
+    _, faulty = fault_specs("huge_step", huge_bytes=2 * CAP)
+    with SharedLLMInferenceManager(ScriptedEngine(), max_message_bytes=CAP) as shared, \
+            ParallelRolloutManager(shared, n_jobs=2, backend=backend, fallback_env_timeout_s=2) as prm:
+        result = prm.rollout(faulty, loop_config())
+        assert_only_bad_group_hit(result, reference, {StopReason.ERROR}, "agent_proxy.max_message_bytes")
+        bad = [t for t in result.trajectories if t.group_id == BAD and t.stop_reason == StopReason.ERROR]
+        assert bad and all(f"limit of {CAP} bytes" in t.error for t in bad)
+        assert result.metrics["parallel/fallbacks"] == 0
+        assert open_streams(shared) == 0
+        clean, _ = fault_specs()  # the connections and workers still serve
+        assert _strip(prm.rollout(clean, loop_config()).trajectories) == _strip(reference)
+
+
+@pytest.mark.timeout(90)
+def test_max_message_bytes_is_read_from_agent_proxy(proxy_reference):
+    clean, _ = fault_specs()
+    bad_seed = next(s.seed for s in clean if s.group_id == BAD)
+    cfg = proxy_config(fault_tag("huge_step", fault_seed=bad_seed, huge_bytes=2 * CAP), max_message_bytes=CAP)
+    with LLMAgentProxy(AgentSetup.from_config(cfg), ScriptedEngine()) as proxy:
+        assert proxy.shared.max_message_bytes == CAP
+        result = proxy.rollout("train", rollout_index=0)
+    assert_only_bad_group_hit(result, proxy_reference, {StopReason.ERROR}, f"limit of {CAP} bytes")
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("backend", ["threading", "loky"])
+def test_connections_the_manager_closed_are_not_reused(reference, backend):
+    """Workers and the in-process fallback keep their connection between
+    rollouts: one the manager closed meanwhile (a frame it refused) failed
+    the next shard, and then the fallback on the same dead socket
+    (BrokenPipeError). A shard starts on a live connection, and the fallback
+    on a fresh one."""
+    clean, _ = fault_specs()
+    with SharedLLMInferenceManager(FaultyEngine("raise", times=1)) as shared, \
+            ParallelRolloutManager(shared, n_jobs=2, backend=backend) as prm:
+        for times in (1, 1, 0):  # a fallback (in the driver on threading, which keeps its connection) or none
+            shared.engine.times = times
+            result = prm.rollout(clean, loop_config())
+            assert _strip(result.trajectories) == _strip(reference)
+            assert (result.metrics["parallel/fallbacks"] > 0) == (times > 0)
+            with shared._cond:  # the manager drops every connection
+                conns = list(shared._conns)
+            for c in conns:
+                c.sock.shutdown(socket.SHUT_RDWR)
+            deadline = time.monotonic() + 10
+            while shared._conns and time.monotonic() < deadline:
+                time.sleep(0.02)
 
 
 # ----- clients disconnecting ----------------------------------------------------

@@ -9,6 +9,8 @@ the manager goes on serving."""
 from __future__ import annotations
 
 import logging
+import os
+import re
 import secrets
 import select
 import socket
@@ -198,8 +200,8 @@ def _conn_threads():
 
 def test_connections_that_have_not_authenticated_are_capped():
     """200 idle connections made 205 threads: the manager handshakes with at
-    most ``max_pending_handshakes`` peers at once; the rest wait in the
-    listen queue, and a worker still gets in once idle peers are gone."""
+    most ``max_pending_handshakes`` peers at once (a new one closes the
+    oldest), and a worker still gets in."""
     before = len(_conn_threads())
     with SharedLLMInferenceManager(ScriptedEngine(), max_pending_handshakes=4, handshake_timeout_s=30) as shared:
         idle = [socket.create_connection(shared.address, timeout=10) for _ in range(40)]
@@ -214,6 +216,97 @@ def test_connections_that_have_not_authenticated_are_capped():
             for s in idle:
                 s.close()
         assert len(ask(shared.client(timeout_s=20), _requests(2), SamplingParams())) == 2
+
+
+def _open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="counts open files in /proc")
+def test_idle_unauthenticated_connections_never_hold_workers_out():
+    """A local process that opened connections and never began the handshake
+    held every pre-auth slot: real workers waited in the listen queue behind
+    it (a rollout failed after 61 s) and open files grew. Now a new peer
+    closes the oldest unauthenticated one: with three times the cap idle, a
+    real rollout goes through at once, and the manager holds at most
+    ``max_pending_handshakes`` unauthenticated sockets."""
+    from ragen.llm_agent.parallel_rollout import ParallelRolloutManager
+    from tests.rollout_helpers import fault_tag, loop_config, sequential, specs_for
+
+    cap = 4
+    specs = specs_for(["Fault"], [4], 2, custom_envs(Fault=fault_tag()))
+    reference = [(t.env_id, [x.response for x in t.turns]) for t in sequential(specs, loop_config(), ScriptedEngine())]
+    idle: list[socket.socket] = []
+    with SharedLLMInferenceManager(ScriptedEngine(), max_pending_handshakes=cap, handshake_timeout_s=30) as shared, \
+            ParallelRolloutManager(shared, n_jobs=2, backend="threading") as prm:
+        fds_before = _open_fds()
+        try:
+            for wave in range(2):
+                idle += [socket.create_connection(shared.address, timeout=10) for _ in range(3 * cap)]
+                t0 = time.monotonic()
+                # a bound well under handshake_timeout_s: idle peers are never waited out
+                result = prm.rollout(specs, loop_config())
+                assert time.monotonic() - t0 < 20
+                assert [(t.env_id, [x.response for x in t.turns]) for t in result.trajectories] == reference
+                assert result.metrics["parallel/fallbacks"] == 0
+                assert len(ask(shared.client(timeout_s=20), _requests(2), SamplingParams())) == 2
+                assert shared.pending_handshakes <= cap
+                # this process holds both ends: its idle sockets, and at most cap of theirs
+                # in the manager (plus the workers' connections)
+                assert _open_fds() - fds_before <= len(idle) + cap + 8
+            deadline = time.monotonic() + 10  # the manager accepts the last ones in its own thread
+            while shared.stats.refused_clients < 2 * 3 * cap - cap and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert shared.stats.refused_clients >= 2 * 3 * cap - cap  # the oldest idle peers were closed
+            assert shared.pending_handshakes <= cap
+        finally:
+            for s in idle:
+                s.close()
+
+
+class LongAnswers(ScriptedEngine):
+    """Answers env_id 0 with ``n`` characters, the others as the scripted policy."""
+
+    def __init__(self, n):
+        super().__init__()
+        self.n = n
+
+    def generate(self, requests, sampling):
+        got = super().generate(requests, sampling)
+        return [Completion(**{**c.to_dict(), "text": "x" * self.n}) if r.env_id == 0 else c
+                for c, r in zip(got, requests)]
+
+
+def test_an_answer_longer_than_a_message_is_an_error_and_the_connection_goes_on():
+    """A reply past the limit made the client drop the connection, with every
+    answer in flight on it; now the manager answers that request list with an
+    error naming the limit and the key."""
+    cap = 1 << 16
+    with SharedLLMInferenceManager(LongAnswers(2 * cap), max_message_bytes=cap) as shared:
+        client = shared.client(timeout_s=20)
+        with pytest.raises(EngineError, match=f"limit of {cap} bytes .*agent_proxy.max_message_bytes"):
+            ask(client, _requests(2), SamplingParams())
+        sock = client._state()["sock"]
+        assert [c.env_id for c in ask(client, _requests(2, env0=1), SamplingParams())] == [1, 2]
+        assert client._state()["sock"] is sock  # the same connection
+
+
+def test_a_request_longer_than_a_message_is_not_sent():
+    """The client checks a message's size before sending it: the manager would
+    close the connection on reading its length. It names the requests to
+    leave out, largest first, and the connection goes on."""
+    cap = 1 << 16
+    with SharedLLMInferenceManager(ScriptedEngine(), max_message_bytes=cap) as shared:
+        client = shared.client(timeout_s=20)
+        requests = _requests(3)
+        requests[1] = GenerationRequest(messages=[{"role": "user", "content": "x" * 2 * cap}], env_id=1, turn=0,
+                                        seed=1)
+        with pytest.raises(wire.MessageTooLarge, match=f"exceeds the limit of {cap} bytes") as info:
+            client.submit(requests, SamplingParams())
+        assert info.value.refused == [1] and info.value.size > 2 * cap
+        assert [c.env_id for c in ask(client, [requests[0], requests[2]], SamplingParams())] == [0, 2]
+        assert shared.stats.bad_messages == 0
 
 
 def test_the_client_refuses_an_oversized_frame():
@@ -295,9 +388,13 @@ def _config(**llm_server):
     ({"port": 70000}, "llm_server.port"),
     ({"port": -1}, "llm_server.port"),
     ({"port": None}, "llm_server.port"),
+    # the manager listens on IPv4: these passed the check and failed to bind once the model had loaded
+    ({"host": "::1"}, "llm_server.host='::1' cannot be listened on: the manager listens on IPv4 only"),
+    ({"host": "no-such-host.invalid"}, "llm_server.host='no-such-host.invalid' cannot be listened on"),
+    ({"host": "192.0.2.1"}, "llm_server.host='192.0.2.1' cannot be listened on"),  # not this machine's (TEST-NET-1)
 ])
 def test_bad_llm_server_config_is_an_error_naming_the_key(llm_server, key):
-    with pytest.raises(ValueError, match=key.replace(".", r"\.")):
+    with pytest.raises(ValueError, match=re.escape(key)):
         AgentSetup.from_config(_config(**llm_server))
 
 
@@ -310,6 +407,7 @@ def test_good_llm_server_config_is_read():
 
 @pytest.mark.parametrize("kw, key", [
     ({"host": ""}, "llm_server.host"), ({"host": None}, "llm_server.host"), ({"port": 70000}, "llm_server.port"),
+    ({"host": "::1"}, "llm_server.host"),
 ])
 def test_the_manager_refuses_a_bad_address_before_binding(kw, key):
     with pytest.raises(ValueError, match=key.replace(".", r"\.")):

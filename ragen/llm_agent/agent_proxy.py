@@ -133,7 +133,7 @@ class LLMAgentProxy:
         if ap.use_parallel_rollout or ap.rollout_mode == "fully_async":
             self.shared = SharedLLMInferenceManager(
                 engine, max_batch_size=ap.max_batch_size, coalesce_wait_s=ap.coalesce_wait_s,
-                host=setup.llm_server.host, port=setup.llm_server.port,
+                host=setup.llm_server.host, port=setup.llm_server.port, max_message_bytes=ap.max_message_bytes,
             )
             self._lock = self.shared.engine_lock
         if ap.use_parallel_rollout:

@@ -64,6 +64,9 @@ class AgentProxyConfig:
     env_timeout_s: float | None = setting(None, minimum=0.0)
     env_retries: int = setting(1, minimum=0)
     engine_timeout_s: float | None = setting(None, minimum=0.0)
+    # the longest message between a worker and the shared manager (a frame's length is 4 bytes);
+    # an env whose request would pass it ends in error
+    max_message_bytes: int = setting(64 << 20, minimum=1 << 16, maximum=(1 << 32) - 1)
     max_concurrent_rollouts: int = setting(1, minimum=1)
     # asynchronous training
     async_generation_ratio: int = setting(0, minimum=0)

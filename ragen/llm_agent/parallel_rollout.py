@@ -133,6 +133,7 @@ def run_shard(shard_id: int, specs: list[EnvSpec], client: SharedLLMClient, conf
     started_at, t0 = time.monotonic(), time.perf_counter()
     _freeze_once()
     take = None if groups is None else (lambda: [s for i in client.take() for s in groups[i]])
+    client.drop_if_closed()
     transit_before = client.transit()[0]
     try:
         trajectories, stats = run_envs(specs, client, config, kept_envs=_worker_envs(),
@@ -405,6 +406,8 @@ class ParallelRolloutManager:
             # registered here (register_env) are known only here; an env that can kill
             # its process would have done so already. Env calls are bounded by
             # env_timeout_s (set just above), each engine wait by engine_timeout_s.
+            # A fresh connection: the failure may have left this thread's out of step.
+            self._client.reset()
             result = run_shard(shard_id, specs, self._client, config, isolate_errors=True)
         else:
             result = _run_isolated(lease.spare, shard_id, specs, self._client, config)

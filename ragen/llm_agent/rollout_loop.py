@@ -47,6 +47,7 @@ from ragen.llm.types import Completion, GenerationRequest, SamplingParams
 from ragen.llm_agent.config import AgentProxyConfig, EsManagerConfig
 from ragen.llm_agent.ctx_manager import ContextConfig, ContextManager
 from ragen.llm_agent.inference.client import LLMClient
+from ragen.llm_agent.inference.wire import MessageTooLarge
 from ragen.llm_agent.schedule import groups_of
 from ragen.llm_agent.types import EnvSpec, Step, StopReason, Trajectory, Turn
 from ragen.utils import deal
@@ -313,7 +314,8 @@ def run_envs(
         def submit(batch: list[_EnvSlot], rider: bool) -> None:
             """The batch's next request; its stream closes when none of its envs plays on."""
             nonlocal open_streams
-            ticket = _submit(batch, client, ctx, config, inflight, stats)
+            ticket = _submit(batch, client, ctx, config, inflight, stats, isolate_errors)
+            _report_finished(batch, on_finished)  # envs whose request was too large for the manager
             if ticket is None:
                 client.close_stream()
                 open_streams -= 1
@@ -442,8 +444,10 @@ def _report_finished(slots: list[_EnvSlot], on_finished: Callable[[int], None] |
         on_finished(n)
 
 
-def _submit(stream, client, ctx, config, inflight, stats) -> int | None:
-    """The next request of the stream's active envs: its ticket; None when none is active."""
+def _submit(stream, client, ctx, config, inflight, stats, isolate: bool = True) -> int | None:
+    """The next request of the stream's active envs: its ticket; None when none is active.
+    An env whose request would take the message past the manager's limit ends
+    in ``error`` (the largest first, until the rest fit); the others are sent."""
     active = [s for s in stream if s.active]
     if not active:
         return None
@@ -457,7 +461,28 @@ def _submit(stream, client, ctx, config, inflight, stats) -> int | None:
         )
         for s in active
     ]
-    ticket = client.submit(requests, config.sampling)
+    while True:
+        try:
+            ticket = client.submit(requests, config.sampling)
+            break
+        except MessageTooLarge as exc:
+            for i in exc.refused:
+                slot = active[i]
+                where = f"env_id {slot.spec.env_id} (tag {slot.spec.tag}, seed {slot.spec.seed})"
+                message = (f"MessageTooLarge: its request to the LLM manager ({exc.request_sizes.get(i, 0)} bytes) "
+                           f"takes a message of {exc.size} bytes past the limit of {exc.limit} bytes; raise "
+                           f"agent_proxy.max_message_bytes or make the env's observations shorter")
+                with _ERRORS_LOCK:
+                    stats.env_errors += 1
+                if not isolate:
+                    raise ShardError(f"{where}: {message}") from None
+                logger.warning("%s ended in error at turn %d: %s", where, len(slot.traj.turns), message)
+                slot.finish(StopReason.ERROR, message)
+            refused = set(exc.refused)
+            keep = [i for i in range(len(active)) if i not in refused]
+            active, requests = [active[i] for i in keep], [requests[i] for i in keep]
+            if not active:
+                return None
     inflight[ticket] = active
     stats.requests += len(requests)
     stats.submits += 1

@@ -27,10 +27,13 @@ from ragen.llm.types import Completion, Engine, GenerationRequest, SamplingParam
 from ragen.llm_agent.inference import wire
 
 _CONNECT_TIMEOUT_S = 30.0
+_CONNECT_TRIES = 3
 
 
 class LLMClient(Protocol):
-    def submit(self, requests: list[GenerationRequest], sampling: SamplingParams) -> int: ...
+    def submit(self, requests: list[GenerationRequest], sampling: SamplingParams) -> int:
+        """A ticket for the requests' answers; ``wire.MessageTooLarge``, with
+        nothing sent, when a client with a message limit cannot carry them."""
 
     def wait_any(self) -> tuple[int, list[Completion]]: ...
 
@@ -114,16 +117,25 @@ class SharedLLMClient:
         return state
 
     def _connect(self) -> socket.socket:
-        sock = socket.create_connection(tuple(self.address), timeout=_CONNECT_TIMEOUT_S)
-        try:
-            wire.client_handshake(sock, self.authkey, self.address, _CONNECT_TIMEOUT_S)
-        except TimeoutError:
-            sock.close()
-            raise TimeoutError(f"no handshake from the LLM manager at {self.address} within "
-                               f"{_CONNECT_TIMEOUT_S} s") from None
-        except BaseException:
-            sock.close()
-            raise
+        # A manager full of peers that never finish their handshake closes the
+        # oldest of them: a worker's connection is one only if many peers came
+        # after it within its handshake, so a few tries get it through.
+        for attempt in range(_CONNECT_TRIES):
+            sock = socket.create_connection(tuple(self.address), timeout=_CONNECT_TIMEOUT_S)
+            try:
+                wire.client_handshake(sock, self.authkey, self.address, _CONNECT_TIMEOUT_S)
+                break
+            except TimeoutError:
+                sock.close()
+                raise TimeoutError(f"no handshake from the LLM manager at {self.address} within "
+                                   f"{_CONNECT_TIMEOUT_S} s") from None
+            except (ConnectionRefusedError, ConnectionResetError, BrokenPipeError, EOFError):
+                sock.close()
+                if attempt + 1 == _CONNECT_TRIES:
+                    raise
+            except BaseException:
+                sock.close()
+                raise
         sock.settimeout(None)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         return sock
@@ -134,6 +146,22 @@ class SharedLLMClient:
         state = cache.pop(self._key(), None)
         if state is not None:
             state["sock"].close()
+
+    def drop_if_closed(self) -> None:
+        """Drop this thread's connection if the manager has closed it, so that
+        the next message goes over a fresh one (a shard, or the fallback's
+        re-run, never starts on a dead connection)."""
+        state = getattr(_LOCAL, "conns", {}).get(self._key())
+        if state is None:
+            return
+        try:
+            closed = state["sock"].recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
+        except BlockingIOError:
+            closed = False  # open, nothing to read
+        except OSError:
+            closed = True
+        if closed:
+            self.reset()
 
     def open_streams(self, n: int) -> None:
         wire.send_frame(self._state()["sock"], {"op": "open", "n": n, "rollout": self.rollout})
@@ -154,14 +182,30 @@ class SharedLLMClient:
         return msg
 
     def submit(self, requests: list[GenerationRequest], sampling: SamplingParams) -> int:
+        """The requests' ticket; ``wire.MessageTooLarge`` naming the requests to
+        leave out (the largest first) when their message is longer than the
+        manager reads: nothing is sent then, and the connection goes on."""
         state = self._state()
+        raw = [r.to_dict() for r in requests]
+        msg = {"op": "gen", "ticket": state["ticket"] + 1, "sent": time.monotonic(), "requests": raw,
+               "sampling": sampling.to_dict()}
+        if state["finished"]:
+            msg["finished"] = state["finished"]
+        try:
+            wire.send_frame(state["sock"], msg, self.max_message_bytes)
+        except wire.MessageTooLarge as exc:
+            sizes = {i: len(wire.frame(r)) for i, r in enumerate(raw)}
+            left, refused = exc.size, []
+            for i in sorted(sizes, key=sizes.__getitem__, reverse=True):
+                if left <= exc.limit:
+                    break
+                refused.append(i)
+                left -= sizes[i]
+            raise wire.MessageTooLarge(exc.size, exc.limit, refused, sizes) from None
+        state["finished"] = 0
         state["ticket"] += 1
-        ticket = state["ticket"]
-        wire.send_frame(state["sock"], self._with_finished(state, {
-            "op": "gen", "ticket": ticket, "sent": time.monotonic(), "requests": [r.to_dict() for r in requests],
-            "sampling": sampling.to_dict()}))
-        state["outstanding"].add(ticket)
-        return ticket
+        state["outstanding"].add(state["ticket"])
+        return state["ticket"]
 
     def ready(self) -> bool:
         state = self._state()

@@ -5,7 +5,8 @@ every engine call (``engine_lock``; the trainer takes it to swap weights). It
 listens on a socket (loopback unless told otherwise), authenticates each
 connection (``wire``), and runs one batcher thread that turns the requests of
 all workers into engine calls as the ``Coalescer`` decides. At most
-``max_pending_handshakes`` peers are in their handshake at once; a manager
+``max_pending_handshakes`` peers are in their handshake at once (a new one
+closes the oldest, so idle peers never hold a worker out); a manager
 listening beyond loopback warns that its port must be firewalled. A malformed
 message gets an error reply and the connection goes on; an oversized frame or
 a failed handshake closes that connection only; an engine that fails, or
@@ -34,7 +35,7 @@ import secrets
 import socket
 import threading
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -60,7 +61,28 @@ def check_listen_address(host: Any, port: Any) -> tuple[str, int]:
                          f"machine, 0.0.0.0 for workers on other machines; got {host!r}{hint}")
     if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
         raise ValueError(f"llm_server.port must be an integer from 0 to 65535 (0: any free port), got {port!r}")
+    _check_bindable(host)
     return host, port
+
+
+def _check_bindable(host: str) -> None:
+    """ValueError naming ``llm_server.host`` unless the manager can listen on
+    it: an IPv4 address (or a name for one) of this machine. Tried on a free
+    port, so that a wrong host is found before a model loads, not when the
+    manager binds after it."""
+    try:
+        infos = socket.getaddrinfo(host, 0, socket.AF_INET, socket.SOCK_STREAM)
+    except socket.gaierror as exc:
+        ipv6 = ":" in host
+        why = ("the manager listens on IPv4 only: use 127.0.0.1 for workers on this machine, 0.0.0.0 for "
+               "workers on other machines" if ipv6 else f"it does not resolve to an IPv4 address ({exc.strerror})")
+        raise ValueError(f"llm_server.host={host!r} cannot be listened on: {why}") from None
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+            probe.bind((infos[0][4][0], 0))
+    except OSError as exc:
+        raise ValueError(f"llm_server.host={host!r} cannot be listened on: {exc.strerror or exc} (an address of "
+                         "this machine, 127.0.0.1 or 0.0.0.0)") from None
 
 
 def _is_loopback(host: str) -> bool:
@@ -160,14 +182,21 @@ class SharedLLMInferenceManager:
         self.engine = engine
         self.engine_lock = threading.Lock()
         self.max_batch_size = self.coalescer.max_batch_size
-        self.max_message_bytes = int(max_message_bytes)
+        if isinstance(max_message_bytes, bool) or not isinstance(max_message_bytes, int) or \
+                not 0 < max_message_bytes < 1 << 32:
+            raise ValueError(f"agent_proxy.max_message_bytes must be an integer from 1 to 2**32 - 1 (a frame's "
+                             f"length is 4 bytes), got {max_message_bytes!r}")
+        self.max_message_bytes = max_message_bytes
         self.handshake_timeout_s = handshake_timeout_s
         # A thread per connection is fine for workers, not for any number of
-        # peers that connect and say nothing: at most this many handshakes run
-        # at once; further peers wait in the listen queue (a worker among them
-        # only waits, it is not turned away).
-        self._handshake_slots = threading.BoundedSemaphore(max_pending_handshakes)
+        # peers that connect and say nothing. Every peer is accepted at once (a
+        # worker never waits behind idle peers in the listen queue), and at
+        # most this many are in their handshake: a new one closes the oldest,
+        # so sockets and threads stay bounded (_accept_loop, _evict).
         self.max_pending_handshakes = max_pending_handshakes
+        self._pending: OrderedDict[_Conn, None] = OrderedDict()  # oldest first
+        self._pending_lock = threading.Lock()
+        self._evicted = 0  # connections closed in their handshake to make room (accept thread only)
         self.stats = ManagerStats()
         self._key = secrets.token_bytes(32)
         self._cond = threading.Condition()  # guards the coalescer and _conns
@@ -273,33 +302,58 @@ class SharedLLMInferenceManager:
 
     # ----- connections ---------------------------------------------------------
     def _accept_loop(self) -> None:
-        full = False
         while not self._closed:
-            if not self._handshake_slots.acquire(timeout=0.2):  # short: close() is noticed
-                if not full:
-                    full = True
-                    logger.warning("%d connections to the LLM manager are in their handshake at once; further "
-                                   "ones wait until one ends (at most handshake_timeout_s=%s s each)",
-                                   self.max_pending_handshakes, self.handshake_timeout_s)
-                continue
-            full = False
             try:
                 sock, peer = self._listener.accept()
             except OSError:
-                self._handshake_slots.release()
-                return  # listener closed
+                if self._closed:
+                    return  # listener closed
+                # EMFILE and the like: the peer waits in the listen queue; short, so close() is noticed
+                logger.warning("could not accept a connection to the LLM manager", exc_info=True)
+                time.sleep(0.05)
+                continue
+            conn = _Conn(sock, f"{peer[0]}:{peer[1]}")
+            evicted = None
+            with self._pending_lock:
+                if len(self._pending) >= self.max_pending_handshakes:
+                    evicted, _ = self._pending.popitem(last=False)
+                self._pending[conn] = None
+            if evicted is not None:
+                self._evict(evicted)
             try:
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-                threading.Thread(target=self._serve, args=(sock, f"{peer[0]}:{peer[1]}"),
-                                 name="ragen-llm-conn", daemon=True).start()
+                threading.Thread(target=self._serve, args=(conn,), name="ragen-llm-conn", daemon=True).start()
             except (OSError, RuntimeError) as exc:  # the peer left already, or no thread to be had
-                logger.warning("dropped a connection from %s:%s: %s", peer[0], peer[1], exc)
+                logger.warning("dropped a connection from %s: %s", conn.peer, exc)
+                with self._pending_lock:
+                    self._pending.pop(conn, None)
                 sock.close()
-                self._handshake_slots.release()
 
-    def _serve(self, sock: socket.socket, peer: str) -> None:
-        conn = _Conn(sock, peer)
-        slot = True  # one of the handshake slots, held until the handshake ends
+    def _evict(self, conn: _Conn) -> None:
+        """Ends the handshake of the oldest unauthenticated connection to make
+        room for a new one: a worker proves the key within milliseconds, so
+        only peers that hold a connection open without doing so are ever the
+        oldest; its thread sees the socket shut and closes it."""
+        self.stats.add(refused_clients=1)
+        self._evicted += 1
+        # a flood of idle peers would flood the log: the first, then every 1000th
+        logger.log(logging.WARNING if self._evicted % 1000 == 1 else logging.DEBUG,
+                   "closed the connection from %s: %d connections were in their handshake, the most there may be "
+                   "(max_pending_handshakes), and the oldest gives way to a new one (%d closed so far)", conn.peer,
+                   self.max_pending_handshakes, self._evicted)
+        try:
+            conn.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+
+    @property
+    def pending_handshakes(self) -> int:
+        """Connections accepted that have not proven the key yet."""
+        with self._pending_lock:
+            return len(self._pending)
+
+    def _serve(self, conn: _Conn) -> None:
+        sock, peer = conn.sock, conn.peer
         try:
             try:
                 wire.server_handshake(sock, self._key, self.handshake_timeout_s)
@@ -312,8 +366,9 @@ class SharedLLMInferenceManager:
                 logger.warning("closed the connection from %s: no handshake within handshake_timeout_s=%s s",
                                peer, self.handshake_timeout_s)
                 return
-            self._handshake_slots.release()
-            slot = False
+            finally:
+                with self._pending_lock:
+                    self._pending.pop(conn, None)
             with self._cond:
                 self._conns.add(conn)
                 self.coalescer.connect(conn)
@@ -325,10 +380,8 @@ class SharedLLMInferenceManager:
             self.stats.add(bad_messages=1)
             logger.warning("closing the connection from %s: %s", peer, exc)
         except (EOFError, OSError):
-            pass  # the client went away (a worker that finished, died or timed out)
+            pass  # the client went away (a worker that finished, died or timed out), or was evicted
         finally:
-            if slot:
-                self._handshake_slots.release()
             with self._cond:
                 conn.alive = False
                 self._conns.discard(conn)
@@ -480,7 +533,8 @@ class SharedLLMInferenceManager:
         """One frame per connection, all encoded before any is sent: a woken
         worker takes a core at once, and the other workers' answers must not
         wait behind it."""
-        frames = [(conn, wire.answers_frame(a), len(a)) for conn, a in answers.items() if conn.alive]
+        frames = [(conn, self._fitting(wire.answers_frame(a), a), len(a)) for conn, a in answers.items()
+                  if conn.alive]
         with self._cond:
             self.coalescer.answered({conn: n for conn, _, n in frames}, time.monotonic())
         for conn, data, _ in frames:
@@ -488,6 +542,26 @@ class SharedLLMInferenceManager:
                 self.stats.add(bytes_out=conn.send_frame(data))
             except OSError:
                 pass  # the client left; its cleanup runs in its own thread
+
+    def _fitting(self, data: bytes, answers: list[dict[str, Any]]) -> bytes:
+        """``data``, or, when it is longer than a client reads (the client would
+        drop the connection and its other answers with it), the same answers
+        with the largest turned into errors until the rest fit."""
+        size = len(data) - wire.HEADER_BYTES
+        if size <= self.max_message_bytes:
+            return data
+        sizes = [len(wire.answers_frame([a])) for a in answers]
+        answers = list(answers)
+        for i in sorted(range(len(answers)), key=sizes.__getitem__, reverse=True):
+            logger.error("the answer to ticket %s from %d bytes of answers exceeds max_message_bytes=%d; answering "
+                         "it with an error", answers[i].get("ticket"), size, self.max_message_bytes)
+            answers[i] = {"ticket": answers[i].get("ticket"), "error": (
+                f"the engine's answer ({sizes[i]} bytes) does not fit the limit of {self.max_message_bytes} bytes "
+                "of a message (agent_proxy.max_message_bytes)")}
+            data = wire.answers_frame(answers)
+            if len(data) - wire.HEADER_BYTES <= self.max_message_bytes:
+                break
+        return data
 
     def close(self) -> None:
         with self._cond:

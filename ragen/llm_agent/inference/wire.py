@@ -5,7 +5,9 @@ lists, strings, bytes, numbers), written by a pickler and read by an
 unpickler that refuse every class and function: a frame carries nothing but
 data (as safe as JSON, and 5-8x cheaper to encode and decode, which matters
 because the full message history of every env travels each turn). Each side
-refuses a frame longer than its ``max_message_bytes``.
+refuses a frame longer than its ``max_message_bytes`` (and closes the
+connection: the stream is out of step), so a sender checks its own message
+against that limit before it sends (``send_frame``, ``MessageTooLarge``).
 
 - Handshake, within one deadline in all: manager -> client ``b"RAGEN2"`` and a
   32-byte nonce; client -> manager ``HMAC-SHA256(key, b"ragen client" + that
@@ -56,6 +58,7 @@ DIGEST_BYTES = hashlib.sha256().digest_size
 # never be replayed as the other's proof.
 CLIENT_LABEL, SERVER_LABEL = b"ragen client", b"ragen server"
 _HEADER = struct.Struct(">I")
+HEADER_BYTES = _HEADER.size  # a frame's length prefix
 
 
 class EngineError(RuntimeError):
@@ -68,6 +71,21 @@ class ProtocolError(RuntimeError):
 
 class AuthenticationError(ConnectionError):
     """The peer could not prove it holds the manager's key."""
+
+
+class MessageTooLarge(ProtocolError):
+    """A message was not sent: its frame is longer than the peer reads
+    (``agent_proxy.max_message_bytes``). The connection is left intact.
+    ``refused``: the indices of the requests to drop so that the rest fit
+    (a gen message; the largest first)."""
+
+    def __init__(self, size: int, limit: int, refused: list[int] | None = None,
+                 request_sizes: dict[int, int] | None = None) -> None:
+        super().__init__(f"a message of {size} bytes exceeds the limit of {limit} bytes "
+                         f"(agent_proxy.max_message_bytes)")
+        self.size, self.limit = size, limit
+        self.refused = refused or []
+        self.request_sizes = request_sizes or {}
 
 
 # ----- frames -------------------------------------------------------------------
@@ -124,8 +142,13 @@ def frame(obj: Any) -> bytes:
     return buf.getvalue()
 
 
-def send_frame(sock: socket.socket, obj: Any) -> int:
+def send_frame(sock: socket.socket, obj: Any, max_bytes: int | None = None) -> int:
+    """Sends ``obj`` as one frame; MessageTooLarge, before a byte is sent,
+    when its payload is longer than ``max_bytes`` (the peer would close the
+    connection on reading its length)."""
     data = frame(obj)
+    if max_bytes is not None and len(data) - _HEADER.size > max_bytes:
+        raise MessageTooLarge(len(data) - _HEADER.size, max_bytes)
     sock.sendall(data)
     return len(data)
 
