@@ -22,6 +22,7 @@ from ragen.llm_agent.types import RolloutResult
 from ragen.env.allowed import EnvTypeNotAllowed, allowed_env_types
 from ragen.replay import main, replay
 
+from tests.dump_cases import BAD_DUMPS, write_bad_dump
 from tests.fault_envs import FaultEnv
 from tests.rollout_helpers import ROOT, custom_envs, fault_tag, loop_config, specs_for
 
@@ -290,3 +291,12 @@ def test_a_custom_env_named_by_the_users_config_replays(tmp_path):
     assert proc.returncode == 0 and "3 of 3 envs identical" in proc.stdout, proc.stdout + proc.stderr
     without = _python("", "-m", "ragen.replay", str(path), cwd=tmp_path)
     assert without.returncode == 2 and "tests.custom_env_example:MyEnv" in without.stderr
+
+
+@pytest.mark.parametrize("case", sorted(BAD_DUMPS))
+def test_a_wrong_typed_or_repeated_field_is_one_error_line(parallel_dump, tmp_path, case):
+    bad, message = write_bad_dump(parallel_dump, case, tmp_path / "bad.jsonl")
+    proc = _python("", "-m", "ragen.replay", str(bad), *ALLOW_FAULT, cwd=tmp_path)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert proc.stderr.startswith(f"error: {bad} {message}"), proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1 and "Traceback" not in proc.stderr

@@ -20,6 +20,7 @@ from ragen.llm_agent.dump import DumpRecord, read_dump, write_dump
 from ragen.llm_agent.types import RolloutResult, StopReason
 from ragen.viewer import default_output, render_html, write_viewer
 from ragen.viewer.page import split_response
+from tests.dump_cases import BAD_DUMPS, write_bad_dump
 from tests.rollout_helpers import (
     custom_envs,
     fault_tag,
@@ -280,6 +281,16 @@ def test_cli_bad_dump(tmp_path, dump, case):
     assert res.stderr.startswith("error: ") and str(path) in res.stderr and where in res.stderr
     assert "Traceback" not in res.stderr
     assert not default_output(path).exists()
+
+
+@pytest.mark.parametrize("case", sorted(BAD_DUMPS))
+def test_cli_wrong_typed_deep_or_repeated_fields(tmp_path, dump, case):
+    bad, message = write_bad_dump(dump, case, tmp_path / "bad.jsonl")
+    res = cli(bad, "-o", tmp_path / "page.html")
+    assert res.returncode == 2, (res.stdout, res.stderr)
+    assert res.stderr.startswith(f"error: {bad} {message}"), res.stderr
+    assert len(res.stderr.strip().splitlines()) == 1 and "Traceback" not in res.stderr
+    assert not (tmp_path / "page.html").exists()
 
 
 def test_cli_bad_metrics(tmp_path, dump):
