@@ -23,8 +23,8 @@ reproduce the dump too).
 
 A dump is data: it names its env types, but only the types of the user's own
 setup are built (``ragen.env.allowed``): registered names, the import paths
-named by the ``custom_envs`` of ``--config FILE`` (an envs YAML, a run's
-``.hydra/config.yaml`` or a Hydra config such as ``config/base.yaml``), and
+named by the ``custom_envs`` of ``--config FILE`` (an envs YAML, a run
+folder's ``config.yaml`` or a Hydra config such as ``config/base.yaml``), and
 ``--allow-env-type package.module:Class``. Any other type is refused before
 its module is imported.
 
@@ -248,8 +248,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--engine-opt", action="append", default=[], metavar="KEY=VALUE",
                         help="an engine option, as in config/engine/<name>.yaml (repeatable)")
     parser.add_argument("--config", action="append", default=[], metavar="FILE",
-                        help="build the env types named by this config's custom_envs (an envs YAML, a run's "
-                             ".hydra/config.yaml, or a Hydra config such as config/base.yaml; repeatable)")
+                        help="build the env types named by this config's custom_envs (an envs YAML, a run "
+                             "folder's config.yaml, or a Hydra config such as config/base.yaml; repeatable)")
     parser.add_argument("--allow-env-type", action="append", default=[], metavar="MODULE:CLASS",
                         help="build this env or config type, an import path the dump names (repeatable); "
                              "only for dumps you trust: building it runs its code")

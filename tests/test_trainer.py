@@ -372,7 +372,7 @@ def test_resuming_with_another_lora_rank_names_the_key(tiny_model_path, tmp_path
         AgentTrainer(other)
     # a checkpoint without meta.json: the tensors' shapes tell
     (run / "checkpoints" / "global_step_1" / "meta.json").unlink()
-    with pytest.raises(ValueError, match=r"has shape .* actor_rollout_ref\.model\.lora_rank must be the checkpoint's"):
+    with pytest.raises(ValueError, match=r"has shape .* actor_rollout_ref\.model\.lora_rank must be the "):
         AgentTrainer(other)
 
 

@@ -18,8 +18,9 @@ viewer's grid symbols) therefore build only the types the user's setup names:
 - ``allowed_env_types(configs=(), allow=())``: the set from config files and
   import paths.
 - ``custom_envs_of(path)``: the ``custom_envs`` of a config file: an envs YAML
-  (``config/envs.yaml``), a run's saved ``.hydra/config.yaml``, or a Hydra
-  config with a defaults list (``config/base.yaml``), composed from its folder.
+  (``config/envs.yaml``), the ``config.yaml`` train.py writes in a run folder,
+  or a Hydra config with a defaults list (``config/base.yaml``), composed from
+  its folder.
 """
 
 from __future__ import annotations
@@ -101,8 +102,8 @@ def custom_envs_of(path: str | os.PathLike) -> Mapping[str, Any]:
 
     path = Path(path)
     if not path.is_file():
-        raise ValueError(f"{path}: no such config file; give an envs YAML (config/envs.yaml), a run's "
-                         ".hydra/config.yaml or a Hydra config (config/base.yaml)")
+        raise ValueError(f"{path}: no such config file; give an envs YAML (config/envs.yaml), a run "
+                         "folder's config.yaml or a Hydra config (config/base.yaml)")
     try:
         data = yaml.safe_load(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, yaml.YAMLError) as exc:
@@ -111,8 +112,8 @@ def custom_envs_of(path: str | os.PathLike) -> Mapping[str, Any]:
         data = _compose(path)
     envs = data.get("custom_envs") if isinstance(data, Mapping) else None
     if not isinstance(envs, Mapping):
-        raise ValueError(f"{path}: no custom_envs mapping in it; give an envs YAML (config/envs.yaml), a run's "
-                         ".hydra/config.yaml or a Hydra config (config/base.yaml)")
+        raise ValueError(f"{path}: no custom_envs mapping in it; give an envs YAML (config/envs.yaml), a run "
+                         "folder's config.yaml or a Hydra config (config/base.yaml)")
     return envs
 
 

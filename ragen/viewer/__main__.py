@@ -28,7 +28,7 @@ def main(argv: list[str] | None = None) -> int:
                                           "dump or in the folder above, if any)")
     parser.add_argument("--config", action="append", default=[], metavar="FILE",
                         help="draw the env types named by this config's custom_envs with their own config classes "
-                             "(an envs YAML, a run's .hydra/config.yaml or a Hydra config; repeatable)")
+                             "(an envs YAML, a run folder's config.yaml or a Hydra config; repeatable)")
     parser.add_argument("--allow-env-type", action="append", default=[], metavar="MODULE:CLASS",
                         help="build this env's config class, an import path the dump names (repeatable); only for "
                              "dumps you trust: it imports that module")
