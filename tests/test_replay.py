@@ -270,11 +270,17 @@ def test_allowed_env_types_come_from_the_registry_the_config_and_the_flag(tmp_pa
 @pytest.mark.parametrize("args, message", [
     (["--allow-env-type", "sokoban"], "--allow-env-type 'sokoban': expected an import path"),
     (["--config", "/nonexistent/envs.yaml"], "/nonexistent/envs.yaml: no such config file"),
+    (["--config", "{tmp}/bad.yaml"], "bad.yaml: not a readable YAML config"),
+    (["--config", "{tmp}/main.yaml"], "main.yaml: cannot compose this Hydra config (MissingConfigException"),
+    (["--config", str(ROOT / "config" / "engine" / "hf.yaml")], "hf.yaml: no custom_envs mapping in it"),
 ])
 def test_a_bad_allow_option_is_one_error_line(parallel_dump, tmp_path, args, message):
+    (tmp_path / "bad.yaml").write_text("custom_envs: [a\n  b: c\n")
+    (tmp_path / "main.yaml").write_text("defaults:\n  - no_such_file\n")
+    args = [a.format(tmp=tmp_path) for a in args]
     proc = _python("", "-m", "ragen.replay", str(parallel_dump), *args, cwd=tmp_path)
     assert proc.returncode == 2 and proc.stderr.startswith("error: ") and message in proc.stderr, proc.stderr
-    assert "Traceback" not in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1 and "Traceback" not in proc.stderr
 
 
 @pytest.mark.timeout(300)

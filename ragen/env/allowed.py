@@ -107,7 +107,7 @@ def custom_envs_of(path: str | os.PathLike) -> Mapping[str, Any]:
     try:
         data = yaml.safe_load(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, yaml.YAMLError) as exc:
-        raise ValueError(f"{path}: not a readable YAML config ({exc})") from None
+        raise ValueError(f"{path}: not a readable YAML config ({_one_line(exc)})") from None
     if isinstance(data, Mapping) and "custom_envs" not in data and "defaults" in data:
         data = _compose(path)
     envs = data.get("custom_envs") if isinstance(data, Mapping) else None
@@ -129,5 +129,11 @@ def _compose(path: Path) -> Mapping[str, Any]:
             cfg = compose(path.stem)
         envs = OmegaConf.to_container(cfg.get("custom_envs"), resolve=True) if "custom_envs" in cfg else None
     except (HydraException, OmegaConfBaseException, ValueError) as exc:
-        raise ValueError(f"{path}: cannot compose this Hydra config ({type(exc).__name__}: {exc})") from None
+        raise ValueError(f"{path}: cannot compose this Hydra config ({type(exc).__name__}: {_one_line(exc)})") \
+            from None
     return {"custom_envs": envs}
+
+
+def _one_line(exc: BaseException) -> str:
+    """An error's text on one line (YAML's and Hydra's span several): a command line prints one."""
+    return " ".join(str(exc).split())
