@@ -8,7 +8,9 @@ again from its spec and reset with its seed, and the turn loop (the same
 by turn. Everything runs in the calling thread, one env after another, with no
 time limits and no retries, so ``pdb`` (or a breakpoint in the env's code)
 works. Every prompt, observation, reward and done flag is checked against the
-dump; the first difference is printed, or "identical". ``--engine`` has a
+dump; the first difference is printed, or "identical". A replay plays at most
+one turn past the dump's last (that turn is already a difference), whatever
+``max_turn`` the dump says. ``--engine`` has a
 model answer instead of the recorded answers (with the dump's sampling
 parameters and seeds: for greedy decoding, or a scripted policy, it must
 reproduce the dump too).
@@ -117,7 +119,9 @@ def replay(record: DumpRecord, engine: Engine | None = None, raise_errors: bool 
     only); any other raises ``EnvTypeNotAllowed`` before anything is imported."""
     check_env_types([record], env_types)
     spec = dataclasses.replace(record.spec, env_threads=1)  # the calling thread steps it
-    loop = dataclasses.replace(record.loop, env_timeout_s=None, pipeline_depth=1, env_retries=0)
+    # one turn past the dump's last already differs: the dump's max_turn (data) never keeps a replay going
+    max_turn = min(record.loop.max_turn, len(record.trajectory.turns) + 1)
+    loop = dataclasses.replace(record.loop, env_timeout_s=None, pipeline_depth=1, env_retries=0, max_turn=max_turn)
     seen = _PromptsSeen(engine if engine is not None else RecordedEngine(record))
     kept = KeptEnvs()
     try:

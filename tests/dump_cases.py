@@ -37,6 +37,8 @@ BAD_DUMPS = {
                            "turns[0].prompt.messages: message 0 is int 5"),
     "reward_str": (_set(["turns", 0, "steps", 0, "reward"], "1.0"), 0,
                    "turns[0].steps[0].reward: expected float, got str '1.0'"),
+    "request_seed_inf": (_set(["turns", 0, "request_seed"], float("inf")), 0,
+                         "turns[0].request_seed: expected int, got float inf"),
     "env_config_list": (_set(["spec", "env_config"], [1]), 0, "spec.env_config: expected dict"),
     "deep_json": (None, 0, "JSON nested too deeply"),  # 100000 nested lists: the decoder's own limit
     "deep_env_config": (_deep_config, 0, "spec.env_config: lists and dicts nested more than"),

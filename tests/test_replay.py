@@ -306,3 +306,17 @@ def test_a_wrong_typed_or_repeated_field_is_one_error_line(parallel_dump, tmp_pa
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert proc.stderr.startswith(f"error: {bad} {message}"), proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1 and "Traceback" not in proc.stderr
+
+
+@pytest.mark.timeout(120)
+def test_a_huge_max_turn_in_a_dump_does_not_keep_the_replay_going(parallel_dump, tmp_path, capsys):
+    record = next(r for r in read_dump(parallel_dump) if r.trajectory.stop_reason.value == "max_turns")
+
+    def edit(row):
+        row["loop"]["max_turn"] = 10 ** 9
+
+    path = _tampered(parallel_dump, tmp_path, record.env_id, edit)
+    # the replay plays one turn past the dump's last, where it differs, and stops
+    assert main([path, "--env-id", str(record.env_id)]) == 1
+    n = len(record.trajectory.turns)
+    assert f"differs at turn {n}: the replay went on past the dump's last turn" in capsys.readouterr().out

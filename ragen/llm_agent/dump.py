@@ -205,13 +205,17 @@ def _record(row: Any, where: str, number: int) -> DumpRecord:
         turn_fields = {f.name for f in dataclasses.fields(Turn)}
         previous: list = []
         for t in row["turns"]:
-            kept = int(t["prompt"]["from_previous"])
+            for name, value in (("prompt.from_previous", t["prompt"]["from_previous"]),
+                                ("request_seed", t["request_seed"])):
+                if not _is_a(value, int):
+                    raise _BadField(f"turns[{len(turns)}].{name}: expected int, got {_short(value)}")
+            kept = t["prompt"]["from_previous"]
             if not 0 <= kept <= len(previous):
                 raise ValueError(f"turn {len(turns)}: prompt.from_previous={kept} but the previous prompt has "
                                  f"{len(previous)} messages")
             previous = previous[:kept] + list(t["prompt"]["messages"])
             messages.append(previous)
-            seeds.append(int(t["request_seed"]))
+            seeds.append(t["request_seed"])
             logprobs = t.get("logprobs")
             turns.append(Turn(**{**{k: v for k, v in t.items() if k in turn_fields},
                                  "steps": tuple(Step(**s) for s in t["steps"]),
