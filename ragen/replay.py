@@ -1,6 +1,7 @@
 """Replay: play a dumped episode again, in this process, and check it.
 
-``python -m ragen.replay DUMP.jsonl [--env-id N ...] [--engine NAME]``
+``python -m ragen.replay DUMP.jsonl [--env-id N ...] [--engine NAME] [--config FILE]
+[--allow-env-type MODULE:CLASS]``
 
 For each env asked for (every env of the dump when none is), the env is built
 again from its spec and reset with its seed, and the turn loop (the same
@@ -10,10 +11,9 @@ time limits and no retries, so ``pdb`` (or a breakpoint in the env's code)
 works. Every prompt, observation, reward and done flag is checked against the
 dump; the first difference is printed, or "identical". A replay plays at most
 one turn past the dump's last (that turn is already a difference), whatever
-``max_turn`` the dump says. ``--engine`` has a
-model answer instead of the recorded answers (with the dump's sampling
-parameters and seeds: for greedy decoding, or a scripted policy, it must
-reproduce the dump too).
+``max_turn`` the dump says. ``--engine`` has a model answer instead of the
+recorded answers (with the dump's sampling parameters and seeds: for greedy
+decoding, or a scripted policy, it must reproduce the dump too).
 
 - ``RecordedEngine``: an ``Engine`` that answers each request with the dump's
   answer for its ``(env_id, turn)``.
