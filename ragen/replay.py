@@ -1,6 +1,7 @@
 """Replay: play a dumped episode again, in this process, and check it.
 
-``python -m ragen.replay DUMP.jsonl [--env-id N ...] [--engine NAME]``
+``python -m ragen.replay DUMP.jsonl [--env-id N ...] [--engine NAME] [--config FILE]
+[--allow-env-type MODULE:CLASS]``
 
 For each env asked for (every env of the dump when none is), the env is built
 again from its spec and reset with its seed, and the turn loop (the same
@@ -8,19 +9,30 @@ again from its spec and reset with its seed, and the turn loop (the same
 by turn. Everything runs in the calling thread, one env after another, with no
 time limits and no retries, so ``pdb`` (or a breakpoint in the env's code)
 works. Every prompt, observation, reward and done flag is checked against the
-dump; the first difference is printed, or "identical". ``--engine`` has a
-model answer instead of the recorded answers (with the dump's sampling
-parameters and seeds: for greedy decoding, or a scripted policy, it must
-reproduce the dump too).
+dump; the first difference is printed, or "identical". A replay plays at most
+one turn past the dump's last (that turn is already a difference), whatever
+``max_turn`` the dump says. ``--engine`` has a model answer instead of the
+recorded answers (with the dump's sampling parameters and seeds: for greedy
+decoding, or a scripted policy, it must reproduce the dump too).
 
 - ``RecordedEngine``: an ``Engine`` that answers each request with the dump's
   answer for its ``(env_id, turn)``.
-- ``replay(record, engine=None) -> Replay``: one env played again and compared.
+- ``replay(record, engine=None, env_types=None) -> Replay``: one env played
+  again and compared; ``env_types`` (``AllowedEnvTypes``, default: the
+  registered names only) says which env types it may build.
 - ``first_difference(record, trajectory, prompts)``: where a replayed
   trajectory first differs from its record, as a sentence; ``None`` if nowhere.
 
+A dump is data: it names its env types, but only the types of the user's own
+setup are built (``ragen.env.allowed``): registered names, the import paths
+named by the ``custom_envs`` of ``--config FILE`` (an envs YAML, a run
+folder's ``config.yaml`` or a Hydra config such as ``config/base.yaml``), and
+``--allow-env-type package.module:Class``. Any other type is refused before
+its module is imported.
+
 Exit status: 0 when every env replays identically, 1 when one differs, 2 for
-bad input (a missing, truncated or foreign file, an env id not in the dump).
+bad input (a missing, truncated or foreign file, an env id not in the dump, an
+env type the setup does not name).
 """
 
 from __future__ import annotations
@@ -32,6 +44,7 @@ import sys
 from dataclasses import dataclass
 from typing import Any, Sequence
 
+from ragen.env.allowed import AllowedEnvTypes, EnvTypeNotAllowed, allowed_env_types
 from ragen.llm.types import Completion, Engine, GenerationRequest, SamplingParams
 from ragen.llm_agent.dump import DumpError, DumpRecord, read_dump
 from ragen.llm_agent.inference import DirectClient
@@ -96,13 +109,19 @@ class Replay:
         return self.difference is None
 
 
-def replay(record: DumpRecord, engine: Engine | None = None, raise_errors: bool = False) -> Replay:
+def replay(record: DumpRecord, engine: Engine | None = None, raise_errors: bool = False,
+           env_types: AllowedEnvTypes | None = None) -> Replay:
     """Play ``record``'s env again from its spec and seed, in the calling
     thread, with the recorded answers (or ``engine``'s), and compare.
     ``raise_errors``: an exception in the env propagates (for a debugger)
-    instead of ending the replay in ``error`` as the rollout did."""
+    instead of ending the replay in ``error`` as the rollout did.
+    ``env_types``: the env types it may build (default: registered names
+    only); any other raises ``EnvTypeNotAllowed`` before anything is imported."""
+    check_env_types([record], env_types)
     spec = dataclasses.replace(record.spec, env_threads=1)  # the calling thread steps it
-    loop = dataclasses.replace(record.loop, env_timeout_s=None, pipeline_depth=1, env_retries=0)
+    # one turn past the dump's last already differs: the dump's max_turn (data) never keeps a replay going
+    max_turn = min(record.loop.max_turn, len(record.trajectory.turns) + 1)
+    loop = dataclasses.replace(record.loop, env_timeout_s=None, pipeline_depth=1, env_retries=0, max_turn=max_turn)
     seen = _PromptsSeen(engine if engine is not None else RecordedEngine(record))
     kept = KeptEnvs()
     try:
@@ -113,6 +132,17 @@ def replay(record: DumpRecord, engine: Engine | None = None, raise_errors: bool 
     finally:
         kept.close()
     return Replay(record, trajectory, first_difference(record, trajectory, seen.prompts))
+
+
+def check_env_types(records: Sequence[DumpRecord], env_types: AllowedEnvTypes | None = None) -> None:
+    """Raise ``EnvTypeNotAllowed`` (naming the record's line) for the first
+    record whose env or config type ``env_types`` does not allow."""
+    env_types = env_types if env_types is not None else AllowedEnvTypes()
+    for r in records:
+        try:
+            env_types.check(r.spec.env_type, r.spec.config_type, r.spec.tag)
+        except EnvTypeNotAllowed as exc:
+            raise EnvTypeNotAllowed(f"line {r.line}: {exc}") from None
 
 
 def first_difference(record: DumpRecord, replayed: Trajectory,
@@ -221,6 +251,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--model", help="the engine's model (hf, vllm; default: the embedded default model)")
     parser.add_argument("--engine-opt", action="append", default=[], metavar="KEY=VALUE",
                         help="an engine option, as in config/engine/<name>.yaml (repeatable)")
+    parser.add_argument("--config", action="append", default=[], metavar="FILE",
+                        help="build the env types named by this config's custom_envs (an envs YAML, a run "
+                             "folder's config.yaml, or a Hydra config such as config/base.yaml; repeatable)")
+    parser.add_argument("--allow-env-type", action="append", default=[], metavar="MODULE:CLASS",
+                        help="build this env or config type, an import path the dump names (repeatable); "
+                             "only for dumps you trust: building it runs its code")
     parser.add_argument("--raise", dest="raise_errors", action="store_true",
                         help="let an exception in the env propagate (with its traceback, for a debugger) "
                              "instead of comparing it with the dump")
@@ -233,15 +269,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         if missing:
             raise DumpError(f"{args.dump}: env id(s) {missing} not in the dump; its env ids: "
                             f"{_id_list(list(by_id))}")
+        chosen = [by_id[i] for i in args.env_id] if args.env_id else records
+        env_types = allowed_env_types(args.config, args.allow_env_type)
+        try:
+            check_env_types(chosen, env_types)  # before any env's module is imported
+        except EnvTypeNotAllowed as exc:
+            raise EnvTypeNotAllowed(f"{args.dump} {exc}") from None
         engine = _engine_from_args(args)
     except (DumpError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    chosen = [by_id[i] for i in args.env_id] if args.env_id else records
     differ = 0
     try:
         for record in chosen:
-            result = replay(record, engine, raise_errors=args.raise_errors)
+            result = replay(record, engine, raise_errors=args.raise_errors, env_types=env_types)
             t = record.trajectory
             where = f"env {t.env_id} ({t.tag}, seed {t.seed}, {len(t.turns)} turns)"
             if result.identical:

@@ -17,6 +17,7 @@ from ragen.llm_agent.parallel_rollout import ParallelRolloutManager
 from ragen.llm_agent.rollout_loop import KeptEnvs, run_envs
 from ragen.llm_agent.types import RolloutResult, StopReason
 
+from tests.dump_cases import BAD_DUMPS, write_bad_dump
 from tests.rollout_helpers import custom_envs, fault_tag, loop_config, specs_for
 
 
@@ -118,6 +119,16 @@ def test_a_bad_file_is_refused_naming_file_and_line(played, tmp_path, case, mess
     with pytest.raises(DumpError) as err:
         read_dump(bad)
     assert str(bad) in str(err.value) and message in str(err.value)
+
+
+@pytest.mark.parametrize("case", sorted(BAD_DUMPS))
+def test_a_wrong_typed_deep_or_repeated_field_is_refused_naming_file_line_and_field(played, tmp_path, case):
+    good = tmp_path / "good.jsonl"
+    good.write_text("".join(_lines(played, tmp_path)))
+    bad, message = write_bad_dump(good, case, tmp_path / "bad.jsonl")
+    with pytest.raises(DumpError) as err:
+        read_dump(bad)
+    assert str(err.value).startswith(f"{bad} ") and message in str(err.value), str(err.value)
 
 
 @pytest.mark.timeout(300)

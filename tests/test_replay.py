@@ -5,11 +5,13 @@ reported where it is."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import threading
 
 import pytest
+import yaml
 
 from ragen.llm.scripted import ScriptedEngine
 from ragen.llm_agent.dump import read_dump, write_dump
@@ -17,13 +19,20 @@ from ragen.llm_agent.inference import DirectClient, SharedLLMInferenceManager
 from ragen.llm_agent.parallel_rollout import ParallelRolloutManager
 from ragen.llm_agent.rollout_loop import KeptEnvs, run_envs
 from ragen.llm_agent.types import RolloutResult
+from ragen.env.allowed import EnvTypeNotAllowed, allowed_env_types
 from ragen.replay import main, replay
 
+from tests.dump_cases import BAD_DUMPS, write_bad_dump
 from tests.fault_envs import FaultEnv
 from tests.rollout_helpers import ROOT, custom_envs, fault_tag, loop_config, specs_for
 
 ENGINE = {"malformed_rate": 0.15, "seed": 3}
 LAYOUT = (["SimpleSokoban", "FrozenLake", "Bandit", "Countdown", "Broken"], [2, 2, 1, 1, 1], 2)
+
+
+# the dump's FaultEnv is test code: replay builds it only when allowed
+FAULT_TYPES = ("tests.fault_envs:FaultEnv", "tests.fault_envs:FaultEnvConfig")
+ALLOW_FAULT = [a for t in FAULT_TYPES for a in ("--allow-env-type", t)]
 
 
 def _specs():
@@ -41,9 +50,17 @@ def parallel_dump(tmp_path_factory):
     return write_dump(tmp_path_factory.mktemp("dump"), "step_000001", result, config, split="train", step=1)
 
 
+@pytest.fixture(scope="module")
+def fault_config(tmp_path_factory):
+    """A config of the user's whose custom_envs names the dump's FaultEnv tag."""
+    path = tmp_path_factory.mktemp("config") / "envs.yaml"
+    path.write_text(yaml.safe_dump({"custom_envs": {"Broken": fault_tag()}}))
+    return path
+
+
 @pytest.mark.timeout(300)
-def test_every_env_of_a_parallel_rollout_replays_identically(parallel_dump, capsys):
-    assert main([str(parallel_dump)]) == 0
+def test_every_env_of_a_parallel_rollout_replays_identically(parallel_dump, fault_config, capsys):
+    assert main([str(parallel_dump), "--config", str(fault_config)]) == 0
     out = capsys.readouterr().out
     n = len(read_dump(parallel_dump))
     assert out.count(": identical") == n and f"{n} of {n} envs identical" in out
@@ -100,7 +117,8 @@ def test_a_changed_observation_and_prompt_are_reported(parallel_dump, tmp_path, 
 
 
 def test_the_engine_regenerates_the_same_answers(parallel_dump, capsys):
-    args = [str(parallel_dump), "--engine", "scripted"] + [f"--engine-opt={k}={v}" for k, v in ENGINE.items()]
+    args = [str(parallel_dump), "--engine", "scripted", *ALLOW_FAULT] + \
+        [f"--engine-opt={k}={v}" for k, v in ENGINE.items()]
     assert main(args) == 0
     assert "envs identical" in capsys.readouterr().out
     # another policy answers otherwise, and the replay says where
@@ -124,10 +142,11 @@ def test_env_calls_run_in_the_calling_thread_and_raise_on_request(monkeypatch, t
         return step(self, action)
 
     monkeypatch.setattr(FaultEnv, "step", recording_step)
-    assert replay(record).identical  # the error is the dump's error
+    allowed = allowed_env_types(allow=FAULT_TYPES)
+    assert replay(record, env_types=allowed).identical  # the error is the dump's error
     assert threads and all(t is threading.main_thread() for t in threads)  # so pdb works in the env
     with pytest.raises(RuntimeError, match="injected step failure"):
-        replay(record, raise_errors=True)
+        replay(record, raise_errors=True, env_types=allowed)
 
 
 @pytest.mark.timeout(300)
@@ -166,3 +185,138 @@ def test_bad_input_is_one_error_line_never_a_traceback(parallel_dump, tmp_path, 
     expected = {"missing": "no such file", "truncated": "truncated", "foreign": "line 1: not a ragen rollout dump",
                 "env_id": "[999] not in the dump; its env ids: 0-13"}[case]
     assert expected in proc.stderr
+
+
+# ----------------------------------------------------------------------------- a dump is data: env types
+
+
+def _crafted(parallel_dump, tmp_path, env_type: str, env_config: dict, config_type=None) -> str:
+    """The dump with its first line's env type replaced (what a hostile dump would say)."""
+    def edit(row):
+        row["spec"].update(env_type=env_type, env_config=env_config, config_type=config_type)
+
+    return _tampered(parallel_dump, tmp_path, read_dump(parallel_dump)[0].env_id, edit)
+
+
+def _python(code: str, *args: str, cwd) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    return subprocess.run([sys.executable, *(["-c", code] if code else []), *args], capture_output=True, text=True,
+                          cwd=cwd, env=env, timeout=120)
+
+
+ZEN = "Beautiful is better than ugly"
+_API = """
+import json, os, sys
+from ragen.llm_agent.dump import read_dump
+from ragen.replay import replay
+from ragen.env.allowed import EnvTypeNotAllowed
+try:
+    replay(read_dump(sys.argv[1])[0])
+    refused = None
+except EnvTypeNotAllowed as exc:
+    refused = str(exc)
+print(json.dumps({"refused": refused, "this": "this" in sys.modules, "touched": os.path.exists(sys.argv[2])}))
+"""
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("how", ["cli", "api"])
+def test_a_crafted_dump_runs_nothing_and_imports_nothing(parallel_dump, tmp_path, how):
+    touched = tmp_path / "touched_by_popen"
+    popen = _crafted(parallel_dump, tmp_path, "subprocess:Popen", {"touch": 1, str(touched): 2})
+    (tmp_path / "zen").mkdir()
+    zen = _crafted(parallel_dump, tmp_path / "zen", "this:X", {})
+    for path, name in ((popen, "subprocess:Popen"), (zen, "this:X")):
+        if how == "cli":
+            proc = _python("", "-m", "ragen.replay", path, cwd=tmp_path)
+            assert proc.returncode == 2, proc.stdout + proc.stderr
+            assert proc.stderr.startswith(f"error: {path} line 1: env type '{name}'"), proc.stderr
+            assert f"--allow-env-type {name}" in proc.stderr and "--config" in proc.stderr
+            assert len(proc.stderr.strip().splitlines()) == 1 and "Traceback" not in proc.stderr
+            assert ZEN not in proc.stdout  # `this` prints the Zen of Python when imported
+        else:
+            proc = _python(_API, path, str(touched), cwd=tmp_path)
+            assert proc.returncode == 0, proc.stderr
+            result = json.loads(proc.stdout.strip().splitlines()[-1])
+            assert result["refused"] and f"env type '{name}'" in result["refused"]
+            assert not result["this"] and not result["touched"]
+        assert not touched.exists()
+
+
+def test_allowed_env_types_come_from_the_registry_the_config_and_the_flag(tmp_path):
+    from ragen.env.allowed import AllowedEnvTypes
+
+    assert AllowedEnvTypes().allows("sokoban") and not AllowedEnvTypes().allows("this:X")
+    with pytest.raises(EnvTypeNotAllowed, match=r"config type 'subprocess:Popen'.*--allow-env-type subprocess:Popen"):
+        AllowedEnvTypes().check("sokoban", "subprocess:Popen", "SimpleSokoban")  # a config class is code too
+    config = tmp_path / "envs.yaml"
+    config.write_text(yaml.safe_dump({"custom_envs": {"Mine": {"env_type": "tests.custom_env_example:MyEnv",
+                                                               "config_type": "tests.custom_env_example:MyEnvConfig"},
+                                                      "Sok": {"env_type": "sokoban"}}}))
+    allowed = allowed_env_types([config], ["pkg.mod:Other"])
+    assert allowed.paths == {"tests.custom_env_example:MyEnv", "tests.custom_env_example:MyEnvConfig",
+                             "pkg.mod:Other"}
+    assert allowed.allows("tests.custom_env_example:MyEnv", "tests.custom_env_example:MyEnvConfig")
+    assert not allowed.allows(" tests.custom_env_example:MyEnv")  # exactly as the setup writes it
+    # a Hydra config with a defaults list is composed from its folder: ragen's own base config names no import path
+    assert allowed_env_types([ROOT / "config" / "base.yaml"]).paths == frozenset()
+    hydra_dir = tmp_path / "conf"
+    hydra_dir.mkdir()
+    (hydra_dir / "main.yaml").write_text("defaults:\n  - envs\n  - _self_\nseed: 1\n")
+    (hydra_dir / "envs.yaml").write_text(config.read_text())
+    assert allowed_env_types([hydra_dir / "main.yaml"]).paths == allowed.paths - {"pkg.mod:Other"}
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--allow-env-type", "sokoban"], "--allow-env-type 'sokoban': expected an import path"),
+    (["--config", "/nonexistent/envs.yaml"], "/nonexistent/envs.yaml: no such config file"),
+    (["--config", "{tmp}/bad.yaml"], "bad.yaml: not a readable YAML config"),
+    (["--config", "{tmp}/main.yaml"], "main.yaml: cannot compose this Hydra config (MissingConfigException"),
+    (["--config", str(ROOT / "config" / "engine" / "hf.yaml")], "hf.yaml: no custom_envs mapping in it"),
+])
+def test_a_bad_allow_option_is_one_error_line(parallel_dump, tmp_path, args, message):
+    (tmp_path / "bad.yaml").write_text("custom_envs: [a\n  b: c\n")
+    (tmp_path / "main.yaml").write_text("defaults:\n  - no_such_file\n")
+    args = [a.format(tmp=tmp_path) for a in args]
+    proc = _python("", "-m", "ragen.replay", str(parallel_dump), *args, cwd=tmp_path)
+    assert proc.returncode == 2 and proc.stderr.startswith("error: ") and message in proc.stderr, proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1 and "Traceback" not in proc.stderr
+
+
+@pytest.mark.timeout(300)
+def test_a_custom_env_named_by_the_users_config_replays(tmp_path):
+    mine = {"env_type": "tests.custom_env_example:MyEnv", "config_type": "tests.custom_env_example:MyEnvConfig",
+            "max_actions_per_traj": 4, "env_instruction": "Count up.", "env_config": {"limit": 3}}
+    specs = specs_for(["Mine", "Bandit"], [2, 1], 1, custom_envs(Mine=mine))
+    config = loop_config(max_turn=3)
+    trajectories, _ = run_envs(specs, DirectClient(ScriptedEngine(seed=1)), config, kept_envs=KeptEnvs())
+    path = write_dump(tmp_path, "d", RolloutResult(trajectories, specs), config, split="train", step=0)
+    envs_yaml = tmp_path / "my_envs.yaml"
+    envs_yaml.write_text(yaml.safe_dump({"custom_envs": {"Mine": mine}}))
+    proc = _python("", "-m", "ragen.replay", str(path), "--config", str(envs_yaml), cwd=tmp_path)
+    assert proc.returncode == 0 and "3 of 3 envs identical" in proc.stdout, proc.stdout + proc.stderr
+    without = _python("", "-m", "ragen.replay", str(path), cwd=tmp_path)
+    assert without.returncode == 2 and "tests.custom_env_example:MyEnv" in without.stderr
+
+
+@pytest.mark.parametrize("case", sorted(BAD_DUMPS))
+def test_a_wrong_typed_or_repeated_field_is_one_error_line(parallel_dump, tmp_path, case):
+    bad, message = write_bad_dump(parallel_dump, case, tmp_path / "bad.jsonl")
+    proc = _python("", "-m", "ragen.replay", str(bad), *ALLOW_FAULT, cwd=tmp_path)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert proc.stderr.startswith(f"error: {bad} {message}"), proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1 and "Traceback" not in proc.stderr
+
+
+@pytest.mark.timeout(120)
+def test_a_huge_max_turn_in_a_dump_does_not_keep_the_replay_going(parallel_dump, tmp_path, capsys):
+    record = next(r for r in read_dump(parallel_dump) if r.trajectory.stop_reason.value == "max_turns")
+
+    def edit(row):
+        row["loop"]["max_turn"] = 10 ** 9
+
+    path = _tampered(parallel_dump, tmp_path, record.env_id, edit)
+    # the replay plays one turn past the dump's last, where it differs, and stops
+    assert main([path, "--env-id", str(record.env_id)]) == 1
+    n = len(record.trajectory.turns)
+    assert f"differs at turn {n}: the replay went on past the dump's last turn" in capsys.readouterr().out

@@ -327,6 +327,55 @@ def test_checkpoints_are_atomic_and_pruned(tmp_path):
     assert ckpt.load_checkpoint(run, 3)["step"] == 3
 
 
+def _saved_steps(model_path: str, run, steps, *extra: str) -> None:
+    """Checkpoints of ``steps`` of a run that trained nothing: what resume reads, without the training."""
+    with AgentTrainer(compose_cfg(small_overrides(model_path, run, *extra))) as trainer:
+        for step in steps:
+            trainer.global_step = step
+            trainer.save()
+
+
+def test_a_truncated_checkpoint_names_the_file_and_offers_the_previous_one(tiny_model_path, tmp_path):
+    run = tmp_path / "run"
+    _saved_steps(tiny_model_path, run, [1, 2])
+    state = run / "checkpoints" / "global_step_2" / ckpt.STATE_FILE
+    state.write_bytes(state.read_bytes()[: state.stat().st_size // 2])  # a copy or a full disk cut it short
+    resume = compose_cfg(small_overrides(tiny_model_path, run, "trainer.resume=true"))
+    with pytest.raises(ValueError) as err:
+        AgentTrainer(resume)
+    message = str(err.value)
+    assert f"checkpoint {state} is truncated or corrupt" in message and "\n" not in message
+    assert f"resume from the previous checkpoint, {run / 'checkpoints' / 'global_step_1'}" in message
+    assert "trainer.resume=true" in message
+    shutil.rmtree(state.parent)  # as the message says: the run resumes from step 1
+    with AgentTrainer(resume) as trainer:
+        assert trainer.global_step == 1
+    # with no earlier checkpoint, and for a meta.json that is not JSON, the message says so too
+    only = tmp_path / "only"
+    ckpt.save_checkpoint(only, 3, {"step": 3, "w": torch.zeros(4096)})
+    cut = only / "checkpoints" / "global_step_3" / ckpt.STATE_FILE
+    cut.write_bytes(cut.read_bytes()[:100])
+    with pytest.raises(ckpt.CheckpointError, match=rf"{re.escape(str(cut))} is truncated or corrupt .*no earlier"):
+        ckpt.load_checkpoint(only, 3)
+    (only / "checkpoints" / "global_step_3" / "meta.json").write_text('{"step": 3, "lora')
+    with pytest.raises(ckpt.CheckpointError, match=r"meta\.json is truncated or corrupt"):
+        ckpt.load_meta(only, 3)
+
+
+def test_resuming_with_another_lora_rank_names_the_key(tiny_model_path, tmp_path):
+    run = tmp_path / "run"
+    _saved_steps(tiny_model_path, run, [1], "actor_rollout_ref.model.lora_rank=4")
+    other = compose_cfg(small_overrides(tiny_model_path, run, "trainer.resume=true",
+                                        "actor_rollout_ref.model.lora_rank=8"))
+    with pytest.raises(ValueError, match=r"written with actor_rollout_ref\.model\.lora_rank=4, this run has "
+                                         r"actor_rollout_ref\.model\.lora_rank=8"):
+        AgentTrainer(other)
+    # a checkpoint without meta.json: the tensors' shapes tell
+    (run / "checkpoints" / "global_step_1" / "meta.json").unlink()
+    with pytest.raises(ValueError, match=r"has shape .* actor_rollout_ref\.model\.lora_rank must be the "):
+        AgentTrainer(other)
+
+
 # ---------------------------------------------------------------- bad configs
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import html
+import json
 import os
 import re
 import shutil
@@ -19,6 +20,7 @@ from ragen.llm_agent.dump import DumpRecord, read_dump, write_dump
 from ragen.llm_agent.types import RolloutResult, StopReason
 from ragen.viewer import default_output, render_html, write_viewer
 from ragen.viewer.page import split_response
+from tests.dump_cases import BAD_DUMPS, write_bad_dump
 from tests.rollout_helpers import (
     custom_envs,
     fault_tag,
@@ -281,6 +283,16 @@ def test_cli_bad_dump(tmp_path, dump, case):
     assert not default_output(path).exists()
 
 
+@pytest.mark.parametrize("case", sorted(BAD_DUMPS))
+def test_cli_wrong_typed_deep_or_repeated_fields(tmp_path, dump, case):
+    bad, message = write_bad_dump(dump, case, tmp_path / "bad.jsonl")
+    res = cli(bad, "-o", tmp_path / "page.html")
+    assert res.returncode == 2, (res.stdout, res.stderr)
+    assert res.stderr.startswith(f"error: {bad} {message}"), res.stderr
+    assert len(res.stderr.strip().splitlines()) == 1 and "Traceback" not in res.stderr
+    assert not (tmp_path / "page.html").exists()
+
+
 def test_cli_bad_metrics(tmp_path, dump):
     bad = tmp_path / "metrics.txt"
     bad.write_text('{"step": 1, "train/reward": 1}\nnot json\n{"step": 3}\n')
@@ -292,6 +304,46 @@ def test_cli_bad_metrics(tmp_path, dump):
     (tmp_path / "foreign.jsonl").write_text('[1, 2]\n')
     res = cli(dump, "-o", tmp_path / "x.html", "--metrics", tmp_path / "foreign.jsonl")
     assert res.returncode == 2 and "foreign.jsonl line 1" in res.stderr
+
+
+# ----------------------------------------------------------------------------- a dump is data: env types
+
+ZEN = "Beautiful is better than ugly"  # what importing `this` prints
+
+
+def _with_env_type(dump: Path, out: Path, env_type: str, env_config: dict, config_type=None) -> Path:
+    """The dump with its first line naming another env type (what a hostile dump would say)."""
+    lines = dump.read_text(encoding="utf-8").splitlines()
+    row = json.loads(lines[0])
+    row["spec"].update(env_type=env_type, env_config=env_config, config_type=config_type)
+    out.write_text("\n".join([json.dumps(row), *lines[1:]]) + "\n", encoding="utf-8")
+    return out
+
+
+@pytest.mark.timeout(300)
+def test_a_crafted_env_type_is_never_imported_by_the_viewer(tmp_path, dump):
+    touched = tmp_path / "touched_by_popen"
+    popen = _with_env_type(dump, tmp_path / "popen.jsonl", "subprocess:Popen", {"touch": 1, str(touched): 2})
+    zen = _with_env_type(dump, tmp_path / "zen.jsonl", "this:X", {})
+    for path, name in ((popen, "subprocess:Popen"), (zen, "this:X")):
+        res = cli(path, "-o", tmp_path / "page.html")
+        assert res.returncode == 0, res.stderr  # the page is drawn, that env's grid with the default symbols
+        assert ZEN not in res.stdout and f"env type '{name}'" in res.stderr
+        assert f"--allow-env-type {name}" in res.stderr
+        assert 'data-episode="0"' in (tmp_path / "page.html").read_text(encoding="utf-8")
+    assert not touched.exists()
+    # the function API imports nothing either, unless the user's setup names the type
+    code = ("import sys; from ragen.viewer import write_viewer; from ragen.env.allowed import allowed_env_types; "
+            "allow = sys.argv[3:]; write_viewer(sys.argv[1], sys.argv[2], env_types=allowed_env_types(allow=allow)); "
+            "print('imported' if 'tests.custom_env_example' in sys.modules else 'not imported', "
+            "'this' in sys.modules)")
+    mine = _with_env_type(dump, tmp_path / "mine.jsonl", "tests.custom_env_example:MyEnv", {"limit": 2})
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    for path, allow, expected in ((zen, [], "not imported False"), (mine, [], "not imported False"),
+                                  (mine, ["tests.custom_env_example:MyEnv"], "imported False")):
+        res = subprocess.run([sys.executable, "-c", code, str(path), str(tmp_path / "p.html"), *allow],
+                             capture_output=True, text=True, timeout=120, env=env, cwd=ROOT)
+        assert res.returncode == 0 and res.stdout.strip().splitlines()[-1] == expected, res.stdout + res.stderr
 
 
 # ----------------------------------------------------------------------------- a real browser

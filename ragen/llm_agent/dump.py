@@ -12,7 +12,9 @@ timings and the worker that ran it.
   writes one file after a rollout (never the workers): ``<name>.jsonl``, or
   ``<name>.jsonl.gz`` when it is large.
 - ``read_dump(path) -> list[DumpRecord]``: every line checked; a missing,
-  truncated or foreign file raises ``DumpError`` naming the file and line.
+  truncated or foreign file, a field of the wrong type (each field against
+  its dataclass's annotation), JSON nested too deeply or an env id twice
+  raises ``DumpError`` naming the file and line.
 - ``DumpRecord``: one line as typed records (``EnvSpec``, ``LoopConfig``,
   ``Trajectory``), plus the prompts and request seeds.
 
@@ -23,13 +25,16 @@ training rollout of step 12 and ``val_step_000012`` for the validation after it.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import gzip
 import json
 import os
+import types
+import typing
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, Union
 
 from ragen.llm.types import SamplingParams, request_seed
 from ragen.llm_agent.ctx_manager import ContextConfig, ContextManager
@@ -40,10 +45,17 @@ from ragen.utils import common_prefix_length
 FORMAT = "ragen.rollout_dump"
 VERSION = 1
 COMPRESS_ABOVE_BYTES = 4 << 20  # a dump larger than this is written gzipped
+# free-form values (an env's info and config) nest at most this deep: deeper ones would overflow the
+# recursion of the code that renders or builds from them
+MAX_NESTING = 64
 
 
 class DumpError(ValueError):
     """A file that is not a readable ragen rollout dump; the message names the file and line."""
+
+
+class _BadField(ValueError):
+    """A field of a line that has the wrong type; the message names the field."""
 
 
 @dataclass(frozen=True)
@@ -144,7 +156,8 @@ def read_dump(path: str | os.PathLike) -> list[DumpRecord]:
     cut = bool(lines[-1])  # the last line has no newline: the file was cut off while written
     if not cut:
         lines.pop()
-    records = []
+    records: list[DumpRecord] = []
+    first_line: dict[int, int] = {}  # env_id -> the line it is on
     for number, line in enumerate(lines, 1):
         if not line.strip():
             continue
@@ -155,7 +168,14 @@ def read_dump(path: str | os.PathLike) -> list[DumpRecord]:
             why = "the file is truncated (its last line is cut off)" if cut and number == len(lines) else \
                 f"not JSON ({exc.msg} at column {exc.colno})"
             raise DumpError(f"{where}: {why}") from None
-        records.append(_record(row, where, number))
+        except RecursionError:  # the JSON decoder's own depth guard: nothing a dump writes nests that deep
+            raise DumpError(f"{where}: JSON nested too deeply to be a rollout dump") from None
+        record = _record(row, where, number)
+        if record.env_id in first_line:
+            raise DumpError(f"{where}: env_id {record.env_id} again (first at line {first_line[record.env_id]}); "
+                            "a dump holds one rollout, each env once")
+        first_line[record.env_id] = number
+        records.append(record)
     if not records:
         raise DumpError(f"{path}: empty: no trajectories in it")
     return records
@@ -185,13 +205,17 @@ def _record(row: Any, where: str, number: int) -> DumpRecord:
         turn_fields = {f.name for f in dataclasses.fields(Turn)}
         previous: list = []
         for t in row["turns"]:
-            kept = int(t["prompt"]["from_previous"])
+            for name, value in (("prompt.from_previous", t["prompt"]["from_previous"]),
+                                ("request_seed", t["request_seed"])):
+                if not _is_a(value, int):
+                    raise _BadField(f"turns[{len(turns)}].{name}: expected int, got {_short(value)}")
+            kept = t["prompt"]["from_previous"]
             if not 0 <= kept <= len(previous):
                 raise ValueError(f"turn {len(turns)}: prompt.from_previous={kept} but the previous prompt has "
                                  f"{len(previous)} messages")
             previous = previous[:kept] + list(t["prompt"]["messages"])
             messages.append(previous)
-            seeds.append(int(t["request_seed"]))
+            seeds.append(t["request_seed"])
             logprobs = t.get("logprobs")
             turns.append(Turn(**{**{k: v for k, v in t.items() if k in turn_fields},
                                  "steps": tuple(Step(**s) for s in t["steps"]),
@@ -200,7 +224,110 @@ def _record(row: Any, where: str, number: int) -> DumpRecord:
         traj_fields = {f.name for f in dataclasses.fields(Trajectory)}
         traj = Trajectory(**{**{k: v for k, v in row.items() if k in traj_fields},
                              "turns": turns, "stop_reason": StopReason(row["stop_reason"])})
-    except (TypeError, ValueError, KeyError) as exc:
+        _check_fields(spec, "spec")
+        _check_fields(loop, "loop")
+        _check_fields(loop.context, "loop.context")
+        _check_fields(loop.sampling, "loop.sampling")
+        _check_fields(traj, "")
+        for i, turn in enumerate(turns):
+            _check_fields(turn, f"turns[{i}]")
+            for j, step in enumerate(turn.steps):
+                _check_fields(step, f"turns[{i}].steps[{j}]")
+            for m, message in enumerate(messages[i]):
+                if not (isinstance(message, dict) and isinstance(message.get("role"), str)
+                        and isinstance(message.get("content"), str)):
+                    raise _BadField(f"turns[{i}].prompt.messages: message {m} is {_short(message)}; expected "
+                                     '{"role": str, "content": str}')
+        for name, value in (("split", row["split"]), ("step", row["step"])):
+            if not _is_a(value, str if name == "split" else int):
+                raise _BadField(f"{name}: expected {'str' if name == 'split' else 'int'}, got {_short(value)}")
+        if traj.env_id != spec.env_id:
+            raise _BadField(f"env_id {traj.env_id} but spec.env_id {spec.env_id}")
+    except _BadField as exc:
+        raise DumpError(f"{where}: {exc}") from None
+    except (TypeError, ValueError, KeyError, AttributeError) as exc:
         raise DumpError(f"{where}: a field is missing or malformed ({type(exc).__name__}: {exc})") from None
-    return DumpRecord(split=str(row["split"]), step=int(row["step"]), spec=spec, loop=loop, trajectory=traj,
+    return DumpRecord(split=row["split"], step=row["step"], spec=spec, loop=loop, trajectory=traj,
                       messages=messages, request_seeds=seeds, line=number)
+
+
+def _short(value: Any, limit: int = 80) -> str:
+    text = repr(value)
+    return f"{type(value).__name__} {text if len(text) <= limit else text[:limit] + '...'}"
+
+
+@functools.lru_cache(maxsize=None)
+def _hints(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def _check_fields(obj: Any, prefix: str) -> None:
+    """Raise ``_BadField`` naming the first field of dataclass ``obj`` whose
+    value does not have its annotated type."""
+    hints = _hints(type(obj))
+    for f in dataclasses.fields(obj):
+        value = getattr(obj, f.name)
+        if not _is_a(value, hints[f.name]):
+            name = f"{prefix}.{f.name}" if prefix else f.name
+            if _depth(value) > MAX_NESTING:
+                raise _BadField(f"{name}: lists and dicts nested more than {MAX_NESTING} deep")
+            raise _BadField(f"{name}: expected {_type_name(hints[f.name])}, got {_short(value)}")
+
+
+_SCALARS = {str: {str}, int: {int}, float: {int, float}, bool: {bool}}  # the JSON types each one reads from
+
+
+def _is_a(value: Any, hint: Any) -> bool:
+    """Whether ``value`` (read from JSON) has type ``hint``: str, int, float
+    (an int too), bool, None, unions, list/tuple/dict of those, classes."""
+    return _checker(hint)(value)
+
+
+@functools.lru_cache(maxsize=None)
+def _checker(hint: Any) -> Callable[[Any], bool]:
+    """``_is_a`` for one hint, worked out once: a dump checks the same few hints on every line."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if hint is Any:
+        return lambda v: _depth(v) <= MAX_NESTING
+    if hint in _SCALARS:
+        types_ = _SCALARS[hint]
+        return lambda v: type(v) in types_
+    if origin is Union or origin is types.UnionType:
+        checks = [_checker(a) for a in args]
+        return lambda v: any(c(v) for c in checks)
+    if hint is type(None) or hint is None:
+        return lambda v: v is None
+    if origin in (list, tuple):
+        if not args:
+            return lambda v: isinstance(v, origin)
+        if origin is list or (len(args) == 2 and args[1] is Ellipsis):
+            if args[0] in _SCALARS:  # token ids, log-probs: thousands per turn, checked by their types at once
+                types_ = _SCALARS[args[0]]
+                return lambda v: isinstance(v, origin) and {type(x) for x in v} <= types_
+            each = _checker(args[0])
+            return lambda v: isinstance(v, origin) and all(each(x) for x in v)
+        checks = [_checker(a) for a in args]
+        return lambda v: isinstance(v, origin) and len(v) == len(checks) and all(c(x) for c, x in zip(checks, v))
+    if origin is dict:
+        key, val = _checker(args[0]), _checker(args[1])
+        return lambda v: isinstance(v, dict) and all(key(k) and val(x) for k, x in v.items())
+    if isinstance(hint, type):
+        return lambda v: isinstance(v, hint)
+    return lambda v: True  # an annotation this reader does not know: not refused
+
+
+def _depth(value: Any) -> int:
+    """How deep lists and dicts nest in ``value`` (0 for a scalar), without recursion."""
+    deepest, stack = 0, [(value, 0)]
+    while stack:
+        v, d = stack.pop()
+        if isinstance(v, (list, dict)):
+            if d >= MAX_NESTING:  # deep enough to refuse: stop walking
+                return d + 1
+            deepest = max(deepest, d + 1)
+            stack.extend((c, d + 1) for c in (v.values() if isinstance(v, dict) else v))
+    return deepest
+
+
+def _type_name(hint: Any) -> str:
+    return hint.__name__ if isinstance(hint, type) and not typing.get_args(hint) else str(hint).replace("typing.", "")

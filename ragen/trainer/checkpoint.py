@@ -13,6 +13,10 @@ A checkpoint is a folder ``<run dir>/checkpoints/global_step_<N>/`` holding
 place, then ``latest_checkpointed_iteration.txt`` (verl's name) is replaced
 atomically. A crash at any moment leaves the previous checkpoint intact and
 findable; a half-written folder is never taken for a checkpoint.
+
+A checkpoint damaged afterwards (a ``state.pt`` cut short by a copy or a full
+disk, a ``meta.json`` that is not JSON) raises ``CheckpointError`` naming the
+file and the previous checkpoint to resume from instead.
 """
 
 from __future__ import annotations
@@ -124,6 +128,44 @@ def latest_checkpoint(run_dir: str | os.PathLike) -> int | None:
     return steps[-1] if steps else None
 
 
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be read; the message names the file and what to do instead."""
+
+
 def load_checkpoint(run_dir: str | os.PathLike, step: int) -> dict[str, Any]:
-    # weights_only=False: the state holds numpy/python RNG states; these are our own files.
-    return torch.load(step_dir(run_dir, step) / STATE_FILE, map_location="cpu", weights_only=False)
+    path = step_dir(run_dir, step) / STATE_FILE
+    try:
+        # weights_only=False: the state holds numpy/python RNG states; these are our own files.
+        state = torch.load(path, map_location="cpu", weights_only=False)
+    except Exception as exc:  # a cut file fails in torch's zip reader or in unpickling, with varied types
+        raise CheckpointError(_damaged(run_dir, step, path, exc)) from exc
+    if not isinstance(state, dict):
+        raise CheckpointError(_damaged(run_dir, step, path, f"it holds a {type(state).__name__}, not a state dict"))
+    return state
+
+
+def load_meta(run_dir: str | os.PathLike, step: int) -> dict[str, Any]:
+    """Checkpoint ``step``'s ``meta.json`` (``{}`` when it has none)."""
+    path = step_dir(run_dir, step) / "meta.json"
+    try:
+        meta = json.loads(path.read_text())
+    except FileNotFoundError:
+        return {}
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise CheckpointError(_damaged(run_dir, step, path, exc)) from exc
+    if not isinstance(meta, dict):
+        raise CheckpointError(_damaged(run_dir, step, path, f"it holds a {type(meta).__name__}, not an object"))
+    return meta
+
+
+def _damaged(run_dir: str | os.PathLike, step: int, path: Path, why: BaseException | str) -> str:
+    if isinstance(why, BaseException):
+        why = f"{type(why).__name__}: {str(why).strip().splitlines()[0] if str(why).strip() else 'no detail'}"
+    earlier = [s for s in list_checkpoints(run_dir) if s < step]
+    folder = step_dir(run_dir, step)
+    if earlier:
+        advice = (f"resume from the previous checkpoint, {step_dir(run_dir, earlier[-1])}: move or delete {folder} "
+                  "and run again with trainer.resume=true")
+    else:
+        advice = f"there is no earlier checkpoint: delete {folder} to start the run afresh"
+    return f"checkpoint {path} is truncated or corrupt ({why}); {advice}"

@@ -395,6 +395,13 @@ class AgentTrainer:
                                     peft_model=self.peft_model, max_to_keep=self.config.run.max_actor_ckpt_to_keep)
 
     def _load(self, step: int) -> None:
+        rank = ckpt.load_meta(self.run_dir, step).get("lora_rank")
+        if rank is not None and rank != self.config.model.lora_rank:
+            raise ValueError(
+                f"the checkpoint of step {step} in {self.run_dir} was written with actor_rollout_ref.model.lora_rank="
+                f"{rank}, this run has actor_rollout_ref.model.lora_rank={self.config.model.lora_rank}: set it to "
+                f"{rank} to resume, or start a new run (another trainer.experiment_name)"
+            )
         state = ckpt.load_checkpoint(self.run_dir, step)
         if bool(state.get("lora")) != (self.peft_model is not None):
             raise ValueError(
@@ -410,6 +417,10 @@ class AgentTrainer:
                     if name not in params:
                         raise ValueError(f"checkpoint tensor {name!r} has no place in this LoRA model "
                                          "(actor_rollout_ref.model.lora_rank / target_modules changed?)")
+                    if params[name].shape != tensor.shape:  # a checkpoint whose meta.json does not say its rank
+                        raise ValueError(f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, this LoRA "
+                                         f"model's {tuple(params[name].shape)}: actor_rollout_ref.model.lora_rank "
+                                         "must be the checkpoint's")
                     params[name].copy_(tensor)
         self.actor.optimizer.load_state_dict(state["optimizer"])
         for split, es_state in state["es_manager"].items():

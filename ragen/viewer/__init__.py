@@ -20,6 +20,12 @@ writes the page (by default beside the dump, with ``.html`` for its suffix).
 metrics_path=None) -> Path`` reads, renders and writes it. Unreadable inputs
 raise ``DumpError`` (the dump) or ``ViewerError`` (the metrics), naming the file
 and line.
+
+A dump is data: the viewer builds no env, and builds an env's config class
+(for its ``grid_vocab``) only when the user's setup names its type
+(``env_types``: ``ragen.env.allowed``; default: the registered names). Any
+other type is never imported: its episodes are drawn with the default symbols,
+with a warning saying how to allow it (``--config``, ``--allow-env-type``).
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ import logging
 import os
 from pathlib import Path
 
+from ragen.env.allowed import AllowedEnvTypes
 from ragen.llm_agent.dump import DumpError, read_dump
 from ragen.viewer.curve import ViewerError, find_metrics, read_curve
 from ragen.viewer.page import render_html
@@ -49,7 +56,7 @@ def default_output(dump_path: str | os.PathLike) -> Path:
 
 
 def write_viewer(dump_path: str | os.PathLike, out: str | os.PathLike | None = None,
-                 metrics_path: str | os.PathLike | None = None) -> Path:
+                 metrics_path: str | os.PathLike | None = None, env_types: AllowedEnvTypes | None = None) -> Path:
     """Write the page of the dump at ``dump_path`` to ``out`` and return its path.
 
     Metrics: ``metrics_path`` when given (an unreadable one raises
@@ -65,7 +72,7 @@ def write_viewer(dump_path: str | os.PathLike, out: str | os.PathLike | None = N
         except ViewerError as exc:  # not asked for: show the episodes anyway
             logger.warning("learning curve left out: %s", exc)
     out = Path(out) if out is not None else default_output(dump_path)
-    page = render_html(records, metrics, title=f"ragen rollout: {Path(dump_path).name}")
+    page = render_html(records, metrics, title=f"ragen rollout: {Path(dump_path).name}", env_types=env_types)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f".{out.name}.tmp")
     tmp.write_text(page, encoding="utf-8")

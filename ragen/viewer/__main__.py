@@ -1,7 +1,11 @@
-"""The viewer's command line: ``python -m ragen.viewer DUMP.jsonl [-o out.html] [--metrics metrics.jsonl]``.
+"""The viewer's command line: ``python -m ragen.viewer DUMP.jsonl [-o out.html] [--metrics metrics.jsonl]
+[--config FILE] [--allow-env-type MODULE:CLASS]``.
 
 Prints the page's path; an unreadable input prints ``error: <file and line: what
-is wrong>`` on stderr and exits with status 2.
+is wrong>`` on stderr and exits with status 2. ``--config`` and
+``--allow-env-type`` name the env types whose config classes may be built for
+their ``grid_vocab`` (as in ``python -m ragen.replay``); the dump's other types
+are never imported.
 """
 
 from __future__ import annotations
@@ -10,6 +14,7 @@ import argparse
 import logging
 import sys
 
+from ragen.env.allowed import allowed_env_types
 from ragen.viewer import DumpError, ViewerError, write_viewer
 
 
@@ -21,11 +26,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("-o", "--out", help="the HTML file to write (default: the dump's name with .html, beside it)")
     parser.add_argument("--metrics", help="a metrics.jsonl for the learning curve (default: the one beside the "
                                           "dump or in the folder above, if any)")
+    parser.add_argument("--config", action="append", default=[], metavar="FILE",
+                        help="draw the env types named by this config's custom_envs with their own config classes "
+                             "(an envs YAML, a run folder's config.yaml or a Hydra config; repeatable)")
+    parser.add_argument("--allow-env-type", action="append", default=[], metavar="MODULE:CLASS",
+                        help="build this env's config class, an import path the dump names (repeatable); only for "
+                             "dumps you trust: it imports that module")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s: %(message)s")
     try:
-        path = write_viewer(args.dump, args.out, args.metrics)
-    except (DumpError, ViewerError) as exc:
+        env_types = allowed_env_types(args.config, args.allow_env_type)
+        path = write_viewer(args.dump, args.out, args.metrics, env_types=env_types)
+    except (DumpError, ViewerError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     except OSError as exc:  # the output cannot be written

@@ -10,7 +10,8 @@
 - ``Symbols``: what an env's symbols mean, taken from its config class
   (``grid_vocab``, so custom vocabularies are drawn right), else from the
   default tables of Sokoban and FrozenLake, else none: the observation is shown
-  as text.
+  as text. A config class is built only for an env type the user's setup
+  names (``ragen.env.allowed``); the dump's other types are never imported.
 - ``picture(observation, symbols)``: the ``GridPicture`` of one observation, or
   ``None`` when it is not a map in those symbols (coordinates only, a bandit's
   story, a countdown's numbers).
@@ -23,6 +24,7 @@ import re
 from dataclasses import dataclass
 
 from ragen.env import make_env_config
+from ragen.env.allowed import AllowedEnvTypes, EnvTypeNotAllowed
 from ragen.env.frozen_lake.config import FrozenLakeEnvConfig
 from ragen.env.sokoban.config import SokobanEnvConfig
 from ragen.llm_agent.types import EnvSpec
@@ -68,13 +70,17 @@ def _cell(symbol: str, name: str) -> Cell:
     return Cell(symbol, "-".join(words) or "unknown", terrain, "player" in words, "box" in words)
 
 
-def symbols_for(spec: EnvSpec) -> Symbols | None:
+def symbols_for(spec: EnvSpec, env_types: AllowedEnvTypes | None = None) -> Symbols | None:
     """The symbols of ``spec``'s env, or None when it draws no grid. Builds the
-    env's config (cheap, no env): callers keep one per ``spec.reuse_key``."""
+    env's config (cheap, no env) when ``env_types`` (default: the registered
+    names) allows its type: callers keep one per ``spec.reuse_key``."""
     vocab = None
     try:
+        (env_types if env_types is not None else AllowedEnvTypes()).check(spec.env_type, spec.config_type, spec.tag)
         config = make_env_config(spec.env_type, spec.env_config, spec.config_type, spec.tag)
         vocab = getattr(config, "grid_vocab", None)
+    except EnvTypeNotAllowed as exc:  # the dump's own type: drawn without its code
+        logger.warning("env %s: config not built, default symbols used: %s", spec.tag, exc)
     except (ImportError, ValueError, TypeError) as exc:  # a custom env not importable here: use the defaults
         logger.info("env %s (%s): config not built (%s); using the default symbols", spec.tag, spec.env_type, exc)
     if not isinstance(vocab, dict):

@@ -20,6 +20,7 @@ from collections import Counter
 from html import escape
 from typing import Any
 
+from ragen.env.allowed import AllowedEnvTypes
 from ragen.llm_agent.dump import DumpRecord
 from ragen.llm_agent.types import StopReason
 from ragen.utils import common_prefix_length
@@ -51,12 +52,12 @@ def split_response(text: str, think: bool = True) -> tuple[str | None, str] | No
 
 
 def render_html(records: list[DumpRecord], metrics: list[dict[str, Any]] | None = None,
-                title: str | None = None) -> str:
+                title: str | None = None, env_types: AllowedEnvTypes | None = None) -> str:
     records = sorted(records, key=lambda r: r.env_id)
     symbols: dict[tuple, Symbols | None] = {}
     for r in records:
         if r.spec.reuse_key not in symbols:
-            symbols[r.spec.reuse_key] = symbols_for(r.spec)
+            symbols[r.spec.reuse_key] = symbols_for(r.spec, env_types)
     if title is None:
         first = records[0] if records else None
         title = f"ragen rollout: {first.split} step {first.step}" if first else "ragen rollout"
