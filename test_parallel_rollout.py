@@ -285,8 +285,8 @@ def plot(report: dict[str, Any], path: str) -> bool:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError as exc:
-        logger.warning("benchmark.plot: no plot drawn, matplotlib cannot be imported (%s); "
-                       "pip install matplotlib, or set benchmark.plot=null", exc)
+        print(f"warning: benchmark.plot: no plot drawn, matplotlib cannot be imported ({exc}); "
+              "pip install matplotlib, or set benchmark.plot=null", file=sys.stderr)
         return False
 
     runs = report["runs"]
