@@ -319,13 +319,15 @@ def main(cfg: DictConfig) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from ragen.llm import check_engine_config, make_engine
     from ragen.llm_agent import AgentSetup
-    from ragen.trainer.config import TrainerConfig, check_top_level
+    from ragen.trainer.config import TRAINER_SECTIONS, check_top_level
 
     try:  # every config error before any model loads, read as train.py reads it: one line naming the key
         plain = OmegaConf.to_container(cfg, resolve=True)
         check_top_level(plain)  # a misspelt section name is an error, not a section nobody reads
         AgentSetup.from_config(plain)
-        TrainerConfig.from_config(plain)  # unread here, but the same config trains: no unknown trainer.* key
+        for name, section in TRAINER_SECTIONS.items():  # unused here, but the same config trains: checked too
+            if name in plain:
+                read(section, plain[name], name)
         check_engine_config(dict(plain.get("engine") or {}))
     except ValueError as exc:
         fail(str(exc))

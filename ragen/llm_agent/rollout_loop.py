@@ -36,6 +36,7 @@ import inspect
 import logging
 import math
 import os
+import reprlib
 import threading
 import time
 import traceback
@@ -556,16 +557,11 @@ class EnvOutputError(Exception):
     ``error``, as an exception raised by the env would."""
 
 
-def _short(value: Any, limit: int = 80) -> str:
-    text = repr(value)
-    return text if len(text) <= limit else text[:limit] + "..."
-
-
 def _observation(obs: Any, method: str) -> str:
     """``obs`` as the loop takes it: text, never ``str()`` of another object (the model would see its repr)."""
     if not isinstance(obs, str):
-        raise EnvOutputError(f"{method} returned an observation of type {type(obs).__name__} ({_short(obs)}), "
-                             "not str: return the text the agent sees (e.g. self.render())")
+        raise EnvOutputError(f"{method} returned an observation of type {type(obs).__name__} "
+                             f"({reprlib.repr(obs)}), not str: return the text the agent sees (e.g. self.render())")
     return obs
 
 
@@ -577,8 +573,8 @@ def _reward(r: Any) -> float:
     except (TypeError, ValueError):
         value = None
     if value is None:
-        raise EnvOutputError(f"step returned a reward of type {type(r).__name__} ({_short(r)}), not a number: "
-                             "return the reward as a float")
+        raise EnvOutputError(f"step returned a reward of type {type(r).__name__} ({reprlib.repr(r)}), "
+                             "not a number: return the reward as a float")
     if not math.isfinite(value):
         raise EnvOutputError(f"step returned the reward {value}, not a finite number")
     return value
