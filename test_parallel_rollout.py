@@ -276,11 +276,18 @@ def _cell(fmt: str, value: Any) -> str:
     return "n/a" if value is None else fmt.format(value)
 
 
-def plot(report: dict[str, Any], path: str) -> None:
-    import matplotlib
+def plot(report: dict[str, Any], path: str) -> bool:
+    """Draw the report to ``path``; False, with a warning, where matplotlib is
+    missing (the JSON report is written already and is the result)."""
+    try:
+        import matplotlib
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as exc:
+        print(f"warning: benchmark.plot: no plot drawn, matplotlib cannot be imported ({exc}); "
+              "pip install matplotlib, or set benchmark.plot=null", file=sys.stderr)
+        return False
 
     runs = report["runs"]
     labels = [r["mode"] for r in runs]
@@ -304,22 +311,27 @@ def plot(report: dict[str, Any], path: str) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+    return True
 
 
 @hydra.main(config_path="config", config_name="base-parallel", version_base=None)
 def main(cfg: DictConfig) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    from ragen.trainer.config import check_top_level
+    from ragen.llm import check_engine_config, make_engine
+    from ragen.llm_agent import AgentSetup
+    from ragen.trainer.config import TRAINER_SECTIONS, check_top_level
 
-    try:
-        check_top_level(cfg)  # a misspelt section name is an error, not a section nobody reads
+    try:  # every config error before any model loads, read as train.py reads it: one line naming the key
+        plain = OmegaConf.to_container(cfg, resolve=True)
+        check_top_level(plain)  # a misspelt section name is an error, not a section nobody reads
+        AgentSetup.from_config(plain)
+        for name, section in TRAINER_SECTIONS.items():  # unused here, but the same config trains: checked too
+            if name in plain:
+                read(section, plain[name], name)
+        check_engine_config(dict(plain.get("engine") or {}))
     except ValueError as exc:
         fail(str(exc))
-    bench = validate(OmegaConf.to_container(cfg.benchmark, resolve=True))
-    from ragen.llm import make_engine
-    from ragen.llm_agent import AgentSetup
-
-    AgentSetup.from_config(OmegaConf.to_container(cfg, resolve=True))  # config errors before any model loads
+    bench = validate(plain.get("benchmark"))
     t0 = time.perf_counter()
     engine = make_engine(cfg.engine, cfg.model_path)
     load_s = time.perf_counter() - t0
@@ -375,8 +387,7 @@ def main(cfg: DictConfig) -> None:
     if bench.output:
         Path(bench.output).write_text(json.dumps(report, indent=2, default=str))
         print(f"wrote {bench.output}")
-    if bench.plot:
-        plot(report, bench.plot)
+    if bench.plot and plot(report, bench.plot):
         print(f"wrote {bench.plot}")
     if not consistent or (fault is not None and not fault["recovered"]):
         raise SystemExit(1)

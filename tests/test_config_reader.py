@@ -208,6 +208,10 @@ def minimal(**agent_proxy) -> dict:
     ({"coalesce_wait_s": -0.1}, "agent_proxy.coalesce_wait_s must be >= 0.0, got -0.1"),
     ({"env_timeout_s": "10"}, "agent_proxy.env_timeout_s must be a number or null, got '10'"),
     ({"parallel_backend": "lokky"}, "agent_proxy.parallel_backend: unknown 'lokky' (did you mean 'loky'?)"),
+    # 0 would silently mean "no limit": refused, with null named as the way to say it
+    ({"env_timeout_s": 0}, "agent_proxy.env_timeout_s must be > 0 seconds, got 0; for no limit write null"),
+    ({"rollout_timeout_s": 0.0}, "agent_proxy.rollout_timeout_s must be > 0 seconds, got 0; for no limit write null"),
+    ({"engine_timeout_s": 0}, "agent_proxy.engine_timeout_s must be > 0 seconds, got 0; for no limit write null"),
 ])
 def test_bad_agent_proxy_keys_are_refused_naming_the_key(agent_proxy, message):
     with pytest.raises(ValueError, match=re.escape(message)):
@@ -228,6 +232,19 @@ def test_bad_keys_of_the_other_rollout_sections_are_refused(section, value, mess
     cfg[section] = {**cfg.get(section, {}), **value}
     with pytest.raises(ValueError, match=re.escape(message)):
         AgentSetup.from_config(cfg)
+
+
+@pytest.mark.timeout(60)
+def test_a_bad_seed_train_is_named_as_itself_not_as_the_trainer_seed_that_copies_it():
+    """trainer_defaults.yaml sets trainer.seed: ${seed.train}; the error names the key the user wrote."""
+    from hydra import compose, initialize_config_dir
+
+    from ragen.trainer.config import TrainerConfig
+
+    with initialize_config_dir(config_dir=str(CONFIG), version_base=None):
+        cfg = OmegaConf.to_container(compose("base", overrides=["seed.train=x"]), resolve=True)
+    with pytest.raises(ValueError, match=re.escape("seed.train must be an integer, got 'x'")):
+        TrainerConfig.from_config(cfg)
 
 
 @pytest.mark.timeout(60)

@@ -137,3 +137,11 @@ def test_cli_as_a_module():
     assert proc.returncode == 1
     assert "FAIL  build" in proc.stdout and "dim_x" in proc.stdout
 
+
+
+def test_a_nan_reward_fails_the_step_check():
+    """The rollout ends an env with a NaN reward in error; the checker tells its author first."""
+    report = check_env("tests.bad_output_envs:NanRewardEnv", seeds=2)
+    assert not report.ok
+    assert {r.name for r in report.failures()} == {"step"}, report.format()
+    assert "reward is nan, not a finite number" in report["step"].message and "finite" in report["step"].fix

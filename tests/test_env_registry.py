@@ -107,6 +107,28 @@ def test_bad_import_paths_name_the_path_and_the_failure(importable_tests, env_ty
         make_env(env_type, config_type=config_type, tag="T")
 
 
+@pytest.mark.parametrize("source,pattern", [
+    (None, r"custom_envs\.T\.env_type: cannot import 'h29_no_such_pkg\.mod:Env': ModuleNotFoundError: .*PYTHONPATH"),
+    ("raise RuntimeError('broken at import')\n",
+     r"custom_envs\.T\.env_type: cannot import 'h29_raises_on_import:Env': RuntimeError: broken at import "
+     r"\(raised by module 'h29_raises_on_import' while it was imported\)"),
+    ("import h29_missing_dependency\n",
+     r"custom_envs\.T\.env_type: cannot import 'h29_raises_on_import:Env': ModuleNotFoundError: "
+     r"No module named 'h29_missing_dependency' \(raised by module 'h29_raises_on_import'"),
+])
+def test_an_env_type_that_does_not_import_is_a_config_error(tmp_path, monkeypatch, source, pattern):
+    """A ValueError (what the command lines turn into one error line, rc 2) naming the tag and the module,
+    whatever the module raised while it was imported."""
+    env_type = "h29_no_such_pkg.mod:Env"
+    if source is not None:
+        (tmp_path / "h29_raises_on_import.py").write_text(source)
+        monkeypatch.syspath_prepend(str(tmp_path))
+        env_type = "h29_raises_on_import:Env"
+    with pytest.raises(ValueError, match=pattern) as err:
+        make_env_config(env_type, None, tag="T")
+    assert isinstance(err.value, ImportError)
+
+
 def test_malformed_import_path():
     with pytest.raises(ValueError, match="package.module:ClassName"):
         make_env(":Env", tag="T")

@@ -71,3 +71,29 @@ def test_train_py_bad_config_names_the_key(tiny_model_path, tmp_path):
     assert proc.returncode == 2
     assert "algorithm.adv_estimator" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+RAISES_ON_IMPORT = "raise RuntimeError('broken at import')\n"
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("args,needle", [
+    (["custom_envs.Bandit.env_type=h29_no_such_pkg.mod:Env"],
+     "error: custom_envs.Bandit.env_type: cannot import 'h29_no_such_pkg.mod:Env': ModuleNotFoundError"),
+    (["custom_envs.Bandit.env_type=h29_raises_on_import:Env"],
+     "error: custom_envs.Bandit.env_type: cannot import 'h29_raises_on_import:Env': RuntimeError: broken at import"),
+    (["seed.train=x"], "error: seed.train must be an integer, got 'x'"),
+    (["agent_proxy.env_timeout_s=0"], "error: agent_proxy.env_timeout_s must be > 0 seconds, got 0; for no limit "
+                                      "write null"),
+    (["agent_proxy.rollout_timeout_s=0"], "error: agent_proxy.rollout_timeout_s must be > 0 seconds"),
+])
+def test_train_py_bad_input_is_one_error_line_before_any_model_loads(tmp_path, args, needle):
+    """model_path names no model: each error must come before one would load."""
+    (tmp_path / "h29_raises_on_import.py").write_text(RAISES_ON_IMPORT)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([str(ROOT), str(tmp_path)])}
+    proc = subprocess.run([sys.executable, str(ROOT / "train.py"), f"hydra.run.dir={tmp_path / 'hydra'}",
+                           "model_path=/nonexistent/model", *args],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert len(lines) == 1 and lines[0].startswith(needle), proc.stderr[-3000:]

@@ -51,6 +51,7 @@ __all__ = [
     "CountdownEnv",
     "CountdownEnvConfig",
     "EnvConfigError",
+    "EnvImportError",
     "FrozenLakeEnv",
     "FrozenLakeEnvConfig",
     "SokobanEnv",
@@ -88,6 +89,14 @@ def _where(tag: str | None, key: str) -> str:
     return f"custom_envs.{tag}.{key}" if tag else key
 
 
+class EnvImportError(ImportError, ValueError):
+    """An ``env_type``/``config_type`` import path that cannot be imported.
+
+    A ``ValueError`` too, because it is a config error: the command lines
+    turn ``ValueError`` into one ``error:`` line (exit 2), and this must
+    take the same path whatever the imported module raised."""
+
+
 def _import_object(path: str, key: str, tag: str | None) -> Any:
     module_name, sep, attr = path.partition(":")
     if not sep or not module_name.strip() or not attr.strip():
@@ -95,17 +104,23 @@ def _import_object(path: str, key: str, tag: str | None) -> Any:
             f"{_where(tag, key)}: {path!r} is neither a registered name nor an import path "
             "of the form 'package.module:ClassName'"
         )
+    module_name = module_name.strip()
     try:
-        obj = importlib.import_module(module_name.strip())
-    except Exception as exc:  # any failure while importing user code, not only ImportError
-        raise ImportError(
-            f"{_where(tag, key)}: cannot import {path!r}: {type(exc).__name__}: {exc}"
+        obj = importlib.import_module(module_name)
+    except (Exception, SystemExit) as exc:  # any failure while importing user code, not only ImportError
+        missing = getattr(exc, "name", None) if isinstance(exc, ModuleNotFoundError) else None
+        if missing and (module_name == missing or module_name.startswith(missing + ".")):
+            fix = "; is it installed, or its folder on PYTHONPATH?"
+        else:
+            fix = f" (raised by module {module_name!r} while it was imported); fix that module"
+        raise EnvImportError(
+            f"{_where(tag, key)}: cannot import {path!r}: {type(exc).__name__}: {exc}{fix}"
         ) from exc
     for part in attr.strip().split("."):
         try:
             obj = getattr(obj, part)
         except AttributeError as exc:
-            raise ImportError(
+            raise EnvImportError(
                 f"{_where(tag, key)}: cannot import {path!r}: module {module_name!r} has no attribute {attr!r}"
             ) from exc
     if not isinstance(obj, type):

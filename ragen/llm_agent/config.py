@@ -38,6 +38,9 @@ def check_n_jobs(n_jobs: Any) -> None:
                      f"core) or a positive integer, got {n_jobs!r}")
 
 
+TIMEOUT_KEYS = ("rollout_timeout_s", "env_timeout_s", "engine_timeout_s")  # agent_proxy.*: > 0, or null
+
+
 @dataclass(frozen=True)
 class AgentProxyConfig:
     """``agent_proxy.*``: the turn loop, prompts, and the rollout engine."""
@@ -60,7 +63,8 @@ class AgentProxyConfig:
     max_batch_size: int = setting(256, minimum=1)
     coalesce_wait_s: float = setting(0.0005, minimum=0.0)
     fallback_to_sequential: bool = True
-    rollout_timeout_s: float | None = setting(None, minimum=0.0)  # 0 or null: no limit
+    # time limits in seconds, > 0; null: no limit (0 is refused: it would read as "none" or "at once")
+    rollout_timeout_s: float | None = setting(None, minimum=0.0)
     env_timeout_s: float | None = setting(None, minimum=0.0)
     env_retries: int = setting(1, minimum=0)
     engine_timeout_s: float | None = setting(None, minimum=0.0)
@@ -78,6 +82,9 @@ class AgentProxyConfig:
 
     def __post_init__(self) -> None:
         check_n_jobs(self.parallel_n_jobs)
+        for key in TIMEOUT_KEYS:
+            if getattr(self, key) == 0:
+                raise ValueError(f"agent_proxy.{key} must be > 0 seconds, got 0; for no limit write null")
         if not self.action_sep:
             raise ValueError("agent_proxy.action_sep must be a non-empty string")
 

@@ -34,7 +34,9 @@ import concurrent.futures
 import functools
 import inspect
 import logging
+import math
 import os
+import reprlib
 import threading
 import time
 import traceback
@@ -541,7 +543,7 @@ def _rebuild(slot: _EnvSlot, call: _Caller, expect: str | None) -> None:
     for turn in slot.traj.turns:
         for name in turn.executed_actions:
             action = slot.lookup[name.lower()] if slot.lookup is not None else name
-            slot.observation = str(call(slot.env.step, action)[0])
+            slot.observation = _observation(call(slot.env.step, action)[0], "step")
     if expect is not None and slot.observation != expect:
         raise RuntimeError("replaying the recorded actions on a fresh instance gave another state than the failed "
                            "one had: the env is not deterministic for its seed, so it cannot be retried "
@@ -557,7 +559,7 @@ def _reset(slot: _EnvSlot, kept_envs: KeptEnvs, call: _Caller) -> None:
 
 def _reset_env(slot: _EnvSlot, call: _Caller) -> None:
     kwargs = {"mode": slot.spec.mode} if _takes_mode(type(slot.env)) else {}
-    slot.observation = str(call(slot.env.reset, seed=slot.spec.seed, **kwargs))
+    slot.observation = _observation(call(slot.env.reset, seed=slot.spec.seed, **kwargs), "reset")
     lookup = getattr(slot.env, "ACTION_LOOKUP", None)
     if lookup:
         slot.traj.action_names = [str(v) for v in lookup.values()]
@@ -574,6 +576,35 @@ def _takes_mode(env_cls: type) -> bool:
         return False
 
 
+class EnvOutputError(Exception):
+    """An env returned a value the loop cannot use (an observation that is not
+    text, a reward that is not a finite number): it ends that env in
+    ``error``, as an exception raised by the env would."""
+
+
+def _observation(obs: Any, method: str) -> str:
+    """``obs`` as the loop takes it: text, never ``str()`` of another object (the model would see its repr)."""
+    if not isinstance(obs, str):
+        raise EnvOutputError(f"{method} returned an observation of type {type(obs).__name__} "
+                             f"({reprlib.repr(obs)}), not str: return the text the agent sees (e.g. self.render())")
+    return obs
+
+
+def _reward(r: Any) -> float:
+    """A step's reward as a float; a string, a non-number or a NaN/infinite one is refused, since one
+    of these in a sum makes every reward metric of the rollout NaN."""
+    try:
+        value = None if isinstance(r, (str, bytes)) else float(r)
+    except (TypeError, ValueError):
+        value = None
+    if value is None:
+        raise EnvOutputError(f"step returned a reward of type {type(r).__name__} ({reprlib.repr(r)}), "
+                             "not a number: return the reward as a float")
+    if not math.isfinite(value):
+        raise EnvOutputError(f"step returned the reward {value}, not a finite number")
+    return value
+
+
 def _apply(slot: _EnvSlot, completion: Completion, ctx: ContextManager, config: LoopConfig, call: _Caller) -> None:
     actions = ctx.parse_response(completion.text)
     if slot.lookup is not None:
@@ -586,11 +617,12 @@ def _apply(slot: _EnvSlot, completion: Completion, ctx: ContextManager, config: 
     t0 = time.perf_counter()
     for name, action in valid[:budget]:
         obs, r, done, step_info = call(slot.env.step, action)
-        slot.observation = str(obs)
-        reward += float(r)
+        r = _reward(r)
+        slot.observation = _observation(obs, "step")
+        reward += r
         info.update(_plain_info(step_info))
         executed.append(name)
-        steps.append(Step(action=name, observation=slot.observation, reward=float(r), done=bool(done)))
+        steps.append(Step(action=name, observation=slot.observation, reward=r, done=bool(done)))
         slot.actions_left -= 1
         if done:
             break

@@ -227,10 +227,11 @@ class TrainerConfig:
     @classmethod
     def from_config(cls, cfg: Mapping) -> "TrainerConfig":
         cfg = to_plain(cfg)
+        # seed first: trainer.seed defaults to ${seed.train}, so a bad seed.train must be named as itself
+        seed: SeedConfig = read(SeedConfig, cfg.get("seed"), "seed")
         run: TrainerSection = read(TrainerSection, cfg.get("trainer"), "trainer")
         arr: ActorRolloutRefSection = read(ActorRolloutRefSection, cfg.get("actor_rollout_ref"), "actor_rollout_ref")
         algorithm: AlgorithmSection = read(AlgorithmSection, cfg.get("algorithm"), "algorithm")
-        seed: SeedConfig = read(SeedConfig, cfg.get("seed"), "seed")
         return cls(run=run, actor=arr.actor, model=arr.model, rollout=arr.rollout, algorithm=algorithm,
                    seed_train=seed.train)
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import math
 import numbers
 import pickle
 import random
@@ -435,6 +436,9 @@ def _check_step(report: CheckReport, env: Any, seed: int, discrete: bool, timer:
     if isinstance(reward, (str, bytes)) or not isinstance(reward, numbers.Real):
         problems.append(f"reward is {type(reward).__name__} {_short(reward, 40)}, not a number")
         fixes.append("return the reward as a float")
+    elif not math.isfinite(reward):
+        problems.append(f"reward is {reward}, not a finite number")
+        fixes.append("return a finite reward: the rollout ends an env that returns NaN or inf in error")
     if not isinstance(done, (bool, np.bool_)):
         problems.append(f"done is {type(done).__name__} {_short(done, 40)}, not bool")
         fixes.append("return done as a bool (e.g. bool(self._done))")
