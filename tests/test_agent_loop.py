@@ -71,16 +71,33 @@ def test_the_proxy_keeps_what_exists_at_its_start_out_of_full_collections_until_
     assert gc.get_freeze_count() == 0
 
 
-def test_action_budget_and_max_turns():
-    cfg = config("engine=scripted", "agent_proxy.max_turn=2", "es_manager.train.env_groups=2",
+def _sokoban_rollout(max_turn: int, max_actions_per_traj: int) -> list:
+    cfg = config("engine=scripted", f"agent_proxy.max_turn={max_turn}", "es_manager.train.env_groups=4",
                  "es_manager.train.group_size=2", "es_manager.train.env_configs.tags=[SimpleSokoban]",
-                 "es_manager.train.env_configs.n_groups=[2]", "custom_envs.SimpleSokoban.max_actions_per_traj=1")
+                 "es_manager.train.env_configs.n_groups=[4]",
+                 f"custom_envs.SimpleSokoban.max_actions_per_traj={max_actions_per_traj}")
     with LLMAgentProxy(AgentSetup.from_config(cfg), ScriptedEngine()) as proxy:
-        trajs = proxy.rollout("train").trajectories
+        return proxy.rollout("train").trajectories
+
+
+def test_action_budget_and_max_turns():
+    # a budget of one action binds after the first turn, before max_turn=2
+    trajs = _sokoban_rollout(max_turn=2, max_actions_per_traj=1)
+    assert len(trajs) == 8
     for t in trajs:
-        assert t.num_actions <= 1
-        assert t.stop_reason in (StopReason.ACTION_BUDGET, StopReason.DONE, StopReason.MAX_TURNS)
-        assert len(t.turns) <= 2
+        assert t.num_actions <= 1 and len(t.turns) == 1
+        assert t.stop_reason in (StopReason.ACTION_BUDGET, StopReason.DONE)
+    assert any(t.stop_reason == StopReason.ACTION_BUDGET for t in trajs)
+    # a budget no three turns can spend: max_turn=3 binds, at exactly 3 turns
+    trajs = _sokoban_rollout(max_turn=3, max_actions_per_traj=100)
+    assert len(trajs) == 8
+    for t in trajs:
+        assert t.num_actions < 100
+        if t.stop_reason == StopReason.DONE:
+            assert len(t.turns) <= 3
+        else:
+            assert t.stop_reason == StopReason.MAX_TURNS and len(t.turns) == 3, (t.stop_reason, len(t.turns))
+    assert sum(t.stop_reason == StopReason.MAX_TURNS for t in trajs) >= 6
 
 
 @pytest.mark.parametrize("override,key", [

@@ -74,6 +74,14 @@ def reference(mixed_specs, engine):
     return sequential(mixed_specs, loop_config(), engine)
 
 
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
 def _gone(pid: int, within_s: float = 15.0) -> bool:
     deadline = time.monotonic() + within_s
     while time.monotonic() < deadline:
@@ -180,23 +188,52 @@ def test_worker_killed_by_an_env_the_rollout_is_the_fault_free_one(scheduler_add
     assert time.monotonic() - t0 < 60
 
 
+@pytest.fixture
+def give_up_at_once_address():
+    """A cluster on which Dask gives up on a task when its worker dies once
+    (allowed-failures 0): giving up then does not hang on the task's retry
+    finding its groups already taken by the other worker."""
+    with dask.config.set({"distributed.scheduler.allowed-failures": 0}):
+        cluster = LocalCluster(n_workers=2, threads_per_worker=1, processes=True,
+                               dashboard_address=None, host="127.0.0.1")
+    yield cluster.scheduler_address
+    cluster.close()
+
+
 @pytest.mark.timeout(120)
-def test_worker_lost_on_every_try_dask_gives_up_and_nothing_hangs(scheduler_address, mixed_specs, reference,
+def test_worker_lost_on_every_try_dask_gives_up_and_nothing_hangs(give_up_at_once_address, mixed_specs, reference,
                                                                   engine, caplog):
-    # worker task 0 kills each worker it runs on at turn 2; Dask runs it again
-    # (and gives up with KilledWorker if it dies every time), while the groups
-    # it had taken stay unplayed: the rollout manager runs them again, nothing
-    # is lost or hangs, and the next rollout is parallel again
+    # worker task 0 kills the worker it runs on at turn 2 on every try it is
+    # allowed; Dask gives up (KilledWorker), which must reach joblib's Parallel
+    # as an error (not a callback never called: a hang). The rollout manager
+    # then runs the groups not played again: nothing is lost or hangs, and the
+    # next rollout is parallel again. One group per worker at a time
+    # (max_env_num_per_worker) leaves a chunk for task 0 to take, so it dies.
+    caplog.set_level(logging.WARNING, logger="ragen.llm_agent.parallel_rollout")
     t0 = time.monotonic()
     with SharedLLMInferenceManager(engine) as shared, \
-            ParallelRolloutManager(shared, backend="dask",
-                                   cluster=ClusterConfig(dask_scheduler_address=scheduler_address)) as prm:
+            ParallelRolloutManager(shared, backend="dask", max_env_num_per_worker=2,
+                                   cluster=ClusterConfig(dask_scheduler_address=give_up_at_once_address)) as prm:
+        worker_pids = set(prm._cluster.client.run(os.getpid).values())
+        assert len(worker_pids) == 2
         result = prm.rollout(mixed_specs, loop_config(), fault={"shard": 0, "exit_at_turn": 2})
-        # (task 0 may take no chunk at all when the other worker takes them first: then nothing dies)
         assert result.trajectories == reference
+        # a worker died: one of the two processes is gone (reaped by its nanny), the other lives
+        deadline = time.monotonic() + 15
+        while len(alive := {pid for pid in worker_pids if _alive(pid)}) == 2 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert len(alive) == 1, f"worker processes {sorted(worker_pids)} all still alive: no worker died"
+        # Dask gave up on the task, and the rollout manager re-ran its groups in parallel
+        retries = [r.getMessage() for r in caplog.records if r.getMessage().startswith("[Retry] a worker died")]
+        assert len(retries) == 1 and "KilledWorker" in retries[0], retries
+        assert result.metrics["parallel/retried_shards"] >= 1  # task 0, and task 1 when it had not ended
+        assert result.metrics["parallel/fallbacks"] == 0  # the parallel retry played them all
+        caplog.clear()
         again = prm.rollout(mixed_specs, loop_config())
         assert again.metrics["parallel/fallbacks"] == 0
+        assert again.metrics["parallel/retried_shards"] == 0
         assert again.trajectories == reference
+        assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
     assert time.monotonic() - t0 < 60
 
 

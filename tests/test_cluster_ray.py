@@ -5,6 +5,7 @@ mid-rollout survived. Skipped when ray is not installed."""
 from __future__ import annotations
 
 import os
+import secrets
 import shutil
 import signal
 import socket
@@ -100,18 +101,43 @@ def test_local_ray_gives_the_sequential_trajectories_and_keeps_envs(mixed_specs,
     assert PicklingPool.__bases__ == bases
 
 
+def _ray_command() -> str | None:
+    """The `ray` script of this Python's environment: pip puts it next to the
+    interpreter, a folder not on PATH when a venv's python is run without
+    activating the venv; else the one on PATH."""
+    beside = os.path.join(os.path.dirname(sys.executable), "ray")
+    if os.path.isfile(beside) and os.access(beside, os.X_OK):
+        return beside
+    return shutil.which("ray")
+
+
+def _reload_ray_auth() -> None:
+    """Ray's driver reads its auth mode (at import) and token (at first use)
+    once: read both again from the environment, as ray.init does when it
+    turns token authentication on for a local cluster."""
+    from ray._raylet import AuthenticationTokenLoader, Config
+
+    Config.initialize("")
+    AuthenticationTokenLoader.instance().reset_cache()
+
+
 @pytest.fixture(scope="module")
 def ray_address(tmp_path_factory):
     """A Ray cluster started by `ray start --head`, reached by address."""
-    exe = shutil.which("ray")
+    exe = _ray_command()
     if exe is None:
-        pytest.skip("the ray command is not on PATH")
+        pytest.skip(f"no ray command next to {sys.executable} nor on PATH")
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.path.join(root, "tests")]
-                                                       + [p for p in sys.path if p])}
+    # Token authentication on, with a token of the test's own, for the head and
+    # the driver alike: `ray start` turns it on only when it finds a token (one
+    # an earlier local ray.init left in ~/.ray), and a driver whose mode differs
+    # from the head's aborts the whole test process.
+    auth = {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(32)}
+    env = {**os.environ, **auth, "PYTHONPATH": os.pathsep.join([root, os.path.join(root, "tests")]
+                                                               + [p for p in sys.path if p])}
     log = tmp_path_factory.mktemp("ray") / "head.log"
     with open(log, "w") as out:
         head = subprocess.Popen([exe, "start", "--head", "--block", f"--port={port}", "--num-cpus=2",
@@ -122,13 +148,15 @@ def ray_address(tmp_path_factory):
         while "Ray runtime started" not in log.read_text():
             assert head.poll() is None and time.monotonic() < deadline, log.read_text()
             time.sleep(0.2)
-        # `ray start` (Ray >= 2.59) turns token authentication on; a driver needs it too
         with pytest.MonkeyPatch.context() as mp:
-            mp.setenv("RAY_AUTH_MODE", "token")
+            for name, value in auth.items():
+                mp.setenv(name, value)
+            _reload_ray_auth()
             yield f"127.0.0.1:{port}"
     finally:
         if ray.is_initialized():
             ray.shutdown()
+        _reload_ray_auth()
         os.killpg(head.pid, signal.SIGTERM)  # our own session: the head and what it started
         try:
             head.wait(timeout=5)

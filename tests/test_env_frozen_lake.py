@@ -8,11 +8,31 @@ import pytest
 
 from ragen.env import make_env_config
 from ragen.env.frozen_lake import FrozenLakeEnv, FrozenLakeEnvConfig, generate_map
-from ragen.env.frozen_lake.env import _has_path
 
 
 def env_for(**values) -> FrozenLakeEnv:
     return FrozenLakeEnv(FrozenLakeEnvConfig(**values))
+
+
+def reaches_goal(desc: tuple[str, ...]) -> bool:
+    """S to G over non-hole cells by 4-neighbour moves: a search of the test's own,
+    so that a broken check in the generator cannot vouch for its own maps."""
+    cells = {(r, c): tile for r, row in enumerate(desc) for c, tile in enumerate(row)}
+    start = next(pos for pos, tile in cells.items() if tile == "S")
+    reached, frontier = {start}, [start]
+    while frontier:
+        r, c = frontier.pop()
+        for step in ((r - 1, c), (r + 1, c), (r, c - 1), (r, c + 1)):
+            if cells.get(step, "H") != "H" and step not in reached:
+                reached.add(step)
+                frontier.append(step)
+    return any(cells[pos] == "G" for pos in reached)
+
+
+def test_the_tests_own_search_tells_open_maps_from_blocked_ones():
+    assert reaches_goal(("SFH", "HFH", "HFG"))
+    assert not reaches_goal(("SFH", "HHF", "FFG"))  # only a diagonal step would pass
+    assert not reaches_goal(("SH", "HG"))
 
 
 @pytest.mark.parametrize("size,p", [(4, 0.8), (6, 0.6), (8, 0.3), (12, 0.1)])
@@ -22,7 +42,7 @@ def test_maps_always_have_a_path(size, p):
         assert len(desc) == size and all(len(row) == size for row in desc)
         assert desc[0][0] == "S" and desc[-1][-1] == "G"
         assert set("".join(desc)) <= set("SFHG")
-        assert _has_path([list(row) for row in desc])
+        assert reaches_goal(desc), f"no path from S to G for seed {seed}: {desc}"
 
 
 def test_maps_differ_by_seed_and_map_seed_pins_one():

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import os
+import time
 
 import joblib
 import pytest
@@ -45,8 +46,8 @@ def test_a_dead_worker_is_seen_in_what_it_raises_and_its_executor_replaced_once(
         kept.close()
 
 
-@pytest.mark.timeout(60)
-def test_replace_and_close_stop_every_kind_of_executor():
+@pytest.mark.timeout(120)
+def test_replace_and_close_stop_every_kind_of_executor(tmp_path):
     built = []
 
     def build():
@@ -64,6 +65,74 @@ def test_replace_and_close_stop_every_kind_of_executor():
         built[1].submit(lambda: 7)
     kept.close()  # closing twice, or with nothing built, is fine
 
-    parallel = KeptExecutor(lambda: joblib.Parallel(n_jobs=1).__enter__())
-    assert list(parallel.get()(joblib.delayed(abs)(-i) for i in range(3))) == [0, 1, 2]
-    parallel.close()
+    # an entered joblib.Parallel on processes, and loky's executor: their worker
+    # processes end on replace (no wait) and on close (wait)
+    for kind, build, run in [("Parallel", _parallel, _parallel_pids), ("loky", _loky, _loky_pids)]:
+        built = []
+        kept = KeptExecutor(lambda: built.append(build()) or built[-1])
+        try:
+            for stop in (kept.replace, kept.close):
+                executor = kept.get()
+                pids = run(executor)
+                assert pids and os.getpid() not in pids and all(map(_alive, pids)), (kind, pids)
+                if kind == "loky":  # a task still running is no reason to keep its worker
+                    started = tmp_path / f"{stop.__name__}-started"
+                    executor.submit(_mark_and_sleep, str(started))
+                    assert _within(lambda: started.exists()), "the task never started"
+                stop()
+                assert _all_gone(pids), f"{kind}: worker processes {sorted(pids)} still alive after {stop.__name__}"
+                if kind == "loky":
+                    with pytest.raises(RuntimeError):  # shut down: takes no more tasks
+                        executor.submit(_pid)
+            kept.close()
+        finally:  # when KeptExecutor left them running, the test run must not wait for them at exit
+            for executor in built:
+                if kind == "loky":
+                    executor.shutdown(wait=True, kill_workers=True)
+                else:
+                    executor.__exit__(None, None, None)
+
+
+def _parallel():
+    return joblib.Parallel(n_jobs=2, backend="multiprocessing").__enter__()
+
+
+def _parallel_pids(parallel) -> set[int]:
+    return set(parallel(joblib.delayed(_pid)() for _ in range(4)))
+
+
+def _loky_pids(executor) -> set[int]:
+    return {executor.submit(_pid).result(timeout=60)}
+
+
+def _mark_and_sleep(path: str) -> None:
+    open(path, "w").close()
+    time.sleep(300)
+
+
+def _within(condition, within_s: float = 30.0) -> bool:
+    deadline = time.monotonic() + within_s
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+def _alive(pid: int) -> bool:
+    """Running (a zombie, dead and not yet reaped, is not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rpartition(")")[2].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+    except OSError:  # no /proc: signal 0 sees zombies as alive
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        return True
+
+
+def _all_gone(pids: set[int]) -> bool:
+    return _within(lambda: not any(map(_alive, pids)))

@@ -3,7 +3,9 @@ answer format, malformed rate, cost model and token limits."""
 
 from __future__ import annotations
 
+import json
 import math
+import os
 import re
 import subprocess
 import sys
@@ -65,11 +67,33 @@ def test_answers_depend_on_every_part_of_the_key():
     assert [c.text for c in ScriptedEngine(seed=1).generate(base, SamplingParams())] != texts
 
 
+# request_seed's values: a change breaks the same-seed promise across versions,
+# and across processes whenever the new function depends on the process
+SEED_CASES = [((0, (1, 2, 3)), 983089452), ((1, (1, 2, 3)), 1289709520), ((0, (1, 2, 4)), 817091995),
+              ((-5, (2**40, 0, 0)), 2042826653), ((42, (7, 3, 0)), 442789266), ((0, ()), 494742404)]
+
+
 def test_request_seed_is_stable_and_31_bit():
-    assert request_seed(0, (1, 2, 3)) == request_seed(0, (1, 2, 3))
+    for args, seed in SEED_CASES:
+        assert request_seed(*args) == seed, args
     assert request_seed(0, (1, 2, 3)) != request_seed(0, (1, 2, 4))
     assert request_seed(0, (1, 2, 3)) != request_seed(1, (1, 2, 3))
     assert 0 <= request_seed(-5, (2**40, 0, 0)) < 2**31
+
+
+@pytest.mark.parametrize("hash_seed", ["0", "1", "random"])
+def test_request_seed_is_the_same_in_a_fresh_process(hash_seed):
+    """The documented promise: a request gets the same seed in every process
+    (the workers', the driver's, a replay's), whatever their str hash salt."""
+    cases = [args for args, _ in SEED_CASES]
+    code = ("import json, sys; from ragen.llm.types import request_seed\n"
+            "print(json.dumps([request_seed(s, k) for s, k in json.loads(sys.argv[1])]))\n")
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONHASHSEED": hash_seed,
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))}
+    out = subprocess.run([sys.executable, "-c", code, json.dumps(cases)], check=True, cwd=root, env=env,
+                         capture_output=True, text=True, timeout=120).stdout
+    assert json.loads(out) == [request_seed(s, k) for s, k in cases] == [seed for _, seed in SEED_CASES]
 
 
 def test_actions_come_from_the_list_within_the_limit():

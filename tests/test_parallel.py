@@ -13,7 +13,8 @@ from ragen.llm.scripted import ScriptedEngine
 from ragen.llm_agent.parallel_rollout import ParallelRolloutManager, RolloutError
 from ragen.llm_agent.inference import DirectClient
 from ragen.llm_agent.rollout_loop import KeptEnvs, run_envs
-from ragen.llm_agent.schedule import chunk_sizes
+from ragen.llm_agent import parallel_rollout
+from ragen.llm_agent.schedule import CHUNK_WORK_S, chunk_sizes, min_chunk_groups
 from ragen.llm_agent.inference import SharedLLMInferenceManager
 from ragen.llm_agent.types import StopReason
 
@@ -476,16 +477,28 @@ def test_loky_workers_collect_less_often_and_leave_their_imports_out_of_full_col
 
 
 @pytest.mark.timeout(120)
-def test_cheap_groups_are_handed_out_in_fewer_chunks_once_their_cost_is_measured(engine):
+def test_cheap_groups_are_handed_out_in_fewer_chunks_once_their_cost_is_measured(engine, monkeypatch):
     """The first rollout knows nothing of its groups' cost: guided
     self-scheduling down to single groups. Later rollouts measured groups far
     cheaper than handing out a chunk costs, so chunks are as large as an even
-    share of workers x pipeline_depth; the trajectories stay the same."""
+    share of workers x pipeline_depth; the trajectories stay the same. The
+    measured cost is pinned (a busy machine measures more): what the rollout
+    manager measures from is checked, and the chunk sizes that follow."""
+    cheap_s = CHUNK_WORK_S / 10
+    measured = []
+
+    def pinned_cost(trajectories):
+        measured.append(sorted(t.env_id for t in trajectories))
+        return cheap_s if trajectories else None
+
+    monkeypatch.setattr(parallel_rollout, "group_cost_s", pinned_cost)
     specs = specs_for(["Bandit"], [16], 1, custom_envs())
     config = loop_config(max_turn=2, depth=2)
     with SharedLLMInferenceManager(engine) as shared, ParallelRolloutManager(shared, n_jobs=2) as prm:
         first = prm.rollout(specs, config)
         second = prm.rollout(specs, config)
+    assert measured[0] == list(range(16))  # the first rollout's trajectories, as its workers returned them
     assert first.metrics["parallel/chunks"] == len(chunk_sizes(16, 2, 2)) == 8
-    assert second.metrics["parallel/chunks"] == 4  # [4, 4, 4, 4]: a Bandit group costs well under 2.5 ms
+    assert min_chunk_groups(cheap_s) == 10
+    assert second.metrics["parallel/chunks"] == len(chunk_sizes(16, 2, 2, min_groups=10)) == 4  # [4, 4, 4, 4]
     assert second.trajectories == first.trajectories == sequential(specs, config, engine)

@@ -315,6 +315,10 @@ def test_resume_reproduces_the_next_step(tiny_model_path, tmp_path, lora):
 
 
 def test_checkpoints_are_atomic_and_pruned(tmp_path):
+    import os
+    import subprocess
+    import sys
+
     run = tmp_path / "run"
     for step in (1, 2, 3):
         ckpt.save_checkpoint(run, step, {"step": step}, max_to_keep=2)
@@ -325,6 +329,38 @@ def test_checkpoints_are_atomic_and_pruned(tmp_path):
     (run / "checkpoints" / ckpt.LATEST_FILE).write_text("9")
     assert ckpt.latest_checkpoint(run) == 3
     assert ckpt.load_checkpoint(run, 3)["step"] == 3
+
+    # A process that dies while writing step 4 (state.pt written, the adapter
+    # not yet; no cleanup runs) leaves no global_step_4, and step 3 is the one resumed.
+    code = (
+        "import os, sys\n"
+        "from ragen.trainer import checkpoint as ckpt\n"
+        "class DiesWhileSaving:\n"
+        "    def save_pretrained(self, path):\n"
+        "        os._exit(17)\n"
+        "ckpt.save_checkpoint(sys.argv[1], 4, {'step': 4}, peft_model=DiesWhileSaving(), max_to_keep=2)\n"
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    died = subprocess.run([sys.executable, "-c", code, str(run)], cwd=ROOT, env=env, timeout=120)
+    assert died.returncode == 17
+    assert not ckpt.step_dir(run, 4).exists()
+    assert ckpt.list_checkpoints(run) == [2, 3]
+    assert ckpt.latest_checkpoint(run) == 3
+    assert ckpt.load_checkpoint(run, 3)["step"] == 3
+
+    # The same failure as an exception: no folder is left behind for step 4 at all
+    class FailsWhileSaving:
+        def save_pretrained(self, path):
+            raise OSError("disk full")
+
+    before = sorted(p.name for p in (run / "checkpoints").iterdir())
+    with pytest.raises(OSError, match="disk full"):
+        ckpt.save_checkpoint(run, 4, {"step": 4}, peft_model=FailsWhileSaving(), max_to_keep=2)
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == before
+    assert ckpt.latest_checkpoint(run) == 3
+    # and the next save of step 4 completes and is taken
+    ckpt.save_checkpoint(run, 4, {"step": 4}, max_to_keep=2)
+    assert ckpt.list_checkpoints(run) == [3, 4] and ckpt.latest_checkpoint(run) == 4
 
 
 def _saved_steps(model_path: str, run, steps, *extra: str) -> None:
