@@ -35,6 +35,7 @@ import functools
 import inspect
 import logging
 import os
+import queue
 import threading
 import time
 import traceback
@@ -126,26 +127,59 @@ class _Caller:
     def __init__(self, timeout_s: float | None) -> None:
         self.timeout_s = timeout_s
         self._local = threading.local()
-        self._helpers: list[concurrent.futures.ThreadPoolExecutor] = []
+        self._helpers: list[_Helper] = []
 
     def __call__(self, fn, *args, **kwargs):
         if not self.timeout_s:
             return fn(*args, **kwargs)
         helper = getattr(self._local, "helper", None)
         if helper is None:
-            helper = self._local.helper = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="ragen-env")
+            helper = self._local.helper = _Helper()
             self._helpers.append(helper)
-        future = helper.submit(fn, *args, **kwargs)
+        future = helper.submit(fn, args, kwargs)
         try:
             return future.result(timeout=self.timeout_s)
         except concurrent.futures.TimeoutError:
-            helper.shutdown(wait=False)
+            helper.stop()  # ends once the abandoned call returns, if ever
             self._local.helper = None
             raise EnvTimeout(f"env call {getattr(fn, '__name__', fn)} took longer than {self.timeout_s} s") from None
 
     def close(self) -> None:
         for helper in self._helpers:
-            helper.shutdown(wait=False)
+            helper.stop()
+
+
+class _Helper:
+    """One daemon thread that runs the calls given to it, one after another.
+
+    A daemon thread, not a ``concurrent.futures`` one: Python joins those at
+    exit, so an env call that never returns (abandoned past its time limit)
+    would keep the process from exiting.
+    """
+
+    def __init__(self) -> None:
+        self._calls: queue.SimpleQueue = queue.SimpleQueue()
+        threading.Thread(target=self._serve, name="ragen-env", daemon=True).start()
+
+    def submit(self, fn, args, kwargs) -> concurrent.futures.Future:
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        self._calls.put((future, fn, args, kwargs))
+        return future
+
+    def stop(self) -> None:
+        self._calls.put(None)
+
+    def _serve(self) -> None:
+        # Unbounded wait: an idle helper waits for its next call or stop(); as a
+        # daemon it never holds the process.
+        while (item := self._calls.get()) is not None:
+            future, fn, args, kwargs = item
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(fn(*args, **kwargs))
+                except BaseException as exc:  # handed to the caller
+                    future.set_exception(exc)
+            del item, future, fn, args, kwargs  # an abandoned env is not kept alive by this thread
 
 
 class _EnvThreads:
