@@ -7,9 +7,9 @@
         slow rollouts, one after another, until killed; prints "rolling" once
         the first has started. --sigterm: SIGTERM interrupts, as in train.py;
         --exit: leaves through os._exit once the workers are busy
-    python -m tests.lifecycle_driver workers BACKEND N_JOBS N_GROUPS
-        one rollout; prints JSON: the process ids of this process's
-        descendants at its end and the manager's n_workers
+    python -m tests.lifecycle_driver workers BACKEND N_JOBS N_GROUPS[,N_GROUPS...]
+        one rollout of each size; prints JSON: after each, this process's
+        worker processes and other descendants; the manager's n_workers
 """
 
 from __future__ import annotations
@@ -30,14 +30,25 @@ BAD = 2
 
 def specs(n_groups: int = 6, **fault_kw):
     clean = specs_for(["Fault"], [n_groups], 2, custom_envs(Fault=fault_tag()))
-    bad_seed = next(s.seed for s in clean if s.group_id == BAD)
+    bad_seed = next((s.seed for s in clean if s.group_id == BAD), -1)
     return specs_for(["Fault"], [n_groups], 2, custom_envs(Fault=fault_tag(fault_seed=bad_seed, **fault_kw)))
 
 
-def descendants() -> list[int]:
+def descendants() -> dict[str, list[int]]:
+    """This process's descendants: its worker processes (loky's, or forked
+    copies of this one), and the others (resource trackers)."""
     import psutil
 
-    return sorted(p.pid for p in psutil.Process().children(recursive=True))
+    out: dict[str, list[int]] = {"workers": [], "others": []}
+    for p in psutil.Process().children(recursive=True):
+        try:
+            if p.status() == psutil.STATUS_ZOMBIE:  # a worker of a pool replaced by a larger one, not reaped yet
+                continue
+            command = " ".join(p.cmdline())
+        except psutil.NoSuchProcess:
+            continue
+        out["workers" if "popen_loky" in command or "lifecycle_driver" in command else "others"].append(p.pid)
+    return out
 
 
 def timeout(backend: str) -> None:
@@ -70,12 +81,14 @@ def serve(backend: str, sigterm: bool, leave: bool) -> None:
             prm.rollout(slow, loop_config(max_turn=50))
 
 
-def workers(backend: str, n_jobs: int, n_groups: int) -> None:
+def workers(backend: str, n_jobs: int, group_counts: list[int]) -> None:
     with SharedLLMInferenceManager(ScriptedEngine()) as shared, \
             ParallelRolloutManager(shared, n_jobs=n_jobs, backend=backend) as prm:
-        result = prm.rollout(specs(n_groups=n_groups), loop_config())
-        print(json.dumps({"descendants": descendants(), "n_workers": prm.n_workers,
-                          "trajectories": len(result.trajectories)}), flush=True)
+        rollouts = []
+        for n_groups in group_counts:
+            result = prm.rollout(specs(n_groups=n_groups), loop_config())
+            rollouts.append({**descendants(), "trajectories": len(result.trajectories)})
+        print(json.dumps({"rollouts": rollouts, "n_workers": prm.n_workers}), flush=True)
 
 
 if __name__ == "__main__":
@@ -85,6 +98,6 @@ if __name__ == "__main__":
     elif command == "serve":
         serve(backend, "--sigterm" in sys.argv, "--exit" in sys.argv)
     elif command == "workers":
-        workers(backend, int(sys.argv[3]), int(sys.argv[4]))
+        workers(backend, int(sys.argv[3]), [int(n) for n in sys.argv[4].split(",")])
     else:
         raise SystemExit(f"unknown command {command!r}")

@@ -10,8 +10,9 @@
   request in flight), the manager is told how many there will be, and a
   worker's streams past ``pipeline_depth`` merge back into those
   (``rollout_loop.run_envs``). What one worker played is its "shard".
-- Workers (loky processes by default; threading; multiprocessing, sequential,
-  dask and ray through joblib's backends) build their envs locally, keep them
+- Workers (loky processes by default; threading; multiprocessing, the
+  standard library's process pool; sequential, dask and ray through joblib's
+  backends) build their envs locally, keep them
   between rollouts (``KeptEnvs`` per process and thread, by env spec, so a
   worker that takes other groups than last time still reuses them), run the
   turn loop of ``rollout_loop`` and return plain-data trajectories. They
@@ -21,13 +22,18 @@
 - ``parallel_n_jobs: auto`` (``ragen.llm_agent.autosize``): a pool of one
   process per core, of which each rollout uses the workers, at the pipeline
   depth, chosen from the last rollout's measurements.
-- The executor is kept between rollouts: for loky and threading a
-  ``concurrent.futures`` executor (loky's own, the one under joblib's loky
-  backend), which hands the driver each shard's result the moment it ends;
+- The executor is kept between rollouts: for loky, multiprocessing and
+  threading a ``concurrent.futures`` executor (loky's own, the one under
+  joblib's loky backend), which hands the driver each shard's result the
+  moment it ends and sees a worker process die;
   joblib's result loop looks for finished tasks every 10 ms, 3-10% of a
   rollout of a fast engine. The other backends: an entered
   ``joblib.Parallel``. Rollouts at once (``max_concurrent_rollouts``) each
   run on executors of their own (``_Executors``), kept for later rollouts.
+  These local pools start no more workers than a rollout has groups (grown
+  when a later rollout has more), ``parallel_n_jobs`` capped at
+  ``config.MAX_JOBS_PER_CORE`` per core; their worker processes exit with
+  the driver (``executors.start_worker``).
 - Env failures stay with the env: a worker retries an env that raises or
   times out on a fresh instance (``LoopConfig.env_retries``), and one that
   keeps failing ends its own trajectory in ``error``/``timeout``.
