@@ -1,8 +1,10 @@
 """A driver process for the process-lifecycle tests (tests/test_process_lifecycle.py).
 
-    python -m tests.lifecycle_driver timeout BACKEND
-        one rollout whose group 2 hangs for an hour in step, with env_timeout_s;
-        prints the stop reasons as JSON and returns (the process must then exit)
+    python -m tests.lifecycle_driver timeout BACKEND [--rollout-timeout]
+        one rollout whose group 2 hangs for an hour in step, with env_timeout_s
+        (--rollout-timeout: with rollout_timeout_s instead, the fallback's env
+        timeout ending the group); prints the stop reasons as JSON and returns
+        (the process must then exit)
     python -m tests.lifecycle_driver serve BACKEND [--sigterm] [--exit]
         slow rollouts, one after another, until killed; prints "rolling" once
         the first has started. --sigterm: SIGTERM interrupts, as in train.py;
@@ -51,14 +53,15 @@ def descendants() -> dict[str, list[int]]:
     return out
 
 
-def timeout(backend: str) -> None:
+def timeout(backend: str, per_rollout: bool) -> None:
     hanging = specs(fault="hang_step", hang_s=3600.0)
-    config = loop_config(env_timeout_s=0.5)
+    config = loop_config(env_timeout_s=None if per_rollout else 0.5)
     if backend == "sequential":
         trajectories, _ = run_envs(hanging, DirectClient(ScriptedEngine()), config, kept_envs=KeptEnvs())
     else:
+        limits = {"rollout_timeout_s": 2.0, "fallback_env_timeout_s": 0.5} if per_rollout else {}
         with SharedLLMInferenceManager(ScriptedEngine()) as shared, \
-                ParallelRolloutManager(shared, n_jobs=2, backend=backend) as prm:
+                ParallelRolloutManager(shared, n_jobs=2, backend=backend, **limits) as prm:
             trajectories = prm.rollout(hanging, config).trajectories
     print(json.dumps({str(t.env_id): str(t.stop_reason) for t in trajectories}), flush=True)
 
@@ -94,7 +97,7 @@ def workers(backend: str, n_jobs: int, group_counts: list[int]) -> None:
 if __name__ == "__main__":
     command, backend = sys.argv[1], sys.argv[2]
     if command == "timeout":
-        timeout(backend)
+        timeout(backend, "--rollout-timeout" in sys.argv)
     elif command == "serve":
         serve(backend, "--sigterm" in sys.argv, "--exit" in sys.argv)
     elif command == "workers":

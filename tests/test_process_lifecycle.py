@@ -57,12 +57,13 @@ def kill_tree(processes) -> None:
 # ----- an env that timed out does not keep its process alive ------------------------
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("backend", ["sequential", "threading"])
-def test_process_exits_after_an_env_timed_out(backend):
+@pytest.mark.parametrize("backend,limit", [("sequential", "env"), ("threading", "env"), ("threading", "rollout")])
+def test_process_exits_after_an_env_timed_out(backend, limit):
     """Group 2's envs hang for an hour in step; env_timeout_s ends them in
-    timeout, the rollout returns, and the process exits (its abandoned call
-    does not hold the interpreter at exit)."""
-    proc = driver("timeout", backend)
+    timeout (or rollout_timeout_s abandons their shard, and the fallback's
+    env timeout ends them), the rollout returns, and the process exits (an
+    abandoned call does not hold the interpreter at exit)."""
+    proc = driver("timeout", backend, *(["--rollout-timeout"] if limit == "rollout" else []))
     try:
         out, err = proc.communicate(timeout=EXIT_WITHIN_S)
     except subprocess.TimeoutExpired:

@@ -83,7 +83,7 @@ from ragen.llm_agent.cluster import ClusterConfig, open_cluster
 from ragen.llm_agent.autosize import AutoSizer, Measured
 from ragen.llm_agent.config import BACKENDS, cap_n_jobs, check_n_jobs
 from ragen.llm_agent.es_manager import compute_metrics
-from ragen.llm_agent.executors import KeptExecutor, start_worker
+from ragen.llm_agent.executors import DaemonThreadPool, KeptExecutor, start_worker
 from ragen.llm_agent.rollout_loop import KeptEnvs, LoopConfig, LoopStats, run_envs
 from ragen.llm_agent.inference import SharedLLMClient, SharedLLMInferenceManager
 from ragen.llm_agent.progress import RolloutProgress
@@ -519,7 +519,8 @@ class _Executors:
             return concurrent.futures.ProcessPoolExecutor(self._size, mp_context=multiprocessing.get_context(),
                                                           initializer=start_worker, initargs=(os.getpid(),))
         if m.backend == "threading":
-            return concurrent.futures.ThreadPoolExecutor(self._size, thread_name_prefix="ragen-shard")
+            # daemon threads: a shard abandoned past rollout_timeout_s must not keep the process from exiting
+            return DaemonThreadPool(self._size, thread_name_prefix="ragen-shard")
         parallel = joblib.Parallel(
             n_jobs=1 if m.backend == "sequential" else (-1 if m._auto is not None else m.n_jobs),
             backend=m._joblib_backend(), batch_size=1,

@@ -35,7 +35,6 @@ import functools
 import inspect
 import logging
 import os
-import queue
 import threading
 import time
 import traceback
@@ -47,6 +46,7 @@ from typing import Any, Callable, Sequence
 from ragen.llm.types import Completion, GenerationRequest, SamplingParams
 from ragen.llm_agent.config import AgentProxyConfig, EsManagerConfig
 from ragen.llm_agent.ctx_manager import ContextConfig, ContextManager
+from ragen.llm_agent.executors import DaemonThreadPool
 from ragen.llm_agent.inference.client import LLMClient
 from ragen.llm_agent.schedule import groups_of
 from ragen.llm_agent.types import EnvSpec, Step, StopReason, Trajectory, Turn
@@ -127,59 +127,27 @@ class _Caller:
     def __init__(self, timeout_s: float | None) -> None:
         self.timeout_s = timeout_s
         self._local = threading.local()
-        self._helpers: list[_Helper] = []
+        self._helpers: list[DaemonThreadPool] = []
 
     def __call__(self, fn, *args, **kwargs):
         if not self.timeout_s:
             return fn(*args, **kwargs)
         helper = getattr(self._local, "helper", None)
         if helper is None:
-            helper = self._local.helper = _Helper()
+            # daemon threads: a call abandoned past its limit must not keep the process from exiting
+            helper = self._local.helper = DaemonThreadPool(1, thread_name_prefix="ragen-env")
             self._helpers.append(helper)
-        future = helper.submit(fn, args, kwargs)
+        future = helper.submit(fn, *args, **kwargs)
         try:
             return future.result(timeout=self.timeout_s)
         except concurrent.futures.TimeoutError:
-            helper.stop()  # ends once the abandoned call returns, if ever
+            helper.shutdown(wait=False)
             self._local.helper = None
             raise EnvTimeout(f"env call {getattr(fn, '__name__', fn)} took longer than {self.timeout_s} s") from None
 
     def close(self) -> None:
         for helper in self._helpers:
-            helper.stop()
-
-
-class _Helper:
-    """One daemon thread that runs the calls given to it, one after another.
-
-    A daemon thread, not a ``concurrent.futures`` one: Python joins those at
-    exit, so an env call that never returns (abandoned past its time limit)
-    would keep the process from exiting.
-    """
-
-    def __init__(self) -> None:
-        self._calls: queue.SimpleQueue = queue.SimpleQueue()
-        threading.Thread(target=self._serve, name="ragen-env", daemon=True).start()
-
-    def submit(self, fn, args, kwargs) -> concurrent.futures.Future:
-        future: concurrent.futures.Future = concurrent.futures.Future()
-        self._calls.put((future, fn, args, kwargs))
-        return future
-
-    def stop(self) -> None:
-        self._calls.put(None)
-
-    def _serve(self) -> None:
-        # Unbounded wait: an idle helper waits for its next call or stop(); as a
-        # daemon it never holds the process.
-        while (item := self._calls.get()) is not None:
-            future, fn, args, kwargs = item
-            if future.set_running_or_notify_cancel():
-                try:
-                    future.set_result(fn(*args, **kwargs))
-                except BaseException as exc:  # handed to the caller
-                    future.set_exception(exc)
-            del item, future, fn, args, kwargs  # an abandoned env is not kept alive by this thread
+            helper.shutdown(wait=False)
 
 
 class _EnvThreads:
@@ -194,7 +162,7 @@ class _EnvThreads:
     """
 
     def __init__(self) -> None:
-        self._executors: dict[int, concurrent.futures.ThreadPoolExecutor] = {}  # by thread count
+        self._executors: dict[int, DaemonThreadPool] = {}  # by thread count
 
     def run(self, jobs: list[tuple["_EnvSlot", Any]]) -> None:
         by_tag: dict[str, list[Any]] = defaultdict(list)
@@ -211,7 +179,7 @@ class _EnvThreads:
             n = tag_jobs[0][0].spec.env_threads
             executor = self._executors.get(n)
             if executor is None:
-                executor = concurrent.futures.ThreadPoolExecutor(n, thread_name_prefix="ragen-envs")
+                executor = DaemonThreadPool(n, thread_name_prefix="ragen-envs")
                 self._executors[n] = executor
             futures += [executor.submit(job) for _, job in tag_jobs]
         # Bounded: each job is one env call sequence, itself bounded by
