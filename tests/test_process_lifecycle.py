@@ -192,3 +192,45 @@ def test_n_jobs_far_above_the_cores_is_capped_with_a_warning(caplog):
     rule = MAX_JOBS_PER_CORE * 2  # the cap on 2 cores
     assert cap_n_jobs(rule, cores=2) == rule and cap_n_jobs(rule + 1, cores=2) == rule
     assert cap_n_jobs(-1, cores=2) == -1 and cap_n_jobs("auto", cores=2) == "auto"
+
+
+@pytest.mark.timeout(300)
+def test_train_py_terminated_shuts_down_and_leaves_no_worker(tiny_model_path, tmp_path):
+    """train.py (parallel rollout on loky) terminated mid-run: it unwinds as on
+    Ctrl-C (its finally blocks close the trainer and its workers) and no
+    process of its tree is left."""
+    from tests.test_train_script import _small
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    stderr = tmp_path / "stderr.txt"  # a file: a pipe nobody reads while it runs could fill and block it
+    args = [a for a in _small(tiny_model_path, tmp_path / "run") if not a.startswith("trainer.total_training_steps")]
+    proc = subprocess.Popen([sys.executable, str(ROOT / "train.py"), "--config-name", "base-parallel",
+                             f"hydra.run.dir={tmp_path / 'hydra'}", *args, "trainer.total_training_steps=1000",
+                             "agent_proxy.parallel_n_jobs=2"],
+                            cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, stderr=stderr.open("w"),
+                            start_new_session=True)
+    try:
+        deadline = time.monotonic() + 200
+        workers: list = []
+        while time.monotonic() < deadline and proc.poll() is None:
+            tree = psutil.Process(proc.pid).children(recursive=True)
+            workers = [p for p in tree if "popen_loky" in " ".join(p.cmdline())]
+            if len(workers) >= 2:
+                break
+            time.sleep(0.2)
+        assert proc.poll() is None and len(workers) >= 2, "train.py's rollout workers did not start"
+        tree = psutil.Process(proc.pid).children(recursive=True)
+        os.kill(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=EXIT_WITHIN_S)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    err = stderr.read_text()
+    assert proc.returncode == -signal.SIGINT, err[-3000:]  # ended as an interrupted run
+    assert "KeyboardInterrupt" in err
+    deadline = time.monotonic() + GONE_WITHIN_S
+    while time.monotonic() < deadline and any(alive(p) for p in tree):
+        time.sleep(0.1)
+    left = [(p.pid, " ".join(p.cmdline())[:100]) for p in tree if alive(p)]
+    kill_tree(tree)
+    assert not left, f"processes left after train.py ended: {left}"

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
 from ragen.llm_agent.config import cap_n_jobs
-from ragen.llm_agent.executors import KeptExecutor, start_worker
+from ragen.llm_agent.executors import DaemonThreadPool, KeptExecutor, start_worker
 from ragen.llm_agent.types import RolloutResult
 
 logger = logging.getLogger(__name__)
@@ -300,9 +300,8 @@ class GroupsInFlight:
 
             return ProcessPoolExecutor(max_workers=self._n_workers, initializer=start_worker,
                                        initargs=(os.getpid(),))
-        from concurrent.futures import ThreadPoolExecutor
-
-        return ThreadPoolExecutor(max_workers=self._n_workers, thread_name_prefix="ragen-async")
+        # daemon threads: a group that hangs must not keep the process from exiting
+        return DaemonThreadPool(self._n_workers, thread_name_prefix="ragen-async")
 
     def get_batch(self, n: int, timeout: float | None = None) -> list[tuple[int, list]]:
         """``n`` completed groups ``(index, trajectories)``, lowest index first."""
