@@ -136,3 +136,41 @@ def _alive(pid: int) -> bool:
 
 def _all_gone(pids: set[int]) -> bool:
     return _within(lambda: not any(map(_alive, pids)))
+
+
+@pytest.mark.timeout(60)
+def test_daemon_thread_pool_runs_tasks_on_daemon_threads_and_stops():
+    import threading
+
+    from ragen.llm_agent.executors import DaemonThreadPool
+
+    pool = DaemonThreadPool(2, thread_name_prefix="test-pool")
+    release = threading.Event()
+    names = []
+
+    def task(i):
+        names.append(threading.current_thread())
+        release.wait(30)
+        return i * i
+
+    futures = [pool.submit(task, i) for i in range(5)]
+    release.set()
+    assert [f.result(timeout=30) for f in futures] == [0, 1, 4, 9, 16]
+    assert len(set(names)) <= 2 and all(t.daemon for t in names)  # at most max_workers threads, all daemons
+    with pytest.raises(ZeroDivisionError):
+        pool.submit(lambda: 1 / 0).result(timeout=30)
+    blocker, started = threading.Event(), threading.Barrier(3)
+
+    def hold():
+        started.wait(30)
+        return blocker.wait(30)
+
+    running = [pool.submit(hold) for _ in range(2)]
+    started.wait(30)  # both threads busy: what follows stays queued
+    queued = [pool.submit(abs, -1) for _ in range(3)]
+    pool.shutdown(wait=False, cancel_futures=True)
+    with pytest.raises(RuntimeError):
+        pool.submit(abs, -1)
+    blocker.set()
+    assert [f.result(timeout=30) for f in running] == [True, True]
+    assert all(f.cancelled() for f in queued)

@@ -198,8 +198,6 @@ def matrix_manager(request):
     backend = request.param
     with SharedLLMInferenceManager(ScriptedEngine(), max_message_bytes=CAP) as shared, \
             ParallelRolloutManager(shared, n_jobs=2, backend=backend, fallback_env_timeout_s=2,
-                                   # the multiprocessing backend cannot see a killed worker
-                                   rollout_timeout_s=3 if backend == "multiprocessing" else None,
                                    cluster=cluster_for(backend, request)) as prm:
         yield backend, shared, prm
 
@@ -249,8 +247,9 @@ def test_worker_killed_every_time_ends_only_its_group(reference, fault):
 
 
 @pytest.mark.timeout(60)
-def test_worker_sigkilled_on_multiprocessing_needs_and_obeys_rollout_timeout(reference):
-    """The multiprocessing backend cannot see a dead worker; rollout_timeout_s rescues the rollout."""
+def test_worker_sigkilled_on_multiprocessing_with_a_rollout_timeout(reference):
+    """A worker of the multiprocessing backend killed on every try, with a
+    rollout_timeout_s set: the rollout returns, only the faulty group hit."""
     _, faulty = fault_specs("kill_step")
     t0 = time.monotonic()
     with SharedLLMInferenceManager(ScriptedEngine()) as shared, \
@@ -674,3 +673,19 @@ def test_unpicklable_env_config_through_the_proxy_is_a_clear_error():
         with LLMAgentProxy(AgentSetup.from_config(cfg), ScriptedEngine()) as proxy:
             proxy.rollout("train")
     assert "custom_envs.My.env_config.hook" in str(info.value)
+
+
+# ----- the driver terminated ----------------------------------------------------
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("backend", ["loky", "multiprocessing"])
+def test_driver_sigterm_leaves_no_process_behind(backend):
+    """A driver (a library user's script, no SIGTERM handler) terminated
+    mid-rollout, one worker stuck in a long env step: every worker and
+    resource tracker of its tree ends with it (tests/test_process_lifecycle.py
+    has SIGKILL, os._exit and train.py's SIGTERM handler)."""
+    from tests.test_process_lifecycle import assert_all_gone, busy_driver
+
+    proc, tree = busy_driver(backend)
+    os.kill(proc.pid, signal.SIGTERM)
+    assert_all_gone(proc, tree, expect_rc={-signal.SIGTERM})

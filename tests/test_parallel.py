@@ -230,6 +230,21 @@ def test_injected_worker_exit_recovers(engine, mixed_specs, reference):
         assert again.trajectories == reference
 
 
+@pytest.mark.timeout(120)
+def test_injected_worker_exit_recovers_on_multiprocessing_without_a_timeout(engine, mixed_specs, reference):
+    """The multiprocessing backend sees a worker that exits mid-rollout, as
+    loky does: no rollout_timeout_s is needed for its groups to be re-run."""
+    with SharedLLMInferenceManager(engine) as shared, \
+            ParallelRolloutManager(shared, n_jobs=2, backend="multiprocessing") as prm:
+        assert prm.rollout_timeout_s is None
+        result = prm.rollout(mixed_specs, loop_config(), fault={"shard": 0, "exit_at_turn": 2})
+        assert result.metrics["parallel/retried_shards"] >= 1
+        assert result.trajectories == reference
+        again = prm.rollout(mixed_specs, loop_config())  # on a rebuilt pool
+        assert again.metrics["parallel/fallbacks"] == 0 and again.metrics["parallel/retried_shards"] == 0
+        assert again.trajectories == reference
+
+
 def test_hf_greedy_parallel_equals_sequential(tiny_model_path):
     """A real transformers engine, greedy: batches differ between the modes
     (padding, composition), the trajectories do not."""

@@ -21,6 +21,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import threading
 import time
@@ -28,7 +29,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
-from ragen.llm_agent.executors import KeptExecutor
+from ragen.llm_agent.config import cap_n_jobs
+from ragen.llm_agent.executors import DaemonThreadPool, KeptExecutor, start_worker
 from ragen.llm_agent.types import RolloutResult
 
 logger = logging.getLogger(__name__)
@@ -209,7 +211,7 @@ class GroupsInFlight:
         self.ahead_groups = ahead_groups  # None: no admission bound
         # One task is one group, and a group mostly waits for the engine: a worker per
         # in-flight group (not per core) keeps max_inflight_groups really in flight.
-        self._n_workers = max(joblib.effective_n_jobs(n_jobs), max_inflight_groups)
+        self._n_workers = max(joblib.effective_n_jobs(cap_n_jobs(n_jobs)), max_inflight_groups)
         self._processes = backend == "loky"
         self._workers = KeptExecutor(self._new_executor)
         self._workers.get()
@@ -296,10 +298,10 @@ class GroupsInFlight:
         if self._processes:
             from loky import ProcessPoolExecutor
 
-            return ProcessPoolExecutor(max_workers=self._n_workers)
-        from concurrent.futures import ThreadPoolExecutor
-
-        return ThreadPoolExecutor(max_workers=self._n_workers, thread_name_prefix="ragen-async")
+            return ProcessPoolExecutor(max_workers=self._n_workers, initializer=start_worker,
+                                       initargs=(os.getpid(),))
+        # daemon threads: a group that hangs must not keep the process from exiting
+        return DaemonThreadPool(self._n_workers, thread_name_prefix="ragen-async")
 
     def get_batch(self, n: int, timeout: float | None = None) -> list[tuple[int, list]]:
         """``n`` completed groups ``(index, trajectories)``, lowest index first."""

@@ -12,6 +12,7 @@ number is a ValueError naming the key, before any model loads.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
@@ -19,6 +20,8 @@ from ragen.config_reader import read, setting
 from ragen.llm.types import SamplingParams
 from ragen.llm_agent.ctx_manager import GROUPINGS, METHODS, ContextConfig
 from ragen.llm_agent.inference.server import check_listen_address
+
+logger = logging.getLogger(__name__)
 
 BACKENDS = ("loky", "threading", "multiprocessing", "sequential", "dask", "ray")  # agent_proxy.parallel_backend
 ROLLOUT_MODES = ("sync", "fully_async")
@@ -41,6 +44,29 @@ def check_n_jobs(n_jobs: Any) -> None:
 TIMEOUT_KEYS = ("rollout_timeout_s", "env_timeout_s", "engine_timeout_s")  # agent_proxy.*: > 0, or null
 
 
+# Workers per core at most: a worker mostly waits for the engine, so a few per
+# core can still overlap env work with generation; beyond that more processes
+# only cost memory and start-up.
+MAX_JOBS_PER_CORE = 4
+
+
+def cap_n_jobs(n_jobs: Any, cores: int | None = None) -> Any:
+    """``agent_proxy.parallel_n_jobs`` above ``MAX_JOBS_PER_CORE`` x the cores:
+    capped there, with a warning naming the key; anything else as it is."""
+    if not isinstance(n_jobs, int) or n_jobs < 1:
+        return n_jobs
+    if cores is None:
+        import joblib
+
+        cores = joblib.cpu_count()
+    cap = MAX_JOBS_PER_CORE * max(1, cores)
+    if n_jobs <= cap:
+        return n_jobs
+    logger.warning("agent_proxy.parallel_n_jobs=%d is more than %d workers per core (%d cores): capped at %d",
+                   n_jobs, MAX_JOBS_PER_CORE, cores, cap)
+    return cap
+
+
 @dataclass(frozen=True)
 class AgentProxyConfig:
     """``agent_proxy.*``: the turn loop, prompts, and the rollout engine."""
@@ -55,7 +81,9 @@ class AgentProxyConfig:
     reward_normalization: RewardNormalization = field(default_factory=RewardNormalization)
     # rollout engine
     use_parallel_rollout: bool = False
-    # -1: one worker per available core; auto: sized from each rollout (ragen.llm_agent.autosize)
+    # -1: one worker per available core; auto: sized from each rollout (ragen.llm_agent.autosize);
+    # N: at most N workers, never more than a rollout's groups, capped (with a warning) at
+    # MAX_JOBS_PER_CORE x the cores on this machine's backends
     parallel_n_jobs: Any = -1  # checked by check_n_jobs (auto, -1 or a positive integer)
     parallel_backend: str = setting("loky", choices=BACKENDS)
     max_env_num_per_worker: int | None = setting(None, minimum=1)

@@ -13,12 +13,28 @@ the executor's private state.
 
 Used by the parallel rollout (its workers and the fallback's spare process)
 and by the fully-async rollout (its workers).
+
+``DaemonThreadPool`` is a thread pool whose threads never hold the process
+at exit: a task abandoned past a time limit (an env call past
+``env_timeout_s``, a shard past ``rollout_timeout_s``) runs on, but the
+process can still exit.
+
+No worker outlives its driver. Worker processes run ``start_worker`` first:
+a daemon thread ends the worker once its parent process is gone, however the
+driver ended (SIGKILL, ``os._exit``, a crash). ``interrupt_on_sigterm`` makes
+SIGTERM raise ``KeyboardInterrupt`` in a driver's main thread, as SIGINT does,
+so that a terminated driver stops its workers in the same ``finally`` blocks.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
+import os
+import queue
+import signal
 import threading
+import time
 from typing import Any, Callable
 
 logger = logging.getLogger(__name__)
@@ -54,6 +70,68 @@ class KeptExecutor:
         _shut_down(executor, wait)
 
 
+class DaemonThreadPool(concurrent.futures.Executor):
+    """A ``concurrent.futures`` thread pool of daemon threads, started as tasks
+    need them (at most ``max_workers``). ``ThreadPoolExecutor``'s threads are
+    joined when the interpreter exits, so one task that never returns (an env
+    hanging, abandoned past its time limit) kept the process from exiting."""
+
+    def __init__(self, max_workers: int, thread_name_prefix: str = "ragen-pool") -> None:
+        if max_workers < 1:
+            raise ValueError(f"max_workers must be >= 1, got {max_workers}")
+        self._max_workers = max_workers
+        self._prefix = thread_name_prefix
+        self._tasks: queue.SimpleQueue = queue.SimpleQueue()
+        self._idle = threading.Semaphore(0)  # threads waiting for a task
+        self._threads: list[threading.Thread] = []
+        self._lock = threading.Lock()
+        self._shutdown = False
+
+    def submit(self, fn, /, *args, **kwargs) -> concurrent.futures.Future:
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        with self._lock:
+            if self._shutdown:
+                raise RuntimeError("cannot schedule new futures after shutdown")
+            self._tasks.put((future, fn, args, kwargs))
+            if not self._idle.acquire(blocking=False) and len(self._threads) < self._max_workers:
+                thread = threading.Thread(target=self._work, name=f"{self._prefix}_{len(self._threads)}",
+                                          daemon=True)
+                thread.start()
+                self._threads.append(thread)
+        return future
+
+    def _work(self) -> None:
+        # Unbounded wait: an idle thread waits for its next task or shutdown's
+        # stop; as a daemon it never holds the process.
+        while (item := self._tasks.get()) is not None:
+            future, fn, args, kwargs = item
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(fn(*args, **kwargs))
+                except BaseException as exc:  # handed to the caller
+                    future.set_exception(exc)
+            del item, future, fn, args, kwargs  # what a task holds (an env) is not kept by an idle thread
+            self._idle.release()
+
+    def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
+        with self._lock:
+            self._shutdown = True
+            threads = list(self._threads)
+        if cancel_futures:
+            while True:
+                try:
+                    item = self._tasks.get_nowait()
+                except queue.Empty:
+                    break
+                if item is not None:
+                    item[0].cancel()
+        for _ in threads:
+            self._tasks.put(None)  # each thread stops after the task it runs, if that ever returns
+        if wait:
+            for thread in threads:
+                thread.join()  # unbounded: the caller asked to wait for the running tasks
+
+
 def _shut_down(executor: Any, wait: bool) -> None:
     if executor is None:
         return
@@ -66,6 +144,61 @@ def _shut_down(executor: Any, wait: bool) -> None:
         elif isinstance(executor, ProcessPoolExecutor):
             executor.shutdown(wait=wait, kill_workers=True)
         else:
+            if isinstance(executor, concurrent.futures.ProcessPoolExecutor):
+                _kill_workers(executor)  # a shard still running would keep its worker (and shutdown) waiting
             executor.shutdown(wait=wait, cancel_futures=True)
     except Exception:  # stopping a failed executor is best effort
         logger.debug("shutting the executor down failed", exc_info=True)
+
+
+def _kill_workers(executor: Any) -> None:
+    """The worker processes of a ``concurrent.futures.ProcessPoolExecutor``
+    killed (its ``terminate_workers`` where Python has it)."""
+    terminate = getattr(executor, "terminate_workers", None)
+    if terminate is not None:
+        terminate()
+        return
+    for process in list((getattr(executor, "_processes", None) or {}).values()):
+        try:
+            process.kill()
+        except Exception:  # gone already
+            logger.debug("killing a worker failed", exc_info=True)
+
+
+PARENT_POLL_S = 0.5  # how often a worker looks whether its driver is still there
+
+
+def start_worker(parent_pid: int) -> None:
+    """The first thing a worker process runs (an executor's ``initializer``):
+    it exits once ``parent_pid`` is no longer its parent.
+
+    A thread polls ``os.getppid()``: a process whose parent dies is handed to
+    another (init, or a subreaper). Linux's ``PR_SET_PDEATHSIG`` is not used:
+    it fires when the *thread* that started the worker ends, and executors
+    start workers from whichever thread submits or from their own management
+    thread, which may end while the driver lives.
+    """
+    if os.getppid() != parent_pid:  # the driver died before this worker started
+        os._exit(1)
+    threading.Thread(target=_exit_with_parent, args=(parent_pid,), name="ragen-parent-watch", daemon=True).start()
+
+
+def _exit_with_parent(parent_pid: int) -> None:
+    # Unbounded by design: it watches for as long as the worker lives (a daemon thread).
+    while os.getppid() == parent_pid:
+        time.sleep(PARENT_POLL_S)
+    logger.warning("worker %d: its driver (pid %d) is gone; exiting", os.getpid(), parent_pid)
+    os._exit(1)  # the main thread may be blocked on the dead driver's connection
+
+
+def interrupt_on_sigterm() -> None:
+    """SIGTERM raises ``KeyboardInterrupt`` in the main thread, as SIGINT does:
+    the driver unwinds through its ``finally`` blocks and ``close()``s, which
+    stop its worker processes (by default SIGTERM ends a Python process at
+    once, and its workers only notice through ``start_worker``'s watch).
+    Call it from a command's main thread (``train.py`` does)."""
+
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt(f"signal {signal.Signals(signum).name}")
+
+    signal.signal(signal.SIGTERM, interrupt)

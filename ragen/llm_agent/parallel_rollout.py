@@ -10,8 +10,9 @@
   request in flight), the manager is told how many there will be, and a
   worker's streams past ``pipeline_depth`` merge back into those
   (``rollout_loop.run_envs``). What one worker played is its "shard".
-- Workers (loky processes by default; threading; multiprocessing, sequential,
-  dask and ray through joblib's backends) build their envs locally, keep them
+- Workers (loky processes by default; threading; multiprocessing, the
+  standard library's process pool; sequential, dask and ray through joblib's
+  backends) build their envs locally, keep them
   between rollouts (``KeptEnvs`` per process and thread, by env spec, so a
   worker that takes other groups than last time still reuses them), run the
   turn loop of ``rollout_loop`` and return plain-data trajectories. They
@@ -21,13 +22,18 @@
 - ``parallel_n_jobs: auto`` (``ragen.llm_agent.autosize``): a pool of one
   process per core, of which each rollout uses the workers, at the pipeline
   depth, chosen from the last rollout's measurements.
-- The executor is kept between rollouts: for loky and threading a
-  ``concurrent.futures`` executor (loky's own, the one under joblib's loky
-  backend), which hands the driver each shard's result the moment it ends;
+- The executor is kept between rollouts: for loky, multiprocessing and
+  threading a ``concurrent.futures`` executor (loky's own, the one under
+  joblib's loky backend), which hands the driver each shard's result the
+  moment it ends and sees a worker process die;
   joblib's result loop looks for finished tasks every 10 ms, 3-10% of a
   rollout of a fast engine. The other backends: an entered
   ``joblib.Parallel``. Rollouts at once (``max_concurrent_rollouts``) each
   run on executors of their own (``_Executors``), kept for later rollouts.
+  These local pools start no more workers than a rollout has groups (grown
+  when a later rollout has more), ``parallel_n_jobs`` capped at
+  ``config.MAX_JOBS_PER_CORE`` per core; their worker processes exit with
+  the driver (``executors.start_worker``).
 - Env failures stay with the env: a worker retries an env that raises or
   times out on a fresh instance (``LoopConfig.env_retries``), and one that
   keeps failing ends its own trajectory in ``error``/``timeout``.
@@ -75,9 +81,9 @@ import joblib
 
 from ragen.llm_agent.cluster import ClusterConfig, open_cluster
 from ragen.llm_agent.autosize import AutoSizer, Measured
-from ragen.llm_agent.config import BACKENDS, check_n_jobs
+from ragen.llm_agent.config import BACKENDS, cap_n_jobs, check_n_jobs
 from ragen.llm_agent.es_manager import compute_metrics
-from ragen.llm_agent.executors import KeptExecutor
+from ragen.llm_agent.executors import DaemonThreadPool, KeptExecutor, start_worker
 from ragen.llm_agent.rollout_loop import KeptEnvs, LoopConfig, LoopStats, run_envs
 from ragen.llm_agent.inference import SharedLLMClient, SharedLLMInferenceManager
 from ragen.llm_agent.progress import RolloutProgress
@@ -87,6 +93,7 @@ from ragen.llm_agent.types import EnvSpec, RolloutResult, StopReason, Trajectory
 logger = logging.getLogger(__name__)
 
 IN_PROCESS_BACKENDS = ("threading", "sequential")  # shards run in the driver process
+LOCAL_POOLS = ("loky", "multiprocessing", "threading")  # workers this manager starts itself
 _LOCAL = threading.local()
 
 
@@ -167,6 +174,8 @@ class ParallelRolloutManager:
         check_n_jobs(n_jobs)
         if max_env_num_per_worker is not None and max_env_num_per_worker < 1:
             raise ValueError(f"agent_proxy.max_env_num_per_worker must be >= 1, got {max_env_num_per_worker}")
+        if backend in LOCAL_POOLS or (backend == "dask" and not (cluster and cluster.dask_scheduler_address)):
+            n_jobs = cap_n_jobs(n_jobs)  # processes (or threads) on this machine
         self.shared = shared
         self.backend = backend
         self.n_jobs = n_jobs
@@ -225,7 +234,7 @@ class ParallelRolloutManager:
         """``run_shard`` on each argument tuple; results as shards finish.
         Raises TimeoutError past rollout_timeout_s, or the executor's error
         when a worker died."""
-        executor = lease.workers.get()
+        executor = lease.workers_for(len(calls))
         if isinstance(executor, joblib.Parallel):
             yield from executor(joblib.delayed(run_shard)(*args) for args in calls)
             return
@@ -483,23 +492,44 @@ class _Executors:
         self.manager = manager
         self.workers = KeptExecutor(self._build_workers)
         self.spare = KeptExecutor(_spare_process)
+        self._size = 1  # workers of the local pool (LOCAL_POOLS) when it is next built
+
+    def workers_for(self, tasks: int):
+        """The workers' executor, for a rollout of ``tasks`` tasks. A local pool
+        has as many workers as a rollout has had tasks (at most ``n_workers``):
+        none is started for groups that do not exist. It is built again, larger,
+        when a rollout has more (its workers' kept envs are lost then, once)."""
+        m = self.manager
+        if m.backend in LOCAL_POOLS and self._size < min(tasks, m.n_workers):
+            self._size = min(tasks, m.n_workers)
+            self.workers.close(wait=False)
+        return self.workers.get()
 
     def _build_workers(self):
         m = self.manager
         if m.backend == "loky":
             from loky import ProcessPoolExecutor
 
-            return ProcessPoolExecutor(max_workers=m.n_workers, env=_thread_limits(m.n_workers),
-                                       initializer=_worker_gc)
+            return ProcessPoolExecutor(max_workers=self._size, env=_thread_limits(self._size),
+                                       initializer=_worker_start, initargs=(os.getpid(),))
+        if m.backend == "multiprocessing":
+            # The standard library's pool with multiprocessing's default start method
+            # (what joblib's multiprocessing backend uses): unlike multiprocessing.Pool,
+            # it sees a worker die (BrokenProcessPool) and hands each result back as
+            # its shard ends.
+            import multiprocessing
+
+            return concurrent.futures.ProcessPoolExecutor(self._size, mp_context=multiprocessing.get_context(),
+                                                          initializer=start_worker, initargs=(os.getpid(),))
         if m.backend == "threading":
-            return concurrent.futures.ThreadPoolExecutor(m.n_workers, thread_name_prefix="ragen-shard")
+            # daemon threads: a shard abandoned past rollout_timeout_s must not keep the process from exiting
+            return DaemonThreadPool(self._size, thread_name_prefix="ragen-shard")
         parallel = joblib.Parallel(
             n_jobs=1 if m.backend == "sequential" else (-1 if m._auto is not None else m.n_jobs),
             backend=m._joblib_backend(), batch_size=1,
             # results as shards finish, so a failure keeps the finished ones; the
-            # multiprocessing and ray backends return all at once (multiprocessing
-            # cannot see a killed worker: set rollout_timeout_s with it)
-            return_as="list" if m.backend in ("multiprocessing", "ray") else "generator_unordered",
+            # ray backend returns all at once
+            return_as="list" if m.backend == "ray" else "generator_unordered",
             pre_dispatch="all", timeout=m.rollout_timeout_s,
         )
         parallel.__enter__()
@@ -513,7 +543,7 @@ class _Executors:
 def _spare_process():
     from loky import ProcessPoolExecutor
 
-    return ProcessPoolExecutor(max_workers=1)
+    return ProcessPoolExecutor(max_workers=1, initializer=start_worker, initargs=(os.getpid(),))
 
 
 def _run_isolated(spare: KeptExecutor, shard_id: int, specs: list[EnvSpec], client: SharedLLMClient,
@@ -544,6 +574,12 @@ def _run_isolated(spare: KeptExecutor, shard_id: int, specs: list[EnvSpec], clie
 
 
 _FREEZE_PENDING = False  # a loky worker process (_worker_gc) before its first shard
+
+
+def _worker_start(parent_pid: int) -> None:
+    """A loky worker process's start: it exits with its driver (``start_worker``) and tunes its collector."""
+    start_worker(parent_pid)
+    _worker_gc()
 
 
 def _worker_gc() -> None:

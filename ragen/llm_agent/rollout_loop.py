@@ -48,6 +48,7 @@ from typing import Any, Callable, Sequence
 from ragen.llm.types import Completion, GenerationRequest, SamplingParams
 from ragen.llm_agent.config import AgentProxyConfig, EsManagerConfig
 from ragen.llm_agent.ctx_manager import ContextConfig, ContextManager
+from ragen.llm_agent.executors import DaemonThreadPool
 from ragen.llm_agent.inference.client import LLMClient
 from ragen.llm_agent.inference.wire import MessageTooLarge
 from ragen.llm_agent.schedule import groups_of
@@ -129,14 +130,15 @@ class _Caller:
     def __init__(self, timeout_s: float | None) -> None:
         self.timeout_s = timeout_s
         self._local = threading.local()
-        self._helpers: list[concurrent.futures.ThreadPoolExecutor] = []
+        self._helpers: list[DaemonThreadPool] = []
 
     def __call__(self, fn, *args, **kwargs):
         if not self.timeout_s:
             return fn(*args, **kwargs)
         helper = getattr(self._local, "helper", None)
         if helper is None:
-            helper = self._local.helper = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="ragen-env")
+            # daemon threads: a call abandoned past its limit must not keep the process from exiting
+            helper = self._local.helper = DaemonThreadPool(1, thread_name_prefix="ragen-env")
             self._helpers.append(helper)
         future = helper.submit(fn, *args, **kwargs)
         try:
@@ -163,7 +165,7 @@ class _EnvThreads:
     """
 
     def __init__(self) -> None:
-        self._executors: dict[int, concurrent.futures.ThreadPoolExecutor] = {}  # by thread count
+        self._executors: dict[int, DaemonThreadPool] = {}  # by thread count
 
     def run(self, jobs: list[tuple["_EnvSlot", Any]]) -> None:
         by_tag: dict[str, list[Any]] = defaultdict(list)
@@ -180,7 +182,7 @@ class _EnvThreads:
             n = tag_jobs[0][0].spec.env_threads
             executor = self._executors.get(n)
             if executor is None:
-                executor = concurrent.futures.ThreadPoolExecutor(n, thread_name_prefix="ragen-envs")
+                executor = DaemonThreadPool(n, thread_name_prefix="ragen-envs")
                 self._executors[n] = executor
             futures += [executor.submit(job) for _, job in tag_jobs]
         # Bounded: each job is one env call sequence, itself bounded by
