@@ -316,6 +316,9 @@ def plot(report: dict[str, Any], path: str) -> bool:
 
 @hydra.main(config_path="config", config_name="base-parallel", version_base=None)
 def main(cfg: DictConfig) -> None:
+    from ragen.llm_agent.executors import interrupt_on_sigterm
+
+    interrupt_on_sigterm()  # a terminated benchmark shuts down as an interrupted one: no worker left
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from ragen.llm import check_engine_config, make_engine
     from ragen.llm_agent import AgentSetup

@@ -348,4 +348,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    from ragen.llm_agent.executors import interrupt_on_sigterm
+
+    interrupt_on_sigterm()  # a terminated soak shuts down as an interrupted one: no worker left
     raise SystemExit(main())

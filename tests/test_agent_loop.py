@@ -10,6 +10,7 @@ from omegaconf import OmegaConf
 from ragen.llm import make_engine
 from ragen.llm.scripted import ScriptedEngine
 from ragen.llm_agent import AgentSetup, LLMAgentProxy, StopReason
+from ragen.llm_agent.rollout_loop import LoopConfig
 
 from tests.rollout_helpers import ROOT
 
@@ -129,3 +130,14 @@ def test_real_default_model_produces_parsed_actions():
     responses = [t.turns[0].response for t in trajs]
     assert all(r.strip() for r in responses)
     assert any(t.turns[0].actions for t in trajs), responses
+
+
+def test_a_time_limit_of_zero_is_refused_by_the_library_too():
+    """0 is not "no limit" (None is) for code that builds the loop or the manager itself."""
+    from ragen.llm_agent.parallel_rollout import ParallelRolloutManager
+
+    with pytest.raises(ValueError, match="env_timeout_s must be > 0 seconds, got 0"):
+        LoopConfig(env_timeout_s=0)
+    for key in ("rollout_timeout_s", "engine_timeout_s", "fallback_env_timeout_s"):
+        with pytest.raises(ValueError, match=f"agent_proxy.{key} must be > 0 seconds, got 0"):
+            ParallelRolloutManager(None, **{key: 0})

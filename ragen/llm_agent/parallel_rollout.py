@@ -172,6 +172,10 @@ class ParallelRolloutManager:
         if backend not in BACKENDS:
             raise ValueError(f"agent_proxy.parallel_backend: unknown {backend!r}; choose one of {BACKENDS}")
         check_n_jobs(n_jobs)
+        for key, value in (("rollout_timeout_s", rollout_timeout_s), ("engine_timeout_s", engine_timeout_s),
+                           ("fallback_env_timeout_s", fallback_env_timeout_s)):
+            if value is not None and not value > 0:
+                raise ValueError(f"agent_proxy.{key} must be > 0 seconds, got {value!r}; for no limit pass None")
         if max_env_num_per_worker is not None and max_env_num_per_worker < 1:
             raise ValueError(f"agent_proxy.max_env_num_per_worker must be >= 1, got {max_env_num_per_worker}")
         if backend in LOCAL_POOLS or (backend == "dask" and not (cluster and cluster.dask_scheduler_address)):

@@ -72,6 +72,10 @@ class LoopConfig:
     pipeline_depth: int = AgentProxyConfig.pipeline_depth
     env_retries: int = AgentProxyConfig.env_retries  # retries of a failing env on a fresh instance
 
+    def __post_init__(self) -> None:
+        if self.env_timeout_s is not None and not self.env_timeout_s > 0:
+            raise ValueError(f"env_timeout_s must be > 0 seconds, got {self.env_timeout_s!r}; for no limit pass None")
+
 
 _ERRORS_LOCK = threading.Lock()
 
