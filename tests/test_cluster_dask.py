@@ -105,7 +105,8 @@ def test_local_cluster_for_the_run_gives_the_sequential_trajectories(mixed_specs
                 result = prm.rollout(mixed_specs, loop_config(depth=depth))
                 assert result.trajectories == reference
                 assert result.metrics["parallel/fallbacks"] == 0
-                assert result.metrics["parallel/workers_used"] == 2
+                # on the cluster's workers (pull-based: one that starts late may find every group taken)
+                assert result.metrics["parallel/workers_used"] in (1, 2)
         finally:
             prm.close()
     # the cluster started for the run is gone with it

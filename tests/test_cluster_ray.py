@@ -82,7 +82,8 @@ def test_local_ray_gives_the_sequential_trajectories_and_keeps_envs(mixed_specs,
             result = prm.rollout(mixed_specs, loop_config(depth=depth))
             assert result.trajectories == reference
             assert result.metrics["parallel/fallbacks"] == 0
-            assert result.metrics["parallel/workers_used"] == 2
+            # on the cluster's workers (pull-based: one that starts late may find every group taken)
+            assert result.metrics["parallel/workers_used"] in (1, 2)
         for _ in range(3):
             result = prm.rollout(counting, loop_config())
             assert result.trajectories == counting_ref
