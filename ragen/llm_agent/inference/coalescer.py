@@ -11,8 +11,9 @@ While the engine is idle it waits for more requests until every open stream
 when the engine has a larger fixed cost per call (``CallCostModel``, fitted
 online on calls of about the size of the one being gathered; capped by
 ``max_coalesce_wait_s``, which is also the budget while that cost is not
-known). Within that budget it waits only for the streams expected in it. A connection (one worker) serves its streams one after another, so it
-is modelled as a serial server (``StreamClock``): each idle stream is due one
+known). Within that budget it waits only for the streams expected in it. A
+connection (one worker) serves its streams one after another, so it is
+modelled as a serial server (``StreamClock``): each idle stream is due one
 "turn time" (env steps and prompt building, learned per connection; resets
 learned apart) after the later of its answer and the stream before it. A
 stream that will not be back before the budget runs out is not waited for;
