@@ -64,6 +64,47 @@ def test_call_cost_model_fits_the_fixed_cost_only_when_call_sizes_differ():
     assert alike.fixed_s() is None
 
 
+def test_the_fixed_cost_is_fitted_on_calls_of_about_the_batch_size():
+    """A CPU engine: a call of 128 costs four times one of 32, a call of 16
+    as much as one of 32. The line through 32 and 128 says a call costs
+    nothing fixed; the calls near 32 say it is unknown (too alike in size)."""
+    model = CallCostModel()
+    model.add(128, 37.9)
+    model.add(32, 9.25)
+    assert model.fixed_s() == 0.0  # the line through both
+    assert model.fixed_s(near=32) is None and model.fixed_s(near=128) is None
+    model.add(16, 7.4)
+    assert model.fixed_s(near=24) == pytest.approx(2 * 7.4 - 9.25)  # the line through 16 and 32
+
+
+def test_a_rollout_after_a_larger_validation_is_still_one_call_per_turn():
+    """The default job: a validation of 128 envs in one call, then training
+    rollouts of 2 streams x 16 requests. Each turn of every rollout is one
+    engine call, the third rollout included (the fit through the calls of 128
+    and 32 gave a fixed cost of 0, and split it in two)."""
+    c = Coalescer()  # the manager's defaults
+    c.connect("w1"), c.connect("w2")
+    now, calls = 0.0, []
+    for size, seconds in ((64, 37.9), (16, 9.25), (16, 7.4)):
+        rollout = c.announce(2)
+        c.open("w1", 1, rollout, now), c.open("w2", 1, rollout, now)
+        now += 0.2  # env resets
+        _arrive(c, "w1", size, now)
+        decision = c.decide(now)
+        if decision.batch is None:  # the second worker resets its envs a little later
+            assert decision.until is not None and decision.until > now + 0.05
+            now += 0.05
+            _arrive(c, "w2", size, now, env0=size)
+            decision = c.decide(now)
+        calls.append(_sizes(decision))
+        c.call_done(sum(calls[-1]), seconds, now + seconds)
+        now += seconds
+        c.answered({conn: 1 for conn in ("w1", "w2")}, now)
+        c.close("w1", 1), c.close("w2", 1)
+        c.withdraw(rollout)
+    assert calls == [[64, 64], [16, 16], [16, 16]]
+
+
 def test_worker_time_per_stream_is_learned_from_its_requests():
     clock = _clock([None, None], [(1.0, False), (1.0, False)], last_request=0.0)
     clock.request_arrived(1.2)  # first stream reset in 0.2 s
@@ -89,7 +130,7 @@ def test_every_open_stream_queued_calls_at_once():
 
 def test_a_stream_later_than_predicted_is_still_waited_for_within_the_budget():
     c = Coalescer(coalesce_wait_s=0.0)
-    for n in (8, 32, 64, 128):  # a fitted fixed cost of 0.5 s per call
+    for n in (2, 4, 6, 8):  # a fitted fixed cost of 0.5 s per call of this size
         c.cost.add(n, 0.5 + 0.001 * n)
     assert c.budget_s() == pytest.approx(0.5)
     c.connect("w")
@@ -110,7 +151,7 @@ def test_a_stream_later_than_predicted_is_still_waited_for_within_the_budget():
 
 def test_a_stream_due_after_the_budget_is_not_waited_for():
     c = Coalescer(coalesce_wait_s=0.0)
-    for n in (8, 32, 64, 128):  # fixed cost 10 ms per call
+    for n in (4, 8, 12, 16):  # fixed cost 10 ms per call of this size
         c.cost.add(n, 0.01 + 0.001 * n)
     c.connect("fast"), c.connect("slow")
     c.clocks["slow"] = _clock([1.0, 1.0], [(0.0, True)], last_request=0.0)  # one stream, back in 1 s

@@ -107,3 +107,45 @@ def test_conversion_runs_once_and_is_atomic(monkeypatch, tmp_path):
         ensure_default_model()
     leftovers = [p for p in (tmp_path / "second" / "models").iterdir() if not p.name.endswith(".lock")]
     assert leftovers == []
+
+
+_FIRST_OR_LATER_RUN = r"""
+import hashlib, json, os, sys, threading
+env = dict(os.environ)
+from ragen.llm.default_model import default_model_dir
+from ragen.llm.hf import HFEngine
+converted = not default_model_dir().is_dir()
+engine = HFEngine("default", device="cpu")
+ids = engine.tokenizer(["Choose an arm: Phoenix or Dragon?"], return_tensors="pt")
+logits = engine.model(**ids).logits.detach()
+print(json.dumps({
+    "converted": converted,
+    "gguf_imported": "gguf" in sys.modules,
+    "threads": sorted(t.name for t in threading.enumerate()),
+    "env_set": sorted(k for k in os.environ if os.environ[k] != env.get(k)),
+    "logits": hashlib.sha256(logits.numpy().tobytes()).hexdigest(),
+}))
+"""
+
+
+@pytest.mark.timeout(900)
+def test_a_first_run_that_converts_is_left_as_a_later_run_that_loads(tmp_path):
+    """The conversion runs in a child process: the process that converted goes on with no
+    conversion library imported, no thread or environment variable left behind, and
+    computes bit for bit what a later run that loads the cached folder computes."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "RAGEN_CACHE_DIR": str(tmp_path),
+           "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parents[1]), os.environ.get("PYTHONPATH", "")])}
+    runs = []
+    for _ in range(2):
+        done = subprocess.run([sys.executable, "-c", _FIRST_OR_LATER_RUN], env=env, capture_output=True, text=True,
+                              timeout=800)
+        assert done.returncode == 0, done.stderr[-3000:]
+        runs.append(json.loads(done.stdout.strip().splitlines()[-1]))
+    first, later = runs
+    assert first.pop("converted") and not later.pop("converted")
+    assert not first["gguf_imported"]
+    assert first == later

@@ -4,6 +4,7 @@ stop reasons, per-request limits, policy versions and the shared model."""
 from __future__ import annotations
 
 import filecmp
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -286,6 +287,42 @@ def test_a_weight_update_drops_the_turn_cache(tiny_model_path, tiny_model_and_to
     engine.generate(_conversations(first), GREEDY)
     # ... and not used: only the common system message of the four prompts is reused
     assert engine.tokens_reused - reused < sum(len(c.prompt_token_ids) for c in first)
+
+
+def test_an_episodes_last_turn_is_not_kept_in_the_turn_cache(tiny_model_path):
+    """A request at its episode's last possible turn has no next prompt to reuse its cache: the
+    call keeps nothing for it and forgets the episode's earlier turn (its start still reused)."""
+    engine = make_engine({"name": "hf", "device": "cpu"}, tiny_model_path)
+    single = [replace(r, last_turn=True) for r in _conversations()]
+    engine.generate(single, GREEDY)
+    assert len(engine.turn_cache) == 0 and engine.turn_cache.bytes == 0
+    first = engine.generate(_conversations(), GREEDY)  # a turn with one after it: kept
+    assert len(engine.turn_cache) == 4 and engine.turn_cache.bytes > 0
+    reused = engine.tokens_reused
+    last = [replace(r, last_turn=True) for r in _conversations(first)]
+    engine.generate(last[:3] + _conversations(first)[3:], GREEDY)
+    assert engine.tokens_reused - reused >= sum(len(c.prompt_token_ids) for c in first)  # the first turns' starts
+    assert len(engine.turn_cache) == 1 and engine.turn_cache.bytes > 0  # only the episode with a turn to come
+
+
+def test_a_single_turn_rollout_leaves_the_turn_cache_empty_and_a_multi_turn_one_uses_it(tiny_model_path):
+    """The turn loop marks the requests of each episode's last possible turn (``max_turn``):
+    a single-turn rollout (the default job's Bandit validation) keeps nothing; a multi-turn
+    one reuses each episode's earlier turns, and keeps only the episodes that ended early."""
+    from tests.rollout_helpers import custom_envs, loop_config, sequential, specs_for
+
+    engine = make_engine({"name": "hf", "device": "cpu"}, tiny_model_path)
+    config = loop_config(max_turn=1)
+    config = replace(config, sampling=replace(config.sampling, max_tokens=12))
+    sequential(specs_for(["Bandit"], [4], 2, custom_envs()), config, engine)
+    assert len(engine.turn_cache) == 0 and engine.turn_cache.bytes == 0
+    specs = specs_for(["SimpleSokoban", "FrozenLake"], [2, 2], 2, custom_envs())
+    within_calls = make_engine({"name": "hf", "device": "cpu", "turn_cache_mb": 0}, tiny_model_path)
+    trajectories = sequential(specs, replace(config, max_turn=3), engine)
+    assert trajectories == sequential(specs, replace(config, max_turn=3), within_calls)
+    assert max(len(t.turns) for t in trajectories) == 3
+    assert engine.tokens_prefilled < 0.6 * within_calls.tokens_prefilled
+    assert len(engine.turn_cache) == sum(len(t.turns) < 3 for t in trajectories)
 
 
 def test_the_turn_cache_stays_within_its_bound(tiny_model_path):

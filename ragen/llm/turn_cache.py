@@ -104,6 +104,10 @@ class TurnCache:
             self.evicted += 1
         return True
 
+    def discard(self, key: Hashable) -> None:
+        """Forget episode ``key`` (it has no next turn); its block goes with its last entry."""
+        self._drop(key)
+
     def clear(self) -> None:
         for key in list(self._entries):
             self._drop(key)

@@ -1,7 +1,8 @@
 """The vocabulary of language-model engines.
 
 - ``GenerationRequest``: one chat prompt, keyed by ``(seed, env_id, turn)`` so a
-  policy's randomness can be tied to the request, never to batch order.
+  policy's randomness can be tied to the request, never to batch order;
+  ``last_turn`` says that no turn of its episode follows (nothing to keep for one).
 - ``SamplingParams``: how to decode (``temperature == 0`` means greedy).
 - ``Completion``: the answer text, prompt and response token ids, the log-prob
   of each response token under the distribution it was sampled from, why it
@@ -51,6 +52,7 @@ class GenerationRequest:
     turn: int = 0
     seed: int = 0  # the env's seed for this rollout
     max_tokens: int | None = None  # per-request cap (the env's max_tokens); None: sampling's
+    last_turn: bool = False  # the episode's last possible turn: no next prompt continues this one
 
     @property
     def key(self) -> tuple[int, int, int]:

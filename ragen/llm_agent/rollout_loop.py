@@ -466,6 +466,7 @@ def _submit(stream, client, ctx, config, inflight, stats, isolate: bool = True) 
             turn=len(s.traj.turns),
             seed=s.spec.seed,
             max_tokens=s.spec.max_tokens,
+            last_turn=len(s.traj.turns) + 1 >= config.max_turn,
         )
         for s in active
     ]

@@ -9,10 +9,11 @@ While the engine is idle it waits for more requests until every open stream
 (a worker's micro-batch with work left) has one queued, the batch reaches
 ``max_batch_size``, or the wait budget is spent: ``coalesce_wait_s``, or more
 when the engine has a larger fixed cost per call (``CallCostModel``, fitted
-online; capped by ``max_coalesce_wait_s``, which is also the budget while that
-cost is not known). Within that budget it waits only for the streams expected
-in it. A connection (one worker) serves its streams one after another, so it
-is modelled as a serial server (``StreamClock``): each idle stream is due one
+online on calls of about the size of the one being gathered; capped by
+``max_coalesce_wait_s``, which is also the budget while that cost is not
+known). Within that budget it waits only for the streams expected in it. A
+connection (one worker) serves its streams one after another, so it is
+modelled as a serial server (``StreamClock``): each idle stream is due one
 "turn time" (env steps and prompt building, learned per connection; resets
 learned apart) after the later of its answer and the stream before it. A
 stream that will not be back before the budget runs out is not waited for;
@@ -25,7 +26,9 @@ Why wait at all: on a GPU a call's time hardly depends on its size, so a turn
 split over two calls costs a whole decode more. A fit of the fixed cost from
 calls of one size came out near 0 there, and a few ms of misprediction split
 a turn in two; hence "unknown" (not 0) when call sizes are too alike, and
-waiting for a late stream that is still within the budget.
+waiting for a late stream that is still within the budget. A fit through far
+apart sizes (a validation's call of 128 and a rollout's of 32 on a CPU) came
+out near 0 too, and split every later rollout; hence a fit near the size.
 """
 
 from __future__ import annotations
@@ -40,35 +43,47 @@ from ragen.llm.types import GenerationRequest, SamplingParams
 
 class CallCostModel:
     """Engine call time as ``fixed + per_request * n``, fitted by least
-    squares over recent calls (exponentially forgotten). ``fixed_s()`` is what
-    one more call costs beyond its requests (a GPU's per-step latency, which
-    batching amortizes); None while the calls seen are too alike in size to
-    tell the two apart (sizes within ``min_spread`` of their mean, or no
-    calls): the intercept would be an extrapolation that timing noise decides."""
+    squares over recent calls (exponentially forgotten). ``fixed_s(near)`` is
+    what one more call of about ``near`` requests costs beyond its requests (a
+    GPU's per-step latency, which batching amortizes), fitted only on calls
+    within a factor ``size_ratio`` of that size: an engine's time is not one
+    line over every size (on a CPU a call of 16 can cost as much as one of 32,
+    and one of 128 four times as much), and a line through far-apart sizes (a
+    validation's call and a training rollout's) puts the intercept near 0.
+    None while the calls seen are too alike in size to tell the two apart
+    (sizes within ``min_spread`` of their mean, or no calls): the intercept
+    would be an extrapolation that timing noise decides."""
 
     min_spread = 0.25
+    size_ratio = 2.0
 
-    def __init__(self, decay: float = 0.95) -> None:
+    def __init__(self, decay: float = 0.95, history: int = 64) -> None:
         self.decay = decay
-        self._w = self._n = self._t = self._nn = self._nt = 0.0
+        self._calls: deque[tuple[int, float]] = deque(maxlen=history)  # beyond it a call's weight is negligible
 
     def add(self, n: int, seconds: float) -> None:
-        d = self.decay
-        self._w = self._w * d + 1.0
-        self._n = self._n * d + n
-        self._t = self._t * d + seconds
-        self._nn = self._nn * d + n * n
-        self._nt = self._nt * d + n * seconds
+        self._calls.append((n, seconds))
 
-    def fixed_s(self) -> float | None:
-        if self._w == 0.0:
+    def fixed_s(self, near: float | None = None) -> float | None:
+        """The fixed cost per call, from the calls of about ``near`` requests (None: from all)."""
+        w = sn = st = snn = snt = 0.0
+        weight = 1.0
+        for n, seconds in reversed(self._calls):
+            if near is None or near / self.size_ratio <= n <= near * self.size_ratio:
+                w += weight
+                sn += weight * n
+                st += weight * seconds
+                snn += weight * n * n
+                snt += weight * n * seconds
+            weight *= self.decay
+        if w == 0.0:
             return None
-        mean = self._n / self._w
-        det = self._w * self._nn - self._n * self._n  # w^2 * variance of the sizes
-        if det <= (self.min_spread * mean * self._w) ** 2:
+        mean = sn / w
+        det = w * snn - sn * sn  # w^2 * variance of the sizes
+        if det <= (self.min_spread * mean * w) ** 2:
             return None
-        slope = (self._w * self._nt - self._n * self._t) / det
-        return max(0.0, (self._t - slope * self._n) / self._w)
+        slope = (w * snt - sn * st) / det
+        return max(0.0, (st - slope * sn) / w)
 
 
 @dataclass
@@ -219,11 +234,12 @@ class Coalescer:
         self.engine_free_at = free_at
 
     # ----- the decision ------------------------------------------------------------
-    def budget_s(self) -> float:
+    def budget_s(self, batch: float | None = None) -> float:
         """How long to hold the first request for others: up to what a separate
-        call would cost (the fixed cost per call), so merging never loses more
-        than it can save; ``max_coalesce_wait_s`` while that cost is unknown."""
-        fixed = self.cost.fixed_s()
+        call would cost (the fixed cost per call of about ``batch`` requests),
+        so merging never loses more than it can save; ``max_coalesce_wait_s``
+        while that cost is unknown."""
+        fixed = self.cost.fixed_s(batch)
         if fixed is None:
             return self.max_coalesce_wait_s
         return max(self.coalesce_wait_s, min(self.max_coalesce_wait_s, fixed))
@@ -233,9 +249,11 @@ class Coalescer:
             return Decision()
         # counted from when the engine became free: streams that fell out of
         # step (one half generating while the other steps) fall back in
-        deadline = max(self.pending[0].arrived, self.engine_free_at) + self.budget_s()
         unopened = sum(n for n in self.announced.values() if n > 0)
         n_req = sum(len(p.requests) for p in self.pending)
+        # the call it would be with every stream in, as large as the ones queued
+        batch = n_req * max(len(self.pending), self.open_streams + unopened) / len(self.pending)
+        deadline = max(self.pending[0].arrived, self.engine_free_at) + self.budget_s(batch)
         go = (len(self.pending) >= self.open_streams + unopened or n_req >= self.max_batch_size or now >= deadline
               or (not unopened and not self.expects_before(deadline)))
         return Decision(batch=self._take_batch()) if go else Decision(until=deadline)
