@@ -44,7 +44,7 @@ import sys
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-from ragen.env.allowed import AllowedEnvTypes, EnvTypeNotAllowed, allowed_env_types
+from ragen.env.allowed import AllowedEnvTypes, EnvTypeNotAllowed, add_allow_options, allowed_env_types
 from ragen.llm.types import Completion, Engine, GenerationRequest, SamplingParams
 from ragen.llm_agent.dump import DumpError, DumpRecord, read_dump
 from ragen.llm_agent.inference import DirectClient
@@ -251,12 +251,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--model", help="the engine's model (hf, vllm; default: the embedded default model)")
     parser.add_argument("--engine-opt", action="append", default=[], metavar="KEY=VALUE",
                         help="an engine option, as in config/engine/<name>.yaml (repeatable)")
-    parser.add_argument("--config", action="append", default=[], metavar="FILE",
-                        help="build the env types named by this config's custom_envs (an envs YAML, a run "
-                             "folder's config.yaml, or a Hydra config such as config/base.yaml; repeatable)")
-    parser.add_argument("--allow-env-type", action="append", default=[], metavar="MODULE:CLASS",
-                        help="build this env or config type, an import path the dump names (repeatable); "
-                             "only for dumps you trust: building it runs its code")
+    add_allow_options(parser, "build")
     parser.add_argument("--raise", dest="raise_errors", action="store_true",
                         help="let an exception in the env propagate (with its traceback, for a debugger) "
                              "instead of comparing it with the dump")

@@ -17,6 +17,9 @@ viewer's grid symbols) therefore build only the types the user's setup names:
   is imported; ``allows(...)`` says the same as a bool.
 - ``allowed_env_types(configs=(), allow=())``: the set from config files and
   import paths.
+- ``add_allow_options(parser, use)``: the ``--config`` and
+  ``--allow-env-type`` options of a command that reads dumps, whose values
+  ``allowed_env_types`` takes.
 - ``custom_envs_of(path)``: the ``custom_envs`` of a config file: an envs YAML
   (``config/envs.yaml``), the ``config.yaml`` train.py writes in a run folder,
   or a Hydra config with a defaults list (``config/base.yaml``), composed from
@@ -33,7 +36,7 @@ from typing import Any
 
 from . import REGISTERED_ENVS
 
-__all__ = ["AllowedEnvTypes", "EnvTypeNotAllowed", "allowed_env_types", "custom_envs_of"]
+__all__ = ["AllowedEnvTypes", "EnvTypeNotAllowed", "add_allow_options", "allowed_env_types", "custom_envs_of"]
 
 
 class EnvTypeNotAllowed(ValueError):
@@ -76,6 +79,18 @@ class AllowedEnvTypes:
 def _is_import_path(text: Any) -> bool:
     module, sep, attr = text.partition(":") if isinstance(text, str) else ("", "", "")
     return bool(sep and module.strip() and attr.strip())
+
+
+def add_allow_options(parser: Any, use: str) -> None:
+    """``--config FILE`` and ``--allow-env-type MODULE:CLASS`` (both repeatable)
+    on an ``argparse`` parser; ``use`` says what the command does with an
+    allowed type ("build", "build the config class of")."""
+    parser.add_argument("--config", action="append", default=[], metavar="FILE",
+                        help=f"{use} the env types named by this config's custom_envs (an envs YAML, a run "
+                             "folder's config.yaml, or a Hydra config such as config/base.yaml; repeatable)")
+    parser.add_argument("--allow-env-type", action="append", default=[], metavar="MODULE:CLASS",
+                        help=f"{use} this env or config type, an import path the dump names (repeatable); "
+                             "only for dumps you trust: it imports that module and runs its code")
 
 
 def allowed_env_types(configs: Iterable[str | os.PathLike] = (), allow: Iterable[str] = ()) -> AllowedEnvTypes:

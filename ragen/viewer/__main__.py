@@ -14,7 +14,7 @@ import argparse
 import logging
 import sys
 
-from ragen.env.allowed import allowed_env_types
+from ragen.env.allowed import add_allow_options, allowed_env_types
 from ragen.viewer import DumpError, ViewerError, write_viewer
 
 
@@ -26,12 +26,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("-o", "--out", help="the HTML file to write (default: the dump's name with .html, beside it)")
     parser.add_argument("--metrics", help="a metrics.jsonl for the learning curve (default: the one beside the "
                                           "dump or in the folder above, if any)")
-    parser.add_argument("--config", action="append", default=[], metavar="FILE",
-                        help="draw the env types named by this config's custom_envs with their own config classes "
-                             "(an envs YAML, a run folder's config.yaml or a Hydra config; repeatable)")
-    parser.add_argument("--allow-env-type", action="append", default=[], metavar="MODULE:CLASS",
-                        help="build this env's config class, an import path the dump names (repeatable); only for "
-                             "dumps you trust: it imports that module")
+    add_allow_options(parser, "build the config class of")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s: %(message)s")
     try:
