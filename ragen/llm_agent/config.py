@@ -44,6 +44,14 @@ def check_n_jobs(n_jobs: Any) -> None:
 TIMEOUT_KEYS = ("rollout_timeout_s", "env_timeout_s", "engine_timeout_s")  # agent_proxy.*: > 0, or null
 
 
+def check_time_limit(key: str, value: Any) -> None:
+    """``agent_proxy.<key>``: a time limit in seconds, > 0, or None for no limit
+    (0 is refused: it would read as "no limit" in one place and "at once" in another)."""
+    if value is not None and not value > 0:
+        shown = f"{value:g}" if isinstance(value, (int, float)) else repr(value)
+        raise ValueError(f"agent_proxy.{key} must be > 0 seconds, got {shown}; for no limit write null")
+
+
 # Workers per core at most: a worker mostly waits for the engine, so a few per
 # core can still overlap env work with generation; beyond that more processes
 # only cost memory and start-up.
@@ -111,8 +119,7 @@ class AgentProxyConfig:
     def __post_init__(self) -> None:
         check_n_jobs(self.parallel_n_jobs)
         for key in TIMEOUT_KEYS:
-            if getattr(self, key) == 0:
-                raise ValueError(f"agent_proxy.{key} must be > 0 seconds, got 0; for no limit write null")
+            check_time_limit(key, getattr(self, key))
         if not self.action_sep:
             raise ValueError("agent_proxy.action_sep must be a non-empty string")
 

@@ -81,7 +81,7 @@ import joblib
 
 from ragen.llm_agent.cluster import ClusterConfig, open_cluster
 from ragen.llm_agent.autosize import AutoSizer, Measured
-from ragen.llm_agent.config import BACKENDS, cap_n_jobs, check_n_jobs
+from ragen.llm_agent.config import BACKENDS, cap_n_jobs, check_n_jobs, check_time_limit
 from ragen.llm_agent.es_manager import compute_metrics
 from ragen.llm_agent.executors import DaemonThreadPool, KeptExecutor, start_worker
 from ragen.llm_agent.rollout_loop import KeptEnvs, LoopConfig, LoopStats, run_envs
@@ -174,8 +174,7 @@ class ParallelRolloutManager:
         check_n_jobs(n_jobs)
         for key, value in (("rollout_timeout_s", rollout_timeout_s), ("engine_timeout_s", engine_timeout_s),
                            ("fallback_env_timeout_s", fallback_env_timeout_s)):
-            if value is not None and not value > 0:
-                raise ValueError(f"agent_proxy.{key} must be > 0 seconds, got {value!r}; for no limit pass None")
+            check_time_limit(key, value)
         if max_env_num_per_worker is not None and max_env_num_per_worker < 1:
             raise ValueError(f"agent_proxy.max_env_num_per_worker must be >= 1, got {max_env_num_per_worker}")
         if backend in LOCAL_POOLS or (backend == "dask" and not (cluster and cluster.dask_scheduler_address)):

@@ -46,7 +46,7 @@ from operator import attrgetter
 from typing import Any, Callable, Sequence
 
 from ragen.llm.types import Completion, GenerationRequest, SamplingParams
-from ragen.llm_agent.config import AgentProxyConfig, EsManagerConfig
+from ragen.llm_agent.config import AgentProxyConfig, EsManagerConfig, check_time_limit
 from ragen.llm_agent.ctx_manager import ContextConfig, ContextManager
 from ragen.llm_agent.executors import DaemonThreadPool
 from ragen.llm_agent.inference.client import LLMClient
@@ -73,8 +73,7 @@ class LoopConfig:
     env_retries: int = AgentProxyConfig.env_retries  # retries of a failing env on a fresh instance
 
     def __post_init__(self) -> None:
-        if self.env_timeout_s is not None and not self.env_timeout_s > 0:
-            raise ValueError(f"env_timeout_s must be > 0 seconds, got {self.env_timeout_s!r}; for no limit pass None")
+        check_time_limit("env_timeout_s", self.env_timeout_s)
 
 
 _ERRORS_LOCK = threading.Lock()
@@ -476,17 +475,10 @@ def _submit(stream, client, ctx, config, inflight, stats, isolate: bool = True) 
             break
         except MessageTooLarge as exc:
             for i in exc.refused:
-                slot = active[i]
-                where = f"env_id {slot.spec.env_id} (tag {slot.spec.tag}, seed {slot.spec.seed})"
-                message = (f"MessageTooLarge: its request to the LLM manager ({exc.request_sizes.get(i, 0)} bytes) "
-                           f"takes a message of {exc.size} bytes past the limit of {exc.limit} bytes; raise "
-                           f"agent_proxy.max_message_bytes or make the env's observations shorter")
-                with _ERRORS_LOCK:
-                    stats.env_errors += 1
-                if not isolate:
-                    raise ShardError(f"{where}: {message}") from None
-                logger.warning("%s ended in error at turn %d: %s", where, len(slot.traj.turns), message)
-                slot.finish(StopReason.ERROR, message)
+                _end_in_error(active[i], StopReason.ERROR, stats, isolate, cause=None, message=(
+                    f"MessageTooLarge: its request to the LLM manager ({exc.request_sizes.get(i, 0)} bytes) "
+                    f"takes a message of {exc.size} bytes past the limit of {exc.limit} bytes; raise "
+                    f"agent_proxy.max_message_bytes or make the env's observations shorter"))
             refused = set(exc.refused)
             keep = [i for i in range(len(active)) if i not in refused]
             active, requests = [active[i] for i in keep], [requests[i] for i in keep]
@@ -518,24 +510,36 @@ def _guard(slot: _EnvSlot, stats: LoopStats, isolate: bool, config: LoopConfig, 
             slot.observation, slot.actions_left = saved
             slot.env = None  # a failed env's state is unknown: never reuse it
             message = f"{type(exc).__name__}: {exc}"
-            where = f"env_id {slot.spec.env_id} (tag {slot.spec.tag}, seed {slot.spec.seed})"
             if attempt < config.env_retries:
                 with _ERRORS_LOCK:
                     stats.env_retries += 1
                 logger.warning("%s failed at turn %d: %s; retrying on a fresh instance (%d of %d)",
-                               where, len(slot.traj.turns), message, attempt + 1, config.env_retries)
+                               _where(slot), len(slot.traj.turns), message, attempt + 1, config.env_retries)
                 continue
-            with _ERRORS_LOCK:  # envs of a parallel_friendly tag fail on several threads at once
-                stats.env_errors += 1
-            if not isolate:
-                raise ShardError(f"{where}: {message}") from exc
-            logger.warning("%s ended in %s at turn %d: %s", where,
-                           "timeout" if isinstance(exc, EnvTimeout) else "error", len(slot.traj.turns), message)
             logger.debug("%s", traceback.format_exc())
             if fn is _apply:  # args: (slot, completion, ...); the turn is lost, its answer kept for a replay
                 slot.traj.failed_response = args[1].text
-            slot.finish(StopReason.TIMEOUT if isinstance(exc, EnvTimeout) else StopReason.ERROR, message)
+            _end_in_error(slot, StopReason.TIMEOUT if isinstance(exc, EnvTimeout) else StopReason.ERROR, stats,
+                          isolate, cause=exc, message=message)
             return
+
+
+def _where(slot: _EnvSlot) -> str:
+    return f"env_id {slot.spec.env_id} (tag {slot.spec.tag}, seed {slot.spec.seed})"
+
+
+def _end_in_error(slot: _EnvSlot, reason: StopReason, stats: LoopStats, isolate: bool, cause: BaseException | None,
+                  message: str) -> None:
+    """The env ends its trajectory with ``reason`` (error or timeout) and
+    ``message``, counted in ``stats``; when not ``isolate``, ``ShardError``
+    instead (the fallback re-runs the shard)."""
+    where = _where(slot)
+    with _ERRORS_LOCK:  # envs of a parallel_friendly tag fail on several threads at once
+        stats.env_errors += 1
+    if not isolate:
+        raise ShardError(f"{where}: {message}") from cause
+    logger.warning("%s ended in %s at turn %d: %s", where, reason.value, len(slot.traj.turns), message)
+    slot.finish(reason, message)
 
 
 def _rebuild(slot: _EnvSlot, call: _Caller, expect: str | None) -> None:
