@@ -74,7 +74,7 @@ class DaemonThreadPool(concurrent.futures.Executor):
     """A ``concurrent.futures`` thread pool of daemon threads, started as tasks
     need them (at most ``max_workers``). ``ThreadPoolExecutor``'s threads are
     joined when the interpreter exits, so one task that never returns (an env
-    hanging, abandoned past its time limit) kept the process from exiting."""
+    hanging, abandoned past its time limit) would keep the process from exiting."""
 
     def __init__(self, max_workers: int, thread_name_prefix: str = "ragen-pool") -> None:
         if max_workers < 1:

@@ -26,9 +26,10 @@ Why wait at all: on a GPU a call's time hardly depends on its size, so a turn
 split over two calls costs a whole decode more. A fit of the fixed cost from
 calls of one size came out near 0 there, and a few ms of misprediction split
 a turn in two; hence "unknown" (not 0) when call sizes are too alike, and
-waiting for a late stream that is still within the budget. A fit through far
-apart sizes (a validation's call of 128 and a rollout's of 32 on a CPU) came
-out near 0 too, and split every later rollout; hence a fit near the size.
+waiting for a late stream that is still within the budget. A line through far
+apart sizes (a validation's call of 128 and a rollout's of 32 on a CPU) puts
+the fixed cost near 0 too, which would split every later rollout's turn;
+hence a fit on calls near the size.
 """
 
 from __future__ import annotations
