@@ -19,7 +19,7 @@ for a sampling engine, that success and reward agree within
 ``benchmark.metric_tolerance``). ``benchmark.inject_fault=true`` kills one
 worker mid-rollout to show the fallback. Writes ``benchmark.output`` (JSON) and
 ``benchmark.plot`` (PNG), and with ``benchmark.dump_dir`` every timed rollout
-(``ragen.llm_agent.dump``; ``python -m ragen.viewer`` / ``ragen.replay`` read
+(``ragen.rollout.dump``; ``python -m ragen.tools.viewer`` / ``ragen.tools.replay`` read
 them); exits 1 when the results are inconsistent or a run failed.
 """
 
@@ -117,7 +117,7 @@ def run_modes(cfg: DictConfig, engine, bench: BenchmarkConfig) -> list[dict[str,
 
     from ragen.env import clear_caches
     from ragen.llm_agent import AgentSetup, LLMAgentProxy
-    from ragen.llm_agent.dump import write_dump
+    from ragen.rollout.dump import write_dump
 
     split = bench.split
     proxies, setups, warmup = {}, {}, {}
@@ -148,7 +148,7 @@ def run_modes(cfg: DictConfig, engine, bench: BenchmarkConfig) -> list[dict[str,
                     write_dump(bench.dump_dir, f"{mode}_{split}_{r:03d}", result, loop, split=split, step=r)
                     result.metrics["timing/dump_s"] = time.perf_counter() - t
         if "parallel" in proxies and bench.inject_fault:
-            from ragen.llm_agent.types import rollout_digest
+            from ragen.rollout.types import rollout_digest
 
             clear_caches()
             faulty = proxies["parallel"].rollout(split, rollout_index=0, fault={"shard": 0, "exit_at_turn": 1})
@@ -167,7 +167,7 @@ def run_modes(cfg: DictConfig, engine, bench: BenchmarkConfig) -> list[dict[str,
 
 
 def summarize(mode: str, runs: list, warmup_s: float, setup, proxy) -> dict[str, Any]:
-    from ragen.llm_agent.types import rollout_digest
+    from ragen.rollout.types import rollout_digest
 
     walls = [w for w, _ in runs]
     median_wall = statistics.median(walls)
@@ -316,7 +316,7 @@ def plot(report: dict[str, Any], path: str) -> bool:
 
 @hydra.main(config_path="config", config_name="base-parallel", version_base=None)
 def main(cfg: DictConfig) -> None:
-    from ragen.llm_agent.executors import interrupt_on_sigterm
+    from ragen.rollout.workers.executors import interrupt_on_sigterm
 
     interrupt_on_sigterm()  # a terminated benchmark shuts down as an interrupted one: no worker left
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")

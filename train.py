@@ -54,7 +54,7 @@ def run(cfg: DictConfig) -> dict:
 
 @hydra.main(config_path="config", config_name="base", version_base=None)
 def main(cfg: DictConfig) -> None:
-    from ragen.llm_agent.executors import interrupt_on_sigterm
+    from ragen.rollout.workers.executors import interrupt_on_sigterm
 
     interrupt_on_sigterm()  # a terminated run shuts down as an interrupted one: workers stopped, none left
     run(cfg)

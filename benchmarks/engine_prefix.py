@@ -36,7 +36,7 @@ from ragen.config_files import config_dir
 from ragen.llm import make_engine
 from ragen.llm.default_model import resolve_model_path
 from ragen.llm_agent import AgentSetup, LLMAgentProxy
-from ragen.llm_agent.types import rollout_digest
+from ragen.rollout.types import rollout_digest
 
 SOKOBAN = ["agent_proxy.max_turn=5", "agent_proxy.enable_think=true", "es_manager.train.env_groups=4",
            "es_manager.train.group_size=4", "es_manager.train.env_configs.tags=[SimpleSokoban]",

@@ -11,7 +11,7 @@ spreads env work over workers. The costs are replayed on simulated workers:
 - fixed shards (the scheduler before pull-based chunks): ``partition`` cuts the groups into shards
   before the rollout; each shard goes, in list order, to the worker that frees
   first (a process pool with more shards than workers);
-- pull-based chunks (``ragen.llm_agent.schedule``): chunks of whole groups, of
+- pull-based chunks (``ragen.rollout.workers.schedule``): chunks of whole groups, of
   the sizes ``chunk_sizes`` gives, go in order to the worker that frees first.
 
 A schedule's makespan is when its last worker ends; speedup is the total cost
@@ -35,8 +35,8 @@ from typing import Mapping, Sequence
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
 
-from ragen.llm_agent.schedule import chunk_sizes, group_costs, groups_of  # noqa: E402
-from ragen.llm_agent.types import EnvSpec  # noqa: E402
+from ragen.rollout.workers.schedule import chunk_sizes, group_costs, groups_of  # noqa: E402
+from ragen.rollout.types import EnvSpec  # noqa: E402
 from ragen.utils import deal  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -10,7 +10,7 @@ Packages follow the data's way through the system:
 
 Beside them, below every package: ``ragen.pickling`` (names what does not
 pickle) and ``ragen.config_files`` (where the shipped ``config/`` is); and the
-soak command, ``ragen.soak``.
+soak command, ``ragen.tools.soak``.
 """
 
 __version__ = "0.1.0"

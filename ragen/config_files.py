@@ -3,7 +3,7 @@
 The repository's ``config/`` folder (Hydra's config tree for ``train.py``)
 holds the one copy of every YAML file. In the source tree ``ragen/_config`` is
 a symlink to it, and ``setup.py`` ships the files under it as package data, so
-``python -m ragen.env.check`` and ``python -m ragen.soak`` find ``envs.yaml``
+``python -m ragen.tools.check`` and ``python -m ragen.tools.soak`` find ``envs.yaml``
 and ``soak.yaml`` next to ragen's modules, whether ragen is installed editable
 (or run from a checkout) or not.
 """

@@ -21,9 +21,9 @@ import os
 import sys
 
 from ragen.llm.scripted import ScriptedEngine
-from ragen.llm_agent.inference import DirectClient, SharedLLMInferenceManager
-from ragen.llm_agent.parallel_rollout import ParallelRolloutManager
-from ragen.llm_agent.rollout_loop import KeptEnvs, run_envs
+from ragen.serving import DirectClient, SharedLLMInferenceManager
+from ragen.rollout.backends.parallel import ParallelRolloutManager
+from ragen.rollout.loop import KeptEnvs, run_envs
 
 from tests.rollout_helpers import custom_envs, fault_tag, loop_config, specs_for
 
@@ -68,7 +68,7 @@ def timeout(backend: str, per_rollout: bool) -> None:
 
 def serve(backend: str, sigterm: bool, leave: bool) -> None:
     if sigterm:
-        from ragen.llm_agent.executors import interrupt_on_sigterm
+        from ragen.rollout.workers.executors import interrupt_on_sigterm
 
         interrupt_on_sigterm()
     # slow steps, and one group that hangs in its first step: a worker busy for minutes

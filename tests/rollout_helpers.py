@@ -10,10 +10,10 @@ from omegaconf import OmegaConf
 
 from ragen.llm.scripted import ScriptedEngine
 from ragen.llm.types import SamplingParams
-from ragen.llm_agent.ctx_manager import ContextConfig
-from ragen.llm_agent.es_manager import EnvStateManager
-from ragen.llm_agent.inference import DirectClient
-from ragen.llm_agent.rollout_loop import KeptEnvs, LoopConfig, run_envs
+from ragen.rollout.context import ContextConfig
+from ragen.rollout.envs import EnvStateManager
+from ragen.serving import DirectClient
+from ragen.rollout.loop import KeptEnvs, LoopConfig, run_envs
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -10,7 +10,7 @@ from omegaconf import OmegaConf
 from ragen.llm import make_engine
 from ragen.llm.scripted import ScriptedEngine
 from ragen.llm_agent import AgentSetup, LLMAgentProxy, StopReason
-from ragen.llm_agent.rollout_loop import LoopConfig
+from ragen.rollout.loop import LoopConfig
 
 from tests.rollout_helpers import ROOT
 
@@ -134,7 +134,7 @@ def test_real_default_model_produces_parsed_actions():
 
 def test_a_time_limit_of_zero_is_refused_by_the_library_too():
     """0 is not "no limit" (None is) for code that builds the loop or the manager itself."""
-    from ragen.llm_agent.parallel_rollout import ParallelRolloutManager
+    from ragen.rollout.backends.parallel import ParallelRolloutManager
 
     with pytest.raises(ValueError, match="env_timeout_s must be > 0 seconds, got 0"):
         LoopConfig(env_timeout_s=0)

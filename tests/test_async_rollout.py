@@ -11,7 +11,7 @@ import pytest
 
 from ragen.llm.scripted import ScriptedEngine
 from ragen.llm_agent import AgentSetup, LLMAgentProxy
-from ragen.llm_agent.async_rollout import RolloutAhead, staleness
+from ragen.rollout.backends.ahead import RolloutAhead, staleness
 
 from tests.rollout_helpers import custom_envs
 

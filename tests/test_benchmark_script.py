@@ -67,7 +67,7 @@ def test_report_json_and_plot(tmp_path):
     assert sorted(p.name for p in dumps.iterdir()) == [f"{m}_train_{r:03d}.jsonl" for m in ("parallel", "sequential")
                                                        for r in range(2)]
     assert all(r["dump_s"] > 0 for r in report["runs"])
-    replayed = subprocess.run([sys.executable, "-m", "ragen.replay", str(dumps / "parallel_train_001.jsonl")],
+    replayed = subprocess.run([sys.executable, "-m", "ragen.tools.replay", str(dumps / "parallel_train_001.jsonl")],
                               capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert replayed.returncode == 0 and "8 of 8 envs identical" in replayed.stdout, replayed.stdout + replayed.stderr
 

@@ -17,10 +17,10 @@ import dask  # noqa: E402
 from distributed import LocalCluster  # noqa: E402
 
 from ragen.llm.scripted import ScriptedEngine  # noqa: E402
-from ragen.llm_agent.agent_proxy import AgentSetup, LLMAgentProxy  # noqa: E402
-from ragen.llm_agent.cluster import ClusterConfig, open_cluster  # noqa: E402
-from ragen.llm_agent.parallel_rollout import ParallelRolloutManager  # noqa: E402
-from ragen.llm_agent.inference import SharedLLMInferenceManager  # noqa: E402
+from ragen.rollout.proxy import AgentSetup, LLMAgentProxy  # noqa: E402
+from ragen.rollout.workers.cluster import ClusterConfig, open_cluster  # noqa: E402
+from ragen.rollout.backends.parallel import ParallelRolloutManager  # noqa: E402
+from ragen.serving import SharedLLMInferenceManager  # noqa: E402
 from tests.fault_envs import FaultEnv, FaultEnvConfig  # noqa: E402
 from tests.rollout_helpers import (  # noqa: E402
     custom_envs, fault_tag, loop_config, rollouts_at_once, sequential, specs_for)
@@ -210,7 +210,7 @@ def test_worker_lost_on_every_try_dask_gives_up_and_nothing_hangs(give_up_at_onc
     # then runs the groups not played again: nothing is lost or hangs, and the
     # next rollout is parallel again. One group per worker at a time
     # (max_env_num_per_worker) leaves a chunk for task 0 to take, so it dies.
-    caplog.set_level(logging.WARNING, logger="ragen.llm_agent.parallel_rollout")
+    caplog.set_level(logging.WARNING, logger="ragen.rollout.backends.parallel")
     t0 = time.monotonic()
     with SharedLLMInferenceManager(engine) as shared, \
             ParallelRolloutManager(shared, backend="dask", max_env_num_per_worker=2,

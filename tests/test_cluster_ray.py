@@ -21,9 +21,9 @@ ray = pytest.importorskip("ray")
 from joblib.pool import PicklingPool  # noqa: E402
 
 from ragen.llm.scripted import ScriptedEngine  # noqa: E402
-from ragen.llm_agent.cluster import ClusterConfig  # noqa: E402
-from ragen.llm_agent.parallel_rollout import ParallelRolloutManager  # noqa: E402
-from ragen.llm_agent.inference import SharedLLMInferenceManager  # noqa: E402
+from ragen.rollout.workers.cluster import ClusterConfig  # noqa: E402
+from ragen.rollout.backends.parallel import ParallelRolloutManager  # noqa: E402
+from ragen.serving import SharedLLMInferenceManager  # noqa: E402
 from tests.fault_envs import FaultEnv, FaultEnvConfig  # noqa: E402
 from tests.rollout_helpers import (  # noqa: E402
     custom_envs, fault_tag, loop_config, rollouts_at_once, sequential, specs_for)

@@ -51,16 +51,16 @@ def test_tools_find_their_configs_in_a_non_editable_install(tmp_path):
         return subprocess.run([sys.executable, *args], cwd=elsewhere, env=env, capture_output=True, text=True,
                               timeout=120)
 
-    where = run("-c", "import ragen.env.check, ragen.soak; print(ragen.__file__)")
+    where = run("-c", "import ragen.env.check, ragen.tools.soak; print(ragen.__file__)")
     assert where.returncode == 0, where.stderr
     assert Path(where.stdout.strip()).resolve() == (target / "ragen" / "__init__.py").resolve()
 
-    check = run("-m", "ragen.env.check", "SimpleSokoban", "--seeds", "2")
+    check = run("-m", "ragen.tools.check", "SimpleSokoban", "--seeds", "2")
     assert check.returncode == 0, check.stdout + check.stderr
     assert f"tag SimpleSokoban of {installed / 'envs.yaml'}" in check.stdout and "OK: 0 failed" in check.stdout
 
     out = tmp_path / "soak.json"
-    soak = run("-m", "ragen.soak", "--rollouts", "1", "--ref", "1", "--json", str(out),
+    soak = run("-m", "ragen.tools.soak", "--rollouts", "1", "--ref", "1", "--json", str(out),
                "es_manager.train.env_groups=2", "es_manager.train.group_size=1",
                "es_manager.train.env_configs.tags=[Bandit]", "es_manager.train.env_configs.n_groups=[2]",
                "agent_proxy.parallel_n_jobs=1", "agent_proxy.max_turn=2")

@@ -24,7 +24,7 @@ from omegaconf import OmegaConf
 from ragen.config_reader import read, section_keys, setting, to_plain
 from ragen.llm import ENGINE_CLASSES
 from ragen.llm_agent import AgentSetup
-from ragen.llm_agent.config import ROLLOUT_SECTIONS
+from ragen.rollout.config import ROLLOUT_SECTIONS
 from ragen.trainer.config import TRAINER_SECTIONS
 
 from tests.rollout_helpers import ROOT, custom_envs

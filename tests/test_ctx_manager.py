@@ -7,8 +7,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ragen.llm_agent.ctx_manager import ContextConfig, ContextManager
-from ragen.llm_agent.types import EnvSpec, Turn
+from ragen.rollout.context import ContextConfig, ContextManager
+from ragen.rollout.types import EnvSpec, Turn
 
 ctx = ContextManager(ContextConfig(max_actions_per_turn=3))
 

@@ -1,4 +1,4 @@
-"""Rollout dumps (ragen.llm_agent.dump): what is written is what was played,
+"""Rollout dumps (ragen.rollout.dump): what is written is what was played,
 read back exactly; bad files are refused with the file and line."""
 
 from __future__ import annotations
@@ -10,12 +10,12 @@ import pytest
 
 from ragen.llm.scripted import ScriptedEngine
 from ragen.llm.types import request_seed
-from ragen.llm_agent import dump as dump_module
-from ragen.llm_agent.dump import DumpError, dump_name, read_dump, write_dump
-from ragen.llm_agent.inference import DirectClient, SharedLLMInferenceManager
-from ragen.llm_agent.parallel_rollout import ParallelRolloutManager
-from ragen.llm_agent.rollout_loop import KeptEnvs, run_envs
-from ragen.llm_agent.types import RolloutResult, StopReason
+from ragen.rollout import dump as dump_module
+from ragen.rollout.dump import DumpError, dump_name, read_dump, write_dump
+from ragen.serving import DirectClient, SharedLLMInferenceManager
+from ragen.rollout.backends.parallel import ParallelRolloutManager
+from ragen.rollout.loop import KeptEnvs, run_envs
+from ragen.rollout.types import RolloutResult, StopReason
 
 from tests.dump_cases import BAD_DUMPS, write_bad_dump
 from tests.rollout_helpers import custom_envs, fault_tag, loop_config, specs_for

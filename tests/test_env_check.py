@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from ragen.env.check import CheckReport, check_env
-from ragen.env.check.cli import main, parse_config_args
+from ragen.tools.check import main, parse_config_args
 
 ROOT = Path(__file__).resolve().parents[1]
 BUILTIN = {
@@ -132,7 +132,7 @@ def test_cli_exit_status_and_report(tmp_path, capsys):
 
 
 def test_cli_as_a_module():
-    proc = subprocess.run([sys.executable, "-m", "ragen.env.check", "sokoban", "--config", "dim_x=2"],
+    proc = subprocess.run([sys.executable, "-m", "ragen.tools.check", "sokoban", "--config", "dim_x=2"],
                           cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 1
     assert "FAIL  build" in proc.stdout and "dim_x" in proc.stdout

@@ -12,7 +12,7 @@ import pytest
 
 from ragen.llm.scripted import ScriptedEngine
 from ragen.llm_agent import AgentSetup, LLMAgentProxy
-from ragen.llm_agent.types import StopReason
+from ragen.rollout.types import StopReason
 
 from tests.rollout_helpers import custom_envs
 

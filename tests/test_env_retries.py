@@ -15,9 +15,9 @@ from omegaconf import OmegaConf
 from ragen.env.base import BaseDiscreteActionEnv
 from ragen.llm.scripted import ScriptedEngine
 from ragen.llm_agent import AgentSetup, LLMAgentProxy
-from ragen.llm_agent.inference import DirectClient
-from ragen.llm_agent.rollout_loop import KeptEnvs, run_envs
-from ragen.llm_agent.types import RolloutResult, StopReason
+from ragen.serving import DirectClient
+from ragen.rollout.loop import KeptEnvs, run_envs
+from ragen.rollout.types import RolloutResult, StopReason
 
 from tests.rollout_helpers import ROOT, custom_envs, fault_tag, loop_config, sequential, specs_for
 
@@ -130,11 +130,11 @@ def test_the_rollout_log_names_each_failed_env_and_how_to_check_it(caplog):
             "+custom_envs.Fault={env_type: 'tests.fault_envs:FaultEnv', config_type: 'tests.fault_envs:FaultEnvConfig', "
             "env_config: {fault: raise_reset, fault_seed: 41}}"]), resolve=True)
     with LLMAgentProxy(AgentSetup.from_config(cfg), ScriptedEngine()) as proxy, \
-            caplog.at_level(logging.WARNING, logger="ragen.llm_agent.agent_proxy"):
+            caplog.at_level(logging.WARNING, logger="ragen.rollout.proxy"):
         result = proxy.rollout("train")
     assert [f["seed"] for f in result.failed_envs] == [41]
-    lines = [r.getMessage() for r in caplog.records if r.name == "ragen.llm_agent.agent_proxy"
+    lines = [r.getMessage() for r in caplog.records if r.name == "ragen.rollout.proxy"
              and "ended in error" in r.getMessage()]
     assert len(lines) == 1
-    assert "tag Fault, seed 41" in lines[0] and "python -m ragen.env.check Fault --first-seed 41" in lines[0]
+    assert "tag Fault, seed 41" in lines[0] and "python -m ragen.tools.check Fault --first-seed 41" in lines[0]
     assert result.metrics["rollout/env_retries"] == 0

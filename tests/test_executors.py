@@ -10,7 +10,7 @@ import time
 import joblib
 import pytest
 
-from ragen.llm_agent.executors import KeptExecutor
+from ragen.rollout.workers.executors import KeptExecutor
 
 
 def _exit_now():
@@ -142,7 +142,7 @@ def _all_gone(pids: set[int]) -> bool:
 def test_daemon_thread_pool_runs_tasks_on_daemon_threads_and_stops():
     import threading
 
-    from ragen.llm_agent.executors import DaemonThreadPool
+    from ragen.rollout.workers.executors import DaemonThreadPool
 
     pool = DaemonThreadPool(2, thread_name_prefix="test-pool")
     release = threading.Event()

@@ -41,12 +41,12 @@ from hypothesis import strategies as st
 from ragen.llm.scripted import ScriptedEngine
 from ragen.llm.types import Completion, Engine, GenerationRequest, SamplingParams
 from ragen.llm_agent import AgentSetup, LLMAgentProxy
-from ragen.llm_agent.cluster import ClusterConfig
-from ragen.llm_agent.parallel_rollout import ParallelRolloutManager, RolloutError
-from ragen.llm_agent.inference import DirectClient
-from ragen.llm_agent.rollout_loop import KeptEnvs, run_envs
-from ragen.llm_agent.inference import SharedLLMInferenceManager
-from ragen.llm_agent.types import StopReason
+from ragen.rollout.workers.cluster import ClusterConfig
+from ragen.rollout.backends.parallel import ParallelRolloutManager, RolloutError
+from ragen.serving import DirectClient
+from ragen.rollout.loop import KeptEnvs, run_envs
+from ragen.serving import SharedLLMInferenceManager
+from ragen.rollout.types import StopReason
 
 from tests.rollout_helpers import custom_envs, fault_tag, loop_config, rollouts_at_once, sequential, specs_for
 

@@ -8,7 +8,7 @@ from collections import deque
 import pytest
 
 from ragen.llm.types import GenerationRequest, SamplingParams
-from ragen.llm_agent.inference import CallCostModel, Coalescer, Pending, StreamClock
+from ragen.serving import CallCostModel, Coalescer, Pending, StreamClock
 
 
 def _requests(n, env0=0):

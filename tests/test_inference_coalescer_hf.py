@@ -8,8 +8,8 @@ from dataclasses import replace
 
 import pytest
 
-from ragen.llm_agent.inference import SharedLLMInferenceManager
-from ragen.llm_agent.parallel_rollout import ParallelRolloutManager
+from ragen.serving import SharedLLMInferenceManager
+from ragen.rollout.backends.parallel import ParallelRolloutManager
 
 from tests.rollout_helpers import custom_envs, loop_config, specs_for
 

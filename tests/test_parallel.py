@@ -10,13 +10,13 @@ import time
 import pytest
 
 from ragen.llm.scripted import ScriptedEngine
-from ragen.llm_agent.parallel_rollout import ParallelRolloutManager, RolloutError
-from ragen.llm_agent.inference import DirectClient
-from ragen.llm_agent.rollout_loop import KeptEnvs, run_envs
-from ragen.llm_agent import parallel_rollout
-from ragen.llm_agent.schedule import CHUNK_WORK_S, chunk_sizes, min_chunk_groups
-from ragen.llm_agent.inference import SharedLLMInferenceManager
-from ragen.llm_agent.types import StopReason
+from ragen.rollout.backends.parallel import ParallelRolloutManager, RolloutError
+from ragen.serving import DirectClient
+from ragen.rollout.loop import KeptEnvs, run_envs
+from ragen.rollout.backends import parallel as parallel_rollout
+from ragen.rollout.workers.schedule import CHUNK_WORK_S, chunk_sizes, min_chunk_groups
+from ragen.serving import SharedLLMInferenceManager
+from ragen.rollout.types import StopReason
 
 from tests.rollout_helpers import custom_envs, fault_tag, loop_config, rollouts_at_once, sequential, specs_for
 
@@ -48,9 +48,9 @@ def test_a_shard_result_is_frozen_plain_data_and_combines_its_parts():
     import dataclasses
     import pickle
 
-    from ragen.llm_agent.parallel_rollout import ShardResult
-    from ragen.llm_agent.rollout_loop import LoopStats
-    from ragen.llm_agent.types import Trajectory
+    from ragen.rollout.backends.parallel import ShardResult
+    from ragen.rollout.loop import LoopStats
+    from ragen.rollout.types import Trajectory
 
     a = ShardResult(shard=2, trajectories=[Trajectory(env_id=1, group_id=0, tag="t", seed=5)],
                     stats=LoopStats(env_step_s=0.5, envs_created=2), pid=123, wall_s=1.5)
@@ -106,7 +106,7 @@ def test_auto_sizes_each_rollout_from_the_last_and_says_why(mixed_specs, referen
     import logging
 
     with SharedLLMInferenceManager(engine) as shared, ParallelRolloutManager(shared, n_jobs="auto") as prm:
-        with caplog.at_level(logging.INFO, logger="ragen.llm_agent.autosize"):
+        with caplog.at_level(logging.INFO, logger="ragen.rollout.workers.autosize"):
             first = prm.rollout(mixed_specs, loop_config(depth=2))
             second = prm.rollout(mixed_specs, loop_config(depth=2))
     assert first.trajectories == second.trajectories == reference
@@ -120,7 +120,7 @@ def test_auto_sizes_each_rollout_from_the_last_and_says_why(mixed_specs, referen
 @pytest.mark.parametrize("n_jobs", [0, -2, "two", 1.5, True, None])
 def test_a_bad_parallel_n_jobs_is_refused_naming_the_key(n_jobs, engine):
     from ragen.config_reader import read
-    from ragen.llm_agent.config import AgentProxyConfig
+    from ragen.rollout.config import AgentProxyConfig
 
     with pytest.raises(ValueError, match="agent_proxy.parallel_n_jobs"):
         read(AgentProxyConfig, {"parallel_n_jobs": n_jobs}, "agent_proxy")
@@ -296,7 +296,7 @@ def test_hf_turn_cache_keeps_multi_turn_trajectories(tiny_model_path, temperatur
 
 
 def test_engine_idle_splits_a_rollout_around_its_engine_calls():
-    from ragen.llm_agent.parallel_rollout import _engine_idle
+    from ragen.rollout.backends.parallel import _engine_idle
 
     spans = [(0.5, 0.9), (10.0, 10.5), (10.7, 11.0), (11.5, 12.0)]  # the first belongs to an earlier rollout
     m = _engine_idle(spans, start=9.0, end=12.25)
@@ -338,7 +338,7 @@ def test_streams_of_taken_chunks_merge_back_into_pipeline_depth_once_answered_to
     is closed exactly once, and the trajectories are the sequential loop's."""
     from collections import deque
 
-    from ragen.llm_agent.schedule import groups_of
+    from ragen.rollout.workers.schedule import groups_of
 
     specs = specs_for(["SimpleSokoban", "FrozenLake", "Bandit"], [4, 4, 4], 1, custom_envs())
     config = loop_config(max_turn=4, depth=2)
@@ -390,7 +390,7 @@ def test_streams_of_taken_chunks_merge_back_into_pipeline_depth_once_answered_to
 
 
 def test_groups_are_dealt_out_over_micro_batches():
-    from ragen.llm_agent.rollout_loop import _EnvSlot, _split_streams
+    from ragen.rollout.loop import _EnvSlot, _split_streams
 
     specs = specs_for(["SimpleSokoban", "FrozenLake"], [4, 4], 1, custom_envs())
     streams = _split_streams([_EnvSlot(s) for s in specs], 2)
@@ -401,7 +401,7 @@ def test_groups_are_dealt_out_over_micro_batches():
 def test_micro_batches_get_groups_dealt_in_turn_in_order():
     """Group k of n goes to micro-batch k % n, and each keeps the groups'
     order: the exact layout, so results and worker load stay as they were."""
-    from ragen.llm_agent.rollout_loop import _EnvSlot, _split_streams
+    from ragen.rollout.loop import _EnvSlot, _split_streams
     from ragen.utils import deal
 
     specs = specs_for(["Bandit"], [7], 2, custom_envs())
@@ -469,7 +469,7 @@ def test_every_chunk_is_announced_and_a_worker_holds_at_most_max_env_num_per_wor
 def _worker_gc_state():
     import gc
 
-    from ragen.llm_agent import parallel_rollout
+    from ragen.rollout.backends import parallel as parallel_rollout
 
     parallel_rollout._freeze_once()  # what run_shard does first
     return gc.get_threshold()[0], gc.get_freeze_count() > 0
@@ -479,7 +479,7 @@ def _worker_gc_state():
 def test_loky_workers_collect_less_often_and_leave_their_imports_out_of_full_collections(engine):
     import gc
 
-    from ragen.llm_agent.parallel_rollout import _Executors
+    from ragen.rollout.backends.parallel import _Executors
 
     before = gc.get_threshold()
     with SharedLLMInferenceManager(engine) as shared, ParallelRolloutManager(shared, n_jobs=1) as prm:

@@ -140,7 +140,7 @@ def test_sigterm_shuts_a_driver_down_as_sigint_does(backend):
 
 
 def test_interrupt_on_sigterm_raises_keyboard_interrupt():
-    from ragen.llm_agent.executors import interrupt_on_sigterm
+    from ragen.rollout.workers.executors import interrupt_on_sigterm
 
     before = signal.getsignal(signal.SIGTERM)
     try:
@@ -172,16 +172,16 @@ def test_workers_beyond_the_groups_are_not_started(backend):
 @pytest.mark.timeout(120)
 def test_n_jobs_far_above_the_cores_is_capped_with_a_warning(caplog):
     from ragen.llm.scripted import ScriptedEngine
-    from ragen.llm_agent.config import MAX_JOBS_PER_CORE, cap_n_jobs
-    from ragen.llm_agent.inference import SharedLLMInferenceManager
-    from ragen.llm_agent.parallel_rollout import ParallelRolloutManager
+    from ragen.rollout.config import MAX_JOBS_PER_CORE, cap_n_jobs
+    from ragen.serving import SharedLLMInferenceManager
+    from ragen.rollout.backends.parallel import ParallelRolloutManager
     from tests.lifecycle_driver import specs
     from tests.rollout_helpers import loop_config
 
     import joblib
 
     cap = MAX_JOBS_PER_CORE * joblib.cpu_count()
-    with caplog.at_level(logging.WARNING, logger="ragen.llm_agent.config"):
+    with caplog.at_level(logging.WARNING, logger="ragen.rollout.config"):
         with SharedLLMInferenceManager(ScriptedEngine()) as shared, \
                 ParallelRolloutManager(shared, n_jobs=1000, backend="loky") as prm:
             assert prm.n_workers == cap

@@ -13,11 +13,11 @@ import pytest
 
 from ragen.llm.scripted import ScriptedEngine
 from ragen.llm_agent import AgentSetup, LLMAgentProxy
-from ragen.llm_agent.inference import SharedLLMInferenceManager, wire
-from ragen.llm_agent.parallel_rollout import ParallelRolloutManager
-from ragen.llm_agent.progress import RolloutProgress
-from ragen.llm_agent.rollout_loop import KeptEnvs, run_envs, stream_count
-from ragen.llm_agent.types import rollout_digest
+from ragen.serving import SharedLLMInferenceManager, wire
+from ragen.rollout.backends.parallel import ParallelRolloutManager
+from ragen.rollout.progress import RolloutProgress
+from ragen.rollout.loop import KeptEnvs, run_envs, stream_count
+from ragen.rollout.types import rollout_digest
 
 from tests.rollout_helpers import custom_envs, loop_config, specs_for
 from tests.test_agent_loop import config
@@ -130,14 +130,14 @@ def test_not_on_a_terminal_it_logs_after_the_delay_and_then_at_most_every_interv
     now = [100.0]
     progress = RolloutProgress(4, "train", delay_s=2, log_every_s=10, file=io.StringIO(), clock=lambda: now[0],
                                tick_s=None)
-    caplog.set_level(logging.INFO, logger="ragen.llm_agent.progress")
+    caplog.set_level(logging.INFO, logger="ragen.rollout.progress")
     for t, event in [(100.5, "batch"), (101.5, "env"), (102.5, "turns"), (105, "turns"), (112, "env"),
                      (113, "turns")]:
         now[0] = t
         {"batch": lambda: progress.engine_batch(4), "env": lambda: progress.envs_finished(1),
          "turns": lambda: progress.answered(4)}[event]()
     progress.close()
-    lines = [r.getMessage() for r in caplog.records if r.name == "ragen.llm_agent.progress"]
+    lines = [r.getMessage() for r in caplog.records if r.name == "ragen.rollout.progress"]
     assert lines == ["[Progress] train: 1/4 envs finished | 4 turns | engine batch 4 | 2 s",
                      # 112: 9.5 s after the last line, so not yet
                      "[Progress] train: 2/4 envs finished | 12 turns | engine batch 4 | 13 s"]
@@ -147,7 +147,7 @@ def test_not_on_a_terminal_it_logs_after_the_delay_and_then_at_most_every_interv
 def test_one_long_engine_call_still_shows_its_batch_and_time(caplog):
     """No event comes while the engine runs one long call (a whole Bandit
     rollout is one): the ticker shows the batch running, as lines or a bar."""
-    caplog.set_level(logging.INFO, logger="ragen.llm_agent.progress")
+    caplog.set_level(logging.INFO, logger="ragen.rollout.progress")
     out = io.StringIO()
     with RolloutProgress(8, "train", delay_s=0.05, log_every_s=0.1, tick_s=0.02, file=io.StringIO(),
                          terminal=False) as lines, \
@@ -155,14 +155,14 @@ def test_one_long_engine_call_still_shows_its_batch_and_time(caplog):
         lines.engine_batch(8)
         bar.engine_batch(8)
         time.sleep(0.5)  # the "engine call": no event
-        logged = [r.getMessage() for r in caplog.records if r.name == "ragen.llm_agent.progress"]
+        logged = [r.getMessage() for r in caplog.records if r.name == "ragen.rollout.progress"]
         drawn = out.getvalue()
     assert len(logged) >= 2 and all("0/8 envs finished | 0 turns | engine batch 8" in m for m in logged)
     assert "rollout train" in drawn and "0/8" in drawn and "batch=8" in drawn
 
 
 def test_a_rollout_shorter_than_the_delay_shows_nothing(caplog):
-    caplog.set_level(logging.INFO, logger="ragen.llm_agent.progress")
+    caplog.set_level(logging.INFO, logger="ragen.rollout.progress")
     out = io.StringIO()
     with RolloutProgress(3, "train", file=out, terminal=True) as bar, \
             RolloutProgress(3, "train", file=io.StringIO(), terminal=False) as lines:
@@ -171,7 +171,7 @@ def test_a_rollout_shorter_than_the_delay_shows_nothing(caplog):
             p.answered(3)
             p.envs_finished(3)
     assert out.getvalue() == ""
-    assert not [r for r in caplog.records if r.name == "ragen.llm_agent.progress"]
+    assert not [r for r in caplog.records if r.name == "ragen.rollout.progress"]
     assert (bar.finished, bar.turns, lines.finished, lines.turns) == (3, 3, 3, 3)
 
 

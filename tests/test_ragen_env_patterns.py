@@ -20,10 +20,10 @@ from omegaconf import OmegaConf
 from ragen.env import make_env, make_env_config
 from ragen.env.base import BaseDiscreteActionEnv, BaseEnv
 from ragen.llm.scripted import ScriptedEngine
-from ragen.llm_agent.es_manager import EnvStateManager
-from ragen.llm_agent.parallel_rollout import ParallelRolloutManager
-from ragen.llm_agent.inference import SharedLLMInferenceManager
-from ragen.llm_agent.types import StopReason
+from ragen.rollout.envs import EnvStateManager
+from ragen.rollout.backends.parallel import ParallelRolloutManager
+from ragen.serving import SharedLLMInferenceManager
+from ragen.rollout.types import StopReason
 
 from tests import ragen_style_envs
 from tests.rollout_helpers import loop_config, sequential, specs_for

@@ -1,4 +1,4 @@
-"""Replay (ragen.replay): a dumped episode played again in this process gives
+"""Replay (ragen.tools.replay): a dumped episode played again in this process gives
 the same prompts, observations, rewards and done flags; a difference is
 reported where it is."""
 
@@ -14,13 +14,13 @@ import pytest
 import yaml
 
 from ragen.llm.scripted import ScriptedEngine
-from ragen.llm_agent.dump import read_dump, write_dump
-from ragen.llm_agent.inference import DirectClient, SharedLLMInferenceManager
-from ragen.llm_agent.parallel_rollout import ParallelRolloutManager
-from ragen.llm_agent.rollout_loop import KeptEnvs, run_envs
-from ragen.llm_agent.types import RolloutResult
+from ragen.rollout.dump import read_dump, write_dump
+from ragen.serving import DirectClient, SharedLLMInferenceManager
+from ragen.rollout.backends.parallel import ParallelRolloutManager
+from ragen.rollout.loop import KeptEnvs, run_envs
+from ragen.rollout.types import RolloutResult
 from ragen.env.allowed import EnvTypeNotAllowed, allowed_env_types
-from ragen.replay import main, replay
+from ragen.tools.replay import main, replay
 
 from tests.dump_cases import BAD_DUMPS, write_bad_dump
 from tests.fault_envs import FaultEnv
@@ -178,7 +178,7 @@ def test_bad_input_is_one_error_line_never_a_traceback(parallel_dump, tmp_path, 
         path = str(tmp_path / "other.jsonl")
     else:
         args = ["--env-id", "999"]
-    proc = subprocess.run([sys.executable, "-m", "ragen.replay", path, *args], capture_output=True, text=True,
+    proc = subprocess.run([sys.executable, "-m", "ragen.tools.replay", path, *args], capture_output=True, text=True,
                           cwd=ROOT, timeout=120)
     assert proc.returncode == 2, proc.stderr
     assert "Traceback" not in proc.stderr and proc.stderr.startswith("error: ") and path in proc.stderr
@@ -207,8 +207,8 @@ def _python(code: str, *args: str, cwd) -> subprocess.CompletedProcess:
 ZEN = "Beautiful is better than ugly"
 _API = """
 import json, os, sys
-from ragen.llm_agent.dump import read_dump
-from ragen.replay import replay
+from ragen.rollout.dump import read_dump
+from ragen.tools.replay import replay
 from ragen.env.allowed import EnvTypeNotAllowed
 try:
     replay(read_dump(sys.argv[1])[0])
@@ -228,7 +228,7 @@ def test_a_crafted_dump_runs_nothing_and_imports_nothing(parallel_dump, tmp_path
     zen = _crafted(parallel_dump, tmp_path / "zen", "this:X", {})
     for path, name in ((popen, "subprocess:Popen"), (zen, "this:X")):
         if how == "cli":
-            proc = _python("", "-m", "ragen.replay", path, cwd=tmp_path)
+            proc = _python("", "-m", "ragen.tools.replay", path, cwd=tmp_path)
             assert proc.returncode == 2, proc.stdout + proc.stderr
             assert proc.stderr.startswith(f"error: {path} line 1: env type '{name}'"), proc.stderr
             assert f"--allow-env-type {name}" in proc.stderr and "--config" in proc.stderr
@@ -278,7 +278,7 @@ def test_a_bad_allow_option_is_one_error_line(parallel_dump, tmp_path, args, mes
     (tmp_path / "bad.yaml").write_text("custom_envs: [a\n  b: c\n")
     (tmp_path / "main.yaml").write_text("defaults:\n  - no_such_file\n")
     args = [a.format(tmp=tmp_path) for a in args]
-    proc = _python("", "-m", "ragen.replay", str(parallel_dump), *args, cwd=tmp_path)
+    proc = _python("", "-m", "ragen.tools.replay", str(parallel_dump), *args, cwd=tmp_path)
     assert proc.returncode == 2 and proc.stderr.startswith("error: ") and message in proc.stderr, proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1 and "Traceback" not in proc.stderr
 
@@ -293,16 +293,16 @@ def test_a_custom_env_named_by_the_users_config_replays(tmp_path):
     path = write_dump(tmp_path, "d", RolloutResult(trajectories, specs), config, split="train", step=0)
     envs_yaml = tmp_path / "my_envs.yaml"
     envs_yaml.write_text(yaml.safe_dump({"custom_envs": {"Mine": mine}}))
-    proc = _python("", "-m", "ragen.replay", str(path), "--config", str(envs_yaml), cwd=tmp_path)
+    proc = _python("", "-m", "ragen.tools.replay", str(path), "--config", str(envs_yaml), cwd=tmp_path)
     assert proc.returncode == 0 and "3 of 3 envs identical" in proc.stdout, proc.stdout + proc.stderr
-    without = _python("", "-m", "ragen.replay", str(path), cwd=tmp_path)
+    without = _python("", "-m", "ragen.tools.replay", str(path), cwd=tmp_path)
     assert without.returncode == 2 and "tests.custom_env_example:MyEnv" in without.stderr
 
 
 @pytest.mark.parametrize("case", sorted(BAD_DUMPS))
 def test_a_wrong_typed_or_repeated_field_is_one_error_line(parallel_dump, tmp_path, case):
     bad, message = write_bad_dump(parallel_dump, case, tmp_path / "bad.jsonl")
-    proc = _python("", "-m", "ragen.replay", str(bad), *ALLOW_FAULT, cwd=tmp_path)
+    proc = _python("", "-m", "ragen.tools.replay", str(bad), *ALLOW_FAULT, cwd=tmp_path)
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert proc.stderr.startswith(f"error: {bad} {message}"), proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1 and "Traceback" not in proc.stderr

@@ -1,4 +1,4 @@
-"""Pull-based chunks (ragen.llm_agent.schedule) and the schedule simulator
+"""Pull-based chunks (ragen.rollout.workers.schedule) and the schedule simulator
 (benchmarks/schedule_sim.py) on hand-made costs: no rollouts."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from ragen.llm_agent.schedule import GroupQueue, chunk_sizes, groups_of
-from ragen.llm_agent.types import EnvSpec
+from ragen.rollout.workers.schedule import GroupQueue, chunk_sizes, groups_of
+from ragen.rollout.types import EnvSpec
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -85,8 +85,8 @@ def test_chunk_sizes_with_a_floor_stay_above_it_up_to_an_even_share():
 
 @pytest.mark.timeout(60)
 def test_the_floor_comes_from_a_measured_group_cost():
-    from ragen.llm_agent.schedule import CHUNK_WORK_S, group_cost_s, min_chunk_groups
-    from ragen.llm_agent.types import Trajectory, Turn
+    from ragen.rollout.workers.schedule import CHUNK_WORK_S, group_cost_s, min_chunk_groups
+    from ragen.rollout.types import Trajectory, Turn
 
     assert min_chunk_groups(None) == min_chunk_groups(0.0) == min_chunk_groups(float("nan")) == 1
     assert min_chunk_groups(CHUNK_WORK_S) == 1 and min_chunk_groups(10 * CHUNK_WORK_S) == 1  # costly groups
@@ -251,7 +251,7 @@ def test_partition_deals_groups_in_turn_in_order():
 
 @pytest.mark.timeout(60)
 def test_auto_picks_few_workers_when_the_engine_dominates_and_every_core_when_envs_do():
-    from ragen.llm_agent.autosize import Measured, choose, predicted_s
+    from ragen.rollout.workers.autosize import Measured, choose, predicted_s
 
     engine_bound = choose(Measured(engine_s=2.0, busy_s=0.05, ipc_s=0.01, workers=8), cores=16)
     assert engine_bound.workers <= 3 and engine_bound.depth == 1
@@ -266,7 +266,7 @@ def test_auto_picks_few_workers_when_the_engine_dominates_and_every_core_when_en
 
 @pytest.mark.timeout(60)
 def test_auto_keeps_its_worker_count_unless_another_is_clearly_faster():
-    from ragen.llm_agent.autosize import SWITCH_GAIN, AutoSizer, Measured, choose, predicted_s
+    from ragen.rollout.workers.autosize import SWITCH_GAIN, AutoSizer, Measured, choose, predicted_s
 
     m = Measured(engine_s=0.006, busy_s=0.006, ipc_s=0.002, workers=2)
     t1, t2 = predicted_s(m, 1, 2), predicted_s(m, 2, 2)

@@ -14,7 +14,7 @@ import pytest
 
 from ragen.llm.scripted import ScriptedEngine
 from ragen.llm.types import GenerationRequest, SamplingParams
-from ragen.llm_agent.inference import EngineError, SharedLLMInferenceManager
+from ragen.serving import EngineError, SharedLLMInferenceManager
 
 from tests.inference_helpers import ask
 

@@ -24,7 +24,7 @@ import pytest
 from ragen.llm.scripted import ScriptedEngine
 from ragen.llm.types import Completion, GenerationRequest, SamplingParams
 from ragen.llm_agent import AgentSetup
-from ragen.llm_agent.inference import EngineError, ProtocolError, SharedLLMClient, SharedLLMInferenceManager, wire
+from ragen.serving import EngineError, ProtocolError, SharedLLMClient, SharedLLMInferenceManager, wire
 
 from tests.inference_helpers import ask
 from tests.rollout_helpers import custom_envs
@@ -118,7 +118,7 @@ def test_stats_read_by_metrics_code_are_a_snapshot():
 
 def test_engine_idle_metrics_while_generation_goes_on():
     """The rollout's own reader, while another thread keeps the engine busy."""
-    from ragen.llm_agent.parallel_rollout import _engine_idle
+    from ragen.rollout.backends.parallel import _engine_idle
 
     with SharedLLMInferenceManager(ScriptedEngine()) as shared:
         for _ in range(500):
@@ -231,7 +231,7 @@ def test_idle_unauthenticated_connections_never_hold_workers_out():
     closes the oldest unauthenticated one: with three times the cap idle, a
     real rollout goes through at once, and the manager holds at most
     ``max_pending_handshakes`` unauthenticated sockets."""
-    from ragen.llm_agent.parallel_rollout import ParallelRolloutManager
+    from ragen.rollout.backends.parallel import ParallelRolloutManager
     from tests.rollout_helpers import fault_tag, loop_config, sequential, specs_for
 
     cap = 4
@@ -415,7 +415,7 @@ def test_the_manager_refuses_a_bad_address_before_binding(kw, key):
 
 
 def test_listening_beyond_loopback_warns_to_firewall_the_port(caplog):
-    with caplog.at_level(logging.WARNING, logger="ragen.llm_agent.inference.server"):
+    with caplog.at_level(logging.WARNING, logger="ragen.serving.server"):
         with SharedLLMInferenceManager(ScriptedEngine(), host="127.0.0.1"):
             pass
         assert not [r for r in caplog.records if "firewall" in r.getMessage()]

@@ -1,4 +1,4 @@
-"""The soak command (``ragen.soak``): a short run reports every field, workers
+"""The soak command (``ragen.tools.soak``): a short run reports every field, workers
 are reused across rollouts, and the growth checks catch what they should."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from ragen.soak import compose_config, descendants, growth_checks, main, sample, validation_layout
+from ragen.tools.soak import compose_config, descendants, growth_checks, main, sample, validation_layout
 
 SMALL = ["es_manager.train.env_groups=4", "es_manager.train.group_size=2",
          "es_manager.train.env_configs.n_groups=[2,2]", "agent_proxy.parallel_n_jobs=2", "agent_proxy.max_turn=3"]

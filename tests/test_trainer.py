@@ -15,7 +15,7 @@ import torch
 from hydra import compose, initialize_config_dir
 
 from ragen.llm.types import GenerationRequest, SamplingParams
-from ragen.llm_agent.ctx_manager import ContextConfig, ContextManager
+from ragen.rollout.context import ContextConfig, ContextManager
 from ragen.trainer import AgentTrainer, PPOActor, Sample, TrainerConfig, compute_advantages, filter_groups
 from ragen.trainer import checkpoint as ckpt
 from ragen.trainer.config import ActorSection, OptimSection
@@ -501,8 +501,8 @@ def test_metrics_log_has_the_stable_names(tiny_model_path, tmp_path):
 
 
 def test_rollout_data_dir_dumps_every_rollout_for_the_viewer_and_replay(tiny_model_path, tmp_path):
-    from ragen.llm_agent.dump import read_dump
-    from ragen.replay import replay
+    from ragen.rollout.dump import read_dump
+    from ragen.tools.replay import replay
 
     run, dumps = tmp_path / "run", tmp_path / "run" / "rollouts"
     cfg = compose_cfg(small_overrides(tiny_model_path, run, "trainer.total_training_steps=2",

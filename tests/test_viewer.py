@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from ragen.llm_agent.dump import DumpRecord, read_dump, write_dump
-from ragen.llm_agent.types import RolloutResult, StopReason
+from ragen.rollout.dump import DumpRecord, read_dump, write_dump
+from ragen.rollout.types import RolloutResult, StopReason
 from ragen.viewer import default_output, render_html, write_viewer
 from ragen.viewer.page import split_response
 from tests.dump_cases import BAD_DUMPS, write_bad_dump
@@ -249,7 +249,7 @@ def test_curve_from_metrics_beside_the_dump(tmp_path, dump):
 
 def cli(*args, timeout=120) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    return subprocess.run([sys.executable, "-m", "ragen.viewer", *map(str, args)], check=False,
+    return subprocess.run([sys.executable, "-m", "ragen.tools.viewer", *map(str, args)], check=False,
                           capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
 
 

@@ -4,7 +4,7 @@ A rollout dump names each env's ``env_type`` and ``config_type``; building the
 env imports that module and calls that class with the dump's ``env_config``.
 A dump is data (a colleague sends one), so a crafted line naming
 ``subprocess:Popen`` must not run anything, and one naming ``this:X`` must not
-even import ``this``. Tools that build envs from a file (``ragen.replay``, the
+even import ``this``. Tools that build envs from a file (``ragen.tools.replay``, the
 viewer's grid symbols) therefore build only the types the user's setup names:
 
 - a registered name (``REGISTERED_ENVS``; building it imports nothing new);

@@ -1,12 +1,15 @@
-"""The agent loop: context, env state, sequential and parallel rollout."""
+"""RAGEN's names for the rollout (``ragen.rollout``) and the shared engine (``ragen.serving``).
 
-from ragen.llm_agent.agent_proxy import AgentSetup, LLMAgentProxy
-from ragen.llm_agent.ctx_manager import ContextConfig, ContextManager
-from ragen.llm_agent.es_manager import EnvStateManager, compute_metrics
-from ragen.llm_agent.parallel_rollout import ParallelRolloutManager, RolloutError
-from ragen.llm_agent.rollout_loop import KeptEnvs, LoopConfig, run_envs
-from ragen.llm_agent.inference import DirectClient, SharedLLMClient, SharedLLMInferenceManager
-from ragen.llm_agent.types import EnvSpec, RolloutResult, StopReason, Trajectory, Turn
+``LLMAgentProxy``, ``EnvStateManager`` and ``ContextManager`` keep RAGEN's module
+paths too (``ragen.llm_agent.agent_proxy``, ``.es_manager``, ``.ctx_manager``)."""
+
+from ragen.rollout.proxy import AgentSetup, LLMAgentProxy
+from ragen.rollout.context import ContextConfig, ContextManager
+from ragen.rollout.envs import EnvStateManager, compute_metrics
+from ragen.rollout.backends.parallel import ParallelRolloutManager, RolloutError
+from ragen.rollout.loop import KeptEnvs, LoopConfig, run_envs
+from ragen.serving import DirectClient, SharedLLMClient, SharedLLMInferenceManager
+from ragen.rollout.types import EnvSpec, RolloutResult, StopReason, Trajectory, Turn
 
 __all__ = [
     "AgentSetup", "LLMAgentProxy", "ContextConfig", "ContextManager", "EnvStateManager", "compute_metrics",

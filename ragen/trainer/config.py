@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from typing import Mapping
 
 from ragen.config_reader import check_keys, read, setting, to_plain
-from ragen.llm_agent.config import ROLLOUT_SECTIONS, SeedConfig
+from ragen.rollout.config import ROLLOUT_SECTIONS, SeedConfig
 from ragen.trainer.core import ADV_ESTIMATORS, CORRECTIONS, KL_TYPES
 
 LOGGERS = ("console", "jsonl", "tensorboard", "wandb")
@@ -57,7 +57,7 @@ class TrainerSection:
     logger: str | list[str] = setting(default_factory=lambda: ["console", "jsonl"])
     max_actor_ckpt_to_keep: int | None = setting(None, minimum=1)
     seed: int | None = None  # None: seed.train
-    rollout_data_dir: str | None = None  # verl's key: dump every rollout here (ragen.llm_agent.dump); None: off
+    rollout_data_dir: str | None = None  # verl's key: dump every rollout here (ragen.rollout.dump); None: off
 
     def __post_init__(self) -> None:
         if not self.default_local_dir or self.default_local_dir == "None":

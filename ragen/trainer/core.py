@@ -46,7 +46,7 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
-from ragen.llm_agent.ctx_manager import ContextConfig, ContextManager
+from ragen.rollout.context import ContextConfig, ContextManager
 from ragen.utils import common_prefix_length
 
 ADV_ESTIMATORS = ("grpo", "reinforce")

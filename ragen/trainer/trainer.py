@@ -24,8 +24,8 @@ actor corrects for the policy that sampled (``off_policy_correction``).
 ``test_freq`` steps (and at the last step).
 
 *Dumps* (``trainer.rollout_data_dir``): every training and validation rollout
-written down by the driver after it ran (``ragen.llm_agent.dump``), for
-``python -m ragen.viewer`` and ``python -m ragen.replay``.
+written down by the driver after it ran (``ragen.rollout.dump``), for
+``python -m ragen.tools.viewer`` and ``python -m ragen.tools.replay``.
 
 *Checkpoints* (``save_freq`` and the last step) and *resume*: see
 ``ragen.trainer.checkpoint``. On resume the metrics log is cut back to the
@@ -50,11 +50,11 @@ import torch
 from ragen.config_reader import to_plain
 from ragen.llm import check_engine_config, engine_returns_logprobs
 from ragen.llm.default_model import resolve_model_path
-from ragen.llm_agent.agent_proxy import AgentSetup, LLMAgentProxy
-from ragen.llm_agent.async_rollout import staleness
-from ragen.llm_agent.ctx_manager import ContextManager
-from ragen.llm_agent.dump import dump_name, write_dump
-from ragen.llm_agent.types import RolloutResult
+from ragen.rollout.proxy import AgentSetup, LLMAgentProxy
+from ragen.rollout.backends.ahead import staleness
+from ragen.rollout.context import ContextManager
+from ragen.rollout.dump import dump_name, write_dump
+from ragen.rollout.types import RolloutResult
 from ragen.trainer import checkpoint as ckpt
 from ragen.trainer.actor import PPOActor, adapter_off_reference, frozen_copy_reference
 from ragen.trainer.config import TrainerConfig, check_top_level

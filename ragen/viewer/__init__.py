@@ -1,6 +1,6 @@
 """The viewer: a rollout dump as one self-contained HTML page.
 
-``python -m ragen.viewer DUMP.jsonl [-o out.html] [--metrics metrics.jsonl]``
+``python -m ragen.tools.viewer DUMP.jsonl [-o out.html] [--metrics metrics.jsonl]``
 writes the page (by default beside the dump, with ``.html`` for its suffix).
 
 - Page (``page.py``): the episodes of one dump: a table filtered by tag,
@@ -35,7 +35,7 @@ import os
 from pathlib import Path
 
 from ragen.env.allowed import AllowedEnvTypes
-from ragen.llm_agent.dump import DumpError, read_dump
+from ragen.rollout.dump import DumpError, read_dump
 from ragen.viewer.curve import ViewerError, find_metrics, read_curve
 from ragen.viewer.page import render_html
 

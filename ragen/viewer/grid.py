@@ -27,7 +27,7 @@ from ragen.env import make_env_config
 from ragen.env.allowed import AllowedEnvTypes, EnvTypeNotAllowed
 from ragen.env.frozen_lake.config import FrozenLakeEnvConfig
 from ragen.env.sokoban.config import SokobanEnvConfig
-from ragen.llm_agent.types import EnvSpec
+from ragen.rollout.types import EnvSpec
 
 logger = logging.getLogger(__name__)
 

@@ -21,8 +21,8 @@ from html import escape
 from typing import Any
 
 from ragen.env.allowed import AllowedEnvTypes
-from ragen.llm_agent.dump import DumpRecord
-from ragen.llm_agent.types import StopReason
+from ragen.rollout.dump import DumpRecord
+from ragen.rollout.types import StopReason
 from ragen.utils import common_prefix_length
 from ragen.viewer.curve import curve_svg
 from ragen.viewer.grid import GridPicture, Symbols, picture, symbols_for

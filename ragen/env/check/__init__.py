@@ -1,6 +1,6 @@
 """The env checker: tells an env author what in an env breaks the rollout engine.
 
-    python -m ragen.env.check sokoban
+    python -m ragen.tools.check sokoban     (the command line: ``ragen.tools.check``)
 
 Concepts, one module each:
 
@@ -10,8 +10,6 @@ Concepts, one module each:
   ``status``, ``message``, ``fix``) plus reset/step timings; a status is
   ``pass``, ``fail``, ``warn`` or ``skip``, and the report is ok when nothing
   failed.
-- ``cli``: the command line (``main``, ``parse_config_args``); ``__main__``
-  runs it.
 """
 
 from ragen.env.check.checker import check_env

@@ -1,9 +1,9 @@
-"""The env checker's command line (``python -m ragen.env.check``).
+"""The env checker's command line (``python -m ragen.tools.check``).
 
-    python -m ragen.env.check sokoban
-    python -m ragen.env.check my_pkg.envs:MyEnv --config-type my_pkg.envs:MyConfig \\
+    python -m ragen.tools.check sokoban
+    python -m ragen.tools.check my_pkg.envs:MyEnv --config-type my_pkg.envs:MyConfig \\
         --config size=6 --config 'names=[a, b]' --seeds 8
-    python -m ragen.env.check SimpleSokoban          # a tag of config/envs.yaml
+    python -m ragen.tools.check SimpleSokoban          # a tag of config/envs.yaml
 
 The env is a registered name, an import path ``package.module:EnvClass``, or a
 tag of ``custom_envs`` in an envs YAML file (by default the ``config/envs.yaml``
@@ -78,7 +78,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from ragen.env import REGISTERED_ENVS
 
     parser = argparse.ArgumentParser(
-        prog="python -m ragen.env.check",
+        prog="python -m ragen.tools.check",
         description="Check that an env keeps the contract of the rollout engine.")
     parser.add_argument("env", help="a registered env name (e.g. sokoban), an import path 'package.module:EnvClass', "
                                     "or a tag of custom_envs in config/envs.yaml (e.g. SimpleSokoban)")
@@ -115,3 +115,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.json.write_text(json.dumps(report.as_dict(), indent=2))
         print(f"wrote {args.json}")
     return 0 if report.ok else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,6 +1,6 @@
 """Replay: play a dumped episode again, in this process, and check it.
 
-``python -m ragen.replay DUMP.jsonl [--env-id N ...] [--engine NAME] [--config FILE]
+``python -m ragen.tools.replay DUMP.jsonl [--env-id N ...] [--engine NAME] [--config FILE]
 [--allow-env-type MODULE:CLASS]``
 
 For each env asked for (every env of the dump when none is), the env is built
@@ -46,10 +46,10 @@ from typing import Any, Sequence
 
 from ragen.env.allowed import AllowedEnvTypes, EnvTypeNotAllowed, add_allow_options, allowed_env_types
 from ragen.llm.types import Completion, Engine, GenerationRequest, SamplingParams
-from ragen.llm_agent.dump import DumpError, DumpRecord, read_dump
-from ragen.llm_agent.inference import DirectClient
-from ragen.llm_agent.rollout_loop import KeptEnvs, ShardError, run_envs
-from ragen.llm_agent.types import Trajectory
+from ragen.rollout.dump import DumpError, DumpRecord, read_dump
+from ragen.serving import DirectClient
+from ragen.rollout.loop import KeptEnvs, ShardError, run_envs
+from ragen.rollout.types import Trajectory
 
 logger = logging.getLogger(__name__)
 
@@ -241,7 +241,7 @@ def _engine_from_args(args: argparse.Namespace) -> Engine | None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m ragen.replay", description=__doc__.split("\n\n")[1],
+    parser = argparse.ArgumentParser(prog="python -m ragen.tools.replay", description=__doc__.split("\n\n")[1],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("dump", help="a rollout dump (.jsonl or .jsonl.gz)")
     parser.add_argument("--env-id", type=int, action="append", default=[],

@@ -18,8 +18,8 @@ from typing import Any, Mapping
 
 from ragen.config_reader import read, setting
 from ragen.llm.types import SamplingParams
-from ragen.llm_agent.ctx_manager import GROUPINGS, METHODS, ContextConfig
-from ragen.llm_agent.inference.server import check_listen_address
+from ragen.rollout.context import GROUPINGS, METHODS, ContextConfig
+from ragen.serving.server import check_listen_address
 
 logger = logging.getLogger(__name__)
 
@@ -89,7 +89,7 @@ class AgentProxyConfig:
     reward_normalization: RewardNormalization = field(default_factory=RewardNormalization)
     # rollout engine
     use_parallel_rollout: bool = False
-    # -1: one worker per available core; auto: sized from each rollout (ragen.llm_agent.autosize);
+    # -1: one worker per available core; auto: sized from each rollout (ragen.rollout.workers.autosize);
     # N: at most N workers, never more than a rollout's groups, capped (with a warning) at
     # MAX_JOBS_PER_CORE x the cores on this machine's backends
     parallel_n_jobs: Any = -1  # checked by check_n_jobs (auto, -1 or a positive integer)

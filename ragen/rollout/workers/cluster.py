@@ -33,7 +33,7 @@ import sys
 from dataclasses import dataclass, replace
 from typing import Any
 
-from ragen.llm_agent.inference import SharedLLMClient
+from ragen.serving import SharedLLMClient
 
 logger = logging.getLogger(__name__)
 

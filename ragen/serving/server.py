@@ -16,7 +16,7 @@ errors, and the batcher goes on serving.
 
 Work: a rollout announced with a ``GroupQueue`` hands its groups to the
 workers that ``take`` them, a chunk at a time, as they free up (pull-based
-load balancing, ``ragen.llm_agent.schedule``); each chunk taken opens one
+load balancing, ``ragen.rollout.workers.schedule``); each chunk taken opens one
 stream on the taker's connection.
 
 Progress: the driver may ``watch`` an announced rollout with a
@@ -40,13 +40,13 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from ragen.llm.types import Completion, Engine, GenerationRequest, SamplingParams
-from ragen.llm_agent.inference import wire
-from ragen.llm_agent.inference.client import SharedLLMClient
-from ragen.llm_agent.inference.coalescer import Coalescer, Pending
-from ragen.llm_agent.schedule import GroupQueue
+from ragen.serving import wire
+from ragen.serving.client import SharedLLMClient
+from ragen.serving.coalescer import Coalescer, Pending
+from ragen.rollout.workers.schedule import GroupQueue
 
 if TYPE_CHECKING:
-    from ragen.llm_agent.progress import RolloutProgress
+    from ragen.rollout.progress import RolloutProgress
 
 logger = logging.getLogger(__name__)
 

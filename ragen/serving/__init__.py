@@ -10,10 +10,10 @@
   (a worker's handle on the manager).
 """
 
-from ragen.llm_agent.inference.client import DirectClient, LLMClient, SharedLLMClient
-from ragen.llm_agent.inference.coalescer import CallCostModel, Coalescer, Decision, Pending, StreamClock
-from ragen.llm_agent.inference.server import ManagerStats, SharedLLMInferenceManager, check_listen_address
-from ragen.llm_agent.inference.wire import AuthenticationError, EngineError, ProtocolError
+from ragen.serving.client import DirectClient, LLMClient, SharedLLMClient
+from ragen.serving.coalescer import CallCostModel, Coalescer, Decision, Pending, StreamClock
+from ragen.serving.server import ManagerStats, SharedLLMInferenceManager, check_listen_address
+from ragen.serving.wire import AuthenticationError, EngineError, ProtocolError
 
 __all__ = [
     "AuthenticationError", "CallCostModel", "Coalescer", "Decision", "DirectClient", "EngineError", "LLMClient",

@@ -1,8 +1,8 @@
 """Soak test of the parallel rollout: does anything grow or respawn over many rollouts?
 
-    python -m ragen.soak --rollouts 100                       # config/soak.yaml: 64 envs
-    python -m ragen.soak --config-name base-parallel es_manager.train.env_groups=16 ...
-    python -m ragen.soak --envs 1024 --rollouts 3             # validation-sized, memory per env
+    python -m ragen.tools.soak --rollouts 100                       # config/soak.yaml: 64 envs
+    python -m ragen.tools.soak --config-name base-parallel es_manager.train.env_groups=16 ...
+    python -m ragen.tools.soak --envs 1024 --rollouts 3             # validation-sized, memory per env
 
 Concepts:
 
@@ -151,7 +151,7 @@ def run_soak(cfg: Mapping[str, Any], rollouts: int, split: str = "train", envs: 
              worker_rss_tolerance_mb: float = 32.0) -> dict[str, Any]:
     """Run ``rollouts`` parallel rollouts of ``split``; the report (see the module docstring)."""
     from ragen.llm import make_engine
-    from ragen.llm_agent import AgentSetup, LLMAgentProxy
+    from ragen.rollout.proxy import AgentSetup, LLMAgentProxy
     from ragen.trainer.config import check_top_level
 
     if rollouts < 1:
@@ -307,7 +307,7 @@ def format_report(report: dict[str, Any]) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m ragen.soak", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m ragen.tools.soak", description=__doc__.split("\n\n")[0])
     parser.add_argument("--rollouts", type=int, default=100)
     parser.add_argument("--config-name", default="soak", help="a config in config/ (default: soak)")
     parser.add_argument("--config-dir", type=Path, default=CONFIG_DIR,
@@ -348,7 +348,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    from ragen.llm_agent.executors import interrupt_on_sigterm
+    from ragen.rollout.workers.executors import interrupt_on_sigterm
 
     interrupt_on_sigterm()  # a terminated soak shuts down as an interrupted one: no worker left
     raise SystemExit(main())

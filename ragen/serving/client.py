@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from ragen.llm.types import Completion, Engine, GenerationRequest, SamplingParams
-from ragen.llm_agent.inference import wire
+from ragen.serving import wire
 
 _CONNECT_TIMEOUT_S = 30.0
 _CONNECT_TRIES = 3

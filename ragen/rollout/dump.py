@@ -1,7 +1,7 @@
 """Rollout dumps: every trajectory of a rollout written down, one JSON line each.
 
 A dump holds what a person needs to understand an episode and what
-``ragen.replay`` needs to play it again: the env's spec (tag, type, config,
+``ragen.tools.replay`` needs to play it again: the env's spec (tag, type, config,
 seed, group), the turn loop's settings (prompt format, sampling), and per turn
 the prompt messages, the raw answer, the actions parsed and executed, each
 ``env.step``'s observation, reward and done flag, the env's info, the policy
@@ -37,9 +37,9 @@ from pathlib import Path
 from typing import Any, Callable, Union
 
 from ragen.llm.types import SamplingParams, request_seed
-from ragen.llm_agent.ctx_manager import ContextConfig, ContextManager
-from ragen.llm_agent.rollout_loop import LoopConfig
-from ragen.llm_agent.types import EnvSpec, RolloutResult, Step, StopReason, Trajectory, Turn
+from ragen.rollout.context import ContextConfig, ContextManager
+from ragen.rollout.loop import LoopConfig
+from ragen.rollout.types import EnvSpec, RolloutResult, Step, StopReason, Trajectory, Turn
 from ragen.utils import common_prefix_length
 
 FORMAT = "ragen.rollout_dump"

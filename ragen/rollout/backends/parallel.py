@@ -1,6 +1,6 @@
 """ParallelRolloutManager: a rollout's envs played by parallel workers.
 
-- Scheduling is pull-based (``ragen.llm_agent.schedule``): the rollout's
+- Scheduling is pull-based (``ragen.rollout.workers.schedule``): the rollout's
   groups wait in a ``GroupQueue`` held by the shared manager; each worker
   takes the next chunk of whole groups when it has reset the last one and
   sent its requests, so a worker that drew costly envs takes fewer. Chunk
@@ -19,7 +19,7 @@
   reach the driver's ``SharedLLMInferenceManager`` through a picklable
   client. ``max_env_num_per_worker`` caps the envs a worker plays at once: it
   takes another chunk only as its envs end.
-- ``parallel_n_jobs: auto`` (``ragen.llm_agent.autosize``): a pool of one
+- ``parallel_n_jobs: auto`` (``ragen.rollout.workers.autosize``): a pool of one
   process per core, of which each rollout uses the workers, at the pipeline
   depth, chosen from the last rollout's measurements.
 - The executor is kept between rollouts: for loky, multiprocessing and
@@ -79,16 +79,16 @@ from typing import Any, Iterator, Sequence
 
 import joblib
 
-from ragen.llm_agent.cluster import ClusterConfig, open_cluster
-from ragen.llm_agent.autosize import AutoSizer, Measured
-from ragen.llm_agent.config import BACKENDS, cap_n_jobs, check_n_jobs, check_time_limit
-from ragen.llm_agent.es_manager import compute_metrics
-from ragen.llm_agent.executors import DaemonThreadPool, KeptExecutor, start_worker
-from ragen.llm_agent.rollout_loop import KeptEnvs, LoopConfig, LoopStats, run_envs
-from ragen.llm_agent.inference import SharedLLMClient, SharedLLMInferenceManager
-from ragen.llm_agent.progress import RolloutProgress
-from ragen.llm_agent.schedule import GroupQueue, group_cost_s, groups_of, min_chunk_groups
-from ragen.llm_agent.types import EnvSpec, RolloutResult, StopReason, Trajectory
+from ragen.rollout.workers.cluster import ClusterConfig, open_cluster
+from ragen.rollout.workers.autosize import AutoSizer, Measured
+from ragen.rollout.config import BACKENDS, cap_n_jobs, check_n_jobs, check_time_limit
+from ragen.rollout.envs import compute_metrics
+from ragen.rollout.workers.executors import DaemonThreadPool, KeptExecutor, start_worker
+from ragen.rollout.loop import KeptEnvs, LoopConfig, LoopStats, run_envs
+from ragen.serving import SharedLLMClient, SharedLLMInferenceManager
+from ragen.rollout.progress import RolloutProgress
+from ragen.rollout.workers.schedule import GroupQueue, group_cost_s, groups_of, min_chunk_groups
+from ragen.rollout.types import EnvSpec, RolloutResult, StopReason, Trajectory
 
 logger = logging.getLogger(__name__)
 

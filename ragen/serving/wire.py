@@ -18,7 +18,7 @@ against that limit before it sends (``send_frame``, ``MessageTooLarge``).
   proven, and a worker never takes answers from a server that lacks the key.
 - Client -> manager: ``{"op": "open"|"close", "n": k, "rollout": r}``
   (streams), ``{"op": "take", "rollout": r}`` (the next chunk of the
-  rollout's groups, which opens one stream: ``ragen.llm_agent.schedule``),
+  rollout's groups, which opens one stream: ``ragen.rollout.workers.schedule``),
   or ``{"op": "gen", "ticket": t, "requests": [...], "sampling": {...}}``,
   checked field by field on arrival (``parse_message``): a request of
   the wrong type or range is refused alone, never failing the engine call it

@@ -1,162 +1,18 @@
-"""Asynchronous rollout: generation that does not wait for the trainer.
-
-- ``RolloutAhead`` (``async_generation_ratio: k``): a background thread keeps
-  generating training rollouts while the trainer trains, at most ``k`` batches
-  ahead (generating or waiting to be trained on). ``get(version)`` hands the
-  trainer the oldest batch; a batch more than ``k`` policy versions older than
-  ``version`` is dropped and counted, never trained on. ``paused()`` stops new
-  generation while validation runs. ``k = 0`` is no thread at all: the
-  synchronous pipeline. A rollout that raises stops the background
-  generation: ``get`` hands out the batches made before it, then raises that
-  error, and raises it again on every later call (no batch follows a failed
-  one: the trainer decides whether to go on, with a new ``RolloutAhead``).
-  After ``close()``, ``get`` hands out what was made, then raises
-  ``RuntimeError``: it never blocks for good.
-- ``GroupsInFlight`` (``rollout_mode: fully_async``): env groups kept in
-  flight on workers across step boundaries; the trainer takes completed
-  groups as they come.
-- Staleness of a batch is ``version - min(policy versions of its turns)``.
-"""
+"""``rollout_mode: fully_async``: env groups kept in flight on workers across
+training steps; the trainer takes completed groups as they come."""
 
 from __future__ import annotations
 
 import logging
 import os
-import queue
 import threading
 import time
-from contextlib import contextmanager
-from dataclasses import dataclass, field
-from typing import Callable, Iterator
 
-from ragen.llm_agent.config import cap_n_jobs
-from ragen.llm_agent.executors import DaemonThreadPool, KeptExecutor, start_worker
-from ragen.llm_agent.types import RolloutResult
+from ragen.rollout.config import cap_n_jobs
+from ragen.rollout.workers.executors import DaemonThreadPool, KeptExecutor, start_worker
+from ragen.rollout.backends.ahead import response_tokens
 
 logger = logging.getLogger(__name__)
-
-
-def response_tokens(trajectories) -> int:
-    """The tokens the engine generated for ``trajectories`` (what a dropped or restarted group throws away)."""
-    return sum(len(t.response_ids) for tr in trajectories for t in tr.turns)
-
-
-def staleness(trajectories, version: int) -> int:
-    """How many policy versions behind ``version`` the oldest answer in ``trajectories`` is."""
-    versions = [t.policy_version for tr in trajectories for t in tr.turns]
-    return version - min(versions) if versions else 0
-
-
-@dataclass
-class AheadStats:
-    trainer_wait_s: float = 0.0  # the trainer waiting for data
-    generator_wait_s: float = 0.0  # generation waiting for the trainer (k batches ahead, or paused)
-    produced: int = 0
-    dropped_stale: int = 0
-    staleness: list[int] = field(default_factory=list)  # of each batch handed out
-
-
-class RolloutAhead:
-    def __init__(self, produce: Callable[[], RolloutResult], ahead: int) -> None:
-        if not isinstance(ahead, int) or isinstance(ahead, bool) or ahead < 0:
-            raise ValueError(f"async_generation_ratio must be an integer >= 0, got {ahead!r}")
-        self.produce = produce
-        self.ahead = ahead
-        self.stats = AheadStats()
-        self._ready: queue.Queue = queue.Queue()
-        self._slots = threading.Semaphore(ahead)
-        self._running = threading.Event()
-        self._running.set()
-        self._idle = threading.Event()
-        self._idle.set()
-        self._stop = threading.Event()
-        self._failure: BaseException | None = None  # what stopped the generation, once handed out
-        self._thread: threading.Thread | None = None
-        if ahead > 0:
-            self._thread = threading.Thread(target=self._loop, name="ragen-rollout-ahead", daemon=True)
-            self._thread.start()
-
-    def _loop(self) -> None:
-        while not self._stop.is_set():
-            t0 = time.perf_counter()
-            while not self._slots.acquire(timeout=0.1):
-                if self._stop.is_set():
-                    return
-            while not self._running.wait(timeout=0.1):
-                if self._stop.is_set():
-                    self._slots.release()
-                    return
-            self.stats.generator_wait_s += time.perf_counter() - t0
-            self._idle.clear()
-            try:
-                if not self._running.is_set():  # paused between the check and here
-                    self._slots.release()
-                    continue
-                result = self.produce()
-                self.stats.produced += 1
-                self._ready.put(result)
-            except BaseException as exc:  # hand the failure to the trainer
-                self._ready.put(exc)
-                return
-            finally:
-                self._idle.set()
-
-    def get(self, version: int) -> RolloutResult:
-        """The next batch no more than ``ahead`` versions old."""
-        while True:
-            if self.ahead == 0:
-                result = self.produce()
-                self.stats.produced += 1
-            else:
-                t0 = time.perf_counter()
-                result = self._next_ready()
-                self.stats.trainer_wait_s += time.perf_counter() - t0
-            lag = staleness(result.trajectories, version)
-            if lag > self.ahead:
-                self.stats.dropped_stale += 1
-                logger.warning("dropped a rollout %d policy versions old (async_generation_ratio=%d)", lag, self.ahead)
-                continue
-            self.stats.staleness.append(lag)
-            return result
-
-    def _next_ready(self) -> RolloutResult:
-        """The oldest batch made; the failure that stopped the generation once
-        the batches before it are handed out."""
-        while True:
-            try:
-                # bounded, to notice a generator that stopped (failed or closed)
-                item = self._ready.get(timeout=0.1)
-            except queue.Empty:
-                if self._failure is not None:
-                    raise self._failure
-                thread = self._thread
-                if thread is None or not thread.is_alive():
-                    if self._ready.empty():  # not a batch put just before the thread ended
-                        raise RuntimeError("RolloutAhead is closed: no more rollouts are generated")
-                continue
-            self._slots.release()
-            if isinstance(item, BaseException):
-                self._failure = item
-                raise item
-            return item
-
-    @contextmanager
-    def paused(self) -> Iterator[None]:
-        """No new generation inside (validation runs here); the rollout in
-        progress, if any, finishes first."""
-        self._running.clear()
-        self._idle.wait()  # the rollout in progress: bounded as every rollout is (its timeouts)
-        try:
-            yield
-        finally:
-            self._running.set()
-
-    def close(self) -> None:
-        self._stop.set()
-        self._running.set()
-        if self._thread is not None:
-            self._thread.join(timeout=60)
-            self._thread = None
 
 
 class GroupsInFlight:
@@ -230,7 +86,7 @@ class GroupsInFlight:
     def _schedule(self) -> None:
         from concurrent.futures import FIRST_COMPLETED, BrokenExecutor, wait
 
-        from ragen.llm_agent.parallel_rollout import run_shard
+        from ragen.rollout.backends.parallel import run_shard
 
         inflight: dict = {}
         try:

@@ -46,13 +46,13 @@ from operator import attrgetter
 from typing import Any, Callable, Sequence
 
 from ragen.llm.types import Completion, GenerationRequest, SamplingParams
-from ragen.llm_agent.config import AgentProxyConfig, EsManagerConfig, check_time_limit
-from ragen.llm_agent.ctx_manager import ContextConfig, ContextManager
-from ragen.llm_agent.executors import DaemonThreadPool
-from ragen.llm_agent.inference.client import LLMClient
-from ragen.llm_agent.inference.wire import MessageTooLarge
-from ragen.llm_agent.schedule import groups_of
-from ragen.llm_agent.types import EnvSpec, Step, StopReason, Trajectory, Turn
+from ragen.rollout.config import AgentProxyConfig, EsManagerConfig, check_time_limit
+from ragen.rollout.context import ContextConfig, ContextManager
+from ragen.rollout.workers.executors import DaemonThreadPool
+from ragen.serving.client import LLMClient
+from ragen.serving.wire import MessageTooLarge
+from ragen.rollout.workers.schedule import groups_of
+from ragen.rollout.types import EnvSpec, Step, StopReason, Trajectory, Turn
 from ragen.utils import deal
 
 logger = logging.getLogger(__name__)
@@ -62,7 +62,7 @@ logger = logging.getLogger(__name__)
 class LoopConfig:
     """Everything the loop needs besides specs and a client (plain, picklable).
     ``AgentSetup.from_config`` builds it from the config sections; its
-    defaults are theirs (``ragen.llm_agent.config``)."""
+    defaults are theirs (``ragen.rollout.config``)."""
 
     context: ContextConfig = field(default_factory=ContextConfig)
     sampling: SamplingParams = field(default_factory=SamplingParams)
@@ -272,7 +272,7 @@ def run_envs(
     ``on_finished(n)``: ``n`` more envs ended (for progress), told just before
     the stream's next request or its close; it must not raise.
 
-    ``take``: pull-based work (``ragen.llm_agent.schedule``): besides
+    ``take``: pull-based work (``ragen.rollout.workers.schedule``): besides
     ``specs``, each call returns the specs of one more chunk of whole groups,
     a stream of its own already opened by the manager, until it returns none.
     The loop takes the next chunk as soon as the last one is reset and its

@@ -1,10 +1,10 @@
-"""The viewer's command line: ``python -m ragen.viewer DUMP.jsonl [-o out.html] [--metrics metrics.jsonl]
+"""The viewer's command line: ``python -m ragen.tools.viewer DUMP.jsonl [-o out.html] [--metrics metrics.jsonl]
 [--config FILE] [--allow-env-type MODULE:CLASS]``.
 
 Prints the page's path; an unreadable input prints ``error: <file and line: what
 is wrong>`` on stderr and exits with status 2. ``--config`` and
 ``--allow-env-type`` name the env types whose config classes may be built for
-their ``grid_vocab`` (as in ``python -m ragen.replay``); the dump's other types
+their ``grid_vocab`` (as in ``python -m ragen.tools.replay``); the dump's other types
 are never imported.
 """
 
@@ -20,7 +20,7 @@ from ragen.viewer import DumpError, ViewerError, write_viewer
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m ragen.viewer",
+        prog="python -m ragen.tools.viewer",
         description="Write a rollout dump's episodes as one self-contained HTML page.")
     parser.add_argument("dump", help="a rollout dump: <name>.jsonl or <name>.jsonl.gz")
     parser.add_argument("-o", "--out", help="the HTML file to write (default: the dump's name with .html, beside it)")

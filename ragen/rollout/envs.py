@@ -1,0 +1,163 @@
+"""EnvStateManager: which envs a rollout plays, with which seeds, and what
+their trajectories add up to.
+
+One manager per split (``train`` / ``val``), from ``es_manager.<split>``:
+``env_groups`` groups of ``group_size`` envs; ``env_configs.tags`` with
+``n_groups`` (summing to ``env_groups``) says which ``custom_envs`` tag each
+group plays. Members of a group share one seed (so one initial state, as GRPO
+needs); groups differ. Seeds start at ``seed.<split>`` and advance every rollout.
+
+``make_specs()`` returns the ``EnvSpec`` list of the next rollout (plain data,
+sent to workers); the turn loop in ``ragen.rollout.loop`` steps them;
+``compute_metrics`` reduces the trajectories to stable metric names.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import Counter, defaultdict
+from typing import Any, Mapping, Sequence
+
+from ragen.config_reader import read, to_plain
+from ragen.rollout.config import EnvSplitConfig, EnvTagConfig
+from ragen.rollout.types import EnvSpec, StopReason, Trajectory
+
+
+class EnvStateManager:
+    """Holds no env state: it schedules env groups and seeds (which tag each group plays, which seed it gets).
+
+    RAGEN's name is kept. What it holds is one split's group layout
+    (``env_groups`` x ``group_size``, a tag per group) and a count of rollouts
+    made, from which seeds advance; ``state_dict`` is that count. The envs
+    themselves are built and stepped by the turn loop in the workers, from the
+    plain ``EnvSpec``s handed out here (``make_specs`` for a whole rollout,
+    ``group_specs`` for the fully-async stream of groups).
+    """
+
+    def __init__(self, split: str, split_cfg: EnvSplitConfig | Mapping, custom_envs: Mapping, seed: int) -> None:
+        self.split = split
+        key = f"es_manager.{split}"
+        cfg = read(EnvSplitConfig, split_cfg, key)
+        self.env_groups = cfg.env_groups
+        self.group_size = cfg.group_size
+        tags = list(cfg.env_configs.tags)
+        n_groups = list(cfg.env_configs.n_groups)
+        if not tags:
+            raise ValueError(f"{key}.env_configs.tags is empty: name at least one tag of custom_envs")
+        if len(tags) != len(n_groups):
+            raise ValueError(f"{key}.env_configs: {len(tags)} tags but {len(n_groups)} n_groups entries")
+        if sum(n_groups) != self.env_groups:
+            raise ValueError(
+                f"{key}.env_configs.n_groups sums to {sum(n_groups)} but {key}.env_groups is {self.env_groups}"
+            )
+        custom_envs = to_plain(custom_envs) or {}
+        self.tag_specs: dict[str, dict[str, Any]] = {}
+        for tag in tags:
+            if tag not in custom_envs:
+                raise ValueError(
+                    f"{key}.env_configs.tags: tag {tag!r} is not in custom_envs (known: {sorted(custom_envs)})"
+                )
+            self.tag_specs[tag] = _validate_tag(tag, custom_envs[tag])
+        self.group_tags = [tag for tag, n in zip(tags, n_groups) for _ in range(n)]
+        self.base_seed = int(seed)
+        self._rollouts = 0
+        self._lock = threading.Lock()
+
+    @property
+    def num_envs(self) -> int:
+        return self.env_groups * self.group_size
+
+    def make_specs(self, rollout_index: int | None = None) -> list[EnvSpec]:
+        """Specs of the next rollout (seeds advance by ``env_groups`` each
+        time), or of rollout number ``rollout_index`` (same index, same seeds)."""
+        if rollout_index is None:
+            with self._lock:
+                rollout_index = self._rollouts
+                self._rollouts += 1
+        return [s for g in range(self.env_groups) for s in self._group(rollout_index, g, group_id=g)]
+
+    def group_specs(self, index: int) -> list[EnvSpec]:
+        """Group number ``index`` of an endless stream of groups (fully-async
+        rollout): group ``g`` of rollout ``r`` is number ``r * env_groups + g``,
+        with that rollout's seed; group ids and env_ids are unique in the stream."""
+        rollout_index, g = divmod(index, self.env_groups)
+        return self._group(rollout_index, g, group_id=index)
+
+    def _group(self, rollout_index: int, g: int, group_id: int) -> list[EnvSpec]:
+        ts = self.tag_specs[self.group_tags[g]]
+        seed = self.base_seed + rollout_index * self.env_groups + g
+        return [
+            EnvSpec(env_id=group_id * self.group_size + m, group_id=group_id, tag=self.group_tags[g], seed=seed,
+                    env_type=ts["env_type"], env_config=ts["env_config"], config_type=ts["config_type"],
+                    max_actions_per_traj=ts["max_actions_per_traj"], env_instruction=ts["env_instruction"],
+                    max_tokens=ts["max_tokens"], format_example=ts["format_example"],
+                    env_threads=ts["env_threads"], mode=self.split)
+            for m in range(self.group_size)
+        ]
+
+    def state_dict(self) -> dict[str, int]:
+        return {"rollouts": self._rollouts}
+
+    def load_state_dict(self, state: Mapping[str, int]) -> None:
+        self._rollouts = int(state["rollouts"])
+
+
+def _validate_tag(tag: str, spec: Any) -> dict[str, Any]:
+    from ragen.env import make_env_config
+
+    key = f"custom_envs.{tag}"
+    cfg = read(EnvTagConfig, spec, key)
+    env_config = cfg.env_config or {}
+    # Builds (and so validates) the config now, before any model loads.
+    make_env_config(cfg.env_type, env_config, config_type=cfg.config_type, tag=tag)
+    example = cfg.format_example
+    if example is not None:
+        if not isinstance(example, dict) or not isinstance(example.get("observation"), str) \
+                or not isinstance(example.get("answer"), str):
+            raise ValueError(f"{key}.format_example must have 'observation' and 'answer' strings "
+                             "(and optionally 'actions', a list of action names)")
+        names = example.get("actions")
+        example = (example["observation"], example["answer"], tuple(str(n) for n in names) if names else None)
+    return {
+        "format_example": example,
+        "env_type": cfg.env_type,
+        "config_type": cfg.config_type,
+        "env_config": env_config,
+        "max_actions_per_traj": cfg.max_actions_per_traj,
+        "env_instruction": cfg.env_instruction or "",
+        "max_tokens": cfg.max_tokens,
+        "env_threads": cfg.max_workers if cfg.parallel_friendly else 1,
+    }
+
+
+def compute_metrics(trajectories: Sequence[Trajectory], prefix: str = "rollout") -> dict[str, float]:
+    """Stable metric names: ``<prefix>/success``, ``<prefix>/<tag>/success``,
+    ``<prefix>/stop/<reason>``, ... over one rollout's trajectories."""
+    m: dict[str, float] = {}
+    if not trajectories:
+        return m
+    n = len(trajectories)
+    by_tag: dict[str, list[Trajectory]] = defaultdict(list)
+    for t in trajectories:
+        by_tag[t.tag].append(t)
+
+    def reduce(trajs: Sequence[Trajectory], p: str) -> None:
+        k = len(trajs)
+        m[f"{p}/success"] = sum(t.success for t in trajs) / k
+        m[f"{p}/reward"] = sum(t.reward for t in trajs) / k
+        m[f"{p}/num_actions"] = sum(t.num_actions for t in trajs) / k
+        m[f"{p}/num_turns"] = sum(len(t.turns) for t in trajs) / k
+        parsed = sum(len(tn.actions) for t in trajs for tn in t.turns)
+        executed = sum(len(tn.executed_actions) for t in trajs for tn in t.turns)
+        m[f"{p}/valid_action_ratio"] = executed / parsed if parsed else 0.0
+        m[f"{p}/n_trajectories"] = float(k)
+
+    reduce(trajectories, prefix)
+    for tag, trajs in sorted(by_tag.items()):
+        reduce(trajs, f"{prefix}/{tag}")
+    stops = Counter(t.stop_reason for t in trajectories)
+    for reason in StopReason:
+        m[f"{prefix}/stop/{reason.value}"] = float(stops.get(reason, 0))
+    m[f"{prefix}/env_steps"] = float(sum(t.num_actions for t in trajectories))
+    assert sum(stops.values()) == n
+    return m
