@@ -11,6 +11,7 @@ import pytest
 
 from ragen.llm.scripted import ScriptedEngine
 from ragen.llm_agent import AgentSetup, LLMAgentProxy
+from ragen.rollout.backends import SequentialRollout
 from ragen.rollout.backends.ahead import RolloutAhead, staleness
 
 from tests.rollout_helpers import custom_envs
@@ -42,7 +43,7 @@ def test_k0_is_the_synchronous_pipeline():
         for _ in range(3):
             assert k0.next_train_batch(b.policy_version).trajectories == sync.rollout("train").trajectories
             update(sync, a), update(k0, b)
-        assert k0._ahead is None
+        assert isinstance(k0.backend, SequentialRollout)  # no backend around it that generates ahead
         new_threads = [t.name for t in set(threading.enumerate()) - threads_before]
         assert "ragen-rollout-ahead" not in new_threads  # k = 0 generates nothing in the background
         assert "async/produced" not in k0.async_metrics()
@@ -72,13 +73,13 @@ def test_k1_never_trains_on_data_more_than_one_version_old():
 def test_ahead_drops_batches_older_than_k():
     class Fake:
         def __init__(self, version):
-            self.trajectories = [type("T", (), {"turns": [type("U", (), {"policy_version": version})()]})()]
+            self.trajectories = [type("T", (), {"turns": [type("U", (), {"policy_version": version, "response_ids": (1, 2)})()]})()]
 
     versions = iter([0, 0, 5, 5])
     ahead = RolloutAhead(lambda: Fake(next(versions)), 1)
     try:
         got = ahead.get(5)  # versions 0 are 5 behind: dropped until a fresh batch comes
-        assert staleness(got.trajectories, 5) == 0 and ahead.stats.dropped_stale == 2
+        assert staleness(got.trajectories, 5) == 0 and ahead.bound.dropped == 2 and ahead.bound.tokens_dropped == 4
     finally:
         ahead.close()
 

@@ -469,9 +469,9 @@ def test_every_chunk_is_announced_and_a_worker_holds_at_most_max_env_num_per_wor
 def _worker_gc_state():
     import gc
 
-    from ragen.rollout.backends import parallel as parallel_rollout
+    from ragen.rollout.workers.executors import freeze_once
 
-    parallel_rollout._freeze_once()  # what run_shard does first
+    freeze_once()  # what run_shard does first
     return gc.get_threshold()[0], gc.get_freeze_count() > 0
 
 

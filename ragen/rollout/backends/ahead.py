@@ -1,5 +1,9 @@
-"""Asynchronous rollout: generation that does not wait for the trainer.
+"""Generate-ahead: training rollouts generated while the trainer trains.
 
+- ``GenerateAhead`` (``async_generation_ratio: k > 0``): the backend. The
+  next batch of the train env set comes from ``RolloutAhead`` over the
+  synchronous backend; a list of specs (validation) is played by that
+  backend directly.
 - ``RolloutAhead`` (``async_generation_ratio: k``): a background thread keeps
   generating training rollouts while the trainer trains, at most ``k`` batches
   ahead (generating or waiting to be trained on). ``get(version)`` hands the
@@ -12,7 +16,8 @@
   one: the trainer decides whether to go on, with a new ``RolloutAhead``).
   After ``close()``, ``get`` hands out what was made, then raises
   ``RuntimeError``: it never blocks for good.
-- Staleness of a batch is ``version - min(policy versions of its turns)``.
+- Staleness of a batch is ``version - min(policy versions of its turns)``;
+  ``StalenessBound`` drops and counts what is more than its bound old.
 """
 
 from __future__ import annotations
@@ -23,8 +28,12 @@ import threading
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Callable, Iterator
+from typing import Any, Callable, Iterator
 
+from ragen.rollout.backends.base import RolloutBackend, Specs, SyncBackend
+from ragen.rollout.envs import EnvStateManager
+from ragen.rollout.loop import LoopConfig
+from ragen.rollout.progress import RolloutProgress
 from ragen.rollout.types import RolloutResult
 
 logger = logging.getLogger(__name__)
@@ -41,13 +50,39 @@ def staleness(trajectories, version: int) -> int:
     return version - min(versions) if versions else 0
 
 
+class StalenessBound:
+    """Admits what is at most ``bound`` policy versions old; drops and counts the rest."""
+
+    def __init__(self, bound: int) -> None:
+        self.bound = bound
+        self.dropped = 0
+        self.tokens_dropped = 0
+        self.staleness: list[int] = []  # of each batch or group admitted
+
+    def admit(self, trajectories, version: int, drop: bool = True) -> bool:
+        """Whether to train on ``trajectories`` at ``version``; ``drop=False``
+        admits whatever its age (partial rollouts), only recording it."""
+        lag = staleness(trajectories, version)
+        if drop and lag > self.bound:
+            self.dropped += 1
+            self.tokens_dropped += response_tokens(trajectories)
+            return False
+        self.staleness.append(lag)
+        return True
+
+    def metrics(self) -> dict[str, float]:
+        m = {"async/dropped_stale": float(self.dropped), "async/tokens_dropped": float(self.tokens_dropped)}
+        if self.staleness:
+            m["async/staleness_mean"] = sum(self.staleness) / len(self.staleness)
+            m["async/staleness_max"] = float(max(self.staleness))
+        return m
+
+
 @dataclass
 class AheadStats:
     trainer_wait_s: float = 0.0  # the trainer waiting for data
     generator_wait_s: float = 0.0  # generation waiting for the trainer (k batches ahead, or paused)
     produced: int = 0
-    dropped_stale: int = 0
-    staleness: list[int] = field(default_factory=list)  # of each batch handed out
 
 
 class RolloutAhead:
@@ -57,6 +92,7 @@ class RolloutAhead:
         self.produce = produce
         self.ahead = ahead
         self.stats = AheadStats()
+        self.bound = StalenessBound(ahead)
         self._ready: queue.Queue = queue.Queue()
         self._slots = threading.Semaphore(ahead)
         self._running = threading.Event()
@@ -105,12 +141,10 @@ class RolloutAhead:
                 t0 = time.perf_counter()
                 result = self._next_ready()
                 self.stats.trainer_wait_s += time.perf_counter() - t0
-            lag = staleness(result.trajectories, version)
-            if lag > self.ahead:
-                self.stats.dropped_stale += 1
-                logger.warning("dropped a rollout %d policy versions old (async_generation_ratio=%d)", lag, self.ahead)
+            if not self.bound.admit(result.trajectories, version):
+                logger.warning("dropped a rollout %d policy versions old (async_generation_ratio=%d)",
+                               staleness(result.trajectories, version), self.ahead)
                 continue
-            self.stats.staleness.append(lag)
             return result
 
     def _next_ready(self) -> RolloutResult:
@@ -151,3 +185,55 @@ class RolloutAhead:
         if self._thread is not None:
             self._thread.join(timeout=60)
             self._thread = None
+
+
+class GenerateAhead(RolloutBackend):
+    """``async_generation_ratio: k > 0``: the train env set's batches generated
+    up to ``k`` ahead of the trainer by ``inner`` (sequential or parallel),
+    none trained on more than ``k`` policy versions old; lists of specs are
+    played by ``inner`` at once."""
+
+    def __init__(self, inner: SyncBackend, ahead: int) -> None:
+        self.inner = inner
+        self.serving = inner.serving
+        self.ahead = ahead
+        self._rollouts: RolloutAhead | None = None
+        self._source: tuple[EnvStateManager, LoopConfig] | None = None
+
+    @property
+    def engine_lock(self) -> threading.Lock:
+        return self.inner.engine_lock
+
+    def rollout(self, specs: Specs, loop: LoopConfig, *, progress: RolloutProgress | None = None,
+                policy_version: int = 0, fault: dict[str, Any] | None = None) -> RolloutResult:
+        if not isinstance(specs, EnvStateManager):
+            return self.inner.rollout(specs, loop, progress=progress, fault=fault)
+        if self._rollouts is None:
+            self._source = (specs, loop)
+            self._rollouts = RolloutAhead(lambda: self.inner.rollout(specs, loop), self.ahead)
+        elif self._source[0] is not specs or self._source[1] != loop:
+            raise ValueError("GenerateAhead generates the batches of one env set and loop config; "
+                             f"it was given env set {specs.split!r} after {self._source[0].split!r}")
+        return self._rollouts.get(policy_version)
+
+    @contextmanager
+    def paused(self) -> Iterator[None]:
+        if self._rollouts is None:
+            yield
+            return
+        with self._rollouts.paused():
+            yield
+
+    def metrics(self) -> dict[str, float]:
+        if self._rollouts is None:
+            return {}
+        st = self._rollouts.stats
+        m = {"async/trainer_wait_s": st.trainer_wait_s, "async/generator_wait_s": st.generator_wait_s,
+             "async/produced": float(st.produced)}
+        m.update(self._rollouts.bound.metrics())
+        return m
+
+    def close(self) -> None:
+        if self._rollouts is not None:
+            self._rollouts.close()
+        self.inner.close()

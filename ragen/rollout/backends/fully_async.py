@@ -1,16 +1,27 @@
 """``rollout_mode: fully_async``: env groups kept in flight on workers across
-training steps; the trainer takes completed groups as they come."""
+training steps; the trainer takes completed groups as they come.
+
+- ``FullyAsync``: the backend; a batch of the train env set is its
+  ``env_groups`` lowest-numbered completed groups; a list of specs
+  (validation) is played by the synchronous backend it holds.
+- ``GroupsInFlight``: the scheduler that keeps the groups in flight.
+"""
 
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
+from typing import Any
 
+from ragen.rollout.backends.ahead import StalenessBound, response_tokens
+from ragen.rollout.backends.base import RolloutBackend, Specs, SyncBackend
 from ragen.rollout.config import cap_n_jobs
-from ragen.rollout.workers.executors import DaemonThreadPool, KeptExecutor, start_worker
-from ragen.rollout.backends.ahead import response_tokens
+from ragen.rollout.envs import EnvStateManager, compute_metrics
+from ragen.rollout.loop import LoopConfig
+from ragen.rollout.progress import RolloutProgress
+from ragen.rollout.types import RolloutResult
+from ragen.rollout.workers.executors import KeptExecutor, local_pool
 
 logger = logging.getLogger(__name__)
 
@@ -68,8 +79,7 @@ class GroupsInFlight:
         # One task is one group, and a group mostly waits for the engine: a worker per
         # in-flight group (not per core) keeps max_inflight_groups really in flight.
         self._n_workers = max(joblib.effective_n_jobs(cap_n_jobs(n_jobs)), max_inflight_groups)
-        self._processes = backend == "loky"
-        self._workers = KeptExecutor(self._new_executor)
+        self._workers = KeptExecutor(lambda: local_pool(backend, self._n_workers, "ragen-async"))
         self._workers.get()
         self._cond = threading.Condition()
         self._completed: dict[int, list] = {}
@@ -150,15 +160,6 @@ class GroupsInFlight:
         """Whether a new group may start: the groups drawn and not handed out are under the bound."""
         return self.ahead_groups is None or self._next_group - self.counts["handed_out"] < self.ahead_groups
 
-    def _new_executor(self):
-        if self._processes:
-            from loky import ProcessPoolExecutor
-
-            return ProcessPoolExecutor(max_workers=self._n_workers, initializer=start_worker,
-                                       initargs=(os.getpid(),))
-        # daemon threads: a group that hangs must not keep the process from exiting
-        return DaemonThreadPool(self._n_workers, thread_name_prefix="ragen-async")
-
     def get_batch(self, n: int, timeout: float | None = None) -> list[tuple[int, list]]:
         """``n`` completed groups ``(index, trajectories)``, lowest index first."""
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -185,3 +186,73 @@ class GroupsInFlight:
             self._cond.notify_all()
         self._thread.join(timeout=60)
         self._workers.close(wait=True)
+
+
+class FullyAsync(RolloutBackend):
+    """``rollout_mode: fully_async``: a batch of the train env set is the
+    ``env_groups`` lowest-numbered groups completed by ``GroupsInFlight``,
+    each trained on whole (a partial group's turns carry their versions); a
+    group restarted from its start that is more than ``bound`` versions old
+    is dropped. Lists of specs are played by ``inner``."""
+
+    def __init__(self, inner: SyncBackend, serving, bound: int, *, max_inflight_groups: int, n_jobs: Any,
+                 backend: str, partial_rollout: bool, engine_timeout_s: float | None) -> None:
+        self.inner = inner
+        self.serving = serving
+        self.bound = StalenessBound(bound)
+        self._settings = dict(max_inflight_groups=max_inflight_groups, n_jobs=n_jobs, backend=backend,
+                              max_version_span=bound, partial_rollout=partial_rollout)
+        self._engine_timeout_s = engine_timeout_s
+        self._groups: GroupsInFlight | None = None
+        self._source: tuple[EnvStateManager, LoopConfig] | None = None
+        inner.keeps_episodes = True  # the groups in flight run episodes between rollouts
+
+    @property
+    def engine_lock(self) -> threading.Lock:
+        return self.inner.engine_lock
+
+    def rollout(self, specs: Specs, loop: LoopConfig, *, progress: RolloutProgress | None = None,
+                policy_version: int = 0, fault: dict[str, Any] | None = None) -> RolloutResult:
+        if not isinstance(specs, EnvStateManager):
+            return self.inner.rollout(specs, loop, progress=progress, fault=fault)
+        es = specs
+        if self._groups is None:
+            self._source = (es, loop)
+            # `bound` batches drawn ahead of the trainer: a group drawn while it trains on version v
+            # is taken, in order, at version v + bound at the latest
+            self._groups = GroupsInFlight(es, self.serving.client(timeout_s=self._engine_timeout_s), loop,
+                                          ahead_groups=self.bound.bound * es.env_groups, **self._settings)
+        elif self._source[0] is not es or self._source[1] != loop:
+            raise ValueError("FullyAsync keeps the groups of one env set and loop config in flight; "
+                             f"it was given env set {es.split!r} after {self._source[0].split!r}")
+        t0 = time.perf_counter()
+        groups = []
+        # envs of the groups taken for this batch, as they come (no turns: the groups in flight
+        # belong to no one batch)
+        with progress if progress is not None else RolloutProgress(es.num_envs, "train (fully async)") as shown:
+            while len(groups) < es.env_groups:
+                for index, trajs in self._groups.get_batch(es.env_groups - len(groups)):
+                    # a restarting group older than the bound is dropped; a partial one is trained on whole
+                    if self.bound.admit(trajs, policy_version, drop=not self._settings["partial_rollout"]):
+                        groups.append((index, trajs))
+                        shown.envs_finished(len(trajs))
+        groups.sort(key=lambda g: g[0])
+        trajectories = [t for _, trajs in groups for t in trajs]
+        result_specs = [s for index, _ in groups for s in es.group_specs(index)]
+        metrics = compute_metrics(trajectories)  # the engine's and envs' time belong to no one batch
+        metrics["timing/rollout_s"] = time.perf_counter() - t0
+        return RolloutResult(trajectories=trajectories, specs=result_specs, metrics=metrics)
+
+    def metrics(self) -> dict[str, float]:
+        if self._groups is None:
+            return {}
+        m = {f"async/{k}" if k.startswith("tokens") else f"async/groups_{k}": float(v)
+             for k, v in self._groups.counts.items()}
+        m.update(self.bound.metrics())
+        m["async/queued_groups"] = float(self._groups.queued())
+        return m
+
+    def close(self) -> None:
+        if self._groups is not None:
+            self._groups.close()
+        self.inner.close()

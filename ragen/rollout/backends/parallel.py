@@ -69,7 +69,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
-import gc
 import logging
 import os
 import threading
@@ -82,10 +81,11 @@ import joblib
 from ragen.rollout.workers.cluster import ClusterConfig, open_cluster
 from ragen.rollout.workers.autosize import AutoSizer, Measured
 from ragen.rollout.config import BACKENDS, cap_n_jobs, check_n_jobs, check_time_limit
-from ragen.rollout.envs import compute_metrics
-from ragen.rollout.workers.executors import DaemonThreadPool, KeptExecutor, start_worker
+from ragen.rollout.workers.executors import LOCAL_POOLS, KeptExecutor, freeze_once, local_pool
 from ragen.rollout.loop import KeptEnvs, LoopConfig, LoopStats, run_envs
 from ragen.serving import SharedLLMClient, SharedLLMInferenceManager
+from ragen.rollout.backends.base import SyncBackend
+from ragen.rollout.metrics import EngineUse, rollout_metrics
 from ragen.rollout.progress import RolloutProgress
 from ragen.rollout.workers.schedule import GroupQueue, group_cost_s, groups_of, min_chunk_groups
 from ragen.rollout.types import EnvSpec, RolloutResult, StopReason, Trajectory
@@ -93,7 +93,6 @@ from ragen.rollout.types import EnvSpec, RolloutResult, StopReason, Trajectory
 logger = logging.getLogger(__name__)
 
 IN_PROCESS_BACKENDS = ("threading", "sequential")  # shards run in the driver process
-LOCAL_POOLS = ("loky", "multiprocessing", "threading")  # workers this manager starts itself
 _LOCAL = threading.local()
 
 
@@ -138,7 +137,7 @@ def run_shard(shard_id: int, specs: list[EnvSpec], client: SharedLLMClient, conf
     come back as data, not exceptions, so the executor does not cancel the
     other workers."""
     started_at, t0 = time.monotonic(), time.perf_counter()
-    _freeze_once()
+    freeze_once()
     take = None if groups is None else (lambda: [s for i in client.take() for s in groups[i]])
     client.drop_if_closed()
     transit_before = client.transit()[0]
@@ -156,7 +155,13 @@ def run_shard(shard_id: int, specs: list[EnvSpec], client: SharedLLMClient, conf
                        ipc_s=max(0.0, client.transit()[0] - transit_before))
 
 
-class ParallelRolloutManager:
+class ParallelRolloutManager(SyncBackend):
+    """``use_parallel_rollout: true``: a rollout's envs played by joblib workers
+    that take whole groups as they free up, all asking ``shared`` (one engine
+    in the driver) for generations. Keeps its executors and the workers' envs
+    between rollouts; groups a worker did not bring back are re-run by the
+    fallback, so every spec gets its trajectory."""
+
     def __init__(
         self,
         shared: SharedLLMInferenceManager,
@@ -168,7 +173,9 @@ class ParallelRolloutManager:
         fallback_env_timeout_s: float = 60.0,
         engine_timeout_s: float | None = None,
         cluster: ClusterConfig | None = None,
+        max_concurrent_rollouts: int | None = None,
     ) -> None:
+        super().__init__(max_concurrent_rollouts)
         if backend not in BACKENDS:
             raise ValueError(f"agent_proxy.parallel_backend: unknown {backend!r}; choose one of {BACKENDS}")
         check_n_jobs(n_jobs)
@@ -179,7 +186,8 @@ class ParallelRolloutManager:
             raise ValueError(f"agent_proxy.max_env_num_per_worker must be >= 1, got {max_env_num_per_worker}")
         if backend in LOCAL_POOLS or (backend == "dask" and not (cluster and cluster.dask_scheduler_address)):
             n_jobs = cap_n_jobs(n_jobs)  # processes (or threads) on this machine
-        self.shared = shared
+        self.shared = self.serving = shared
+        self.engine = shared.engine
         self.backend = backend
         self.n_jobs = n_jobs
         self.max_env_num_per_worker = max_env_num_per_worker
@@ -255,9 +263,13 @@ class ParallelRolloutManager:
             for future in pending:
                 future.cancel()
 
+    @property
+    def engine_lock(self) -> threading.Lock:
+        return self.shared.engine_lock
+
     # ----- rollout ---------------------------------------------------------------
-    def rollout(self, specs: Sequence[EnvSpec], config: LoopConfig,
-                fault: dict[str, Any] | None = None, progress: RolloutProgress | None = None) -> RolloutResult:
+    def _play(self, specs: Sequence[EnvSpec], config: LoopConfig, progress: RolloutProgress | None,
+              fault: dict[str, Any] | None) -> RolloutResult:
         """``fault``: ``{"shard": i, "exit_at_turn": k}`` kills worker i's
         process at turn k (fault injection). ``progress``: told how far the
         rollout has got (the caller closes it)."""
@@ -315,8 +327,7 @@ class ParallelRolloutManager:
         _check_complete(specs, trajectories)
         if progress is not None:
             progress.complete()
-        metrics = compute_metrics(trajectories)
-        metrics.update(self._timing_metrics(results, stats_before, failures))
+        metrics = self._metrics(trajectories, results, stats_before, failures, time.perf_counter() - t_start)
         metrics["parallel/retried_shards"] = float(retried)
         metrics["timing/fallback_s"] = fallback_s
         workers_ran = [r for r in results if r.pid != -1]
@@ -427,34 +438,27 @@ class ParallelRolloutManager:
             raise RolloutError(f"shard {shard_id} failed again in the fallback: {result.error}")
         return result
 
-    def _timing_metrics(self, results, before, failures) -> dict[str, float]:
+    def _metrics(self, trajectories, results, before, failures, wall_s: float) -> dict[str, float]:
         after = self.shared.stats.snapshot()  # one consistent reading while the batcher goes on
         calls = after.engine_calls - before.engine_calls
-        sizes = list(after.batch_sizes)[-calls:] if calls else []
-        m = {
-            "timing/env_reset_s": sum(r.stats.env_reset_s for r in results),
-            "timing/env_step_s": sum(r.stats.env_step_s for r in results),
-            "timing/wait_llm_s": sum(r.stats.wait_s for r in results),
-            "timing/engine_s": after.engine_time_s - before.engine_time_s,
+        engine = EngineUse(calls=calls, requests=after.requests - before.requests,
+                           time_s=after.engine_time_s - before.engine_time_s,
+                           batch_sizes=list(after.batch_sizes)[-calls:] if calls else ())
+        m = rollout_metrics(trajectories, sum((r.stats for r in results), LoopStats()), engine,
+                            fallbacks=len(failures), wall_s=wall_s)
+        m.update({
             # what parallel rollout itself costs (the overhead preset): besides dispatch and merge
-            # (set in rollout), the engine held for more requests, and a worker's messages in transit
+            # (set in _play), the engine held for more requests, and a worker's messages in transit
             "overhead/coalesce_wait_s": after.coalesce_wait_s - before.coalesce_wait_s,
             "overhead/ipc_s": _mean([r.ipc_s for r in results if r.pid != -1]),
-            "engine/calls": float(after.engine_calls - before.engine_calls),
-            "engine/requests": float(after.requests - before.requests),
-            "engine/mean_batch_size": (sum(sizes) / len(sizes)) if sizes else 0.0,
-            "engine/max_batch_size": float(max(sizes)) if sizes else 0.0,
             "ipc/bytes_in": float(after.bytes_in - before.bytes_in),
             "ipc/bytes_out": float(after.bytes_out - before.bytes_out),
             "ipc/messages": float(after.messages_in - before.messages_in),
             "parallel/shards": float(sum(r.pid != -1 for r in results)),
             "parallel/chunks": float(sum(r.stats.chunks for r in results)),
             "parallel/envs_created": float(sum(r.stats.envs_created for r in results)),
-            "rollout/env_retries": float(sum(r.stats.env_retries for r in results)),
-            "parallel/fallbacks": float(len(failures)),
             "parallel/workers_used": float(len({r.pid for r in results if r.trajectories and r.pid != -1})),
-        }
-        m["timing/env_s"] = m["timing/env_reset_s"] + m["timing/env_step_s"]
+        })
         for r in results:
             if r.pid != -1:
                 m[f"worker/shard{r.shard}_wall_s"] = r.wall_s
@@ -510,23 +514,8 @@ class _Executors:
 
     def _build_workers(self):
         m = self.manager
-        if m.backend == "loky":
-            from loky import ProcessPoolExecutor
-
-            return ProcessPoolExecutor(max_workers=self._size, env=_thread_limits(self._size),
-                                       initializer=_worker_start, initargs=(os.getpid(),))
-        if m.backend == "multiprocessing":
-            # The standard library's pool with multiprocessing's default start method
-            # (what joblib's multiprocessing backend uses): unlike multiprocessing.Pool,
-            # it sees a worker die (BrokenProcessPool) and hands each result back as
-            # its shard ends.
-            import multiprocessing
-
-            return concurrent.futures.ProcessPoolExecutor(self._size, mp_context=multiprocessing.get_context(),
-                                                          initializer=start_worker, initargs=(os.getpid(),))
-        if m.backend == "threading":
-            # daemon threads: a shard abandoned past rollout_timeout_s must not keep the process from exiting
-            return DaemonThreadPool(self._size, thread_name_prefix="ragen-shard")
+        if m.backend in LOCAL_POOLS:
+            return local_pool(m.backend, self._size, "ragen-shard")
         parallel = joblib.Parallel(
             n_jobs=1 if m.backend == "sequential" else (-1 if m._auto is not None else m.n_jobs),
             backend=m._joblib_backend(), batch_size=1,
@@ -544,9 +533,7 @@ class _Executors:
 
 
 def _spare_process():
-    from loky import ProcessPoolExecutor
-
-    return ProcessPoolExecutor(max_workers=1, initializer=start_worker, initargs=(os.getpid(),))
+    return local_pool("loky", 1, "ragen-spare")
 
 
 def _run_isolated(spare: KeptExecutor, shard_id: int, specs: list[EnvSpec], client: SharedLLMClient,
@@ -574,43 +561,6 @@ def _run_isolated(spare: KeptExecutor, shard_id: int, specs: list[EnvSpec], clie
             return ShardResult(shard=shard_id, trajectories=[traj])
         return ShardResult.combine(shard_id, [_run_isolated(spare, shard_id, part, client, config)
                                               for part in parts])
-
-
-_FREEZE_PENDING = False  # a loky worker process (_worker_gc) before its first shard
-
-
-def _worker_start(parent_pid: int) -> None:
-    """A loky worker process's start: it exits with its driver (``start_worker``) and tunes its collector."""
-    start_worker(parent_pid)
-    _worker_gc()
-
-
-def _worker_gc() -> None:
-    """A loky worker process's garbage collector: young collections every
-    10,000 new objects (not 700), and, from its first shard on, what it has
-    imported left out of full collections (``_freeze_once``). Env code creates
-    objects fast (Sokoban's room search): with the defaults each worker spent
-    ~100 ms of a 2.4 s env_bound_heavy rollout collecting (6 full
-    collections), with these ~13 ms."""
-    global _FREEZE_PENDING
-    _FREEZE_PENDING = True
-    gc.set_threshold(10_000, 10, 10)
-
-
-def _freeze_once() -> None:
-    global _FREEZE_PENDING
-    if _FREEZE_PENDING:  # the imports of the first shard are done: modules, classes
-        _FREEZE_PENDING = False
-        gc.freeze()
-
-
-def _thread_limits(n_workers: int) -> dict[str, str]:
-    """Thread pools of numeric libraries in each worker process: a share of
-    the cores, unless set already (what joblib's loky backend does)."""
-    share = str(max(1, (os.cpu_count() or 1) // n_workers))
-    names = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "BLIS_NUM_THREADS",
-             "VECLIB_MAXIMUM_THREADS", "NUMBA_NUM_THREADS", "NUMEXPR_NUM_THREADS")
-    return {name: os.environ.get(name, share) for name in names}
 
 
 def _engine_idle(spans, start: float, end: float) -> dict[str, float]:

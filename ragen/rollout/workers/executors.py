@@ -29,6 +29,7 @@ so that a terminated driver stops its workers in the same ``finally`` blocks.
 from __future__ import annotations
 
 import concurrent.futures
+import gc
 import logging
 import os
 import queue
@@ -202,3 +203,75 @@ def interrupt_on_sigterm() -> None:
         raise KeyboardInterrupt(f"signal {signal.Signals(signum).name}")
 
     signal.signal(signal.SIGTERM, interrupt)
+
+
+LOCAL_POOLS = ("loky", "multiprocessing", "threading")  # the executors built on this machine
+
+
+def local_pool(kind: str, n_workers: int, name: str) -> concurrent.futures.Executor:
+    """A pool of ``n_workers`` workers on this machine, which hands each task's
+    result back as it ends and sees a worker process die (``BrokenExecutor``).
+
+    - ``loky``: loky's process executor (the one under joblib's loky backend);
+      its workers tune their collector (``_worker_gc``) and share the cores
+      among the thread pools of numeric libraries.
+    - ``multiprocessing``: the standard library's process pool with
+      multiprocessing's default start method (what joblib's multiprocessing
+      backend uses); unlike ``multiprocessing.Pool`` it sees a worker die.
+    - ``threading``: daemon threads (``DaemonThreadPool``), so a task
+      abandoned past its time limit never holds the process at exit.
+
+    Worker processes exit with their driver (``start_worker``).
+    """
+    if kind == "loky":
+        from loky import ProcessPoolExecutor
+
+        return ProcessPoolExecutor(max_workers=n_workers, env=_thread_limits(n_workers),
+                                   initializer=_worker_start, initargs=(os.getpid(),))
+    if kind == "multiprocessing":
+        import multiprocessing
+
+        return concurrent.futures.ProcessPoolExecutor(n_workers, mp_context=multiprocessing.get_context(),
+                                                      initializer=start_worker, initargs=(os.getpid(),))
+    if kind == "threading":
+        return DaemonThreadPool(n_workers, thread_name_prefix=name)
+    raise ValueError(f"no local pool of kind {kind!r}; choose one of {LOCAL_POOLS}")
+
+
+_FREEZE_PENDING = False  # a loky worker process (_worker_gc) before its first task
+
+
+def _worker_start(parent_pid: int) -> None:
+    """A loky worker process's start: it exits with its driver (``start_worker``) and tunes its collector."""
+    start_worker(parent_pid)
+    _worker_gc()
+
+
+def _worker_gc() -> None:
+    """A loky worker process's garbage collector: young collections every
+    10,000 new objects (not 700), and, from its first task on, what it has
+    imported left out of full collections (``freeze_once``). Env code creates
+    objects fast (Sokoban's room search), and with the default thresholds a
+    worker spends a noticeable share of its time in full collections that
+    find nothing to free (BENCHMARKS.md)."""
+    global _FREEZE_PENDING
+    _FREEZE_PENDING = True
+    gc.set_threshold(10_000, 10, 10)
+
+
+def freeze_once() -> None:
+    """Called at the start of each task: the first one in a loky worker leaves
+    what the worker has imported (modules, classes) out of full collections."""
+    global _FREEZE_PENDING
+    if _FREEZE_PENDING:
+        _FREEZE_PENDING = False
+        gc.freeze()
+
+
+def _thread_limits(n_workers: int) -> dict[str, str]:
+    """Thread pools of numeric libraries in each worker process: a share of
+    the cores, unless set already (what joblib's loky backend does)."""
+    share = str(max(1, (os.cpu_count() or 1) // n_workers))
+    names = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "BLIS_NUM_THREADS",
+             "VECLIB_MAXIMUM_THREADS", "NUMBA_NUM_THREADS", "NUMEXPR_NUM_THREADS")
+    return {name: os.environ.get(name, share) for name in names}

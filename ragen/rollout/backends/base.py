@@ -1,0 +1,150 @@
+"""``RolloutBackend``: the one interface of a rollout, and what the synchronous backends share.
+
+A backend plays env specs to a ``RolloutResult``: ``rollout(specs, loop)``.
+``specs`` is either the list of specs to play, or the env set of a split
+(``EnvStateManager``), whose next batch the backend draws: the synchronous
+backends draw it when called, the asynchronous ones ahead of the caller.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+from abc import ABC, abstractmethod
+from typing import Any, Iterator, Sequence
+
+from ragen.llm.types import Engine
+from ragen.rollout.envs import EnvStateManager
+from ragen.rollout.loop import LoopConfig
+from ragen.rollout.progress import RolloutProgress
+from ragen.rollout.types import EnvSpec, RolloutResult
+
+logger = logging.getLogger(__name__)
+
+Specs = Sequence[EnvSpec] | EnvStateManager
+
+
+class RolloutBackend(ABC):
+    """Plays env specs to trajectories; sequential, parallel, generate-ahead and
+    fully-async are its implementations, built by ``make_backend``.
+
+    - ``rollout(specs, loop, progress=, policy_version=, fault=)``: a list of
+      specs is played as given; an env set gives its next batch (which an
+      asynchronous backend may have played ahead, with older weights:
+      ``policy_version`` is the trainer's, to bound that).
+    - ``engine_lock``: held around every engine call; the trainer holds it to
+      change the weights.
+    - ``paused()``: no generation in the background inside (validation).
+    - ``metrics()``: what the backend counts across rollouts (asynchronous modes).
+    - ``close()``: stops its threads and workers.
+    """
+
+    serving: Any = None  # the SharedLLMInferenceManager the backend's workers talk to, if any
+
+    @abstractmethod
+    def rollout(self, specs: Specs, loop: LoopConfig, *, progress: RolloutProgress | None = None,
+                policy_version: int = 0, fault: dict[str, Any] | None = None) -> RolloutResult:
+        ...
+
+    @property
+    @abstractmethod
+    def engine_lock(self) -> threading.Lock:
+        ...
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        yield
+
+    def metrics(self) -> dict[str, float]:
+        return {}
+
+    @abstractmethod
+    def close(self) -> None:
+        ...
+
+    def __enter__(self) -> "RolloutBackend":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+class SyncBackend(RolloutBackend):
+    """A backend that plays a rollout when called (sequential, parallel).
+
+    Around each rollout: at most ``max_concurrent_rollouts`` at once, a
+    progress display (a bar on a terminal, log lines elsewhere), the engine's
+    prompt-token counts, its per-episode caches freed once no rollout runs,
+    and one summary line. Subclasses play the specs in ``_play``.
+    """
+
+    engine: Engine
+    keeps_episodes = False  # episodes run outside ``rollout`` (fully-async groups): the engine keeps their caches
+
+    def __init__(self, max_concurrent_rollouts: int | None = None) -> None:
+        self._semaphore = (threading.BoundedSemaphore(max_concurrent_rollouts) if max_concurrent_rollouts
+                           else contextlib.nullcontext())
+        self._running = 0
+        self._running_lock = threading.Lock()
+
+    @abstractmethod
+    def _play(self, specs: Sequence[EnvSpec], loop: LoopConfig, progress: RolloutProgress,
+              fault: dict[str, Any] | None) -> RolloutResult:
+        ...
+
+    def rollout(self, specs: Specs, loop: LoopConfig, *, progress: RolloutProgress | None = None,
+                policy_version: int = 0, fault: dict[str, Any] | None = None) -> RolloutResult:
+        label = progress.split if progress is not None else "rollout"
+        if isinstance(specs, EnvStateManager):
+            label, specs = specs.split, specs.make_specs()
+        with self._semaphore:  # the bar's clock starts once the rollout may run
+            with self._running_lock:
+                self._running += 1
+            try:
+                # the engine's counts over this rollout (rollouts at once, or generating ahead, add theirs)
+                before = _engine_counts(self.engine)
+                with progress if progress is not None else RolloutProgress(len(specs), label) as shown:
+                    result = self._play(specs, loop, shown, fault)
+                prefilled, reused, evicted = (b - a for a, b in zip(before, _engine_counts(self.engine)))
+                turn_cache = getattr(self.engine, "turn_cache", None)
+                cache_mb = turn_cache.bytes / 2**20 if turn_cache is not None else None
+            finally:
+                with self._running_lock:
+                    self._running -= 1
+                    # every episode of this rollout has ended: unless another rollout or the
+                    # fully-async groups still run episodes, nothing the engine keeps is needed
+                    if self._running == 0 and not self.keeps_episodes:
+                        self.engine.release_cache()
+        m = result.metrics
+        if prefilled or reused:
+            m.update({"engine/prefill_tokens": float(prefilled), "engine/reused_tokens": float(reused),
+                      "engine/prefix_reuse": reused / (prefilled + reused)})
+        if cache_mb is not None:  # the memory kept for next turns, and the episodes let go to stay in bound
+            m.update({"engine/turn_cache_mb": cache_mb, "engine/turn_cache_evicted": float(evicted)})
+        _log_summary(label, result)
+        return result
+
+
+def _engine_counts(engine: Engine) -> tuple[int, int, int]:
+    """The engine's prompt tokens computed and reused so far, and the episodes its turn cache
+    evicted (0 for what an engine does not count)."""
+    turn_cache = getattr(engine, "turn_cache", None)
+    return (getattr(engine, "tokens_prefilled", 0), getattr(engine, "tokens_reused", 0),
+            turn_cache.evicted if turn_cache is not None else 0)
+
+
+def _log_summary(label: str, result: RolloutResult) -> None:
+    m = result.metrics
+    logger.info(
+        "[Rollout] %s: %d envs in %.2f s | engine %.2f s, %d calls, mean batch %.1f%s | env %.2f s | "
+        "waiting for the model %.2f s | fallbacks %d | success %.3f",
+        label, len(result.specs), m.get("timing/rollout_s", 0.0), m.get("timing/engine_s", 0.0),
+        int(m.get("engine/calls", 0)), m.get("engine/mean_batch_size", 0.0),
+        f", prompt tokens {m['engine/prefix_reuse']:.0%} reused" if "engine/prefix_reuse" in m else "",
+        m.get("timing/env_s", 0.0), m.get("timing/wait_llm_s", 0.0), int(m.get("parallel/fallbacks", 0)),
+        m.get("rollout/success", 0.0))
+    for f in result.failed_envs:
+        logger.warning("[Rollout] %s: env_id %d (tag %s, seed %d) ended in %s at turn %d: %s | check it alone: "
+                       "python -m ragen.tools.check %s --first-seed %d", label, f["env_id"], f["tag"], f["seed"],
+                       f["stop_reason"], f["turn"], f["error"], f["tag"], f["seed"])
