@@ -212,6 +212,9 @@ def minimal(**agent_proxy) -> dict:
     ({"env_timeout_s": 0}, "agent_proxy.env_timeout_s must be > 0 seconds, got 0; for no limit write null"),
     ({"rollout_timeout_s": 0.0}, "agent_proxy.rollout_timeout_s must be > 0 seconds, got 0; for no limit write null"),
     ({"engine_timeout_s": 0}, "agent_proxy.engine_timeout_s must be > 0 seconds, got 0; for no limit write null"),
+    ({"rollout_mode": "fully_async", "parallel_backend": "dask"},
+     "agent_proxy.parallel_backend='dask': rollout_mode fully_async keeps its groups in flight on this machine, "
+     "on one of ('loky', 'threading')"),
 ])
 def test_bad_agent_proxy_keys_are_refused_naming_the_key(agent_proxy, message):
     with pytest.raises(ValueError, match=re.escape(message)):

@@ -25,6 +25,7 @@ logger = logging.getLogger(__name__)
 
 BACKENDS = ("loky", "threading", "multiprocessing", "sequential", "dask", "ray")  # agent_proxy.parallel_backend
 ROLLOUT_MODES = ("sync", "fully_async")
+FULLY_ASYNC_BACKENDS = ("loky", "threading")  # agent_proxy.parallel_backend with rollout_mode: fully_async
 
 
 @dataclass(frozen=True)
@@ -122,6 +123,9 @@ class AgentProxyConfig:
             check_time_limit(key, getattr(self, key))
         if not self.action_sep:
             raise ValueError("agent_proxy.action_sep must be a non-empty string")
+        if self.rollout_mode == "fully_async" and self.parallel_backend not in FULLY_ASYNC_BACKENDS:
+            raise ValueError(f"agent_proxy.parallel_backend={self.parallel_backend!r}: rollout_mode fully_async "
+                             f"keeps its groups in flight on this machine, on one of {FULLY_ASYNC_BACKENDS}")
 
 
 @dataclass(frozen=True)

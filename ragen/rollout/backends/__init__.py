@@ -52,7 +52,7 @@ def make_backend(ap: AgentProxyConfig, engine: Engine, server: LlmServerConfig =
             return FullyAsync(sync, serving, max(1, ap.async_generation_ratio),
                               max_inflight_groups=ap.max_inflight_groups,
                               n_jobs=-1 if ap.parallel_n_jobs == "auto" else ap.parallel_n_jobs,
-                              backend="threading" if ap.parallel_backend == "threading" else "loky",
+                              backend=ap.parallel_backend,
                               partial_rollout=ap.partial_rollout, engine_timeout_s=ap.engine_timeout_s)
         if ap.async_generation_ratio > 0:
             return GenerateAhead(sync, ap.async_generation_ratio)

@@ -64,8 +64,6 @@ class GroupsInFlight:
                  partial_rollout: bool = True, ahead_groups: int | None = None) -> None:
         if max_inflight_groups < 1:
             raise ValueError(f"agent_proxy.max_inflight_groups must be >= 1, got {max_inflight_groups}")
-        if backend not in ("loky", "threading"):
-            raise ValueError(f"agent_proxy.parallel_backend={backend!r}: fully_async runs on 'loky' or 'threading'")
         import joblib
 
         self.es = es
