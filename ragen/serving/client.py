@@ -149,8 +149,8 @@ class SharedLLMClient:
 
     def drop_if_closed(self) -> None:
         """Drop this thread's connection if the manager has closed it, so that
-        the next message goes over a fresh one (a shard, or the fallback's
-        re-run, never starts on a dead connection)."""
+        the next message goes over a fresh one (new work never starts on a
+        dead connection)."""
         state = getattr(_LOCAL, "conns", {}).get(self._key())
         if state is None:
             return

@@ -50,7 +50,7 @@ class CallCostModel:
     within a factor ``size_ratio`` of that size: an engine's time is not one
     line over every size (on a CPU a call of 16 can cost as much as one of 32,
     and one of 128 four times as much), and a line through far-apart sizes (a
-    validation's call and a training rollout's) puts the intercept near 0.
+    validation's call and a training call) puts the intercept near 0.
     None while the calls seen are too alike in size to tell the two apart
     (sizes within ``min_spread`` of their mean, or no calls): the intercept
     would be an extrapolation that timing noise decides."""
