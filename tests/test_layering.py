@@ -156,9 +156,7 @@ def test_layers_import_one_way():
         for layer, above in ABOVE.items():
             if _in(module, layer):
                 wrong += [f"{module} -> {dep}" for dep in sorted(deps) if any(_in(dep, a) for a in above)]
-    # the server still holds the parallel rollout's group queue and progress (being moved to the rollout side)
-    assert sorted(set(wrong) - {"ragen.serving.server -> ragen.rollout.progress",
-                                "ragen.serving.server -> ragen.rollout.workers.schedule"}) == []
+    assert wrong == []
 
 
 @pytest.mark.timeout(60)

@@ -438,9 +438,9 @@ def test_every_chunk_is_announced_and_a_worker_holds_at_most_max_env_num_per_wor
     announced, most_open = [], []
 
     class Recording(SharedLLMInferenceManager):
-        def announce(self, n_streams, queue=None):
+        def announce(self, n_streams, hooks=None):
             announced.append(n_streams)
-            return super().announce(n_streams, queue)
+            return super().announce(n_streams, hooks)
 
     specs = specs_for(["Bandit", "SimpleSokoban"], [6, 2], 1, custom_envs())
     with Recording(ScriptedEngine(base_s=0.002)) as shared, \

@@ -8,6 +8,8 @@ from __future__ import annotations
 import io
 import logging
 import time
+from dataclasses import replace
+from functools import partial
 
 import pytest
 
@@ -16,6 +18,7 @@ from ragen.llm_agent import AgentSetup, LLMAgentProxy
 from ragen.serving import SharedLLMInferenceManager, wire
 from ragen.rollout.backends.parallel import ParallelRolloutManager
 from ragen.rollout.progress import RolloutProgress
+from ragen.rollout.workers.dispatch import FINISHED, announced, report_finished
 from ragen.rollout.loop import KeptEnvs, run_envs, stream_count
 from ragen.rollout.types import rollout_digest
 
@@ -68,7 +71,7 @@ def test_a_parallel_rollout_ends_with_every_env_and_turn_counted(mixed_specs):
         plain = prm.rollout(mixed_specs, loop_config(depth=2))
         progress = RecordingProgress(total)
         result = prm.rollout(mixed_specs, loop_config(depth=2), progress=progress)
-        assert not shared._watchers  # the rollout stopped watching
+        assert not shared.hooked  # the rollout's progress is told nothing more
     assert rollout_digest(result.trajectories) == rollout_digest(plain.trajectories)
     assert progress.finished == total
     assert progress.reported > 0  # the workers' counts came through the manager
@@ -95,35 +98,29 @@ def test_the_workers_finished_counts_ride_on_their_messages(mixed_specs):
     total = len(mixed_specs)
     config = loop_config(depth=2)
     with SharedLLMInferenceManager(ScriptedEngine(), coalesce_wait_s=0.005) as shared:
-        rollout = shared.announce(stream_count(mixed_specs, config.pipeline_depth))
         progress = RecordingProgress(total)
-        shared.watch(rollout, progress)
-        client = shared.client(timeout_s=30)
-        from dataclasses import replace
-
-        client = replace(client, rollout=rollout)
-        try:
-            trajectories, stats = run_envs(mixed_specs, client, config, kept_envs=KeptEnvs(),
-                                           on_finished=client.envs_finished)
-            deadline = time.monotonic() + 5  # the last close is read by the manager's connection thread
-            while progress.finished < total and time.monotonic() < deadline:
-                time.sleep(0.01)
-        finally:
-            shared.withdraw(rollout)
-            shared.unwatch(rollout)
-            client.reset()
+        with announced(shared, stream_count(mixed_specs, config.pipeline_depth), progress=progress) as tag:
+            client = replace(shared.client(timeout_s=30), tag=tag)
+            try:
+                trajectories, stats = run_envs(mixed_specs, client, config, kept_envs=KeptEnvs(),
+                                               on_finished=partial(report_finished, client))
+                deadline = time.monotonic() + 5  # the last close is read by the manager's connection thread
+                while progress.finished < total and time.monotonic() < deadline:
+                    time.sleep(0.01)
+            finally:
+                client.reset()
     assert progress.finished == progress.reported == total
     assert progress.turns == stats.requests == turns_of(trajectories)
 
 
 def test_finished_on_the_wire_is_optional_and_checked():
     gen = {"op": "gen", "ticket": 1, "requests": [], "sampling": {}}
-    assert wire.parse_message(wire.frame(gen)[4:]).finished == 0
-    assert wire.parse_message(wire.frame({**gen, "finished": 3})[4:]).finished == 3
-    assert wire.parse_message(wire.frame({"op": "close", "n": 1, "finished": 2})[4:]).finished == 2
+    assert wire.parse_message(wire.frame(gen)[4:]).notes == {}
+    assert wire.parse_message(wire.frame({**gen, "notes": {FINISHED: 3}})[4:]).notes == {FINISHED: 3}
+    assert wire.parse_message(wire.frame({"op": "close", "n": 1, "notes": {FINISHED: 2}})[4:]).notes == {FINISHED: 2}
     for bad in (-1, "2", True, 1.5):
-        with pytest.raises(wire.BadMessage, match="finished"):
-            wire.parse_message(wire.frame({**gen, "finished": bad})[4:])
+        with pytest.raises(wire.BadMessage, match="notes"):
+            wire.parse_message(wire.frame({**gen, "notes": {FINISHED: bad}})[4:])
 
 
 def test_not_on_a_terminal_it_logs_after_the_delay_and_then_at_most_every_interval(caplog):

@@ -14,7 +14,7 @@ import pytest
 
 from ragen.llm.scripted import ScriptedEngine
 from ragen.llm.types import GenerationRequest, SamplingParams
-from ragen.serving import EngineError, SharedLLMInferenceManager
+from ragen.serving import EngineError, Hooks, ProtocolError, Reply, SharedLLMInferenceManager
 
 from tests.inference_helpers import ask
 
@@ -160,6 +160,68 @@ def test_answers_to_one_worker_come_in_one_frame():
     assert engine.calls == [5]
     assert [c.env_id for c in got[t1]] == [0, 1, 2] and [c.env_id for c in got[t2]] == [3, 4]
     assert shared.stats.bytes_out > 0
+
+
+class _Recorder:
+    """An observer and note handler that records what it is told."""
+
+    def __init__(self):
+        self.events = []
+        self.told = threading.Event()
+
+    def engine_call(self, size):
+        self.events.append(("engine_call", size))
+
+    def answered(self, n):
+        self.events.append(("answered", n))
+        self.told.set()
+
+    def note(self, n):
+        self.events.append(("note", n))
+
+
+def test_calls_notes_and_the_observer_of_a_tag_reach_its_hooks():
+    """A call under a tag is answered by its handler and opens the streams
+    it says; notes ride on the next message to the tag's note handlers; the
+    observer hears of the engine call and the answers; a withdrawn tag's
+    calls are answered None and its notes go nowhere."""
+    seen = _Recorder()
+    hooks = Hooks(calls={"echo": lambda payload: Reply({"got": payload}, streams=2)},
+                  notes={"done": seen.note}, observer=seen)
+    with SharedLLMInferenceManager(ScriptedEngine()) as shared:
+        tag = shared.announce(2, hooks)
+        client = dataclasses.replace(shared.client(timeout_s=30), tag=tag)
+        assert client.call("echo", [1, "a"]) == {"got": [1, "a"]}
+        assert shared.open_streams == 2 and shared.announced == {tag: 0}
+        client.note("done", 2)
+        client.note("done", 1)
+        assert len(ask(client, _requests(3), SamplingParams())) == 3
+        assert seen.told.wait(10)
+        assert seen.events == [("note", 3), ("engine_call", 3), ("answered", 3)]
+        shared.withdraw(tag)
+        assert shared.hooked == () and shared.open_streams == 0
+        assert client.call("echo", 1) is None
+        client.note("done", 5)
+        client.close_stream()
+        assert len(ask(client, _requests(1), SamplingParams())) == 1  # the connection goes on
+    assert ("note", 5) not in seen.events
+
+
+def test_a_call_that_cannot_be_answered_fails_alone():
+    def broken(payload):
+        raise RuntimeError("no chunk")
+
+    hooks = Hooks(calls={"bad": broken, "opaque": lambda payload: Reply(object())})
+    with SharedLLMInferenceManager(ScriptedEngine()) as shared:
+        client = dataclasses.replace(shared.client(timeout_s=30), tag=shared.announce(0, hooks))
+        with pytest.raises(ProtocolError, match="RuntimeError: no chunk"):
+            client.call("bad")
+        with pytest.raises(ProtocolError, match="no handler of calls of kind 'unknown'"):
+            client.call("unknown")
+        with pytest.raises(ProtocolError, match="not plain data"):
+            client.call("opaque")
+        assert shared.open_streams == 0
+        assert len(ask(client, _requests(2), SamplingParams())) == 2  # the connection goes on
 
 
 class _Exploit:

@@ -6,7 +6,7 @@ state (``ContextManager``) -> the model's answer (through an ``LLMClient``) ->
 actions parsed and mapped (names -> ids through the env's ``ACTION_LOOKUP``;
 unknown names dropped) -> ``env.step`` for each action within the budget.
 
-``LLMClient`` (``inference.client``) is what the loop talks to: ``DirectClient``
+``LLMClient`` (``ragen.serving.client``) is what the loop talks to: ``DirectClient``
 calls an engine in-process (the sequential rollout), ``SharedLLMClient``
 reaches the driver's ``SharedLLMInferenceManager`` from worker processes.
 
@@ -274,7 +274,8 @@ def run_envs(
 
     ``take``: pull-based work (``ragen.rollout.workers.schedule``): besides
     ``specs``, each call returns the specs of one more chunk of whole groups,
-    a stream of its own already opened by the manager, until it returns none.
+    a stream of its own already opened by the manager
+    (``ragen.rollout.workers.dispatch``), until it returns none.
     The loop takes the next chunk as soon as the last one is reset and its
     requests are sent, while fewer than ``max_live_envs`` envs are playing
     (None: no limit); trajectories come back in the order the specs came.

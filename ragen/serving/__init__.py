@@ -4,7 +4,8 @@
 - ``coalescer``: when to call the engine and with which requests (a plain
   object, decided from plain inputs).
 - ``server``: ``SharedLLMInferenceManager``, which owns the engine, its lock
-  and the connections, and runs the coalescer's decisions.
+  and the connections, and runs the coalescer's decisions; the work it is
+  told of (``announce``) brings its own calls, notes and observer (``Hooks``).
 - ``client``: the ``LLMClient`` protocol the turn loop talks to, with
   ``DirectClient`` (an engine in the caller's thread) and ``SharedLLMClient``
   (a worker's handle on the manager).
@@ -12,11 +13,11 @@
 
 from ragen.serving.client import DirectClient, LLMClient, SharedLLMClient
 from ragen.serving.coalescer import CallCostModel, Coalescer, Decision, Pending, StreamClock
-from ragen.serving.server import ManagerStats, SharedLLMInferenceManager, check_listen_address
+from ragen.serving.server import Hooks, ManagerStats, Observer, Reply, SharedLLMInferenceManager, check_listen_address
 from ragen.serving.wire import AuthenticationError, EngineError, ProtocolError
 
 __all__ = [
-    "AuthenticationError", "CallCostModel", "Coalescer", "Decision", "DirectClient", "EngineError", "LLMClient",
-    "ManagerStats", "Pending", "ProtocolError", "SharedLLMClient", "SharedLLMInferenceManager", "StreamClock",
-    "check_listen_address",
+    "AuthenticationError", "CallCostModel", "Coalescer", "Decision", "DirectClient", "EngineError", "Hooks",
+    "LLMClient", "ManagerStats", "Observer", "Pending", "ProtocolError", "Reply", "SharedLLMClient",
+    "SharedLLMInferenceManager", "StreamClock", "check_listen_address",
 ]

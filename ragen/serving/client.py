@@ -6,10 +6,10 @@ micro-batch with its own request in flight) are open. ``DirectClient`` calls
 an engine in the caller's thread (the sequential rollout: one engine call per
 turn over all active envs, RAGEN's loop). ``SharedLLMClient`` reaches the
 driver's ``SharedLLMInferenceManager`` from worker processes: it is small and
-picklable (address and key), and each process and thread opens its own
-connection on first use. It also counts the envs its caller reports ended
-(``envs_finished``) and adds the count to its next message, for the driver's
-progress, and ``take``s chunks of a rollout's groups from the manager's queue.
+picklable (address, key and the tag it works under), and each process and
+thread opens its own connection on first use. Besides generating, it makes
+``call``s that the hooks announced with its tag answer, and gathers ``note``
+counts that ride on its next message (``server.Hooks``).
 """
 
 from __future__ import annotations
@@ -96,7 +96,7 @@ class SharedLLMClient:
     address: tuple[str, int]
     authkey: bytes = field(repr=False)
     timeout_s: float | None = None  # for one answer; None: wait as long as it takes
-    rollout: int | None = None  # the announced rollout whose streams this client opens
+    tag: int | None = None  # the announced tag its streams are opened and its calls made under
     max_message_bytes: int = 64 << 20  # the largest frame it reads, as the manager caps what it reads
 
     def _key(self) -> tuple:
@@ -111,7 +111,7 @@ class SharedLLMClient:
         state = cache.get(key)
         if state is None:
             # transit: seconds its messages spent on the wire, summed, and how many (transit())
-            state = {"sock": self._connect(), "ticket": 0, "outstanding": set(), "inbox": deque(), "finished": 0,
+            state = {"sock": self._connect(), "ticket": 0, "outstanding": set(), "inbox": deque(), "notes": {},
                      "transit": [0.0, 0]}
             cache[key] = state
         return state
@@ -149,8 +149,8 @@ class SharedLLMClient:
 
     def drop_if_closed(self) -> None:
         """Drop this thread's connection if the manager has closed it, so that
-        the next message goes over a fresh one (a shard, or the fallback's
-        re-run, never starts on a dead connection)."""
+        the next message goes over a fresh one (new work never starts on a
+        dead connection)."""
         state = getattr(_LOCAL, "conns", {}).get(self._key())
         if state is None:
             return
@@ -164,21 +164,22 @@ class SharedLLMClient:
             self.reset()
 
     def open_streams(self, n: int) -> None:
-        wire.send_frame(self._state()["sock"], {"op": "open", "n": n, "rollout": self.rollout})
+        wire.send_frame(self._state()["sock"], {"op": "open", "n": n, "tag": self.tag})
 
     def close_stream(self) -> None:
         state = self._state()
-        wire.send_frame(state["sock"], self._with_finished(state, {"op": "close", "n": 1}))
+        wire.send_frame(state["sock"], self._with_notes(state, {"op": "close", "n": 1}))
 
-    def envs_finished(self, n: int) -> None:
-        """Counted here and sent with the next message (a request or a
-        stream's close, which always follows an env's end): no message of its own."""
-        self._state()["finished"] += n
+    def note(self, name: str, n: int) -> None:
+        """Adds ``n`` to the count ``name``, sent with the next message (a
+        request, a call or a stream's close): no message of its own."""
+        notes = self._state()["notes"]
+        notes[name] = notes.get(name, 0) + n
 
     @staticmethod
-    def _with_finished(state: dict[str, Any], msg: dict[str, Any]) -> dict[str, Any]:
-        if state["finished"]:
-            msg["finished"], state["finished"] = state["finished"], 0
+    def _with_notes(state: dict[str, Any], msg: dict[str, Any]) -> dict[str, Any]:
+        if state["notes"]:
+            msg["notes"], state["notes"] = state["notes"], {}
         return msg
 
     def submit(self, requests: list[GenerationRequest], sampling: SamplingParams) -> int:
@@ -189,8 +190,8 @@ class SharedLLMClient:
         raw = [r.to_dict() for r in requests]
         msg = {"op": "gen", "ticket": state["ticket"] + 1, "sent": time.monotonic(), "requests": raw,
                "sampling": sampling.to_dict()}
-        if state["finished"]:
-            msg["finished"] = state["finished"]
+        if state["notes"]:
+            msg["notes"] = state["notes"]
         try:
             wire.send_frame(state["sock"], msg, self.max_message_bytes)
         except wire.MessageTooLarge as exc:
@@ -202,7 +203,7 @@ class SharedLLMClient:
                 refused.append(i)
                 left -= sizes[i]
             raise wire.MessageTooLarge(exc.size, exc.limit, refused, sizes) from None
-        state["finished"] = 0
+        state["notes"] = {}
         state["ticket"] += 1
         state["outstanding"].add(state["ticket"])
         return state["ticket"]
@@ -226,16 +227,21 @@ class SharedLLMClient:
         seconds, n = state["transit"]
         return seconds, n
 
-    def take(self) -> list[int]:
-        """The next chunk of the rollout's groups (indices into the groups the
-        worker was given), which opens one stream; empty when none are left.
-        Answers that arrive meanwhile wait in the inbox for ``wait_any``."""
+    def call(self, kind: str, payload: Any = None) -> Any:
+        """The reply of the handler of ``kind`` announced with this client's
+        tag (plain data both ways); None once the tag is withdrawn.
+        ``wire.ProtocolError`` when the manager could not answer it. Answers
+        that arrive meanwhile wait in the inbox for ``wait_any``."""
         state = self._state()
-        wire.send_frame(state["sock"], self._with_finished(state, {"op": "take", "rollout": self.rollout}))
+        msg = {"op": "call", "kind": kind, "tag": self.tag, "payload": payload}
+        wire.send_frame(state["sock"], self._with_notes(state, msg), self.max_message_bytes)
         while True:
             reply = self._read_reply(state)
-            if "take" in reply:
-                return list(reply["take"])
+            if "reply" in reply:
+                if reply.get("error") is not None:
+                    raise wire.ProtocolError(f"the LLM manager at {self.address} did not answer the call "
+                                             f"{kind!r}: {reply['error']}")
+                return reply["reply"]
             state["inbox"].extend(reply["answers"])
 
     @staticmethod
@@ -245,17 +251,15 @@ class SharedLLMClient:
             state["transit"][1] += 1
 
     def _read_reply(self, state: dict[str, Any]) -> dict[str, Any]:
-        """One frame from the manager: ``{"answers": [...]}`` or ``{"take": [...]}``."""
+        """One frame from the manager: ``{"answers": [...]}`` or ``{"reply": ...}``."""
         sock = state["sock"]
         sock.settimeout(self.timeout_s)
         try:
             waiting_since = time.monotonic()
             data, _ = wire.recv_frame(sock, self.max_message_bytes)
             reply = wire.loads(data)
-            if not isinstance(reply, dict) or not (
-                    isinstance(reply.get("answers"), list)
-                    or (isinstance(reply.get("take"), list) and all(type(i) is int for i in reply["take"]))):
-                raise ValueError("a reply must be {'answers': [...]} or {'take': [integers]}")
+            if not isinstance(reply, dict) or not (isinstance(reply.get("answers"), list) or "reply" in reply):
+                raise ValueError("a reply must be {'answers': [...]} or {'reply': ...}")
             sent = reply.get("sent")
             if isinstance(sent, float) and waiting_since <= sent:
                 self._add_transit(state, time.monotonic() - sent)
@@ -284,10 +288,10 @@ class SharedLLMClient:
         while True:
             while not inbox:
                 reply = self._read_reply(state)
-                if "take" in reply:  # only ever sent in reply to take(), which reads it itself
+                if "reply" in reply:  # only ever sent in reply to call(), which reads it itself
                     self.reset()
                     raise wire.ProtocolError(f"bad reply from the LLM manager at {self.address}: "
-                                             "a chunk of groups that was not asked for")
+                                             "the reply to a call that was not made")
                 inbox.extend(reply["answers"])
             msg = inbox.popleft()
             ticket = msg.get("ticket")

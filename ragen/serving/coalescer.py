@@ -18,18 +18,18 @@ modelled as a serial server (``StreamClock``): each idle stream is due one
 learned apart) after the later of its answer and the stream before it. A
 stream that will not be back before the budget runs out is not waited for;
 one due within it is, until it comes or the budget is spent, even when it is
-later than predicted. The driver ``announce``s how many streams a rollout's
-shards will open, so a worker that starts its shard late is waited for before
-it connects.
+later than predicted. The driver ``announce``s how many streams the work it
+dispatched will open, under a tag, so a worker that starts late is waited
+for before it connects.
 
 Why wait at all: on a GPU a call's time hardly depends on its size, so a turn
 split over two calls costs a whole decode more. A fit of the fixed cost from
-calls of one size came out near 0 there, and a few ms of misprediction split
-a turn in two; hence "unknown" (not 0) when call sizes are too alike, and
+calls of one size is noise around 0 there, and a small misprediction splits a
+turn in two; hence "unknown" (not 0) when call sizes are too alike, and
 waiting for a late stream that is still within the budget. A line through far
-apart sizes (a validation's call of 128 and a rollout's of 32 on a CPU) puts
-the fixed cost near 0 too, which would split every later rollout's turn;
-hence a fit on calls near the size.
+apart sizes (a validation's call of 128 and a training call of 32 on a CPU)
+puts the fixed cost near 0 too, which would split every later turn; hence a
+fit on calls near the size.
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ class CallCostModel:
     within a factor ``size_ratio`` of that size: an engine's time is not one
     line over every size (on a CPU a call of 16 can cost as much as one of 32,
     and one of 128 four times as much), and a line through far-apart sizes (a
-    validation's call and a training rollout's) puts the intercept near 0.
+    validation's call and a training call) puts the intercept near 0.
     None while the calls seen are too alike in size to tell the two apart
     (sizes within ``min_spread`` of their mean, or no calls): the intercept
     would be an extrapolation that timing noise decides."""
@@ -92,7 +92,7 @@ class StreamClock:
     """One connection's open streams and how fast its worker comes back."""
 
     streams: int = 0
-    rollout: int | None = None  # the announced rollout its open streams belong to
+    tag: int | None = None  # the announced tag its open streams belong to
     # Streams with no request queued or in the engine: since when, and whether
     # since an answer (env steps next) or since opening (env resets next);
     # oldest first, the order in which the worker takes them up.
@@ -168,9 +168,9 @@ class Coalescer:
         self.engine_free_at = 0.0
         self.pending: deque[Pending] = deque()
         self.clocks: dict[Hashable, StreamClock] = {}
-        # streams of dispatched shards whose workers have not opened them yet, by rollout
+        # streams of dispatched work whose workers have not opened them yet, by tag
         self.announced: dict[int, int] = {}
-        self._rollouts = 0
+        self._tags = 0
 
     # ----- what happens ----------------------------------------------------------
     def connect(self, conn: Hashable) -> None:
@@ -181,12 +181,13 @@ class Coalescer:
         self.clocks.pop(conn, None)
         self.pending = deque(p for p in self.pending if p.conn != conn)
 
-    def open(self, conn: Hashable, n: int, rollout: int | None, now: float) -> None:
+    def open(self, conn: Hashable, n: int, tag: int | None, now: float) -> None:
+        """``n`` streams open on ``conn`` under ``tag`` (counted against its announcement)."""
         clock = self.clocks[conn]
         clock.streams += n
-        clock.rollout = rollout
-        if rollout in self.announced:
-            self.announced[rollout] -= n
+        clock.tag = tag
+        if tag in self.announced:
+            self.announced[tag] -= n
         clock.idle.extend([(now, False)] * n)
 
     def close(self, conn: Hashable, n: int) -> None:
@@ -202,18 +203,18 @@ class Coalescer:
         return sum(clock.streams for clock in self.clocks.values())
 
     def announce(self, n_streams: int) -> int:
-        """Shards whose workers will open ``n_streams`` streams were
-        dispatched; returns the rollout id they open them under."""
-        self._rollouts += 1
-        self.announced[self._rollouts] = n_streams
-        return self._rollouts
+        """Work whose workers will open ``n_streams`` streams was dispatched;
+        returns the tag they open them under."""
+        self._tags += 1
+        self.announced[self._tags] = n_streams
+        return self._tags
 
-    def withdraw(self, rollout: int) -> None:
-        """Expect none of the rollout's streams any more (also the ones still open:
-        a shard the driver gave up on would hold every later call to its full budget)."""
-        self.announced.pop(rollout, None)
+    def withdraw(self, tag: int) -> None:
+        """Expect none of the tag's streams any more (also the ones still open:
+        work the driver gave up on would hold every later call to its full budget)."""
+        self.announced.pop(tag, None)
         for clock in self.clocks.values():
-            if clock.rollout == rollout and clock.streams:
+            if clock.tag == tag and clock.streams:
                 clock.streams = 0
                 clock.idle.clear()
 

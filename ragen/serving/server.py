@@ -14,39 +14,36 @@ answers with something other than one plain-data ``Completion`` per request,
 gets its batch (or only the request lists it answered badly) answered with
 errors, and the batcher goes on serving.
 
-Work: a rollout announced with a ``GroupQueue`` hands its groups to the
-workers that ``take`` them, a chunk at a time, as they free up (pull-based
-load balancing, ``ragen.rollout.workers.schedule``); each chunk taken opens one
-stream on the taker's connection.
-
-Progress: the driver may ``watch`` an announced rollout with a
-``RolloutProgress``; the manager tells it the requests it answers for the
-streams opened under that rollout, the size of each engine call, and the envs
-finished that workers add to their messages. It is told outside the
-manager's lock (answers just before they are sent, so a worker cannot end its
-shard before its answers are counted) and decides nothing here.
+Announcements: the driver ``announce``s how many streams the work it
+dispatched will open, under a tag that the workers' clients carry; the
+coalescer waits for those streams before they open. What else the work
+needs on the same connection, the announcer brings as ``Hooks``: handlers
+of calls (``SharedLLMClient.call``; a call may open streams under the tag),
+handlers of the counts workers attach to their messages
+(``SharedLLMClient.note``), and an ``Observer`` told of every engine call and
+of the requests it answers for the tag's streams. Observers and note
+handlers run outside the manager's lock (answers are told just before they
+are sent, so a worker cannot end its work before its answers are counted);
+their errors are logged and ignored. The manager decides nothing from them.
 """
 
 from __future__ import annotations
 
 import ipaddress
 import logging
+import pickle
 import secrets
 import socket
 import threading
 import time
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any, Callable, Mapping, Protocol
 
 from ragen.llm.types import Completion, Engine, GenerationRequest, SamplingParams
 from ragen.serving import wire
 from ragen.serving.client import SharedLLMClient
 from ragen.serving.coalescer import Coalescer, Pending
-from ragen.rollout.workers.schedule import GroupQueue
-
-if TYPE_CHECKING:
-    from ragen.rollout.progress import RolloutProgress
 
 logger = logging.getLogger(__name__)
 
@@ -85,6 +82,40 @@ def _check_bindable(host: str) -> None:
                          "this machine, 127.0.0.1 or 0.0.0.0)") from None
 
 
+class Observer(Protocol):
+    """Told what the engine does, for the streams of one announced tag."""
+
+    def engine_call(self, size: int) -> None:
+        """An engine call of ``size`` requests starts (told to every observer)."""
+
+    def answered(self, n: int) -> None:
+        """``n`` requests of the tag's streams were answered with completions."""
+
+
+@dataclass(frozen=True)
+class Reply:
+    """A call's reply: ``payload`` (plain data) for the caller, and the
+    ``streams`` the call opens on the caller's connection under its tag
+    (counted against the tag's announcement)."""
+
+    payload: Any = None
+    streams: int = 0
+
+
+@dataclass(frozen=True)
+class Hooks:
+    """What the work announced under one tag adds to serving, dropped at
+    ``withdraw``. ``calls``: the handler of each kind of call, given its
+    payload; it runs on the connection's thread under the manager's lock, so
+    it is quick and never blocks. ``notes``: the handler of each count the
+    workers attach to their messages, given the count. ``observer``: told of
+    engine calls and answers."""
+
+    calls: Mapping[str, Callable[[Any], Reply]] = field(default_factory=dict)
+    notes: Mapping[str, Callable[[int], None]] = field(default_factory=dict)
+    observer: Observer | None = None
+
+
 def _is_loopback(host: str) -> bool:
     try:
         return ipaddress.ip_address(host.split("%")[0]).is_loopback
@@ -98,7 +129,7 @@ class _Conn:
     peer: str
     send_lock: threading.Lock = field(default_factory=threading.Lock)
     alive: bool = True
-    rollout: int | None = None  # the rollout its streams were last opened under (for progress)
+    tag: int | None = None  # the tag its streams were last opened under (whose hooks its notes and answers reach)
 
     def send(self, obj: Any) -> int:
         return self.send_frame(wire.frame(obj))
@@ -113,9 +144,9 @@ class _Conn:
 class ManagerStats:
     """What the manager did, written by its threads (batcher, connections).
     Metrics code reads while they write: ``batch_sizes`` and ``call_spans``
-    are copies taken under the lock (iterating the live deque while the
-    batcher appended raised "deque mutated during iteration"), and
-    ``snapshot()`` is one consistent copy of everything."""
+    are copies taken under the lock (a deque cannot be iterated while the
+    batcher appends to it), and ``snapshot()`` is one consistent copy of
+    everything."""
 
     engine_calls: int = 0
     requests: int = 0
@@ -163,6 +194,9 @@ class ManagerStats:
 
 
 class SharedLLMInferenceManager:
+    """The driver's engine, served to every worker over authenticated
+    connections, with the requests of all of them coalesced into engine calls."""
+
     def __init__(
         self,
         engine: Engine,
@@ -202,9 +236,9 @@ class SharedLLMInferenceManager:
         self._cond = threading.Condition()  # guards the coalescer and _conns
         self._conns: set[_Conn] = set()
         self._closed = False
-        self._watch_lock = threading.Lock()
-        self._watchers: dict[int, "RolloutProgress"] = {}  # by announced rollout
-        self._queues: dict[int, GroupQueue] = {}  # the groups workers take, by announced rollout (guarded by _cond)
+        # by announced tag; written under _cond, so a call's handler and withdraw never interleave
+        self._hooks_lock = threading.Lock()
+        self._hooks: dict[int, Hooks] = {}
         self._listener = socket.create_server((host, port))
         self.address: tuple[str, int] = self._listener.getsockname()[:2]
         self._threads = [
@@ -228,61 +262,90 @@ class SharedLLMInferenceManager:
         return SharedLLMClient(address=self.address, authkey=self._key, timeout_s=timeout_s,
                                max_message_bytes=self.max_message_bytes)
 
-    def announce(self, n_streams: int, queue: GroupQueue | None = None) -> int:
+    def announce(self, n_streams: int, hooks: Hooks | None = None) -> int:
         """The driver dispatched work whose workers will open ``n_streams``
         streams: the coalescer waits for them (within its budget) before they
         connect, so a worker that starts late is not left out of the first
-        call. ``queue``: the rollout's groups, which workers ``take`` chunk by
-        chunk (each take opens one stream). Returns the id for
-        ``SharedLLMClient.rollout`` and ``withdraw``."""
+        call. ``hooks``: the calls, notes and observer of that work. Returns
+        its tag, for ``SharedLLMClient.tag`` and ``withdraw``."""
         with self._cond:
-            rollout = self.coalescer.announce(n_streams)
-            if queue is not None:
-                self._queues[rollout] = queue
-            return rollout
+            tag = self.coalescer.announce(n_streams)
+            if hooks is not None:
+                with self._hooks_lock:
+                    self._hooks[tag] = hooks
+            return tag
 
-    def withdraw(self, rollout: int) -> None:
-        """The rollout's shards ended (or failed): expect none of its streams.
-        Streams still open under it are a shard the driver gave up on (past its
-        timeout, in a thread or a Dask task that cannot be stopped): waiting
-        for them would hold every later engine call to its full wait budget.
-        Their connection may still send requests; they are answered as usual."""
+    def withdraw(self, tag: int) -> None:
+        """The work of ``tag`` ended (or failed): expect none of its streams,
+        and drop its hooks (a later call under it is answered None). Streams
+        still open under it are work the driver gave up on (past its timeout,
+        in a thread or a Dask task that cannot be stopped): waiting for them
+        would hold every later engine call to its full wait budget. Their
+        connection may still send requests; they are answered as usual."""
         with self._cond:
-            self.coalescer.withdraw(rollout)
-            queue = self._queues.pop(rollout, None)
-            if queue is not None:
-                queue.close()
+            self.coalescer.withdraw(tag)
+            with self._hooks_lock:
+                self._hooks.pop(tag, None)
             self._cond.notify_all()
 
-    def watch(self, rollout: int, progress: "RolloutProgress") -> None:
-        """Tell ``progress`` what the streams opened under ``rollout`` do, until ``unwatch``."""
-        with self._watch_lock:
-            self._watchers[rollout] = progress
+    @property
+    def hooked(self) -> tuple[int, ...]:
+        """The tags whose hooks are in place (announced and not withdrawn)."""
+        with self._hooks_lock:
+            return tuple(self._hooks)
 
-    def unwatch(self, rollout: int) -> None:
-        with self._watch_lock:
-            self._watchers.pop(rollout, None)
-
-    def _tell(self, counts: dict[int | None, int], batch_size: int | None = None, finished: bool = False) -> None:
-        """Progress of the watched rollouts: ``counts`` requests answered (or
-        envs finished) by rollout, and the size of the engine call starting."""
-        with self._watch_lock:
-            if not self._watchers:
-                return
-            watchers = dict(self._watchers)
-        for rollout, progress in watchers.items():
+    def _observe(self, answered: dict[int | None, int], engine_call: int | None = None) -> None:
+        """The observers: the size of the engine call starting, and the
+        requests answered by tag."""
+        with self._hooks_lock:
+            observers = [(tag, h.observer) for tag, h in self._hooks.items() if h.observer is not None]
+        for tag, observer in observers:
             try:
-                n = counts.get(rollout, 0)
-                if finished:
-                    if n:
-                        progress.envs_finished(n)
-                    continue
-                if batch_size is not None:
-                    progress.engine_batch(batch_size)
+                if engine_call is not None:
+                    observer.engine_call(engine_call)
+                n = answered.get(tag, 0)
                 if n:
-                    progress.answered(n)
-            except Exception:  # progress never fails the manager
-                logger.debug("progress of rollout %s failed", rollout, exc_info=True)
+                    observer.answered(n)
+            except Exception:  # an observer never fails the manager
+                logger.debug("the observer of tag %s failed", tag, exc_info=True)
+
+    def _take_notes(self, conn: _Conn, notes: dict[str, int]) -> None:
+        """The counts a message carried, to the note handlers of its connection's tag."""
+        with self._hooks_lock:
+            hooks = self._hooks.get(conn.tag) if conn.tag is not None else None
+        if hooks is None:
+            return
+        for name, n in notes.items():
+            handler = hooks.notes.get(name)
+            if handler is None or not n:
+                continue
+            try:
+                handler(n)
+            except Exception:  # a note handler never fails the manager
+                logger.debug("the handler of note %r of tag %s failed", name, conn.tag, exc_info=True)
+
+    def _call(self, conn: _Conn, msg: wire.CallMessage) -> dict[str, Any]:
+        """The reply to a call, from the handler of its kind under its tag (a
+        withdrawn tag's: None); the streams it opens are open before the reply
+        is sent."""
+        with self._cond:
+            with self._hooks_lock:
+                hooks = self._hooks.get(msg.tag) if msg.tag is not None else None
+            if hooks is None:
+                return {"reply": None}
+            handler = hooks.calls.get(msg.kind)
+            if handler is None:
+                return {"reply": None, "error": f"no handler of calls of kind {msg.kind!r} under tag {msg.tag}"}
+            try:
+                reply = handler(msg.payload)
+            except Exception as exc:
+                logger.exception("the handler of call %r of tag %s failed", msg.kind, msg.tag)
+                return {"reply": None, "error": f"{type(exc).__name__}: {exc}"}
+            if reply.streams:  # from now on streams of their own
+                conn.tag = msg.tag
+                self.coalescer.open(conn, reply.streams, msg.tag, time.monotonic())
+                self._cond.notify_all()
+            return {"reply": reply.payload}
 
     @property
     def open_streams(self) -> int:
@@ -292,7 +355,7 @@ class SharedLLMInferenceManager:
 
     @property
     def announced(self) -> dict[int, int]:
-        """Streams announced and not opened yet, by rollout."""
+        """Streams announced and not opened yet, by tag."""
         with self._cond:
             return dict(self.coalescer.announced)
 
@@ -400,23 +463,22 @@ class SharedLLMInferenceManager:
             logger.warning("bad message from %s: %s", conn.peer, exc)
             conn.send({"answers": [{"ticket": exc.ticket, "error": f"bad message: {exc}"}]})
             return
-        if msg.finished:
-            self._tell({conn.rollout: msg.finished}, finished=True)
-        if isinstance(msg, wire.TakeMessage):
-            with self._cond:
-                queue = self._queues.get(msg.rollout)
-                chunk = queue.take() if queue is not None else []
-                if chunk:  # the chunk is a stream of its own from now on
-                    conn.rollout = msg.rollout
-                    self.coalescer.open(conn, 1, msg.rollout, time.monotonic())
-                    self._cond.notify_all()
-            self.stats.add(bytes_out=conn.send({"take": chunk, "sent": time.monotonic()}))
+        if msg.notes:
+            self._take_notes(conn, msg.notes)
+        if isinstance(msg, wire.CallMessage):
+            reply = self._call(conn, msg)
+            try:
+                data = wire.frame({**reply, "sent": time.monotonic()})
+            except pickle.PicklingError as exc:
+                logger.error("the reply to call %r of tag %s is not plain data: %s", msg.kind, msg.tag, exc)
+                data = wire.frame({"reply": None, "error": f"the reply is not plain data: {exc}"})
+            self.stats.add(bytes_out=conn.send_frame(data))
             return
         if isinstance(msg, wire.StreamsMessage):
             with self._cond:
                 if msg.op == "open":
-                    conn.rollout = msg.rollout
-                    self.coalescer.open(conn, msg.n, msg.rollout, time.monotonic())
+                    conn.tag = msg.tag
+                    self.coalescer.open(conn, msg.n, msg.tag, time.monotonic())
                 else:
                     self.coalescer.close(conn, msg.n)
                 self._cond.notify_all()
@@ -453,9 +515,9 @@ class SharedLLMInferenceManager:
                 return
             try:
                 size = min(self.max_batch_size, sum(len(p.requests) for p in batch))
-                self._tell({}, batch_size=size)  # the call about to run: shown while it runs
+                self._observe({}, engine_call=size)  # the call about to run: shown while it runs
                 answers = self._answers(batch)
-                self._progress(answers)  # before the reply: counted before a worker can end its shard
+                self._observe_answers(answers)  # before the reply: counted before a worker can end its work
                 self._reply(answers)
             except Exception as exc:  # a bug here must not end the thread: every later request would wait forever
                 logger.exception("the batcher failed on %d requests; answering them with an error", len(batch))
@@ -497,14 +559,14 @@ class SharedLLMInferenceManager:
             answers.setdefault(p.conn, []).append(answer)
         return answers
 
-    def _progress(self, answers: dict[_Conn, list[dict[str, Any]]]) -> None:
-        """Tell the watched rollouts of one engine call the requests answered
-        with completions, by the rollout of their connection."""
+    def _observe_answers(self, answers: dict[_Conn, list[dict[str, Any]]]) -> None:
+        """Tell the observers of one engine call the requests answered with
+        completions, by the tag of their connection."""
         counts: dict[int | None, int] = {}
         for conn, conn_answers in answers.items():
             n = sum(len(a.get("completions", ())) for a in conn_answers)
-            counts[conn.rollout] = counts.get(conn.rollout, 0) + n
-        self._tell(counts)
+            counts[conn.tag] = counts.get(conn.tag, 0) + n
+        self._observe(counts)
 
     def generate(self, requests: list[GenerationRequest], sampling: SamplingParams) -> list[Completion]:
         """One engine call (in chunks of ``max_batch_size``) under the engine lock."""

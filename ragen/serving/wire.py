@@ -3,7 +3,7 @@
 Frames are a 4-byte big-endian length and a pickle of plain data (dicts,
 lists, strings, bytes, numbers), written by a pickler and read by an
 unpickler that refuse every class and function: a frame carries nothing but
-data (as safe as JSON, and 5-8x cheaper to encode and decode, which matters
+data (as safe as JSON, and cheaper to encode and decode, which matters
 because the full message history of every env travels each turn). Each side
 refuses a frame longer than its ``max_message_bytes`` (and closes the
 connection: the stream is out of step), so a sender checks its own message
@@ -16,20 +16,21 @@ against that limit before it sends (``send_frame``, ``MessageTooLarge``).
   HMAC-SHA256(key, b"ragen server" + the client's nonce)}``, which the client
   checks before it sends anything. Nothing else is read before the key is
   proven, and a worker never takes answers from a server that lacks the key.
-- Client -> manager: ``{"op": "open"|"close", "n": k, "rollout": r}``
-  (streams), ``{"op": "take", "rollout": r}`` (the next chunk of the
-  rollout's groups, which opens one stream: ``ragen.rollout.workers.schedule``),
-  or ``{"op": "gen", "ticket": t, "requests": [...], "sampling": {...}}``,
-  checked field by field on arrival (``parse_message``): a request of
-  the wrong type or range is refused alone, never failing the engine call it
-  would have joined. A ``close`` or ``gen`` message may add ``"finished": k``:
-  k more of the worker's envs ended since its last message (for the driver's
-  progress; absent means 0, and a manager that does not know it ignores it).
-- Manager -> client: ``{"take": [group indices]}`` (none left: empty), or
-  ``{"answers": [...]}``, one frame per connection and engine call; each
-  answer is ``{"ticket": t, "completions": [...]}`` (the answers' token ids
-  and log-probs, not the prompts' token ids: those stay in the driver) or
-  ``{"ticket": t, "error": msg}``.
+- Client -> manager: ``{"op": "open"|"close", "n": k, "tag": t}`` (streams
+  opened under an announced tag, or closed), ``{"op": "call", "kind": k,
+  "tag": t, "payload": p}`` (a call that the hooks announced with tag t
+  answer: ``server.Hooks``), or ``{"op": "gen", "ticket": t, "requests":
+  [...], "sampling": {...}}``, checked field by field on arrival
+  (``parse_message``): a request of the wrong type or range is refused
+  alone, never failing the engine call it would have joined. A ``close``,
+  ``call`` or ``gen`` message may add ``"notes": {name: k}``: counts the
+  worker gathered since its last message, for the hooks of its connection's
+  tag (absent means none).
+- Manager -> client: ``{"reply": p}`` (a call's reply; with ``"error": msg``
+  when it could not be answered), or ``{"answers": [...]}``, one frame per
+  connection and engine call; each answer is ``{"ticket": t, "completions":
+  [...]}`` (the answers' token ids and log-probs, not the prompts' token ids:
+  those stay in the driver) or ``{"ticket": t, "error": msg}``.
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ import secrets
 import socket
 import struct
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from ragen.llm.types import Completion, GenerationRequest, SamplingParams
@@ -209,22 +210,28 @@ def client_handshake(sock: socket.socket, key: bytes, address: Any, timeout_s: f
 
 # ----- messages -----------------------------------------------------------------
 
+MAX_NOTES = 16  # note names in one message
+MAX_NAME_CHARS = 64  # of a call's kind and of a note's name
+
+
 @dataclass(frozen=True)
 class StreamsMessage:
-    """A worker opens (``op="open"``) or closes ``n`` streams."""
+    """A worker opens (``op="open"``, under ``tag``) or closes ``n`` streams."""
 
     op: str
     n: int
-    rollout: int | None
-    finished: int = 0  # envs of the worker that ended since its last message
+    tag: int | None
+    notes: dict[str, int] = field(default_factory=dict)  # counts gathered since the worker's last message
 
 
 @dataclass(frozen=True)
-class TakeMessage:
-    """A worker asks for the next chunk of an announced rollout's groups."""
+class CallMessage:
+    """A worker's call of ``kind``, answered by the hooks announced with ``tag``."""
 
-    rollout: int
-    finished: int = 0
+    kind: str
+    tag: int | None
+    payload: Any = None
+    notes: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -234,7 +241,7 @@ class GenMessage:
     ticket: int
     requests: list[GenerationRequest]
     sampling: SamplingParams
-    finished: int = 0  # envs of the worker that ended since its last message
+    notes: dict[str, int] = field(default_factory=dict)
     sent: float | None = None  # the worker's time.monotonic() when it began encoding the message
 
 
@@ -275,13 +282,33 @@ _SAMPLING_FIELDS = {
 }
 
 
+def _is_name(v: Any) -> bool:
+    return isinstance(v, str) and 0 < len(v) <= MAX_NAME_CHARS
+
+
+def _notes(msg: dict[str, Any]) -> dict[str, int]:
+    notes = msg.get("notes", {})
+    if not isinstance(notes, dict) or len(notes) > MAX_NOTES or not all(
+            _is_name(k) and _is_int(v) and 0 <= v <= 1 << 24 for k, v in notes.items()):
+        raise ValueError(f"'notes' must map at most {MAX_NOTES} names to non-negative integers, "
+                         f"got {repr(notes)[:80]}")
+    return notes
+
+
+def _tag(msg: dict[str, Any]) -> int | None:
+    tag = msg.get("tag")
+    if tag is not None and not _is_int(tag):
+        raise ValueError(f"'tag' must be an integer, got {tag!r}")
+    return tag
+
+
 def _check_fields(values: dict[str, Any], checks: dict[str, Any], where: str) -> None:
     for name, (ok, what) in checks.items():
         if not ok(values[name]):
             raise ValueError(f"{where}.{name} must be {what}, got {repr(values[name])[:80]}")
 
 
-def parse_message(data: bytes) -> StreamsMessage | TakeMessage | GenMessage:
+def parse_message(data: bytes) -> StreamsMessage | CallMessage | GenMessage:
     """A client's message, every field checked; BadMessage saying what is wrong otherwise."""
     ticket = None
     try:
@@ -289,22 +316,18 @@ def parse_message(data: bytes) -> StreamsMessage | TakeMessage | GenMessage:
         if not isinstance(msg, dict):
             raise ValueError("a message must be a dict")
         op = msg.get("op")
-        finished = msg.get("finished", 0)
-        if not _is_int(finished) or not 0 <= finished <= 1 << 24:
-            raise ValueError(f"'finished' must be a non-negative integer, got {finished!r}")
+        notes = _notes(msg)
         if op in ("open", "close"):
             n = msg.get("n")
             if not _is_int(n) or not 0 <= n <= 1 << 16:
                 raise ValueError(f"'n' must be a small non-negative integer, got {n!r}")
-            rollout = msg.get("rollout")
-            if rollout is not None and not _is_int(rollout):
-                raise ValueError(f"'rollout' must be an integer, got {rollout!r}")
-            return StreamsMessage(op, n, rollout, finished)
-        if op == "take":
-            rollout = msg.get("rollout")
-            if not _is_int(rollout):
-                raise ValueError(f"'rollout' must be an integer, got {rollout!r}")
-            return TakeMessage(rollout, finished)
+            return StreamsMessage(op, n, _tag(msg), notes)
+        if op == "call":
+            kind = msg.get("kind")
+            if not _is_name(kind):
+                raise ValueError(f"'kind' must be a name of at most {MAX_NAME_CHARS} characters, got "
+                                 f"{repr(kind)[:80]}")
+            return CallMessage(kind, _tag(msg), msg.get("payload"), notes)
         if op != "gen":
             raise ValueError(f"unknown op {op!r}")
         ticket = msg.get("ticket")
@@ -328,7 +351,7 @@ def parse_message(data: bytes) -> StreamsMessage | TakeMessage | GenMessage:
         sampling = SamplingParams.from_dict(sampling_raw)
         _check_fields(vars(sampling), _SAMPLING_FIELDS, "sampling")
         sent = msg.get("sent")
-        return GenMessage(ticket, requests, sampling, finished, float(sent) if _is_number(sent) else None)
+        return GenMessage(ticket, requests, sampling, notes, float(sent) if _is_number(sent) else None)
     except (ValueError, TypeError) as exc:
         raise BadMessage(str(exc), ticket) from None
 

@@ -1,7 +1,8 @@
 """ParallelRolloutManager: a rollout's envs played by parallel workers.
 
 - Scheduling is pull-based (``ragen.rollout.workers.schedule``): the rollout's
-  groups wait in a ``GroupQueue`` held by the shared manager; each worker
+  groups wait in a ``GroupQueue``, handed out over the shared manager's
+  connection (``ragen.rollout.workers.dispatch``); each worker
   takes the next chunk of whole groups when it has reset the last one and
   sent its requests, so a worker that drew costly envs takes fewer. Chunk
   sizes shrink from about one micro-batch's worth to single groups (no
@@ -57,9 +58,9 @@
   requests (summed over calls) and the merge.
 - The driver merges trajectories in env_id order and checks that every spec
   has exactly one.
-- Progress (optional ``RolloutProgress``): the shared manager counts the
-  requests it answers for the rollout and the envs finished that workers add
-  to their requests and stream closes; a shard the fallback re-runs counts
+- Progress (optional ``RolloutProgress``, ``dispatch``): the shared manager tells
+  it the requests it answers for the rollout and the envs finished that
+  workers note on their requests and stream closes; a shard the fallback re-runs counts
   when its result comes back. Envs of a shard that failed midway may be
   counted twice while it runs again (the count stops at the total), and the
   count is set exact once every trajectory is in.
@@ -74,6 +75,7 @@ import os
 import threading
 import time
 from dataclasses import dataclass, field, replace
+from functools import partial
 from typing import Any, Iterator, Sequence
 
 import joblib
@@ -81,6 +83,7 @@ import joblib
 from ragen.rollout.workers.cluster import ClusterConfig, open_cluster
 from ragen.rollout.workers.autosize import AutoSizer, Measured
 from ragen.rollout.config import BACKENDS, cap_n_jobs, check_n_jobs, check_time_limit
+from ragen.rollout.workers.dispatch import announced, report_finished, take_chunk
 from ragen.rollout.workers.executors import LOCAL_POOLS, KeptExecutor, freeze_once, local_pool
 from ragen.rollout.loop import KeptEnvs, LoopConfig, LoopStats, run_envs
 from ragen.serving import SharedLLMClient, SharedLLMInferenceManager
@@ -133,18 +136,18 @@ def run_shard(shard_id: int, specs: list[EnvSpec], client: SharedLLMClient, conf
               isolate_errors: bool = False, fault: dict[str, int] | None = None,
               groups: list[list[EnvSpec]] | None = None, max_live_envs: int | None = None) -> ShardResult:
     """One worker's shard: ``specs``, and with ``groups`` the chunks of them it
-    takes from the rollout's queue (``client.take``) as it frees up. Failures
+    takes from the rollout's queue (``dispatch.take_chunk``) as it frees up. Failures
     come back as data, not exceptions, so the executor does not cancel the
     other workers."""
     started_at, t0 = time.monotonic(), time.perf_counter()
     freeze_once()
-    take = None if groups is None else (lambda: [s for i in client.take() for s in groups[i]])
+    take = None if groups is None else (lambda: [s for i in take_chunk(client) for s in groups[i]])
     client.drop_if_closed()
     transit_before = client.transit()[0]
     try:
         trajectories, stats = run_envs(specs, client, config, kept_envs=_worker_envs(),
                                        isolate_errors=isolate_errors, fault=fault,
-                                       on_finished=client.envs_finished, take=take, max_live_envs=max_live_envs)
+                                       on_finished=partial(report_finished, client), take=take, max_live_envs=max_live_envs)
         for t in trajectories:
             t.worker = os.getpid()
         error = None
@@ -387,37 +390,33 @@ class ParallelRolloutManager(SyncBackend):
         with self._lock:
             alone = self._cluster is None or self._rollouts_running == 0
             self._rollouts_running += 1
-        rollout = self.shared.announce(len(queue) if alone else 0, queue)
-        client = replace(self._client, rollout=rollout)
-        if progress is not None:
-            self.shared.watch(rollout, progress)
-        # Workers isolate env errors: a failing env is retried alone and, if it
-        # keeps failing, ends its own trajectory; its worker goes on.
-        calls = [(i, [], client, config, True,
-                  {"exit_at_turn": fault["exit_at_turn"]} if fault and fault.get("shard") == i else None,
-                  groups, max_live)
-                 for i in range(n_tasks)]
-        try:
-            for res in self._results(lease, calls):
-                if res.error:
-                    failed[res.shard] = res.error
-                else:
-                    results.append(res)
-        except Exception as exc:  # a dead worker, a timeout: the executor is gone
-            if isinstance(exc, TimeoutError):
-                cause = f"no result within agent_proxy.rollout_timeout_s={self.rollout_timeout_s} s"
-            else:  # its first line: loky adds a paragraph on what may kill a worker
-                lines = str(exc).strip().splitlines()
-                cause = f"{type(exc).__name__}: {lines[0]}" if lines else type(exc).__name__
-            lease.workers.replace()
-            done = {r.shard for r in results}
-            crashed = {i: cause for i in range(n_tasks) if i not in done and i not in failed}
-            return results, failed, crashed, isinstance(exc, TimeoutError)
-        finally:
-            self.shared.withdraw(rollout)
-            self.shared.unwatch(rollout)
-            with self._lock:
-                self._rollouts_running -= 1
+        with announced(self.shared, len(queue) if alone else 0, queue, progress) as tag:
+            client = replace(self._client, tag=tag)
+            # Workers isolate env errors: a failing env is retried alone and, if it
+            # keeps failing, ends its own trajectory; its worker goes on.
+            calls = [(i, [], client, config, True,
+                      {"exit_at_turn": fault["exit_at_turn"]} if fault and fault.get("shard") == i else None,
+                      groups, max_live)
+                     for i in range(n_tasks)]
+            try:
+                for res in self._results(lease, calls):
+                    if res.error:
+                        failed[res.shard] = res.error
+                    else:
+                        results.append(res)
+            except Exception as exc:  # a dead worker, a timeout: the executor is gone
+                if isinstance(exc, TimeoutError):
+                    cause = f"no result within agent_proxy.rollout_timeout_s={self.rollout_timeout_s} s"
+                else:  # its first line: loky adds a paragraph on what may kill a worker
+                    lines = str(exc).strip().splitlines()
+                    cause = f"{type(exc).__name__}: {lines[0]}" if lines else type(exc).__name__
+                lease.workers.replace()
+                done = {r.shard for r in results}
+                crashed = {i: cause for i in range(n_tasks) if i not in done and i not in failed}
+                return results, failed, crashed, isinstance(exc, TimeoutError)
+            finally:
+                with self._lock:
+                    self._rollouts_running -= 1
         return results, failed, crashed, False
 
     def _fallback(self, lease: "_Executors", shard_id: int, specs: list[EnvSpec],
