@@ -151,14 +151,14 @@ def run_modes(cfg: DictConfig, engine, bench: BenchmarkConfig) -> list[dict[str,
             from ragen.rollout.types import rollout_digest
 
             clear_caches()
-            faulty = proxies["parallel"].rollout(split, rollout_index=0, fault={"shard": 0, "exit_at_turn": 1})
+            faulty = proxies["parallel"].rollout(split, rollout_index=0, fault={"worker": 0, "exit_at_turn": 1})
             first = runs["parallel"][0][1]
             fault_info = {
                 "recovered": len(faulty.trajectories) == len(first.trajectories),
                 "consistent": rollout_digest(faulty.trajectories) == rollout_digest(first.trajectories),
-                # shards re-run after the failure: parallel retries and sequential fallbacks
+                # worker tasks re-run after the failure: parallel retries and sequential fallbacks
                 "fallbacks": int(faulty.metrics.get("parallel/fallbacks", 0)
-                                 + faulty.metrics.get("parallel/retried_shards", 0)),
+                                 + faulty.metrics.get("parallel/retried_tasks", 0)),
             }
         out = [summarize(mode, runs[mode], warmup[mode], setups[mode], proxies[mode]) for mode in bench.modes]
     if fault_info is not None:

@@ -84,4 +84,4 @@ def test_an_asynchronous_backend_draws_from_one_env_set(mode):
 def test_fault_injection_needs_the_parallel_backend():
     with LLMAgentProxy(setup_for(), ScriptedEngine()) as proxy:
         with pytest.raises(ValueError, match="use_parallel_rollout"):
-            proxy.rollout("val", fault={"shard": 0, "exit_at_turn": 1})
+            proxy.rollout("val", fault={"worker": 0, "exit_at_turn": 1})

@@ -136,7 +136,7 @@ def test_two_rollouts_at_once_on_one_cluster(scheduler_address, mixed_specs, ref
             for result in rollouts_at_once(prm, 2, mixed_specs, loop_config(), within_s=60):
                 assert result.trajectories == reference
                 assert result.metrics["parallel/fallbacks"] == 0
-                assert result.metrics["parallel/retried_shards"] == 0
+                assert result.metrics["parallel/retried_tasks"] == 0
 
 
 def test_workers_keep_their_envs_between_rollouts(scheduler_address, tmp_path, engine):
@@ -165,7 +165,7 @@ def test_workers_keep_their_envs_between_rollouts(scheduler_address, tmp_path, e
 
 def _recovered(metrics) -> float:
     """Shards the rollout manager ran again after their worker was lost."""
-    return metrics["parallel/fallbacks"] + metrics.get("parallel/retried_shards", 0.0)
+    return metrics["parallel/fallbacks"] + metrics.get("parallel/retried_tasks", 0.0)
 
 
 @pytest.mark.timeout(120)
@@ -217,7 +217,7 @@ def test_worker_lost_on_every_try_dask_gives_up_and_nothing_hangs(give_up_at_onc
                                    cluster=ClusterConfig(dask_scheduler_address=give_up_at_once_address)) as prm:
         worker_pids = set(prm._cluster.client.run(os.getpid).values())
         assert len(worker_pids) == 2
-        result = prm.rollout(mixed_specs, loop_config(), fault={"shard": 0, "exit_at_turn": 2})
+        result = prm.rollout(mixed_specs, loop_config(), fault={"worker": 0, "exit_at_turn": 2})
         assert result.trajectories == reference
         # a worker died: one of the two processes is gone (reaped by its nanny), the other lives
         deadline = time.monotonic() + 15
@@ -227,12 +227,12 @@ def test_worker_lost_on_every_try_dask_gives_up_and_nothing_hangs(give_up_at_onc
         # Dask gave up on the task, and the rollout manager re-ran its groups in parallel
         retries = [r.getMessage() for r in caplog.records if r.getMessage().startswith("[Retry] a worker died")]
         assert len(retries) == 1 and "KilledWorker" in retries[0], retries
-        assert result.metrics["parallel/retried_shards"] >= 1  # task 0, and task 1 when it had not ended
+        assert result.metrics["parallel/retried_tasks"] >= 1  # task 0, and task 1 when it had not ended
         assert result.metrics["parallel/fallbacks"] == 0  # the parallel retry played them all
         caplog.clear()
         again = prm.rollout(mixed_specs, loop_config())
         assert again.metrics["parallel/fallbacks"] == 0
-        assert again.metrics["parallel/retried_shards"] == 0
+        assert again.metrics["parallel/retried_tasks"] == 0
         assert again.trajectories == reference
         assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
     assert time.monotonic() - t0 < 60
@@ -256,7 +256,7 @@ def test_wildcard_host_is_advertised_and_the_key_stays_out_of_logs(scheduler_add
             with ParallelRolloutManager(shared, backend="dask",
                                         cluster=ClusterConfig(dask_scheduler_address=scheduler_address)) as prm:
                 assert prm.rollout(mixed_specs, loop_config()).trajectories == reference
-                assert prm.rollout(mixed_specs, loop_config(), fault={"shard": 1, "exit_at_turn": 1}
+                assert prm.rollout(mixed_specs, loop_config(), fault={"worker": 1, "exit_at_turn": 1}
                                    ).trajectories == reference
             logs = [caplog.text, repr(cluster.client.get_scheduler_logs(n=10_000))]
             logs += [repr(v) for v in cluster.client.get_worker_logs(n=10_000).values()]

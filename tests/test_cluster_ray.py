@@ -92,7 +92,7 @@ def test_local_ray_gives_the_sequential_trajectories_and_keeps_envs(mixed_specs,
         for result in rollouts_at_once(prm, 2, mixed_specs, loop_config(), within_s=120):
             assert result.trajectories == reference
             assert result.metrics["parallel/fallbacks"] == 0
-            assert result.metrics["parallel/retried_shards"] == 0
+            assert result.metrics["parallel/retried_tasks"] == 0
     created = [int(line) for line in log.read_text().split()]
     assert os.getpid() not in created
     # 2 actors, each built at most one instance per env (the groups each takes vary), reused after
@@ -189,7 +189,7 @@ def test_worker_killed_during_a_rollout_the_rollout_is_the_fault_free_one(ray_ad
     with SharedLLMInferenceManager(engine) as shared, _connect(ray_address, shared) as prm:
         result = prm.rollout(faulty, loop_config())  # ActorDiedError: the manager runs the shards again
         assert int((tmp_path / "marker").read_text()) != os.getpid()  # a worker died, not the driver
-        assert result.metrics["parallel/fallbacks"] + result.metrics.get("parallel/retried_shards", 0.0) >= 1
+        assert result.metrics["parallel/fallbacks"] + result.metrics.get("parallel/retried_tasks", 0.0) >= 1
         assert result.trajectories == ref
         again = prm.rollout(clean, loop_config())  # a new actor pool
         assert again.metrics["parallel/fallbacks"] == 0

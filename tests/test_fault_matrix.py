@@ -135,7 +135,7 @@ class FaultyEngine(ScriptedEngine):
 
 def recovered(result) -> float:
     """Shards the rollout re-ran: sequential fallbacks and parallel retries (after a dead worker)."""
-    return result.metrics["parallel/fallbacks"] + result.metrics.get("parallel/retried_shards", 0.0)
+    return result.metrics["parallel/fallbacks"] + result.metrics.get("parallel/retried_tasks", 0.0)
 
 
 def open_streams(shared: SharedLLMInferenceManager, within_s: float = 2.0) -> int:

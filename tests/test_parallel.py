@@ -44,25 +44,25 @@ def reference(mixed_specs, engine):
 
 
 @pytest.mark.timeout(60)
-def test_a_shard_result_is_frozen_plain_data_and_combines_its_parts():
+def test_a_worker_result_is_frozen_plain_data_and_combines_its_parts():
     import dataclasses
     import pickle
 
-    from ragen.rollout.backends.parallel import ShardResult
+    from ragen.rollout.workers.task import WorkerResult
     from ragen.rollout.loop import LoopStats
     from ragen.rollout.types import Trajectory
 
-    a = ShardResult(shard=2, trajectories=[Trajectory(env_id=1, group_id=0, tag="t", seed=5)],
+    a = WorkerResult(task=2, trajectories=[Trajectory(env_id=1, group_id=0, tag="t", seed=5)],
                     stats=LoopStats(env_step_s=0.5, envs_created=2), pid=123, wall_s=1.5)
-    b = ShardResult(shard=2, trajectories=[Trajectory(env_id=0, group_id=0, tag="t", seed=5)],
+    b = WorkerResult(task=2, trajectories=[Trajectory(env_id=0, group_id=0, tag="t", seed=5)],
                     stats=LoopStats(env_step_s=0.25, env_retries=1))
     assert pickle.loads(pickle.dumps(a)) == a
     with pytest.raises(dataclasses.FrozenInstanceError):
         a.error = "x"
-    both = ShardResult.combine(2, [a, b])
+    both = WorkerResult.combine(2, [a, b])
     assert [t.env_id for t in both.trajectories] == [1, 0]  # in the parts' order
     assert both.stats == LoopStats(env_step_s=0.75, envs_created=2, env_retries=1)
-    assert (both.shard, both.error, both.pid, both.wall_s, both.cause) == (2, None, -1, 0.0, None)
+    assert (both.task, both.error, both.pid, both.wall_s, both.cause) == (2, None, -1, 0.0, None)
 
 
 @pytest.mark.parametrize("backend,n_jobs", [
@@ -95,7 +95,7 @@ def test_two_rollouts_at_once_on_a_joblib_backend(backend, mixed_specs, referenc
             for result in rollouts_at_once(prm, 2, mixed_specs, loop_config(depth=2), within_s=60):
                 assert result.trajectories == reference
                 assert result.metrics["parallel/fallbacks"] == 0
-                assert result.metrics["parallel/retried_shards"] == 0
+                assert result.metrics["parallel/retried_tasks"] == 0
         assert prm.rollout(mixed_specs, loop_config()).trajectories == reference  # and one alone after
 
 
@@ -182,7 +182,7 @@ def test_transient_fault_gives_the_fault_free_rollout(tmp_path, fault):
     if fault.startswith("raise"):  # an env raising: retried alone, in its worker; the shard goes on
         assert result.metrics["rollout/env_retries"] == 1 and result.metrics["parallel/fallbacks"] == 0
     else:  # a dead worker: a parallel retry of the shards it took down
-        assert result.metrics["parallel/fallbacks"] + result.metrics["parallel/retried_shards"] >= 1
+        assert result.metrics["parallel/fallbacks"] + result.metrics["parallel/retried_tasks"] >= 1
     assert _strip(result.trajectories) == _strip(ref)
 
 
@@ -221,8 +221,8 @@ def test_fallback_off_raises(tmp_path):
 
 def test_injected_worker_exit_recovers(engine, mixed_specs, reference):
     with SharedLLMInferenceManager(engine) as shared, ParallelRolloutManager(shared, n_jobs=2) as prm:
-        result = prm.rollout(mixed_specs, loop_config(), fault={"shard": 0, "exit_at_turn": 2})
-        assert result.metrics["parallel/retried_shards"] >= 1
+        result = prm.rollout(mixed_specs, loop_config(), fault={"worker": 0, "exit_at_turn": 2})
+        assert result.metrics["parallel/retried_tasks"] >= 1
         assert result.trajectories == reference
         # the executor is rebuilt and the next rollout is parallel again
         again = prm.rollout(mixed_specs, loop_config())
@@ -237,11 +237,11 @@ def test_injected_worker_exit_recovers_on_multiprocessing_without_a_timeout(engi
     with SharedLLMInferenceManager(engine) as shared, \
             ParallelRolloutManager(shared, n_jobs=2, backend="multiprocessing") as prm:
         assert prm.rollout_timeout_s is None
-        result = prm.rollout(mixed_specs, loop_config(), fault={"shard": 0, "exit_at_turn": 2})
-        assert result.metrics["parallel/retried_shards"] >= 1
+        result = prm.rollout(mixed_specs, loop_config(), fault={"worker": 0, "exit_at_turn": 2})
+        assert result.metrics["parallel/retried_tasks"] >= 1
         assert result.trajectories == reference
         again = prm.rollout(mixed_specs, loop_config())  # on a rebuilt pool
-        assert again.metrics["parallel/fallbacks"] == 0 and again.metrics["parallel/retried_shards"] == 0
+        assert again.metrics["parallel/fallbacks"] == 0 and again.metrics["parallel/retried_tasks"] == 0
         assert again.trajectories == reference
 
 
@@ -471,7 +471,7 @@ def _worker_gc_state():
 
     from ragen.rollout.workers.executors import freeze_once
 
-    freeze_once()  # what run_shard does first
+    freeze_once()  # what run_worker does first
     return gc.get_threshold()[0], gc.get_freeze_count() > 0
 
 

@@ -85,8 +85,8 @@ def test_a_shard_rerun_after_a_dead_worker_still_ends_at_the_total(mixed_specs):
     with SharedLLMInferenceManager(ScriptedEngine(malformed_rate=0.1)) as shared, \
             ParallelRolloutManager(shared, n_jobs=2) as prm:
         progress = RecordingProgress(total)
-        result = prm.rollout(mixed_specs, loop_config(), fault={"shard": 0, "exit_at_turn": 2}, progress=progress)
-    assert result.metrics["parallel/retried_shards"] >= 1
+        result = prm.rollout(mixed_specs, loop_config(), fault={"worker": 0, "exit_at_turn": 2}, progress=progress)
+    assert result.metrics["parallel/retried_tasks"] >= 1
     assert progress.finished == total
     assert progress.turns >= turns_of(result.trajectories)  # the dead worker's answered turns count too
 

@@ -9,7 +9,7 @@ refuses a frame longer than its ``max_message_bytes`` (and closes the
 connection: the stream is out of step), so a sender checks its own message
 against that limit before it sends (``send_frame``, ``MessageTooLarge``).
 
-- Handshake, within one deadline in all: manager -> client ``b"RAGEN2"`` and a
+- Handshake, within one deadline in all: manager -> client ``b"RAGEN3"`` and a
   32-byte nonce; client -> manager ``HMAC-SHA256(key, b"ragen client" + that
   nonce)`` and a 32-byte nonce of its own; the manager checks the HMAC (a wrong
   one closes the connection), then sends the frame ``{"ok": True, "proof":
@@ -52,7 +52,7 @@ from ragen.llm.types import Completion, GenerationRequest, SamplingParams
 
 logger = logging.getLogger(__name__)
 
-MAGIC = b"RAGEN2"  # 2: the manager proves the key too
+MAGIC = b"RAGEN3"  # the protocol's version: a manager and a client of different versions refuse each other
 NONCE_BYTES = 32
 DIGEST_BYTES = hashlib.sha256().digest_size
 # Each side proves the key over its own label, so what one side answers can

@@ -16,7 +16,7 @@ Concepts:
   caches are warm) and the last, the driver's RSS, fds, threads and child count
   and the workers' summed RSS (a looser tolerance) must not grow beyond a noise
   tolerance, and the worker PIDs must stay the same except right after a
-  rollout with a fault (a fallback or a retried shard: a dead worker's
+  rollout with a fault (a fallback or a retried worker task: a dead worker's
   executor is replaced). The
   command exits 1 when a check fails.
 - ``--envs N``: the split is replaced by N envs (group size 1, ``--tags`` in
@@ -188,7 +188,7 @@ def run_soak(cfg: Mapping[str, Any], rollouts: int, split: str = "train", envs: 
                 row = {"rollout": i + 1, "wall_s": wall, **sample(),
                        "trajectories": len(result.trajectories),
                        "fallbacks": int(m.get("parallel/fallbacks", 0)),
-                       "retried_shards": int(m.get("parallel/retried_shards", 0)),
+                       "retried_tasks": int(m.get("parallel/retried_tasks", 0)),
                        "envs_created": int(m.get("parallel/envs_created", -1)),  # -1: not reported
                        "errors": int(m.get("rollout/stop/error", 0) + m.get("rollout/stop/timeout", 0)),
                        "success": m.get("rollout/success", 0.0)}
@@ -244,7 +244,7 @@ def growth_checks(samples: list[dict[str, Any]], ref: int, rss_tolerance_mb: flo
     grow("child processes", "descendants", child_tolerance, "")
     respawns = []
     for prev, cur in zip(samples, samples[1:]):
-        faults = [r.get(k, 0) for r in (prev, cur) for k in ("fallbacks", "retried_shards")]
+        faults = [r.get(k, 0) for r in (prev, cur) for k in ("fallbacks", "retried_tasks")]
         if cur["worker_pids"] != prev["worker_pids"] and not any(faults):
             respawns.append(f"rollout {cur['rollout']}: {prev['worker_pids']} -> {cur['worker_pids']}")
     checks.append({"name": "workers reused", "ok": not respawns,

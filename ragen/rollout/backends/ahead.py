@@ -27,7 +27,7 @@ import queue
 import threading
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
 from ragen.rollout.backends.base import RolloutBackend, Specs, SyncBackend

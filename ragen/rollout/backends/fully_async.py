@@ -22,6 +22,7 @@ from ragen.rollout.loop import LoopConfig
 from ragen.rollout.progress import RolloutProgress
 from ragen.rollout.types import RolloutResult
 from ragen.rollout.workers.executors import KeptExecutor, local_pool
+from ragen.rollout.workers.task import run_worker
 
 logger = logging.getLogger(__name__)
 
@@ -94,8 +95,6 @@ class GroupsInFlight:
     def _schedule(self) -> None:
         from concurrent.futures import FIRST_COMPLETED, BrokenExecutor, wait
 
-        from ragen.rollout.backends.parallel import run_shard
-
         inflight: dict = {}
         try:
             while True:
@@ -112,7 +111,7 @@ class GroupsInFlight:
                             break
                         specs = self.es.group_specs(index)
                         executor = self._workers.get()
-                        future = executor.submit(run_shard, index, specs, self.client, self.config)
+                        future = executor.submit(run_worker, index, specs, self.client, self.config)
                         inflight[future] = (index, executor)
                         self.counts["started"] += 1
                     if not inflight:  # nothing to wait for until the trainer takes a batch (get_batch notifies)

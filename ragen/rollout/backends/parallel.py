@@ -1,69 +1,15 @@
-"""ParallelRolloutManager: a rollout's envs played by parallel workers.
+"""The parallel backend: a rollout's groups played by joblib workers around one shared engine.
 
-- Scheduling is pull-based (``ragen.rollout.workers.schedule``): the rollout's
-  groups wait in a ``GroupQueue``, handed out over the shared manager's
-  connection (``ragen.rollout.workers.dispatch``); each worker
-  takes the next chunk of whole groups when it has reset the last one and
-  sent its requests, so a worker that drew costly envs takes fewer. Chunk
-  sizes shrink from about one micro-batch's worth to single groups (no
-  smaller than ``schedule.CHUNK_WORK_S`` of env work once the last rollout
-  measured a group's cost); each chunk starts as a stream of its own (a
-  request in flight), the manager is told how many there will be, and a
-  worker's streams past ``pipeline_depth`` merge back into those
-  (``rollout_loop.run_envs``). What one worker played is its "shard".
-- Workers (loky processes by default; threading; multiprocessing, the
-  standard library's process pool; sequential, dask and ray through joblib's
-  backends) build their envs locally, keep them
-  between rollouts (``KeptEnvs`` per process and thread, by env spec, so a
-  worker that takes other groups than last time still reuses them), run the
-  turn loop of ``rollout_loop`` and return plain-data trajectories. They
-  reach the driver's ``SharedLLMInferenceManager`` through a picklable
-  client. ``max_env_num_per_worker`` caps the envs a worker plays at once: it
-  takes another chunk only as its envs end.
-- ``parallel_n_jobs: auto`` (``ragen.rollout.workers.autosize``): a pool of one
-  process per core, of which each rollout uses the workers, at the pipeline
-  depth, chosen from the last rollout's measurements.
-- The executor is kept between rollouts: for loky, multiprocessing and
-  threading a ``concurrent.futures`` executor (loky's own, the one under
-  joblib's loky backend), which hands the driver each shard's result the
-  moment it ends and sees a worker process die;
-  joblib's result loop looks for finished tasks every 10 ms, 3-10% of a
-  rollout of a fast engine. The other backends: an entered
-  ``joblib.Parallel``. Rollouts at once (``max_concurrent_rollouts``) each
-  run on executors of their own (``_Executors``), kept for later rollouts.
-  These local pools start no more workers than a rollout has groups (grown
-  when a later rollout has more), ``parallel_n_jobs`` capped at
-  ``config.MAX_JOBS_PER_CORE`` per core; their worker processes exit with
-  the driver (``executors.start_worker``).
-- Env failures stay with the env: a worker retries an env that raises or
-  times out on a fresh instance (``LoopConfig.env_retries``), and one that
-  keeps failing ends its own trajectory in ``error``/``timeout``.
-- Fallback: the groups a worker did not bring back (its process died, the
-  rollout passed ``rollout_timeout_s``, the engine failed) are re-run
-  sequentially, with the same seeds, in one spare process owned by the
-  driver (so an env that kills its process cannot take the driver down), or in the calling thread for the
-  ``threading`` and ``sequential`` backends (their envs never left the driver:
-  configs that do not pickle, envs registered at run time); there an env that
-  fails again ends its own trajectory with stop reason ``error`` or
-  ``timeout``, and the others are kept. ``fallback_to_sequential: false``
-  raises ``RolloutError`` instead. A worker that dies takes the executor
-  down with the others' groups in flight: those get one parallel retry first.
-- A shard's result is a ``ShardResult`` (plain frozen data: it crosses the
-  process boundary): its trajectories, the loop's ``LoopStats``, the error
-  that failed it, the process that ran it, when it started, its wall time and
-  its messages' time on the wire.
-- Overhead (``overhead/*`` metrics, the ``overhead`` benchmark preset):
-  dispatch (the rollout's start to its last worker's), IPC (a worker's
-  messages on the wire, mean over workers), the engine held for more
-  requests (summed over calls) and the merge.
-- The driver merges trajectories in env_id order and checks that every spec
-  has exactly one.
-- Progress (optional ``RolloutProgress``, ``dispatch``): the shared manager tells
-  it the requests it answers for the rollout and the envs finished that
-  workers note on their requests and stream closes; a shard the fallback re-runs counts
-  when its result comes back. Envs of a shard that failed midway may be
-  counted twice while it runs again (the count stops at the total), and the
-  count is set exact once every trajectory is in.
+Workers (``agent_proxy.parallel_backend``: loky processes by default,
+threading, multiprocessing, sequential, dask, ray) take chunks of whole groups
+from the rollout's queue as they free up (``workers.schedule``,
+``workers.dispatch``), play them with the turn loop (``workers.task``), keep
+their envs between rollouts, and ask the driver's
+``SharedLLMInferenceManager`` for every answer. The groups a worker did not
+bring back (its process died, the rollout passed ``rollout_timeout_s``) get one
+parallel retry, then the fallback re-runs them with the same seeds, one group
+at a time, isolated from the driver; every spec gets exactly one trajectory,
+merged in env_id order. docs/parallel_rollout.md is the guide.
 """
 
 from __future__ import annotations
@@ -71,91 +17,34 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import logging
-import os
 import threading
 import time
-from dataclasses import dataclass, field, replace
-from functools import partial
+from dataclasses import replace
 from typing import Any, Iterator, Sequence
 
 import joblib
 
-from ragen.rollout.workers.cluster import ClusterConfig, open_cluster
-from ragen.rollout.workers.autosize import AutoSizer, Measured
-from ragen.rollout.config import BACKENDS, cap_n_jobs, check_n_jobs, check_time_limit
-from ragen.rollout.workers.dispatch import announced, report_finished, take_chunk
-from ragen.rollout.workers.executors import LOCAL_POOLS, KeptExecutor, freeze_once, local_pool
-from ragen.rollout.loop import KeptEnvs, LoopConfig, LoopStats, run_envs
-from ragen.serving import SharedLLMClient, SharedLLMInferenceManager
 from ragen.rollout.backends.base import SyncBackend
+from ragen.rollout.config import BACKENDS, cap_n_jobs, check_n_jobs, check_time_limit
+from ragen.rollout.loop import LoopConfig, LoopStats
 from ragen.rollout.metrics import EngineUse, rollout_metrics
 from ragen.rollout.progress import RolloutProgress
+from ragen.rollout.types import EnvSpec, RolloutResult, Trajectory
+from ragen.rollout.workers.autosize import AutoSizer, Measured
+from ragen.rollout.workers.cluster import ClusterConfig, open_cluster
+from ragen.rollout.workers.dispatch import announced
+from ragen.rollout.workers.executors import LOCAL_POOLS, KeptExecutor, local_pool
 from ragen.rollout.workers.schedule import GroupQueue, group_cost_s, groups_of, min_chunk_groups
-from ragen.rollout.types import EnvSpec, RolloutResult, StopReason, Trajectory
+from ragen.rollout.workers.task import WorkerResult, run_isolated, run_worker
+from ragen.serving import SharedLLMInferenceManager
 
 logger = logging.getLogger(__name__)
 
-IN_PROCESS_BACKENDS = ("threading", "sequential")  # shards run in the driver process
-_LOCAL = threading.local()
+IN_PROCESS_BACKENDS = ("threading", "sequential")  # workers run in the driver process
 
 
 class RolloutError(RuntimeError):
-    pass
-
-
-def _worker_envs() -> KeptEnvs:
-    """This process's (and thread's) env instances, kept between rollouts."""
-    by_pid = getattr(_LOCAL, "kept_envs", None)
-    if by_pid is None:
-        by_pid = _LOCAL.kept_envs = {}
-    return by_pid.setdefault(os.getpid(), KeptEnvs())
-
-
-@dataclass(frozen=True)
-class ShardResult:
-    """What one shard hands back to the driver."""
-
-    shard: int
-    trajectories: list[Trajectory] = field(default_factory=list)  # none when ``error`` is set
-    stats: LoopStats = field(default_factory=LoopStats)
-    error: str | None = None  # why the shard failed as a whole (not an env's own failure)
-    pid: int = -1  # the process that ran it; -1: put together by the fallback from its parts
-    wall_s: float = 0.0
-    cause: str | None = None  # why the fallback re-ran it, when it did
-    started_at: float = 0.0  # time.monotonic() in the worker when it began (comparable on one machine)
-    ipc_s: float = 0.0  # its messages' time on the wire (SharedLLMClient.transit)
-
-    @classmethod
-    def combine(cls, shard: int, parts: Sequence["ShardResult"]) -> "ShardResult":
-        """One shard's result from the results of its parts (the fallback splits a shard)."""
-        return cls(shard=shard, trajectories=[t for p in parts for t in p.trajectories],
-                   stats=sum((p.stats for p in parts), LoopStats()))
-
-
-def run_shard(shard_id: int, specs: list[EnvSpec], client: SharedLLMClient, config: LoopConfig,
-              isolate_errors: bool = False, fault: dict[str, int] | None = None,
-              groups: list[list[EnvSpec]] | None = None, max_live_envs: int | None = None) -> ShardResult:
-    """One worker's shard: ``specs``, and with ``groups`` the chunks of them it
-    takes from the rollout's queue (``dispatch.take_chunk``) as it frees up. Failures
-    come back as data, not exceptions, so the executor does not cancel the
-    other workers."""
-    started_at, t0 = time.monotonic(), time.perf_counter()
-    freeze_once()
-    take = None if groups is None else (lambda: [s for i in take_chunk(client) for s in groups[i]])
-    client.drop_if_closed()
-    transit_before = client.transit()[0]
-    try:
-        trajectories, stats = run_envs(specs, client, config, kept_envs=_worker_envs(),
-                                       isolate_errors=isolate_errors, fault=fault,
-                                       on_finished=partial(report_finished, client), take=take, max_live_envs=max_live_envs)
-        for t in trajectories:
-            t.worker = os.getpid()
-        error = None
-    except Exception as exc:
-        trajectories, stats, error = [], LoopStats(), f"{type(exc).__name__}: {exc}"
-    return ShardResult(shard=shard_id, trajectories=trajectories, stats=stats, error=error, pid=os.getpid(),
-                       wall_s=time.perf_counter() - t0, started_at=started_at,
-                       ipc_s=max(0.0, client.transit()[0] - transit_before))
+    """A rollout that could not give every spec its trajectory."""
 
 
 class ParallelRolloutManager(SyncBackend):
@@ -203,7 +92,7 @@ class ParallelRolloutManager(SyncBackend):
         self._idle: list[_Executors] = []
         self._leased: set[_Executors] = set()
         self._closed = False
-        self._rollouts_running = 0  # rollouts with shards on the workers now (for a cluster's announcements)
+        self._rollouts_running = 0  # rollouts with tasks on the workers now (for a cluster's announcements)
         self._picklable: set[tuple] = set()  # reuse keys whose env config is known to pickle
         # dask, ray: a cluster client held until close(); the workers get an address they can reach
         auto = n_jobs == "auto"
@@ -244,15 +133,15 @@ class ParallelRolloutManager(SyncBackend):
             if not keep:
                 lease.close()
 
-    def _results(self, lease: "_Executors", calls: list[tuple]) -> Iterator[ShardResult]:
-        """``run_shard`` on each argument tuple; results as shards finish.
+    def _results(self, lease: "_Executors", calls: list[tuple]) -> Iterator[WorkerResult]:
+        """``run_worker`` on each argument tuple; results as tasks finish.
         Raises TimeoutError past rollout_timeout_s, or the executor's error
         when a worker died."""
         executor = lease.workers_for(len(calls))
         if isinstance(executor, joblib.Parallel):
-            yield from executor(joblib.delayed(run_shard)(*args) for args in calls)
+            yield from executor(joblib.delayed(run_worker)(*args) for args in calls)
             return
-        pending = {executor.submit(run_shard, *args) for args in calls}
+        pending = {executor.submit(run_worker, *args) for args in calls}
         deadline = None if self.rollout_timeout_s is None else time.monotonic() + self.rollout_timeout_s
         try:
             while pending:
@@ -273,7 +162,7 @@ class ParallelRolloutManager(SyncBackend):
     # ----- rollout ---------------------------------------------------------------
     def _play(self, specs: Sequence[EnvSpec], config: LoopConfig, progress: RolloutProgress | None,
               fault: dict[str, Any] | None) -> RolloutResult:
-        """``fault``: ``{"shard": i, "exit_at_turn": k}`` kills worker i's
+        """``fault``: ``{"worker": i, "exit_at_turn": k}`` kills worker i's
         process at turn k (fault injection). ``progress``: told how far the
         rollout has got (the caller closes it)."""
         t_start = time.perf_counter()
@@ -331,7 +220,7 @@ class ParallelRolloutManager(SyncBackend):
         if progress is not None:
             progress.complete()
         metrics = self._metrics(trajectories, results, stats_before, failures, time.perf_counter() - t_start)
-        metrics["parallel/retried_shards"] = float(retried)
+        metrics["parallel/retried_tasks"] = float(retried)
         metrics["timing/fallback_s"] = fallback_s
         workers_ran = [r for r in results if r.pid != -1]
         if workers_ran and self._cluster is None:  # monotonic clocks compare on one machine only
@@ -372,7 +261,7 @@ class ParallelRolloutManager(SyncBackend):
         returned, failed: worker -> cause for those that returned an error,
         crashed: worker -> cause for those the executor lost, whether the
         rollout ran past rollout_timeout_s)."""
-        results: list[ShardResult] = []
+        results: list[WorkerResult] = []
         failed: dict[int, str] = {}
         crashed: dict[int, str] = {}
         max_groups = max_live = None
@@ -395,13 +284,13 @@ class ParallelRolloutManager(SyncBackend):
             # Workers isolate env errors: a failing env is retried alone and, if it
             # keeps failing, ends its own trajectory; its worker goes on.
             calls = [(i, [], client, config, True,
-                      {"exit_at_turn": fault["exit_at_turn"]} if fault and fault.get("shard") == i else None,
+                      {"exit_at_turn": fault["exit_at_turn"]} if fault and fault.get("worker") == i else None,
                       groups, max_live)
                      for i in range(n_tasks)]
             try:
                 for res in self._results(lease, calls):
                     if res.error:
-                        failed[res.shard] = res.error
+                        failed[res.task] = res.error
                     else:
                         results.append(res)
             except Exception as exc:  # a dead worker, a timeout: the executor is gone
@@ -411,7 +300,7 @@ class ParallelRolloutManager(SyncBackend):
                     lines = str(exc).strip().splitlines()
                     cause = f"{type(exc).__name__}: {lines[0]}" if lines else type(exc).__name__
                 lease.workers.replace()
-                done = {r.shard for r in results}
+                done = {r.task for r in results}
                 crashed = {i: cause for i in range(n_tasks) if i not in done and i not in failed}
                 return results, failed, crashed, isinstance(exc, TimeoutError)
             finally:
@@ -419,22 +308,22 @@ class ParallelRolloutManager(SyncBackend):
                     self._rollouts_running -= 1
         return results, failed, crashed, False
 
-    def _fallback(self, lease: "_Executors", shard_id: int, specs: list[EnvSpec],
-                  config: LoopConfig) -> ShardResult:
+    def _fallback(self, lease: "_Executors", task: int, specs: list[EnvSpec],
+                  config: LoopConfig) -> WorkerResult:
         config = replace(config, env_timeout_s=config.env_timeout_s or self.fallback_env_timeout_s,
                          pipeline_depth=1)
         if self.backend in IN_PROCESS_BACKENDS:
-            # The shard ran in this process: its env configs need not pickle and envs
+            # The task ran in this process: its env configs need not pickle and envs
             # registered here (register_env) are known only here; an env that can kill
             # its process would have done so already. Env calls are bounded by
             # env_timeout_s (set just above), each engine wait by engine_timeout_s.
             # A fresh connection: the failure may have left this thread's out of step.
             self._client.reset()
-            result = run_shard(shard_id, specs, self._client, config, isolate_errors=True)
+            result = run_worker(task, specs, self._client, config, isolate_errors=True)
         else:
-            result = _run_isolated(lease.spare, shard_id, specs, self._client, config)
+            result = run_isolated(lease.spare, task, specs, self._client, config)
         if result.error:  # not an env's fault (the engine, the manager): nothing to isolate
-            raise RolloutError(f"shard {shard_id} failed again in the fallback: {result.error}")
+            raise RolloutError(f"worker task {task} failed again in the fallback: {result.error}")
         return result
 
     def _metrics(self, trajectories, results, before, failures, wall_s: float) -> dict[str, float]:
@@ -453,14 +342,14 @@ class ParallelRolloutManager(SyncBackend):
             "ipc/bytes_in": float(after.bytes_in - before.bytes_in),
             "ipc/bytes_out": float(after.bytes_out - before.bytes_out),
             "ipc/messages": float(after.messages_in - before.messages_in),
-            "parallel/shards": float(sum(r.pid != -1 for r in results)),
+            "parallel/tasks": float(sum(r.pid != -1 for r in results)),
             "parallel/chunks": float(sum(r.stats.chunks for r in results)),
             "parallel/envs_created": float(sum(r.stats.envs_created for r in results)),
             "parallel/workers_used": float(len({r.pid for r in results if r.trajectories and r.pid != -1})),
         })
         for r in results:
             if r.pid != -1:
-                m[f"worker/shard{r.shard}_wall_s"] = r.wall_s
+                m[f"worker/task{r.task}_wall_s"] = r.wall_s
         return m
 
     def close(self) -> None:
@@ -491,13 +380,13 @@ class _Executors:
     queue and backend state: one call never returned, or its backend was torn
     down under the other), and a failure that takes an executor down (a
     killed worker, a timeout, an env that kills the spare process) must not
-    take another rollout's healthy shards with it.
+    take another rollout's healthy tasks with it.
     """
 
     def __init__(self, manager: "ParallelRolloutManager") -> None:
         self.manager = manager
         self.workers = KeptExecutor(self._build_workers)
-        self.spare = KeptExecutor(_spare_process)
+        self.spare = KeptExecutor(lambda: local_pool("loky", 1, "ragen-spare"))
         self._size = 1  # workers of the local pool (LOCAL_POOLS) when it is next built
 
     def workers_for(self, tasks: int):
@@ -514,11 +403,11 @@ class _Executors:
     def _build_workers(self):
         m = self.manager
         if m.backend in LOCAL_POOLS:
-            return local_pool(m.backend, self._size, "ragen-shard")
+            return local_pool(m.backend, self._size, "ragen-worker")
         parallel = joblib.Parallel(
             n_jobs=1 if m.backend == "sequential" else (-1 if m._auto is not None else m.n_jobs),
             backend=m._joblib_backend(), batch_size=1,
-            # results as shards finish, so a failure keeps the finished ones; the
+            # results as tasks finish, so a failure keeps the finished ones; the
             # ray backend returns all at once
             return_as="list" if m.backend == "ray" else "generator_unordered",
             pre_dispatch="all", timeout=m.rollout_timeout_s,
@@ -529,37 +418,6 @@ class _Executors:
     def close(self) -> None:
         self.workers.close(wait=False)
         self.spare.close(wait=True)
-
-
-def _spare_process():
-    return local_pool("loky", 1, "ragen-spare")
-
-
-def _run_isolated(spare: KeptExecutor, shard_id: int, specs: list[EnvSpec], client: SharedLLMClient,
-                  config: LoopConfig) -> ShardResult:
-    """Run specs one group after another in the spare process, with per-env
-    isolation; if the process dies, split until the env that kills it is
-    found: that env gets an ``error`` trajectory, the others their results."""
-    timeout = None if config.env_timeout_s is None else \
-        config.env_timeout_s * (config.max_turn + 2) * (1 + config.env_retries) * max(1, len(specs))
-    try:
-        future = spare.get().submit(run_shard, shard_id, specs, client, config, True, None)
-        return future.result(timeout=timeout)
-    except (concurrent.futures.BrokenExecutor, TimeoutError, OSError) as exc:
-        spare.replace()
-        cause = f"{type(exc).__name__}: {exc}".strip() or type(exc).__name__
-        groups = groups_of(specs)
-        parts = groups if len(groups) > 1 else [[s] for s in specs]
-        if len(parts) == 1:
-            s = specs[0]
-            reason = StopReason.TIMEOUT if isinstance(exc, TimeoutError) else StopReason.ERROR
-            logger.warning("[Fallback] env_id %d (tag %s) failed again in the fallback process: %s",
-                           s.env_id, s.tag, cause)
-            traj = Trajectory(env_id=s.env_id, group_id=s.group_id, tag=s.tag, seed=s.seed,
-                              stop_reason=reason, error=f"worker process failed: {cause}")
-            return ShardResult(shard=shard_id, trajectories=[traj])
-        return ShardResult.combine(shard_id, [_run_isolated(spare, shard_id, part, client, config)
-                                              for part in parts])
 
 
 def _engine_idle(spans, start: float, end: float) -> dict[str, float]:
@@ -579,7 +437,7 @@ def _mean(values: Sequence[float]) -> float:
     return sum(values) / len(values) if values else 0.0
 
 
-def _missing(groups: list[list[EnvSpec]], results: list[ShardResult]) -> list[list[EnvSpec]]:
+def _missing(groups: list[list[EnvSpec]], results: list[WorkerResult]) -> list[list[EnvSpec]]:
     """The groups none of ``results`` played (a worker's groups come back together or not at all)."""
     played = {t.env_id for r in results for t in r.trajectories}
     return [g for g in groups if g[0].env_id not in played]

@@ -1,0 +1,109 @@
+"""What a parallel worker runs: a task that plays the chunks of groups it
+takes from a rollout's queue (``run_worker``), and the isolated re-run of
+groups no worker brought back (``run_isolated``). A task hands back a
+``WorkerResult``, plain frozen data that crosses the process boundary."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import os
+import threading
+import time
+from dataclasses import dataclass, field
+from functools import partial
+from typing import Sequence
+
+from ragen.rollout.loop import KeptEnvs, LoopConfig, LoopStats, run_envs
+from ragen.rollout.types import EnvSpec, StopReason, Trajectory
+from ragen.rollout.workers.dispatch import report_finished, take_chunk
+from ragen.rollout.workers.executors import KeptExecutor, freeze_once
+from ragen.rollout.workers.schedule import groups_of
+from ragen.serving import SharedLLMClient
+
+logger = logging.getLogger(__name__)
+
+_LOCAL = threading.local()
+
+
+def _worker_envs() -> KeptEnvs:
+    """This process's (and thread's) env instances, kept between rollouts."""
+    by_pid = getattr(_LOCAL, "kept_envs", None)
+    if by_pid is None:
+        by_pid = _LOCAL.kept_envs = {}
+    return by_pid.setdefault(os.getpid(), KeptEnvs())
+
+
+@dataclass(frozen=True)
+class WorkerResult:
+    """What one worker task hands back to the driver: its trajectories, the
+    loop's counts, the error that failed it, and where and how long it ran."""
+
+    task: int
+    trajectories: list[Trajectory] = field(default_factory=list)  # none when ``error`` is set
+    stats: LoopStats = field(default_factory=LoopStats)
+    error: str | None = None  # why the task failed as a whole (not an env's own failure)
+    pid: int = -1  # the process that ran it; -1: put together by the fallback from its parts
+    wall_s: float = 0.0
+    cause: str | None = None  # why the fallback re-ran it, when it did
+    started_at: float = 0.0  # time.monotonic() in the worker when it began (comparable on one machine)
+    ipc_s: float = 0.0  # its messages' time on the wire (SharedLLMClient.transit)
+
+    @classmethod
+    def combine(cls, task: int, parts: Sequence["WorkerResult"]) -> "WorkerResult":
+        """One result from the results of its parts (the isolated re-run splits its groups)."""
+        return cls(task=task, trajectories=[t for p in parts for t in p.trajectories],
+                   stats=sum((p.stats for p in parts), LoopStats()))
+
+
+def run_worker(task: int, specs: list[EnvSpec], client: SharedLLMClient, config: LoopConfig,
+              isolate_errors: bool = False, fault: dict[str, int] | None = None,
+              groups: list[list[EnvSpec]] | None = None, max_live_envs: int | None = None) -> WorkerResult:
+    """One worker's task: ``specs``, and with ``groups`` the chunks of them it
+    takes from the rollout's queue (``dispatch.take_chunk``) as it frees up. Failures
+    come back as data, not exceptions, so the executor does not cancel the
+    other workers."""
+    started_at, t0 = time.monotonic(), time.perf_counter()
+    freeze_once()
+    take = None if groups is None else (lambda: [s for i in take_chunk(client) for s in groups[i]])
+    client.drop_if_closed()
+    transit_before = client.transit()[0]
+    try:
+        trajectories, stats = run_envs(specs, client, config, kept_envs=_worker_envs(),
+                                       isolate_errors=isolate_errors, fault=fault,
+                                       on_finished=partial(report_finished, client), take=take, max_live_envs=max_live_envs)
+        for t in trajectories:
+            t.worker = os.getpid()
+        error = None
+    except Exception as exc:
+        trajectories, stats, error = [], LoopStats(), f"{type(exc).__name__}: {exc}"
+    return WorkerResult(task=task, trajectories=trajectories, stats=stats, error=error, pid=os.getpid(),
+                       wall_s=time.perf_counter() - t0, started_at=started_at,
+                       ipc_s=max(0.0, client.transit()[0] - transit_before))
+
+
+def run_isolated(spare: KeptExecutor, task: int, specs: list[EnvSpec], client: SharedLLMClient,
+                  config: LoopConfig) -> WorkerResult:
+    """Run specs one group after another in the spare process, with per-env
+    isolation; if the process dies, split until the env that kills it is
+    found: that env gets an ``error`` trajectory, the others their results."""
+    timeout = None if config.env_timeout_s is None else \
+        config.env_timeout_s * (config.max_turn + 2) * (1 + config.env_retries) * max(1, len(specs))
+    try:
+        future = spare.get().submit(run_worker, task, specs, client, config, True, None)
+        return future.result(timeout=timeout)
+    except (concurrent.futures.BrokenExecutor, TimeoutError, OSError) as exc:
+        spare.replace()
+        cause = f"{type(exc).__name__}: {exc}".strip() or type(exc).__name__
+        groups = groups_of(specs)
+        parts = groups if len(groups) > 1 else [[s] for s in specs]
+        if len(parts) == 1:
+            s = specs[0]
+            reason = StopReason.TIMEOUT if isinstance(exc, TimeoutError) else StopReason.ERROR
+            logger.warning("[Fallback] env_id %d (tag %s) failed again in the fallback process: %s",
+                           s.env_id, s.tag, cause)
+            traj = Trajectory(env_id=s.env_id, group_id=s.group_id, tag=s.tag, seed=s.seed,
+                              stop_reason=reason, error=f"worker process failed: {cause}")
+            return WorkerResult(task=task, trajectories=[traj])
+        return WorkerResult.combine(task, [run_isolated(spare, task, part, client, config)
+                                              for part in parts])
