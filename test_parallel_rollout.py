@@ -176,7 +176,7 @@ def summarize(mode: str, runs: list, warmup_s: float, setup, proxy) -> dict[str,
     return {
         "mode": mode,
         "backend": setup.agent_proxy.parallel_backend if mode == "parallel" else "none",
-        "n_jobs": (proxy.parallel.n_workers if proxy.parallel else 1),
+        "n_jobs": getattr(proxy.backend, "n_workers", 1),
         "wall_s": median_wall,
         "wall_s_all": walls,
         "warmup_s": warmup_s,

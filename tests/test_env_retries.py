@@ -130,10 +130,10 @@ def test_the_rollout_log_names_each_failed_env_and_how_to_check_it(caplog):
             "+custom_envs.Fault={env_type: 'tests.fault_envs:FaultEnv', config_type: 'tests.fault_envs:FaultEnvConfig', "
             "env_config: {fault: raise_reset, fault_seed: 41}}"]), resolve=True)
     with LLMAgentProxy(AgentSetup.from_config(cfg), ScriptedEngine()) as proxy, \
-            caplog.at_level(logging.WARNING, logger="ragen.rollout.proxy"):
+            caplog.at_level(logging.WARNING, logger="ragen.rollout.backends.base"):
         result = proxy.rollout("train")
     assert [f["seed"] for f in result.failed_envs] == [41]
-    lines = [r.getMessage() for r in caplog.records if r.name == "ragen.rollout.proxy"
+    lines = [r.getMessage() for r in caplog.records if r.name == "ragen.rollout.backends.base"
              and "ended in error" in r.getMessage()]
     assert len(lines) == 1
     assert "tag Fault, seed 41" in lines[0] and "python -m ragen.tools.check Fault --first-seed 41" in lines[0]
