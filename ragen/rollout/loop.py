@@ -279,133 +279,225 @@ def run_envs(
     requests are sent, while fewer than ``max_live_envs`` envs are playing
     (None: no limit); trajectories come back in the order the specs came.
     """
-    ctx = ContextManager(config.context)
-    kept_envs = kept_envs if kept_envs is not None else KeptEnvs()
-    call = _Caller(config.env_timeout_s)
-    threads = _EnvThreads()
-    stats = LoopStats()
+    loop = _TurnLoop(client, config, kept_envs if kept_envs is not None else KeptEnvs(), isolate_errors, fault,
+                     on_finished)
     slots = [_EnvSlot(s) for s in specs]
     try:
-        created = kept_envs.created
-        streams = _split_streams(slots, config.pipeline_depth) if slots else []
-        if streams:
-            client.open_streams(len(streams))
-        open_streams = len(streams)
-        inflight: dict[int, list[_EnvSlot]] = {}
-        riders: set[int] = set()  # tickets of streams that taken chunks opened past pipeline_depth
-
-        def release_ended(batch: list[_EnvSlot]) -> None:
-            """Ended envs go back to kept_envs at once: a chunk taken later reuses them."""
-            for slot in batch:
-                if not slot.active and slot.env is not None:
-                    kept_envs.release(slot.spec, slot.env)
-                    slot.env = None
-
-        def step(ticket: int, completions: list[Completion]) -> list[_EnvSlot]:
-            """The answered batch's envs stepped; returns the batch."""
-            batch = inflight.pop(ticket)
-            if len(completions) != len(batch):
-                raise RuntimeError(f"engine answered {len(completions)} completions for {len(batch)} requests")
-            if fault and batch and len(batch[0].traj.turns) + 1 >= fault.get("exit_at_turn", 1 << 30):
-                logger.warning("fault injection: process %d exits now", os.getpid())
-                os._exit(3)
-            t0 = time.perf_counter()
-            threads.run([(slot, functools.partial(_guard, slot, stats, isolate_errors, config, call,
-                                                  _apply, slot, completion, ctx, config, call))
-                         for slot, completion in zip(batch, completions)])
-            stats.env_step_s += time.perf_counter() - t0
-            _report_finished(batch, on_finished)
-            release_ended(batch)
-            return batch
-
-        def submit(batch: list[_EnvSlot], rider: bool) -> None:
-            """The batch's next request; its stream closes when none of its envs plays on."""
-            nonlocal open_streams
-            ticket = _submit(batch, client, ctx, config, inflight, stats, isolate_errors)
-            _report_finished(batch, on_finished)  # envs whose request was too large for the manager
-            if ticket is None:
-                client.close_stream()
-                open_streams -= 1
-            elif rider:
-                riders.add(ticket)
-
-        def handle(answers: list[tuple[int, list[Completion]]]) -> None:
-            """Answers that arrived together (one engine call's): the riders
-            among them are stepped first and join the next request of the first
-            other stream answered with them, closing their own, so the streams
-            a worker opened chunk by chunk merge back into pipeline_depth once
-            they are in step (one request per stream and turn, fewer messages).
-            Streams of the first pipeline_depth never merge: they overlap env
-            steps with the engine when the coalescer does not wait for them all."""
-            nonlocal open_streams
-            answers = sorted(answers, key=lambda a: a[0] not in riders)  # stable: riders first
-            hosts = sum(t not in riders for t, _ in answers)
-            joined: list[_EnvSlot] = []
-            for i, (ticket, completions) in enumerate(answers):
-                rider = ticket in riders
-                riders.discard(ticket)
-                batch = step(ticket, completions)
-                if rider and (hosts or (i + 1 < len(answers))):
-                    joined += batch  # into the next answered stream's request
-                    client.close_stream()
-                    open_streams -= 1
-                else:
-                    submit(batch + joined, rider)
-                    joined = []
-
-        def gather() -> list[tuple[int, list[Completion]]]:
-            """The next answer and every other one already here."""
-            got = [client.wait_any()]
-            while inflight and client.ready():
-                got.append(client.wait_any())
-            return got
-
-        def start(stream: list[_EnvSlot], rider: bool = False) -> None:
-            for chunk in _reset_chunks(stream):
-                t0 = time.perf_counter()
-                threads.run([(slot, functools.partial(_guard, slot, stats, isolate_errors, config, call,
-                                                      _reset, slot, kept_envs, call))
-                             for slot in chunk])
-                stats.env_reset_s += time.perf_counter() - t0
-                while inflight and client.ready():  # keep the model busy while later envs reset
-                    handle(gather())
-            _report_finished(stream, on_finished)
-            release_ended(stream)
-            submit(stream, rider)
-
-        def wait_some() -> None:
-            t0 = time.perf_counter()
-            got = gather()
-            stats.wait_s += time.perf_counter() - t0
-            handle(got)
-
-        try:
-            for stream in streams:
-                start(stream)
-            while take is not None:
-                while inflight and max_live_envs is not None and sum(s.active for s in slots) >= max_live_envs:
-                    wait_some()  # no room for another chunk until envs end
-                taken = [_EnvSlot(s) for s in take()]
-                if not taken:
-                    break
-                open_streams += 1
-                stats.chunks += 1
-                slots += taken
-                start(taken, rider=open_streams > config.pipeline_depth)
-            stats.envs_created = kept_envs.created - created
-            while inflight:
-                wait_some()
-        finally:
-            for _ in range(open_streams):
-                client.close_stream()
-        release_ended(slots)
-        return [s.traj for s in slots], stats
+        loop.play(slots, take, max_live_envs)
+        return [s.traj for s in slots], loop.stats
     except BaseException:
         client.reset()
         raise
     finally:
-        threads.close()
-        call.close()
+        loop.close()
+
+
+@dataclass(eq=False)
+class _TurnLoop:
+    """The envs of one ``run_envs`` call, played in streams.
+
+    A stream is a list of env slots with at most one request in flight
+    (``inflight``, by the client's ticket). Each answer steps its stream's
+    envs, and the envs that play on make the stream's next request.
+    ``riders`` are the tickets of streams that chunks taken past
+    ``pipeline_depth`` opened; ``handle`` merges them into another stream.
+    """
+
+    client: LLMClient
+    config: LoopConfig
+    kept_envs: KeptEnvs
+    isolate: bool
+    fault: dict[str, int] | None
+    on_finished: Callable[[int], None] | None
+    stats: LoopStats = field(default_factory=LoopStats)
+    inflight: dict[int, list[_EnvSlot]] = field(default_factory=dict)
+    riders: set[int] = field(default_factory=set)
+    open_streams: int = 0
+
+    def __post_init__(self) -> None:
+        self.ctx = ContextManager(self.config.context)
+        self.call = _Caller(self.config.env_timeout_s)
+        self.threads = _EnvThreads()
+
+    def play(self, slots: list[_EnvSlot], take: Callable[[], list[EnvSpec]] | None,
+             max_live_envs: int | None) -> None:
+        """Every env of ``slots``, and of the chunks ``take`` gives (added to
+        ``slots``), played to its end."""
+        created = self.kept_envs.created
+        streams = _split_streams(slots, self.config.pipeline_depth) if slots else []
+        if streams:
+            self.client.open_streams(len(streams))
+        self.open_streams = len(streams)
+        try:
+            for stream in streams:
+                self.start(stream)
+            if take is not None:
+                self.take_chunks(slots, take, max_live_envs)
+            self.stats.envs_created = self.kept_envs.created - created
+            while self.inflight:
+                self.wait_some()
+        finally:
+            for _ in range(self.open_streams):
+                self.client.close_stream()
+        self.release_ended(slots)
+
+    def take_chunks(self, slots: list[_EnvSlot], take: Callable[[], list[EnvSpec]],
+                    max_live_envs: int | None) -> None:
+        """Chunks from ``take``, each started as a stream, until it gives none."""
+        while True:
+            while self.inflight and max_live_envs is not None and sum(s.active for s in slots) >= max_live_envs:
+                self.wait_some()  # no room for another chunk until envs end
+            taken = [_EnvSlot(s) for s in take()]
+            if not taken:
+                return
+            self.open_streams += 1
+            self.stats.chunks += 1
+            slots += taken
+            self.start(taken, rider=self.open_streams > self.config.pipeline_depth)
+
+    def start(self, stream: list[_EnvSlot], rider: bool = False) -> None:
+        """The stream's envs reset and its first request sent; answers that
+        arrive meanwhile are handled between two resets."""
+        for chunk in _reset_chunks(stream):
+            t0 = time.perf_counter()
+            self.threads.run([self._guarded(slot, _reset, self.kept_envs, self.call) for slot in chunk])
+            self.stats.env_reset_s += time.perf_counter() - t0
+            while self.inflight and self.client.ready():  # keep the model busy while later envs reset
+                self.handle(self.gather())
+        self.report_finished(stream)
+        self.release_ended(stream)
+        self.submit(stream, rider)
+
+    def wait_some(self) -> None:
+        """The next answers waited for and handled."""
+        t0 = time.perf_counter()
+        got = self.gather()
+        self.stats.wait_s += time.perf_counter() - t0
+        self.handle(got)
+
+    def gather(self) -> list[tuple[int, list[Completion]]]:
+        """The next answer and every other one already here."""
+        got = [self.client.wait_any()]
+        while self.inflight and self.client.ready():
+            got.append(self.client.wait_any())
+        return got
+
+    def handle(self, answers: list[tuple[int, list[Completion]]]) -> None:
+        """Answers that arrived together (one engine call's): the riders
+        among them are stepped first and join the next request of the first
+        other stream answered with them, closing their own, so the streams
+        a worker opened chunk by chunk merge back into pipeline_depth once
+        they are in step (one request per stream and turn, fewer messages).
+        Streams of the first pipeline_depth never merge: they overlap env
+        steps with the engine when the coalescer does not wait for them all."""
+        answers = sorted(answers, key=lambda a: a[0] not in self.riders)  # stable: riders first
+        hosts = sum(t not in self.riders for t, _ in answers)
+        joined: list[_EnvSlot] = []
+        for i, (ticket, completions) in enumerate(answers):
+            rider = ticket in self.riders
+            self.riders.discard(ticket)
+            batch = self.step(ticket, completions)
+            if rider and (hosts or (i + 1 < len(answers))):
+                joined += batch  # into the next answered stream's request
+                self.client.close_stream()
+                self.open_streams -= 1
+            else:
+                self.submit(batch + joined, rider)
+                joined = []
+
+    def step(self, ticket: int, completions: list[Completion]) -> list[_EnvSlot]:
+        """The answered batch's envs stepped; returns the batch."""
+        batch = self.inflight.pop(ticket)
+        if len(completions) != len(batch):
+            raise RuntimeError(f"engine answered {len(completions)} completions for {len(batch)} requests")
+        if self.fault and batch and len(batch[0].traj.turns) + 1 >= self.fault.get("exit_at_turn", 1 << 30):
+            logger.warning("fault injection: process %d exits now", os.getpid())
+            os._exit(3)
+        t0 = time.perf_counter()
+        self.threads.run([self._guarded(slot, _apply, completion, self.ctx, self.config, self.call)
+                          for slot, completion in zip(batch, completions)])
+        self.stats.env_step_s += time.perf_counter() - t0
+        self.report_finished(batch)
+        self.release_ended(batch)
+        return batch
+
+    def submit(self, batch: list[_EnvSlot], rider: bool) -> None:
+        """The batch's next request; its stream closes when none of its envs plays on."""
+        ticket = self.send(batch)
+        self.report_finished(batch)  # envs whose request was too large for the manager
+        if ticket is None:
+            self.client.close_stream()
+            self.open_streams -= 1
+        elif rider:
+            self.riders.add(ticket)
+
+    def send(self, stream: list[_EnvSlot]) -> int | None:
+        """The next request of the stream's active envs: its ticket; None when none is active.
+        An env whose request would take the message past the manager's limit ends
+        in ``error`` (the largest first, until the rest fit); the others are sent."""
+        active = [s for s in stream if s.active]
+        if not active:
+            return None
+        requests = [self.request(s) for s in active]
+        while True:
+            try:
+                ticket = self.client.submit(requests, self.config.sampling)
+                break
+            except MessageTooLarge as exc:
+                for i in exc.refused:
+                    _end_in_error(active[i], StopReason.ERROR, self.stats, self.isolate, cause=None, message=(
+                        f"MessageTooLarge: its request to the LLM manager ({exc.request_sizes.get(i, 0)} bytes) "
+                        f"takes a message of {exc.size} bytes past the limit of {exc.limit} bytes; raise "
+                        f"agent_proxy.max_message_bytes or make the env's observations shorter"))
+                refused = set(exc.refused)
+                keep = [i for i in range(len(active)) if i not in refused]
+                active, requests = [active[i] for i in keep], [requests[i] for i in keep]
+                if not active:
+                    return None
+        self.inflight[ticket] = active
+        self.stats.requests += len(requests)
+        self.stats.submits += 1
+        return ticket
+
+    def request(self, slot: _EnvSlot) -> GenerationRequest:
+        """The env's prompt for its next turn."""
+        turns = slot.traj.turns
+        return GenerationRequest(
+            messages=self.ctx.build_messages(slot.spec, turns, slot.observation, slot.actions_left,
+                                             slot.traj.action_names),
+            env_id=slot.spec.env_id,
+            turn=len(turns),
+            seed=slot.spec.seed,
+            max_tokens=slot.spec.max_tokens,
+            last_turn=len(turns) + 1 >= self.config.max_turn,
+        )
+
+    def _guarded(self, slot: _EnvSlot, fn: Callable[..., None], *args: Any) -> tuple[_EnvSlot, Any]:
+        """A job for ``_EnvThreads``: ``fn(slot, *args)`` under ``_guard``."""
+        return slot, functools.partial(_guard, slot, self.stats, self.isolate, self.config, self.call, fn, slot, *args)
+
+    def release_ended(self, batch: list[_EnvSlot]) -> None:
+        """Ended envs go back to kept_envs at once: a chunk taken later reuses them."""
+        for slot in batch:
+            if not slot.active and slot.env is not None:
+                self.kept_envs.release(slot.spec, slot.env)
+                slot.env = None
+
+    def report_finished(self, slots: list[_EnvSlot]) -> None:
+        """Tell ``on_finished`` of the slots that ended since they were last looked at."""
+        if self.on_finished is None:
+            return
+        n = 0
+        for s in slots:
+            if not s.active and not s.reported:
+                s.reported = True
+                n += 1
+        if n:
+            self.on_finished(n)
+
+    def close(self) -> None:
+        self.threads.close()
+        self.call.close()
 
 
 def _reset_chunks(stream: list[_EnvSlot]) -> list[list[_EnvSlot]]:
@@ -436,58 +528,6 @@ def _split_streams(slots: list[_EnvSlot], depth: int) -> list[list[_EnvSlot]]:
     members = groups_of(slots, attrgetter("spec.group_id"))
     depth = stream_count([s.spec for s in slots], depth)
     return [[s for g in hand for s in g] for hand in deal(members, depth)]
-
-
-def _report_finished(slots: list[_EnvSlot], on_finished: Callable[[int], None] | None) -> None:
-    """Tell ``on_finished`` of the slots that ended since they were last looked at."""
-    if on_finished is None:
-        return
-    n = 0
-    for s in slots:
-        if not s.active and not s.reported:
-            s.reported = True
-            n += 1
-    if n:
-        on_finished(n)
-
-
-def _submit(stream, client, ctx, config, inflight, stats, isolate: bool = True) -> int | None:
-    """The next request of the stream's active envs: its ticket; None when none is active.
-    An env whose request would take the message past the manager's limit ends
-    in ``error`` (the largest first, until the rest fit); the others are sent."""
-    active = [s for s in stream if s.active]
-    if not active:
-        return None
-    requests = [
-        GenerationRequest(
-            messages=ctx.build_messages(s.spec, s.traj.turns, s.observation, s.actions_left, s.traj.action_names),
-            env_id=s.spec.env_id,
-            turn=len(s.traj.turns),
-            seed=s.spec.seed,
-            max_tokens=s.spec.max_tokens,
-            last_turn=len(s.traj.turns) + 1 >= config.max_turn,
-        )
-        for s in active
-    ]
-    while True:
-        try:
-            ticket = client.submit(requests, config.sampling)
-            break
-        except MessageTooLarge as exc:
-            for i in exc.refused:
-                _end_in_error(active[i], StopReason.ERROR, stats, isolate, cause=None, message=(
-                    f"MessageTooLarge: its request to the LLM manager ({exc.request_sizes.get(i, 0)} bytes) "
-                    f"takes a message of {exc.size} bytes past the limit of {exc.limit} bytes; raise "
-                    f"agent_proxy.max_message_bytes or make the env's observations shorter"))
-            refused = set(exc.refused)
-            keep = [i for i in range(len(active)) if i not in refused]
-            active, requests = [active[i] for i in keep], [requests[i] for i in keep]
-            if not active:
-                return None
-    inflight[ticket] = active
-    stats.requests += len(requests)
-    stats.submits += 1
-    return ticket
 
 
 def _guard(slot: _EnvSlot, stats: LoopStats, isolate: bool, config: LoopConfig, call: _Caller, fn, *args) -> None:
