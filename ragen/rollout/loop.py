@@ -1,31 +1,11 @@
-"""The multi-turn turn loop, shared by the sequential and the parallel rollout.
+"""The turn loop, shared by the sequential and the parallel rollout.
 
-``run_envs(specs, client, config)`` plays every spec to the end and returns
-one ``Trajectory`` per spec, in spec order. Per turn: prompt from the env's
-state (``ContextManager``) -> the model's answer (through an ``LLMClient``) ->
-actions parsed and mapped (names -> ids through the env's ``ACTION_LOOKUP``;
-unknown names dropped) -> ``env.step`` for each action within the budget.
-
-``LLMClient`` (``inference.client``) is what the loop talks to: ``DirectClient``
-calls an engine in-process (the sequential rollout), ``SharedLLMClient``
-reaches the driver's ``SharedLLMInferenceManager`` from worker processes.
-
-Envs are split into ``pipeline_depth`` micro-batches of whole groups, each with
-its own request in flight ("stream"): while one micro-batch waits for the
-model, another steps its envs. Each micro-batch asks for its first answers as
-soon as its own envs are reset, and answers that arrive while later ones are
-still resetting are handled between two resets, so the model is kept busy
-from the start. A trajectory depends only on its own env and the answers to its
-own requests, so the split never changes results. With pull-based work
-(``take``) each chunk of groups a worker takes starts as a stream of its own;
-the ones past ``pipeline_depth`` join another stream answered in the same
-engine call (``handle``), so the worker is back to ``pipeline_depth`` requests
-a turn.
-
-The envs of a tag with ``parallel_friendly: true`` (RAGEN's key) are reset
-and stepped ``max_workers`` at a time on threads (``EnvSpec.env_threads``),
-in the sequential loop and in each parallel worker alike; other envs one after
-another. ``KeptEnvs`` keeps env instances between rollouts (reset with new seeds).
+``run_envs(specs, client, config)`` plays every spec to the end and returns one
+``Trajectory`` per spec, in spec order. Per turn: the prompt from the env's
+state (``ContextManager``), the model's answer through an ``LLMClient``
+(``ragen.serving.client``), its actions parsed and mapped to ids through the
+env's ``ACTION_LOOKUP`` (unknown names dropped), and ``env.step`` for each
+action within the budget. ``KeptEnvs`` keeps env instances between rollouts.
 """
 
 from __future__ import annotations
@@ -80,11 +60,13 @@ _ERRORS_LOCK = threading.Lock()
 
 
 class EnvTimeout(Exception):
-    pass
+    """An env call ran past ``LoopConfig.env_timeout_s``."""
 
 
-class ShardError(Exception):
-    """An env failed in a worker; the shard is re-run by the fallback."""
+class EnvError(Exception):
+    """An env raised or timed out where errors are not isolated (``isolate_errors=False``):
+    the caller decides what becomes of every env of the call (a parallel worker's are re-run
+    by the fallback)."""
 
 
 class KeptEnvs:
@@ -237,6 +219,8 @@ class _EnvSlot:
 
 @dataclass
 class LoopStats:
+    """What one ``run_envs`` call spent and counted; a worker's add up (``+``)."""
+
     env_reset_s: float = 0.0
     env_step_s: float = 0.0
     wait_s: float = 0.0
@@ -266,9 +250,10 @@ def run_envs(
 
     ``isolate_errors``: an env that raises (or times out) ends its own
     trajectory with stop reason ``error`` (``timeout``) and the others go on;
-    otherwise the first failure raises ``ShardError`` (workers do this, so the
-    fallback re-runs the shard). ``fault``: ``{"exit_at_turn": k}`` makes the
-    calling process exit at turn k (fault injection for benchmarks and tests).
+    otherwise the first failure raises ``EnvError`` (workers do this, so the
+    fallback re-runs what the worker played). ``fault``: ``{"exit_at_turn": k}``
+    makes the calling process exit at turn k (fault injection for benchmarks
+    and tests).
     ``on_finished(n)``: ``n`` more envs ended (for progress), told just before
     the stream's next request or its close; it must not raise.
 
@@ -296,11 +281,20 @@ def run_envs(
 class _TurnLoop:
     """The envs of one ``run_envs`` call, played in streams.
 
-    A stream is a list of env slots with at most one request in flight
-    (``inflight``, by the client's ticket). Each answer steps its stream's
-    envs, and the envs that play on make the stream's next request.
-    ``riders`` are the tickets of streams that chunks taken past
-    ``pipeline_depth`` opened; ``handle`` merges them into another stream.
+    Envs are split into ``pipeline_depth`` streams of whole groups, each with
+    at most one request in flight (``inflight``, by the client's ticket):
+    while one stream waits for the model, another steps its envs. A stream
+    asks for its first answers as soon as its own envs are reset, and answers
+    that arrive while later envs reset are handled between two resets. A
+    trajectory depends only on its own env and the answers to its own
+    requests, so the split never changes results. With pull-based work
+    (``take``) each chunk of groups taken starts as a stream of its own;
+    those past ``pipeline_depth`` (``riders``) join another stream answered in
+    the same engine call (``handle``).
+
+    The envs of a tag with ``parallel_friendly: true`` (RAGEN's key) are reset
+    and stepped ``max_workers`` at a time on threads (``EnvSpec.env_threads``);
+    other envs one after another.
     """
 
     client: LLMClient
@@ -534,7 +528,7 @@ def _guard(slot: _EnvSlot, stats: LoopStats, isolate: bool, config: LoopConfig, 
     """``fn(*args)`` for one env; when the env raises or times out, it is
     retried up to ``config.env_retries`` times on a fresh instance brought to
     where the failed one was (``_rebuild``), then ends its own trajectory in
-    ``error``/``timeout`` (or raises ``ShardError`` when not ``isolate``)."""
+    ``error``/``timeout`` (or raises ``EnvError`` when not ``isolate``)."""
     if not slot.active:
         return
     saved = (slot.observation, slot.actions_left)
@@ -571,13 +565,13 @@ def _where(slot: _EnvSlot) -> str:
 def _end_in_error(slot: _EnvSlot, reason: StopReason, stats: LoopStats, isolate: bool, cause: BaseException | None,
                   message: str) -> None:
     """The env ends its trajectory with ``reason`` (error or timeout) and
-    ``message``, counted in ``stats``; when not ``isolate``, ``ShardError``
-    instead (the fallback re-runs the shard)."""
+    ``message``, counted in ``stats``; when not ``isolate``, ``EnvError``
+    instead."""
     where = _where(slot)
     with _ERRORS_LOCK:  # envs of a parallel_friendly tag fail on several threads at once
         stats.env_errors += 1
     if not isolate:
-        raise ShardError(f"{where}: {message}") from cause
+        raise EnvError(f"{where}: {message}") from cause
     logger.warning("%s ended in %s at turn %d: %s", where, reason.value, len(slot.traj.turns), message)
     slot.finish(reason, message)
 
