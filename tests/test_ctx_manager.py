@@ -109,19 +109,6 @@ def test_loss_mask_covers_exactly_the_models_tokens(turn_scores):
         assert list(rewards[nz]) == [3.0] and nz[0] == max(i for i, m in enumerate(ep["loss_mask"]) if m)
 
 
-def test_reward_normalization():
-    scores = [1.0, 3.0, 0.0, 0.0]
-    groups = [0, 0, 1, 1]
-    tags = ["a", "a", "a", "b"]
-    norm = lambda **kw: ContextManager(ContextConfig(**kw)).normalize_rewards(scores, groups, tags)  # noqa: E731
-    assert list(norm(reward_method="identity")) == scores
-    assert list(norm(reward_method="mean")) == [-1.0, 1.0, 0.0, 0.0]
-    z = norm(reward_method="mean_std")
-    assert z[0] == pytest.approx(-1.0, abs=1e-5) and z[2] == 0.0
-    assert list(norm(reward_method="mean", reward_grouping="batch")) == [0.0, 2.0, -1.0, -1.0]
-    assert norm(reward_method="asym_clip", reward_grouping="inductive").min() >= -1.0
-
-
 def test_bad_context_config_names_key():
     with pytest.raises(ValueError, match="reward_normalization.method"):
         ContextConfig(reward_method="median")

@@ -19,7 +19,7 @@ from ragen.rollout.context import ContextConfig, ContextManager
 from ragen.trainer import AgentTrainer, PPOActor, Sample, TrainerConfig, compute_advantages, filter_groups
 from ragen.trainer import checkpoint as ckpt
 from ragen.trainer.config import ActorSection, OptimSection
-from ragen.trainer.core import kl_penalty, policy_loss, sequence_logprobs
+from ragen.trainer.core import kl_penalty, normalize_rewards, policy_loss, sequence_logprobs
 from ragen.trainer.tracking import read_metrics
 from tests.rollout_helpers import ROOT
 
@@ -88,6 +88,19 @@ def test_filter_groups_keeps_the_most_varied_groups():
     assert filter_groups(scores, groups, 0.01) == [2, 3]  # at least one group
     with pytest.raises(ValueError, match="rollout_filter_ratio"):
         filter_groups(scores, groups, 0.0)
+
+
+def test_reward_normalization():
+    scores = [1.0, 3.0, 0.0, 0.0]
+    groups = [0, 0, 1, 1]
+    tags = ["a", "a", "a", "b"]
+    norm = lambda **kw: normalize_rewards(scores, groups, tags, **kw)  # noqa: E731
+    assert list(norm(method="identity")) == scores
+    assert list(norm(method="mean")) == [-1.0, 1.0, 0.0, 0.0]
+    z = norm(method="mean_std")
+    assert z[0] == pytest.approx(-1.0, abs=1e-5) and z[2] == 0.0
+    assert list(norm(method="mean", grouping="batch")) == [0.0, 2.0, -1.0, -1.0]
+    assert norm(method="asym_clip", grouping="inductive").min() >= -1.0
 
 
 def test_advantage_estimators():

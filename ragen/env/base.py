@@ -14,7 +14,8 @@ The base ``__init__`` never overwrites a ``config`` the subclass set before
 calling it (RAGEN's modules set theirs first). Each env owns its random
 generator, seeded in ``reset`` (``make_rng`` builds it); nothing random is global, so instances in different threads or processes
 never disturb each other. ``BaseDiscreteActionEnv.is_valid_action`` is the one
-test of whether a step's action is an id of ``ACTION_LOOKUP``.
+test of whether a step's action is an id of ``ACTION_LOOKUP``, and
+``unchanged_step`` the one result of an action that changes nothing.
 """
 
 from __future__ import annotations
@@ -98,6 +99,15 @@ def make_rng(seed: int | None) -> tuple[int, np.random.Generator]:
         raise TypeError(f"seed must be an integer or None, got {seed!r}")
     seed = int(seed)
     return seed, np.random.default_rng(seed % 2**64 if seed < 0 else seed)
+
+
+def unchanged_step(observation: str, valid: bool, done: bool, success: bool,
+                   invalid_act_score: float) -> tuple[str, float, bool, dict]:
+    """The step result of an action that changes nothing: an invalid one
+    (reward ``invalid_act_score``; the episode goes on as it was) or a valid
+    one after the episode ended (reward 0)."""
+    info = {"action_is_valid": valid, "action_is_effective": False, "success": success}
+    return observation, (0.0 if valid else float(invalid_act_score)), done, info
 
 
 class BaseLanguageBasedEnv(BaseEnv):

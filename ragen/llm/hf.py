@@ -53,6 +53,7 @@ from typing import Any, Iterable, Mapping, Sequence
 
 import torch
 
+from ragen.llm.chat_tokens import encode_chat, stop_token_ids
 from ragen.llm.default_model import resolve_model_path
 from ragen.llm.transformers_compat import dtype_kwarg
 from ragen.llm.turn_cache import Hit, TurnCache
@@ -69,7 +70,6 @@ _DTYPES = {
     "float16": torch.float16,
     "fp16": torch.float16,
 }
-_CHAT_END_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>")
 
 
 _MIN_SHARED_TOKENS = 16  # a shorter common start is not worth its own forward pass
@@ -159,7 +159,7 @@ class HFEngine(Engine):
                 "the tokenizer has no chat template; HFEngine renders requests with "
                 "tokenizer.apply_chat_template (set tokenizer.chat_template)"
             )
-        self.stop_token_ids = self._stop_token_ids()
+        self.stop_token_ids = stop_token_ids(tokenizer, model)
         pad = tokenizer.pad_token_id
         self.pad_token_id = int(pad if pad is not None else min(self.stop_token_ids, default=0))
         params = inspect.signature(model.forward).parameters
@@ -213,9 +213,7 @@ class HFEngine(Engine):
     # -- generation -------------------------------------------------------
 
     def encode_prompt(self, messages: Sequence[Mapping[str, str]]) -> list[int]:
-        text = self.tokenizer.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=True)
-        # The template already holds its special tokens; do not add a BOS again.
-        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+        return encode_chat(self.tokenizer, messages)
 
     def generate(self, requests: Sequence[GenerationRequest], sampling: SamplingParams) -> list[Completion]:
         if not requests:
@@ -226,7 +224,7 @@ class HFEngine(Engine):
     def _generate(self, requests: Sequence[GenerationRequest], sampling: SamplingParams) -> list[Completion]:
         began = time.perf_counter()
         prompts = [self.encode_prompt(r.messages) for r in requests]
-        limits = [max(0, r.max_tokens if r.max_tokens is not None else sampling.max_tokens) for r in requests]
+        limits = [max(0, r.token_limit(sampling)) for r in requests]
         seeds = [request_seed(sampling.seed, r.key) for r in requests]
         episodes = [(r.seed, r.env_id) for r in requests]
         last = [r.last_turn for r in requests]
@@ -254,18 +252,8 @@ class HFEngine(Engine):
         completions = []
         for request, prompt, (response_ids, finish_reason, logprobs) in zip(requests, prompts, results):
             text, finish_reason = self._response_text(response_ids, finish_reason, sampling.stop)
-            completions.append(
-                Completion(
-                    text=text,
-                    prompt_token_ids=prompt,
-                    response_token_ids=response_ids,
-                    finish_reason=finish_reason,
-                    policy_version=self.policy_version,
-                    env_id=request.env_id,
-                    turn=request.turn,
-                    logprobs=logprobs,
-                )
-            )
+            completions.append(Completion.answering(request, text, prompt, response_ids, finish_reason,
+                                                    self.policy_version, logprobs))
         logger.debug(
             "HFEngine: %d requests, %d response tokens in %.2f s",
             len(requests), sum(len(c.response_token_ids) for c in completions), time.perf_counter() - began,
@@ -463,15 +451,3 @@ class HFEngine(Engine):
             return text[: min(cuts)], "stop"
         return text, finish_reason
 
-    def _stop_token_ids(self) -> set[int]:
-        ids: set[int] = set()
-        eos = self.tokenizer.eos_token_id
-        if eos is not None:
-            ids.add(int(eos))
-        generation_config = getattr(self.model, "generation_config", None)
-        config_eos = getattr(generation_config, "eos_token_id", None)
-        if config_eos is not None:
-            ids.update(int(t) for t in (config_eos if isinstance(config_eos, (list, tuple)) else [config_eos]))
-        vocab = self.tokenizer.get_vocab()
-        ids.update(int(vocab[t]) for t in _CHAT_END_TOKENS if t in vocab)
-        return ids

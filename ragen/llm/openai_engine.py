@@ -134,10 +134,10 @@ class OpenAIEngine(Engine):
         return list(self._pool.map(lambda r: self._complete(r, sampling, model, version), requests))
 
     def _complete(self, request: GenerationRequest, sampling: SamplingParams, model: str, version: int) -> Completion:
-        limit = request.max_tokens if request.max_tokens is not None else sampling.max_tokens
+        limit = request.token_limit(sampling)
         if limit <= 0:
-            return Completion("", [], [], "length", version, request.env_id, request.turn,
-                              logprobs=[] if self.returns_logprobs else None)
+            return Completion.answering(request, "", [], [], "length", version,
+                                        [] if self.returns_logprobs else None)
         body: dict[str, Any] = {
             "model": model,
             "messages": [dict(m) for m in request.messages],
@@ -166,15 +166,14 @@ class OpenAIEngine(Engine):
             )
             return self._error(request, version)
         response_ids = [int(t) for t in choice.get("token_ids") or []]
-        return Completion(
-            text=text,
-            prompt_token_ids=[int(t) for t in reply.get("prompt_token_ids") or choice.get("prompt_token_ids") or []],
-            response_token_ids=response_ids,
-            finish_reason="length" if choice.get("finish_reason") == "length" else "stop",
-            policy_version=version,
-            env_id=request.env_id,
-            turn=request.turn,
-            logprobs=self._logprobs(choice, response_ids) if self.returns_logprobs else None,
+        return Completion.answering(
+            request,
+            text,
+            [int(t) for t in reply.get("prompt_token_ids") or choice.get("prompt_token_ids") or []],
+            response_ids,
+            "length" if choice.get("finish_reason") == "length" else "stop",
+            version,
+            self._logprobs(choice, response_ids) if self.returns_logprobs else None,
         )
 
     def _logprobs(self, choice: Mapping[str, Any], response_ids: list[int]) -> list[float] | None:
@@ -207,7 +206,7 @@ class OpenAIEngine(Engine):
 
     @staticmethod
     def _error(request: GenerationRequest, version: int) -> Completion:
-        return Completion("", [], [], "error", version, request.env_id, request.turn)
+        return Completion.answering(request, "", [], [], "error", version)
 
     # -- HTTP -------------------------------------------------------------
 

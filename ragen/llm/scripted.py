@@ -124,7 +124,7 @@ class ScriptedEngine(Engine):
 
     def _answer(self, request: GenerationRequest, sampling: SamplingParams) -> tuple[str, float]:
         """The full answer and the log-probability of the script's choices that made it."""
-        # random.Random, not numpy: seeding one per request is 5x cheaper, and this
+        # random.Random, not numpy: seeding one per request is much cheaper, and this
         # engine's own CPU time counts against the driver in benchmarks
         rng = random.Random(request_seed(self.seed, (sampling.seed, *request.key)))
         prompt = last_user_message(request.messages)
@@ -155,25 +155,18 @@ class ScriptedEngine(Engine):
     def _complete(self, request: GenerationRequest, sampling: SamplingParams) -> Completion:
         text, logp = self._answer(request, sampling)
         response_ids = list(text.encode("utf-8"))
-        limit = request.max_tokens if request.max_tokens is not None else sampling.max_tokens
+        limit = request.token_limit(sampling)
         finish_reason = "stop"
         if len(response_ids) > limit:
             response_ids = response_ids[: max(0, limit)]
             text = bytes(response_ids).decode("utf-8", errors="ignore")
             finish_reason = "length"
         prompt_ids = list(render_messages(request.messages).encode("utf-8")) if self.return_prompt_ids else []
-        return Completion(
-            text=text,
-            prompt_token_ids=prompt_ids,
-            response_token_ids=response_ids,
-            finish_reason=finish_reason,
-            policy_version=self.policy_version,
-            env_id=request.env_id,
-            turn=request.turn,
-            # the choices' log-probability on the first token (every later byte follows from
-            # them with probability 1): the tokens' log-probs sum to the answer's
-            logprobs=[logp] + [0.0] * (len(response_ids) - 1) if response_ids else [],
-        )
+        # the choices' log-probability on the first token (every later byte follows from
+        # them with probability 1): the tokens' log-probs sum to the answer's
+        logprobs = [logp] + [0.0] * (len(response_ids) - 1) if response_ids else []
+        return Completion.answering(request, text, prompt_ids, response_ids, finish_reason, self.policy_version,
+                                    logprobs)
 
     @staticmethod
     def _actions(rng: random.Random, names: list[str], max_actions: int) -> tuple[str, float]:

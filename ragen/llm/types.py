@@ -22,7 +22,7 @@ from __future__ import annotations
 import hashlib
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Self, Sequence
 
 
 def request_seed(sampling_seed: int, key: Sequence[int]) -> int:
@@ -37,16 +37,25 @@ def request_seed(sampling_seed: int, key: Sequence[int]) -> int:
     return int.from_bytes(digest, "little") & 0x7FFFFFFF
 
 
-def _as_dict(obj: Any) -> dict[str, Any]:
-    # Shallow: these classes hold only JSON-able values, and dataclasses.asdict's
-    # deep copy is the largest cost of sending thousands of prompts. Their
-    # instance dict is exactly their fields (frozen, nothing cached on them),
-    # and copying it is 6x cheaper than reading dataclasses.fields.
-    return dict(obj.__dict__)
+class _PlainData:
+    """A frozen dataclass of JSON-able fields that crosses process boundaries as a dict."""
+
+    def to_dict(self) -> dict[str, Any]:
+        # Shallow: these classes hold only JSON-able values, and dataclasses.asdict's
+        # deep copy is the largest cost of sending thousands of prompts. Their
+        # instance dict is exactly their fields (frozen, nothing cached on them),
+        # and copying it is cheaper than reading dataclasses.fields.
+        return dict(self.__dict__)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Self:
+        return cls(**d)
 
 
 @dataclass(frozen=True)
-class GenerationRequest:
+class GenerationRequest(_PlainData):
+    """One chat prompt to answer, keyed by ``(seed, env_id, turn)``."""
+
     messages: list[dict[str, str]]  # [{"role": "system"|"user"|"assistant", "content": str}]
     env_id: int = 0
     turn: int = 0
@@ -58,16 +67,15 @@ class GenerationRequest:
     def key(self) -> tuple[int, int, int]:
         return (self.seed, self.env_id, self.turn)
 
-    def to_dict(self) -> dict[str, Any]:
-        return _as_dict(self)
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "GenerationRequest":
-        return cls(**d)
+    def token_limit(self, sampling: SamplingParams) -> int:
+        """The most tokens its answer may have: its own cap, else the sampling's."""
+        return self.max_tokens if self.max_tokens is not None else sampling.max_tokens
 
 
 @dataclass(frozen=True)
-class SamplingParams:
+class SamplingParams(_PlainData):
+    """How to decode (``temperature == 0`` means greedy)."""
+
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1  # -1: no top-k
@@ -79,16 +87,11 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature <= 0.0
 
-    def to_dict(self) -> dict[str, Any]:
-        return _as_dict(self)
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "SamplingParams":
-        return cls(**d)
-
 
 @dataclass(frozen=True)
-class Completion:
+class Completion(_PlainData):
+    """The answer to one request, with its tokens and the policy version that produced it."""
+
     text: str
     prompt_token_ids: list[int]
     response_token_ids: list[int]
@@ -100,12 +103,13 @@ class Completion:
     # top-k, top-p applied); None: the engine gives none
     logprobs: list[float] | None = None
 
-    def to_dict(self) -> dict[str, Any]:
-        return _as_dict(self)
-
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "Completion":
-        return cls(**d)
+    def answering(cls, request: GenerationRequest, text: str, prompt_token_ids: list[int],
+                  response_token_ids: list[int], finish_reason: str, policy_version: int,
+                  logprobs: list[float] | None = None) -> Self:
+        """The completion of ``request`` (its ``env_id`` and ``turn``)."""
+        return cls(text, prompt_token_ids, response_token_ids, finish_reason, policy_version, request.env_id,
+                   request.turn, logprobs)
 
 
 class Engine(ABC):

@@ -68,12 +68,12 @@ import os
 import re
 from typing import Any, Iterable, Mapping, Sequence
 
+from ragen.llm.chat_tokens import encode_chat, stop_token_ids
 from ragen.llm.default_model import resolve_model_path
 from ragen.llm.types import Completion, Engine, GenerationRequest, SamplingParams, request_seed
 
 logger = logging.getLogger(__name__)
 
-_CHAT_END_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>")
 # vLLM's log-probs of the distribution sampled from (temperature, top-k, top-p applied)
 _LOGPROBS_MODE = "processed_logprobs"
 
@@ -219,7 +219,7 @@ class VLLMEngine(Engine):
             **_logprobs_mode_kwargs(vllm),
         )
         self.tokenizer = self.llm.get_tokenizer()
-        self.stop_token_ids = self._stop_token_ids()
+        self.stop_token_ids = stop_token_ids(self.tokenizer)
         logger.info("VLLMEngine started %s (vllm %s)", path, getattr(vllm, "__version__", "?"))
 
     @classmethod
@@ -227,12 +227,11 @@ class VLLMEngine(Engine):
         return cls(model_path, **cfg)
 
     def encode_prompt(self, messages: Sequence[Mapping[str, str]]) -> list[int]:
-        text = self.tokenizer.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=True)
-        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+        return encode_chat(self.tokenizer, messages)
 
     def generate(self, requests: Sequence[GenerationRequest], sampling: SamplingParams) -> list[Completion]:
         prompts = [self.encode_prompt(r.messages) for r in requests]
-        limits = [r.max_tokens if r.max_tokens is not None else sampling.max_tokens for r in requests]
+        limits = [r.token_limit(sampling) for r in requests]
         live = [i for i, limit in enumerate(limits) if limit > 0]  # vLLM rejects max_tokens=0
         outputs: dict[int, Any] = {}
         if live:
@@ -255,18 +254,8 @@ class VLLMEngine(Engine):
                 if sample.finish_reason not in ("stop", "length"):
                     logger.warning("vLLM finished env %s turn %s with %r", request.env_id, request.turn,
                                    sample.finish_reason)
-            completions.append(
-                Completion(
-                    text=text,
-                    prompt_token_ids=prompts[i],
-                    response_token_ids=response_ids,
-                    finish_reason=finish_reason,
-                    policy_version=self.policy_version,
-                    env_id=request.env_id,
-                    turn=request.turn,
-                    logprobs=logprobs,
-                )
-            )
+            completions.append(Completion.answering(request, text, prompts[i], response_ids, finish_reason,
+                                                    self.policy_version, logprobs))
         return completions
 
     def _sampling_params(self, sampling: SamplingParams, request: GenerationRequest, limit: int) -> Any:
@@ -307,12 +296,6 @@ class VLLMEngine(Engine):
         if getattr(getattr(worker, "model_runner", None), "model", None) is None:
             return None
         return worker
-
-    def _stop_token_ids(self) -> set[int]:
-        ids = {int(self.tokenizer.eos_token_id)} if self.tokenizer.eos_token_id is not None else set()
-        vocab = self.tokenizer.get_vocab()
-        ids.update(int(vocab[t]) for t in _CHAT_END_TOKENS if t in vocab)
-        return ids
 
     def close(self) -> None:
         llm = getattr(self, "llm", None)

@@ -12,8 +12,8 @@ trajectories to training tensors.
   the model's own tokens only, rewards at the end of each answer
   (``use_turn_scores``) or at the last answer token, and, where the engine gave
   them, the log-prob each answer token was sampled with.
-- ``normalize_rewards``: RAGEN's grouping (``state`` / ``inductive`` / ``batch``)
-  and method (``identity`` / ``mean`` / ``mean_std`` / ``asym_clip``).
+- ``GROUPINGS`` / ``METHODS``: the reward normalization's choices, which the
+  config checks; the trainer normalizes (``ragen.trainer.core.normalize_rewards``).
 """
 
 from __future__ import annotations
@@ -22,8 +22,6 @@ import math
 import re
 from dataclasses import dataclass
 from typing import Any, Sequence
-
-import numpy as np
 
 from ragen.rollout.types import EnvSpec, Turn
 from ragen.utils import common_prefix_length
@@ -231,22 +229,6 @@ class ContextManager:
                 rewards[answer_ends[-1]] += float(sum(turn_rewards))
         return ids, mask, rewards, behaviour
 
-    def normalize_rewards(self, scores: Sequence[float], group_ids: Sequence[Any], tags: Sequence[str]) -> np.ndarray:
-        """RAGEN's reward normalization of episode scores."""
-        cfg = self.config
-        x = np.asarray(scores, dtype=np.float64)
-        if cfg.reward_grouping == "state":
-            keys = list(group_ids)
-        elif cfg.reward_grouping == "inductive":
-            keys = list(tags)
-        else:
-            keys = [0] * len(x)
-        out = np.empty_like(x)
-        for key in dict.fromkeys(keys):
-            idx = np.array([i for i, k in enumerate(keys) if k == key])
-            out[idx] = _normalize(x[idx], cfg.reward_method)
-        return out
-
 
 def _find_answer(text: str, think: bool) -> str | None:
     """The content of ``<think>...</think> <answer>...</answer>`` (or of
@@ -267,15 +249,3 @@ def _find_answer(text: str, think: bool) -> str | None:
             return text[rest + 8:end] if end >= 0 else None
         close = text.find("</think>", close + 8)
     return None
-
-
-def _normalize(x: np.ndarray, method: str) -> np.ndarray:
-    if method == "identity":
-        return x.copy()
-    if method == "mean":
-        return x - x.mean()
-    std = x.std()
-    z = (x - x.mean()) / (std + 1e-6) if len(x) > 1 else x - x.mean()
-    if method == "mean_std":
-        return z
-    return np.clip(z, -1.0, 3.0)  # asym_clip: keep rare large successes, bound failures

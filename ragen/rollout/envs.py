@@ -1,7 +1,7 @@
-"""EnvStateManager: which envs a rollout plays, with which seeds, and what
-their trajectories add up to.
+"""EnvSpecMaker (RAGEN's ``EnvStateManager``): which envs a rollout plays, with
+which seeds, and what their trajectories add up to.
 
-One manager per split (``train`` / ``val``), from ``es_manager.<split>``:
+One maker per split (``train`` / ``val``), from ``es_manager.<split>``:
 ``env_groups`` groups of ``group_size`` envs; ``env_configs.tags`` with
 ``n_groups`` (summing to ``env_groups``) says which ``custom_envs`` tag each
 group plays. Members of a group share one seed (so one initial state, as GRPO
@@ -23,15 +23,15 @@ from ragen.rollout.config import EnvSplitConfig, EnvTagConfig
 from ragen.rollout.types import EnvSpec, StopReason, Trajectory
 
 
-class EnvStateManager:
-    """Holds no env state: it schedules env groups and seeds (which tag each group plays, which seed it gets).
+class EnvSpecMaker:
+    """Makes the ``EnvSpec``s of one split's env set: which tag each group plays and which seed it gets.
 
-    RAGEN's name is kept. What it holds is one split's group layout
-    (``env_groups`` x ``group_size``, a tag per group) and a count of rollouts
-    made, from which seeds advance; ``state_dict`` is that count. The envs
-    themselves are built and stepped by the turn loop in the workers, from the
-    plain ``EnvSpec``s handed out here (``make_specs`` for a whole rollout,
-    ``group_specs`` for the fully-async stream of groups).
+    It holds the split's group layout (``env_groups`` x ``group_size``, a tag
+    per group) and a count of rollouts made, from which seeds advance;
+    ``state_dict`` is that count. The envs themselves are built and stepped by
+    the turn loop in the workers, from the plain specs made here
+    (``make_specs`` for a whole rollout, ``group_specs`` for the fully-async
+    stream of groups).
     """
 
     def __init__(self, split: str, split_cfg: EnvSplitConfig | Mapping, custom_envs: Mapping, seed: int) -> None:
@@ -100,6 +100,9 @@ class EnvStateManager:
 
     def load_state_dict(self, state: Mapping[str, int]) -> None:
         self._rollouts = int(state["rollouts"])
+
+
+EnvStateManager = EnvSpecMaker  # RAGEN's name
 
 
 def _validate_tag(tag: str, spec: Any) -> dict[str, Any]:

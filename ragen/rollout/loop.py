@@ -1,31 +1,11 @@
-"""The multi-turn turn loop, shared by the sequential and the parallel rollout.
+"""The turn loop, shared by the sequential and the parallel rollout.
 
-``run_envs(specs, client, config)`` plays every spec to the end and returns
-one ``Trajectory`` per spec, in spec order. Per turn: prompt from the env's
-state (``ContextManager``) -> the model's answer (through an ``LLMClient``) ->
-actions parsed and mapped (names -> ids through the env's ``ACTION_LOOKUP``;
-unknown names dropped) -> ``env.step`` for each action within the budget.
-
-``LLMClient`` (``ragen.serving.client``) is what the loop talks to: ``DirectClient``
-calls an engine in-process (the sequential rollout), ``SharedLLMClient``
-reaches the driver's ``SharedLLMInferenceManager`` from worker processes.
-
-Envs are split into ``pipeline_depth`` micro-batches of whole groups, each with
-its own request in flight ("stream"): while one micro-batch waits for the
-model, another steps its envs. Each micro-batch asks for its first answers as
-soon as its own envs are reset, and answers that arrive while later ones are
-still resetting are handled between two resets, so the model is kept busy
-from the start. A trajectory depends only on its own env and the answers to its
-own requests, so the split never changes results. With pull-based work
-(``take``) each chunk of groups a worker takes starts as a stream of its own;
-the ones past ``pipeline_depth`` join another stream answered in the same
-engine call (``handle``), so the worker is back to ``pipeline_depth`` requests
-a turn.
-
-The envs of a tag with ``parallel_friendly: true`` (RAGEN's key) are reset
-and stepped ``max_workers`` at a time on threads (``EnvSpec.env_threads``),
-in the sequential loop and in each parallel worker alike; other envs one after
-another. ``KeptEnvs`` keeps env instances between rollouts (reset with new seeds).
+``run_envs(specs, client, config)`` plays every spec to the end and returns one
+``Trajectory`` per spec, in spec order. Per turn: the prompt from the env's
+state (``ContextManager``), the model's answer through an ``LLMClient``
+(``ragen.serving.client``), its actions parsed and mapped to ids through the
+env's ``ACTION_LOOKUP`` (unknown names dropped), and ``env.step`` for each
+action within the budget. ``KeptEnvs`` keeps env instances between rollouts.
 """
 
 from __future__ import annotations
@@ -80,11 +60,13 @@ _ERRORS_LOCK = threading.Lock()
 
 
 class EnvTimeout(Exception):
-    pass
+    """An env call ran past ``LoopConfig.env_timeout_s``."""
 
 
-class ShardError(Exception):
-    """An env failed in a worker; the shard is re-run by the fallback."""
+class EnvError(Exception):
+    """An env raised or timed out where errors are not isolated (``isolate_errors=False``):
+    the caller decides what becomes of every env of the call (a parallel worker's are re-run
+    by the fallback)."""
 
 
 class KeptEnvs:
@@ -237,6 +219,8 @@ class _EnvSlot:
 
 @dataclass
 class LoopStats:
+    """What one ``run_envs`` call spent and counted; a worker's add up (``+``)."""
+
     env_reset_s: float = 0.0
     env_step_s: float = 0.0
     wait_s: float = 0.0
@@ -266,147 +250,248 @@ def run_envs(
 
     ``isolate_errors``: an env that raises (or times out) ends its own
     trajectory with stop reason ``error`` (``timeout``) and the others go on;
-    otherwise the first failure raises ``ShardError`` (workers do this, so the
-    fallback re-runs the shard). ``fault``: ``{"exit_at_turn": k}`` makes the
-    calling process exit at turn k (fault injection for benchmarks and tests).
+    otherwise the first failure raises ``EnvError`` (workers do this, so the
+    fallback re-runs what the worker played). ``fault``: ``{"exit_at_turn": k}``
+    makes the calling process exit at turn k (fault injection for benchmarks
+    and tests).
     ``on_finished(n)``: ``n`` more envs ended (for progress), told just before
     the stream's next request or its close; it must not raise.
 
     ``take``: pull-based work (``ragen.rollout.workers.schedule``): besides
     ``specs``, each call returns the specs of one more chunk of whole groups,
-    a stream of its own already opened by the manager
-    (``ragen.rollout.workers.dispatch``), until it returns none.
+    a stream of its own already opened by the manager, until it returns none.
     The loop takes the next chunk as soon as the last one is reset and its
     requests are sent, while fewer than ``max_live_envs`` envs are playing
     (None: no limit); trajectories come back in the order the specs came.
     """
-    ctx = ContextManager(config.context)
-    kept_envs = kept_envs if kept_envs is not None else KeptEnvs()
-    call = _Caller(config.env_timeout_s)
-    threads = _EnvThreads()
-    stats = LoopStats()
+    loop = _TurnLoop(client, config, kept_envs if kept_envs is not None else KeptEnvs(), isolate_errors, fault,
+                     on_finished)
     slots = [_EnvSlot(s) for s in specs]
     try:
-        created = kept_envs.created
-        streams = _split_streams(slots, config.pipeline_depth) if slots else []
-        if streams:
-            client.open_streams(len(streams))
-        open_streams = len(streams)
-        inflight: dict[int, list[_EnvSlot]] = {}
-        riders: set[int] = set()  # tickets of streams that taken chunks opened past pipeline_depth
-
-        def release_ended(batch: list[_EnvSlot]) -> None:
-            """Ended envs go back to kept_envs at once: a chunk taken later reuses them."""
-            for slot in batch:
-                if not slot.active and slot.env is not None:
-                    kept_envs.release(slot.spec, slot.env)
-                    slot.env = None
-
-        def step(ticket: int, completions: list[Completion]) -> list[_EnvSlot]:
-            """The answered batch's envs stepped; returns the batch."""
-            batch = inflight.pop(ticket)
-            if len(completions) != len(batch):
-                raise RuntimeError(f"engine answered {len(completions)} completions for {len(batch)} requests")
-            if fault and batch and len(batch[0].traj.turns) + 1 >= fault.get("exit_at_turn", 1 << 30):
-                logger.warning("fault injection: process %d exits now", os.getpid())
-                os._exit(3)
-            t0 = time.perf_counter()
-            threads.run([(slot, functools.partial(_guard, slot, stats, isolate_errors, config, call,
-                                                  _apply, slot, completion, ctx, config, call))
-                         for slot, completion in zip(batch, completions)])
-            stats.env_step_s += time.perf_counter() - t0
-            _report_finished(batch, on_finished)
-            release_ended(batch)
-            return batch
-
-        def submit(batch: list[_EnvSlot], rider: bool) -> None:
-            """The batch's next request; its stream closes when none of its envs plays on."""
-            nonlocal open_streams
-            ticket = _submit(batch, client, ctx, config, inflight, stats, isolate_errors)
-            _report_finished(batch, on_finished)  # envs whose request was too large for the manager
-            if ticket is None:
-                client.close_stream()
-                open_streams -= 1
-            elif rider:
-                riders.add(ticket)
-
-        def handle(answers: list[tuple[int, list[Completion]]]) -> None:
-            """Answers that arrived together (one engine call's): the riders
-            among them are stepped first and join the next request of the first
-            other stream answered with them, closing their own, so the streams
-            a worker opened chunk by chunk merge back into pipeline_depth once
-            they are in step (one request per stream and turn, fewer messages).
-            Streams of the first pipeline_depth never merge: they overlap env
-            steps with the engine when the coalescer does not wait for them all."""
-            nonlocal open_streams
-            answers = sorted(answers, key=lambda a: a[0] not in riders)  # stable: riders first
-            hosts = sum(t not in riders for t, _ in answers)
-            joined: list[_EnvSlot] = []
-            for i, (ticket, completions) in enumerate(answers):
-                rider = ticket in riders
-                riders.discard(ticket)
-                batch = step(ticket, completions)
-                if rider and (hosts or (i + 1 < len(answers))):
-                    joined += batch  # into the next answered stream's request
-                    client.close_stream()
-                    open_streams -= 1
-                else:
-                    submit(batch + joined, rider)
-                    joined = []
-
-        def gather() -> list[tuple[int, list[Completion]]]:
-            """The next answer and every other one already here."""
-            got = [client.wait_any()]
-            while inflight and client.ready():
-                got.append(client.wait_any())
-            return got
-
-        def start(stream: list[_EnvSlot], rider: bool = False) -> None:
-            for chunk in _reset_chunks(stream):
-                t0 = time.perf_counter()
-                threads.run([(slot, functools.partial(_guard, slot, stats, isolate_errors, config, call,
-                                                      _reset, slot, kept_envs, call))
-                             for slot in chunk])
-                stats.env_reset_s += time.perf_counter() - t0
-                while inflight and client.ready():  # keep the model busy while later envs reset
-                    handle(gather())
-            _report_finished(stream, on_finished)
-            release_ended(stream)
-            submit(stream, rider)
-
-        def wait_some() -> None:
-            t0 = time.perf_counter()
-            got = gather()
-            stats.wait_s += time.perf_counter() - t0
-            handle(got)
-
-        try:
-            for stream in streams:
-                start(stream)
-            while take is not None:
-                while inflight and max_live_envs is not None and sum(s.active for s in slots) >= max_live_envs:
-                    wait_some()  # no room for another chunk until envs end
-                taken = [_EnvSlot(s) for s in take()]
-                if not taken:
-                    break
-                open_streams += 1
-                stats.chunks += 1
-                slots += taken
-                start(taken, rider=open_streams > config.pipeline_depth)
-            stats.envs_created = kept_envs.created - created
-            while inflight:
-                wait_some()
-        finally:
-            for _ in range(open_streams):
-                client.close_stream()
-        release_ended(slots)
-        return [s.traj for s in slots], stats
+        loop.play(slots, take, max_live_envs)
+        return [s.traj for s in slots], loop.stats
     except BaseException:
         client.reset()
         raise
     finally:
-        threads.close()
-        call.close()
+        loop.close()
+
+
+@dataclass(eq=False)
+class _TurnLoop:
+    """The envs of one ``run_envs`` call, played in streams.
+
+    Envs are split into ``pipeline_depth`` streams of whole groups, each with
+    at most one request in flight (``inflight``, by the client's ticket):
+    while one stream waits for the model, another steps its envs. A stream
+    asks for its first answers as soon as its own envs are reset, and answers
+    that arrive while later envs reset are handled between two resets. A
+    trajectory depends only on its own env and the answers to its own
+    requests, so the split never changes results. With pull-based work
+    (``take``) each chunk of groups taken starts as a stream of its own;
+    those past ``pipeline_depth`` (``riders``) join another stream answered in
+    the same engine call (``handle``).
+
+    The envs of a tag with ``parallel_friendly: true`` (RAGEN's key) are reset
+    and stepped ``max_workers`` at a time on threads (``EnvSpec.env_threads``);
+    other envs one after another.
+    """
+
+    client: LLMClient
+    config: LoopConfig
+    kept_envs: KeptEnvs
+    isolate: bool
+    fault: dict[str, int] | None
+    on_finished: Callable[[int], None] | None
+    stats: LoopStats = field(default_factory=LoopStats)
+    inflight: dict[int, list[_EnvSlot]] = field(default_factory=dict)
+    riders: set[int] = field(default_factory=set)
+    open_streams: int = 0
+
+    def __post_init__(self) -> None:
+        self.ctx = ContextManager(self.config.context)
+        self.call = _Caller(self.config.env_timeout_s)
+        self.threads = _EnvThreads()
+
+    def play(self, slots: list[_EnvSlot], take: Callable[[], list[EnvSpec]] | None,
+             max_live_envs: int | None) -> None:
+        """Every env of ``slots``, and of the chunks ``take`` gives (added to
+        ``slots``), played to its end."""
+        created = self.kept_envs.created
+        streams = _split_streams(slots, self.config.pipeline_depth) if slots else []
+        if streams:
+            self.client.open_streams(len(streams))
+        self.open_streams = len(streams)
+        try:
+            for stream in streams:
+                self.start(stream)
+            if take is not None:
+                self.take_chunks(slots, take, max_live_envs)
+            self.stats.envs_created = self.kept_envs.created - created
+            while self.inflight:
+                self.wait_some()
+        finally:
+            for _ in range(self.open_streams):
+                self.client.close_stream()
+        self.release_ended(slots)
+
+    def take_chunks(self, slots: list[_EnvSlot], take: Callable[[], list[EnvSpec]],
+                    max_live_envs: int | None) -> None:
+        """Chunks from ``take``, each started as a stream, until it gives none."""
+        while True:
+            while self.inflight and max_live_envs is not None and sum(s.active for s in slots) >= max_live_envs:
+                self.wait_some()  # no room for another chunk until envs end
+            taken = [_EnvSlot(s) for s in take()]
+            if not taken:
+                return
+            self.open_streams += 1
+            self.stats.chunks += 1
+            slots += taken
+            self.start(taken, rider=self.open_streams > self.config.pipeline_depth)
+
+    def start(self, stream: list[_EnvSlot], rider: bool = False) -> None:
+        """The stream's envs reset and its first request sent; answers that
+        arrive meanwhile are handled between two resets."""
+        for chunk in _reset_chunks(stream):
+            t0 = time.perf_counter()
+            self.threads.run([self._guarded(slot, _reset, self.kept_envs, self.call) for slot in chunk])
+            self.stats.env_reset_s += time.perf_counter() - t0
+            while self.inflight and self.client.ready():  # keep the model busy while later envs reset
+                self.handle(self.gather())
+        self.report_finished(stream)
+        self.release_ended(stream)
+        self.submit(stream, rider)
+
+    def wait_some(self) -> None:
+        """The next answers waited for and handled."""
+        t0 = time.perf_counter()
+        got = self.gather()
+        self.stats.wait_s += time.perf_counter() - t0
+        self.handle(got)
+
+    def gather(self) -> list[tuple[int, list[Completion]]]:
+        """The next answer and every other one already here."""
+        got = [self.client.wait_any()]
+        while self.inflight and self.client.ready():
+            got.append(self.client.wait_any())
+        return got
+
+    def handle(self, answers: list[tuple[int, list[Completion]]]) -> None:
+        """Answers that arrived together (one engine call's): the riders
+        among them are stepped first and join the next request of the first
+        other stream answered with them, closing their own, so the streams
+        a worker opened chunk by chunk merge back into pipeline_depth once
+        they are in step (one request per stream and turn, fewer messages).
+        Streams of the first pipeline_depth never merge: they overlap env
+        steps with the engine when the coalescer does not wait for them all."""
+        answers = sorted(answers, key=lambda a: a[0] not in self.riders)  # stable: riders first
+        hosts = sum(t not in self.riders for t, _ in answers)
+        joined: list[_EnvSlot] = []
+        for i, (ticket, completions) in enumerate(answers):
+            rider = ticket in self.riders
+            self.riders.discard(ticket)
+            batch = self.step(ticket, completions)
+            if rider and (hosts or (i + 1 < len(answers))):
+                joined += batch  # into the next answered stream's request
+                self.client.close_stream()
+                self.open_streams -= 1
+            else:
+                self.submit(batch + joined, rider)
+                joined = []
+
+    def step(self, ticket: int, completions: list[Completion]) -> list[_EnvSlot]:
+        """The answered batch's envs stepped; returns the batch."""
+        batch = self.inflight.pop(ticket)
+        if len(completions) != len(batch):
+            raise RuntimeError(f"engine answered {len(completions)} completions for {len(batch)} requests")
+        if self.fault and batch and len(batch[0].traj.turns) + 1 >= self.fault.get("exit_at_turn", 1 << 30):
+            logger.warning("fault injection: process %d exits now", os.getpid())
+            os._exit(3)
+        t0 = time.perf_counter()
+        self.threads.run([self._guarded(slot, _apply, completion, self.ctx, self.config, self.call)
+                          for slot, completion in zip(batch, completions)])
+        self.stats.env_step_s += time.perf_counter() - t0
+        self.report_finished(batch)
+        self.release_ended(batch)
+        return batch
+
+    def submit(self, batch: list[_EnvSlot], rider: bool) -> None:
+        """The batch's next request; its stream closes when none of its envs plays on."""
+        ticket = self.send(batch)
+        self.report_finished(batch)  # envs whose request was too large for the manager
+        if ticket is None:
+            self.client.close_stream()
+            self.open_streams -= 1
+        elif rider:
+            self.riders.add(ticket)
+
+    def send(self, stream: list[_EnvSlot]) -> int | None:
+        """The next request of the stream's active envs: its ticket; None when none is active.
+        An env whose request would take the message past the manager's limit ends
+        in ``error`` (the largest first, until the rest fit); the others are sent."""
+        active = [s for s in stream if s.active]
+        if not active:
+            return None
+        requests = [self.request(s) for s in active]
+        while True:
+            try:
+                ticket = self.client.submit(requests, self.config.sampling)
+                break
+            except MessageTooLarge as exc:
+                for i in exc.refused:
+                    _end_in_error(active[i], StopReason.ERROR, self.stats, self.isolate, cause=None, message=(
+                        f"MessageTooLarge: its request to the LLM manager ({exc.request_sizes.get(i, 0)} bytes) "
+                        f"takes a message of {exc.size} bytes past the limit of {exc.limit} bytes; raise "
+                        f"agent_proxy.max_message_bytes or make the env's observations shorter"))
+                refused = set(exc.refused)
+                keep = [i for i in range(len(active)) if i not in refused]
+                active, requests = [active[i] for i in keep], [requests[i] for i in keep]
+                if not active:
+                    return None
+        self.inflight[ticket] = active
+        self.stats.requests += len(requests)
+        self.stats.submits += 1
+        return ticket
+
+    def request(self, slot: _EnvSlot) -> GenerationRequest:
+        """The env's prompt for its next turn."""
+        turns = slot.traj.turns
+        return GenerationRequest(
+            messages=self.ctx.build_messages(slot.spec, turns, slot.observation, slot.actions_left,
+                                             slot.traj.action_names),
+            env_id=slot.spec.env_id,
+            turn=len(turns),
+            seed=slot.spec.seed,
+            max_tokens=slot.spec.max_tokens,
+            last_turn=len(turns) + 1 >= self.config.max_turn,
+        )
+
+    def _guarded(self, slot: _EnvSlot, fn: Callable[..., None], *args: Any) -> tuple[_EnvSlot, Any]:
+        """A job for ``_EnvThreads``: ``fn(slot, *args)`` under ``_guard``."""
+        return slot, functools.partial(_guard, slot, self.stats, self.isolate, self.config, self.call, fn, slot, *args)
+
+    def release_ended(self, batch: list[_EnvSlot]) -> None:
+        """Ended envs go back to kept_envs at once: a chunk taken later reuses them."""
+        for slot in batch:
+            if not slot.active and slot.env is not None:
+                self.kept_envs.release(slot.spec, slot.env)
+                slot.env = None
+
+    def report_finished(self, slots: list[_EnvSlot]) -> None:
+        """Tell ``on_finished`` of the slots that ended since they were last looked at."""
+        if self.on_finished is None:
+            return
+        n = 0
+        for s in slots:
+            if not s.active and not s.reported:
+                s.reported = True
+                n += 1
+        if n:
+            self.on_finished(n)
+
+    def close(self) -> None:
+        self.threads.close()
+        self.call.close()
 
 
 def _reset_chunks(stream: list[_EnvSlot]) -> list[list[_EnvSlot]]:
@@ -439,63 +524,11 @@ def _split_streams(slots: list[_EnvSlot], depth: int) -> list[list[_EnvSlot]]:
     return [[s for g in hand for s in g] for hand in deal(members, depth)]
 
 
-def _report_finished(slots: list[_EnvSlot], on_finished: Callable[[int], None] | None) -> None:
-    """Tell ``on_finished`` of the slots that ended since they were last looked at."""
-    if on_finished is None:
-        return
-    n = 0
-    for s in slots:
-        if not s.active and not s.reported:
-            s.reported = True
-            n += 1
-    if n:
-        on_finished(n)
-
-
-def _submit(stream, client, ctx, config, inflight, stats, isolate: bool = True) -> int | None:
-    """The next request of the stream's active envs: its ticket; None when none is active.
-    An env whose request would take the message past the manager's limit ends
-    in ``error`` (the largest first, until the rest fit); the others are sent."""
-    active = [s for s in stream if s.active]
-    if not active:
-        return None
-    requests = [
-        GenerationRequest(
-            messages=ctx.build_messages(s.spec, s.traj.turns, s.observation, s.actions_left, s.traj.action_names),
-            env_id=s.spec.env_id,
-            turn=len(s.traj.turns),
-            seed=s.spec.seed,
-            max_tokens=s.spec.max_tokens,
-            last_turn=len(s.traj.turns) + 1 >= config.max_turn,
-        )
-        for s in active
-    ]
-    while True:
-        try:
-            ticket = client.submit(requests, config.sampling)
-            break
-        except MessageTooLarge as exc:
-            for i in exc.refused:
-                _end_in_error(active[i], StopReason.ERROR, stats, isolate, cause=None, message=(
-                    f"MessageTooLarge: its request to the LLM manager ({exc.request_sizes.get(i, 0)} bytes) "
-                    f"takes a message of {exc.size} bytes past the limit of {exc.limit} bytes; raise "
-                    f"agent_proxy.max_message_bytes or make the env's observations shorter"))
-            refused = set(exc.refused)
-            keep = [i for i in range(len(active)) if i not in refused]
-            active, requests = [active[i] for i in keep], [requests[i] for i in keep]
-            if not active:
-                return None
-    inflight[ticket] = active
-    stats.requests += len(requests)
-    stats.submits += 1
-    return ticket
-
-
 def _guard(slot: _EnvSlot, stats: LoopStats, isolate: bool, config: LoopConfig, call: _Caller, fn, *args) -> None:
     """``fn(*args)`` for one env; when the env raises or times out, it is
     retried up to ``config.env_retries`` times on a fresh instance brought to
     where the failed one was (``_rebuild``), then ends its own trajectory in
-    ``error``/``timeout`` (or raises ``ShardError`` when not ``isolate``)."""
+    ``error``/``timeout`` (or raises ``EnvError`` when not ``isolate``)."""
     if not slot.active:
         return
     saved = (slot.observation, slot.actions_left)
@@ -532,13 +565,13 @@ def _where(slot: _EnvSlot) -> str:
 def _end_in_error(slot: _EnvSlot, reason: StopReason, stats: LoopStats, isolate: bool, cause: BaseException | None,
                   message: str) -> None:
     """The env ends its trajectory with ``reason`` (error or timeout) and
-    ``message``, counted in ``stats``; when not ``isolate``, ``ShardError``
-    instead (the fallback re-runs the shard)."""
+    ``message``, counted in ``stats``; when not ``isolate``, ``EnvError``
+    instead."""
     where = _where(slot)
     with _ERRORS_LOCK:  # envs of a parallel_friendly tag fail on several threads at once
         stats.env_errors += 1
     if not isolate:
-        raise ShardError(f"{where}: {message}") from cause
+        raise EnvError(f"{where}: {message}") from cause
     logger.warning("%s ended in %s at turn %d: %s", where, reason.value, len(slot.traj.turns), message)
     slot.finish(reason, message)
 

@@ -71,8 +71,8 @@ class RolloutProgress:
 
     # ----- events (any thread) -------------------------------------------------------
     def envs_finished(self, n: int) -> None:
-        """``n`` more envs ended (the count never passes ``total``: a shard
-        re-run after a failure reports its envs again)."""
+        """``n`` more envs ended (the count never passes ``total``: envs a
+        worker re-runs after a failure are reported again)."""
         with self._lock:
             before = self.finished
             self.finished = min(self.total, self.finished + n)

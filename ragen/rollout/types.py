@@ -24,6 +24,8 @@ from typing import Any
 
 
 class StopReason(StrEnum):
+    """Why an episode ended; also used in metric names (``rollout/stop/<reason>``)."""
+
     DONE = "done"  # the env said done (solved or failed)
     MAX_TURNS = "max_turns"  # agent_proxy.max_turn reached
     ACTION_BUDGET = "action_budget"  # max_actions_per_traj used up
@@ -33,6 +35,8 @@ class StopReason(StrEnum):
 
 @dataclass(frozen=True)
 class EnvSpec:
+    """Everything a worker needs to build and reset one env; plain data that crosses process boundaries."""
+
     env_id: int
     group_id: int
     tag: str
@@ -61,6 +65,8 @@ class EnvSpec:
 
 @dataclass(frozen=True)
 class Step:
+    """One ``env.step`` within a turn: the action and what the env gave back."""
+
     action: str  # the action's name, as executed
     observation: str  # the env's observation after it
     reward: float
@@ -69,6 +75,8 @@ class Step:
 
 @dataclass(frozen=True)
 class Turn:
+    """One exchange with the model: the state shown, the answer, its actions and their reward."""
+
     observation: str  # the state shown in this turn's prompt
     actions_left: int  # the action budget shown in this turn's prompt
     response: str  # the model's answer, as generated
@@ -90,6 +98,8 @@ class Turn:
 
 @dataclass
 class Trajectory:
+    """One env's episode: its turns and why it ended."""
+
     env_id: int
     group_id: int
     tag: str
@@ -117,6 +127,8 @@ class Trajectory:
 
 @dataclass
 class RolloutResult:
+    """The trajectories of one rollout, in env_id order, with its metrics."""
+
     trajectories: list[Trajectory]
     specs: list[EnvSpec]  # aligned with trajectories
     metrics: dict[str, float] = field(default_factory=dict)

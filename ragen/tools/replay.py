@@ -48,7 +48,7 @@ from ragen.env.allowed import AllowedEnvTypes, EnvTypeNotAllowed, add_allow_opti
 from ragen.llm.types import Completion, Engine, GenerationRequest, SamplingParams
 from ragen.rollout.dump import DumpError, DumpRecord, read_dump
 from ragen.serving import DirectClient
-from ragen.rollout.loop import KeptEnvs, ShardError, run_envs
+from ragen.rollout.loop import EnvError, KeptEnvs, run_envs
 from ragen.rollout.types import Trajectory
 
 logger = logging.getLogger(__name__)
@@ -127,7 +127,7 @@ def replay(record: DumpRecord, engine: Engine | None = None, raise_errors: bool 
     try:
         (trajectory,), _ = run_envs([spec], DirectClient(seen), loop, kept_envs=kept,
                                     isolate_errors=not raise_errors)
-    except ShardError as exc:
+    except EnvError as exc:
         raise exc.__cause__ or exc
     finally:
         kept.close()

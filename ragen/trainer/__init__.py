@@ -4,7 +4,7 @@
   ``algorithm.*`` sections, read and checked once at start-up and held whole
   (``config.run``, ``config.actor``, ``config.model``, ...).
 - ``core``: ``Sample`` (one episode as tokens + loss mask + advantage), group
-  filtering, advantage estimators, token log-probs with shared prompt
+  filtering, RAGEN's reward normalization, advantage estimators, token log-probs with shared prompt
   prefixes, the clipped policy loss and the KL estimators.
 - ``actor``: ``PPOActor``, the update over mini- and micro-batches.
 - ``trainer``: ``AgentTrainer``, the loop: rollout -> samples -> update ->
@@ -18,8 +18,9 @@
 
 from ragen.trainer.actor import PPOActor
 from ragen.trainer.config import TrainerConfig
-from ragen.trainer.core import ADV_ESTIMATORS, Sample, compute_advantages, filter_groups, sequence_logprobs
+from ragen.trainer.core import (ADV_ESTIMATORS, Sample, compute_advantages, filter_groups, normalize_rewards,
+                               sequence_logprobs)
 from ragen.trainer.trainer import AgentTrainer
 
 __all__ = ["ADV_ESTIMATORS", "AgentTrainer", "PPOActor", "Sample", "TrainerConfig", "compute_advantages",
-           "filter_groups", "sequence_logprobs"]
+           "filter_groups", "normalize_rewards", "sequence_logprobs"]

@@ -7,10 +7,10 @@
 - *Advantage estimators* (``compute_advantages``, ``ADV_ESTIMATORS``), one
   scalar per episode, given to every token the model wrote in it:
 
-  - ``grpo``: the context manager's reward normalization (as configured), then
+  - ``grpo``: RAGEN's reward normalization (``normalize_rewards``, as configured), then
     (score - group mean) / (group std + eps) per group; with
     ``norm_adv_by_std_in_grpo: false`` only the mean is removed (Dr. GRPO).
-  - ``reinforce``: the context manager's reward normalization alone
+  - ``reinforce``: RAGEN's reward normalization alone
     (``agent_proxy.reward_normalization.grouping`` / ``.method``); with the
     default ``identity`` that is the raw episode reward.
 
@@ -40,13 +40,13 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any, Sequence
 
 import numpy as np
 import torch
 
-from ragen.rollout.context import ContextConfig, ContextManager
+from ragen.rollout.context import GROUPINGS, METHODS, ContextConfig
 from ragen.utils import common_prefix_length
 
 ADV_ESTIMATORS = ("grpo", "reinforce")
@@ -116,13 +116,45 @@ def compute_advantages(
     """One advantage per episode; see the module docstring for the estimators."""
     if estimator not in ADV_ESTIMATORS:
         raise ValueError(f"algorithm.adv_estimator: unknown {estimator!r}; choose one of {ADV_ESTIMATORS}")
-    shaped = ContextManager(context).normalize_rewards(scores, group_ids, tags)
+    shaped = normalize_rewards(scores, group_ids, tags, context.reward_grouping, context.reward_method)
     if estimator == "reinforce":
         return shaped
     # GRPO's own normalization is always per state group, whatever the shaping grouping was.
-    method = "mean_std" if norm_adv_by_std else "mean"
-    grouped = ContextManager(replace(context, reward_grouping="state", reward_method=method))
-    return grouped.normalize_rewards(shaped, group_ids, tags)
+    return normalize_rewards(shaped, group_ids, tags, "state", "mean_std" if norm_adv_by_std else "mean")
+
+
+def normalize_rewards(scores: Sequence[float], group_ids: Sequence[Any], tags: Sequence[str],
+                      grouping: str = "state", method: str = "identity") -> np.ndarray:
+    """RAGEN's reward normalization of episode scores: ``method`` (``METHODS``)
+    applied within each group of ``grouping`` (``GROUPINGS``: ``state``, the
+    episodes of one initial state; ``inductive``, of one env tag; ``batch``, all)."""
+    if grouping not in GROUPINGS or method not in METHODS:
+        raise ValueError(f"reward normalization: grouping {grouping!r} / method {method!r}; "
+                         f"choose a grouping of {GROUPINGS} and a method of {METHODS}")
+    x = np.asarray(scores, dtype=np.float64)
+    if grouping == "state":
+        keys = list(group_ids)
+    elif grouping == "inductive":
+        keys = list(tags)
+    else:
+        keys = [0] * len(x)
+    out = np.empty_like(x)
+    for key in dict.fromkeys(keys):
+        idx = np.array([i for i, k in enumerate(keys) if k == key])
+        out[idx] = _normalize(x[idx], method)
+    return out
+
+
+def _normalize(x: np.ndarray, method: str) -> np.ndarray:
+    if method == "identity":
+        return x.copy()
+    if method == "mean":
+        return x - x.mean()
+    std = x.std()
+    z = (x - x.mean()) / (std + 1e-6) if len(x) > 1 else x - x.mean()
+    if method == "mean_std":
+        return z
+    return np.clip(z, -1.0, 3.0)  # asym_clip: keep rare large successes, bound failures
 
 
 # ---------------------------------------------------------------- log-probs
@@ -228,12 +260,7 @@ def _shared_prefix_pass(model, samples: Sequence[Sample], shared: int, device, p
     positions = (shared + torch.arange(width, device=device)).unsqueeze(0).expand(n, -1)
     logits = model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache,
                    use_cache=True).logits
-    results = []
-    for row, sample in enumerate(samples):
-        pos = torch.tensor(loss_positions(sample), dtype=torch.long, device=device)
-        targets = torch.tensor(sample.input_ids, dtype=torch.long, device=device)[pos]
-        results.append(_gather(logits[row, pos - 1 - shared], targets, with_entropy_grad, temperature))
-    return results
+    return _gather_samples(logits, samples, [-shared] * n, device, with_entropy_grad, temperature)
 
 
 def _padded_pass(model, samples: Sequence[Sample], device, pad_token_id: int,
@@ -255,12 +282,21 @@ def _padded_pass(model, samples: Sequence[Sample], device, pad_token_id: int,
     keep = width - start
     logits = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=False,
                    logits_to_keep=keep).logits
+    return _gather_samples(logits, samples, [off - start for off in offsets], device, with_entropy_grad,
+                           temperature)
+
+
+def _gather_samples(logits: torch.Tensor, samples: Sequence[Sample], shifts: Sequence[int], device,
+                    with_entropy_grad: bool, temperature: float) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per sample, its loss tokens' log-probs and entropies. The logits that
+    predict the token at position ``p`` of ``samples[row]`` are
+    ``logits[row, p - 1 + shifts[row]]`` (``shifts``: where the row's logits
+    start against the sample's positions)."""
     results = []
     for row, sample in enumerate(samples):
         pos = torch.tensor(loss_positions(sample), dtype=torch.long, device=device)
         targets = torch.tensor(sample.input_ids, dtype=torch.long, device=device)[pos]
-        results.append(_gather(logits[row, pos + offsets[row] - 1 - start], targets, with_entropy_grad,
-                               temperature))
+        results.append(_gather(logits[row, pos - 1 + shifts[row]], targets, with_entropy_grad, temperature))
     return results
 
 

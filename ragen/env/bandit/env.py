@@ -29,7 +29,7 @@ from typing import Any
 
 import numpy as np
 
-from ..base import BaseDiscreteActionEnv, make_rng
+from ..base import BaseDiscreteActionEnv, make_rng, unchanged_step
 from .config import ARM_NAME_PAIRS, BanditEnvConfig
 
 __all__ = ["BanditEnv"]
@@ -88,11 +88,9 @@ class BanditEnv(BaseDiscreteActionEnv):
     def step(self, action: Any) -> tuple[str, float, bool, dict]:
         if self.render_cache is None:
             raise RuntimeError("BanditEnv.step() called before reset()")
-        if not self.is_valid_action(action) or self._done:
-            valid = self.is_valid_action(action)
-            info = {"action_is_valid": valid, "action_is_effective": False, "success": self._success}
-            reward = 0.0 if valid else float(self.config.invalid_act_score)
-            return self.render_cache, reward, self._done, info
+        valid = self.is_valid_action(action)
+        if not valid or self._done:
+            return unchanged_step(self.render_cache, valid, self._done, self._success, self.config.invalid_act_score)
         action = int(action)
         reward = self.compute_reward(action)
         arm = self.ACTION_LOOKUP[action]

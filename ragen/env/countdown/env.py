@@ -26,7 +26,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from ..base import BaseLanguageBasedEnv, make_rng
+from ..base import BaseLanguageBasedEnv, make_rng, unchanged_step
 from .config import CountdownEnvConfig
 from .equation import parse_equation, uses_numbers_exactly
 
@@ -136,12 +136,8 @@ class CountdownEnv(BaseLanguageBasedEnv):
         if self.puzzle is None:
             raise RuntimeError("CountdownEnv.step() called before reset()")
         reward, valid, correct = self._judge(action)
-        if not valid:
-            info = {"action_is_valid": False, "action_is_effective": False, "success": self._success}
-            return self.render_cache, float(self.config.invalid_act_score), self._done, info
-        if self._done:
-            info = {"action_is_valid": True, "action_is_effective": False, "success": self._success}
-            return self.render_cache, 0.0, True, info
+        if not valid or self._done:
+            return unchanged_step(self.render_cache, valid, self._done, self._success, self.config.invalid_act_score)
         self._done, self._success = True, correct
         self.render_cache = "Correct!" if correct else f"Incorrect. Target: {self.puzzle.target}"
         info = {"action_is_valid": True, "action_is_effective": True, "success": correct}

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from fractions import Fraction
-from typing import Any
+from typing import Any, Callable
 
 __all__ = [
     "EquationResult",
@@ -90,6 +90,18 @@ def _tokenize(text: str) -> list[str | int]:
     return tokens
 
 
+def _add(op: str, a: Fraction, b: Fraction) -> Fraction:
+    return a + b if op == "+" else a - b
+
+
+def _multiply(op: str, a: Fraction, b: Fraction) -> Fraction:
+    if op == "*":
+        return a * b
+    if b == 0:
+        raise _DivisionByZero()
+    return a / b
+
+
 class _Parser:
     def __init__(self, tokens: list[str | int], evaluate: bool = True) -> None:
         self.tokens = tokens
@@ -102,29 +114,22 @@ class _Parser:
         return self.tokens[self.pos] if self.pos < len(self.tokens) else None
 
     def expr(self) -> Fraction:
-        value = self.term()
-        while self.peek() in ("+", "-"):
-            op = self.tokens[self.pos]
-            self.pos += 1
-            rhs = self.term()
-            if self.evaluate:
-                value = value + rhs if op == "+" else value - rhs
-        return value
+        return self._chain(("+", "-"), self.term, _add)
 
     def term(self) -> Fraction:
-        value = self.factor()
-        while self.peek() in ("*", "/"):
+        return self._chain(("*", "/"), self.factor, _multiply)
+
+    def _chain(self, ops: tuple[str, ...], operand: Callable[[], Fraction],
+               combine: Callable[[str, Fraction, Fraction], Fraction]) -> Fraction:
+        """``operand (op operand)*`` for ``op`` in ``ops``, combined left to right
+        (not at all when checking the syntax only)."""
+        value = operand()
+        while self.peek() in ops:
             op = self.tokens[self.pos]
             self.pos += 1
-            rhs = self.factor()
-            if not self.evaluate:
-                continue
-            if op == "*":
-                value = value * rhs
-            elif rhs == 0:
-                raise _DivisionByZero()
-            else:
-                value = value / rhs
+            rhs = operand()
+            if self.evaluate:
+                value = combine(op, value, rhs)
         return value
 
     def factor(self) -> Fraction:

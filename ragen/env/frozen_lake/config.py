@@ -9,12 +9,11 @@ that has not reached the goal or a hole.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from ..base import BaseEnvConfig
-from ..render import check_render_settings
-from ..config_checks import EnvConfigError, check_bool, check_int, check_lookup, check_number
+from ..config_checks import EnvConfigError, check_bool, check_int, check_number
+from ..grid import check_grid_settings
 
 __all__ = ["FrozenLakeEnvConfig"]
 
@@ -62,9 +61,4 @@ class FrozenLakeEnvConfig(BaseEnvConfig):
         if self.map_seed is not None:
             self.map_seed = check_int("map_seed", self.map_seed)
         self.max_steps = check_int("max_steps", self.max_steps, minimum=1)
-        self.render_mode, self.observation_format = check_render_settings(self.render_mode, self.observation_format)
-        self.grid_lookup = check_lookup("grid_lookup", self.grid_lookup, keys=range(6))
-        if not isinstance(self.grid_vocab, Mapping):
-            raise EnvConfigError("grid_vocab", f"expected a mapping of symbols to names, got {self.grid_vocab!r}")
-        self.grid_vocab = dict(self.grid_vocab)
-        self.action_lookup = check_lookup("action_lookup", self.action_lookup, keys=(1, 2, 3, 4), unique_values=True)
+        check_grid_settings(self, codes=6)

@@ -29,8 +29,9 @@ from typing import Any
 
 import numpy as np
 
-from ..base import BaseDiscreteActionEnv, make_rng
-from ..render import coordinates, render_text
+from ..base import make_rng, unchanged_step
+from ..grid import GridEnv
+from ..render import coordinates
 from .config import FrozenLakeEnvConfig
 
 __all__ = ["FrozenLakeEnv", "generate_map"]
@@ -84,16 +85,12 @@ def generate_map(size: int, p: float, seed: int) -> tuple[str, ...]:
     return tuple("".join(row) for row in board)
 
 
-class FrozenLakeEnv(BaseDiscreteActionEnv):
+class FrozenLakeEnv(GridEnv):
     config_cls = FrozenLakeEnvConfig
     ACTION_LOOKUP = {1: "Left", 2: "Down", 3: "Right", 4: "Up"}
 
     def __init__(self, config: FrozenLakeEnvConfig | None = None) -> None:
         super().__init__(config if config is not None else FrozenLakeEnvConfig())
-        cfg = self.config
-        self.GRID_LOOKUP = dict(cfg.grid_lookup)
-        self.ACTION_LOOKUP = dict(cfg.action_lookup)
-        self.render_mode = cfg.render_mode
         self.seed: int | None = None
         self.np_random: np.random.Generator | None = None
         self.desc: tuple[str, ...] | None = None
@@ -122,12 +119,9 @@ class FrozenLakeEnv(BaseDiscreteActionEnv):
     def step(self, action: Any) -> tuple[str, float, bool, dict]:
         if self.desc is None:
             raise RuntimeError("FrozenLakeEnv.step() called before reset()")
-        if not self.is_valid_action(action):
-            info = {"action_is_valid": False, "action_is_effective": False, "success": self._tile() == "G"}
-            return self.render(), float(self.config.invalid_act_score), self._done, info
-        if self._done:
-            info = {"action_is_valid": True, "action_is_effective": False, "success": self._tile() == "G"}
-            return self.render(), 0.0, True, info
+        valid = self.is_valid_action(action)
+        if not valid or self._done:
+            return unchanged_step(self.render(), valid, self._done, self._tile() == "G", self.config.invalid_act_score)
 
         action = int(action)
         if self.config.is_slippery:
@@ -149,10 +143,8 @@ class FrozenLakeEnv(BaseDiscreteActionEnv):
         info = {"action_is_valid": True, "action_is_effective": moved, "success": success}
         return self.render(), reward, self._done, info
 
-    def render(self, mode: str | None = None) -> str:
-        if self.desc is None:
-            return ""
-        return render_text(mode or self.render_mode, self.config.observation_format, self._grid, self._coordinates)
+    def _started(self) -> bool:
+        return self.desc is not None
 
     def _grid(self) -> str:
         lookup = self.GRID_LOOKUP

@@ -9,12 +9,11 @@ errors name the field.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from ..base import BaseEnvConfig
-from ..render import check_render_settings
-from ..config_checks import EnvConfigError, check_int, check_lookup
+from ..config_checks import EnvConfigError, check_int
+from ..grid import check_grid_settings
 from .generator import room_fits
 
 __all__ = ["SokobanEnvConfig"]
@@ -82,11 +81,4 @@ class SokobanEnvConfig(BaseEnvConfig):
             )
         self.max_steps = check_int("max_steps", self.max_steps, minimum=1)
         self.search_depth = check_int("search_depth", self.search_depth, minimum=1)
-        self.grid_lookup = check_lookup("grid_lookup", self.grid_lookup, keys=range(7))
-        if not isinstance(self.grid_vocab, Mapping) or not all(
-            isinstance(k, str) and isinstance(v, str) for k, v in self.grid_vocab.items()
-        ):
-            raise EnvConfigError("grid_vocab", f"expected a mapping of symbols to names, got {self.grid_vocab!r}")
-        self.grid_vocab = dict(self.grid_vocab)
-        self.action_lookup = check_lookup("action_lookup", self.action_lookup, keys=(1, 2, 3, 4), unique_values=True)
-        self.render_mode, self.observation_format = check_render_settings(self.render_mode, self.observation_format)
+        check_grid_settings(self, codes=7)

@@ -27,8 +27,9 @@ from typing import Any
 
 import numpy as np
 
-from ..base import BaseDiscreteActionEnv, make_rng
-from ..render import coordinates, render_text
+from ..base import make_rng, unchanged_step
+from ..grid import GridEnv
+from ..render import coordinates
 from .config import SokobanEnvConfig
 from .generator import BOX, BOX_ON_TARGET, FLOOR, PLAYER, TARGET, generate_room
 
@@ -44,20 +45,17 @@ PENALTY_BOX_OFF_TARGET = -1.0
 REWARD_FINISHED = 10.0
 
 
-class SokobanEnv(BaseDiscreteActionEnv):
+class SokobanEnv(GridEnv):
     config_cls = SokobanEnvConfig
     ACTION_LOOKUP = {1: "Up", 2: "Down", 3: "Left", 4: "Right"}
 
     def __init__(self, config: SokobanEnvConfig | None = None) -> None:
         super().__init__(config if config is not None else SokobanEnvConfig())
         cfg = self.config
-        self.GRID_LOOKUP = dict(cfg.grid_lookup)
-        self.ACTION_LOOKUP = dict(cfg.action_lookup)
         self.dim_room = tuple(cfg.dim_room)
         self.num_boxes = cfg.num_boxes
         self.max_steps = cfg.max_steps
         self.search_depth = cfg.search_depth
-        self.render_mode = cfg.render_mode
         self.seed: int | None = None
         self.np_random: np.random.Generator | None = None
         self.room_fixed: np.ndarray | None = None
@@ -87,13 +85,9 @@ class SokobanEnv(BaseDiscreteActionEnv):
     def step(self, action: Any) -> tuple[str, float, bool, dict]:
         if self.room_state is None:
             raise RuntimeError("SokobanEnv.step() called before reset()")
-        if not self.is_valid_action(action):
-            info = {"action_is_valid": False, "action_is_effective": False, "success": self._success()}
-            return self.render(), float(self.config.invalid_act_score), self._done, info
-        if self._done:
-            # stepping a finished episode changes nothing and earns nothing
-            info = {"action_is_valid": True, "action_is_effective": False, "success": self._success()}
-            return self.render(), 0.0, True, info
+        valid = self.is_valid_action(action)
+        if not valid or self._done:  # stepping a finished episode changes nothing and earns nothing
+            return unchanged_step(self.render(), valid, self._done, self._success(), self.config.invalid_act_score)
 
         moved = self._move(int(action))
         self.num_env_steps += 1
@@ -134,10 +128,8 @@ class SokobanEnv(BaseDiscreteActionEnv):
     def _success(self) -> bool:
         return self.room_state is not None and self.boxes_on_target == self.num_boxes
 
-    def render(self, mode: str | None = None) -> str:
-        if self.room_state is None:
-            return ""
-        return render_text(mode or self.render_mode, self.config.observation_format, self._grid, self._coordinates)
+    def _started(self) -> bool:
+        return self.room_state is not None
 
     def _grid(self) -> str:
         lookup = self.GRID_LOOKUP

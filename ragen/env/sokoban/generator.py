@@ -48,7 +48,7 @@ WALL, FLOOR, TARGET, BOX_ON_TARGET, BOX, PLAYER = 0, 1, 2, 3, 4, 5
 
 # Budget of canonical states for one reverse search. 6x6/1 box and 8x8/2 boxes
 # visit at most a few hundred; the budget bounds big rooms with many boxes
-# (about 0.2 s at most) at the price of shallower puzzles there. Depths stay
+# to a fraction of a second at the price of shallower puzzles there. Depths stay
 # exact when it cuts a level short: BFS finds every state at its true level.
 MAX_REVERSE_STATES = 10_000
 
