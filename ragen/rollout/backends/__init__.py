@@ -49,7 +49,7 @@ def make_backend(ap: AgentProxyConfig, engine: Engine, server: LlmServerConfig =
                                      max_concurrent_rollouts=ap.max_concurrent_rollouts)
         sync.serving = serving
         if ap.rollout_mode == "fully_async":
-            return FullyAsync(sync, serving, max(1, ap.async_generation_ratio),
+            return FullyAsync(sync, max(1, ap.async_generation_ratio),
                               max_inflight_groups=ap.max_inflight_groups,
                               n_jobs=-1 if ap.parallel_n_jobs == "auto" else ap.parallel_n_jobs,
                               backend=ap.parallel_backend,

@@ -28,9 +28,9 @@ import threading
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator
+from typing import Callable, Iterator
 
-from ragen.rollout.backends.base import RolloutBackend, Specs, SyncBackend
+from ragen.rollout.backends.base import AsyncBackend, SyncBackend
 from ragen.rollout.envs import EnvStateManager
 from ragen.rollout.loop import LoopConfig
 from ragen.rollout.progress import RolloutProgress
@@ -187,33 +187,21 @@ class RolloutAhead:
             self._thread = None
 
 
-class GenerateAhead(RolloutBackend):
+class GenerateAhead(AsyncBackend):
     """``async_generation_ratio: k > 0``: the train env set's batches generated
     up to ``k`` ahead of the trainer by ``inner`` (sequential or parallel),
     none trained on more than ``k`` policy versions old; lists of specs are
     played by ``inner`` at once."""
 
     def __init__(self, inner: SyncBackend, ahead: int) -> None:
-        self.inner = inner
-        self.serving = inner.serving
+        super().__init__(inner)
         self.ahead = ahead
         self._rollouts: RolloutAhead | None = None
-        self._source: tuple[EnvStateManager, LoopConfig] | None = None
 
-    @property
-    def engine_lock(self) -> threading.Lock:
-        return self.inner.engine_lock
-
-    def rollout(self, specs: Specs, loop: LoopConfig, *, progress: RolloutProgress | None = None,
-                policy_version: int = 0, fault: dict[str, Any] | None = None) -> RolloutResult:
-        if not isinstance(specs, EnvStateManager):
-            return self.inner.rollout(specs, loop, progress=progress, fault=fault)
+    def _next_batch(self, envs: EnvStateManager, loop: LoopConfig, policy_version: int,
+                    progress: RolloutProgress | None) -> RolloutResult:
         if self._rollouts is None:
-            self._source = (specs, loop)
-            self._rollouts = RolloutAhead(lambda: self.inner.rollout(specs, loop), self.ahead)
-        elif self._source[0] is not specs or self._source[1] != loop:
-            raise ValueError("GenerateAhead generates the batches of one env set and loop config; "
-                             f"it was given env set {specs.split!r} after {self._source[0].split!r}")
+            self._rollouts = RolloutAhead(lambda: self.inner.rollout(envs, loop), self.ahead)
         return self._rollouts.get(policy_version)
 
     @contextmanager
@@ -236,4 +224,4 @@ class GenerateAhead(RolloutBackend):
     def close(self) -> None:
         if self._rollouts is not None:
             self._rollouts.close()
-        self.inner.close()
+        super().close()

@@ -126,6 +126,40 @@ class SyncBackend(RolloutBackend):
         return result
 
 
+class AsyncBackend(RolloutBackend):
+    """A backend that generates the training batches of one env set ahead of
+    the trainer (generate-ahead, fully-async); a list of specs (validation) is
+    played by ``inner``, the synchronous backend it generates with."""
+
+    def __init__(self, inner: SyncBackend) -> None:
+        self.inner = inner
+        self.serving = inner.serving
+        self._source: tuple[EnvStateManager, LoopConfig] | None = None
+
+    @property
+    def engine_lock(self) -> threading.Lock:
+        return self.inner.engine_lock
+
+    @abstractmethod
+    def _next_batch(self, envs: EnvStateManager, loop: LoopConfig, policy_version: int,
+                    progress: RolloutProgress | None) -> RolloutResult:
+        """The next training batch of ``envs``."""
+
+    def rollout(self, specs: Specs, loop: LoopConfig, *, progress: RolloutProgress | None = None,
+                policy_version: int = 0, fault: dict[str, Any] | None = None) -> RolloutResult:
+        if not isinstance(specs, EnvStateManager):
+            return self.inner.rollout(specs, loop, progress=progress, fault=fault)
+        if self._source is None:
+            self._source = (specs, loop)
+        elif self._source[0] is not specs or self._source[1] != loop:
+            raise ValueError(f"{type(self).__name__} generates the batches of one env set and loop config; it was "
+                             f"given env set {specs.split!r} after {self._source[0].split!r}")
+        return self._next_batch(specs, loop, policy_version, progress)
+
+    def close(self) -> None:
+        self.inner.close()
+
+
 def _engine_counts(engine: Engine) -> tuple[int, int, int]:
     """The engine's prompt tokens computed and reused so far, and the episodes its turn cache
     evicted (0 for what an engine does not count)."""

@@ -12,10 +12,11 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from dataclasses import dataclass
 from typing import Any
 
 from ragen.rollout.backends.ahead import StalenessBound, response_tokens
-from ragen.rollout.backends.base import RolloutBackend, Specs, SyncBackend
+from ragen.rollout.backends.base import AsyncBackend, SyncBackend
 from ragen.rollout.config import cap_n_jobs
 from ragen.rollout.envs import EnvStateManager, compute_metrics
 from ragen.rollout.loop import LoopConfig
@@ -25,6 +26,19 @@ from ragen.rollout.workers.executors import KeptExecutor, local_pool
 from ragen.rollout.workers.task import run_worker
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class InFlight:
+    """How the fully-async groups fly: how many at once, on which workers, how
+    often one may restart, and whether weight updates may land mid-group."""
+
+    max_inflight_groups: int = 8
+    n_jobs: Any = -1
+    backend: str = "loky"
+    max_restarts: int = 3
+    max_version_span: int = 1  # without partial_rollout: the versions a group's turns may span
+    partial_rollout: bool = True
 
 
 class GroupsInFlight:
@@ -60,25 +74,15 @@ class GroupsInFlight:
     - ``close()`` stops the scheduler and the worker processes.
     """
 
-    def __init__(self, es, client, config, max_inflight_groups: int = 8, n_jobs: int = -1,
-                 backend: str = "loky", max_restarts: int = 3, max_version_span: int = 1,
-                 partial_rollout: bool = True, ahead_groups: int | None = None) -> None:
-        if max_inflight_groups < 1:
-            raise ValueError(f"agent_proxy.max_inflight_groups must be >= 1, got {max_inflight_groups}")
+    def __init__(self, es, client, config, flight: InFlight = InFlight(), ahead_groups: int | None = None) -> None:
         import joblib
 
-        self.es = es
-        self.client = client
-        self.config = config
-        self.max_inflight_groups = max_inflight_groups
-        self.max_restarts = max_restarts
-        self.max_version_span = max_version_span
-        self.partial_rollout = partial_rollout
+        self.es, self.client, self.config, self.flight = es, client, config, flight
         self.ahead_groups = ahead_groups  # None: no admission bound
         # One task is one group, and a group mostly waits for the engine: a worker per
         # in-flight group (not per core) keeps max_inflight_groups really in flight.
-        self._n_workers = max(joblib.effective_n_jobs(cap_n_jobs(n_jobs)), max_inflight_groups)
-        self._workers = KeptExecutor(lambda: local_pool(backend, self._n_workers, "ragen-async"))
+        self._n_workers = max(joblib.effective_n_jobs(cap_n_jobs(flight.n_jobs)), flight.max_inflight_groups)
+        self._workers = KeptExecutor(lambda: local_pool(flight.backend, self._n_workers, "ragen-async"))
         self._workers.get()
         self._cond = threading.Condition()
         self._completed: dict[int, list] = {}
@@ -101,7 +105,7 @@ class GroupsInFlight:
                 with self._cond:
                     if self._stop:
                         break
-                    while len(inflight) < self.max_inflight_groups:
+                    while len(inflight) < self.flight.max_inflight_groups:
                         if self._restart:
                             index = self._restart.pop(0)
                         elif self._admits():
@@ -129,8 +133,8 @@ class GroupsInFlight:
                             self._workers.replace(failed=executor)
                     trajectories = result.trajectories if result else []
                     versions = {t.policy_version for tr in trajectories for t in tr.turns}
-                    if (not self.partial_rollout and failure is None and versions
-                            and max(versions) - min(versions) > self.max_version_span):
+                    if (not self.flight.partial_rollout and failure is None and versions
+                            and max(versions) - min(versions) > self.flight.max_version_span):
                         failure = f"weight updates landed mid-group (versions {sorted(versions)})"
                     tokens = response_tokens(trajectories)
                     with self._cond:
@@ -140,7 +144,7 @@ class GroupsInFlight:
                             self.counts["completed"] += 1
                         else:
                             self._attempts[index] = self._attempts.get(index, 0) + 1
-                            if self._attempts[index] > self.max_restarts:
+                            if self._attempts[index] > self.flight.max_restarts:
                                 raise RuntimeError(f"group {index} failed {self._attempts[index]} times: {failure}")
                             logger.info("group %d restarts from its start: %s", index, failure)
                             self._restart.append(index)
@@ -185,60 +189,47 @@ class GroupsInFlight:
         self._workers.close(wait=True)
 
 
-class FullyAsync(RolloutBackend):
+class FullyAsync(AsyncBackend):
     """``rollout_mode: fully_async``: a batch of the train env set is the
     ``env_groups`` lowest-numbered groups completed by ``GroupsInFlight``,
     each trained on whole (a partial group's turns carry their versions); a
     group restarted from its start that is more than ``bound`` versions old
     is dropped. Lists of specs are played by ``inner``."""
 
-    def __init__(self, inner: SyncBackend, serving, bound: int, *, max_inflight_groups: int, n_jobs: Any,
-                 backend: str, partial_rollout: bool, engine_timeout_s: float | None) -> None:
-        self.inner = inner
-        self.serving = serving
+    def __init__(self, inner: SyncBackend, bound: int, *, max_inflight_groups: int, n_jobs: Any, backend: str,
+                 partial_rollout: bool, engine_timeout_s: float | None) -> None:
+        super().__init__(inner)
         self.bound = StalenessBound(bound)
-        self._settings = dict(max_inflight_groups=max_inflight_groups, n_jobs=n_jobs, backend=backend,
-                              max_version_span=bound, partial_rollout=partial_rollout)
+        self._flight = InFlight(max_inflight_groups=max_inflight_groups, n_jobs=n_jobs, backend=backend,
+                                max_version_span=bound, partial_rollout=partial_rollout)
         self._engine_timeout_s = engine_timeout_s
         self._groups: GroupsInFlight | None = None
-        self._source: tuple[EnvStateManager, LoopConfig] | None = None
         inner.keeps_episodes = True  # the groups in flight run episodes between rollouts
 
-    @property
-    def engine_lock(self) -> threading.Lock:
-        return self.inner.engine_lock
-
-    def rollout(self, specs: Specs, loop: LoopConfig, *, progress: RolloutProgress | None = None,
-                policy_version: int = 0, fault: dict[str, Any] | None = None) -> RolloutResult:
-        if not isinstance(specs, EnvStateManager):
-            return self.inner.rollout(specs, loop, progress=progress, fault=fault)
-        es = specs
+    def _next_batch(self, envs: EnvStateManager, loop: LoopConfig, policy_version: int,
+                    progress: RolloutProgress | None) -> RolloutResult:
         if self._groups is None:
-            self._source = (es, loop)
             # `bound` batches drawn ahead of the trainer: a group drawn while it trains on version v
             # is taken, in order, at version v + bound at the latest
-            self._groups = GroupsInFlight(es, self.serving.client(timeout_s=self._engine_timeout_s), loop,
-                                          ahead_groups=self.bound.bound * es.env_groups, **self._settings)
-        elif self._source[0] is not es or self._source[1] != loop:
-            raise ValueError("FullyAsync keeps the groups of one env set and loop config in flight; "
-                             f"it was given env set {es.split!r} after {self._source[0].split!r}")
+            self._groups = GroupsInFlight(envs, self.serving.client(timeout_s=self._engine_timeout_s), loop,
+                                          self._flight, ahead_groups=self.bound.bound * envs.env_groups)
         t0 = time.perf_counter()
         groups = []
         # envs of the groups taken for this batch, as they come (no turns: the groups in flight
         # belong to no one batch)
-        with progress if progress is not None else RolloutProgress(es.num_envs, "train (fully async)") as shown:
-            while len(groups) < es.env_groups:
-                for index, trajs in self._groups.get_batch(es.env_groups - len(groups)):
+        with progress if progress is not None else RolloutProgress(envs.num_envs, "train (fully async)") as shown:
+            while len(groups) < envs.env_groups:
+                for index, trajs in self._groups.get_batch(envs.env_groups - len(groups)):
                     # a restarting group older than the bound is dropped; a partial one is trained on whole
-                    if self.bound.admit(trajs, policy_version, drop=not self._settings["partial_rollout"]):
+                    if self.bound.admit(trajs, policy_version, drop=not self._flight.partial_rollout):
                         groups.append((index, trajs))
                         shown.envs_finished(len(trajs))
         groups.sort(key=lambda g: g[0])
         trajectories = [t for _, trajs in groups for t in trajs]
-        result_specs = [s for index, _ in groups for s in es.group_specs(index)]
+        specs = [s for index, _ in groups for s in envs.group_specs(index)]
         metrics = compute_metrics(trajectories)  # the engine's and envs' time belong to no one batch
         metrics["timing/rollout_s"] = time.perf_counter() - t0
-        return RolloutResult(trajectories=trajectories, specs=result_specs, metrics=metrics)
+        return RolloutResult(trajectories=trajectories, specs=specs, metrics=metrics)
 
     def metrics(self) -> dict[str, float]:
         if self._groups is None:
@@ -252,4 +243,4 @@ class FullyAsync(RolloutBackend):
     def close(self) -> None:
         if self._groups is not None:
             self._groups.close()
-        self.inner.close()
+        super().close()

@@ -30,7 +30,7 @@ import threading
 from operator import attrgetter
 from typing import Callable, Sequence, TypeVar
 
-from ragen.rollout.types import EnvSpec, Trajectory
+from ragen.rollout.types import Trajectory
 
 # The env work a chunk carries at least, once the cost of a group is known.
 # Taking a chunk costs about 1 ms of CPU on 2 cores (a take and its reply, a
