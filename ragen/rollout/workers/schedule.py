@@ -1,26 +1,17 @@
 """Which groups a parallel worker plays next: a rollout's groups handed out
-in chunks as workers ask for them (pull-based load balancing).
-
-Fixed shards, decided before the rollout, let the slowest shard decide the
-rollout's wall time when env cost is uneven (Sokoban room generation in
-``env_bound_heavy``: a group's env time runs from a few ms to 2.7x the
-median, 108 ms). Here every worker takes its next chunk of
-whole groups when it has reset the last one, so a worker that drew costly
-rooms simply takes fewer.
+in chunks as workers ask for them (pull-based load balancing), so a worker
+that drew costly envs simply takes fewer.
 
 Chunk sizes follow guided self-scheduling (Polychronopoulos & Kuck, 1987):
 each chunk is ``ceil(remaining / (workers * depth))`` groups, so the first
-``workers * depth`` chunks are about the size of the fixed micro-batches they
-replace (the engine gets its first requests as early) and the last ones are
-single groups (the tail evens out), or, once a rollout has measured what a
-group costs, chunks of at least ``CHUNK_WORK_S`` of env work: handing out a
-chunk has a cost of its own, which cheap groups do not repay. The sizes depend only on how many groups
-remain, never on which worker asks, so the number of chunks, each of which
-is one stream, is known before the rollout (``chunk_sizes``): the shared
-manager is told how many streams to wait for. A worker's streams past its
-first ``depth`` merge into those once an engine call answers them together
-(``rollout_loop.run_envs``), so the streams opened chunk by chunk do not
-split every later turn into many small requests.
+``workers * depth`` chunks give the engine its first requests early and the
+last ones are single groups (the tail evens out), or, once a rollout has
+measured what a group costs, chunks of at least ``CHUNK_WORK_S`` of env work.
+The sizes depend only on how many groups remain, never on which worker asks,
+so the number of chunks (each one stream) is known before the rollout
+(``chunk_sizes``) and the shared manager is told how many streams to wait
+for. A worker's streams past its first ``depth`` merge into those once an
+engine call answers them together (``loop.run_envs``).
 """
 
 from __future__ import annotations
@@ -32,13 +23,10 @@ from typing import Callable, Sequence, TypeVar
 
 from ragen.rollout.types import Trajectory
 
-# The env work a chunk carries at least, once the cost of a group is known.
-# Taking a chunk costs about 1 ms of CPU on 2 cores (a take and its reply, a
-# first request of its own, a merge later: four messages of ~0.3 ms), so a
-# chunk of cheap groups (FrozenLake 4x4: 0.2 ms a group) cost more to hand out
-# than it could balance (the overhead preset: 15 chunks of 128 groups, 4 of
-# them with the floor; dispatch, messages and coalescing wait 29 -> 10 ms).
-# Ten times that cost: what it leaves unbalanced is small next to a chunk.
+# The env work a chunk carries at least, once the cost of a group is known: handing
+# out a chunk costs a few messages between a worker and the driver, which a chunk
+# of cheap groups would not repay; at ten times that cost, what a chunk leaves
+# unbalanced is small next to it (BENCHMARKS.md, the overhead preset).
 CHUNK_WORK_S = 0.01
 
 
