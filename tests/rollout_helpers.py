@@ -40,9 +40,9 @@ def specs_for(tags: list[str], n_groups: list[int], group_size: int, envs: dict,
     return es.make_specs()
 
 
-def loop_config(max_turn: int = 4, depth: int = 1, **kw) -> LoopConfig:
+def loop_config(max_turn: int = 4, **kw) -> LoopConfig:
     return LoopConfig(context=ContextConfig(max_actions_per_turn=3), sampling=SamplingParams(max_tokens=64),
-                      max_turn=max_turn, pipeline_depth=depth, **kw)
+                      max_turn=max_turn, **kw)
 
 
 def sequential(specs, config: LoopConfig, engine=None):

@@ -102,7 +102,8 @@ def test_local_cluster_for_the_run_gives_the_sequential_trajectories(mixed_specs
             assert prm.n_workers == 2
             worker_pids = list(prm._cluster.client.run(os.getpid).values())
             for depth in (1, 2):
-                result = prm.rollout(mixed_specs, loop_config(depth=depth))
+                prm.pipeline_depth = depth
+                result = prm.rollout(mixed_specs, loop_config())
                 assert result.trajectories == reference
                 assert result.metrics["parallel/fallbacks"] == 0
                 # on the cluster's workers (pull-based: one that starts late may find every group taken)
@@ -120,7 +121,8 @@ def test_scheduler_address_gives_the_sequential_trajectories(scheduler_address, 
                                    cluster=ClusterConfig(dask_scheduler_address=scheduler_address)) as prm:
         assert prm.n_workers == 2  # the cluster's threads, whatever n_jobs says
         for depth in (1, 2):
-            assert prm.rollout(mixed_specs, loop_config(depth=depth)).trajectories == reference
+            prm.pipeline_depth = depth
+            assert prm.rollout(mixed_specs, loop_config()).trajectories == reference
 
 
 @pytest.mark.timeout(120)

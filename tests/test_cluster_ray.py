@@ -79,7 +79,8 @@ def test_local_ray_gives_the_sequential_trajectories_and_keeps_envs(mixed_specs,
             ParallelRolloutManager(shared, n_jobs=2, backend="ray") as prm:
         assert prm.n_workers == 2
         for depth in (1, 2):
-            result = prm.rollout(mixed_specs, loop_config(depth=depth))
+            prm.pipeline_depth = depth
+            result = prm.rollout(mixed_specs, loop_config())
             assert result.trajectories == reference
             assert result.metrics["parallel/fallbacks"] == 0
             # on the cluster's workers (pull-based: one that starts late may find every group taken)
@@ -175,7 +176,8 @@ def test_ray_address_gives_the_sequential_trajectories(ray_address, mixed_specs,
         with _connect(ray_address, shared) as prm:
             assert prm.n_workers == 2
             for depth in (1, 2):
-                assert prm.rollout(mixed_specs, loop_config(depth=depth)).trajectories == reference
+                prm.pipeline_depth = depth
+                assert prm.rollout(mixed_specs, loop_config()).trajectories == reference
         assert not ray.is_initialized()  # disconnected; the cluster itself goes on
 
 

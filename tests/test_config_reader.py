@@ -254,7 +254,7 @@ def test_a_bad_seed_train_is_named_as_itself_not_as_the_trainer_seed_that_copies
 def test_setup_holds_the_sections_whole():
     setup = AgentSetup.from_config(minimal(parallel_n_jobs=3, use_parallel_rollout=True))
     assert setup.agent_proxy.parallel_n_jobs == 3 and setup.agent_proxy.use_parallel_rollout is True
-    assert setup.agent_proxy.pipeline_depth == setup.loop.pipeline_depth == 2  # the documented default
+    assert setup.agent_proxy.pipeline_depth == 2  # the documented default
     assert setup.llm_server.host == "127.0.0.1"
     assert setup.es_manager.train.env_configs.tags == ("Bandit",)
 

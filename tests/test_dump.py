@@ -134,9 +134,9 @@ def test_a_wrong_typed_deep_or_repeated_field_is_refused_naming_file_line_and_fi
 @pytest.mark.timeout(300)
 def test_sequential_and_parallel_dumps_are_identical_apart_from_timings_and_workers(tmp_path):
     specs = specs_for(["SimpleSokoban", "FrozenLake"], [3, 3], 2, custom_envs())
-    config = loop_config(max_turn=4, depth=2)
+    config = loop_config(max_turn=4)
     engine = ScriptedEngine(malformed_rate=0.1)
-    trajectories, _ = run_envs(specs, DirectClient(engine), config, kept_envs=KeptEnvs())
+    trajectories, _ = run_envs(specs, DirectClient(engine), config, kept_envs=KeptEnvs(), pipeline_depth=2)
     seq = write_dump(tmp_path / "seq", "d", RolloutResult(trajectories, specs), config, split="train", step=0)
     with SharedLLMInferenceManager(engine, coalesce_wait_s=0.005) as shared, \
             ParallelRolloutManager(shared, n_jobs=2, backend="loky") as prm:

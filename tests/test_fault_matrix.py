@@ -586,7 +586,7 @@ def test_nasty_completions_in_worker_processes(mixed_specs):
     ref = sequential(mixed_specs, loop_config(max_turn=3), engine)
     assert_one_sane_trajectory_each(ref, mixed_specs, 3)
     with SharedLLMInferenceManager(engine) as shared, ParallelRolloutManager(shared, n_jobs=2) as prm:
-        result = prm.rollout(mixed_specs, loop_config(max_turn=3, depth=2))
+        result = prm.rollout(mixed_specs, loop_config(max_turn=3))
     assert result.metrics["parallel/fallbacks"] == 0
     assert _strip(result.trajectories) == _strip(ref)
 

@@ -27,7 +27,7 @@ def test_hf_rollouts_after_a_validation_are_one_engine_call_per_turn(tiny_model_
     envs = custom_envs()
     val = specs_for(["Bandit"], [128], 1, envs, seed=123)
     train = specs_for(["Bandit"], [4], 8, envs, seed=10000)
-    config = loop_config(max_turn=1, depth=2)
+    config = loop_config(max_turn=1)
     config = replace(config, sampling=replace(config.sampling, max_tokens=10))
     calls = []
     with SharedLLMInferenceManager(engine) as shared, \

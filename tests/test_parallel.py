@@ -3,7 +3,6 @@ every backend and layout, and nothing lost when workers fail."""
 
 from __future__ import annotations
 
-from dataclasses import replace
 import threading
 import time
 
@@ -74,7 +73,8 @@ def test_parallel_equals_sequential(backend, n_jobs, mixed_specs, reference, eng
     with SharedLLMInferenceManager(engine, coalesce_wait_s=0.005) as shared, \
             ParallelRolloutManager(shared, n_jobs=n_jobs, backend=backend) as prm:
         for depth in (1, 2, 2):  # auto: the second and third rollouts run on its choice
-            result = prm.rollout(mixed_specs, loop_config(depth=depth))
+            prm.pipeline_depth = depth
+            result = prm.rollout(mixed_specs, loop_config())
             assert result.trajectories == reference
             # the log-probs too, to the bit (the scripted engine's answers do not depend on the batch)
             assert sampled(result.trajectories) == sampled(reference)
@@ -92,7 +92,7 @@ def test_two_rollouts_at_once_on_a_joblib_backend(backend, mixed_specs, referenc
     with SharedLLMInferenceManager(engine, coalesce_wait_s=0.005) as shared, \
             ParallelRolloutManager(shared, n_jobs=2, backend=backend) as prm:
         for _ in range(2):
-            for result in rollouts_at_once(prm, 2, mixed_specs, loop_config(depth=2), within_s=60):
+            for result in rollouts_at_once(prm, 2, mixed_specs, loop_config(), within_s=60):
                 assert result.trajectories == reference
                 assert result.metrics["parallel/fallbacks"] == 0
                 assert result.metrics["parallel/retried_tasks"] == 0
@@ -107,8 +107,8 @@ def test_auto_sizes_each_rollout_from_the_last_and_says_why(mixed_specs, referen
 
     with SharedLLMInferenceManager(engine) as shared, ParallelRolloutManager(shared, n_jobs="auto") as prm:
         with caplog.at_level(logging.INFO, logger="ragen.rollout.workers.autosize"):
-            first = prm.rollout(mixed_specs, loop_config(depth=2))
-            second = prm.rollout(mixed_specs, loop_config(depth=2))
+            first = prm.rollout(mixed_specs, loop_config())
+            second = prm.rollout(mixed_specs, loop_config())
     assert first.trajectories == second.trajectories == reference
     assert first.metrics["auto/workers"] == prm.n_workers and "auto/pipeline_depth" not in first.metrics
     assert 1 <= second.metrics["auto/workers"] <= prm.n_workers
@@ -134,7 +134,7 @@ def test_group_sizes(group_size, n_groups, engine):
     specs = specs_for(["SimpleSokoban", "FrozenLake"], n_groups, group_size, custom_envs())
     ref = sequential(specs, loop_config(), engine)
     with SharedLLMInferenceManager(engine) as shared, ParallelRolloutManager(shared, n_jobs=3, backend="loky") as prm:
-        assert prm.rollout(specs, loop_config(depth=2)).trajectories == ref
+        assert prm.rollout(specs, loop_config()).trajectories == ref
     # group members share their initial state
     for t in ref:
         first = next(r for r in ref if r.group_id == t.group_id)
@@ -260,7 +260,7 @@ def test_hf_greedy_parallel_equals_sequential(tiny_model_path):
     # the sequential loop batches all 10 envs per call; here no call holds more than 3
     with SharedLLMInferenceManager(engine, coalesce_wait_s=0.0, max_batch_size=3) as shared, \
             ParallelRolloutManager(shared, n_jobs=2, backend="loky") as prm:
-        result = prm.rollout(specs, replace(config, pipeline_depth=2))
+        result = prm.rollout(specs, config)  # two streams a worker
     assert result.trajectories == ref
     # the same tokens; their log-probs as close as float32 kernels over other batches give
     # (left padding and batch size change the rounding of a matmul, not its value)
@@ -323,7 +323,8 @@ def test_answers_that_arrive_while_envs_reset_are_handled_between_resets(mixed_s
             log.append("reset")
             return super().acquire(spec)
 
-    trajectories, _ = run_envs(mixed_specs, EagerClient(engine), loop_config(depth=3), kept_envs=LoggingKeptEnvs())
+    trajectories, _ = run_envs(mixed_specs, EagerClient(engine), loop_config(), kept_envs=LoggingKeptEnvs(),
+                               pipeline_depth=3)
     assert trajectories == reference
     # the first micro-batch's answers were stepped before the last micro-batch was reset
     assert log.index("answer") < len(log) - 1 - log[::-1].index("reset")
@@ -341,7 +342,7 @@ def test_streams_of_taken_chunks_merge_back_into_pipeline_depth_once_answered_to
     from ragen.rollout.workers.schedule import groups_of
 
     specs = specs_for(["SimpleSokoban", "FrozenLake", "Bandit"], [4, 4, 4], 1, custom_envs())
-    config = loop_config(max_turn=4, depth=2)
+    config = loop_config(max_turn=4)
     reference = sequential(specs, config, engine)
 
     class OneCallClient(DirectClient):
@@ -381,16 +382,17 @@ def test_streams_of_taken_chunks_merge_back_into_pipeline_depth_once_answered_to
         client.opened += bool(chunk)  # the manager opens a stream per chunk taken
         return chunk
 
-    trajectories, stats = run_envs([], client, config, kept_envs=KeptEnvs(), take=take)
+    trajectories, stats = run_envs([], client, config, kept_envs=KeptEnvs(), take=take, pipeline_depth=2)
     assert stats.chunks == 4
     assert sorted(trajectories, key=lambda t: t.env_id) == reference
     assert client.opened == client.closed == 4
     assert client.calls[0] == 4  # each chunk's first request list
-    assert len(client.calls) == config.max_turn and max(client.calls[1:]) <= config.pipeline_depth  # merged
+    assert len(client.calls) == config.max_turn and max(client.calls[1:]) <= 2  # merged into pipeline_depth
 
 
 def test_groups_are_dealt_out_over_micro_batches():
-    from ragen.rollout.loop import _EnvSlot, _split_streams
+    from ragen.rollout.env_calls import EnvSlot as _EnvSlot
+    from ragen.rollout.loop import _split_streams
 
     specs = specs_for(["SimpleSokoban", "FrozenLake"], [4, 4], 1, custom_envs())
     streams = _split_streams([_EnvSlot(s) for s in specs], 2)
@@ -401,7 +403,8 @@ def test_groups_are_dealt_out_over_micro_batches():
 def test_micro_batches_get_groups_dealt_in_turn_in_order():
     """Group k of n goes to micro-batch k % n, and each keeps the groups'
     order: the exact layout, so results and worker load stay as they were."""
-    from ragen.rollout.loop import _EnvSlot, _split_streams
+    from ragen.rollout.env_calls import EnvSlot as _EnvSlot
+    from ragen.rollout.loop import _split_streams
     from ragen.utils import deal
 
     specs = specs_for(["Bandit"], [7], 2, custom_envs())
@@ -420,9 +423,9 @@ def test_an_engine_with_a_large_cost_per_call_sees_the_sequential_loops_batches(
     vary from rollout to rollout and turn to turn."""
     engine = ScriptedEngine(base_s=0.3)  # every call costs 0.3 s, its size next to nothing
     specs = specs_for(["SimpleSokoban", "FrozenLake"], [8, 8], 1, custom_envs())
-    config = loop_config(max_turn=3, depth=2)
+    config = loop_config(max_turn=3)
     counting = DirectClient(engine)
-    run_envs(specs, counting, replace(config, pipeline_depth=1), kept_envs=KeptEnvs())  # RAGEN's loop
+    run_envs(specs, counting, config, kept_envs=KeptEnvs())  # RAGEN's loop (the workers: two streams each)
     with SharedLLMInferenceManager(engine) as shared, ParallelRolloutManager(shared, n_jobs=4) as prm:
         prm.rollout(specs, config)  # the worker processes start (that can take longer than any wait)
         for _ in range(3):
@@ -445,7 +448,7 @@ def test_every_chunk_is_announced_and_a_worker_holds_at_most_max_env_num_per_wor
     specs = specs_for(["Bandit", "SimpleSokoban"], [6, 2], 1, custom_envs())
     with Recording(ScriptedEngine(base_s=0.002)) as shared, \
             ParallelRolloutManager(shared, n_jobs=2, max_env_num_per_worker=1) as prm:
-        prm.rollout(specs, loop_config(max_turn=2, depth=2))  # workers started
+        prm.rollout(specs, loop_config(max_turn=2))  # workers started
         done = threading.Event()
 
         def watch():
@@ -456,7 +459,7 @@ def test_every_chunk_is_announced_and_a_worker_holds_at_most_max_env_num_per_wor
         watcher = threading.Thread(target=watch)
         watcher.start()
         try:
-            result = prm.rollout(specs, loop_config(max_turn=2, depth=2))
+            result = prm.rollout(specs, loop_config(max_turn=2))
         finally:
             done.set()
             watcher.join(10)
@@ -508,7 +511,7 @@ def test_cheap_groups_are_handed_out_in_fewer_chunks_once_their_cost_is_measured
 
     monkeypatch.setattr(parallel_rollout, "group_cost_s", pinned_cost)
     specs = specs_for(["Bandit"], [16], 1, custom_envs())
-    config = loop_config(max_turn=2, depth=2)
+    config = loop_config(max_turn=2)
     with SharedLLMInferenceManager(engine) as shared, ParallelRolloutManager(shared, n_jobs=2) as prm:
         first = prm.rollout(specs, config)
         second = prm.rollout(specs, config)

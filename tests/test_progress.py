@@ -68,9 +68,9 @@ def test_a_parallel_rollout_ends_with_every_env_and_turn_counted(mixed_specs):
     total = len(mixed_specs)
     with SharedLLMInferenceManager(ScriptedEngine(malformed_rate=0.1), coalesce_wait_s=0.005) as shared, \
             ParallelRolloutManager(shared, n_jobs=2, backend="loky") as prm:
-        plain = prm.rollout(mixed_specs, loop_config(depth=2))
+        plain = prm.rollout(mixed_specs, loop_config())
         progress = RecordingProgress(total)
-        result = prm.rollout(mixed_specs, loop_config(depth=2), progress=progress)
+        result = prm.rollout(mixed_specs, loop_config(), progress=progress)
         assert not shared.hooked  # the rollout's progress is told nothing more
     assert rollout_digest(result.trajectories) == rollout_digest(plain.trajectories)
     assert progress.finished == total
@@ -96,14 +96,14 @@ def test_the_workers_finished_counts_ride_on_their_messages(mixed_specs):
     """Without ``complete()``: every env's end reaches the watched rollout
     through the requests and stream closes the worker sends anyway."""
     total = len(mixed_specs)
-    config = loop_config(depth=2)
+    config = loop_config()
     with SharedLLMInferenceManager(ScriptedEngine(), coalesce_wait_s=0.005) as shared:
         progress = RecordingProgress(total)
-        with announced(shared, stream_count(mixed_specs, config.pipeline_depth), progress=progress) as tag:
+        with announced(shared, stream_count(mixed_specs, 2), progress=progress) as tag:
             client = replace(shared.client(timeout_s=30), tag=tag)
             try:
                 trajectories, stats = run_envs(mixed_specs, client, config, kept_envs=KeptEnvs(),
-                                               on_finished=partial(report_finished, client))
+                                               on_finished=partial(report_finished, client), pipeline_depth=2)
                 deadline = time.monotonic() + 5  # the last close is read by the manager's connection thread
                 while progress.finished < total and time.monotonic() < deadline:
                     time.sleep(0.01)
@@ -209,7 +209,7 @@ def test_rollouts_at_once_keep_their_counts_apart(mixed_specs):
 
         def run(i: int) -> None:
             start.wait(30)
-            results[i] = prm.rollout(mixed_specs, loop_config(depth=2), progress=progresses[i])
+            results[i] = prm.rollout(mixed_specs, loop_config(), progress=progresses[i])
 
         threads = [threading.Thread(target=run, args=(i,), daemon=True) for i in range(2)]
         for t in threads:

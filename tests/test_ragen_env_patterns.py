@@ -172,7 +172,7 @@ def test_ragen_config_parallel_equals_sequential(backend, n_jobs, ragen_referenc
     specs, reference = ragen_reference
     with SharedLLMInferenceManager(ScriptedEngine(malformed_rate=0.1), coalesce_wait_s=0.005) as shared, \
             ParallelRolloutManager(shared, n_jobs=n_jobs, backend=backend) as prm:
-        result = prm.rollout(specs, loop_config(depth=2))
+        result = prm.rollout(specs, loop_config())
     assert result.trajectories == reference
     assert result.metrics["parallel/fallbacks"] == 0
 

@@ -43,7 +43,7 @@ def _specs():
 @pytest.fixture(scope="module")
 def parallel_dump(tmp_path_factory):
     """A dump of a parallel (loky) rollout with malformed answers and a failing env."""
-    specs, config = _specs(), loop_config(max_turn=5, depth=2)
+    specs, config = _specs(), loop_config(max_turn=5)
     with SharedLLMInferenceManager(ScriptedEngine(**ENGINE), coalesce_wait_s=0.005) as shared, \
             ParallelRolloutManager(shared, n_jobs=2, backend="loky") as prm:
         result = prm.rollout(specs, config)

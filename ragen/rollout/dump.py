@@ -199,6 +199,7 @@ def _record(row: Any, where: str, number: int) -> DumpRecord:
             spec_row["format_example"] = (obs, answer, tuple(names) if names is not None else None)
         spec = EnvSpec(**spec_row)
         loop_row = dict(row["loop"])
+        loop_row.pop("pipeline_depth", None)  # how a worker scheduled its envs (dump format 1): not what they played
         loop = LoopConfig(**{**loop_row, "context": ContextConfig(**loop_row["context"]),
                              "sampling": SamplingParams.from_dict(loop_row["sampling"])})
         turns, messages, seeds = [], [], []

@@ -81,7 +81,7 @@ class AgentSetup:
                                       max_tokens=gen.response_length, seed=sampling_seed)
             return LoopConfig(context=context, sampling=sampling, max_turn=ap.max_turn,
                               format_penalty=es_cfg.format_penalty, env_timeout_s=ap.env_timeout_s,
-                              pipeline_depth=ap.pipeline_depth, env_retries=ap.env_retries)
+                              env_retries=ap.env_retries)
 
         custom_envs = cfg.get("custom_envs")
         if not isinstance(custom_envs, Mapping) or not custom_envs:

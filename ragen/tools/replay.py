@@ -121,7 +121,7 @@ def replay(record: DumpRecord, engine: Engine | None = None, raise_errors: bool 
     spec = dataclasses.replace(record.spec, env_threads=1)  # the calling thread steps it
     # one turn past the dump's last already differs: the dump's max_turn (data) never keeps a replay going
     max_turn = min(record.loop.max_turn, len(record.trajectory.turns) + 1)
-    loop = dataclasses.replace(record.loop, env_timeout_s=None, pipeline_depth=1, env_retries=0, max_turn=max_turn)
+    loop = dataclasses.replace(record.loop, env_timeout_s=None, env_retries=0, max_turn=max_turn)
     seen = _PromptsSeen(engine if engine is not None else RecordedEngine(record))
     kept = KeptEnvs()
     try:

@@ -203,7 +203,7 @@ def run_soak(cfg: Mapping[str, Any], rollouts: int, split: str = "train", envs: 
         "config": {"split": split, "envs": n_envs, "rollouts": rollouts, "engine": cfg["engine"].get("name"),
                    "backend": setup.agent_proxy.parallel_backend, "n_jobs": setup.agent_proxy.parallel_n_jobs,
                    "tags": sorted(set(setup.es[split].group_tags)),
-                   "group_size": setup.es[split].group_size, "pipeline_depth": setup.loop.pipeline_depth,
+                   "group_size": setup.es[split].group_size, "pipeline_depth": setup.agent_proxy.pipeline_depth,
                    "max_turn": setup.loop.max_turn, "cores": os.cpu_count()},
         "start": start,
         "baseline": baseline,

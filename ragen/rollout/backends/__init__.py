@@ -43,7 +43,7 @@ def make_backend(ap: AgentProxyConfig, engine: Engine, server: LlmServerConfig =
                 serving, n_jobs=ap.parallel_n_jobs, backend=ap.parallel_backend,
                 max_env_num_per_worker=ap.max_env_num_per_worker, fallback_to_sequential=ap.fallback_to_sequential,
                 rollout_timeout_s=ap.rollout_timeout_s, engine_timeout_s=ap.engine_timeout_s, cluster=cluster,
-                max_concurrent_rollouts=ap.max_concurrent_rollouts)
+                max_concurrent_rollouts=ap.max_concurrent_rollouts, pipeline_depth=ap.pipeline_depth)
         else:
             sync = SequentialRollout(engine, serving.engine_lock if serving is not None else None,
                                      max_concurrent_rollouts=ap.max_concurrent_rollouts)

@@ -25,7 +25,7 @@ from typing import Any, Iterator, Sequence
 import joblib
 
 from ragen.rollout.backends.base import SyncBackend
-from ragen.rollout.config import BACKENDS, cap_n_jobs, check_n_jobs, check_time_limit
+from ragen.rollout.config import BACKENDS, AgentProxyConfig, cap_n_jobs, check_n_jobs, check_time_limit
 from ragen.rollout.loop import LoopConfig, LoopStats
 from ragen.rollout.metrics import EngineUse, rollout_metrics
 from ragen.rollout.progress import RolloutProgress
@@ -66,6 +66,7 @@ class ParallelRolloutManager(SyncBackend):
         engine_timeout_s: float | None = None,
         cluster: ClusterConfig | None = None,
         max_concurrent_rollouts: int | None = None,
+        pipeline_depth: int = AgentProxyConfig.pipeline_depth,
     ) -> None:
         super().__init__(max_concurrent_rollouts)
         if backend not in BACKENDS:
@@ -86,6 +87,7 @@ class ParallelRolloutManager(SyncBackend):
         self.fallback_to_sequential = fallback_to_sequential
         self.rollout_timeout_s = rollout_timeout_s
         self.fallback_env_timeout_s = fallback_env_timeout_s
+        self.pipeline_depth = pipeline_depth  # a worker's streams; with auto, each rollout's choice
         self._client = shared.client(timeout_s=engine_timeout_s)
         # executors kept between rollouts; one rollout at a time on each (see _Executors)
         self._lock = threading.Lock()
@@ -170,14 +172,13 @@ class ParallelRolloutManager(SyncBackend):
         stats_before = self.shared.stats.snapshot()
         self._check_picklable(specs)
         groups = groups_of(specs)
-        workers, choice = self.n_workers, None
+        workers, depth, choice = self.n_workers, self.pipeline_depth, None
         if self._auto is not None:
             choice = self._auto.choice
-            workers = choice.workers
-            config = replace(config, pipeline_depth=choice.depth or config.pipeline_depth)
+            workers, depth = choice.workers, choice.depth or depth
         with self._lease() as lease:
             results, failures, crashed, timed_out = self._run_parallel(lease, groups, config, fault, progress,
-                                                                       workers)
+                                                                       workers, depth)
             retried = 0
             missing = _missing(groups, results)
             if crashed and missing and self.fallback_to_sequential and not timed_out:
@@ -189,7 +190,7 @@ class ParallelRolloutManager(SyncBackend):
                                "the other workers' unfinished ones) in parallel", next(iter(crashed.values())),
                                len(missing))
                 again, failed, crashed_again, _ = self._run_parallel(lease, missing, config, None, progress,
-                                                                     workers)
+                                                                     workers, depth)
                 results += again
                 failures.update({f"retry {k}": v for k, v in {**failed, **crashed_again}.items()})
                 missing = _missing(groups, results)
@@ -255,7 +256,7 @@ class ParallelRolloutManager(SyncBackend):
             self._picklable.add(spec.reuse_key)
 
     def _run_parallel(self, lease: "_Executors", groups: list[list[EnvSpec]], config: LoopConfig,
-                      fault: dict[str, Any] | None, progress: RolloutProgress | None, workers: int):
+                      fault: dict[str, Any] | None, progress: RolloutProgress | None, workers: int, depth: int):
         """The groups played by ``workers`` workers, each taking chunks of them from
         the rollout's queue as it frees up -> (results of the workers that
         returned, failed: worker -> cause for those that returned an error,
@@ -270,7 +271,7 @@ class ParallelRolloutManager(SyncBackend):
             max_groups = max(1, self.max_env_num_per_worker // per_group)
             max_live = max(1, self.max_env_num_per_worker - max_groups * per_group + 1)
         n_tasks = min(workers, len(groups))
-        queue = GroupQueue(len(groups), n_tasks, config.pipeline_depth, max_groups, min_chunk_groups(self._group_s))
+        queue = GroupQueue(len(groups), n_tasks, depth, max_groups, min_chunk_groups(self._group_s))
         # The manager waits for the streams (chunks) not taken yet, within its budget.
         # The workers of a cluster (dask, ray) are shared by rollouts at once: the
         # workers of a rollout that finds another on it start only as that one's
@@ -285,7 +286,7 @@ class ParallelRolloutManager(SyncBackend):
             # keeps failing, ends its own trajectory; its worker goes on.
             calls = [(i, [], client, config, True,
                       {"exit_at_turn": fault["exit_at_turn"]} if fault and fault.get("worker") == i else None,
-                      groups, max_live)
+                      groups, max_live, depth)
                      for i in range(n_tasks)]
             try:
                 for res in self._results(lease, calls):
@@ -310,18 +311,17 @@ class ParallelRolloutManager(SyncBackend):
 
     def _fallback(self, lease: "_Executors", task: int, specs: list[EnvSpec],
                   config: LoopConfig) -> WorkerResult:
-        config = replace(config, env_timeout_s=config.env_timeout_s or self.fallback_env_timeout_s,
-                         pipeline_depth=1)
         if self.backend in IN_PROCESS_BACKENDS:
             # The task ran in this process: its env configs need not pickle and envs
             # registered here (register_env) are known only here; an env that can kill
             # its process would have done so already. Env calls are bounded by
-            # env_timeout_s (set just above), each engine wait by engine_timeout_s.
+            # env_timeout_s (or fallback_env_timeout_s), each engine wait by engine_timeout_s.
             # A fresh connection: the failure may have left this thread's out of step.
             self._client.reset()
-            result = run_worker(task, specs, self._client, config, isolate_errors=True)
+            result = run_worker(task, specs, self._client, config, isolate_errors=True,
+                                env_timeout_s=self.fallback_env_timeout_s)
         else:
-            result = run_isolated(lease.spare, task, specs, self._client, config)
+            result = run_isolated(lease.spare, task, specs, self._client, config, self.fallback_env_timeout_s)
         if result.error:  # not an env's fault (the engine, the manager): nothing to isolate
             raise RolloutError(f"worker task {task} failed again in the fallback: {result.error}")
         return result

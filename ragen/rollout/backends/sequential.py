@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import threading
 import time
-from dataclasses import replace
 from typing import Any, Sequence
 
 from ragen.llm.types import Engine
@@ -39,8 +38,8 @@ class SequentialRollout(SyncBackend):
         t0 = time.perf_counter()
         client = _LockedClient(self.engine, self._lock, progress)
         # one stream: one engine call per turn over all active envs
-        trajectories, stats = run_envs(specs, client, replace(loop, pipeline_depth=1), kept_envs=self._kept_envs,
-                                       isolate_errors=True, on_finished=progress.envs_finished)
+        trajectories, stats = run_envs(specs, client, loop, kept_envs=self._kept_envs, isolate_errors=True,
+                                       on_finished=progress.envs_finished)
         engine = EngineUse(calls=client.engine_calls, requests=sum(client.batch_sizes),
                            time_s=client.engine_time_s, batch_sizes=client.batch_sizes)
         metrics = rollout_metrics(trajectories, stats, engine, fallbacks=0, wall_s=time.perf_counter() - t0)

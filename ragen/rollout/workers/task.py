@@ -57,12 +57,14 @@ class WorkerResult:
 
 
 def run_worker(task: int, specs: list[EnvSpec], client: SharedLLMClient, config: LoopConfig,
-              isolate_errors: bool = False, fault: dict[str, int] | None = None,
-              groups: list[list[EnvSpec]] | None = None, max_live_envs: int | None = None) -> WorkerResult:
+               isolate_errors: bool = False, fault: dict[str, int] | None = None,
+               groups: list[list[EnvSpec]] | None = None, max_live_envs: int | None = None,
+               pipeline_depth: int = 1, env_timeout_s: float | None = None) -> WorkerResult:
     """One worker's task: ``specs``, and with ``groups`` the chunks of them it
-    takes from the rollout's queue (``dispatch.take_chunk``) as it frees up. Failures
-    come back as data, not exceptions, so the executor does not cancel the
-    other workers."""
+    takes from the rollout's queue (``dispatch.take_chunk``) as it frees up,
+    played by ``run_envs`` (``pipeline_depth``, ``env_timeout_s``: its own).
+    Failures come back as data, not exceptions, so the executor does not
+    cancel the other workers."""
     started_at, t0 = time.monotonic(), time.perf_counter()
     freeze_once()
     take = None if groups is None else (lambda: [s for i in take_chunk(client) for s in groups[i]])
@@ -71,7 +73,9 @@ def run_worker(task: int, specs: list[EnvSpec], client: SharedLLMClient, config:
     try:
         trajectories, stats = run_envs(specs, client, config, kept_envs=_worker_envs(),
                                        isolate_errors=isolate_errors, fault=fault,
-                                       on_finished=partial(report_finished, client), take=take, max_live_envs=max_live_envs)
+                                       on_finished=partial(report_finished, client), take=take,
+                                       max_live_envs=max_live_envs, pipeline_depth=pipeline_depth,
+                                       env_timeout_s=env_timeout_s)
         for t in trajectories:
             t.worker = os.getpid()
         error = None
@@ -83,14 +87,15 @@ def run_worker(task: int, specs: list[EnvSpec], client: SharedLLMClient, config:
 
 
 def run_isolated(spare: KeptExecutor, task: int, specs: list[EnvSpec], client: SharedLLMClient,
-                  config: LoopConfig) -> WorkerResult:
+                 config: LoopConfig, env_timeout_s: float) -> WorkerResult:
     """Run specs one group after another in the spare process, with per-env
-    isolation; if the process dies, split until the env that kills it is
-    found: that env gets an ``error`` trajectory, the others their results."""
-    timeout = None if config.env_timeout_s is None else \
-        config.env_timeout_s * (config.max_turn + 2) * (1 + config.env_retries) * max(1, len(specs))
+    isolation, each env call within ``config.env_timeout_s`` or else
+    ``env_timeout_s``; if the process dies, split until the env that kills it
+    is found: that env gets an ``error`` trajectory, the others their results."""
+    limit = config.env_timeout_s or env_timeout_s
+    timeout = limit * (config.max_turn + 2) * (1 + config.env_retries) * max(1, len(specs))
     try:
-        future = spare.get().submit(run_worker, task, specs, client, config, True, None)
+        future = spare.get().submit(run_worker, task, specs, client, config, True, None, env_timeout_s=limit)
         return future.result(timeout=timeout)
     except (concurrent.futures.BrokenExecutor, TimeoutError, OSError) as exc:
         spare.replace()
@@ -105,5 +110,5 @@ def run_isolated(spare: KeptExecutor, task: int, specs: list[EnvSpec], client: S
             traj = Trajectory(env_id=s.env_id, group_id=s.group_id, tag=s.tag, seed=s.seed,
                               stop_reason=reason, error=f"worker process failed: {cause}")
             return WorkerResult(task=task, trajectories=[traj])
-        return WorkerResult.combine(task, [run_isolated(spare, task, part, client, config)
-                                              for part in parts])
+        return WorkerResult.combine(task, [run_isolated(spare, task, part, client, config, env_timeout_s)
+                                           for part in parts])

@@ -1,0 +1,363 @@
+"""An env's calls in the turn loop: reset and step within a time limit, on
+instances kept between rollouts, retried on a fresh instance when they fail,
+their outputs checked; an answer applied as actions (``apply_answer``)."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import functools
+import inspect
+import logging
+import math
+import reprlib
+import threading
+import time
+import traceback
+from collections import defaultdict
+from typing import Any
+
+from ragen.llm.types import Completion
+from ragen.rollout.context import ContextManager
+from ragen.rollout.loop_config import LoopConfig, LoopStats
+from ragen.rollout.types import EnvSpec, Step, StopReason, Trajectory, Turn
+from ragen.rollout.workers.executors import DaemonThreadPool
+
+logger = logging.getLogger(__name__)
+
+_ERRORS_LOCK = threading.Lock()
+
+
+class EnvTimeout(Exception):
+    """An env call ran past ``LoopConfig.env_timeout_s``."""
+
+
+class EnvError(Exception):
+    """An env raised or timed out where errors are not isolated (``isolate_errors=False``):
+    the caller decides what becomes of every env of the call (a parallel worker's are re-run
+    by the fallback)."""
+
+
+class KeptEnvs:
+    """Env instances kept between rollouts, by ``EnvSpec.reuse_key``."""
+
+    def __init__(self) -> None:
+        self._free: dict[tuple, list[Any]] = defaultdict(list)
+        self.created = 0
+        self._lock = threading.Lock()  # envs of a parallel_friendly tag are acquired on several threads
+
+    def acquire(self, spec: EnvSpec) -> Any:
+        with self._lock:
+            free = self._free.get(spec.reuse_key)
+            if free:
+                return free.pop()
+            self.created += 1
+        from ragen.env import make_env
+
+        return make_env(spec.env_type, spec.env_config, config_type=spec.config_type, tag=spec.tag)
+
+    def release(self, spec: EnvSpec, env: Any) -> None:
+        self._free[spec.reuse_key].append(env)
+
+    def __len__(self) -> int:
+        return sum(len(v) for v in self._free.values())
+
+    def close(self) -> None:
+        for envs in self._free.values():
+            for env in envs:
+                try:
+                    env.close()
+                except Exception:  # closing is best effort
+                    logger.debug("env close failed", exc_info=True)
+        self._free.clear()
+
+
+class EnvCaller:
+    """Runs env calls, with a time limit when one is set.
+
+    A call past its limit leaves its thread behind (a thread cannot be killed);
+    the env is then abandoned and a fresh thread serves the next calls. Each
+    calling thread has its own helper thread, so envs stepped at once on a
+    ``parallel_friendly`` tag's threads are timed apart.
+    """
+
+    def __init__(self, timeout_s: float | None) -> None:
+        self.timeout_s = timeout_s
+        self._local = threading.local()
+        self._helpers: list[DaemonThreadPool] = []
+
+    def __call__(self, fn, *args, **kwargs):
+        if not self.timeout_s:
+            return fn(*args, **kwargs)
+        helper = getattr(self._local, "helper", None)
+        if helper is None:
+            # daemon threads: a call abandoned past its limit must not keep the process from exiting
+            helper = self._local.helper = DaemonThreadPool(1, thread_name_prefix="ragen-env")
+            self._helpers.append(helper)
+        future = helper.submit(fn, *args, **kwargs)
+        try:
+            return future.result(timeout=self.timeout_s)
+        except concurrent.futures.TimeoutError:
+            helper.shutdown(wait=False)
+            self._local.helper = None
+            raise EnvTimeout(f"env call {getattr(fn, '__name__', fn)} took longer than {self.timeout_s} s") from None
+
+    def close(self) -> None:
+        for helper in self._helpers:
+            helper.shutdown(wait=False)
+
+
+class EnvThreads:
+    """Runs env work for a list of slots: one after another, except the slots
+    of a tag with ``env_threads > 1`` (RAGEN's ``parallel_friendly`` with
+    ``max_workers``), which run at once on that many threads.
+
+    Each job touches only its own slot and env, so running them at once never
+    changes a result. A job's exception is raised after every job of the call
+    has ended, the first in slot order, so no env is still stepping when the
+    caller handles it.
+    """
+
+    def __init__(self) -> None:
+        self._executors: dict[int, DaemonThreadPool] = {}  # by thread count
+
+    def run(self, jobs: list[tuple["EnvSlot", Any]]) -> None:
+        by_tag: dict[str, list[Any]] = defaultdict(list)
+        for slot, job in jobs:
+            if slot.spec.env_threads > 1:
+                by_tag[slot.spec.tag].append((slot, job))
+            else:
+                job()
+        futures = []
+        for tag_jobs in by_tag.values():
+            if len(tag_jobs) == 1:
+                tag_jobs[0][1]()
+                continue
+            n = tag_jobs[0][0].spec.env_threads
+            executor = self._executors.get(n)
+            if executor is None:
+                executor = DaemonThreadPool(n, thread_name_prefix="ragen-envs")
+                self._executors[n] = executor
+            futures += [executor.submit(job) for _, job in tag_jobs]
+        # Bounded: each job is one env call sequence, itself bounded by
+        # env_timeout_s when set (the call runs on the EnvCaller's thread).
+        concurrent.futures.wait(futures)
+        for f in futures:
+            f.result()
+
+    def close(self) -> None:
+        for executor in self._executors.values():
+            executor.shutdown(wait=False)  # every job has ended: run() waits for them
+
+
+def _plain_info(info: Any) -> dict[str, Any]:
+    """Keep the JSON-able scalars of an env's info (numpy scalars converted)."""
+    out: dict[str, Any] = {}
+    if not isinstance(info, dict):
+        return out
+    for k, v in info.items():
+        if hasattr(v, "item") and callable(v.item):
+            try:
+                v = v.item()
+            except (ValueError, TypeError):
+                continue
+        if isinstance(v, (bool, int, float, str)) or v is None:
+            out[str(k)] = v
+    return out
+
+
+class EnvSlot:
+    """One env's live state during the loop."""
+
+    def __init__(self, spec: EnvSpec) -> None:
+        self.spec = spec
+        self.env: Any = None
+        self.traj = Trajectory(env_id=spec.env_id, group_id=spec.group_id, tag=spec.tag, seed=spec.seed)
+        self.observation = ""
+        self.actions_left = spec.max_actions_per_traj
+        self.active = True
+        self.lookup: dict[str, Any] | None = None  # lower-case action name -> action id
+        self.reported = False  # its end was told to the progress callback
+
+    def finish(self, reason: StopReason, error: str | None = None) -> None:
+        self.active = False
+        self.traj.stop_reason = reason
+        self.traj.error = error
+        self.traj.final_observation = self.observation
+
+
+def guard(slot: EnvSlot, stats: LoopStats, isolate: bool, config: LoopConfig, call: EnvCaller, fn, *args) -> None:
+    """``fn(*args)`` for one env; when the env raises or times out, it is
+    retried up to ``config.env_retries`` times on a fresh instance brought to
+    where the failed one was (``_rebuild``), then ends its own trajectory in
+    ``error``/``timeout`` (or raises ``EnvError`` when not ``isolate``)."""
+    if not slot.active:
+        return
+    saved = (slot.observation, slot.actions_left)
+    for attempt in range(config.env_retries + 1):
+        try:
+            if attempt:
+                _rebuild(slot, call, expect=saved[0] if fn is apply_answer else None)
+                if fn is reset:  # the rebuild was the reset
+                    return
+            fn(*args)
+            return
+        except (Exception, EnvTimeout) as exc:  # an env's own code failed
+            slot.observation, slot.actions_left = saved
+            slot.env = None  # a failed env's state is unknown: never reuse it
+            message = f"{type(exc).__name__}: {exc}"
+            if attempt < config.env_retries:
+                with _ERRORS_LOCK:
+                    stats.env_retries += 1
+                logger.warning("%s failed at turn %d: %s; retrying on a fresh instance (%d of %d)",
+                               describe(slot), len(slot.traj.turns), message, attempt + 1, config.env_retries)
+                continue
+            logger.debug("%s", traceback.format_exc())
+            if fn is apply_answer:  # args: (slot, completion, ...); the turn is lost, its answer kept for a replay
+                slot.traj.failed_response = args[1].text
+            end_in_error(slot, StopReason.TIMEOUT if isinstance(exc, EnvTimeout) else StopReason.ERROR, stats,
+                          isolate, cause=exc, message=message)
+            return
+
+
+def describe(slot: EnvSlot) -> str:
+    """The env as log lines and errors name it."""
+    return f"env_id {slot.spec.env_id} (tag {slot.spec.tag}, seed {slot.spec.seed})"
+
+
+def end_in_error(slot: EnvSlot, reason: StopReason, stats: LoopStats, isolate: bool, cause: BaseException | None,
+                  message: str) -> None:
+    """The env ends its trajectory with ``reason`` (error or timeout) and
+    ``message``, counted in ``stats``; when not ``isolate``, ``EnvError``
+    instead."""
+    where = describe(slot)
+    with _ERRORS_LOCK:  # envs of a parallel_friendly tag fail on several threads at once
+        stats.env_errors += 1
+    if not isolate:
+        raise EnvError(f"{where}: {message}") from cause
+    logger.warning("%s ended in %s at turn %d: %s", where, reason.value, len(slot.traj.turns), message)
+    slot.finish(reason, message)
+
+
+def _rebuild(slot: EnvSlot, call: EnvCaller, expect: str | None) -> None:
+    """A fresh instance of the slot's env (not a kept one), reset with the
+    same seed, with every recorded action stepped again; ``expect``: the
+    observation the failed instance had shown, which the replay must give."""
+    from ragen.env import make_env
+
+    spec = slot.spec
+    slot.env = make_env(spec.env_type, spec.env_config, config_type=spec.config_type, tag=spec.tag)
+    _reset_env(slot, call)
+    for turn in slot.traj.turns:
+        for name in turn.executed_actions:
+            action = slot.lookup[name.lower()] if slot.lookup is not None else name
+            slot.observation = _observation(call(slot.env.step, action)[0], "step")
+    if expect is not None and slot.observation != expect:
+        raise RuntimeError("replaying the recorded actions on a fresh instance gave another state than the failed "
+                           "one had: the env is not deterministic for its seed, so it cannot be retried "
+                           "(set agent_proxy.env_retries=0 for it)")
+
+
+def reset(slot: EnvSlot, kept_envs: KeptEnvs, call: EnvCaller) -> None:
+    t0 = time.perf_counter()
+    slot.env = kept_envs.acquire(slot.spec)
+    _reset_env(slot, call)
+    slot.traj.reset_s = time.perf_counter() - t0
+
+
+def _reset_env(slot: EnvSlot, call: EnvCaller) -> None:
+    kwargs = {"mode": slot.spec.mode} if _takes_mode(type(slot.env)) else {}
+    slot.observation = _observation(call(slot.env.reset, seed=slot.spec.seed, **kwargs), "reset")
+    lookup = getattr(slot.env, "ACTION_LOOKUP", None)
+    if lookup:
+        slot.traj.action_names = [str(v) for v in lookup.values()]
+        slot.lookup = {str(v).lower(): k for k, v in lookup.items()}
+
+
+@functools.lru_cache(maxsize=None)
+def _takes_mode(env_cls: type) -> bool:
+    """Whether ``env_cls.reset`` has a ``mode`` parameter (RAGEN's envs do;
+    ours and many users' take ``**kwargs`` and need not see it)."""
+    try:
+        return "mode" in inspect.signature(env_cls.reset).parameters
+    except (TypeError, ValueError):  # a builtin or C-implemented reset: no signature
+        return False
+
+
+class EnvOutputError(Exception):
+    """An env returned a value the loop cannot use (an observation that is not
+    text, a reward that is not a finite number): it ends that env in
+    ``error``, as an exception raised by the env would."""
+
+
+def _observation(obs: Any, method: str) -> str:
+    """``obs`` as the loop takes it: text, never ``str()`` of another object (the model would see its repr)."""
+    if not isinstance(obs, str):
+        raise EnvOutputError(f"{method} returned an observation of type {type(obs).__name__} "
+                             f"({reprlib.repr(obs)}), not str: return the text the agent sees (e.g. self.render())")
+    return obs
+
+
+def _reward(r: Any) -> float:
+    """A step's reward as a float; a string, a non-number or a NaN/infinite one is refused, since one
+    of these in a sum makes every reward metric of the rollout NaN."""
+    try:
+        value = None if isinstance(r, (str, bytes)) else float(r)
+    except (TypeError, ValueError):
+        value = None
+    if value is None:
+        raise EnvOutputError(f"step returned a reward of type {type(r).__name__} ({reprlib.repr(r)}), "
+                             "not a number: return the reward as a float")
+    if not math.isfinite(value):
+        raise EnvOutputError(f"step returned the reward {value}, not a finite number")
+    return value
+
+
+def apply_answer(slot: EnvSlot, completion: Completion, ctx: ContextManager, config: LoopConfig, call: EnvCaller) -> None:
+    actions = ctx.parse_response(completion.text)
+    if slot.lookup is not None:
+        valid = [(a, slot.lookup[a.lower()]) for a in actions if a.lower() in slot.lookup]
+    else:
+        valid = [(a, a) for a in actions]
+    budget = slot.actions_left
+    shown = slot.observation
+    reward, done, info, executed, steps = 0.0, False, {}, [], []
+    t0 = time.perf_counter()
+    for name, action in valid[:budget]:
+        obs, r, done, step_info = call(slot.env.step, action)
+        r = _reward(r)
+        slot.observation = _observation(obs, "step")
+        reward += r
+        info.update(_plain_info(step_info))
+        executed.append(name)
+        steps.append(Step(action=name, observation=slot.observation, reward=r, done=bool(done)))
+        slot.actions_left -= 1
+        if done:
+            break
+    env_s = time.perf_counter() - t0
+    penalty = config.format_penalty if (not valid or len(valid) != len(actions)) else 0.0
+    slot.traj.turns.append(
+        Turn(
+            observation=shown,
+            actions_left=budget,
+            response=completion.text,
+            actions=actions,
+            executed_actions=executed,
+            reward=reward,
+            penalty=penalty,
+            info=info,
+            policy_version=completion.policy_version,
+            finish_reason=completion.finish_reason,
+            steps=tuple(steps),
+            env_s=env_s,
+            response_ids=tuple(completion.response_token_ids),
+            logprobs=None if completion.logprobs is None else tuple(completion.logprobs),
+        )
+    )
+    if info.get("success"):
+        slot.traj.success = True
+    if done:
+        slot.finish(StopReason.DONE)
+    elif slot.actions_left <= 0:
+        slot.finish(StopReason.ACTION_BUDGET)
+    elif len(slot.traj.turns) >= config.max_turn:
+        slot.finish(StopReason.MAX_TURNS)

@@ -1,0 +1,45 @@
+"""What the turn loop is given besides its specs and client (``LoopConfig``)
+and what it counts while it plays (``LoopStats``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+
+from ragen.llm.types import SamplingParams
+from ragen.rollout.config import AgentProxyConfig, EsManagerConfig, check_time_limit
+from ragen.rollout.context import ContextConfig
+
+
+@dataclass(frozen=True)
+class LoopConfig:
+    """Everything the loop needs besides specs and a client (plain, picklable).
+    ``AgentSetup.from_config`` builds it from the config sections; its
+    defaults are theirs (``ragen.rollout.config``)."""
+
+    context: ContextConfig = field(default_factory=ContextConfig)
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    max_turn: int = AgentProxyConfig.max_turn
+    format_penalty: float = EsManagerConfig.format_penalty
+    env_timeout_s: float | None = AgentProxyConfig.env_timeout_s  # per reset/step; None: no limit
+    env_retries: int = AgentProxyConfig.env_retries  # retries of a failing env on a fresh instance
+
+    def __post_init__(self) -> None:
+        check_time_limit("env_timeout_s", self.env_timeout_s)
+
+
+@dataclass
+class LoopStats:
+    """What one ``run_envs`` call spent and counted; a worker's add up (``+``)."""
+
+    env_reset_s: float = 0.0
+    env_step_s: float = 0.0
+    wait_s: float = 0.0
+    requests: int = 0
+    submits: int = 0
+    env_errors: int = 0  # envs that ended in error or timeout
+    env_retries: int = 0  # retries of failed envs on fresh instances
+    envs_created: int = 0  # 0 once a worker keeps its envs between rollouts
+    chunks: int = 0  # chunks of groups taken from the rollout's queue (pull-based work)
+
+    def __add__(self, other: "LoopStats") -> "LoopStats":
+        return LoopStats(**{f.name: getattr(self, f.name) + getattr(other, f.name) for f in fields(self)})
