@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import socket
+
 import pytest
 
 from ragen.llm.scripted import ScriptedEngine
@@ -50,8 +52,9 @@ def test_the_factory_builds_the_backend_the_config_names(mode):
         assert (backend.serving is not None) == needs_serving
     finally:
         backend.close()
-        if backend.serving is not None:
-            backend.serving.close()
+    if needs_serving:  # the shared manager built for it stops listening with it
+        with pytest.raises(ConnectionRefusedError):
+            socket.create_connection(backend.serving.address, timeout=5).close()
 
 
 @pytest.mark.timeout(300)

@@ -161,9 +161,7 @@ class LLMAgentProxy:
         return self.backend.rollout(specs, loop, progress=progress, fault=fault)
 
     def close(self) -> None:
-        self.backend.close()
-        if self.shared is not None:
-            self.shared.close()
+        self.backend.close()  # and the shared manager it built
         gc.unfreeze()  # what was frozen at the start is the collector's again (a cycle of it may be garbage now)
 
     def __enter__(self) -> "LLMAgentProxy":

@@ -30,7 +30,7 @@ def make_backend(ap: AgentProxyConfig, engine: Engine, server: LlmServerConfig =
                  cluster: ClusterConfig = ClusterConfig()) -> RolloutBackend:
     """The backend the ``agent_proxy`` section asks for, around ``engine``.
     Its ``serving`` is the shared manager its workers talk to (parallel or
-    fully-async), which the caller closes after the backend."""
+    fully-async), built here and stopped by the backend's ``close()``."""
     serving = None
     if ap.use_parallel_rollout or ap.rollout_mode == "fully_async":
         serving = SharedLLMInferenceManager(
@@ -47,7 +47,7 @@ def make_backend(ap: AgentProxyConfig, engine: Engine, server: LlmServerConfig =
         else:
             sync = SequentialRollout(engine, serving.engine_lock if serving is not None else None,
                                      max_concurrent_rollouts=ap.max_concurrent_rollouts)
-        sync.serving = serving
+        sync.serving = sync.owned_serving = serving
         if ap.rollout_mode == "fully_async":
             return FullyAsync(sync, max(1, ap.async_generation_ratio),
                               max_inflight_groups=ap.max_inflight_groups,

@@ -81,6 +81,7 @@ class SyncBackend(RolloutBackend):
 
     engine: Engine
     keeps_episodes = False  # episodes run outside ``rollout`` (fully-async groups): the engine keeps their caches
+    owned_serving: Any = None  # a shared manager built for this backend (make_backend): closed with it
 
     def __init__(self, max_concurrent_rollouts: int | None = None) -> None:
         self._semaphore = (threading.BoundedSemaphore(max_concurrent_rollouts) if max_concurrent_rollouts
@@ -92,6 +93,12 @@ class SyncBackend(RolloutBackend):
     def _play(self, specs: Sequence[EnvSpec], loop: LoopConfig, progress: RolloutProgress,
               fault: dict[str, Any] | None) -> RolloutResult:
         ...
+
+    def _close_owned(self) -> None:
+        """The end of ``close()``: the shared manager built for this backend stops after its workers."""
+        serving, self.owned_serving = self.owned_serving, None
+        if serving is not None:
+            serving.close()
 
     def rollout(self, specs: Specs, loop: LoopConfig, *, progress: RolloutProgress | None = None,
                 policy_version: int = 0, fault: dict[str, Any] | None = None) -> RolloutResult:

@@ -363,6 +363,7 @@ class ParallelRolloutManager(SyncBackend):
         if self._cluster is not None:
             self._cluster.close()
             self._cluster = None
+        self._close_owned()
 
     def __enter__(self) -> "ParallelRolloutManager":
         return self

@@ -47,6 +47,7 @@ class SequentialRollout(SyncBackend):
 
     def close(self) -> None:
         self._kept_envs.close()
+        self._close_owned()
 
 
 class _LockedClient(DirectClient):
