@@ -364,7 +364,7 @@ def test_engine_failing_every_call_raises_a_clear_error(reference, mode, message
         with pytest.raises(RolloutError) as info:
             prm.rollout(clean, loop_config())
         text = str(info.value)
-        assert "shard" in text and "fallback" in text and message in text and "EngineError" in text
+        assert "worker task" in text and "fallback" in text and message in text and "EngineError" in text
         assert time.monotonic() - t0 < 20
         engine.mode = None  # the engine recovers: the manager and executor still work
         assert _strip(prm.rollout(clean, loop_config()).trajectories) == _strip(reference)
