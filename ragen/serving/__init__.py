@@ -3,17 +3,23 @@
 - ``wire``: frames of plain data, the mutual HMAC handshake, the messages.
 - ``coalescer``: when to call the engine and with which requests (a plain
   object, decided from plain inputs).
-- ``server``: ``SharedLLMInferenceManager``, which owns the engine, its lock
-  and the connections, and runs the coalescer's decisions; the work it is
-  told of (``announce``) brings its own calls, notes and observer (``Hooks``).
+- ``server``: ``SharedLLMInferenceManager``, which owns the engine and its
+  lock and runs the coalescer's decisions; ``connections``: its accept loop,
+  handshakes and the messages of each connection; ``address``: where it may
+  listen; ``stats``: its counters (``ManagerStats``).
+- ``hooks``: what the work the manager is told of (``announce``) brings: its
+  calls, notes and observer (``Hooks``).
 - ``client``: the ``LLMClient`` protocol the turn loop talks to, with
   ``DirectClient`` (an engine in the caller's thread) and ``SharedLLMClient``
   (a worker's handle on the manager).
 """
 
+from ragen.serving.address import check_listen_address
 from ragen.serving.client import DirectClient, LLMClient, SharedLLMClient
 from ragen.serving.coalescer import CallCostModel, Coalescer, Decision, Pending, StreamClock
-from ragen.serving.server import Hooks, ManagerStats, Observer, Reply, SharedLLMInferenceManager, check_listen_address
+from ragen.serving.hooks import Hooks, Observer, Reply
+from ragen.serving.server import SharedLLMInferenceManager
+from ragen.serving.stats import ManagerStats
 from ragen.serving.wire import AuthenticationError, EngineError, ProtocolError
 
 __all__ = [

@@ -2,198 +2,43 @@
 
 The manager owns the engine (the one the trainer updates) and a lock around
 every engine call (``engine_lock``; the trainer takes it to swap weights). It
-listens on a socket (loopback unless told otherwise), authenticates each
-connection (``wire``), and runs one batcher thread that turns the requests of
-all workers into engine calls as the ``Coalescer`` decides. At most
-``max_pending_handshakes`` peers are in their handshake at once (a new one
-closes the oldest, so idle peers never hold a worker out); a manager
-listening beyond loopback warns that its port must be firewalled. A malformed
-message gets an error reply and the connection goes on; an oversized frame or
-a failed handshake closes that connection only; an engine that fails, or
-answers with something other than one plain-data ``Completion`` per request,
-gets its batch (or only the request lists it answered badly) answered with
-errors, and the batcher goes on serving.
-
-Announcements: the driver ``announce``s how many streams the work it
-dispatched will open, under a tag that the workers' clients carry; the
-coalescer waits for those streams before they open. What else the work
-needs on the same connection, the announcer brings as ``Hooks``: handlers
-of calls (``SharedLLMClient.call``; a call may open streams under the tag),
-handlers of the counts workers attach to their messages
-(``SharedLLMClient.note``), and an ``Observer`` told of every engine call and
-of the requests it answers for the tag's streams. Observers and note
-handlers run outside the manager's lock (answers are told just before they
-are sent, so a worker cannot end its work before its answers are counted);
-their errors are logged and ignored. The manager decides nothing from them.
+listens on a socket (``address``), serves each peer on a connection of its
+own (``connections``), and runs one batcher thread that turns the requests of
+all workers into engine calls as the ``Coalescer`` decides. An engine that
+fails, or answers with something other than one plain-data ``Completion`` per
+request, gets its batch (or only the request lists it answered badly)
+answered with errors, and the batcher goes on serving. The driver
+``announce``s how many streams the work it dispatched will open, with that
+work's ``Hooks``; the coalescer waits for those streams before they open.
+Answers are told to the observers just before they are sent, so a worker
+cannot end its work before its answers are counted.
 """
 
 from __future__ import annotations
 
-import ipaddress
 import logging
-import pickle
 import secrets
 import socket
 import threading
 import time
-from collections import OrderedDict, deque
-from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, Protocol
+from collections import OrderedDict
+from typing import Any
 
 from ragen.llm.types import Completion, Engine, GenerationRequest, SamplingParams
 from ragen.serving import wire
+from ragen.serving.address import check_listen_address, is_loopback
 from ragen.serving.client import SharedLLMClient
 from ragen.serving.coalescer import Coalescer, Pending
+from ragen.serving.connections import Connection, Connections
+from ragen.serving.hooks import Hooks, Observer, Reply
+from ragen.serving.stats import ManagerStats
+
+__all__ = ["Hooks", "ManagerStats", "Observer", "Reply", "SharedLLMInferenceManager", "check_listen_address"]
 
 logger = logging.getLogger(__name__)
 
 
-def check_listen_address(host: Any, port: Any) -> tuple[str, int]:
-    """``(host, port)`` for the manager to listen on (``llm_server.host``,
-    ``llm_server.port``); ValueError naming the key otherwise. Read before any
-    model loads, and again by the manager."""
-    if not isinstance(host, str) or not host.strip() or host != host.strip():
-        hint = " (an empty host listens on every interface without saying so)" if host == "" else ""
-        raise ValueError(f"llm_server.host must be the address to listen on: 127.0.0.1 for workers on this "
-                         f"machine, 0.0.0.0 for workers on other machines; got {host!r}{hint}")
-    if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
-        raise ValueError(f"llm_server.port must be an integer from 0 to 65535 (0: any free port), got {port!r}")
-    _check_bindable(host)
-    return host, port
-
-
-def _check_bindable(host: str) -> None:
-    """ValueError naming ``llm_server.host`` unless the manager can listen on
-    it: an IPv4 address (or a name for one) of this machine. Tried on a free
-    port, so that a wrong host is found before a model loads, not when the
-    manager binds after it."""
-    try:
-        infos = socket.getaddrinfo(host, 0, socket.AF_INET, socket.SOCK_STREAM)
-    except socket.gaierror as exc:
-        ipv6 = ":" in host
-        why = ("the manager listens on IPv4 only: use 127.0.0.1 for workers on this machine, 0.0.0.0 for "
-               "workers on other machines" if ipv6 else f"it does not resolve to an IPv4 address ({exc.strerror})")
-        raise ValueError(f"llm_server.host={host!r} cannot be listened on: {why}") from None
-    try:
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-            probe.bind((infos[0][4][0], 0))
-    except OSError as exc:
-        raise ValueError(f"llm_server.host={host!r} cannot be listened on: {exc.strerror or exc} (an address of "
-                         "this machine, 127.0.0.1 or 0.0.0.0)") from None
-
-
-class Observer(Protocol):
-    """Told what the engine does, for the streams of one announced tag."""
-
-    def engine_call(self, size: int) -> None:
-        """An engine call of ``size`` requests starts (told to every observer)."""
-
-    def answered(self, n: int) -> None:
-        """``n`` requests of the tag's streams were answered with completions."""
-
-
-@dataclass(frozen=True)
-class Reply:
-    """A call's reply: ``payload`` (plain data) for the caller, and the
-    ``streams`` the call opens on the caller's connection under its tag
-    (counted against the tag's announcement)."""
-
-    payload: Any = None
-    streams: int = 0
-
-
-@dataclass(frozen=True)
-class Hooks:
-    """What the work announced under one tag adds to serving, dropped at
-    ``withdraw``. ``calls``: the handler of each kind of call, given its
-    payload; it runs on the connection's thread under the manager's lock, so
-    it is quick and never blocks. ``notes``: the handler of each count the
-    workers attach to their messages, given the count. ``observer``: told of
-    engine calls and answers."""
-
-    calls: Mapping[str, Callable[[Any], Reply]] = field(default_factory=dict)
-    notes: Mapping[str, Callable[[int], None]] = field(default_factory=dict)
-    observer: Observer | None = None
-
-
-def _is_loopback(host: str) -> bool:
-    try:
-        return ipaddress.ip_address(host.split("%")[0]).is_loopback
-    except ValueError:
-        return False
-
-
-@dataclass(eq=False)  # identity: one per connection
-class _Conn:
-    sock: socket.socket
-    peer: str
-    send_lock: threading.Lock = field(default_factory=threading.Lock)
-    alive: bool = True
-    tag: int | None = None  # the tag its streams were last opened under (whose hooks its notes and answers reach)
-
-    def send(self, obj: Any) -> int:
-        return self.send_frame(wire.frame(obj))
-
-    def send_frame(self, data: bytes) -> int:
-        with self.send_lock:
-            self.sock.sendall(data)
-        return len(data)
-
-
-@dataclass
-class ManagerStats:
-    """What the manager did, written by its threads (batcher, connections).
-    Metrics code reads while they write: ``batch_sizes`` and ``call_spans``
-    are copies taken under the lock (a deque cannot be iterated while the
-    batcher appends to it), and ``snapshot()`` is one consistent copy of
-    everything."""
-
-    engine_calls: int = 0
-    requests: int = 0
-    engine_time_s: float = 0.0
-    coalesce_wait_s: float = 0.0  # the engine free and requests queued, held for more (summed over calls)
-    messages_in: int = 0
-    bytes_in: int = 0
-    bytes_out: int = 0
-    refused_clients: int = 0
-    bad_messages: int = 0
-    _batch_sizes: deque = field(default_factory=lambda: deque(maxlen=8192), repr=False)  # the most recent calls'
-    _call_spans: deque = field(default_factory=lambda: deque(maxlen=8192), repr=False)  # (start, end), monotonic
-    _lock: Any = field(default_factory=threading.Lock, repr=False, compare=False)
-
-    @property
-    def batch_sizes(self) -> tuple[int, ...]:
-        with self._lock:
-            return tuple(self._batch_sizes)
-
-    @property
-    def call_spans(self) -> tuple[tuple[float, float], ...]:
-        with self._lock:
-            return tuple(self._call_spans)
-
-    def add(self, **counts: int) -> None:
-        """Add to counters (``+=`` from several threads loses updates)."""
-        with self._lock:
-            for name, n in counts.items():
-                setattr(self, name, getattr(self, name) + n)
-
-    def record_call(self, batch_sizes: list[int], span: tuple[float, float], seconds: float) -> None:
-        """One engine call of ``batch_sizes`` chunks."""
-        with self._lock:
-            self.engine_calls += len(batch_sizes)
-            self._batch_sizes.extend(batch_sizes)
-            self.requests += sum(batch_sizes)
-            self.engine_time_s += seconds
-            self._call_spans.append(span)
-
-    def snapshot(self) -> "ManagerStats":
-        with self._lock:
-            return ManagerStats(**{**{k: v for k, v in self.__dict__.items() if k != "_lock"},
-                                   "_batch_sizes": deque(self._batch_sizes, maxlen=8192),
-                                   "_call_spans": deque(self._call_spans, maxlen=8192)})
-
-
-class SharedLLMInferenceManager:
+class SharedLLMInferenceManager(Connections):
     """The driver's engine, served to every worker over authenticated
     connections, with the requests of all of them coalesced into engine calls."""
 
@@ -228,13 +73,13 @@ class SharedLLMInferenceManager:
         # most this many are in their handshake: a new one closes the oldest,
         # so sockets and threads stay bounded (_accept_loop, _evict).
         self.max_pending_handshakes = max_pending_handshakes
-        self._pending: OrderedDict[_Conn, None] = OrderedDict()  # oldest first
+        self._pending: OrderedDict[Connection, None] = OrderedDict()  # oldest first
         self._pending_lock = threading.Lock()
         self._evicted = 0  # connections closed in their handshake to make room (accept thread only)
         self.stats = ManagerStats()
         self._key = secrets.token_bytes(32)
         self._cond = threading.Condition()  # guards the coalescer and _conns
-        self._conns: set[_Conn] = set()
+        self._conns: set[Connection] = set()
         self._closed = False
         # by announced tag; written under _cond, so a call's handler and withdraw never interleave
         self._hooks_lock = threading.Lock()
@@ -248,7 +93,7 @@ class SharedLLMInferenceManager:
         for t in self._threads:
             t.start()
         logger.info("shared LLM manager listening on %s:%d", *self.address)
-        if not _is_loopback(self.address[0]):
+        if not is_loopback(self.address[0]):
             # The key keeps strangers from being served, not from connecting,
             # holding handshake slots or reading the hello.
             logger.warning("the shared LLM manager listens on %s:%d, beyond this machine (llm_server.host): "
@@ -309,44 +154,6 @@ class SharedLLMInferenceManager:
             except Exception:  # an observer never fails the manager
                 logger.debug("the observer of tag %s failed", tag, exc_info=True)
 
-    def _take_notes(self, conn: _Conn, notes: dict[str, int]) -> None:
-        """The counts a message carried, to the note handlers of its connection's tag."""
-        with self._hooks_lock:
-            hooks = self._hooks.get(conn.tag) if conn.tag is not None else None
-        if hooks is None:
-            return
-        for name, n in notes.items():
-            handler = hooks.notes.get(name)
-            if handler is None or not n:
-                continue
-            try:
-                handler(n)
-            except Exception:  # a note handler never fails the manager
-                logger.debug("the handler of note %r of tag %s failed", name, conn.tag, exc_info=True)
-
-    def _call(self, conn: _Conn, msg: wire.CallMessage) -> dict[str, Any]:
-        """The reply to a call, from the handler of its kind under its tag (a
-        withdrawn tag's: None); the streams it opens are open before the reply
-        is sent."""
-        with self._cond:
-            with self._hooks_lock:
-                hooks = self._hooks.get(msg.tag) if msg.tag is not None else None
-            if hooks is None:
-                return {"reply": None}
-            handler = hooks.calls.get(msg.kind)
-            if handler is None:
-                return {"reply": None, "error": f"no handler of calls of kind {msg.kind!r} under tag {msg.tag}"}
-            try:
-                reply = handler(msg.payload)
-            except Exception as exc:
-                logger.exception("the handler of call %r of tag %s failed", msg.kind, msg.tag)
-                return {"reply": None, "error": f"{type(exc).__name__}: {exc}"}
-            if reply.streams:  # from now on streams of their own
-                conn.tag = msg.tag
-                self.coalescer.open(conn, reply.streams, msg.tag, time.monotonic())
-                self._cond.notify_all()
-            return {"reply": reply.payload}
-
     @property
     def open_streams(self) -> int:
         """Streams open over every connection (what the coalescer waits for)."""
@@ -363,137 +170,6 @@ class SharedLLMInferenceManager:
     def policy_version(self) -> int:
         return self.engine.policy_version
 
-    # ----- connections ---------------------------------------------------------
-    def _accept_loop(self) -> None:
-        while not self._closed:
-            try:
-                sock, peer = self._listener.accept()
-            except OSError:
-                if self._closed:
-                    return  # listener closed
-                # EMFILE and the like: the peer waits in the listen queue; short, so close() is noticed
-                logger.warning("could not accept a connection to the LLM manager", exc_info=True)
-                time.sleep(0.05)
-                continue
-            conn = _Conn(sock, f"{peer[0]}:{peer[1]}")
-            evicted = None
-            with self._pending_lock:
-                if len(self._pending) >= self.max_pending_handshakes:
-                    evicted, _ = self._pending.popitem(last=False)
-                self._pending[conn] = None
-            if evicted is not None:
-                self._evict(evicted)
-            try:
-                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-                threading.Thread(target=self._serve, args=(conn,), name="ragen-llm-conn", daemon=True).start()
-            except (OSError, RuntimeError) as exc:  # the peer left already, or no thread to be had
-                logger.warning("dropped a connection from %s: %s", conn.peer, exc)
-                with self._pending_lock:
-                    self._pending.pop(conn, None)
-                sock.close()
-
-    def _evict(self, conn: _Conn) -> None:
-        """Ends the handshake of the oldest unauthenticated connection to make
-        room for a new one: a worker proves the key within milliseconds, so
-        only peers that hold a connection open without doing so are ever the
-        oldest; its thread sees the socket shut and closes it."""
-        self.stats.add(refused_clients=1)
-        self._evicted += 1
-        # a flood of idle peers would flood the log: the first, then every 1000th
-        logger.log(logging.WARNING if self._evicted % 1000 == 1 else logging.DEBUG,
-                   "closed the connection from %s: %d connections were in their handshake, the most there may be "
-                   "(max_pending_handshakes), and the oldest gives way to a new one (%d closed so far)", conn.peer,
-                   self.max_pending_handshakes, self._evicted)
-        try:
-            conn.sock.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
-
-    @property
-    def pending_handshakes(self) -> int:
-        """Connections accepted that have not proven the key yet."""
-        with self._pending_lock:
-            return len(self._pending)
-
-    def _serve(self, conn: _Conn) -> None:
-        sock, peer = conn.sock, conn.peer
-        try:
-            try:
-                wire.server_handshake(sock, self._key, self.handshake_timeout_s)
-            except wire.AuthenticationError:
-                self.stats.add(refused_clients=1)
-                logger.warning("refused a client from %s: wrong key", peer)
-                return
-            except TimeoutError:
-                self.stats.add(refused_clients=1)
-                logger.warning("closed the connection from %s: no handshake within handshake_timeout_s=%s s",
-                               peer, self.handshake_timeout_s)
-                return
-            finally:
-                with self._pending_lock:
-                    self._pending.pop(conn, None)
-            with self._cond:
-                self._conns.add(conn)
-                self.coalescer.connect(conn)
-            while not self._closed:
-                data, n = wire.recv_frame(sock, self.max_message_bytes)
-                self.stats.add(messages_in=1, bytes_in=n)
-                self._handle(conn, data)
-        except wire.ProtocolError as exc:
-            self.stats.add(bad_messages=1)
-            logger.warning("closing the connection from %s: %s", peer, exc)
-        except (EOFError, OSError):
-            pass  # the client went away (a worker that finished, died or timed out), or was evicted
-        finally:
-            with self._cond:
-                conn.alive = False
-                self._conns.discard(conn)
-                self.coalescer.disconnect(conn)
-                self._cond.notify_all()
-            try:
-                sock.close()
-            except OSError:
-                pass
-
-    def _handle(self, conn: _Conn, data: bytes) -> None:
-        try:
-            msg = wire.parse_message(data)
-        except wire.BadMessage as exc:
-            self.stats.add(bad_messages=1)
-            logger.warning("bad message from %s: %s", conn.peer, exc)
-            conn.send({"answers": [{"ticket": exc.ticket, "error": f"bad message: {exc}"}]})
-            return
-        if msg.notes:
-            self._take_notes(conn, msg.notes)
-        if isinstance(msg, wire.CallMessage):
-            reply = self._call(conn, msg)
-            try:
-                data = wire.frame({**reply, "sent": time.monotonic()})
-            except pickle.PicklingError as exc:
-                logger.error("the reply to call %r of tag %s is not plain data: %s", msg.kind, msg.tag, exc)
-                data = wire.frame({"reply": None, "error": f"the reply is not plain data: {exc}"})
-            self.stats.add(bytes_out=conn.send_frame(data))
-            return
-        if isinstance(msg, wire.StreamsMessage):
-            with self._cond:
-                if msg.op == "open":
-                    conn.tag = msg.tag
-                    self.coalescer.open(conn, msg.n, msg.tag, time.monotonic())
-                else:
-                    self.coalescer.close(conn, msg.n)
-                self._cond.notify_all()
-            return
-        if not msg.requests:
-            conn.send({"answers": [{"ticket": msg.ticket, "completions": []}]})
-            return
-        now = time.monotonic()
-        pending = Pending(conn, msg.ticket, msg.requests, msg.sampling, now,
-                          None if msg.sent is None else now - msg.sent)
-        with self._cond:
-            self.coalescer.arrive(pending)
-            self._cond.notify_all()
-
-    # ----- batching ------------------------------------------------------------
     def _next_batch(self) -> list[Pending] | None:
         with self._cond:
             while not self._closed:
@@ -521,7 +197,7 @@ class SharedLLMInferenceManager:
                 self._reply(answers)
             except Exception as exc:  # a bug here must not end the thread: every later request would wait forever
                 logger.exception("the batcher failed on %d requests; answering them with an error", len(batch))
-                answers: dict[_Conn, list[dict[str, Any]]] = {}
+                answers: dict[Connection, list[dict[str, Any]]] = {}
                 for p in batch:
                     answers.setdefault(p.conn, []).append(
                         {"ticket": p.ticket, "error": f"the LLM manager failed: {type(exc).__name__}: {exc}"})
@@ -530,11 +206,11 @@ class SharedLLMInferenceManager:
                 except Exception:
                     logger.exception("could not answer %d requests", len(batch))
 
-    def _answers(self, batch: list[Pending]) -> dict[_Conn, list[dict[str, Any]]]:
+    def _answers(self, batch: list[Pending]) -> dict[Connection, list[dict[str, Any]]]:
         """One engine call for ``batch``: each request list's completions, or
         an error that says what was wrong with them."""
         requests = [r for p in batch for r in p.requests]
-        answers: dict[_Conn, list[dict[str, Any]]] = {}
+        answers: dict[Connection, list[dict[str, Any]]] = {}
         try:
             if logger.isEnabledFor(logging.DEBUG):
                 turns = sorted({r.turn for r in requests})
@@ -559,7 +235,7 @@ class SharedLLMInferenceManager:
             answers.setdefault(p.conn, []).append(answer)
         return answers
 
-    def _observe_answers(self, answers: dict[_Conn, list[dict[str, Any]]]) -> None:
+    def _observe_answers(self, answers: dict[Connection, list[dict[str, Any]]]) -> None:
         """Tell the observers of one engine call the requests answered with
         completions, by the tag of their connection."""
         counts: dict[int | None, int] = {}
@@ -591,7 +267,7 @@ class SharedLLMInferenceManager:
             self.stats.record_call(sizes, (start, free_at), elapsed)
         return out
 
-    def _reply(self, answers: dict[_Conn, list[dict[str, Any]]]) -> None:
+    def _reply(self, answers: dict[Connection, list[dict[str, Any]]]) -> None:
         """One frame per connection, all encoded before any is sent: a woken
         worker takes a core at once, and the other workers' answers must not
         wait behind it."""
