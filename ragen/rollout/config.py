@@ -19,7 +19,7 @@ from typing import Any, Mapping
 from ragen.config_reader import read, setting
 from ragen.llm.types import SamplingParams
 from ragen.rollout.context import GROUPINGS, METHODS, ContextConfig
-from ragen.serving.server import check_listen_address
+from ragen.serving.address import check_listen_address
 
 logger = logging.getLogger(__name__)
 
