@@ -158,9 +158,9 @@ class Coalescer:
     def __init__(self, max_batch_size: int = 256, coalesce_wait_s: float = 0.0005,
                  max_coalesce_wait_s: float = 1.0) -> None:
         if max_batch_size < 1:
-            raise ValueError(f"agent_proxy.max_batch_size must be >= 1, got {max_batch_size}")
+            raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
         if coalesce_wait_s < 0:
-            raise ValueError(f"agent_proxy.coalesce_wait_s must be >= 0, got {coalesce_wait_s}")
+            raise ValueError(f"coalesce_wait_s must be >= 0, got {coalesce_wait_s}")
         self.max_batch_size = int(max_batch_size)
         self.coalesce_wait_s = float(coalesce_wait_s)
         self.max_coalesce_wait_s = float(max_coalesce_wait_s)

@@ -63,7 +63,7 @@ class SharedLLMInferenceManager(Connections):
         self.max_batch_size = self.coalescer.max_batch_size
         if isinstance(max_message_bytes, bool) or not isinstance(max_message_bytes, int) or \
                 not 0 < max_message_bytes < 1 << 32:
-            raise ValueError(f"agent_proxy.max_message_bytes must be an integer from 1 to 2**32 - 1 (a frame's "
+            raise ValueError(f"max_message_bytes must be an integer from 1 to 2**32 - 1 (a frame's "
                              f"length is 4 bytes), got {max_message_bytes!r}")
         self.max_message_bytes = max_message_bytes
         self.handshake_timeout_s = handshake_timeout_s

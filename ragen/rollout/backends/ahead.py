@@ -86,9 +86,11 @@ class AheadStats:
 
 
 class RolloutAhead:
+    """Rollouts made by ``produce`` in a background thread, at most ``ahead``
+    (``async_generation_ratio``, checked by the config reader) waiting for the
+    trainer; see the module docstring."""
+
     def __init__(self, produce: Callable[[], RolloutResult], ahead: int) -> None:
-        if not isinstance(ahead, int) or isinstance(ahead, bool) or ahead < 0:
-            raise ValueError(f"async_generation_ratio must be an integer >= 0, got {ahead!r}")
         self.produce = produce
         self.ahead = ahead
         self.stats = AheadStats()
