@@ -296,7 +296,7 @@ def test_hf_turn_cache_keeps_multi_turn_trajectories(tiny_model_path, temperatur
 
 
 def test_engine_idle_splits_a_rollout_around_its_engine_calls():
-    from ragen.rollout.backends.parallel import _engine_idle
+    from ragen.rollout.metrics import engine_idle as _engine_idle
 
     spans = [(0.5, 0.9), (10.0, 10.5), (10.7, 11.0), (11.5, 12.0)]  # the first belongs to an earlier rollout
     m = _engine_idle(spans, start=9.0, end=12.25)

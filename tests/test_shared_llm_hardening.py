@@ -118,7 +118,7 @@ def test_stats_read_by_metrics_code_are_a_snapshot():
 
 def test_engine_idle_metrics_while_generation_goes_on():
     """The rollout's own reader, while another thread keeps the engine busy."""
-    from ragen.rollout.backends.parallel import _engine_idle
+    from ragen.rollout.metrics import engine_idle as _engine_idle
 
     with SharedLLMInferenceManager(ScriptedEngine()) as shared:
         for _ in range(500):

@@ -50,3 +50,16 @@ def rollout_metrics(trajectories: Sequence[Trajectory], stats: LoopStats, engine
         "timing/rollout_s": wall_s,
     })
     return m
+
+
+def engine_idle(spans: Sequence[tuple[float, float]], start: float, end: float) -> dict[str, float]:
+    """Where the engine sat idle during a rollout (exact when one rollout runs
+    at a time): before its first call (envs resetting), between calls (workers
+    stepping envs, messages), after its last (last steps, results returning)."""
+    mine = [(a, b) for a, b in spans if a >= start]
+    if not mine:
+        return {}
+    between = sum(max(0.0, mine[i + 1][0] - mine[i][1]) for i in range(len(mine) - 1))
+    return {"timing/engine_idle_before_s": mine[0][0] - start,
+            "timing/engine_idle_between_s": between,
+            "timing/engine_idle_after_s": max(0.0, end - mine[-1][1])}

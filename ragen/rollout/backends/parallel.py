@@ -27,7 +27,7 @@ import joblib
 from ragen.rollout.backends.base import SyncBackend
 from ragen.rollout.config import BACKENDS, AgentProxyConfig, cap_n_jobs, check_n_jobs, check_time_limit
 from ragen.rollout.loop import LoopConfig, LoopStats
-from ragen.rollout.metrics import EngineUse, rollout_metrics
+from ragen.rollout.metrics import EngineUse, engine_idle, rollout_metrics
 from ragen.rollout.progress import RolloutProgress
 from ragen.rollout.types import EnvSpec, RolloutResult, Trajectory
 from ragen.rollout.workers.autosize import AutoSizer, Measured
@@ -226,7 +226,7 @@ class ParallelRolloutManager(SyncBackend):
         workers_ran = [r for r in results if r.pid != -1]
         if workers_ran and self._cluster is None:  # monotonic clocks compare on one machine only
             metrics["overhead/dispatch_s"] = max(0.0, max(r.started_at for r in workers_ran) - t_start_mono)
-        metrics.update(_engine_idle(self.shared.stats.call_spans, t_start_mono, time.monotonic()))
+        metrics.update(engine_idle(self.shared.stats.call_spans, t_start_mono, time.monotonic()))
         if choice is not None:
             metrics.update(choice.metrics())
             self._auto.update(Measured(engine_s=metrics["timing/engine_s"], ipc_s=metrics["overhead/ipc_s"],
@@ -419,19 +419,6 @@ class _Executors:
     def close(self) -> None:
         self.workers.close(wait=False)
         self.spare.close(wait=True)
-
-
-def _engine_idle(spans, start: float, end: float) -> dict[str, float]:
-    """Where the engine sat idle during a rollout (exact when one rollout runs
-    at a time): before its first call (envs resetting), between calls (workers
-    stepping envs, messages), after its last (last steps, results returning)."""
-    mine = [(a, b) for a, b in spans if a >= start]
-    if not mine:
-        return {}
-    between = sum(max(0.0, mine[i + 1][0] - mine[i][1]) for i in range(len(mine) - 1))
-    return {"timing/engine_idle_before_s": mine[0][0] - start,
-            "timing/engine_idle_between_s": between,
-            "timing/engine_idle_after_s": max(0.0, end - mine[-1][1])}
 
 
 def _mean(values: Sequence[float]) -> float:
