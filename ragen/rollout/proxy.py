@@ -34,7 +34,7 @@ from ragen.rollout.backends import make_backend
 from ragen.rollout.config import (AgentProxyConfig, CtxManagerConfig, EsManagerConfig, LlmServerConfig, SeedConfig,
                                   read_rollout_sections)
 from ragen.rollout.context import ContextConfig
-from ragen.rollout.envs import EnvStateManager
+from ragen.rollout.envs import EnvSpecMaker
 from ragen.rollout.loop import LoopConfig
 from ragen.rollout.progress import RolloutProgress
 from ragen.rollout.types import RolloutResult
@@ -55,7 +55,7 @@ class AgentSetup:
     seed: SeedConfig
     loop: LoopConfig
     val_loop: LoopConfig
-    es: dict[str, EnvStateManager]
+    es: dict[str, EnvSpecMaker]
     cluster: ClusterConfig = ClusterConfig()
 
     @classmethod
@@ -86,7 +86,7 @@ class AgentSetup:
         custom_envs = cfg.get("custom_envs")
         if not isinstance(custom_envs, Mapping) or not custom_envs:
             raise ValueError("custom_envs is missing or empty: add config/envs.yaml to the defaults list")
-        es = {split: EnvStateManager(split, getattr(es_cfg, split), custom_envs, getattr(seed, split))
+        es = {split: EnvSpecMaker(split, getattr(es_cfg, split), custom_envs, getattr(seed, split))
               for split in ("train", "val")}
         server: LlmServerConfig = sections["llm_server"]
         return cls(

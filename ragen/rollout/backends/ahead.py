@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from typing import Callable, Iterator
 
 from ragen.rollout.backends.base import AsyncBackend, SyncBackend
-from ragen.rollout.envs import EnvStateManager
+from ragen.rollout.envs import EnvSpecMaker
 from ragen.rollout.loop import LoopConfig
 from ragen.rollout.progress import RolloutProgress
 from ragen.rollout.types import RolloutResult
@@ -200,7 +200,7 @@ class GenerateAhead(AsyncBackend):
         self.ahead = ahead
         self._rollouts: RolloutAhead | None = None
 
-    def _next_batch(self, envs: EnvStateManager, loop: LoopConfig, policy_version: int,
+    def _next_batch(self, envs: EnvSpecMaker, loop: LoopConfig, policy_version: int,
                     progress: RolloutProgress | None) -> RolloutResult:
         if self._rollouts is None:
             self._rollouts = RolloutAhead(lambda: self.inner.rollout(envs, loop), self.ahead)

@@ -2,7 +2,7 @@
 
 A backend plays env specs to a ``RolloutResult``: ``rollout(specs, loop)``.
 ``specs`` is either the list of specs to play, or the env set of a split
-(``EnvStateManager``), whose next batch the backend draws: the synchronous
+(``EnvSpecMaker``, RAGEN's ``EnvStateManager``), whose next batch the backend draws: the synchronous
 backends draw it when called, the asynchronous ones ahead of the caller.
 """
 
@@ -15,14 +15,14 @@ from abc import ABC, abstractmethod
 from typing import Any, Iterator, Sequence
 
 from ragen.llm.types import Engine
-from ragen.rollout.envs import EnvStateManager
+from ragen.rollout.envs import EnvSpecMaker
 from ragen.rollout.loop import LoopConfig
 from ragen.rollout.progress import RolloutProgress
 from ragen.rollout.types import EnvSpec, RolloutResult
 
 logger = logging.getLogger(__name__)
 
-Specs = Sequence[EnvSpec] | EnvStateManager
+Specs = Sequence[EnvSpec] | EnvSpecMaker
 
 
 class RolloutBackend(ABC):
@@ -103,7 +103,7 @@ class SyncBackend(RolloutBackend):
     def rollout(self, specs: Specs, loop: LoopConfig, *, progress: RolloutProgress | None = None,
                 policy_version: int = 0, fault: dict[str, Any] | None = None) -> RolloutResult:
         label = progress.split if progress is not None else "rollout"
-        if isinstance(specs, EnvStateManager):
+        if isinstance(specs, EnvSpecMaker):
             label, specs = specs.split, specs.make_specs()
         with self._semaphore:  # the bar's clock starts once the rollout may run
             with self._running_lock:
@@ -141,20 +141,20 @@ class AsyncBackend(RolloutBackend):
     def __init__(self, inner: SyncBackend) -> None:
         self.inner = inner
         self.serving = inner.serving
-        self._source: tuple[EnvStateManager, LoopConfig] | None = None
+        self._source: tuple[EnvSpecMaker, LoopConfig] | None = None
 
     @property
     def engine_lock(self) -> threading.Lock:
         return self.inner.engine_lock
 
     @abstractmethod
-    def _next_batch(self, envs: EnvStateManager, loop: LoopConfig, policy_version: int,
+    def _next_batch(self, envs: EnvSpecMaker, loop: LoopConfig, policy_version: int,
                     progress: RolloutProgress | None) -> RolloutResult:
         """The next training batch of ``envs``."""
 
     def rollout(self, specs: Specs, loop: LoopConfig, *, progress: RolloutProgress | None = None,
                 policy_version: int = 0, fault: dict[str, Any] | None = None) -> RolloutResult:
-        if not isinstance(specs, EnvStateManager):
+        if not isinstance(specs, EnvSpecMaker):
             return self.inner.rollout(specs, loop, progress=progress, fault=fault)
         if self._source is None:
             self._source = (specs, loop)

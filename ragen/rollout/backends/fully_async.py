@@ -18,7 +18,7 @@ from typing import Any
 from ragen.rollout.backends.ahead import StalenessBound, response_tokens
 from ragen.rollout.backends.base import AsyncBackend, SyncBackend
 from ragen.rollout.config import cap_n_jobs
-from ragen.rollout.envs import EnvStateManager, compute_metrics
+from ragen.rollout.envs import EnvSpecMaker, compute_metrics
 from ragen.rollout.loop import LoopConfig
 from ragen.rollout.progress import RolloutProgress
 from ragen.rollout.types import RolloutResult
@@ -206,7 +206,7 @@ class FullyAsync(AsyncBackend):
         self._groups: GroupsInFlight | None = None
         inner.keeps_episodes = True  # the groups in flight run episodes between rollouts
 
-    def _next_batch(self, envs: EnvStateManager, loop: LoopConfig, policy_version: int,
+    def _next_batch(self, envs: EnvSpecMaker, loop: LoopConfig, policy_version: int,
                     progress: RolloutProgress | None) -> RolloutResult:
         if self._groups is None:
             # `bound` batches drawn ahead of the trainer: a group drawn while it trains on version v
