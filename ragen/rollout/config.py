@@ -30,6 +30,9 @@ FULLY_ASYNC_BACKENDS = ("loky", "threading")  # agent_proxy.parallel_backend wit
 
 @dataclass(frozen=True)
 class RewardNormalization:
+    """``agent_proxy.reward_normalization``: how the trainer normalizes episode scores (over which
+    groups, by which method)."""
+
     grouping: str = setting(ContextConfig.reward_grouping, choices=GROUPINGS)
     method: str = setting(ContextConfig.reward_method, choices=METHODS)
 
@@ -130,6 +133,9 @@ class AgentProxyConfig:
 
 @dataclass(frozen=True)
 class EnvConfigs:
+    """``es_manager.<split>.env_configs``: the ``custom_envs`` tags of a split and how many groups
+    play each."""
+
     tags: tuple[str, ...] = ()
     n_groups: tuple[int, ...] = setting((), minimum=1)
 
@@ -162,6 +168,9 @@ class EnvSplitConfig:
 
 @dataclass(frozen=True)
 class EsManagerConfig:
+    """``es_manager``: the train and val env sets, and the penalty of an answer without valid
+    actions."""
+
     train: EnvSplitConfig = setting()
     val: EnvSplitConfig = setting()
     format_penalty: float = -0.1
@@ -179,6 +188,8 @@ class GenerationConfig:
 
 @dataclass(frozen=True)
 class CtxManagerConfig:
+    """``ctx_manager``: the sampling of the rollout's answers."""
+
     generation: GenerationConfig = field(default_factory=GenerationConfig)
 
 
@@ -196,18 +207,27 @@ class LlmServerConfig:
 
 @dataclass(frozen=True)
 class SeedConfig:
+    """``seed``: the first seed of the train and val env sets (and of the engine's sampling for
+    each)."""
+
     train: int = 0
     val: int = 0
 
 
 @dataclass(frozen=True)
 class DaskConfig:
+    """``dask``: the scheduler the dask backend's workers belong to (none: a local cluster for the
+    run)."""
+
     scheduler_address: str | None = None
     n_workers: int | None = setting(None, minimum=1)
 
 
 @dataclass(frozen=True)
 class RayConfig:
+    """``ray``: the Ray cluster the ray backend's workers belong to (none: ``RAY_ADDRESS`` or a new
+    local Ray)."""
+
     address: str | None = None
 
 

@@ -31,6 +31,9 @@ _CONNECT_TRIES = 3
 
 
 class LLMClient(Protocol):
+    """What the turn loop talks to: requests submitted for a ticket, answers waited for by ticket,
+    and the streams a worker opens and closes."""
+
     def submit(self, requests: list[GenerationRequest], sampling: SamplingParams) -> int:
         """A ticket for the requests' answers; ``wire.MessageTooLarge``, with
         nothing sent, when a client with a message limit cannot carry them."""

@@ -80,6 +80,9 @@ class StalenessBound:
 
 @dataclass
 class AheadStats:
+    """Where generate-ahead's time went: the trainer waiting for data, generation waiting for the
+    trainer, and the batches made."""
+
     trainer_wait_s: float = 0.0  # the trainer waiting for data
     generator_wait_s: float = 0.0  # generation waiting for the trainer (k batches ahead, or paused)
     produced: int = 0

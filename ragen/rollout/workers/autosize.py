@@ -54,6 +54,9 @@ class Measured:
 
 @dataclass(frozen=True)
 class Choice:
+    """The workers and pipeline depth ``parallel_n_jobs: auto`` chose for the next rollout, with its
+    prediction and reason."""
+
     workers: int
     depth: int | None  # None: the configured pipeline_depth
     predicted_s: float | None = None

@@ -45,6 +45,8 @@ LOCAL_DASK_ALLOWED_FAILURES = 1
 
 @dataclass(frozen=True)
 class ClusterConfig:
+    """Where the dask and ray backends find their cluster, and how its workers reach the driver."""
+
     dask_scheduler_address: str | None = None  # e.g. tcp://10.0.0.1:8786; None: a LocalCluster for the run
     dask_n_workers: int | None = None  # LocalCluster size; None: parallel_n_jobs, or one per core
     ray_address: str | None = None  # e.g. 10.0.0.1:6379, "auto"; None: RAY_ADDRESS, or a new local Ray
@@ -116,6 +118,9 @@ def open_cluster(backend: str, config: ClusterConfig | None = None, n_jobs: int 
 # ----- Dask ------------------------------------------------------------------------
 
 class DaskCluster(Cluster):
+    """A dask.distributed client (to a running scheduler, or a LocalCluster started for the run) and
+    joblib's Dask backend on it."""
+
     backend = "dask"
 
     def __init__(self, config: ClusterConfig, n_jobs: int = -1) -> None:
@@ -203,6 +208,9 @@ def _dask_backend_class() -> type:
 # ----- Ray -------------------------------------------------------------------------
 
 class RayCluster(Cluster):
+    """A connection to a Ray cluster (or a local Ray started for the run) and Ray's joblib backend
+    on it."""
+
     backend = "ray"
 
     def __init__(self, config: ClusterConfig, n_jobs: int = -1) -> None:

@@ -42,6 +42,9 @@ logger = logging.getLogger(__name__)
 
 
 class KeptExecutor:
+    """An executor built on first use and kept until ``replace`` (after a failure) or ``close``; see
+    the module docstring."""
+
     def __init__(self, build: Callable[[], Any]) -> None:
         self._build = build
         self._executor: Any = None
