@@ -42,6 +42,9 @@ class BaseEnvConfig:
 
 
 class BaseEnv(ABC):
+    """The env interface: ``reset(seed)`` returns the first observation text, ``step(action)``
+    returns ``(observation, reward, done, info)``."""
+
     def __init__(self, config: Any = None) -> None:
         # RAGEN's env modules set ``self.config`` (and their lookups) first and
         # call the base ``__init__`` after, with no arguments; RAGEN's base sets
@@ -68,6 +71,8 @@ class BaseEnv(ABC):
 
 
 class BaseDiscreteActionEnv(BaseEnv):
+    """An env whose actions are the integer ids of ``ACTION_LOOKUP`` (id -> action name)."""
+
     ACTION_LOOKUP: dict[int, str] = {}
 
     def get_all_actions(self) -> list[int]:
@@ -111,4 +116,4 @@ def unchanged_step(observation: str, valid: bool, done: bool, success: bool,
 
 
 class BaseLanguageBasedEnv(BaseEnv):
-    pass
+    """An env whose action is the answer text itself."""

@@ -100,6 +100,8 @@ class _PromptsSeen(Engine):
 
 @dataclass
 class Replay:
+    """One dumped env played again: its record, the replayed trajectory, and where they first differ."""
+
     record: DumpRecord
     trajectory: Trajectory  # as played again
     difference: str | None  # None: identical

@@ -49,6 +49,8 @@ logger = logging.getLogger(__name__)
 
 
 class PPOActor:
+    """Holds the policy model and its optimizer; ``update(samples, step)`` runs one PPO update."""
+
     def __init__(
         self,
         model: Any,

@@ -74,6 +74,8 @@ class TrainerSection:
 
 @dataclass(frozen=True)
 class OptimSection:
+    """``actor_rollout_ref.actor.optim.*``: the AdamW optimizer."""
+
     lr: float = setting(1e-5, minimum=0.0)
     weight_decay: float = setting(0.01, minimum=0.0)
     betas: tuple[float, float] = (0.9, 0.999)
@@ -157,6 +159,8 @@ class RolloutSection:
 
 @dataclass(frozen=True)
 class ActorRolloutRefSection:
+    """``actor_rollout_ref.*``: the model, actor and rollout sections."""
+
     model: ModelSection = field(default_factory=ModelSection)
     actor: ActorSection = field(default_factory=ActorSection)
     rollout: RolloutSection = field(default_factory=RolloutSection)

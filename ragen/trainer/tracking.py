@@ -43,6 +43,9 @@ def _jsonable(value: Any) -> Any:
 
 
 class Tracking:
+    """Where a run's metrics go: ``log(metrics, step)`` appends to ``metrics.jsonl`` and to tensorboard /
+    wandb when ``trainer.logger`` names them; ``summary(line)`` goes to the console when it is named."""
+
     def __init__(self, run_dir: str | os.PathLike, backends: Sequence[str], project: str, experiment: str,
                  config: Mapping[str, Any] | None = None,
                  console: Callable[[str], None] | None = None) -> None:

@@ -42,6 +42,8 @@ _GRID_MAP = "Grid Map:\n"
 
 @dataclass(frozen=True)
 class Cell:
+    """One square of a grid env's map: its symbol, kind, terrain, and whether a player or box is on it."""
+
     symbol: str
     kind: str  # the vocab name as a slug: "box-on-target"
     terrain: str  # wall, target, hole, goal or floor
@@ -51,12 +53,16 @@ class Cell:
 
 @dataclass(frozen=True)
 class GridPicture:
+    """A parsed observation: the map's rows of cells and the text that came before the map."""
+
     rows: list[list[Cell]]
     text: str = ""  # what came before the map (grid_coord's coordinates), "" for a plain map
 
 
 @dataclass(frozen=True)
 class Symbols:
+    """What an env's map symbols mean: each one-character symbol -> its ``Cell``."""
+
     cells: dict[str, Cell]  # symbol -> its cell
 
     @classmethod

@@ -33,6 +33,8 @@ ARM_NAME_PAIRS: dict[str, tuple[tuple[str, str], ...]] = {
 
 @dataclass
 class BanditEnvConfig(BaseEnvConfig):
+    """The two-armed bandit's settings: the arms' names (or a ``split`` of name pairs) and rewards."""
+
     lo_arm_name: str = "phoenix"
     hi_arm_name: str = "dragon"
     action_space_start: int = 1

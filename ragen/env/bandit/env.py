@@ -47,6 +47,8 @@ INIT_PROMPT = (
 
 
 class BanditEnv(BaseDiscreteActionEnv):
+    """A one-pull two-armed bandit whose arms are known only by their names; action ids pick the arm."""
+
     config_cls = BanditEnvConfig
 
     def __init__(self, config: BanditEnvConfig | None = None) -> None:

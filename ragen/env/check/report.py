@@ -22,6 +22,8 @@ __all__ = ["CheckReport", "CheckResult"]
 
 @dataclass
 class CheckResult:
+    """The outcome of one check: its name, status, what was found and how to fix it."""
+
     name: str
     status: str  # pass | fail | warn | skip
     message: str
@@ -37,6 +39,8 @@ class CheckResult:
 
 @dataclass
 class CheckReport:
+    """Every check's result for one env type and config, with the seeds checked and the reset/step timings."""
+
     env_type: str
     env_config: Any
     config_type: str | None

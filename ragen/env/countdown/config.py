@@ -18,6 +18,8 @@ __all__ = ["CountdownEnvConfig"]
 
 @dataclass
 class CountdownEnvConfig(BaseEnvConfig):
+    """The Countdown env's settings: the count and range of the numbers, the target's range, and the two scores."""
+
     num_count: int = 4
     max_number: int = 100
     max_target: int = 100

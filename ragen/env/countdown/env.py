@@ -37,6 +37,8 @@ _MAX_DRAWS = 10_000
 
 
 class CountdownPuzzle(NamedTuple):
+    """One puzzle: the numbers, the target, and one equation that reaches it."""
+
     numbers: tuple[int, ...]
     target: int
     solution: str
@@ -87,6 +89,8 @@ def generate_puzzle(num_count: int, max_number: int, max_target: int, seed: int)
 
 
 class CountdownEnv(BaseLanguageBasedEnv):
+    """Countdown: one answer, an equation of the given numbers, judged against the target."""
+
     config_cls = CountdownEnvConfig
 
     def __init__(self, config: CountdownEnvConfig | None = None) -> None:

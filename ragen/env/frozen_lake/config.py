@@ -40,6 +40,9 @@ def _default_action_lookup() -> dict[int, str]:
 
 @dataclass
 class FrozenLakeEnvConfig(BaseEnvConfig):
+    """FrozenLake's settings: the map (size, frozen probability, seed), slipperiness, step limit
+    and how the grid is written."""
+
     size: int = 4
     p: float = 0.8
     is_slippery: bool = True

@@ -86,6 +86,8 @@ def generate_map(size: int, p: float, seed: int) -> tuple[str, ...]:
 
 
 class FrozenLakeEnv(GridEnv):
+    """FrozenLake: walk from start to goal on a generated map without falling in a hole; the ice may be slippery."""
+
     config_cls = FrozenLakeEnvConfig
     ACTION_LOOKUP = {1: "Left", 2: "Down", 3: "Right", 4: "Up"}
 

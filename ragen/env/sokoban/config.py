@@ -41,6 +41,9 @@ def _default_action_lookup() -> dict[int, str]:
 
 @dataclass
 class SokobanEnvConfig(BaseEnvConfig):
+    """Sokoban's settings: room size, boxes, generator search depth, step limit and how the grid
+    is written."""
+
     dim_room: tuple[int, int] = (6, 6)
     max_steps: int = 100
     num_boxes: int = 3

@@ -46,6 +46,8 @@ REWARD_FINISHED = 10.0
 
 
 class SokobanEnv(GridEnv):
+    """Sokoban: push every box onto a target in a generated room, with gym-sokoban's rewards."""
+
     config_cls = SokobanEnvConfig
     ACTION_LOOKUP = {1: "Up", 2: "Down", 3: "Left", 4: "Right"}
 
