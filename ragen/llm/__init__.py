@@ -65,8 +65,10 @@ def check_engine_config(engine_cfg: Mapping[str, Any]) -> tuple[str, dict[str, A
         raise ValueError(
             f"engine.name={name!r} is not a known engine; choose one of {sorted(ENGINE_CLASSES)}"
         )
-    keys = _load_class(name).config_keys
+    engine_class = _load_class(name)
+    keys = engine_class.config_keys
     check_keys(cfg, keys, "engine", hint=f"; the options of engine {name!r} are {sorted(keys)}")
+    engine_class.check_options(cfg)
     return name, cfg
 
 

@@ -22,19 +22,31 @@ without torch:
 - *Cost model* of a GPU engine: each ``generate`` call sleeps
   ``base_s + per_token_s * response tokens in the call`` (a sleep, so it holds
   no CPU, as a GPU-bound call would not).
+- *Continuous batching* (``engine.continuous_batching``, a ``DecodeModel``):
+  ``ScriptedStreamingEngine`` gives the same answers, each returned at the
+  decode step where its request ends. The engine runs decode steps of
+  ``step_s + step_per_request_s x running requests`` (times ``time_scale``);
+  a request joins at the next step boundary and runs for its own number of
+  steps, drawn from its request seed (lognormal: ``tokens_median``,
+  ``tokens_sigma``, at most ``tokens_max``). The steps are waits, not work;
+  ``steps`` and ``running_sum`` count the steps run and the requests running
+  summed over them (their ratio: the mean batch decoded).
 """
 
 from __future__ import annotations
 
 import logging
 import math
+import random
 import re
+import threading
 import time
+from concurrent.futures import Future
+from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
-import random
-
-from ragen.llm.types import Completion, Engine, GenerationRequest, SamplingParams, request_seed
+from ragen.config_reader import read, setting
+from ragen.llm.types import Completion, Engine, GenerationRequest, SamplingParams, StreamingEngine, request_seed
 
 logger = logging.getLogger(__name__)
 
@@ -82,7 +94,8 @@ class ScriptedEngine(Engine):
 
     name = "scripted"
     returns_logprobs = True
-    config_keys = ("seed", "malformed_rate", "base_s", "per_token_s", "think", "return_prompt_ids")
+    config_keys = ("seed", "malformed_rate", "base_s", "per_token_s", "think", "return_prompt_ids",
+                   "continuous_batching")
 
     def __init__(
         self,
@@ -95,10 +108,7 @@ class ScriptedEngine(Engine):
         return_prompt_ids: bool = True,
     ) -> None:
         super().__init__()
-        if not 0.0 <= float(malformed_rate) <= 1.0:
-            raise ValueError(f"engine.malformed_rate={malformed_rate} must be within [0, 1]")
-        if base_s < 0 or per_token_s < 0:
-            raise ValueError(f"engine.base_s={base_s} and engine.per_token_s={per_token_s} must be >= 0")
+        self.check_options({"malformed_rate": malformed_rate, "base_s": base_s, "per_token_s": per_token_s})
         self.seed = int(seed)
         self.malformed_rate = float(malformed_rate)
         self.base_s = float(base_s)
@@ -107,8 +117,30 @@ class ScriptedEngine(Engine):
         self.return_prompt_ids = bool(return_prompt_ids)
 
     @classmethod
+    def check_options(cls, options: dict[str, Any]) -> None:
+        malformed_rate = options.get("malformed_rate", 0.0)
+        if not 0.0 <= float(malformed_rate) <= 1.0:
+            raise ValueError(f"engine.malformed_rate={malformed_rate} must be within [0, 1]")
+        base_s, per_token_s = options.get("base_s", 0.0), options.get("per_token_s", 0.0)
+        if base_s < 0 or per_token_s < 0:
+            raise ValueError(f"engine.base_s={base_s} and engine.per_token_s={per_token_s} must be >= 0")
+        if options.get("continuous_batching") is not None:
+            if base_s or per_token_s:
+                raise ValueError("engine.base_s and engine.per_token_s time whole calls; with "
+                                 "engine.continuous_batching the decode steps time each request: set one of the two")
+            decode = options["continuous_batching"]
+            if not isinstance(decode, DecodeModel):
+                read(DecodeModel, decode, "engine.continuous_batching")
+
+    @classmethod
     def from_config(cls, cfg: Mapping[str, Any], model_path: str | None = None) -> "ScriptedEngine":
-        return cls(**cfg)  # the scripted policy has no weights: model_path is unused
+        """The scripted policy has no weights: ``model_path`` is unused. With
+        ``continuous_batching`` set, the engine that batches continuously."""
+        cfg = dict(cfg)
+        decode = cfg.pop("continuous_batching", None)
+        if decode is not None:
+            return ScriptedStreamingEngine(continuous_batching=decode, **cfg)
+        return cls(**cfg)
 
     def generate(self, requests: Sequence[GenerationRequest], sampling: SamplingParams) -> list[Completion]:
         completions = [self._complete(r, sampling) for r in requests]
@@ -189,3 +221,129 @@ class ScriptedEngine(Engine):
         for number in picked[1:]:
             parts += [_OPERATORS[rng.randrange(len(_OPERATORS))], number]
         return " ".join(parts), logp
+
+
+CLOSE_WAIT_S = 5.0  # how long close() waits for the decode thread, which sleeps one step at most
+
+
+@dataclass(frozen=True)
+class DecodeModel:
+    """``engine.continuous_batching``: the cost of a decode step and the number of steps each request runs."""
+
+    step_s: float = setting(0.015, above=0.0)
+    step_per_request_s: float = setting(0.0, minimum=0.0)
+    tokens_median: float = setting(100.0, above=0.0)
+    tokens_sigma: float = setting(1.0, minimum=0.0)
+    tokens_max: int = setting(2048, minimum=1)
+    time_scale: float = setting(1.0, above=0.0)  # applied to every step's cost
+
+    def step_cost(self, running: int) -> float:
+        return (self.step_s + self.step_per_request_s * running) * self.time_scale
+
+    def tokens(self, seed: int) -> int:
+        """The steps a request runs, from its seed: the same in every process, batch and order."""
+        draw = self.tokens_median * math.exp(self.tokens_sigma * random.Random(seed).gauss(0.0, 1.0))
+        return max(1, min(self.tokens_max, round(draw)))
+
+
+@dataclass(eq=False)
+class _Running:
+    future: Future
+    request: GenerationRequest
+    sampling: SamplingParams
+    left: int  # decode steps still to run
+
+
+class ScriptedStreamingEngine(ScriptedEngine, StreamingEngine):
+    """``ScriptedEngine``'s answers, each returned at the decode step where its
+    request ends; see the module docstring."""
+
+    def __init__(self, *, continuous_batching: DecodeModel | Mapping[str, Any] | None = None, **scripted: Any) -> None:
+        decode = continuous_batching if continuous_batching is not None else {}
+        self.check_options({**scripted, "continuous_batching": decode})
+        super().__init__(**scripted)
+        self.decode = decode if isinstance(decode, DecodeModel) else read(DecodeModel, decode,
+                                                                          "engine.continuous_batching")
+        self.steps = 0
+        self.running_sum = 0
+        self._cond = threading.Condition()
+        self._waiting: list[_Running] = []  # join at the next step boundary
+        self._running: list[_Running] = []
+        self._closed = False
+        self._thread = threading.Thread(target=self._decode, name="ragen-scripted-decode", daemon=True)
+        self._thread.start()
+
+    generate = StreamingEngine.generate  # submit and wait: not ScriptedEngine's timed call
+
+    def submit(self, requests: Sequence[GenerationRequest], sampling: SamplingParams) -> list[Future]:
+        entries = [_Running(Future(), r, sampling, self.decode_steps(r, sampling)) for r in requests]
+        with self._cond:
+            if self._closed:
+                raise RuntimeError("the engine is closed")
+            self._waiting += entries
+            self._cond.notify_all()
+        return [e.future for e in entries]
+
+    def decode_steps(self, request: GenerationRequest, sampling: SamplingParams) -> int:
+        """The decode steps ``request`` runs (its answer's length in the timing model)."""
+        # the answer's key and one more element: a seed of its own, apart from the answer's choices
+        return self.decode.tokens(request_seed(self.seed, (sampling.seed, *request.key, 1)))
+
+    def _decode(self) -> None:
+        while True:
+            with self._cond:
+                while not (self._closed or self._running or self._waiting):
+                    self._cond.wait()  # unbounded: idle until a request arrives or close() (a daemon thread)
+                if self._closed:
+                    return
+                self._running += self._waiting
+                self._waiting = []
+                running = len(self._running)
+                steps = self._run_steps(self.decode.step_cost(running), min(e.left for e in self._running))
+                if self._closed:
+                    return
+                self.steps += steps
+                self.running_sum += steps * running
+                for e in self._running:
+                    e.left -= steps
+                done = [e for e in self._running if e.left <= 0]
+                self._running = [e for e in self._running if e.left > 0]
+            for e in done:  # outside the lock: a future's callbacks may submit again
+                self._resolve(e)
+
+    def _run_steps(self, step: float, most: int) -> int:
+        """Wait (the lock released) while up to ``most`` steps of ``step`` seconds
+        run; fewer when a request arrives, which joins at the next boundary."""
+        start = time.monotonic()
+        end = start + most * step
+        while not self._closed:
+            now = time.monotonic()
+            if now >= end:
+                return most
+            if self._waiting:
+                steps = min(most, int((now - start) / step) + 1)  # the step under way ends first
+                boundary = start + steps * step
+                while not self._closed and time.monotonic() < boundary:
+                    self._cond.wait(boundary - time.monotonic())
+                return steps
+            self._cond.wait(end - now)
+        return 0
+
+    def _resolve(self, entry: _Running) -> None:
+        try:
+            completion: Completion = self._complete(entry.request, entry.sampling)
+        except Exception as exc:  # handed to whoever waits for this request
+            entry.future.set_exception(exc)
+            return
+        entry.future.set_result(completion)
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            pending = self._waiting + self._running
+            self._waiting, self._running = [], []
+            self._cond.notify_all()
+        self._thread.join(CLOSE_WAIT_S)
+        for e in pending:
+            e.future.set_exception(RuntimeError("the engine was closed before this request was answered"))
+        super().close()

@@ -9,6 +9,9 @@
   stopped, and the policy version that produced it.
 - ``Engine``: ``generate(requests, sampling) -> completions``, one completion per
   request, in request order.
+- ``StreamingEngine``: an engine that batches continuously, whose
+  ``submit(requests, sampling)`` returns a future per request, resolved as
+  soon as that request is done.
 
 All three data classes are plain, JSON-able data: they cross process
 boundaries (``to_dict`` / ``from_dict``); the engine itself never does.
@@ -20,6 +23,7 @@ randomness is derived: every engine seeds its per-request sampler from it.
 from __future__ import annotations
 
 import hashlib
+from concurrent.futures import Future
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any, Self, Sequence
@@ -122,6 +126,7 @@ class Engine(ABC):
     """
 
     name: str = "engine"
+    streams: bool = False  # a StreamingEngine: completions come back one by one as they are done
     # whether completions carry ``logprobs`` (the trainer's off-policy correction needs them);
     # an engine that asks a server for them may still get none back, and says so per completion
     returns_logprobs: bool = False
@@ -137,6 +142,11 @@ class Engine(ABC):
     def generate(self, requests: Sequence[GenerationRequest], sampling: SamplingParams) -> list[Completion]:
         """One completion per request, in request order."""
 
+    @classmethod
+    def check_options(cls, options: dict[str, Any]) -> None:
+        """ValueError naming the ``engine.<key>`` whose value this engine refuses,
+        read before anything is built or loaded (``ragen.llm.check_engine_config``)."""
+
     def bump_policy_version(self) -> int:
         self.policy_version += 1
         return self.policy_version
@@ -147,3 +157,26 @@ class Engine(ABC):
 
     def close(self) -> None:
         pass
+
+
+class StreamingEngine(Engine):
+    """An engine that batches continuously: each request joins the running
+    batch as it arrives, and its completion comes back as soon as it is done,
+    whatever the other requests still need.
+
+    ``submit(requests, sampling)`` returns one ``concurrent.futures.Future``
+    per request, resolved with its ``Completion`` (or the engine's error).
+    ``generate`` submits and waits for all: a streaming engine serves the
+    batch path too, where a call lasts as long as its longest answer.
+    """
+
+    streams = True
+
+    @abstractmethod
+    def submit(self, requests: Sequence[GenerationRequest], sampling: SamplingParams) -> list[Future]:
+        """One future per request, in request order."""
+
+    def generate(self, requests: Sequence[GenerationRequest], sampling: SamplingParams) -> list[Completion]:
+        # Unbounded wait on each future: an engine resolves every future it hands out, with
+        # its completion or an error (close() fails the ones still running).
+        return [f.result() for f in self.submit(requests, sampling)]
