@@ -46,6 +46,7 @@ def run_envs(
     max_live_envs: int | None = None,
     pipeline_depth: int = 1,
     env_timeout_s: float | None = None,
+    env_level: bool = False,
 ) -> tuple[list[Trajectory], LoopStats]:
     """Play every spec to the end; one trajectory per spec, in spec order.
 
@@ -67,10 +68,13 @@ def run_envs(
 
     ``pipeline_depth``: the streams the specs are split into (one: RAGEN's
     loop, one engine call a turn). ``env_timeout_s``: a limit on each env call
-    where ``config.env_timeout_s`` sets none (the fallback's).
+    where ``config.env_timeout_s`` sets none (the fallback's). ``env_level``:
+    every env a stream of its own, with no barrier between envs: an env takes
+    its next turn as soon as its own answer is in and its step done (for a
+    client that answers requests as they finish, ``StreamingDirectClient``).
     """
     loop = _TurnLoop(client, config, kept_envs if kept_envs is not None else KeptEnvs(), isolate_errors, fault,
-                     on_finished, pipeline_depth, config.env_timeout_s or env_timeout_s)
+                     on_finished, pipeline_depth, config.env_timeout_s or env_timeout_s, env_level)
     slots = [EnvSlot(s) for s in specs]
     try:
         loop.play(slots, take, max_live_envs)
@@ -110,6 +114,7 @@ class _TurnLoop:
     on_finished: Callable[[int], None] | None
     pipeline_depth: int
     env_timeout_s: float | None
+    env_level: bool = False
     stats: LoopStats = field(default_factory=LoopStats)
     inflight: dict[int, list[EnvSlot]] = field(default_factory=dict)
     riders: set[int] = field(default_factory=set)
@@ -125,7 +130,11 @@ class _TurnLoop:
         """Every env of ``slots``, and of the chunks ``take`` gives (added to
         ``slots``), played to its end."""
         created = self.kept_envs.created
-        streams = _split_streams(slots, self.pipeline_depth) if slots else []
+        if self.env_level and take is not None:
+            raise ValueError("env_level plays the specs it is given, one stream an env; chunks taken from a "
+                             "queue open one stream a chunk at the shared manager")
+        streams = ([[s] for s in slots] if self.env_level else _split_streams(slots, self.pipeline_depth)) \
+            if slots else []
         if streams:
             self.client.open_streams(len(streams))
         self.open_streams = len(streams)

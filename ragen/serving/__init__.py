@@ -15,7 +15,7 @@
 """
 
 from ragen.serving.address import check_listen_address
-from ragen.serving.client import DirectClient, LLMClient, SharedLLMClient
+from ragen.serving.client import DirectClient, LLMClient, SharedLLMClient, StreamingDirectClient, direct_client
 from ragen.serving.coalescer import CallCostModel, Coalescer, Decision, Pending, StreamClock
 from ragen.serving.hooks import Hooks, Observer, Reply
 from ragen.serving.server import SharedLLMInferenceManager
@@ -25,5 +25,5 @@ from ragen.serving.wire import AuthenticationError, EngineError, ProtocolError
 __all__ = [
     "AuthenticationError", "CallCostModel", "Coalescer", "Decision", "DirectClient", "EngineError", "Hooks",
     "LLMClient", "ManagerStats", "Observer", "Pending", "ProtocolError", "Reply", "SharedLLMClient",
-    "SharedLLMInferenceManager", "StreamClock", "check_listen_address",
+    "SharedLLMInferenceManager", "StreamingDirectClient", "StreamClock", "check_listen_address", "direct_client",
 ]

@@ -4,7 +4,9 @@
 for the next finished ticket, and tell the coalescer how many streams (a
 micro-batch with its own request in flight) are open. ``DirectClient`` calls
 an engine in the caller's thread (the sequential rollout: one engine call per
-turn over all active envs, RAGEN's loop). ``SharedLLMClient`` reaches the
+turn over all active envs, RAGEN's loop); ``StreamingDirectClient`` hands each
+request to an engine that batches continuously and answers tickets as they
+finish (``direct_client`` picks the one an engine needs). ``SharedLLMClient`` reaches the
 driver's ``SharedLLMInferenceManager`` from worker processes: it is small and
 picklable (address, key and the tag it works under), and each process and
 thread opens its own connection on first use. Besides generating, it makes
@@ -14,6 +16,7 @@ counts that ride on its next message (``server.Hooks``).
 
 from __future__ import annotations
 
+import concurrent.futures
 import os
 import select
 import socket
@@ -87,6 +90,74 @@ class DirectClient:
 
     def reset(self) -> None:
         self._queue.clear()
+
+
+class StreamingDirectClient:
+    """A ``StreamingEngine`` reached from the caller's thread: each submit goes
+    to the engine at once, and a ticket is answered as soon as all of its
+    requests are done, in whatever order tickets finish. ``engine_time_s`` is
+    the time the engine had requests in flight."""
+
+    def __init__(self, engine: Engine) -> None:
+        if not getattr(engine, "streams", False):
+            raise TypeError(f"{type(engine).__name__} does not stream completions: use DirectClient")
+        self.engine = engine
+        self._pending: dict[int, list[concurrent.futures.Future]] = {}
+        self._next = 0
+        self._lock = threading.Lock()  # the in-flight count, updated from the engine's thread
+        self._in_flight = 0
+        self._busy_since = 0.0
+        self.engine_time_s = 0.0
+        self.engine_calls = 0
+        self.batch_sizes: list[int] = []
+
+    def submit(self, requests: list[GenerationRequest], sampling: SamplingParams) -> int:
+        self._next += 1
+        with self._lock:
+            if self._in_flight == 0:
+                self._busy_since = time.perf_counter()
+            self._in_flight += len(requests)
+        futures = self.engine.submit(requests, sampling)
+        for f in futures:
+            f.add_done_callback(self._one_done)
+        self._pending[self._next] = futures
+        self.engine_calls += 1
+        self.batch_sizes.append(len(requests))
+        return self._next
+
+    def _one_done(self, _: concurrent.futures.Future) -> None:
+        with self._lock:
+            self._in_flight -= 1
+            if self._in_flight == 0:
+                self.engine_time_s += time.perf_counter() - self._busy_since
+
+    def _finished(self) -> int | None:
+        return next((t for t, fs in self._pending.items() if all(f.done() for f in fs)), None)
+
+    def wait_any(self) -> tuple[int, list[Completion]]:
+        while (ticket := self._finished()) is None:
+            waiting = [f for fs in self._pending.values() for f in fs if not f.done()]
+            # Unbounded: the engine resolves every future it hands out (an answer, an error, or
+            # its close() failing the rest); a ticket's last future done makes it finished.
+            concurrent.futures.wait(waiting, return_when=concurrent.futures.FIRST_COMPLETED)
+        return ticket, [f.result() for f in self._pending.pop(ticket)]
+
+    def open_streams(self, n: int) -> None:
+        pass
+
+    def close_stream(self) -> None:
+        pass
+
+    def ready(self) -> bool:
+        return self._finished() is not None
+
+    def reset(self) -> None:
+        self._pending.clear()
+
+
+def direct_client(engine: Engine) -> DirectClient | StreamingDirectClient:
+    """The client that calls ``engine`` from the caller's thread: streaming when the engine streams."""
+    return StreamingDirectClient(engine) if getattr(engine, "streams", False) else DirectClient(engine)
 
 
 _LOCAL = threading.local()
