@@ -103,6 +103,8 @@ def test_the_streaming_client_answers_tickets_as_they_finish():
         tickets = [client.submit([r], loop_config().sampling) for r in requests]
         answered = {client.wait_any()[0] for _ in tickets}
         assert answered == set(tickets) and not client.ready()
+        with pytest.raises(RuntimeError, match="no request in flight"):  # never an endless wait on nothing
+            client.wait_any()
         assert client.engine_calls == 3 and client.batch_sizes == [1, 1, 1] and client.engine_time_s > 0
     finally:
         engine.close()

@@ -259,11 +259,13 @@ class ScriptedStreamingEngine(ScriptedEngine, StreamingEngine):
     request ends; see the module docstring."""
 
     def __init__(self, *, continuous_batching: DecodeModel | Mapping[str, Any] | None = None, **scripted: Any) -> None:
+        super().__init__(**scripted)  # checks the scripted options
         decode = continuous_batching if continuous_batching is not None else {}
-        self.check_options({**scripted, "continuous_batching": decode})
-        super().__init__(**scripted)
         self.decode = decode if isinstance(decode, DecodeModel) else read(DecodeModel, decode,
                                                                           "engine.continuous_batching")
+        # the cost models together (the built DecodeModel is not read again)
+        self.check_options({"base_s": self.base_s, "per_token_s": self.per_token_s,
+                            "continuous_batching": self.decode})
         self.steps = 0
         self.running_sum = 0
         self._cond = threading.Condition()

@@ -135,6 +135,8 @@ class StreamingDirectClient:
         return next((t for t, fs in self._pending.items() if all(f.done() for f in fs)), None)
 
     def wait_any(self) -> tuple[int, list[Completion]]:
+        if not self._pending:
+            raise RuntimeError("no request in flight to wait for")
         while (ticket := self._finished()) is None:
             waiting = [f for fs in self._pending.values() for f in fs if not f.done()]
             # Unbounded: the engine resolves every future it hands out (an answer, an error, or
