@@ -35,6 +35,8 @@ __all__ = [
     "make_engine",
     "check_engine_config",
     "engine_returns_logprobs",
+    "engine_streams",
+    "STREAMING_ENGINES",
     "ENGINE_CLASSES",
     "ScriptedEngine",
     "HFEngine",
@@ -70,6 +72,16 @@ def check_engine_config(engine_cfg: Mapping[str, Any]) -> tuple[str, dict[str, A
     check_keys(cfg, keys, "engine", hint=f"; the options of engine {name!r} are {sorted(keys)}")
     engine_class.check_options(cfg)
     return name, cfg
+
+
+# which engines stream completions (``Engine.streams_with``), for errors that say which to choose
+STREAMING_ENGINES = "engine=vllm, engine=openai, or engine=scripted with engine.continuous_batching"
+
+
+def engine_streams(engine_cfg: Mapping[str, Any]) -> bool:
+    """Whether the engine ``engine_cfg`` describes streams completions (without building it)."""
+    name, cfg = check_engine_config(engine_cfg)
+    return bool(_load_class(name).streams_with(cfg))
 
 
 def engine_returns_logprobs(name: str) -> bool:

@@ -133,6 +133,10 @@ class ScriptedEngine(Engine):
                 read(DecodeModel, decode, "engine.continuous_batching")
 
     @classmethod
+    def streams_with(cls, options: dict[str, Any]) -> bool:
+        return options.get("continuous_batching") is not None
+
+    @classmethod
     def from_config(cls, cfg: Mapping[str, Any], model_path: str | None = None) -> "ScriptedEngine":
         """The scripted policy has no weights: ``model_path`` is unused. With
         ``continuous_batching`` set, the engine that batches continuously."""
@@ -309,7 +313,8 @@ class ScriptedStreamingEngine(ScriptedEngine, StreamingEngine):
                 for e in self._running:
                     e.left -= steps
                 done = [e for e in self._running if e.left <= 0]
-                self._running = [e for e in self._running if e.left > 0]
+                # a cancelled request leaves the batch (vLLM aborts it)
+                self._running = [e for e in self._running if e.left > 0 and not e.future.cancelled()]
             for e in done:  # outside the lock: a future's callbacks may submit again
                 self._resolve(e)
 
@@ -332,6 +337,8 @@ class ScriptedStreamingEngine(ScriptedEngine, StreamingEngine):
         return 0
 
     def _resolve(self, entry: _Running) -> None:
+        if not entry.future.set_running_or_notify_cancel():
+            return  # cancelled by whoever gave up on it
         try:
             completion: Completion = self._complete(entry.request, entry.sampling)
         except Exception as exc:  # handed to whoever waits for this request
@@ -347,5 +354,6 @@ class ScriptedStreamingEngine(ScriptedEngine, StreamingEngine):
             self._cond.notify_all()
         self._thread.join(CLOSE_WAIT_S)
         for e in pending:
-            e.future.set_exception(RuntimeError("the engine was closed before this request was answered"))
+            if e.future.set_running_or_notify_cancel():
+                e.future.set_exception(RuntimeError("the engine was closed before this request was answered"))
         super().close()

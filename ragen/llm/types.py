@@ -147,6 +147,11 @@ class Engine(ABC):
         """ValueError naming the ``engine.<key>`` whose value this engine refuses,
         read before anything is built or loaded (``ragen.llm.check_engine_config``)."""
 
+    @classmethod
+    def streams_with(cls, options: dict[str, Any]) -> bool:
+        """Whether the engine built from ``options`` streams completions (read before it is built)."""
+        return cls.streams
+
     def bump_policy_version(self) -> int:
         self.policy_version += 1
         return self.policy_version

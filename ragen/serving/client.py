@@ -28,24 +28,43 @@ from typing import Any, Protocol
 
 from ragen.llm.types import Completion, Engine, GenerationRequest, SamplingParams
 from ragen.serving import wire
+from ragen.serving.gate import EngineGate
 
 _CONNECT_TIMEOUT_S = 30.0
 _CONNECT_TRIES = 3
+# The longest a held message waits for others to share its frame: the engine
+# gets each request at most this late, and a worker's messages stay about one
+# a turn of its envs, not one an env.
+HOLD_S = 0.002
 
 
 class LLMClient(Protocol):
     """What the turn loop talks to: requests submitted for a ticket, answers waited for by ticket,
-    and the streams a worker opens and closes."""
+    and the streams a worker opens and closes. ``streams``: its engine answers each request as
+    soon as it is done (so the loop runs env-level turns)."""
 
-    def submit(self, requests: list[GenerationRequest], sampling: SamplingParams) -> int:
+    streams: bool
+
+    def submit(self, requests: list[GenerationRequest], sampling: SamplingParams, hold: bool = False) -> int:
         """A ticket for the requests' answers; ``wire.MessageTooLarge``, with
-        nothing sent, when a client with a message limit cannot carry them."""
+        nothing sent, when a client with a message limit cannot carry them.
+        ``hold``: the message may wait (briefly) for others to share its
+        frame; ``flush``, ``ready`` and ``wait_any`` send what waits."""
 
-    def wait_any(self) -> tuple[int, list[Completion]]: ...
+    def wait_any(self, timeout: float | None = None) -> tuple[int, list[Completion]] | None:
+        """The next finished ticket and its completions; None when ``timeout``
+        seconds passed first (None: no limit). ``wire.EngineError`` naming
+        the ticket when the engine failed on it."""
+
+    def abandon(self, ticket: int) -> None:
+        """Stop waiting for ``ticket`` (its answer, if it comes, is dropped)."""
+
+    def flush(self) -> None:
+        """Send what ``hold`` kept back."""
 
     def open_streams(self, n: int) -> None: ...
 
-    def close_stream(self) -> None: ...
+    def close_stream(self, hold: bool = False) -> None: ...
 
     def ready(self) -> bool:
         """Whether an answer has arrived, so that ``wait_any`` will not block."""
@@ -57,6 +76,8 @@ class LLMClient(Protocol):
 class DirectClient:
     """An engine called in the caller's thread; tickets answered in order."""
 
+    streams = False
+
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
         self._queue: deque[tuple[int, list[GenerationRequest], SamplingParams]] = deque()
@@ -65,12 +86,14 @@ class DirectClient:
         self.engine_calls = 0
         self.batch_sizes: list[int] = []
 
-    def submit(self, requests: list[GenerationRequest], sampling: SamplingParams) -> int:
+    def submit(self, requests: list[GenerationRequest], sampling: SamplingParams, hold: bool = False) -> int:
         self._next += 1
         self._queue.append((self._next, requests, sampling))
         return self._next
 
-    def wait_any(self) -> tuple[int, list[Completion]]:
+    def wait_any(self, timeout: float | None = None) -> tuple[int, list[Completion]]:
+        # ``timeout`` is not applied: the engine runs in this thread, and its call ends when the
+        # engine's does (each engine bounds its own calls: its server's timeout, or a local model's steps)
         ticket, requests, sampling = self._queue.popleft()
         t0 = time.perf_counter()
         completions = self.engine.generate(requests, sampling)
@@ -79,10 +102,16 @@ class DirectClient:
         self.batch_sizes.append(len(requests))
         return ticket, completions
 
+    def abandon(self, ticket: int) -> None:
+        self._queue = deque(q for q in self._queue if q[0] != ticket)
+
+    def flush(self) -> None:
+        pass
+
     def open_streams(self, n: int) -> None:
         pass
 
-    def close_stream(self) -> None:
+    def close_stream(self, hold: bool = False) -> None:
         pass
 
     def ready(self) -> bool:
@@ -96,12 +125,16 @@ class StreamingDirectClient:
     """A ``StreamingEngine`` reached from the caller's thread: each submit goes
     to the engine at once, and a ticket is answered as soon as all of its
     requests are done, in whatever order tickets finish. ``engine_time_s`` is
-    the time the engine had requests in flight."""
+    the time the engine had requests in flight. ``gate``: the engine lock,
+    held shared by each request from its submit to its answer."""
 
-    def __init__(self, engine: Engine) -> None:
+    streams = True
+
+    def __init__(self, engine: Engine, gate: EngineGate | None = None) -> None:
         if not getattr(engine, "streams", False):
             raise TypeError(f"{type(engine).__name__} does not stream completions: use DirectClient")
         self.engine = engine
+        self.gate = gate
         self._pending: dict[int, list[concurrent.futures.Future]] = {}
         self._next = 0
         self._lock = threading.Lock()  # the in-flight count, updated from the engine's thread
@@ -111,13 +144,20 @@ class StreamingDirectClient:
         self.engine_calls = 0
         self.batch_sizes: list[int] = []
 
-    def submit(self, requests: list[GenerationRequest], sampling: SamplingParams) -> int:
+    def submit(self, requests: list[GenerationRequest], sampling: SamplingParams, hold: bool = False) -> int:
         self._next += 1
+        if self.gate is not None:
+            self.gate.enter(len(requests))
         with self._lock:
             if self._in_flight == 0:
                 self._busy_since = time.perf_counter()
             self._in_flight += len(requests)
-        futures = self.engine.submit(requests, sampling)
+        try:
+            futures = self.engine.submit(requests, sampling)
+        except BaseException:
+            for _ in requests:
+                self._one_done(None)
+            raise
         for f in futures:
             f.add_done_callback(self._one_done)
         self._pending[self._next] = futures
@@ -125,36 +165,55 @@ class StreamingDirectClient:
         self.batch_sizes.append(len(requests))
         return self._next
 
-    def _one_done(self, _: concurrent.futures.Future) -> None:
+    def _one_done(self, _: concurrent.futures.Future | None) -> None:
         with self._lock:
             self._in_flight -= 1
             if self._in_flight == 0:
                 self.engine_time_s += time.perf_counter() - self._busy_since
+        if self.gate is not None:
+            self.gate.leave()
 
     def _finished(self) -> int | None:
         return next((t for t, fs in self._pending.items() if all(f.done() for f in fs)), None)
 
-    def wait_any(self) -> tuple[int, list[Completion]]:
+    def wait_any(self, timeout: float | None = None) -> tuple[int, list[Completion]] | None:
         if not self._pending:
             raise RuntimeError("no request in flight to wait for")
+        deadline = None if timeout is None else time.monotonic() + timeout
         while (ticket := self._finished()) is None:
             waiting = [f for fs in self._pending.values() for f in fs if not f.done()]
-            # Unbounded: the engine resolves every future it hands out (an answer, an error, or
-            # its close() failing the rest); a ticket's last future done makes it finished.
-            concurrent.futures.wait(waiting, return_when=concurrent.futures.FIRST_COMPLETED)
-        return ticket, [f.result() for f in self._pending.pop(ticket)]
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                return None
+            # None (no timeout) is unbounded: the engine resolves every future it hands out (an
+            # answer, an error, or its close() failing the rest); a ticket's last future done
+            # makes it finished.
+            concurrent.futures.wait(waiting, timeout=left, return_when=concurrent.futures.FIRST_COMPLETED)
+        futures = self._pending.pop(ticket)
+        failed = next((f.exception() for f in futures if f.exception() is not None), None)
+        if failed is not None:
+            raise wire.EngineError(f"{type(failed).__name__}: {failed}", ticket) from failed
+        return ticket, [f.result() for f in futures]
+
+    def abandon(self, ticket: int) -> None:
+        for f in self._pending.pop(ticket, ()):
+            f.cancel()  # the engine drops a request it has not answered yet
+
+    def flush(self) -> None:
+        pass
 
     def open_streams(self, n: int) -> None:
         pass
 
-    def close_stream(self) -> None:
+    def close_stream(self, hold: bool = False) -> None:
         pass
 
     def ready(self) -> bool:
         return self._finished() is not None
 
     def reset(self) -> None:
-        self._pending.clear()
+        for ticket in list(self._pending):
+            self.abandon(ticket)
 
 
 def direct_client(engine: Engine) -> DirectClient | StreamingDirectClient:
@@ -174,6 +233,7 @@ class SharedLLMClient:
     timeout_s: float | None = None  # for one answer; None: wait as long as it takes
     tag: int | None = None  # the announced tag its streams are opened and its calls made under
     max_message_bytes: int = 64 << 20  # the largest frame it reads, as the manager caps what it reads
+    streams: bool = False  # the manager's engine answers each request as soon as it is done
 
     def _key(self) -> tuple:
         """This process's connection to this manager (a forked child opens its own)."""
@@ -187,8 +247,9 @@ class SharedLLMClient:
         state = cache.get(key)
         if state is None:
             # transit: seconds its messages spent on the wire, summed, and how many (transit())
+            # held: messages kept back to share a frame (submit(hold=True)), sent by flush()
             state = {"sock": self._connect(), "ticket": 0, "outstanding": set(), "inbox": deque(), "notes": {},
-                     "transit": [0.0, 0]}
+                     "transit": [0.0, 0], "held": [], "held_since": 0.0}
             cache[key] = state
         return state
 
@@ -242,9 +303,40 @@ class SharedLLMClient:
     def open_streams(self, n: int) -> None:
         wire.send_frame(self._state()["sock"], {"op": "open", "n": n, "tag": self.tag})
 
-    def close_stream(self) -> None:
+    def close_stream(self, hold: bool = False) -> None:
         state = self._state()
+        if hold or state["held"]:  # after the held requests of its stream, never before them
+            self._hold(state, wire.frame({"op": "close", "n": 1})[wire.HEADER_BYTES:])
+            return
         wire.send_frame(state["sock"], self._with_notes(state, {"op": "close", "n": 1}))
+
+    def _hold(self, state: dict[str, Any], msg: bytes) -> None:
+        """``msg`` (an encoded message) kept back to share a frame; all sent once the oldest waited ``HOLD_S``."""
+        if not state["held"]:
+            state["held_since"] = time.monotonic()
+        state["held"].append(msg)
+        if time.monotonic() - state["held_since"] >= HOLD_S:
+            self.flush()
+
+    def flush(self) -> None:
+        """Sends the held messages, as few frames as the message limit allows
+        (``{"op": "batch", "msgs": [encoded message, ...]}``: each encoded once,
+        when it was held); the notes ride on the first."""
+        state = getattr(_LOCAL, "conns", {}).get(self._key())
+        if state is None or not state["held"]:
+            return
+        held, state["held"] = state["held"], []
+        frames: list[list[bytes]] = [[]]
+        size = 0
+        for msg in held:
+            if frames[-1] and size + len(msg) > self.max_message_bytes - 4096:  # room for the batch's own fields
+                frames.append([])
+                size = 0
+            frames[-1].append(msg)
+            size += len(msg) + 8
+        for i, msgs in enumerate(frames):
+            batch = {"op": "batch", "msgs": msgs, "sent": time.monotonic()}
+            wire.send_frame(state["sock"], self._with_notes(state, batch) if i == 0 else batch)
 
     def note(self, name: str, n: int) -> None:
         """Adds ``n`` to the count ``name``, sent with the next message (a
@@ -258,33 +350,49 @@ class SharedLLMClient:
             msg["notes"], state["notes"] = state["notes"], {}
         return msg
 
-    def submit(self, requests: list[GenerationRequest], sampling: SamplingParams) -> int:
+    def submit(self, requests: list[GenerationRequest], sampling: SamplingParams, hold: bool = False) -> int:
         """The requests' ticket; ``wire.MessageTooLarge`` naming the requests to
         leave out (the largest first) when their message is longer than the
-        manager reads: nothing is sent then, and the connection goes on."""
+        manager reads: nothing is sent then, and the connection goes on.
+        ``hold``: kept back, for at most ``HOLD_S``, to share a frame with the
+        messages after it."""
         state = self._state()
         raw = [r.to_dict() for r in requests]
         msg = {"op": "gen", "ticket": state["ticket"] + 1, "sent": time.monotonic(), "requests": raw,
                "sampling": sampling.to_dict()}
+        if hold:
+            data = wire.frame(msg)[wire.HEADER_BYTES:]
+            if len(data) > self.max_message_bytes - 4096:  # it must fit a batch frame
+                self._refuse(raw, wire.MessageTooLarge(len(data) + 4096, self.max_message_bytes))
+            state["ticket"] += 1
+            state["outstanding"].add(state["ticket"])
+            self._hold(state, data)
+            return state["ticket"]
         if state["notes"]:
             msg["notes"] = state["notes"]
         try:
             wire.send_frame(state["sock"], msg, self.max_message_bytes)
         except wire.MessageTooLarge as exc:
-            sizes = {i: len(wire.frame(r)) for i, r in enumerate(raw)}
-            left, refused = exc.size, []
-            for i in sorted(sizes, key=sizes.__getitem__, reverse=True):
-                if left <= exc.limit:
-                    break
-                refused.append(i)
-                left -= sizes[i]
-            raise wire.MessageTooLarge(exc.size, exc.limit, refused, sizes) from None
+            self._refuse(raw, exc)
         state["notes"] = {}
         state["ticket"] += 1
         state["outstanding"].add(state["ticket"])
         return state["ticket"]
 
+    @staticmethod
+    def _refuse(raw: list[dict[str, Any]], exc: wire.MessageTooLarge) -> None:
+        """``wire.MessageTooLarge`` naming the requests to leave out, the largest first, until the rest fit."""
+        sizes = {i: len(wire.frame(r)) for i, r in enumerate(raw)}
+        left, refused = exc.size, []
+        for i in sorted(sizes, key=sizes.__getitem__, reverse=True):
+            if left <= exc.limit:
+                break
+            refused.append(i)
+            left -= sizes[i]
+        raise wire.MessageTooLarge(exc.size, exc.limit, refused, sizes) from None
+
     def ready(self) -> bool:
+        self.flush()
         state = self._state()
         if state["inbox"]:
             return True
@@ -358,11 +466,21 @@ class SharedLLMClient:
             if not sock._closed:  # type: ignore[attr-defined]
                 sock.settimeout(None)
 
-    def wait_any(self) -> tuple[int, list[Completion]]:
+    def abandon(self, ticket: int) -> None:
+        state = getattr(_LOCAL, "conns", {}).get(self._key())
+        if state is not None:
+            state["outstanding"].discard(ticket)
+
+    def wait_any(self, timeout: float | None = None) -> tuple[int, list[Completion]] | None:
+        self.flush()
         state = self._state()
         inbox = state["inbox"]
+        deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             while not inbox:
+                if deadline is not None and not select.select([state["sock"]], [], [],
+                                                              max(0.0, deadline - time.monotonic()))[0]:
+                    return None
                 reply = self._read_reply(state)
                 if "reply" in reply:  # only ever sent in reply to call(), which reads it itself
                     self.reset()
@@ -375,5 +493,5 @@ class SharedLLMClient:
                 continue  # an answer to a request abandoned after a failure
             state["outstanding"].discard(ticket)
             if "error" in msg:
-                raise wire.EngineError(msg["error"])
+                raise wire.EngineError(msg["error"], ticket)
             return ticket, [Completion.from_dict(c) for c in msg["completions"]]

@@ -161,12 +161,25 @@ class Connections:
         try:
             msg = wire.parse_message(data)
         except wire.BadMessage as exc:
-            self.stats.add(bad_messages=1)
-            logger.warning("bad message from %s: %s", conn.peer, exc)
-            conn.send({"answers": [{"ticket": exc.ticket, "error": f"bad message: {exc}"}]})
+            self._bad(conn, exc)
             return
         if msg.notes:
             self._take_notes(conn, msg.notes)
+        if isinstance(msg, wire.BatchMessage):
+            for item in msg.items:
+                if isinstance(item, wire.BadMessage):
+                    self._bad(conn, item)
+                else:
+                    self._dispatch(conn, item)
+            return
+        self._dispatch(conn, msg)
+
+    def _bad(self, conn: Connection, exc: wire.BadMessage) -> None:
+        self.stats.add(bad_messages=1)
+        logger.warning("bad message from %s: %s", conn.peer, exc)
+        conn.send({"answers": [{"ticket": exc.ticket, "error": f"bad message: {exc}"}]})
+
+    def _dispatch(self, conn: Connection, msg: wire.StreamsMessage | wire.CallMessage | wire.GenMessage) -> None:
         if isinstance(msg, wire.CallMessage):
             reply = self._call(conn, msg)
             try:
@@ -189,11 +202,12 @@ class Connections:
             conn.send({"answers": [{"ticket": msg.ticket, "completions": []}]})
             return
         now = time.monotonic()
-        pending = Pending(conn, msg.ticket, msg.requests, msg.sampling, now,
-                          None if msg.sent is None else now - msg.sent)
-        with self._cond:
-            self.coalescer.arrive(pending)
-            self._cond.notify_all()
+        self._arrive(Pending(conn, msg.ticket, msg.requests, msg.sampling, now,
+                             None if msg.sent is None else now - msg.sent))
+
+    def _arrive(self, pending: Pending) -> None:
+        """A request list for the engine (the manager's: coalesced, or streamed)."""
+        raise NotImplementedError
 
     def _take_notes(self, conn: Connection, notes: dict[str, int]) -> None:
         """The counts a message carried, to the note handlers of its connection's tag."""

@@ -30,8 +30,10 @@ from ragen.serving.address import check_listen_address, is_loopback
 from ragen.serving.client import SharedLLMClient
 from ragen.serving.coalescer import Coalescer, Pending
 from ragen.serving.connections import Connection, Connections
+from ragen.serving.gate import EngineGate
 from ragen.serving.hooks import Hooks, Observer, Reply
 from ragen.serving.stats import ManagerStats
+from ragen.serving.streamer import Streamer
 
 __all__ = ["Hooks", "ManagerStats", "Observer", "Reply", "SharedLLMInferenceManager", "check_listen_address"]
 
@@ -53,13 +55,14 @@ class SharedLLMInferenceManager(Connections):
         handshake_timeout_s: float = 5.0,
         max_coalesce_wait_s: float = 1.0,
         max_pending_handshakes: int = 64,
+        request_timeout_s: float | None = None,
     ) -> None:
         self.coalescer = Coalescer(max_batch_size, coalesce_wait_s, max_coalesce_wait_s)
         check_listen_address(host, port)
         if max_pending_handshakes < 1:
             raise ValueError(f"max_pending_handshakes must be >= 1, got {max_pending_handshakes}")
         self.engine = engine
-        self.engine_lock = threading.Lock()
+        self.engine_lock = EngineGate()
         self.max_batch_size = self.coalescer.max_batch_size
         if isinstance(max_message_bytes, bool) or not isinstance(max_message_bytes, int) or \
                 not 0 < max_message_bytes < 1 << 32:
@@ -84,6 +87,9 @@ class SharedLLMInferenceManager(Connections):
         # by announced tag; written under _cond, so a call's handler and withdraw never interleave
         self._hooks_lock = threading.Lock()
         self._hooks: dict[int, Hooks] = {}
+        # an engine that batches continuously gets each request list as it arrives
+        self.streamer = Streamer(engine, self.engine_lock, self.stats, self._send_answers, request_timeout_s) \
+            if getattr(engine, "streams", False) else None
         self._listener = socket.create_server((host, port))
         self.address: tuple[str, int] = self._listener.getsockname()[:2]
         self._threads = [
@@ -105,7 +111,20 @@ class SharedLLMInferenceManager(Connections):
 
     def client(self, timeout_s: float | None = None) -> SharedLLMClient:
         return SharedLLMClient(address=self.address, authkey=self._key, timeout_s=timeout_s,
-                               max_message_bytes=self.max_message_bytes)
+                               max_message_bytes=self.max_message_bytes, streams=self.streamer is not None)
+
+    def _arrive(self, pending: Pending) -> None:
+        if self.streamer is not None:
+            self.streamer.submit(pending)
+            return
+        with self._cond:
+            self.coalescer.arrive(pending)
+            self._cond.notify_all()
+
+    def _send_answers(self, answers: dict[Connection, list[dict[str, Any]]]) -> None:
+        """The streamer's answers, told to the observers, then sent."""
+        self._observe_answers(answers)
+        self._reply(answers)
 
     def announce(self, n_streams: int, hooks: Hooks | None = None) -> int:
         """The driver dispatched work whose workers will open ``n_streams``
@@ -318,6 +337,8 @@ class SharedLLMInferenceManager(Connections):
                 c.sock.shutdown(socket.SHUT_RDWR)
             except OSError:
                 pass
+        if self.streamer is not None:
+            self.streamer.close()
         for t in self._threads:
             t.join(timeout=5)
 

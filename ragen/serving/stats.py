@@ -54,6 +54,19 @@ class ManagerStats:
             self.engine_time_s += seconds
             self._call_spans.append(span)
 
+    def record_submit(self, n: int) -> None:
+        """A request list of ``n`` handed to a streaming engine (counted as a call of its size)."""
+        with self._lock:
+            self.engine_calls += 1
+            self._batch_sizes.append(n)
+            self.requests += n
+
+    def record_busy(self, span: tuple[float, float]) -> None:
+        """A streaming engine had requests in flight from ``span[0]`` to ``span[1]`` (monotonic)."""
+        with self._lock:
+            self.engine_time_s += span[1] - span[0]
+            self._call_spans.append(span)
+
     def snapshot(self) -> "ManagerStats":
         with self._lock:
             return ManagerStats(**{**{k: v for k, v in self.__dict__.items() if k != "_lock"},

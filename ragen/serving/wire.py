@@ -9,7 +9,7 @@ refuses a frame longer than its ``max_message_bytes`` (and closes the
 connection: the stream is out of step), so a sender checks its own message
 against that limit before it sends (``send_frame``, ``MessageTooLarge``).
 
-- Handshake, within one deadline in all: manager -> client ``b"RAGEN3"`` and a
+- Handshake, within one deadline in all: manager -> client ``b"RAGEN4"`` and a
   32-byte nonce; client -> manager ``HMAC-SHA256(key, b"ragen client" + that
   nonce)`` and a 32-byte nonce of its own; the manager checks the HMAC (a wrong
   one closes the connection), then sends the frame ``{"ok": True, "proof":
@@ -25,10 +25,14 @@ against that limit before it sends (``send_frame``, ``MessageTooLarge``).
   alone, never failing the engine call it would have joined. A ``close``,
   ``call`` or ``gen`` message may add ``"notes": {name: k}``: counts the
   worker gathered since its last message, for the hooks of its connection's
-  tag (absent means none).
+  tag (absent means none). ``{"op": "batch", "msgs": [bytes, ...]}``: gen
+  and close messages, each encoded as a frame's payload, that a worker held
+  back to send together (env-level turns: one frame for the requests that
+  became ready together, not one a request).
 - Manager -> client: ``{"reply": p}`` (a call's reply; with ``"error": msg``
   when it could not be answered), or ``{"answers": [...]}``, one frame per
-  connection and engine call; each answer is ``{"ticket": t, "completions":
+  connection and engine call (a streaming engine: per connection, the
+  answers that finished since the last frame); each answer is ``{"ticket": t, "completions":
   [...]}`` (the answers' token ids and log-probs, not the prompts' token ids:
   those stay in the driver) or ``{"ticket": t, "error": msg}``.
 """
@@ -52,7 +56,7 @@ from ragen.llm.types import Completion, GenerationRequest, SamplingParams
 
 logger = logging.getLogger(__name__)
 
-MAGIC = b"RAGEN3"  # the protocol's version: a manager and a client of different versions refuse each other
+MAGIC = b"RAGEN4"  # the protocol's version: a manager and a client of different versions refuse each other
 NONCE_BYTES = 32
 DIGEST_BYTES = hashlib.sha256().digest_size
 # Each side proves the key over its own label, so what one side answers can
@@ -63,7 +67,11 @@ HEADER_BYTES = _HEADER.size  # a frame's length prefix
 
 
 class EngineError(RuntimeError):
-    """The shared engine failed on a request (raised in the client)."""
+    """The engine failed on a request (raised in the client); ``ticket``: that request's, where known."""
+
+    def __init__(self, message: str, ticket: int | None = None) -> None:
+        super().__init__(message)
+        self.ticket = ticket
 
 
 class ProtocolError(RuntimeError):
@@ -245,6 +253,18 @@ class GenMessage:
     sent: float | None = None  # the worker's time.monotonic() when it began encoding the message
 
 
+@dataclass(frozen=True)
+class BatchMessage:
+    """Messages a worker held back to send in one frame: ``gen`` and ``close``
+    messages, each parsed on its own (a malformed one is its ``BadMessage``)."""
+
+    items: list[StreamsMessage | GenMessage | BadMessage]
+    notes: dict[str, int] = field(default_factory=dict)
+
+
+MAX_BATCH = 1 << 16  # messages in one batch
+
+
 class BadMessage(ValueError):
     """A malformed message; ``ticket`` is its ticket where one could be read."""
 
@@ -308,7 +328,7 @@ def _check_fields(values: dict[str, Any], checks: dict[str, Any], where: str) ->
             raise ValueError(f"{where}.{name} must be {what}, got {repr(values[name])[:80]}")
 
 
-def parse_message(data: bytes) -> StreamsMessage | CallMessage | GenMessage:
+def parse_message(data: bytes, in_batch: bool = False) -> StreamsMessage | CallMessage | GenMessage | BatchMessage:
     """A client's message, every field checked; BadMessage saying what is wrong otherwise."""
     ticket = None
     try:
@@ -317,6 +337,20 @@ def parse_message(data: bytes) -> StreamsMessage | CallMessage | GenMessage:
             raise ValueError("a message must be a dict")
         op = msg.get("op")
         notes = _notes(msg)
+        if op == "batch" and not in_batch:
+            items = msg.get("msgs")
+            if not isinstance(items, list) or not all(isinstance(m, bytes) for m in items) or len(items) > MAX_BATCH:
+                raise ValueError(f"'msgs' must be a list of at most {MAX_BATCH} encoded messages")
+            parsed: list[StreamsMessage | GenMessage | BadMessage] = []
+            for item in items:
+                try:
+                    one = parse_message(item, in_batch=True)
+                    if isinstance(one, CallMessage):
+                        raise BadMessage("a call cannot be held in a batch: its reply is awaited")
+                    parsed.append(one)  # type: ignore[arg-type]
+                except BadMessage as exc:
+                    parsed.append(exc)
+            return BatchMessage(parsed, notes)
         if op in ("open", "close"):
             n = msg.get("n")
             if not _is_int(n) or not 0 <= n <= 1 << 16:
