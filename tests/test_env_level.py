@@ -112,8 +112,17 @@ def test_the_streaming_client_answers_tickets_as_they_finish():
         StreamingDirectClient(ScriptedEngine())
 
 
-def test_env_level_refuses_chunks_from_a_queue():
-    specs = specs_for(["FrozenLake"], [1], 1, custom_envs())
-    with pytest.raises(ValueError, match="env_level plays the specs it is given"):
-        run_envs(specs, DirectClient(ScriptedEngine()), loop_config(), kept_envs=KeptEnvs(), env_level=True,
-                 take=lambda: [])
+@pytest.mark.timeout(120)
+def test_env_level_takes_chunks_from_a_queue():
+    """Pull-based work: each chunk taken plays env by env, with the lockstep loop's trajectories."""
+    specs = specs_for(["SimpleSokoban", "FrozenLake", "Bandit"], [3, 3, 2], 2, custom_envs(), seed=3)
+    config = loop_config(max_turn=3)
+    reference, _ = run_envs(specs, DirectClient(ScriptedEngine(malformed_rate=0.1)), config, kept_envs=KeptEnvs())
+    chunks = [specs[i: i + 4] for i in range(4, len(specs), 4)]
+    engine = streaming_engine()
+    try:
+        got, stats = run_envs(specs[:4], StreamingDirectClient(engine), config, kept_envs=KeptEnvs(), env_level=True,
+                              take=lambda: chunks.pop(0) if chunks else [], max_live_envs=6)
+    finally:
+        engine.close()
+    assert got == reference and stats.chunks == 3

@@ -56,6 +56,32 @@ def check_time_limit(key: str, value: Any) -> None:
         raise ValueError(f"agent_proxy.{key} must be > 0 seconds, got {shown}; for no limit write null")
 
 
+# An engine that never answers a request must not hold its env (or, in lockstep turns, its worker)
+# for ever; long enough for a large batch of long answers on a CPU.
+DEFAULT_ENGINE_TIMEOUT_S = 600.0
+
+ENV_LEVEL_ASYNC = ("auto", True, False)
+
+
+def check_env_level_async(value: Any) -> None:
+    """``agent_proxy.env_level_async``: auto, true or false; ValueError naming the key otherwise."""
+    if value == "auto" or isinstance(value, bool):
+        return
+    raise ValueError(f"agent_proxy.env_level_async must be auto (env-level turns when the engine streams "
+                     f"completions), true or false, got {value!r}")
+
+
+def env_level_for(value: Any, streams: bool, engine: str, streaming_engines: str) -> bool:
+    """Whether turns run env-level for ``agent_proxy.env_level_async=value`` on an engine that
+    does or does not stream; ValueError for ``true`` on one that does not."""
+    check_env_level_async(value)
+    if value is True and not streams:
+        raise ValueError(f"agent_proxy.env_level_async=true needs an engine that streams completions "
+                         f"({streaming_engines}); engine {engine!r} answers whole batches: set "
+                         f"agent_proxy.env_level_async to auto or false")
+    return streams if value == "auto" else bool(value)
+
+
 # Workers per core at most: a worker mostly waits for the engine, so a few per
 # core can still overlap env work with generation; beyond that more processes
 # only cost memory and start-up.
@@ -107,7 +133,11 @@ class AgentProxyConfig:
     rollout_timeout_s: float | None = setting(None, minimum=0.0)
     env_timeout_s: float | None = setting(None, minimum=0.0)
     env_retries: int = setting(1, minimum=0)
-    engine_timeout_s: float | None = setting(None, minimum=0.0)
+    # per engine answer a worker waits for; with env-level turns, per request (its env ends in timeout)
+    engine_timeout_s: float | None = setting(DEFAULT_ENGINE_TIMEOUT_S, minimum=0.0)
+    # auto: each env takes its next turn as soon as its own answer is in, when the engine streams
+    # completions; true: the same, refused at start-up with an engine that cannot; false: lockstep turns
+    env_level_async: Any = "auto"  # checked by check_env_level_async
     # the longest message between a worker and the shared manager (a frame's length is 4 bytes);
     # an env whose request would pass it ends in error
     max_message_bytes: int = setting(64 << 20, minimum=1 << 16, maximum=(1 << 32) - 1)
@@ -122,6 +152,7 @@ class AgentProxyConfig:
 
     def __post_init__(self) -> None:
         check_n_jobs(self.parallel_n_jobs)
+        check_env_level_async(self.env_level_async)
         for key in TIMEOUT_KEYS:
             check_time_limit(key, getattr(self, key))
         if not self.action_sep:

@@ -26,7 +26,7 @@ from ragen.rollout.loop_config import LoopConfig, LoopStats
 from ragen.rollout.types import EnvSpec, StopReason, Trajectory
 from ragen.rollout.workers.schedule import groups_of
 from ragen.serving.client import LLMClient
-from ragen.serving.wire import MessageTooLarge
+from ragen.serving.wire import EngineError, MessageTooLarge
 from ragen.utils import deal
 
 __all__ = ["EnvError", "KeptEnvs", "LoopConfig", "LoopStats", "run_envs", "stream_count"]
@@ -46,7 +46,7 @@ def run_envs(
     max_live_envs: int | None = None,
     pipeline_depth: int = 1,
     env_timeout_s: float | None = None,
-    env_level: bool = False,
+    env_level: bool | None = None,
 ) -> tuple[list[Trajectory], LoopStats]:
     """Play every spec to the end; one trajectory per spec, in spec order.
 
@@ -71,8 +71,16 @@ def run_envs(
     where ``config.env_timeout_s`` sets none (the fallback's). ``env_level``:
     every env a stream of its own, with no barrier between envs: an env takes
     its next turn as soon as its own answer is in and its step done (for a
-    client that answers requests as they finish, ``StreamingDirectClient``).
+    client whose engine answers requests as they finish: ``client.streams``);
+    None: as ``config.env_level_async`` says (auto: when the client streams).
+    Env-level, each request is waited for at most ``config.engine_timeout_s``
+    (its env then ends in ``timeout``), an engine's error for one request ends
+    that env in ``error``, and requests that became ready together go out in
+    one message.
     """
+    if env_level is None:
+        mode = config.env_level_async
+        env_level = bool(getattr(client, "streams", False)) if mode == "auto" else bool(mode)
     loop = _TurnLoop(client, config, kept_envs if kept_envs is not None else KeptEnvs(), isolate_errors, fault,
                      on_finished, pipeline_depth, config.env_timeout_s or env_timeout_s, env_level)
     slots = [EnvSlot(s) for s in specs]
@@ -117,6 +125,7 @@ class _TurnLoop:
     env_level: bool = False
     stats: LoopStats = field(default_factory=LoopStats)
     inflight: dict[int, list[EnvSlot]] = field(default_factory=dict)
+    deadlines: dict[int, float] = field(default_factory=dict)  # env-level: by ticket, when its wait ends
     riders: set[int] = field(default_factory=set)
     open_streams: int = 0
 
@@ -130,9 +139,6 @@ class _TurnLoop:
         """Every env of ``slots``, and of the chunks ``take`` gives (added to
         ``slots``), played to its end."""
         created = self.kept_envs.created
-        if self.env_level and take is not None:
-            raise ValueError("env_level plays the specs it is given, one stream an env; chunks taken from a "
-                             "queue open one stream a chunk at the shared manager")
         streams = ([[s] for s in slots] if self.env_level else _split_streams(slots, self.pipeline_depth)) \
             if slots else []
         if streams:
@@ -160,9 +166,16 @@ class _TurnLoop:
             taken = [EnvSlot(s) for s in take()]
             if not taken:
                 return
-            self.open_streams += 1
             self.stats.chunks += 1
             slots += taken
+            if self.env_level:  # an env a stream: the chunk's own, and one more for each other env
+                if len(taken) > 1:
+                    self.client.open_streams(len(taken) - 1)
+                self.open_streams += len(taken)
+                for slot in taken:
+                    self.start([slot])
+                continue
+            self.open_streams += 1
             self.start(taken, rider=self.open_streams > self.pipeline_depth)
 
     def start(self, stream: list[EnvSlot], rider: bool = False) -> None:
@@ -186,11 +199,60 @@ class _TurnLoop:
         self.handle(got)
 
     def gather(self) -> list[tuple[int, list[Completion]]]:
-        """The next answer and every other one already here."""
-        got = [self.client.wait_any()]
-        while self.inflight and self.client.ready():
-            got.append(self.client.wait_any())
-        return got
+        """The next answer and every other one already here (env-level: none
+        when a request's wait ran out, its env ended in ``timeout``)."""
+        if not self.env_level:
+            got = [self.client.wait_any()]
+            while self.inflight and self.client.ready():
+                got.append(self.client.wait_any())
+            return got
+        got = []
+        while True:
+            timeout = None
+            if self.deadlines and not got:
+                timeout = max(0.0, min(self.deadlines.values()) - time.monotonic())
+            elif got:
+                timeout = 0.0
+            try:
+                answer = self.client.wait_any(timeout=timeout)
+            except EngineError as exc:
+                if exc.ticket not in self.inflight:
+                    raise
+                self.engine_failed(exc.ticket, str(exc))
+                continue
+            if answer is None:
+                if not got:
+                    self.expire()
+                return got
+            self.deadlines.pop(answer[0], None)
+            got.append(answer)
+            if not self.client.ready():
+                return got
+
+    def expire(self) -> None:
+        """The envs whose request's wait ran past ``engine_timeout_s`` end in ``timeout``."""
+        now = time.monotonic()
+        for ticket in [t for t, d in self.deadlines.items() if d <= now]:
+            self.client.abandon(ticket)
+            self.end_waiting(ticket, StopReason.TIMEOUT, f"no answer from the engine within "
+                             f"agent_proxy.engine_timeout_s={self.config.engine_timeout_s:g} s")
+
+    def engine_failed(self, ticket: int, message: str) -> None:
+        """The engine answered the ticket's request with an error: its envs end in ``error``."""
+        self.end_waiting(ticket, StopReason.ERROR, f"the engine failed on its request: {message}")
+
+    def end_waiting(self, ticket: int, reason: StopReason, message: str) -> None:
+        """The envs waiting for ``ticket`` end in ``reason``, and their stream closes. The engine is
+        at fault, not the env: they end alone whether or not errors are isolated (a re-run would
+        wait for the same engine)."""
+        self.deadlines.pop(ticket, None)
+        batch = self.inflight.pop(ticket)
+        for slot in batch:
+            end_in_error(slot, reason, self.stats, True, cause=None, message=message)
+        self.report_finished(batch)
+        self.release_ended(batch)
+        self.client.close_stream()
+        self.open_streams -= 1
 
     def handle(self, answers: list[tuple[int, list[Completion]]]) -> None:
         """Answers that arrived together (one engine call's): the riders
@@ -223,9 +285,17 @@ class _TurnLoop:
         if self.fault and batch and len(batch[0].traj.turns) + 1 >= self.fault.get("exit_at_turn", 1 << 30):
             logger.warning("fault injection: process %d exits now", os.getpid())
             os._exit(3)
+        answered = []
+        for slot, completion in zip(batch, completions):
+            if completion.finish_reason == "error":  # the engine's fault: see end_waiting
+                end_in_error(slot, StopReason.ERROR, self.stats, True, cause=None, message=(
+                    f"the engine could not answer its request of turn {len(slot.traj.turns)}"
+                    + (f": {completion.text}" if completion.text else " (its warning above says why)")))
+            else:
+                answered.append((slot, completion))
         t0 = time.perf_counter()
         self.threads.run([self._guarded(slot, apply_answer, completion, self.ctx, self.config, self.call)
-                          for slot, completion in zip(batch, completions)])
+                          for slot, completion in answered])
         self.stats.env_step_s += time.perf_counter() - t0
         self.report_finished(batch)
         self.release_ended(batch)
@@ -251,7 +321,7 @@ class _TurnLoop:
         requests = [self.request(s) for s in active]
         while True:
             try:
-                ticket = self.client.submit(requests, self.config.sampling)
+                ticket = self.client.submit(requests, self.config.sampling, hold=self.env_level)
                 break
             except MessageTooLarge as exc:
                 for i in exc.refused:
@@ -265,6 +335,8 @@ class _TurnLoop:
                 if not active:
                     return None
         self.inflight[ticket] = active
+        if self.env_level and self.config.engine_timeout_s is not None:
+            self.deadlines[ticket] = time.monotonic() + self.config.engine_timeout_s
         self.stats.requests += len(requests)
         self.stats.submits += 1
         return ticket

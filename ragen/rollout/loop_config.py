@@ -4,9 +4,10 @@ and what it counts while it plays (``LoopStats``)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
+from typing import Any
 
 from ragen.llm.types import SamplingParams
-from ragen.rollout.config import AgentProxyConfig, EsManagerConfig, check_time_limit
+from ragen.rollout.config import AgentProxyConfig, EsManagerConfig, check_env_level_async, check_time_limit
 from ragen.rollout.context import ContextConfig
 
 
@@ -22,9 +23,15 @@ class LoopConfig:
     format_penalty: float = EsManagerConfig.format_penalty
     env_timeout_s: float | None = AgentProxyConfig.env_timeout_s  # per reset/step; None: no limit
     env_retries: int = AgentProxyConfig.env_retries  # retries of a failing env on a fresh instance
+    # auto | True | False: env-level turns (auto: when the client's engine streams completions)
+    env_level_async: Any = AgentProxyConfig.env_level_async
+    # env-level turns: the longest wait for one env's answer (it then ends in timeout); None: none
+    engine_timeout_s: float | None = AgentProxyConfig.engine_timeout_s
 
     def __post_init__(self) -> None:
         check_time_limit("env_timeout_s", self.env_timeout_s)
+        check_time_limit("engine_timeout_s", self.engine_timeout_s)
+        check_env_level_async(self.env_level_async)
 
 
 @dataclass

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import gc
 import logging
-import threading
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Iterator, Mapping
@@ -39,6 +38,7 @@ from ragen.rollout.loop import LoopConfig
 from ragen.rollout.progress import RolloutProgress
 from ragen.rollout.types import RolloutResult
 from ragen.rollout.workers.cluster import ClusterConfig
+from ragen.serving.gate import EngineGate
 
 logger = logging.getLogger(__name__)
 
@@ -81,7 +81,8 @@ class AgentSetup:
                                       max_tokens=gen.response_length, seed=sampling_seed)
             return LoopConfig(context=context, sampling=sampling, max_turn=ap.max_turn,
                               format_penalty=es_cfg.format_penalty, env_timeout_s=ap.env_timeout_s,
-                              env_retries=ap.env_retries)
+                              env_retries=ap.env_retries, env_level_async=ap.env_level_async,
+                              engine_timeout_s=ap.engine_timeout_s)
 
         custom_envs = cfg.get("custom_envs")
         if not isinstance(custom_envs, Mapping) or not custom_envs:
@@ -143,7 +144,7 @@ class LLMAgentProxy:
         return self.backend.metrics()
 
     @property
-    def engine_lock(self) -> threading.Lock:
+    def engine_lock(self) -> EngineGate:
         """Held around every engine call; the trainer holds it to swap weights."""
         return self.backend.engine_lock
 

@@ -19,6 +19,7 @@ from ragen.rollout.envs import EnvSpecMaker
 from ragen.rollout.loop import LoopConfig
 from ragen.rollout.progress import RolloutProgress
 from ragen.rollout.types import EnvSpec, RolloutResult
+from ragen.serving.gate import EngineGate
 
 logger = logging.getLogger(__name__)
 
@@ -49,7 +50,7 @@ class RolloutBackend(ABC):
 
     @property
     @abstractmethod
-    def engine_lock(self) -> threading.Lock:
+    def engine_lock(self) -> EngineGate:
         ...
 
     @contextlib.contextmanager
@@ -144,7 +145,7 @@ class AsyncBackend(RolloutBackend):
         self._source: tuple[EnvSpecMaker, LoopConfig] | None = None
 
     @property
-    def engine_lock(self) -> threading.Lock:
+    def engine_lock(self) -> EngineGate:
         return self.inner.engine_lock
 
     @abstractmethod

@@ -37,6 +37,7 @@ from ragen.rollout.workers.executors import LOCAL_POOLS, KeptExecutor, local_poo
 from ragen.rollout.workers.schedule import GroupQueue, group_cost_s, groups_of, min_chunk_groups
 from ragen.rollout.workers.task import WorkerResult, run_isolated, run_worker
 from ragen.serving import SharedLLMInferenceManager
+from ragen.serving.gate import EngineGate
 
 logger = logging.getLogger(__name__)
 
@@ -158,7 +159,7 @@ class ParallelRolloutManager(SyncBackend):
                 future.cancel()
 
     @property
-    def engine_lock(self) -> threading.Lock:
+    def engine_lock(self) -> EngineGate:
         return self.shared.engine_lock
 
     # ----- rollout ---------------------------------------------------------------

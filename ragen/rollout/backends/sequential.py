@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import threading
 import time
 from typing import Any, Sequence
 
@@ -12,7 +11,8 @@ from ragen.rollout.loop import KeptEnvs, LoopConfig, run_envs
 from ragen.rollout.metrics import EngineUse, rollout_metrics
 from ragen.rollout.progress import RolloutProgress
 from ragen.rollout.types import EnvSpec, RolloutResult
-from ragen.serving import DirectClient
+from ragen.serving import DirectClient, StreamingDirectClient
+from ragen.serving.gate import EngineGate
 
 
 class SequentialRollout(SyncBackend):
@@ -20,15 +20,15 @@ class SequentialRollout(SyncBackend):
     with. Envs are kept between rollouts; an env that fails ends its own
     trajectory in ``error`` or ``timeout``, the others go on."""
 
-    def __init__(self, engine: Engine, engine_lock: threading.Lock | None = None,
+    def __init__(self, engine: Engine, engine_lock: EngineGate | None = None,
                  max_concurrent_rollouts: int | None = None) -> None:
         super().__init__(max_concurrent_rollouts)
         self.engine = engine
-        self._lock = engine_lock or threading.Lock()
+        self._lock = engine_lock or EngineGate()
         self._kept_envs = KeptEnvs()
 
     @property
-    def engine_lock(self) -> threading.Lock:
+    def engine_lock(self) -> EngineGate:
         return self._lock
 
     def _play(self, specs: Sequence[EnvSpec], loop: LoopConfig, progress: RolloutProgress,
@@ -36,8 +36,10 @@ class SequentialRollout(SyncBackend):
         if fault is not None:
             raise ValueError("fault injection kills a worker process: it needs use_parallel_rollout: true")
         t0 = time.perf_counter()
-        client = _LockedClient(self.engine, self._lock, progress)
-        # one stream: one engine call per turn over all active envs
+        client: _LockedClient | _StreamingClient = (_StreamingClient if self.engine.streams else _LockedClient)(
+            self.engine, self._lock, progress)
+        # one stream: one engine call per turn over all active envs; env-level turns on an engine that
+        # streams (agent_proxy.env_level_async)
         trajectories, stats = run_envs(specs, client, loop, kept_envs=self._kept_envs, isolate_errors=True,
                                        on_finished=progress.envs_finished)
         engine = EngineUse(calls=client.engine_calls, requests=sum(client.batch_sizes),
@@ -54,15 +56,31 @@ class _LockedClient(DirectClient):
     """The sequential rollout's client: engine calls under the engine lock,
     each one told to the rollout's progress."""
 
-    def __init__(self, engine: Engine, lock: threading.Lock, progress: RolloutProgress) -> None:
+    def __init__(self, engine: Engine, lock: EngineGate, progress: RolloutProgress) -> None:
         super().__init__(engine)
         self._engine_lock = lock
         self._progress = progress
 
-    def wait_any(self):
+    def wait_any(self, timeout: float | None = None):
         if self._queue:
             self._progress.engine_batch(len(self._queue[0][1]))  # the call about to run
         with self._engine_lock:
             ticket, completions = super().wait_any()
         self._progress.answered(len(completions))
         return ticket, completions
+
+
+class _StreamingClient(StreamingDirectClient):
+    """The sequential rollout's client of an engine that streams: each request
+    holds the engine gate shared until answered, and answers are told to the
+    rollout's progress."""
+
+    def __init__(self, engine: Engine, gate: EngineGate, progress: RolloutProgress) -> None:
+        super().__init__(engine, gate)
+        self._progress = progress
+
+    def wait_any(self, timeout: float | None = None):
+        got = super().wait_any(timeout)
+        if got is not None:
+            self._progress.answered(len(got[1]))
+        return got
