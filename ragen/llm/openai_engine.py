@@ -1,10 +1,14 @@
 """An engine over an OpenAI-compatible chat-completions server (e.g. ``vllm serve``).
 
 ``OpenAIEngine`` posts each request to ``{base_url}/chat/completions`` with the
-standard library only (``urllib.request`` + ``json``):
+standard library only (``urllib.request`` + ``json``). It is a
+``StreamingEngine``: the server batches continuously, so each request's
+completion is handed back as soon as its reply is in.
 
-- *Concurrency*: a thread pool of ``max_concurrency`` workers, so at most that
-  many requests are in flight; results come back in request order.
+- *Streaming*: ``submit(requests, sampling)`` returns one future per request;
+  each request goes to a thread pool of ``max_concurrency`` workers, so at most
+  that many are in flight and the rest wait in the pool's queue. ``generate``
+  submits and waits for all, in request order.
 - *Per-request seed*: ``seed = request_seed(sampling.seed, request.key)``, plus
   ``temperature``, ``top_p``, ``max_tokens`` (the request's, else the
   sampling's), ``stop``; ``top_k`` only when set (not an OpenAI field; vLLM
@@ -12,11 +16,17 @@ standard library only (``urllib.request`` + ``json``):
 - *Retries*: connection errors, timeouts, HTTP 429 and 5xx are retried
   ``max_retries`` times with exponential backoff (``backoff_s``, doubling);
   other 4xx are not (the request itself is wrong). ``timeout_s`` is the socket
-  timeout of one attempt.
+  timeout of one attempt: no connect or read of a pool thread waits longer.
 - *Failure is data, not an exception*: a request that still fails after its
-  retries becomes a ``Completion`` with ``finish_reason="error"`` and empty
-  text, and the error is logged as a warning. The rest of the batch is
-  unaffected, and the rollout records the error as that env's stop reason.
+  retries (a dropped connection, a timeout, an error status) resolves its
+  future with a ``Completion`` with ``finish_reason="error"`` and empty text,
+  and the error is logged as a warning naming its env and turn. The other
+  requests are unaffected.
+- *Close*: ``close()`` cancels every future not yet resolved, queued or in
+  flight (``future.result()`` raises ``CancelledError``), and returns without
+  waiting for the server: no retry starts after it, and a pool thread still in
+  an HTTP call ends with its socket timeout. ``submit`` after ``close()``
+  raises ``RuntimeError``.
 - *Token ids*: the chat API does not return them, so they are empty lists,
   unless the server sends them (vLLM does when ``return_token_ids`` is set).
 - *Log-probs*: the body asks for ``"logprobs": true`` (``logprobs``, on by
@@ -33,7 +43,8 @@ standard library only (``urllib.request`` + ``json``):
   For a server that rejects the field (an HTTP 400 naming it), set
   ``engine.logprobs=false``: nothing is asked, every completion has None.
 - *Model name*: ``model``, else ``model_path`` (when not ``default``), else
-  the server's first model from ``GET {base_url}/models``.
+  the server's first model from ``GET {base_url}/models``, asked by the first
+  ``submit`` (which waits for it) and kept.
 
 The policy version is the caller's bookkeeping: the engine cannot see the
 server's weights, so whoever updates them calls ``bump_policy_version()``.
@@ -46,13 +57,12 @@ import json
 import logging
 import socket
 import threading
-import time
 import urllib.error
 import urllib.request
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, InvalidStateError, ThreadPoolExecutor
 from typing import Any, Mapping, Sequence
 
-from ragen.llm.types import Completion, Engine, GenerationRequest, SamplingParams, request_seed
+from ragen.llm.types import Completion, GenerationRequest, SamplingParams, StreamingEngine, request_seed
 
 logger = logging.getLogger(__name__)
 
@@ -61,8 +71,8 @@ class _RetryableError(Exception):
     pass
 
 
-class OpenAIEngine(Engine):
-    """OpenAI-compatible chat completions behind ``generate``; see the module docstring."""
+class OpenAIEngine(StreamingEngine):
+    """OpenAI-compatible chat completions, a future per request (``submit``); see the module docstring."""
 
     name = "openai"
     config_keys = (
@@ -112,6 +122,10 @@ class OpenAIEngine(Engine):
         self._warn_lock = threading.Lock()
         self._pool = ThreadPoolExecutor(max_workers=self.max_concurrency, thread_name_prefix="openai-engine")
         self._model_lock = threading.Lock()
+        # the futures handed out and not yet resolved; close() cancels them
+        self._lock = threading.Lock()
+        self._pending: set[Future] = set()
+        self._closed = threading.Event()
 
     @classmethod
     def from_config(cls, cfg: Mapping[str, Any], model_path: str | None = None) -> "OpenAIEngine":
@@ -122,16 +136,48 @@ class OpenAIEngine(Engine):
 
     # -- generation -------------------------------------------------------
 
-    def generate(self, requests: Sequence[GenerationRequest], sampling: SamplingParams) -> list[Completion]:
+    def submit(self, requests: Sequence[GenerationRequest], sampling: SamplingParams) -> list[Future]:
+        if self._closed.is_set():
+            raise RuntimeError("the OpenAIEngine is closed")
+        futures: list[Future] = [Future() for _ in requests]
         if not requests:
-            return []
+            return futures
         version = self.policy_version
         try:
             model = self._model_name()
         except Exception as exc:
-            logger.warning("OpenAIEngine: cannot find a model name at %s/models: %s", self.base_url, exc)
-            return [self._error(r, version) for r in requests]
-        return list(self._pool.map(lambda r: self._complete(r, sampling, model, version), requests))
+            for future, request in zip(futures, requests):
+                self._warn_failed(request, f"cannot find a model name at {self.base_url}/models: {exc}")
+                future.set_result(self._error(request, version))
+            return futures
+        with self._lock:  # close() either sees these futures or comes after: none is left pending
+            if self._closed.is_set():
+                raise RuntimeError("the OpenAIEngine is closed")
+            self._pending.update(futures)
+            for future, request in zip(futures, requests):
+                self._pool.submit(self._answer, future, request, sampling, model, version)
+        return futures
+
+    def _answer(self, future: Future, request: GenerationRequest, sampling: SamplingParams, model: str,
+                version: int) -> None:
+        """Resolve ``future`` with the request's completion, unless close() cancelled it."""
+        if future.done():  # cancelled while queued
+            with self._lock:
+                self._pending.discard(future)
+            return
+        try:
+            completion = self._complete(request, sampling, model, version)
+        except Exception as exc:  # failure is data: this request's completion is an error, the others go on
+            self._warn_failed(request, repr(exc))
+            completion = self._error(request, version)
+        with self._lock:
+            if future not in self._pending:
+                return  # close() cancelled it
+            self._pending.discard(future)
+        try:
+            future.set_result(completion)  # outside the lock: a callback may submit again
+        except InvalidStateError:
+            pass  # the caller cancelled it
 
     def _complete(self, request: GenerationRequest, sampling: SamplingParams, model: str, version: int) -> Completion:
         limit = request.token_limit(sampling)
@@ -160,10 +206,7 @@ class OpenAIEngine(Engine):
             choice = reply["choices"][0]
             text = (choice.get("message") or {}).get("content") or ""
         except Exception as exc:
-            logger.warning(
-                "OpenAIEngine: request for env %s turn %s failed (finish_reason='error'): %s",
-                request.env_id, request.turn, exc,
-            )
+            self._warn_failed(request, exc)
             return self._error(request, version)
         response_ids = [int(t) for t in choice.get("token_ids") or []]
         return Completion.answering(
@@ -205,6 +248,12 @@ class OpenAIEngine(Engine):
         )
 
     @staticmethod
+    def _warn_failed(request: GenerationRequest, error: Any) -> None:
+        """The warning that names the env and turn whose request ended in error."""
+        logger.warning("OpenAIEngine: request for env %s turn %s failed (finish_reason='error'): %s",
+                       request.env_id, request.turn, error)
+
+    @staticmethod
     def _error(request: GenerationRequest, version: int) -> Completion:
         return Completion.answering(request, "", [], [], "error", version)
 
@@ -229,10 +278,11 @@ class OpenAIEngine(Engine):
                 return self._call(method, route, body)
             except _RetryableError as exc:
                 if attempt == self.max_retries:
-                    raise RuntimeError(str(exc)) from exc
+                    raise RuntimeError(f"{exc} (after {attempt + 1} attempts)") from exc
                 delay = self.backoff_s * (2**attempt)
                 logger.debug("OpenAIEngine: %s; retry %d in %.2f s", exc, attempt + 1, delay)
-                time.sleep(delay)
+                if self._closed.wait(delay):  # close() ends the wait: no retry after it
+                    raise RuntimeError(f"{exc}; the engine was closed before a retry") from exc
         raise AssertionError("unreachable")
 
     def _call(self, method: str, route: str, body: dict[str, Any] | None) -> dict[str, Any]:
@@ -255,4 +305,10 @@ class OpenAIEngine(Engine):
             raise _RetryableError(f"{type(exc).__name__} from {self.base_url}{route}: {reason}") from exc
 
     def close(self) -> None:
+        """Cancel every future not yet resolved and stop the pool, without waiting for the server."""
+        with self._lock:
+            self._closed.set()
+            pending, self._pending = self._pending, set()
         self._pool.shutdown(wait=False, cancel_futures=True)
+        for future in pending:
+            future.cancel()
