@@ -320,7 +320,8 @@ def main(cfg: DictConfig) -> None:
 
     interrupt_on_sigterm()  # a terminated benchmark shuts down as an interrupted one: no worker left
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    from ragen.llm import check_engine_config, make_engine
+    from ragen.llm import STREAMING_ENGINES, check_engine_config, engine_streams, make_engine
+    from ragen.rollout.config import env_level_for
     from ragen.llm_agent import AgentSetup
     from ragen.trainer.config import TRAINER_SECTIONS, check_top_level
 
@@ -331,7 +332,9 @@ def main(cfg: DictConfig) -> None:
         for name, section in TRAINER_SECTIONS.items():  # unused here, but the same config trains: checked too
             if name in plain:
                 read(section, plain[name], name)
-        check_engine_config(dict(plain.get("engine") or {}))
+        name, options = check_engine_config(dict(plain.get("engine") or {}))
+        env_level_for(plain.get("agent_proxy", {}).get("env_level_async", "auto"),
+                      engine_streams(dict(plain.get("engine") or {})), name, STREAMING_ENGINES)
     except ValueError as exc:
         fail(str(exc))
     bench = validate(plain.get("benchmark"))

@@ -48,10 +48,11 @@ import numpy as np
 import torch
 
 from ragen.config_reader import to_plain
-from ragen.llm import check_engine_config, engine_returns_logprobs
+from ragen.llm import STREAMING_ENGINES, check_engine_config, engine_returns_logprobs, engine_streams
 from ragen.llm.default_model import resolve_model_path
 from ragen.rollout.proxy import AgentSetup, LLMAgentProxy
 from ragen.rollout.backends.ahead import staleness
+from ragen.rollout.config import env_level_for
 from ragen.rollout.context import ContextManager
 from ragen.rollout.dump import dump_name, write_dump
 from ragen.rollout.types import RolloutResult
@@ -93,6 +94,9 @@ class AgentTrainer:
         if engine is None:
             check_engine_config(engine_cfg)
         self.engine_name = getattr(engine, "name", None) or engine_cfg.get("name")
+        env_level_for(self.setup.agent_proxy.env_level_async,
+                      bool(getattr(engine, "streams", False)) if engine is not None else engine_streams(engine_cfg),
+                      str(self.engine_name), STREAMING_ENGINES)
         returns_logprobs = (bool(getattr(engine, "returns_logprobs", False)) if engine is not None
                             else engine_returns_logprobs(self.engine_name))
         self.config.check_against(self.setup.es["train"].num_envs, str(self.engine_name), returns_logprobs)

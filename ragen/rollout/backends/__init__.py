@@ -12,13 +12,14 @@
 
 from __future__ import annotations
 
+from ragen.llm import STREAMING_ENGINES
 from ragen.llm.types import Engine
 from ragen.rollout.backends.ahead import GenerateAhead
 from ragen.rollout.backends.base import RolloutBackend, SyncBackend
 from ragen.rollout.backends.fully_async import FullyAsync
 from ragen.rollout.backends.parallel import ParallelRolloutManager, RolloutError
 from ragen.rollout.backends.sequential import SequentialRollout
-from ragen.rollout.config import AgentProxyConfig, LlmServerConfig
+from ragen.rollout.config import AgentProxyConfig, LlmServerConfig, env_level_for
 from ragen.rollout.workers.cluster import ClusterConfig
 from ragen.serving import SharedLLMInferenceManager
 
@@ -31,11 +32,13 @@ def make_backend(ap: AgentProxyConfig, engine: Engine, server: LlmServerConfig =
     """The backend the ``agent_proxy`` section asks for, around ``engine``.
     Its ``serving`` is the shared manager its workers talk to (parallel or
     fully-async), built here and stopped by the backend's ``close()``."""
+    env_level_for(ap.env_level_async, engine.streams, engine.name, STREAMING_ENGINES)  # refuses true on a batch engine
     serving = None
     if ap.use_parallel_rollout or ap.rollout_mode == "fully_async":
         serving = SharedLLMInferenceManager(
             engine, max_batch_size=ap.max_batch_size, coalesce_wait_s=ap.coalesce_wait_s,
-            host=server.host, port=server.port, max_message_bytes=ap.max_message_bytes)
+            host=server.host, port=server.port, max_message_bytes=ap.max_message_bytes,
+            request_timeout_s=ap.engine_timeout_s)
     try:
         sync: SyncBackend
         if ap.use_parallel_rollout:

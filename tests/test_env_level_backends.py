@@ -1,0 +1,201 @@
+"""Env-level turns (``agent_proxy.env_level_async``) in every backend: the
+lockstep loop's trajectories, refused where the engine cannot stream, a lost
+request bounded by ``engine_timeout_s``, messages that do not grow with envs
+x turns, and the engine gate that weight swaps take."""
+
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import Future
+
+import pytest
+
+from ragen.llm import make_engine
+from ragen.llm.scripted import ScriptedEngine
+from ragen.llm.types import GenerationRequest, SamplingParams, StreamingEngine
+from ragen.llm_agent import AgentSetup, LLMAgentProxy
+from ragen.rollout.backends import make_backend
+from ragen.rollout.types import StopReason
+from ragen.serving import SharedLLMInferenceManager
+from ragen.serving.gate import EngineGate
+
+from tests.rollout_helpers import custom_envs
+
+
+def streaming_engine(**decode):
+    return make_engine({"name": "scripted", "malformed_rate": 0.1, "continuous_batching": {
+        "step_s": 0.0005, "tokens_median": 20, "tokens_sigma": 1.0, **decode}})
+
+
+def setup_for(**agent_proxy) -> AgentSetup:
+    return AgentSetup.from_config({
+        "custom_envs": custom_envs(),
+        "seed": {"train": 3, "val": 11},
+        "agent_proxy": {"max_turn": 3, "parallel_n_jobs": 2, **agent_proxy},
+        "es_manager": {
+            "train": {"env_groups": 4, "group_size": 2,
+                      "env_configs": {"tags": ["SimpleSokoban", "FrozenLake"], "n_groups": [2, 2]}},
+            "val": {"env_groups": 6, "group_size": 2,
+                    "env_configs": {"tags": ["SimpleSokoban", "FrozenLake", "Bandit"], "n_groups": [2, 2, 2]}},
+        },
+    })
+
+
+MODES = {
+    "sequential": {},
+    "loky": {"use_parallel_rollout": True},
+    "loky_one_worker": {"use_parallel_rollout": True, "parallel_n_jobs": 1},
+    "loky_chunks": {"use_parallel_rollout": True, "max_env_num_per_worker": 2},
+    "threading": {"use_parallel_rollout": True, "parallel_backend": "threading"},
+    "multiprocessing": {"use_parallel_rollout": True, "parallel_backend": "multiprocessing"},
+    "generate_ahead": {"use_parallel_rollout": True, "async_generation_ratio": 1},
+    "fully_async": {"rollout_mode": "fully_async", "parallel_backend": "threading"},
+}
+
+
+def play(mode: str, engine, **extra):
+    with LLMAgentProxy(setup_for(**MODES[mode], **extra), engine) as proxy:
+        return proxy.rollout("val", rollout_index=1), proxy.next_train_batch(0)
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """RAGEN's lockstep loop on the batch engine."""
+    return play("sequential", ScriptedEngine(malformed_rate=0.1))
+
+
+def by_env(trajectories):
+    return sorted(trajectories, key=lambda t: t.env_id)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("mode", sorted(MODES))
+def test_every_backend_plays_env_level_to_the_lockstep_trajectories(mode, reference):
+    """The validation rollout is the sequential loop's; the training batch the same backend's in lockstep."""
+    lockstep = play(mode, ScriptedEngine(malformed_rate=0.1))
+    engine = streaming_engine()
+    try:
+        got, batch = play(mode, engine)
+    finally:
+        engine.close()
+    assert got.trajectories == reference[0].trajectories
+    assert by_env(batch.trajectories) == by_env(lockstep[1].trajectories)
+    assert got.metrics["engine/requests"] == got.metrics["engine/calls"]  # one request a message: env-level
+
+
+@pytest.mark.timeout(120)
+def test_env_level_async_false_plays_lockstep_on_a_streaming_engine(reference):
+    engine = streaming_engine()
+    try:
+        with LLMAgentProxy(setup_for(env_level_async=False, use_parallel_rollout=True), engine) as proxy:
+            got = proxy.rollout("val", rollout_index=1)
+    finally:
+        engine.close()
+    assert got.trajectories == reference[0].trajectories
+    assert got.metrics["engine/requests"] > got.metrics["engine/calls"]  # a request list a stream and turn
+
+
+def test_env_level_async_true_needs_an_engine_that_streams():
+    setup = setup_for(env_level_async=True)
+    with pytest.raises(ValueError, match=r"agent_proxy\.env_level_async=true needs an engine that streams.*"
+                                         r"engine=openai.*engine 'scripted' answers whole batches"):
+        make_backend(setup.agent_proxy, ScriptedEngine())
+    with pytest.raises(ValueError, match="agent_proxy.env_level_async must be auto"):
+        setup_for(env_level_async="sometimes")
+
+
+class LosesEnv(StreamingEngine):
+    """The scripted policy answering at once, except that it never answers ``lost``'s requests."""
+
+    def __init__(self, lost: int) -> None:
+        super().__init__()
+        self.inner = ScriptedEngine(malformed_rate=0.1)
+        self.lost = lost
+        self.kept: list[Future] = []
+
+    def submit(self, requests, sampling):
+        futures = []
+        for r in requests:
+            f: Future = Future()
+            if r.env_id == self.lost:
+                self.kept.append(f)
+            else:
+                f.set_result(self.inner.generate([r], sampling)[0])
+            futures.append(f)
+        return futures
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("mode", ["sequential", "loky"])
+def test_a_request_never_answered_ends_its_env_in_timeout(mode, reference):
+    val = reference[0]
+    lost = val.specs[3].env_id
+    engine = LosesEnv(lost)
+    with LLMAgentProxy(setup_for(engine_timeout_s=1.0, **MODES[mode]), engine) as proxy:
+        got = proxy.rollout("val", rollout_index=1)
+    i = next(k for k, s in enumerate(got.specs) if s.env_id == lost)
+    assert got.trajectories[i].stop_reason == StopReason.TIMEOUT
+    assert "engine_timeout_s=1" in got.trajectories[i].error
+    assert [t for k, t in enumerate(got.trajectories) if k != i] == \
+        [t for k, t in enumerate(val.trajectories) if k != i]
+    assert all(f.cancelled() for f in engine.kept)  # the lost request was dropped, not left running
+
+
+@pytest.mark.timeout(60)
+def test_held_requests_share_one_frame():
+    engine = streaming_engine()
+    manager = SharedLLMInferenceManager(engine)
+    try:
+        client = manager.client()
+        assert client.streams
+        sampling = SamplingParams()
+        request = GenerationRequest(messages=[{"role": "user", "content": "Available actions: Up, Down"}])
+        client.open_streams(1)  # connects
+        before = manager.stats.snapshot().messages_in
+        tickets = [client.submit([request], sampling, hold=True) for _ in range(20)]
+        for _ in range(5):
+            client.close_stream(hold=True)
+        client.flush()
+        answered = set()
+        while len(answered) < len(tickets):
+            answered.add(client.wait_any(timeout=30)[0])
+        assert answered == set(tickets)
+        # 20 requests and 5 closes held for at most client.HOLD_S: a few frames, not 25
+        assert manager.stats.snapshot().messages_in - before <= 3
+        assert manager.open_streams == 0
+    finally:
+        manager.close()
+        engine.close()
+
+
+@pytest.mark.timeout(30)
+def test_a_weight_swap_waits_for_requests_in_flight_and_holds_new_ones():
+    gate = EngineGate()
+    events = []
+    gate.enter(2)
+
+    def swap():
+        with gate:
+            events.append("swap")
+
+    t = threading.Thread(target=swap)
+    t.start()
+    time.sleep(0.1)
+    assert events == []  # two requests in flight
+    entered = threading.Event()
+
+    def late_request():
+        gate.enter()
+        events.append("request")
+        entered.set()
+        gate.leave()
+
+    r = threading.Thread(target=late_request)
+    r.start()
+    time.sleep(0.1)
+    assert not entered.is_set()  # a swap is waiting: new requests wait behind it
+    gate.leave(2)
+    t.join(10)
+    r.join(10)
+    assert events == ["swap", "request"]
