@@ -42,7 +42,9 @@ from omegaconf import DictConfig, OmegaConf
 from ragen.config_reader import read, setting
 
 ROOT = Path(__file__).resolve().parent
-MODES = ("sequential", "parallel")
+# sequential / parallel: use_parallel_rollout off / on; lockstep / env_level: agent_proxy.env_level_async
+# false / true, on the rollout the config names
+MODES = ("sequential", "parallel", "lockstep", "env_level")
 logger = logging.getLogger("test_parallel_rollout")
 
 
@@ -126,7 +128,10 @@ def run_modes(cfg: DictConfig, engine, bench: BenchmarkConfig) -> list[dict[str,
     with ExitStack() as stack:
         for mode in bench.modes:
             plain = OmegaConf.to_container(cfg, resolve=True)
-            plain["agent_proxy"]["use_parallel_rollout"] = mode == "parallel"
+            if mode in ("sequential", "parallel"):
+                plain["agent_proxy"]["use_parallel_rollout"] = mode == "parallel"
+            else:
+                plain["agent_proxy"]["env_level_async"] = mode == "env_level"
             setups[mode] = AgentSetup.from_config(plain)
             t0 = time.perf_counter()
             proxies[mode] = stack.enter_context(LLMAgentProxy(setups[mode], engine))
@@ -135,9 +140,13 @@ def run_modes(cfg: DictConfig, engine, bench: BenchmarkConfig) -> list[dict[str,
         for r in range(bench.repeats):
             for mode in bench.modes:
                 clear_caches()  # every timed run generates its rooms (workers never saw these seeds)
+                decode = _decode_counts(engine)
                 t = time.perf_counter()
                 result = proxies[mode].rollout(split, rollout_index=r)
                 wall = time.perf_counter() - t
+                steps, running = (a - b for a, b in zip(_decode_counts(engine), decode))
+                if steps:  # an engine that counts its decode steps: the mean requests running in one
+                    result.metrics["engine/occupancy"] = running / steps
                 runs[mode].append((wall, result))
                 logger.info("%s run %d: %.3f s", mode, r + 1, wall)
         if bench.dump_dir:  # after every timed rollout, so no dump slows one; each dump's time is reported
@@ -166,6 +175,12 @@ def run_modes(cfg: DictConfig, engine, bench: BenchmarkConfig) -> list[dict[str,
     return out
 
 
+def _decode_counts(engine) -> tuple[int, int]:
+    """The decode steps an engine that batches continuously ran, and the running requests summed over them
+    (the scripted one counts them; (0, 0) for others)."""
+    return int(getattr(engine, "steps", 0)), int(getattr(engine, "running_sum", 0))
+
+
 def summarize(mode: str, runs: list, warmup_s: float, setup, proxy) -> dict[str, Any]:
     from ragen.rollout.types import rollout_digest
 
@@ -175,7 +190,7 @@ def summarize(mode: str, runs: list, warmup_s: float, setup, proxy) -> dict[str,
     m = result.metrics
     return {
         "mode": mode,
-        "backend": setup.agent_proxy.parallel_backend if mode == "parallel" else "none",
+        "backend": setup.agent_proxy.parallel_backend if setup.agent_proxy.use_parallel_rollout else "none",
         "n_jobs": getattr(proxy.backend, "n_workers", 1),
         "wall_s": median_wall,
         "wall_s_all": walls,
@@ -189,6 +204,10 @@ def summarize(mode: str, runs: list, warmup_s: float, setup, proxy) -> dict[str,
         "env_time_s": m.get("timing/env_s", 0.0),
         "engine_time_s": m.get("timing/engine_s", 0.0),
         "wait_time_s": m.get("timing/wait_llm_s", 0.0),
+        # an engine that counts its decode steps: the mean requests running in one (median over repeats)
+        "occupancy": _median_metric(runs, "engine/occupancy"),
+        # from the first env's end to the last's (median over repeats)
+        "done_spread_s": _median_metric(runs, "timing/envs_done_spread_s"),
         # benchmark.dump_dir: the median time to write one rollout's dump (not part of wall_s); None: no dumps
         "dump_s": statistics.median(r.metrics["timing/dump_s"] for _, r in runs) if "timing/dump_s" in m else None,
         # parallel only: where the engine sat idle (before its first call, between calls, after its last)
@@ -236,6 +255,8 @@ def print_report(report: dict[str, Any]) -> None:
         ("env time (s, CPU in envs)", "env_time_s", "{:.3f}"),
         ("engine time (s)", "engine_time_s", "{:.3f}"),
         ("waiting for model (s, summed)", "wait_time_s", "{:.3f}"),
+        ("engine occupancy (mean running)", "occupancy", "{:.1f}"),
+        ("first to last env done (s)", "done_spread_s", "{:.3f}"),
         ("fallbacks", "fallbacks", "{}"),
         ("dump write (s, median, untimed)", "dump_s", "{:.3f}"),
         ("engine idle before/betw./after", "engine_idle_s", "idle"),
@@ -243,7 +264,7 @@ def print_report(report: dict[str, Any]) -> None:
         ("auto: workers x depth per repeat", "auto", "auto"),
         ("warm-up (s, untimed)", "warmup_s", "{:.2f}"),
     ]
-    header = f"{'':32}" + "".join(f"{r['mode'] + (' (' + r['backend'] + ' x' + str(r['n_jobs']) + ')' if r['mode'] == 'parallel' else ''):>26}" for r in runs)
+    header = f"{'':32}" + "".join(f"{r['mode'] + (' (' + r['backend'] + ' x' + str(r['n_jobs']) + ')' if r['backend'] != 'none' else ''):>26}" for r in runs)
     print(header)
     for label, key, fmt in rows:
         print(f"{label:32}" + "".join(f" {_cell(fmt, r[key]):>25}" for r in runs))  # a space: long cells stay apart
@@ -252,7 +273,9 @@ def print_report(report: dict[str, Any]) -> None:
         for stat in ("success", "reward", "num_actions"):
             key = f"rollout/{tag}/{stat}"
             print(f"{(tag + ' ' + stat):32}" + "".join(f"{r['metrics'].get(key, float('nan')):>26.3f}" for r in runs))
-    if report["speedup"] is not None:
+    if report["speedup"] is not None and report["ideal_wall_s"] is None:
+        print(f"speedup of {runs[1]['mode']} over {runs[0]['mode']}: {report['speedup']:.2f}x")
+    elif report["speedup"] is not None:
         print(f"speedup {report['speedup']:.2f}x   ideal floor {report['ideal_wall_s']:.3f} s   "
               f"efficiency {report['efficiency']:.0%}")
         extra = report["overhead"]
@@ -355,7 +378,15 @@ def main(cfg: DictConfig) -> None:
     by_mode = {r["mode"]: r for r in runs}
     seq, par = by_mode.get("sequential"), by_mode.get("parallel")
     det = deterministic(cfg)
-    if seq and par:
+    if not (seq and par) and len(runs) == 2:  # lockstep against env-level turns: the same digests, and the ratio
+        seq, par = runs
+        consistent = all(d == seq["digests"][i] for i, d in enumerate(par["digests"])) if det else \
+            compare_metrics(seq, par, bench.metric_tolerance)
+        check = "digests of every repeat equal" if det else \
+            f"sampling engine: success and mean reward within {bench.metric_tolerance:.0%}"
+        speedup = statistics.median(a / b for a, b in zip(seq["wall_s_all"], par["wall_s_all"]))
+        ideal = efficiency = overhead = None
+    elif seq and par:
         if det:
             consistent = all(d == seq["digests"][i] for i, d in enumerate(par["digests"]))
             check = "digests of every repeat equal"

@@ -72,6 +72,23 @@ def test_report_json_and_plot(tmp_path):
     assert replayed.returncode == 0 and "8 of 8 envs identical" in replayed.stdout, replayed.stdout + replayed.stderr
 
 
+@pytest.mark.timeout(300)
+def test_the_long_tail_preset_compares_lockstep_and_env_level_turns(tmp_path):
+    out = tmp_path / "r.json"
+    p = run("--config-name", "base-parallel", "benchmark=long_tail", "es_manager.train.env_groups=16",
+            "es_manager.train.env_configs.n_groups=[16]", "agent_proxy.max_turn=3", "benchmark.repeats=1",
+            "engine.continuous_batching.tokens_median=20", f"benchmark.output={out}", "benchmark.plot=null")
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "speedup of env_level over lockstep" in p.stdout and "consistent: True" in p.stdout
+    report = json.loads(out.read_text())
+    lockstep, env_level = report["runs"]
+    assert (lockstep["mode"], env_level["mode"]) == ("lockstep", "env_level")
+    assert lockstep["digest"] == env_level["digest"] and lockstep["n_trajectories"] == 16
+    # the scripted engine counts its decode steps; every env ended, some time apart
+    assert lockstep["occupancy"] > 0 and env_level["occupancy"] > 0 and env_level["done_spread_s"] > 0
+    assert env_level["mean_batch_size"] == 1.0 and lockstep["mean_batch_size"] > 1.0
+
+
 def test_failed_envs_are_in_the_report(tmp_path):
     out = tmp_path / "r.json"
     fault = ("+custom_envs.Fault={env_type: 'tests.fault_envs:FaultEnv', config_type: 'tests.fault_envs:FaultEnvConfig',"
@@ -104,6 +121,9 @@ def test_failed_envs_are_in_the_report(tmp_path):
     (["+engine.nope=1"], "error: engine.nope is not a known key"),
     (["seed.train=x"], "error: seed.train must be an integer, got 'x'"),
     (["agent_proxy.env_timeout_s=0"], "error: agent_proxy.env_timeout_s must be > 0 seconds, got 0; for no limit"),
+    (["agent_proxy.env_level_async=true"], "error: agent_proxy.env_level_async=true needs an engine that streams "
+                                           "completions (engine=vllm, engine=openai, or engine=scripted with "
+                                           "engine.continuous_batching); engine 'scripted' answers whole batches"),
     (["custom_envs.FrozenLake.env_type=h29_no_such_pkg.mod:Env"],
      "error: custom_envs.FrozenLake.env_type: cannot import 'h29_no_such_pkg.mod:Env': ModuleNotFoundError"),
 ])
@@ -145,7 +165,8 @@ def test_the_report_counts_repeated_auto_choices_and_keeps_cells_apart(capsys):
     run = {"mode": "parallel", "backend": "loky", "n_jobs": 2, "metrics": {}, "auto": [[w, 2] for w in range(20)],
            "overhead_s": [None] * 4, "engine_idle_s": [None] * 3}
     run.update({k: 0.0 for k in ("wall_s", "trajectories_per_s", "env_steps_per_s", "engine_calls", "mean_batch_size",
-                                 "env_time_s", "engine_time_s", "wait_time_s", "fallbacks", "dump_s", "warmup_s")})
+                                 "env_time_s", "engine_time_s", "wait_time_s", "fallbacks", "dump_s", "warmup_s", "occupancy",
+                                 "done_spread_s")})
     script.print_report({"runs": [dict(run, mode="sequential", auto=[]), run], "speedup": None,
                          "consistent": True, "consistency_check": "-", "fault_injection": None})
     row = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("auto:"))

@@ -134,6 +134,9 @@ def test_a_request_never_answered_ends_its_env_in_timeout(mode, reference):
     engine = LosesEnv(lost)
     with LLMAgentProxy(setup_for(engine_timeout_s=1.0, **MODES[mode]), engine) as proxy:
         got = proxy.rollout("val", rollout_index=1)
+        deadline = time.monotonic() + 10  # the worker's cancel reaches the manager after the rollout returns
+        while not all(f.cancelled() for f in engine.kept) and time.monotonic() < deadline:
+            time.sleep(0.01)
     i = next(k for k, s in enumerate(got.specs) if s.env_id == lost)
     assert got.trajectories[i].stop_reason == StopReason.TIMEOUT
     assert "engine_timeout_s=1" in got.trajectories[i].error

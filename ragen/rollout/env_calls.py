@@ -177,6 +177,7 @@ class EnvSlot:
         self.active = True
         self.lookup: dict[str, Any] | None = None  # lower-case action name -> action id
         self.reported = False  # its end was told to the progress callback
+        self.timed = False  # its end was counted in the loop's first and last env end
 
     def finish(self, reason: StopReason, error: str | None = None) -> None:
         self.active = False

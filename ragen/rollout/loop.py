@@ -155,6 +155,7 @@ class _TurnLoop:
         finally:
             for _ in range(self.open_streams):
                 self.client.close_stream()
+            self.client.flush()  # held closes and cancels
         self.release_ended(slots)
 
     def take_chunks(self, slots: list[EnvSlot], take: Callable[[], list[EnvSpec]],
@@ -218,7 +219,10 @@ class _TurnLoop:
             except EngineError as exc:
                 if exc.ticket not in self.inflight:
                     raise
-                self.engine_failed(exc.ticket, str(exc))
+                if exc.timed_out:  # the manager's own engine_timeout_s ran out first
+                    self.end_waiting(exc.ticket, StopReason.TIMEOUT, str(exc))
+                else:
+                    self.end_waiting(exc.ticket, StopReason.ERROR, f"the engine failed on its request: {exc}")
                 continue
             if answer is None:
                 if not got:
@@ -236,10 +240,6 @@ class _TurnLoop:
             self.client.abandon(ticket)
             self.end_waiting(ticket, StopReason.TIMEOUT, f"no answer from the engine within "
                              f"agent_proxy.engine_timeout_s={self.config.engine_timeout_s:g} s")
-
-    def engine_failed(self, ticket: int, message: str) -> None:
-        """The engine answered the ticket's request with an error: its envs end in ``error``."""
-        self.end_waiting(ticket, StopReason.ERROR, f"the engine failed on its request: {message}")
 
     def end_waiting(self, ticket: int, reason: StopReason, message: str) -> None:
         """The envs waiting for ``ticket`` end in ``reason``, and their stream closes. The engine is
@@ -361,6 +361,9 @@ class _TurnLoop:
     def release_ended(self, batch: list[EnvSlot]) -> None:
         """Ended envs go back to kept_envs at once: a chunk taken later reuses them."""
         for slot in batch:
+            if not slot.active and not slot.timed:
+                slot.timed = True
+                self.stats.env_done(time.monotonic())
             if not slot.active and slot.env is not None:
                 self.kept_envs.release(slot.spec, slot.env)
                 slot.env = None

@@ -3,6 +3,7 @@ and what it counts while it plays (``LoopStats``)."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -47,6 +48,21 @@ class LoopStats:
     env_retries: int = 0  # retries of failed envs on fresh instances
     envs_created: int = 0  # 0 once a worker keeps its envs between rollouts
     chunks: int = 0  # chunks of groups taken from the rollout's queue (pull-based work)
+    # when the first and the last env ended (time.monotonic(): one clock for the processes of a machine)
+    first_done: float = math.inf
+    last_done: float = -math.inf
 
     def __add__(self, other: "LoopStats") -> "LoopStats":
-        return LoopStats(**{f.name: getattr(self, f.name) + getattr(other, f.name) for f in fields(self)})
+        summed = {f.name: getattr(self, f.name) + getattr(other, f.name) for f in fields(self)
+                  if f.name not in ("first_done", "last_done")}
+        return LoopStats(**summed, first_done=min(self.first_done, other.first_done),
+                         last_done=max(self.last_done, other.last_done))
+
+    def env_done(self, now: float) -> None:
+        self.first_done = min(self.first_done, now)
+        self.last_done = max(self.last_done, now)
+
+    @property
+    def done_spread_s(self) -> float | None:
+        """From the first env's end to the last's; None when none ended (or on another machine's clock)."""
+        return self.last_done - self.first_done if self.last_done >= self.first_done else None

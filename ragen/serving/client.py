@@ -467,9 +467,11 @@ class SharedLLMClient:
                 sock.settimeout(None)
 
     def abandon(self, ticket: int) -> None:
+        """Stop waiting for ``ticket``, and tell the manager (a streaming engine drops its requests)."""
         state = getattr(_LOCAL, "conns", {}).get(self._key())
-        if state is not None:
+        if state is not None and ticket in state["outstanding"]:
             state["outstanding"].discard(ticket)
+            self._hold(state, wire.frame({"op": "cancel", "ticket": ticket})[wire.HEADER_BYTES:])
 
     def wait_any(self, timeout: float | None = None) -> tuple[int, list[Completion]] | None:
         self.flush()
@@ -493,5 +495,5 @@ class SharedLLMClient:
                 continue  # an answer to a request abandoned after a failure
             state["outstanding"].discard(ticket)
             if "error" in msg:
-                raise wire.EngineError(msg["error"], ticket)
+                raise wire.EngineError(msg["error"], ticket, timed_out=msg.get("timed_out") is True)
             return ticket, [Completion.from_dict(c) for c in msg["completions"]]

@@ -179,7 +179,8 @@ class Connections:
         logger.warning("bad message from %s: %s", conn.peer, exc)
         conn.send({"answers": [{"ticket": exc.ticket, "error": f"bad message: {exc}"}]})
 
-    def _dispatch(self, conn: Connection, msg: wire.StreamsMessage | wire.CallMessage | wire.GenMessage) -> None:
+    def _dispatch(self, conn: Connection,
+                  msg: wire.StreamsMessage | wire.CallMessage | wire.GenMessage | wire.CancelMessage) -> None:
         if isinstance(msg, wire.CallMessage):
             reply = self._call(conn, msg)
             try:
@@ -188,6 +189,9 @@ class Connections:
                 logger.error("the reply to call %r of tag %s is not plain data: %s", msg.kind, msg.tag, exc)
                 data = wire.frame({"reply": None, "error": f"the reply is not plain data: {exc}"})
             self.stats.add(bytes_out=conn.send_frame(data))
+            return
+        if isinstance(msg, wire.CancelMessage):
+            self._cancel(conn, msg.ticket)
             return
         if isinstance(msg, wire.StreamsMessage):
             with self._cond:
@@ -207,6 +211,10 @@ class Connections:
 
     def _arrive(self, pending: Pending) -> None:
         """A request list for the engine (the manager's: coalesced, or streamed)."""
+        raise NotImplementedError
+
+    def _cancel(self, conn: Connection, ticket: int) -> None:
+        """The worker stopped waiting for ``ticket`` (the manager's: a streaming engine drops it)."""
         raise NotImplementedError
 
     def _take_notes(self, conn: Connection, notes: dict[str, int]) -> None:

@@ -11,7 +11,9 @@ answered with errors, and the batcher goes on serving. The driver
 ``announce``s how many streams the work it dispatched will open, with that
 work's ``Hooks``; the coalescer waits for those streams before they open.
 Answers are told to the observers just before they are sent, so a worker
-cannot end its work before its answers are counted.
+cannot end its work before its answers are counted. An engine that batches
+continuously (``Engine.streams``) gets each request list as it arrives,
+through the ``Streamer``, instead of the coalescer.
 """
 
 from __future__ import annotations
@@ -120,6 +122,11 @@ class SharedLLMInferenceManager(Connections):
         with self._cond:
             self.coalescer.arrive(pending)
             self._cond.notify_all()
+
+    def _cancel(self, conn: Connection, ticket: int) -> None:
+        if self.streamer is not None:
+            self.streamer.cancel(conn, ticket)
+        # a batch engine's call answers it anyway; the client drops the answer
 
     def _send_answers(self, answers: dict[Connection, list[dict[str, Any]]]) -> None:
         """The streamer's answers, told to the observers, then sent."""

@@ -54,6 +54,7 @@ class Streamer:
         self._cond = threading.Condition()
         self._done: list[_InFlight] = []
         self._waiting: set[_InFlight] = set()  # with a deadline, not answered yet
+        self._by_ticket: dict[tuple[Hashable, int], _InFlight] = {}  # not answered yet
         self._in_flight = 0  # requests
         self._busy_since = 0.0
         self._closed = False
@@ -72,6 +73,7 @@ class Streamer:
             self._in_flight += len(p.requests)
             if entry.deadline is not None:
                 self._waiting.add(entry)
+            self._by_ticket[(p.conn, p.ticket)] = entry
             self._cond.notify_all()  # a new deadline
         self.stats.record_submit(len(p.requests))
         try:
@@ -97,6 +99,7 @@ class Streamer:
             entry.left -= 1
             if entry.left == 0:
                 self._waiting.discard(entry)
+                self._by_ticket.pop((entry.pending.conn, entry.pending.ticket), None)
                 if not entry.answered:
                     self._done.append(entry)
                     self._cond.notify_all()
@@ -116,6 +119,7 @@ class Streamer:
                 for e in done + expired:
                     e.answered = True
                     self._waiting.discard(e)
+                    self._by_ticket.pop((e.pending.conn, e.pending.ticket), None)
             for e in expired:
                 for f in e.futures:
                     f.cancel()  # a request the engine has not finished leaves its batch
@@ -136,10 +140,21 @@ class Streamer:
             logger.warning("no answer from the engine within agent_proxy.engine_timeout_s=%g s for %d requests "
                            "(env %s, turn %s)", self.request_timeout_s, len(e.pending.requests),
                            e.pending.requests[0].env_id, e.pending.requests[0].turn)
-            answers.setdefault(e.pending.conn, []).append({"ticket": e.pending.ticket, "error": (
+            answers.setdefault(e.pending.conn, []).append({"ticket": e.pending.ticket, "timed_out": True, "error": (
                 f"no answer from the engine within agent_proxy.engine_timeout_s={self.request_timeout_s:g} s")})
         if answers:
             self.reply(answers)
+
+    def cancel(self, conn: Hashable, ticket: int) -> None:
+        """Its worker stopped waiting for ``ticket``: not answered, its requests dropped by the engine."""
+        with self._cond:
+            entry = self._by_ticket.pop((conn, ticket), None)
+            if entry is None:
+                return
+            entry.answered = True
+            self._waiting.discard(entry)
+        for f in entry.futures:
+            f.cancel()
 
     def close(self) -> None:
         with self._cond:

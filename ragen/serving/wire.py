@@ -28,13 +28,16 @@ against that limit before it sends (``send_frame``, ``MessageTooLarge``).
   tag (absent means none). ``{"op": "batch", "msgs": [bytes, ...]}``: gen
   and close messages, each encoded as a frame's payload, that a worker held
   back to send together (env-level turns: one frame for the requests that
-  became ready together, not one a request).
+  became ready together, not one a request). ``{"op": "cancel", "ticket":
+  t}``: the worker stopped waiting for t (a streaming engine drops it).
 - Manager -> client: ``{"reply": p}`` (a call's reply; with ``"error": msg``
   when it could not be answered), or ``{"answers": [...]}``, one frame per
   connection and engine call (a streaming engine: per connection, the
   answers that finished since the last frame); each answer is ``{"ticket": t, "completions":
   [...]}`` (the answers' token ids and log-probs, not the prompts' token ids:
-  those stay in the driver) or ``{"ticket": t, "error": msg}``.
+  those stay in the driver) or ``{"ticket": t, "error": msg}`` (with
+  ``"timed_out": True`` when the engine did not answer within the manager's
+  time limit).
 """
 
 from __future__ import annotations
@@ -67,11 +70,13 @@ HEADER_BYTES = _HEADER.size  # a frame's length prefix
 
 
 class EngineError(RuntimeError):
-    """The engine failed on a request (raised in the client); ``ticket``: that request's, where known."""
+    """The engine failed on a request (raised in the client); ``ticket``: that request's, where known;
+    ``timed_out``: the manager gave up waiting for the engine's answer."""
 
-    def __init__(self, message: str, ticket: int | None = None) -> None:
+    def __init__(self, message: str, ticket: int | None = None, timed_out: bool = False) -> None:
         super().__init__(message)
         self.ticket = ticket
+        self.timed_out = timed_out
 
 
 class ProtocolError(RuntimeError):
@@ -254,11 +259,19 @@ class GenMessage:
 
 
 @dataclass(frozen=True)
+class CancelMessage:
+    """A worker stopped waiting for ``ticket``: the engine may drop its requests."""
+
+    ticket: int
+    notes: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
 class BatchMessage:
     """Messages a worker held back to send in one frame: ``gen`` and ``close``
     messages, each parsed on its own (a malformed one is its ``BadMessage``)."""
 
-    items: list[StreamsMessage | GenMessage | BadMessage]
+    items: list[StreamsMessage | GenMessage | CancelMessage | BadMessage]
     notes: dict[str, int] = field(default_factory=dict)
 
 
@@ -328,7 +341,8 @@ def _check_fields(values: dict[str, Any], checks: dict[str, Any], where: str) ->
             raise ValueError(f"{where}.{name} must be {what}, got {repr(values[name])[:80]}")
 
 
-def parse_message(data: bytes, in_batch: bool = False) -> StreamsMessage | CallMessage | GenMessage | BatchMessage:
+def parse_message(data: bytes, in_batch: bool = False
+                  ) -> StreamsMessage | CallMessage | GenMessage | CancelMessage | BatchMessage:
     """A client's message, every field checked; BadMessage saying what is wrong otherwise."""
     ticket = None
     try:
@@ -341,7 +355,7 @@ def parse_message(data: bytes, in_batch: bool = False) -> StreamsMessage | CallM
             items = msg.get("msgs")
             if not isinstance(items, list) or not all(isinstance(m, bytes) for m in items) or len(items) > MAX_BATCH:
                 raise ValueError(f"'msgs' must be a list of at most {MAX_BATCH} encoded messages")
-            parsed: list[StreamsMessage | GenMessage | BadMessage] = []
+            parsed: list[StreamsMessage | GenMessage | CancelMessage | BadMessage] = []
             for item in items:
                 try:
                     one = parse_message(item, in_batch=True)
@@ -362,6 +376,10 @@ def parse_message(data: bytes, in_batch: bool = False) -> StreamsMessage | CallM
                 raise ValueError(f"'kind' must be a name of at most {MAX_NAME_CHARS} characters, got "
                                  f"{repr(kind)[:80]}")
             return CallMessage(kind, _tag(msg), msg.get("payload"), notes)
+        if op == "cancel":
+            if not _is_int(msg.get("ticket")):
+                raise ValueError("'ticket' must be an integer")
+            return CancelMessage(msg["ticket"], notes)
         if op != "gen":
             raise ValueError(f"unknown op {op!r}")
         ticket = msg.get("ticket")
