@@ -16,6 +16,7 @@ pytest.importorskip("distributed")
 import dask  # noqa: E402
 from distributed import LocalCluster  # noqa: E402
 
+from ragen.llm import make_engine
 from ragen.llm.scripted import ScriptedEngine  # noqa: E402
 from ragen.rollout.proxy import AgentSetup, LLMAgentProxy  # noqa: E402
 from ragen.rollout.workers.cluster import ClusterConfig, open_cluster  # noqa: E402
@@ -123,6 +124,22 @@ def test_scheduler_address_gives_the_sequential_trajectories(scheduler_address, 
         for depth in (1, 2):
             prm.pipeline_depth = depth
             assert prm.rollout(mixed_specs, loop_config()).trajectories == reference
+
+
+@pytest.mark.timeout(120)
+def test_env_level_turns_on_the_cluster_give_the_sequential_trajectories(scheduler_address, mixed_specs, reference):
+    """An engine that batches continuously: each env's next turn as soon as its own answer is in."""
+    engine = make_engine({"name": "scripted", "malformed_rate": 0.1,
+                          "continuous_batching": {"step_s": 0.0005, "tokens_median": 20}})
+    try:
+        with SharedLLMInferenceManager(engine) as shared, \
+                ParallelRolloutManager(shared, backend="dask",
+                                       cluster=ClusterConfig(dask_scheduler_address=scheduler_address)) as prm:
+            result = prm.rollout(mixed_specs, loop_config())
+    finally:
+        engine.close()
+    assert result.trajectories == reference
+    assert result.metrics["engine/requests"] == result.metrics["engine/calls"]  # a request a message: env-level
 
 
 @pytest.mark.timeout(120)

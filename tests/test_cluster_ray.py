@@ -20,6 +20,7 @@ ray = pytest.importorskip("ray")
 
 from joblib.pool import PicklingPool  # noqa: E402
 
+from ragen.llm import make_engine
 from ragen.llm.scripted import ScriptedEngine  # noqa: E402
 from ragen.rollout.workers.cluster import ClusterConfig  # noqa: E402
 from ragen.rollout.backends.parallel import ParallelRolloutManager  # noqa: E402
@@ -85,6 +86,17 @@ def test_local_ray_gives_the_sequential_trajectories_and_keeps_envs(mixed_specs,
             assert result.metrics["parallel/fallbacks"] == 0
             # on the cluster's workers (pull-based: one that starts late may find every group taken)
             assert result.metrics["parallel/workers_used"] in (1, 2)
+        # env-level turns, on an engine that batches continuously: the same trajectories
+        streaming = make_engine({"name": "scripted", "malformed_rate": 0.1,
+                                 "continuous_batching": {"step_s": 0.0005, "tokens_median": 20}})
+        try:
+            with SharedLLMInferenceManager(streaming) as streamed, \
+                    ParallelRolloutManager(streamed, n_jobs=2, backend="ray") as env_level:
+                result = env_level.rollout(mixed_specs, loop_config())
+        finally:
+            streaming.close()
+        assert result.trajectories == reference
+        assert result.metrics["engine/requests"] == result.metrics["engine/calls"]
         for _ in range(3):
             result = prm.rollout(counting, loop_config())
             assert result.trajectories == counting_ref
