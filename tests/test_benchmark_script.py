@@ -87,6 +87,7 @@ def test_the_long_tail_preset_compares_lockstep_and_env_level_turns(tmp_path):
     # the scripted engine counts its decode steps; every env ended, some time apart
     assert lockstep["occupancy"] > 0 and env_level["occupancy"] > 0 and env_level["done_spread_s"] > 0
     assert env_level["mean_batch_size"] == 1.0 and lockstep["mean_batch_size"] > 1.0
+    assert env_level["messages"] > 0
 
 
 def test_failed_envs_are_in_the_report(tmp_path):
@@ -166,7 +167,7 @@ def test_the_report_counts_repeated_auto_choices_and_keeps_cells_apart(capsys):
            "overhead_s": [None] * 4, "engine_idle_s": [None] * 3}
     run.update({k: 0.0 for k in ("wall_s", "trajectories_per_s", "env_steps_per_s", "engine_calls", "mean_batch_size",
                                  "env_time_s", "engine_time_s", "wait_time_s", "fallbacks", "dump_s", "warmup_s", "occupancy",
-                                 "done_spread_s")})
+                                 "done_spread_s", "messages")})
     script.print_report({"runs": [dict(run, mode="sequential", auto=[]), run], "speedup": None,
                          "consistent": True, "consistency_check": "-", "fault_injection": None})
     row = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("auto:"))
