@@ -32,9 +32,10 @@ from ragen.serving.gate import EngineGate
 
 _CONNECT_TIMEOUT_S = 30.0
 _CONNECT_TRIES = 3
-# The longest a held message waits for others to share its frame: the engine
-# gets each request at most this late, and a worker's messages stay about one
-# a turn of its envs, not one an env.
+# Held messages (env-level turns) go out at most one frame per HOLD_S: the
+# first after a quiet spell at once, the others of a burst together once the
+# oldest waited HOLD_S (or when the worker waits). A worker's frames follow
+# time and the engine's answers, not envs x turns.
 HOLD_S = 0.002
 
 
@@ -249,7 +250,7 @@ class SharedLLMClient:
             # transit: seconds its messages spent on the wire, summed, and how many (transit())
             # held: messages kept back to share a frame (submit(hold=True)), sent by flush()
             state = {"sock": self._connect(), "ticket": 0, "outstanding": set(), "inbox": deque(), "notes": {},
-                     "transit": [0.0, 0], "held": [], "held_since": 0.0}
+                     "transit": [0.0, 0], "held": [], "held_since": 0.0, "flushed_at": 0.0}
             cache[key] = state
         return state
 
@@ -311,11 +312,14 @@ class SharedLLMClient:
         wire.send_frame(state["sock"], self._with_notes(state, {"op": "close", "n": 1}))
 
     def _hold(self, state: dict[str, Any], msg: bytes) -> None:
-        """``msg`` (an encoded message) kept back to share a frame; all sent once the oldest waited ``HOLD_S``."""
+        """``msg`` (an encoded message) kept back to share a frame: sent at once
+        when no frame went out in the last ``HOLD_S``, else with the messages
+        after it, once the oldest waited ``HOLD_S`` (or at the next wait)."""
+        now = time.monotonic()
         if not state["held"]:
-            state["held_since"] = time.monotonic()
+            state["held_since"] = now
         state["held"].append(msg)
-        if time.monotonic() - state["held_since"] >= HOLD_S:
+        if now - state["held_since"] >= HOLD_S or now - state["flushed_at"] >= HOLD_S:
             self.flush()
 
     def flush(self) -> None:
@@ -326,6 +330,7 @@ class SharedLLMClient:
         if state is None or not state["held"]:
             return
         held, state["held"] = state["held"], []
+        state["flushed_at"] = time.monotonic()
         frames: list[list[bytes]] = [[]]
         size = 0
         for msg in held:
@@ -392,8 +397,9 @@ class SharedLLMClient:
         raise wire.MessageTooLarge(exc.size, exc.limit, refused, sizes) from None
 
     def ready(self) -> bool:
-        self.flush()
         state = self._state()
+        if state["held"] and time.monotonic() - state["held_since"] >= HOLD_S:
+            self.flush()
         if state["inbox"]:
             return True
         return bool(select.select([state["sock"]], [], [], 0)[0])
