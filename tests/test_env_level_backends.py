@@ -202,3 +202,21 @@ def test_a_weight_swap_waits_for_requests_in_flight_and_holds_new_ones():
     t.join(10)
     r.join(10)
     assert events == ["swap", "request"]
+
+
+@pytest.mark.timeout(120)
+def test_lockstep_turns_on_a_streaming_engine_end_a_lost_request_in_timeout(reference):
+    """env_level_async: false: the request list that holds the lost request ends
+    in timeout (its envs, not the rollout), the others play on."""
+    val = reference[0]
+    lost = val.specs[3].env_id
+    engine = LosesEnv(lost)
+    with LLMAgentProxy(setup_for(engine_timeout_s=1.0, env_level_async=False, use_parallel_rollout=True),
+                       engine) as proxy:
+        got = proxy.rollout("val", rollout_index=1)
+    i = next(k for k, s in enumerate(got.specs) if s.env_id == lost)
+    assert got.trajectories[i].stop_reason == StopReason.TIMEOUT
+    assert got.metrics["parallel/fallbacks"] == 0
+    timed_out = [k for k, t in enumerate(got.trajectories) if t.stop_reason == StopReason.TIMEOUT]
+    assert [t for k, t in enumerate(got.trajectories) if k not in timed_out] == \
+        [t for k, t in enumerate(val.trajectories) if k not in timed_out]

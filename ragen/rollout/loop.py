@@ -200,24 +200,18 @@ class _TurnLoop:
         self.handle(got)
 
     def gather(self) -> list[tuple[int, list[Completion]]]:
-        """The next answer and every other one already here (env-level: none
-        when a request's wait ran out, its env ended in ``timeout``)."""
-        if not self.env_level:
-            got = [self.client.wait_any()]
-            while self.inflight and self.client.ready():
-                got.append(self.client.wait_any())
-            return got
-        got = []
-        while True:
-            timeout = None
-            if self.deadlines and not got:
-                timeout = max(0.0, min(self.deadlines.values()) - time.monotonic())
-            elif got:
-                timeout = 0.0
+        """The next answer and every other one already here; none when a
+        request's wait ran out (env-level: its env ended in ``timeout``). An
+        engine's error for one ticket ends its envs alone where the engine,
+        not the worker, is at fault: env-level always, lockstep when the
+        manager timed it out; otherwise it is raised."""
+        got: list[tuple[int, list[Completion]]] = []
+        while self.inflight and (not got or self.client.ready()):
+            limit = None if got or not self.deadlines else max(0.0, min(self.deadlines.values()) - time.monotonic())
             try:
-                answer = self.client.wait_any(timeout=timeout)
+                answer = self.client.wait_any(timeout=limit)
             except EngineError as exc:
-                if exc.ticket not in self.inflight:
+                if exc.ticket not in self.inflight or not (self.env_level or exc.timed_out):
                     raise
                 if exc.timed_out:  # the manager's own engine_timeout_s ran out first
                     self.end_waiting(exc.ticket, StopReason.TIMEOUT, str(exc))
@@ -225,13 +219,11 @@ class _TurnLoop:
                     self.end_waiting(exc.ticket, StopReason.ERROR, f"the engine failed on its request: {exc}")
                 continue
             if answer is None:
-                if not got:
-                    self.expire()
+                self.expire()
                 return got
             self.deadlines.pop(answer[0], None)
             got.append(answer)
-            if not self.client.ready():
-                return got
+        return got
 
     def expire(self) -> None:
         """The envs whose request's wait ran past ``engine_timeout_s`` end in ``timeout``."""
@@ -246,6 +238,7 @@ class _TurnLoop:
         at fault, not the env: they end alone whether or not errors are isolated (a re-run would
         wait for the same engine)."""
         self.deadlines.pop(ticket, None)
+        self.riders.discard(ticket)
         batch = self.inflight.pop(ticket)
         for slot in batch:
             end_in_error(slot, reason, self.stats, True, cause=None, message=message)
