@@ -81,6 +81,27 @@ def step_costs(engine: Any, batches: list[int], short: int = 16, long: int = 80)
     return costs
 
 
+def fit_step(costs: dict[int, float]) -> tuple[float, float]:
+    """``(a, b)`` of a decode step costing ``a + b x running requests``: least squares over the timed batches."""
+    xs, ys = list(costs), list(costs.values())
+    mx, my = statistics.fmean(xs), statistics.fmean(ys)
+    b = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
+    return my - b * mx, b
+
+
+def decode_only(trajectories: list, a: float, b: float) -> dict[str, float]:
+    """Decode time alone, from the answers' lengths and the step model: lockstep runs the longest
+    answer of each turn (``a`` x the sum over turns of the longest), env-level at least the
+    longest env's answers end to end; both decode every token (``b`` x the tokens)."""
+    lengths = [[len(turn.response_ids) for turn in t.turns] for t in trajectories]
+    turns = max(len(row) for row in lengths)
+    lockstep_steps = sum(max((row[i] for row in lengths if i < len(row)), default=0) for i in range(turns))
+    env_level_steps = max(sum(row) for row in lengths)
+    tokens = sum(sum(row) for row in lengths)
+    return {"tokens": tokens, "lockstep_steps": lockstep_steps, "env_level_steps": env_level_steps,
+            "lockstep_s": a * lockstep_steps + b * tokens, "env_level_s": a * env_level_steps + b * tokens}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--envs", type=int, default=16)
@@ -133,6 +154,14 @@ def main() -> None:
         submits = rows[env_level][-1][2]
         print(f"{name:10s} wall {statistics.median(walls):.1f} s ({', '.join(f'{w:.1f}' for w in walls)}) | "
               f"mean requests in flight {statistics.median(r[1] for r in rows[env_level]):.1f} | submits {submits}")
+    if len(costs) >= 2:
+        a, b = fit_step(costs)
+        model = decode_only(trajectories[False], a, b)
+        print(f"decode step {a * 1000:.1f} ms + {b * 1000:.2f} ms x running requests (fit over batches "
+              f"{', '.join(map(str, costs))}); {model['tokens']} answer tokens: decode alone, lockstep "
+              f"{model['lockstep_steps']} steps = {model['lockstep_s']:.1f} s, env-level at least "
+              f"{model['env_level_steps']} steps = {model['env_level_s']:.1f} s "
+              f"({model['lockstep_s'] / model['env_level_s']:.2f}x at most from decode)")
     ratios = [a[0] / b[0] for a, b in zip(rows[False], rows[True])]
     print(f"env-level against lockstep: {statistics.median(ratios):.2f}x ({', '.join(f'{r:.2f}' for r in ratios)}) "
           f"| same trajectories: {trajectories[False] == trajectories[True]}")
