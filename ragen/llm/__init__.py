@@ -8,7 +8,8 @@ config's ``name``:
   tests and benchmarks (``ragen.llm.scripted``; no torch).
 - ``hf``: transformers on CPU or GPU with a batch-independent sampler; the
   trainer updates its model in place (``ragen.llm.hf``).
-- ``vllm``: an adapter over ``vllm.LLM`` (``ragen.llm.vllm_engine``).
+- ``vllm``: an adapter over vLLM's async engine, which streams completions
+  (``engine.streaming: false``: over ``vllm.LLM``) (``ragen.llm.vllm_engine``).
 - ``openai``: an OpenAI-compatible chat-completions server, e.g. ``vllm
   serve`` (``ragen.llm.openai_engine``).
 

