@@ -123,8 +123,9 @@ def test_failed_envs_are_in_the_report(tmp_path):
     (["seed.train=x"], "error: seed.train must be an integer, got 'x'"),
     (["agent_proxy.env_timeout_s=0"], "error: agent_proxy.env_timeout_s must be > 0 seconds, got 0; for no limit"),
     (["agent_proxy.env_level_async=true"], "error: agent_proxy.env_level_async=true needs an engine that streams "
-                                           "completions (engine=vllm, engine=openai, or engine=scripted with "
-                                           "engine.continuous_batching); engine 'scripted' answers whole batches"),
+                                           "completions (engine=vllm (engine.streaming: true, its default), "
+                                           "engine=openai, or engine=scripted with engine.continuous_batching); "
+                                           "engine 'scripted' answers whole batches"),
     (["custom_envs.FrozenLake.env_type=h29_no_such_pkg.mod:Env"],
      "error: custom_envs.FrozenLake.env_type: cannot import 'h29_no_such_pkg.mod:Env': ModuleNotFoundError"),
 ])

@@ -76,7 +76,8 @@ def check_engine_config(engine_cfg: Mapping[str, Any]) -> tuple[str, dict[str, A
 
 
 # which engines stream completions (``Engine.streams_with``), for errors that say which to choose
-STREAMING_ENGINES = "engine=vllm, engine=openai, or engine=scripted with engine.continuous_batching"
+STREAMING_ENGINES = ("engine=vllm (engine.streaming: true, its default), engine=openai, or engine=scripted with "
+                     "engine.continuous_batching")
 
 
 def engine_streams(engine_cfg: Mapping[str, Any]) -> bool:

@@ -263,6 +263,10 @@ class VLLMEngine(Engine):
                 raise ValueError(f"engine.{key} must be true or false, got {options[key]!r}")
 
     @classmethod
+    def streams_with(cls, options: dict[str, Any]) -> bool:
+        return options.get("streaming", True) is not False
+
+    @classmethod
     def from_config(cls, cfg: Mapping[str, Any], model_path: str | None = None) -> "VLLMEngine":
         """``VLLMStreamingEngine`` unless ``streaming`` is false."""
         cfg = dict(cfg)
