@@ -220,3 +220,22 @@ def test_lockstep_turns_on_a_streaming_engine_end_a_lost_request_in_timeout(refe
     timed_out = [k for k, t in enumerate(got.trajectories) if t.stop_reason == StopReason.TIMEOUT]
     assert [t for k, t in enumerate(got.trajectories) if k not in timed_out] == \
         [t for k, t in enumerate(val.trajectories) if k not in timed_out]
+
+
+@pytest.mark.timeout(180)
+def test_a_worker_killed_mid_rollout_env_level_loses_nothing(reference, tmp_path):
+    """The fallback re-runs the dead worker's groups env-level too, and the dump of
+    the rollout replays to the same episodes."""
+    from ragen.rollout.dump import read_dump, write_dump
+    from ragen.tools.replay import replay
+
+    engine = streaming_engine()
+    try:
+        with LLMAgentProxy(setup_for(**MODES["loky"]), engine) as proxy:
+            got = proxy.rollout("val", rollout_index=1, fault={"worker": 0, "exit_at_turn": 1})
+            path = write_dump(tmp_path, "d", got, proxy.setup.val_loop, split="val", step=0)
+    finally:
+        engine.close()
+    assert got.trajectories == reference[0].trajectories
+    assert got.metrics["parallel/fallbacks"] + got.metrics["parallel/retried_tasks"] >= 1
+    assert all(replay(record).identical for record in read_dump(path))

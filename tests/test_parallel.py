@@ -313,7 +313,7 @@ def test_answers_that_arrive_while_envs_reset_are_handled_between_resets(mixed_s
         def ready(self):
             return bool(self._queue)
 
-        def wait_any(self):
+        def wait_any(self, timeout=None):
             ticket, completions = super().wait_any()
             log.append("answer")
             return ticket, completions
@@ -353,7 +353,7 @@ def test_streams_of_taken_chunks_merge_back_into_pipeline_depth_once_answered_to
             super().__init__(engine)
             self.arrived, self.calls, self.opened, self.closed = deque(), [], 0, 0
 
-        def wait_any(self):
+        def wait_any(self, timeout=None):
             if not self.arrived:
                 self.calls.append(len(self._queue))  # request lists in this call
                 while self._queue:
@@ -366,7 +366,7 @@ def test_streams_of_taken_chunks_merge_back_into_pipeline_depth_once_answered_to
         def open_streams(self, n):
             self.opened += n
 
-        def close_stream(self):
+        def close_stream(self, hold=False):
             self.closed += 1
 
     client = OneCallClient(engine)
