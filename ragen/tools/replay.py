@@ -49,16 +49,17 @@ from ragen.llm.types import Completion, Engine, GenerationRequest, SamplingParam
 from ragen.rollout.dump import DumpError, DumpRecord, read_dump
 from ragen.serving import DirectClient
 from ragen.rollout.loop import EnvError, KeptEnvs, run_envs
-from ragen.rollout.types import Trajectory
+from ragen.rollout.types import StopReason, Trajectory
 
 logger = logging.getLogger(__name__)
 
 
 class RecordedEngine(Engine):
     """Answers with the recorded answers of one dump record (and, after its
-    last turn, the answer its env failed on, if it failed within a turn); a
-    turn the dump does not have is answered with an empty text (the
-    comparison reports it)."""
+    last turn, the answer its env failed on, if it failed within a turn, or
+    the engine's error, if the env ended in error without one); a turn the
+    dump does not have is answered with an empty text (the comparison
+    reports it)."""
 
     name = "recorded"
 
@@ -76,8 +77,10 @@ class RecordedEngine(Engine):
                 text, finish, version = turn.response, turn.finish_reason, turn.policy_version
             elif r.turn == len(turns) and trajectory.failed_response is not None:
                 text, finish, version = trajectory.failed_response, "stop", -1  # the answer the env failed on
+            elif r.turn == len(turns) and trajectory.stop_reason == StopReason.ERROR:
+                text, finish, version = "", "error", -1  # the engine failed on this turn's request
             else:
-                text, finish, version = "", "error", -1
+                text, finish, version = "", "stop", -1
             out.append(Completion(text=text, prompt_token_ids=[], response_token_ids=[], finish_reason=finish,
                                   policy_version=version, env_id=r.env_id, turn=r.turn))
         return out
