@@ -11,7 +11,7 @@ from omegaconf import OmegaConf
 from ragen.llm.scripted import ScriptedEngine
 from ragen.llm.types import SamplingParams
 from ragen.rollout.context import ContextConfig
-from ragen.rollout.envs import EnvStateManager
+from ragen.rollout.envs import EnvSpecMaker
 from ragen.serving import DirectClient
 from ragen.rollout.loop import KeptEnvs, LoopConfig, run_envs
 
@@ -35,7 +35,7 @@ def fault_tag(fault: str = "none", fault_seed: int = -1, marker: str = "", **kw)
 
 
 def specs_for(tags: list[str], n_groups: list[int], group_size: int, envs: dict, seed: int = 7):
-    es = EnvStateManager("train", {"env_groups": sum(n_groups), "group_size": group_size,
+    es = EnvSpecMaker("train", {"env_groups": sum(n_groups), "group_size": group_size,
                                    "env_configs": {"tags": tags, "n_groups": n_groups}}, envs, seed)
     return es.make_specs()
 

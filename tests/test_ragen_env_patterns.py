@@ -20,7 +20,7 @@ from omegaconf import OmegaConf
 from ragen.env import make_env, make_env_config
 from ragen.env.base import BaseDiscreteActionEnv, BaseEnv
 from ragen.llm.scripted import ScriptedEngine
-from ragen.rollout.envs import EnvStateManager
+from ragen.rollout.envs import EnvSpecMaker
 from ragen.rollout.backends.parallel import ParallelRolloutManager
 from ragen.serving import SharedLLMInferenceManager
 from ragen.rollout.types import StopReason
@@ -103,7 +103,7 @@ def test_render_modes_of_a_ragen_style_env():
 
 def test_ragen_envs_yaml_loads_with_parallel_friendly_and_max_workers():
     tags = list(RAGEN_ENVS)
-    es = EnvStateManager("train", {"env_groups": len(tags), "group_size": 1,
+    es = EnvSpecMaker("train", {"env_groups": len(tags), "group_size": 1,
                                    "env_configs": {"tags": tags, "n_groups": [1] * len(tags)}}, RAGEN_ENVS, 0)
     threads = {s.tag: s.env_threads for s in es.make_specs()}
     assert threads["GymnasiumLake"] == 4 and threads["GymnasiumArms"] == 2
@@ -228,7 +228,7 @@ def test_parallel_friendly_env_timeouts_are_per_env():
 @pytest.mark.parametrize("split", ["train", "val"])
 def test_reset_gets_the_split_as_mode_when_it_takes_one(split):
     envs = OmegaConf.to_container(RAGEN_ENVS)
-    es = EnvStateManager(split, {"env_groups": 2, "group_size": 1,
+    es = EnvSpecMaker(split, {"env_groups": 2, "group_size": 1,
                                  "env_configs": {"tags": ["GymnasiumArms", "Bandit"], "n_groups": [1, 1]}}, envs, 0)
     arms, bandit = sequential(es.make_specs(), loop_config(), ScriptedEngine())
     assert ("(evaluation)" in arms.turns[0].observation) == (split == "val")

@@ -5,7 +5,8 @@ paths too (``ragen.llm_agent.agent_proxy``, ``.es_manager``, ``.ctx_manager``)."
 
 from ragen.rollout.proxy import AgentSetup, LLMAgentProxy
 from ragen.rollout.context import ContextConfig, ContextManager
-from ragen.rollout.envs import EnvStateManager, compute_metrics
+from ragen.rollout.env_state import EnvStateManager
+from ragen.rollout.envs import compute_metrics
 from ragen.rollout.backends.parallel import ParallelRolloutManager, RolloutError
 from ragen.rollout.loop import KeptEnvs, LoopConfig, run_envs
 from ragen.serving import DirectClient, SharedLLMClient, SharedLLMInferenceManager

@@ -1,5 +1,5 @@
-"""RAGEN's module path for the env state manager: ``ragen.rollout.envs``."""
+"""RAGEN's module path for the env state manager: ``ragen.rollout.env_state``."""
 
-from ragen.rollout.envs import EnvStateManager
+from ragen.rollout.env_state import EnvStateManager, EnvStatus
 
-__all__ = ["EnvStateManager"]
+__all__ = ["EnvStateManager", "EnvStatus"]

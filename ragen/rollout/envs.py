@@ -1,11 +1,14 @@
-"""EnvSpecMaker (RAGEN's ``EnvStateManager``): which envs a rollout plays, with
-which seeds, and what their trajectories add up to.
+"""EnvSpecMaker: which envs a rollout plays, with which seeds, and what their
+trajectories add up to (RAGEN's ``EnvStateManager`` interface, over the same
+seeds, is ``ragen.rollout.env_state``).
 
 One maker per split (``train`` / ``val``), from ``es_manager.<split>``:
 ``env_groups`` groups of ``group_size`` envs; ``env_configs.tags`` with
 ``n_groups`` (summing to ``env_groups``) says which ``custom_envs`` tag each
-group plays. Members of a group share one seed (so one initial state, as GRPO
-needs); groups differ. Seeds start at ``seed.<split>`` and advance every rollout.
+group plays. Members of a group share one seed (so one initial state, as
+GRPO needs); groups differ: group ``g`` gets ``seed.<split> + g``. As in
+RAGEN, training seeds advance ``env_groups`` every rollout, and validation
+plays the same seeds every time (one fixed validation set).
 
 ``make_specs()`` returns the ``EnvSpec`` list of the next rollout (plain data,
 sent to workers); the turn loop in ``ragen.rollout.loop`` steps them;
@@ -68,11 +71,12 @@ class EnvSpecMaker:
         return self.env_groups * self.group_size
 
     def make_specs(self, rollout_index: int | None = None) -> list[EnvSpec]:
-        """Specs of the next rollout (seeds advance by ``env_groups`` each
-        time), or of rollout number ``rollout_index`` (same index, same seeds)."""
+        """Specs of the next rollout (training seeds advance by ``env_groups``
+        each time; validation's stay), or of rollout number ``rollout_index``
+        (same index, same seeds)."""
         if rollout_index is None:
             with self._lock:
-                rollout_index = self._rollouts
+                rollout_index = self._rollouts if self.split == "train" else 0
                 self._rollouts += 1
         return [s for g in range(self.env_groups) for s in self._group(rollout_index, g, group_id=g)]
 
@@ -100,9 +104,6 @@ class EnvSpecMaker:
 
     def load_state_dict(self, state: Mapping[str, int]) -> None:
         self._rollouts = int(state["rollouts"])
-
-
-EnvStateManager = EnvSpecMaker  # RAGEN's name
 
 
 def _validate_tag(tag: str, spec: Any) -> dict[str, Any]:

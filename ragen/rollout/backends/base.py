@@ -2,7 +2,7 @@
 
 A backend plays env specs to a ``RolloutResult``: ``rollout(specs, loop)``.
 ``specs`` is either the list of specs to play, or the env set of a split
-(``EnvSpecMaker``, RAGEN's ``EnvStateManager``), whose next batch the backend draws: the synchronous
+(``EnvSpecMaker``), whose next batch the backend draws: the synchronous
 backends draw it when called, the asynchronous ones ahead of the caller.
 """
 

@@ -1,0 +1,174 @@
+"""``EnvStateManager``: RAGEN's env state manager, for scripts written against RAGEN.
+
+``EnvStateManager(config, mode="train")`` builds the envs of
+``es_manager.<mode>`` (``env_groups`` x ``group_size``, a ``custom_envs`` tag
+per group) and steps them from the calling thread, as RAGEN's does:
+
+- ``envs``: one entry per env, ``{"tag", "group_id", "env_id", "env",
+  "config", "status", "max_actions_per_traj"}``; ``status`` is an
+  ``EnvStatus`` (``seed``, ``num_actions``, ``rewards``, ``terminated``,
+  ``truncated``).
+- ``reset(seed=None)``: every env reset; group ``g`` gets ``seed + g``. With
+  no seed, ``train`` starts at ``seed.train`` and advances ``env_groups`` a
+  reset; ``val`` uses ``seed.val`` every time. Returns the rollout cache: per
+  env ``{"env_id", "group_id", "tag", "penalty", "history"}``, the history a
+  list of ``{"state", "actions_left", ...}``.
+- ``step(inputs)``: ``inputs`` are ``{"env_id", "actions", "llm_response",
+  "llm_raw_response"}``; the actions named in the env's ``ACTION_LOOKUP``
+  (any case) run, within the env's action budget; an answer with no valid
+  action, or with invalid ones, adds ``es_manager.format_penalty``. Returns
+  the caches of the envs that play on.
+- ``get_rollout_states()``: the caches with per-env ``metrics`` (``<tag>/success``,
+  ``<tag>/num_actions``, the mean of each ``info`` value over the turns,
+  ``<tag>/pass@<group_size>``); ``render()``; ``close()``.
+
+The rollouts of this package do not use it: their workers play ``EnvSpec``s
+(``ragen.rollout.envs.EnvSpecMaker``, whose seeds are the same).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+from ragen.config_reader import to_plain
+from ragen.rollout.config import read_rollout_sections
+from ragen.rollout.envs import EnvSpecMaker
+
+
+@dataclass
+class EnvStatus:
+    """One env's state in RAGEN's terms: the seed it was reset with, its actions, rewards and end."""
+
+    truncated: bool = False  # done, not a success
+    terminated: bool = False  # done
+    num_actions: int = 0
+    rewards: list[float] = field(default_factory=list)  # one a turn
+    seed: int | None = None
+
+
+class EnvStateManager:
+    """RAGEN's manager of one split's envs (see the module docstring)."""
+
+    def __init__(self, config: Mapping[str, Any], mode: str = "train") -> None:
+        from ragen.env import make_env
+
+        if mode not in ("train", "val"):
+            raise ValueError(f"EnvStateManager mode must be 'train' or 'val', got {mode!r}")
+        plain = to_plain(config)
+        sections = read_rollout_sections(plain)
+        self.sys_config = plain
+        self.mode = mode
+        self.format_penalty = sections["es_manager"].format_penalty
+        self.base_seed: int = getattr(sections["seed"], mode)
+        self.seed_counter = 0
+        maker = EnvSpecMaker(mode, plain.get("es_manager", {}).get(mode), plain.get("custom_envs") or {},
+                             self.base_seed)
+        self.env_groups, self.group_size = maker.env_groups, maker.group_size
+        self.envs: list[dict[str, Any]] = []
+        for spec in maker.make_specs(0):
+            env = make_env(spec.env_type, spec.env_config, config_type=spec.config_type, tag=spec.tag)
+            self.envs.append({"tag": spec.tag, "group_id": spec.group_id, "env_id": spec.env_id, "env": env,
+                              "config": getattr(env, "config", None), "status": EnvStatus(),
+                              "max_actions_per_traj": spec.max_actions_per_traj})
+        self.rollout_cache: list[dict[str, Any]] | None = None
+
+    def reset(self, seed: int | None = None) -> list[dict[str, Any]]:
+        if seed is None:
+            if self.mode == "train":
+                seed = self.base_seed + self.seed_counter
+                self.seed_counter += self.env_groups
+            else:
+                seed = self.base_seed
+        elif self.mode == "train":
+            self.seed_counter = seed - self.base_seed + 1  # RAGEN's rule for an explicit seed
+        cache = []
+        for entry in self.envs:
+            env_seed = seed + entry["group_id"]
+            entry["env"].reset(seed=env_seed, mode=self.mode)
+            entry["status"] = EnvStatus(seed=env_seed)
+            cache.append({"env_id": entry["env_id"], "history": [], "group_id": entry["group_id"],
+                          "tag": entry["tag"], "penalty": 0})
+        for c, entry in zip(cache, self.envs):
+            c["history"].append({"state": entry["env"].render(), "actions_left": entry["max_actions_per_traj"]})
+        self.rollout_cache = cache
+        return cache
+
+    def step(self, all_env_inputs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        if self.rollout_cache is None:
+            raise RuntimeError("EnvStateManager.step before reset()")
+        outputs = []
+        for env_input in all_env_inputs:
+            env_id = env_input["env_id"]
+            entry, cache = self.envs[env_id], self.rollout_cache[env_id]
+            status = entry["status"]
+            actions = list(env_input.get("actions", []))
+            valid = self._valid_actions(entry, actions)
+            budget = entry["max_actions_per_traj"] - status.num_actions
+            reward, info, done, executed = 0.0, {}, False, []
+            for action in valid[:budget]:
+                _, r, d, step_info = entry["env"].step(action)
+                reward += r
+                info.update(step_info)
+                executed.append(action)
+                if d:
+                    done = True
+                    break
+            if len(valid) != len(actions) or not valid:
+                cache["penalty"] += self.format_penalty
+            status.num_actions += len(executed)
+            status.rewards.append(reward)
+            if done:
+                status.terminated = True
+                status.truncated = not info.get("success", False)
+            cache["history"][-1].update({"actions": executed, "reward": reward, "info": info,
+                                         "llm_response": env_input.get("llm_response"),
+                                         "llm_raw_response": env_input.get("llm_raw_response")})
+            cache["history"].append({"state": entry["env"].render(),
+                                     "actions_left": entry["max_actions_per_traj"] - status.num_actions})
+            if status.num_actions >= entry["max_actions_per_traj"] and not done:
+                status.truncated = status.terminated = True
+                done = True
+            if not done:
+                outputs.append(cache)
+        return outputs
+
+    @staticmethod
+    def _valid_actions(entry: dict[str, Any], actions: list[str]) -> list[Any]:
+        """The actions named in the env's ``action_lookup`` (any case), as its ids; all of them without one."""
+        lookup = getattr(entry["config"], "action_lookup", None) or getattr(entry["env"], "ACTION_LOOKUP", None)
+        if not lookup:
+            return actions
+        by_name = {str(v).lower(): k for k, v in lookup.items()}
+        return [by_name[a.lower()] for a in actions if isinstance(a, str) and a.lower() in by_name]
+
+    def get_rollout_states(self) -> list[dict[str, Any]]:
+        if self.rollout_cache is None:
+            raise RuntimeError("EnvStateManager.get_rollout_states before reset()")
+        for entry, cache in zip(self.envs, self.rollout_cache):
+            status = entry["status"]
+            metrics: dict[str, float] = {"success": float(status.terminated and not status.truncated),
+                                         "num_actions": status.num_actions}
+            per_turn: dict[str, list[float]] = {}
+            for turn in cache["history"]:
+                for k, v in turn.get("info", {}).items():
+                    if k != "success":
+                        per_turn.setdefault(k, []).append(float(v))
+            for k, values in per_turn.items():  # the mean over turns (the last entry is a state, not a turn)
+                metrics[k] = sum(values) / max(1, len(cache["history"]) - 1)
+            cache["history"][-1]["metrics"] = per_turn
+            cache["metrics"] = {f"{entry['tag']}/{k}": v for k, v in metrics.items()}
+        groups: dict[tuple[str, int], bool] = {}
+        for entry, cache in zip(self.envs, self.rollout_cache):
+            key = (entry["tag"], entry["group_id"])
+            groups[key] = groups.get(key, False) or bool(cache["metrics"][f"{entry['tag']}/success"])
+        for entry, cache in zip(self.envs, self.rollout_cache):
+            cache["metrics"][f"{entry['tag']}/pass@{self.group_size}"] = float(groups[(entry["tag"], entry["group_id"])])
+        return self.rollout_cache
+
+    def render(self) -> list[Any]:
+        return [entry["env"].render() for entry in self.envs]
+
+    def close(self) -> None:
+        for entry in self.envs:
+            entry["env"].close()
