@@ -74,18 +74,35 @@ class LLMClient(Protocol):
         """Forget requests in flight (after a failure)."""
 
 
-class DirectClient:
+class _InProcess:
+    """A client in the engine's own process: nothing to send, no streams for a coalescer to count;
+    the engine's calls (request lists), their sizes and its busy time counted."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self._next = 0  # the last ticket
+        self.engine_time_s = 0.0
+        self.engine_calls = 0
+        self.batch_sizes: list[int] = []
+
+    def flush(self) -> None:
+        pass
+
+    def open_streams(self, n: int) -> None:
+        pass
+
+    def close_stream(self, hold: bool = False) -> None:
+        pass
+
+
+class DirectClient(_InProcess):
     """An engine called in the caller's thread; tickets answered in order."""
 
     streams = False
 
     def __init__(self, engine: Engine) -> None:
-        self.engine = engine
+        super().__init__(engine)
         self._queue: deque[tuple[int, list[GenerationRequest], SamplingParams]] = deque()
-        self._next = 0
-        self.engine_time_s = 0.0
-        self.engine_calls = 0
-        self.batch_sizes: list[int] = []
 
     def submit(self, requests: list[GenerationRequest], sampling: SamplingParams, hold: bool = False) -> int:
         self._next += 1
@@ -106,15 +123,6 @@ class DirectClient:
     def abandon(self, ticket: int) -> None:
         self._queue = deque(q for q in self._queue if q[0] != ticket)
 
-    def flush(self) -> None:
-        pass
-
-    def open_streams(self, n: int) -> None:
-        pass
-
-    def close_stream(self, hold: bool = False) -> None:
-        pass
-
     def ready(self) -> bool:
         return False  # answers are made on demand, in wait_any
 
@@ -122,7 +130,7 @@ class DirectClient:
         self._queue.clear()
 
 
-class StreamingDirectClient:
+class StreamingDirectClient(_InProcess):
     """A ``StreamingEngine`` reached from the caller's thread: each submit goes
     to the engine at once, and a ticket is answered as soon as all of its
     requests are done, in whatever order tickets finish. ``engine_time_s`` is
@@ -134,16 +142,12 @@ class StreamingDirectClient:
     def __init__(self, engine: Engine, gate: EngineGate | None = None) -> None:
         if not getattr(engine, "streams", False):
             raise TypeError(f"{type(engine).__name__} does not stream completions: use DirectClient")
-        self.engine = engine
+        super().__init__(engine)
         self.gate = gate
         self._pending: dict[int, list[concurrent.futures.Future]] = {}
-        self._next = 0
         self._lock = threading.Lock()  # the in-flight count, updated from the engine's thread
         self._in_flight = 0
         self._busy_since = 0.0
-        self.engine_time_s = 0.0
-        self.engine_calls = 0
-        self.batch_sizes: list[int] = []
 
     def submit(self, requests: list[GenerationRequest], sampling: SamplingParams, hold: bool = False) -> int:
         self._next += 1
@@ -199,15 +203,6 @@ class StreamingDirectClient:
     def abandon(self, ticket: int) -> None:
         for f in self._pending.pop(ticket, ()):
             f.cancel()  # the engine drops a request it has not answered yet
-
-    def flush(self) -> None:
-        pass
-
-    def open_streams(self, n: int) -> None:
-        pass
-
-    def close_stream(self, hold: bool = False) -> None:
-        pass
 
     def ready(self) -> bool:
         return self._finished() is not None
