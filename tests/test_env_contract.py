@@ -23,7 +23,7 @@ ENV_SPECS = {
     "sokoban": {"dim_x": 6, "dim_y": 6, "num_boxes": 1, "max_steps": 30},
     "sokoban_8x8": {"dim_x": 8, "dim_y": 8, "num_boxes": 2, "search_depth": 300},
     "frozen_lake": {"size": 5, "is_slippery": True},
-    "bandit": {"lo_arm_name": "phoenix", "hi_arm_name": "dragon"},
+    "bandit": {"split": "train"},
     "countdown": {"num_count": 4},
 }
 INVALID_ACTIONS = [None, "Up", "garbage", 0, 99, -1, 2.5, True, [1], {"a": 1}, b"1"]

@@ -54,3 +54,12 @@ def test_frozen_lake_matches_ragen(config):
     env = make_env("frozen_lake", config["env_config"], tag="FrozenLake")
     for episode in config["episodes"]:
         replay(env, episode)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("config", cases("bandit.json.gz"))
+def test_bandit_matches_ragens_first_instance(config):
+    assert config["instance"] == 0
+    env = make_env("bandit", config["env_config"], tag="Bandit")
+    for episode in config["episodes"]:
+        replay(env, episode)
