@@ -43,8 +43,9 @@ def test_custom_scores_and_start():
     for action in (3, 4):
         env.reset(seed=0)
         obs, reward, _, _ = env.step(action)
-        assert reward == (0.5 if env.ACTION_LOOKUP[action] == env.lo_arm_name else 2)
-        assert obs.endswith(f": {reward} points")  # an int score is written as given: "2 points"
+        lo = env.ACTION_LOOKUP[action] == env.lo_arm_name
+        assert reward == (0.5 if lo else 2.0) and isinstance(reward, float)
+        assert obs.endswith(": 0.5 points" if lo else ": 2 points")  # an int score is written as given
     assert env.step(1)[3]["action_is_valid"] is False
 
 

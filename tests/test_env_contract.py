@@ -129,7 +129,8 @@ def test_pickle_round_trip_mid_episode(name):
 def test_invalid_actions_do_not_crash_or_end_the_episode(name):
     env = build(name)
     first = env.reset(seed=7)
-    for action in INVALID_ACTIONS:
+    # countdown's action is the answer text, any text (RAGEN judges it): only other values are invalid
+    for action in [a for a in INVALID_ACTIONS if not (name == "countdown" and isinstance(a, str))]:
         obs, reward, done, info = env.step(action)
         assert info["action_is_valid"] is False
         assert info["action_is_effective"] is False

@@ -1,4 +1,4 @@
-"""Our FrozenLake and Bandit give RAGEN's episodes: every fixture of tests/fixtures/ragen, all seeds.
+"""Our FrozenLake, Bandit and Countdown give RAGEN's episodes: every fixture of tests/fixtures/ragen, all seeds.
 
 The fixtures come from RAGEN's own env modules (``make_fixtures.py`` beside
 them says how); here each episode is replayed on our env with the same config,
@@ -41,7 +41,7 @@ def replay(env, episode: dict) -> None:
 
 
 def test_fixtures_record_their_command_and_ragen_commit():
-    for name in ("frozen_lake.json.gz", "bandit.json.gz"):
+    for name in ("frozen_lake.json.gz", "bandit.json.gz", "countdown.json.gz"):
         data = load(name)
         assert data["command"].startswith("python tests/fixtures/ragen/make_fixtures.py --ragen-src ")
         assert "RAGEN" in data["ragen_commit"] and len(data["ragen_commit"].split()[-1]) == 40
@@ -63,3 +63,18 @@ def test_bandit_matches_ragens_first_instance(config):
     env = make_env("bandit", config["env_config"], tag="Bandit")
     for episode in config["episodes"]:
         replay(env, episode)
+
+
+@pytest.mark.timeout(120)
+def test_countdown_judges_answers_as_ragen_does():
+    from ragen.env.countdown import CountdownPuzzle
+
+    data = load("countdown.json.gz")
+    env = make_env("countdown", data["configs"]["default"]["env_config"], tag="Countdown")
+    for episode in data["configs"]["default"]["episodes"]:
+        puzzle = CountdownPuzzle(tuple(episode["nums"]), episode["target"], "")
+        for step in episode["steps"]:
+            assert env.load_puzzle(puzzle) == episode["reset"]
+            obs, reward, done, info = env.step(step["action"])
+            where = f"seed {episode['seed']}, answer {step['action']!r}"
+            assert (obs, reward, done, info) == (step["obs"], step["reward"], step["done"], step["info"]), where

@@ -96,11 +96,11 @@ class BanditEnv(BaseDiscreteActionEnv):
         action = int(action)
         reward = self.compute_reward(action)
         arm = self.ACTION_LOOKUP[action]
-        self.render_cache = f"{arm}: {reward} points"
+        self.render_cache = f"{arm}: {reward} points"  # the score as configured: "2 points"
         self._done = True
         self._success = arm == self.hi_arm_name
         info = {"action_is_effective": True, "action_is_valid": True, "success": self._success}
-        return self.render_cache, reward, True, info
+        return self.render_cache, float(reward), True, info
 
     def render(self, mode: str | None = None) -> str:
         return self.render_cache or ""
