@@ -23,7 +23,7 @@ ENV_SPECS = {
     "sokoban": {"dim_x": 6, "dim_y": 6, "num_boxes": 1, "max_steps": 30},
     "sokoban_8x8": {"dim_x": 8, "dim_y": 8, "num_boxes": 2, "search_depth": 300},
     "frozen_lake": {"size": 5, "is_slippery": True},
-    "bandit": {"lo_arm_name": "phoenix", "hi_arm_name": "dragon"},
+    "bandit": {"split": "train"},
     "countdown": {"num_count": 4},
 }
 INVALID_ACTIONS = [None, "Up", "garbage", 0, 99, -1, 2.5, True, [1], {"a": 1}, b"1"]
@@ -129,7 +129,8 @@ def test_pickle_round_trip_mid_episode(name):
 def test_invalid_actions_do_not_crash_or_end_the_episode(name):
     env = build(name)
     first = env.reset(seed=7)
-    for action in INVALID_ACTIONS:
+    # countdown's action is the answer text, any text (RAGEN judges it): only other values are invalid
+    for action in [a for a in INVALID_ACTIONS if not (name == "countdown" and isinstance(a, str))]:
         obs, reward, done, info = env.step(action)
         assert info["action_is_valid"] is False
         assert info["action_is_effective"] is False

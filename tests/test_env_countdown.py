@@ -5,18 +5,20 @@ from __future__ import annotations
 from fractions import Fraction
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from ragen.env import make_env_config
 from ragen.env.countdown import (
     CountdownEnv,
     CountdownEnvConfig,
+    CountdownPuzzle,
     generate_puzzle,
     parse_equation,
     uses_numbers_exactly,
 )
 from ragen.env.countdown.equation import MAX_EQUATION_CHARS, MAX_NESTING
+from ragen.env.countdown.judge import python_arithmetic, ragen_correct, ragen_numbers_match
 
 
 @pytest.mark.parametrize("count,max_number,max_target", [(3, 100, 100), (4, 100, 100), (4, 10, 1000), (2, 5, 5)])
@@ -44,11 +46,12 @@ def test_rewards():
     expect = 1.0 if sum(nums) == target else 0.1
     assert env.step(wrong)[1] == expect
 
-    env.reset(seed=4)  # right value, wrong numbers: format score only
-    assert env.step(str(target))[1] == 0.1
+    env.reset(seed=4)  # right value, wrong numbers: nothing (RAGEN checks the numbers first)
+    assert env.step(str(target))[1] == 0
 
-    env.reset(seed=4)
-    assert env.step(f"{env.puzzle.solution} = {target}")[1] == 1.0
+    env.reset(seed=4)  # "= target" writes one number too many: nothing, as in RAGEN
+    obs, reward, done, info = env.step(f"{env.puzzle.solution} = {target}")
+    assert (obs, reward, done, info["action_is_effective"]) == ("Your answer get 0 points.", 0, True, False)
 
 
 def test_parser_arithmetic_is_exact_with_precedence():
@@ -83,17 +86,47 @@ def test_division_by_zero_is_well_formed_but_has_no_value():
     assert result.well_formed and result.value is None and result.numbers == (4, 2, 2, 1)
     assert not parse_equation("4 / (2 - 2) +").well_formed  # syntax errors still win
     env = CountdownEnv()
-    env.reset(seed=0)
+    env.load_puzzle(CountdownPuzzle((1, 0), 5, ""))
     obs, reward, done, info = env.step("1 / 0")
-    assert (reward, done, info["success"]) == (0.1, True, False)
+    assert (obs, reward, done, info["success"]) == ("Your answer get 0.1 points.", 0.1, True, False)
 
 
-def test_invalid_answer_keeps_the_episode_going():
+def test_any_answer_ends_the_episode_and_a_second_earns_nothing():
     env = CountdownEnv()
-    first = env.reset(seed=0)
+    env.reset(seed=0)
     obs, reward, done, info = env.step("I think the answer is 42")
-    assert (obs, reward, done, info["action_is_valid"]) == (first, 0.0, False, False)
-    assert env.step(env.puzzle.solution)[1] == 1.0
+    assert (obs, reward, done, info["action_is_valid"]) == ("Your answer get 0 points.", 0, True, True)
+    obs, reward, done, info = env.step(env.puzzle.solution)
+    assert (reward, done, info["action_is_effective"]) == (0.0, True, False)
+
+
+@pytest.mark.parametrize("text", ["-3 + 4", "2 ** 3 - 1", "7 // 2 % 3", "7 / 2", " 1 + 2", "1 < 2", "~5 << 3 | 1",
+                                  "2.5 * 2", "(1 + 2j) * 2"])
+def test_judge_values_are_pythons(text):
+    assert python_arithmetic(text) == eval(text, {"__builtins__": None}, {})  # noqa: S307 (fixed test strings)
+
+
+@pytest.mark.parametrize("text", ["abs(3)", "x + 1", "__import__('os')", "1 +", "", "'a' * 3",
+                                  "[1] * 2", "1 if 2 else 3", "9 ** 9 ** 9", "1 << 10 ** 7", "1 / 0"])
+def test_judge_has_no_value_for_what_is_not_arithmetic(text):
+    assert python_arithmetic(text) is None
+
+
+def test_judge_numbers_and_target():
+    assert ragen_numbers_match("(3 + 05) * 2", [2, 3, 5]) and not ragen_numbers_match("3 + 5", [3, 5, 5])
+    assert not ragen_numbers_match(None, [1])
+    assert ragen_correct("1 / 3 * 3", 1) and not ragen_correct("1 / 3", 0) and not ragen_correct("x", 0)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.text(alphabet="0123456789+-*/%() ", max_size=40))
+def test_judge_agrees_with_eval_on_arithmetic_text(text):
+    assume("**" not in text)  # eval would take minutes on 9**9**9
+    try:
+        expected = eval(text, {"__builtins__": None}, {})  # noqa: S307 (digits and operators only)
+    except Exception:
+        expected = None
+    assert python_arithmetic(text) == expected
 
 
 @settings(max_examples=400, deadline=None)
@@ -151,6 +184,7 @@ def test_parser_agrees_with_exact_arithmetic(expr):
         ({"max_number": 0}, "max_number"),
         ({"max_target": -5}, "max_target"),
         ({"score": "1"}, "score"),
+        ({"train_path": "data/countdown/train.parquet"}, "train_path"),
     ],
 )
 def test_config_errors_name_the_field(values, field):

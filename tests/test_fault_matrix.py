@@ -519,7 +519,7 @@ class TextEngine(Engine):
                            env_id=r.env_id, turn=r.turn) for r in requests]
 
 
-ACTION_WORDS = ["Up", "Down", "Left", "Right", "up", "DOWN", "Jump", "owl", "tiger", "1 + 2", "", " ", "||",
+ACTION_WORDS = ["Up", "Down", "Left", "Right", "up", "DOWN", "Jump", "owl", "Trader", "Explorer", "1 + 2", "", " ", "||",
                 "<answer>", "</answer>", "<think>", "</think>", "<|im_end|>", "\x00", "🙂", "\n"]
 answers = st.builds(
     lambda think, acts, sep, close: f"<think>{think}</think><answer>{sep.join(acts)}" + ("</answer>" if close else ""),
@@ -535,8 +535,8 @@ NASTY = ["", "\x00" * 50, "<answer>" * 2000, "<think>" * 5000 + "<answer>Up</ans
 @pytest.fixture(scope="module")
 def mixed_specs():
     envs = custom_envs(Fault=fault_tag())
-    # arm names of its own: loky's workers outlive a manager, and other test files count the envs they build
-    envs["Bandit"] = {**envs["Bandit"], "env_config": {"lo_arm_name": "owl", "hi_arm_name": "tiger"}}
+    # a config of its own: loky's workers outlive a manager, and other test files count the envs they build
+    envs["Bandit"] = {**envs["Bandit"], "env_config": {"split": "test", "hi_arm_hiscore_prob": 0.3}}
     return specs_for(MIXED_TAGS, MIXED_GROUPS, 2, envs)
 
 

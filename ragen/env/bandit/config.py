@@ -1,61 +1,69 @@
-"""Configuration of the two-armed bandit env (RAGEN's ``BanditEnvConfig`` fields).
+"""Configuration of the two-armed bandit env: RAGEN's ``BanditEnvConfig`` fields and defaults.
 
-The low-risk arm ``lo_arm_name`` always pays ``lo_arm_score``; the high-risk
-arm ``hi_arm_name`` pays ``hi_arm_hiscore`` with probability
-``hi_arm_hiscore_prob``, else ``hi_arm_loscore``. The names carry the signal
-the agent is meant to read ("phoenix"/"dragon" to train, "librarian"/"trader"
-to test transfer). With ``split`` ("train" or "test", RAGEN's key) the two
-names are drawn per episode from that split's list of (low-risk, high-risk)
-name pairs (``ARM_NAME_PAIRS``) instead, and ``lo_arm_name``/``hi_arm_name``
-are not used.
+Each episode draws a pair of arm names from ``split``'s list (``ARM_NAMES``,
+RAGEN's): a low-risk arm that always pays ``lo_arm_score`` and a high-risk arm
+that pays ``hi_arm_hiscore`` with probability ``hi_arm_hiscore_prob``, else
+``hi_arm_loscore``. The names carry the signal the agent is meant to read;
+``test`` holds pairs kept out of ``train``. Action ids start at
+``action_space_start``. ``action_lookup`` is accepted as in RAGEN, where the env
+sets it at each reset (the drawn names), so a given value has no effect.
 """
 
 from __future__ import annotations
 
+import numbers
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from ..base import BaseEnvConfig
 from ..config_checks import EnvConfigError, check_int, check_number, check_str
 
-__all__ = ["ARM_NAME_PAIRS", "BanditEnvConfig"]
+__all__ = ["ARM_NAMES", "BanditEnvConfig"]
 
-# (low-risk name, high-risk name): the name says which arm is the gamble
-ARM_NAME_PAIRS: dict[str, tuple[tuple[str, str], ...]] = {
+# (low-risk name, high-risk name) per split, in RAGEN's order (a seed picks one by index)
+ARM_NAMES: dict[str, tuple[tuple[str, str], ...]] = {
     "train": (
-        ("Clerk", "Gambler"), ("Tortoise", "Hare"), ("Savings", "Lottery"), ("Auditor", "Daredevil"),
-        ("Umbrella", "Kite"), ("Bond", "Startup"), ("Anchor", "Rocket"), ("Miller", "Prospector"),
+        ("Teacher", "Trader"), ("Nurse", "StartupFounder"), ("Librarian", "Investor"),
+        ("Accountant", "StockBroker"), ("Engineer", "RealEstateAgent"), ("Pharmacist", "Musician"),
+        ("Clerk", "Freelancer"), ("Technician", "Youtuber"), ("Planner", "Artist"), ("Postman", "Pilot"),
+        ("Banker", "VentureCapitalist"), ("Gardener", "Cryptominer"),
     ),
     "test": (
-        ("Notary", "Stuntman"), ("Pension", "Casino"), ("Lighthouse", "Comet"), ("Tailor", "Treasure Hunter"),
+        ("Receptionist", "Explorer"), ("Archivist", "Filmmaker"), ("Bookkeeper", "Consultant"),
+        ("SocialWorker", "Photographer"), ("Mechanic", "GameDesigner"), ("Secretary", "Entrepreneur"),
+        ("Cashier", "DataScientist"), ("CivilServant", "StartupAccelerator"),
     ),
 }
 
 
+def _score(field: str, value: Any, minimum: float | None = None, maximum: float | None = None) -> float | int:
+    # kept as given (an int stays an int) so that "<arm>: <reward> points" reads as RAGEN writes it
+    check_number(field, value, minimum, maximum)
+    return int(value) if isinstance(value, numbers.Integral) else float(value)
+
+
 @dataclass
 class BanditEnvConfig(BaseEnvConfig):
-    """The two-armed bandit's settings: the arms' names (or a ``split`` of name pairs) and rewards."""
+    """The two-armed bandit's settings (RAGEN's fields): the split of arm names, the ids and the rewards."""
 
-    lo_arm_name: str = "phoenix"
-    hi_arm_name: str = "dragon"
+    split: str = "train"
     action_space_start: int = 1
     lo_arm_score: float = 0.1
     hi_arm_loscore: float = 0.0
     hi_arm_hiscore: float = 1.0
     hi_arm_hiscore_prob: float = 0.25
     render_mode: str = "text"
-    split: str | None = None
+    action_lookup: dict[int, str] | None = None
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        self.lo_arm_name = check_str("lo_arm_name", self.lo_arm_name).strip()
-        self.hi_arm_name = check_str("hi_arm_name", self.hi_arm_name).strip()
-        if self.lo_arm_name.lower() == self.hi_arm_name.lower():
-            raise EnvConfigError("hi_arm_name", f"the two arms need different names, both are {self.hi_arm_name!r}")
+        self.split = check_str("split", self.split, choices=tuple(ARM_NAMES))
         self.action_space_start = check_int("action_space_start", self.action_space_start)
-        self.lo_arm_score = check_number("lo_arm_score", self.lo_arm_score)
-        self.hi_arm_loscore = check_number("hi_arm_loscore", self.hi_arm_loscore)
-        self.hi_arm_hiscore = check_number("hi_arm_hiscore", self.hi_arm_hiscore)
-        self.hi_arm_hiscore_prob = check_number("hi_arm_hiscore_prob", self.hi_arm_hiscore_prob, 0.0, 1.0)
+        self.lo_arm_score = _score("lo_arm_score", self.lo_arm_score)
+        self.hi_arm_loscore = _score("hi_arm_loscore", self.hi_arm_loscore)
+        self.hi_arm_hiscore = _score("hi_arm_hiscore", self.hi_arm_hiscore)
+        self.hi_arm_hiscore_prob = _score("hi_arm_hiscore_prob", self.hi_arm_hiscore_prob, 0.0, 1.0)
         self.render_mode = check_str("render_mode", self.render_mode, choices=("text",))
-        if self.split is not None:
-            self.split = check_str("split", self.split, choices=tuple(ARM_NAME_PAIRS))
+        if self.action_lookup is not None and not isinstance(self.action_lookup, Mapping):
+            raise EnvConfigError("action_lookup", f"expected a mapping of ids to arm names, got {self.action_lookup!r}")

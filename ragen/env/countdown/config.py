@@ -2,8 +2,8 @@
 
 Each puzzle has ``num_count`` numbers drawn from ``1..max_number`` and a target
 in ``1..max_target`` built from them, so it is solvable by construction.
-``score`` rewards a correct equation, ``format_score`` a well-formed wrong one
-(RAGEN's values 1.0 and 0.1).
+``score`` rewards a correct equation, ``format_score`` one that writes the
+puzzle's numbers but misses the target (RAGEN's values 1 and 0.1).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ class CountdownEnvConfig(BaseEnvConfig):
     num_count: int = 4
     max_number: int = 100
     max_target: int = 100
-    score: float = 1.0
+    score: float = 1
     format_score: float = 0.1
     render_mode: str = "text"
 
@@ -32,6 +32,7 @@ class CountdownEnvConfig(BaseEnvConfig):
         self.num_count = check_int("num_count", self.num_count, minimum=2, maximum=6)
         self.max_number = check_int("max_number", self.max_number, minimum=1, maximum=10**6)
         self.max_target = check_int("max_target", self.max_target, minimum=1, maximum=10**9)
-        self.score = check_number("score", self.score)
-        self.format_score = check_number("format_score", self.format_score)
+        # kept as given (an int stays an int): "Your answer get 1 points." as RAGEN writes it
+        check_number("score", self.score)
+        check_number("format_score", self.format_score)
         self.render_mode = check_str("render_mode", self.render_mode, choices=("text",))

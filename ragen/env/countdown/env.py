@@ -8,15 +8,17 @@ Concepts:
   if it lies in ``1..max_target``); the fold is a known solution, so every
   puzzle is solvable. It is a pure function of the settings and the seed.
 - **Action**: the answer text, an equation that uses each number exactly once
-  (see ``equation``; it is parsed, never evaluated as code).
-- **Reward** (RAGEN's): ``score`` (1.0) for a correct equation (``success``),
-  ``format_score`` (0.1) for a well-formed equation that is wrong (wrong value,
-  wrong numbers, division by zero). One step ends the episode.
-- **Observation**: ``"Target: <target>, nums: [<numbers>]"``.
+  (its value is computed from its syntax tree, never by ``eval``).
+- **Reward** (RAGEN's judgement, ``judge``): 0 unless the integers written in
+  the answer are exactly the puzzle's numbers; then ``score`` (1) if its value
+  is the target (``success``), else ``format_score`` (0.1). One answer ends
+  the episode, whatever its text.
+- **Observation**: ``"Target: <target>, nums: [<numbers>]"``, then
+  ``"Your answer get <reward> points."`` (RAGEN's words).
 
-Text that is not a well-formed equation (or no text) is an invalid action:
-``info["action_is_valid"]`` is False, reward ``config.invalid_act_score`` (0),
-and the episode goes on.
+An action that is not text is invalid: ``info["action_is_valid"]`` is False
+and the episode goes on. RAGEN's puzzles come from a data file of its own;
+these are generated. ``load_puzzle`` starts an episode on a given puzzle.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ import numpy as np
 
 from ..base import BaseLanguageBasedEnv, make_rng, unchanged_step
 from .config import CountdownEnvConfig
-from .equation import parse_equation, uses_numbers_exactly
+from .judge import ragen_correct, ragen_numbers_match
 
 __all__ = ["CountdownEnv", "CountdownPuzzle", "generate_puzzle"]
 
@@ -114,38 +116,33 @@ class CountdownEnv(BaseLanguageBasedEnv):
     def reset(self, seed: int | None = None, **kwargs: Any) -> str:
         self.seed, self.np_random = make_rng(seed)
         cfg = self.config
-        self.puzzle = generate_puzzle(cfg.num_count, cfg.max_number, cfg.max_target, self.seed)
-        self.render_cache = f"Target: {self.puzzle.target}, nums: {list(self.puzzle.numbers)}"
+        return self.load_puzzle(generate_puzzle(cfg.num_count, cfg.max_number, cfg.max_target, self.seed))
+
+    def load_puzzle(self, puzzle: CountdownPuzzle) -> str:
+        """Start an episode on ``puzzle``; the first observation."""
+        self.puzzle = puzzle
+        self.render_cache = f"Target: {puzzle.target}, nums: {list(puzzle.numbers)}"
         self._done = False
         self._success = False
         return self.render_cache
 
     def compute_reward(self, action: Any) -> float:
         """RAGEN's score for an answer: score, format_score or 0."""
-        return self._judge(action)[0]
-
-    def _judge(self, action: Any) -> tuple[float, bool, bool]:
-        """(reward, well formed, correct) for an answer text."""
-        result = parse_equation(action)
-        if not result.well_formed:
-            return 0.0, False, False
-        correct = (
-            result.value is not None
-            and result.value == self.puzzle.target
-            and uses_numbers_exactly(result, self.puzzle.numbers)
-        )
-        return (self.config.score if correct else self.config.format_score), True, correct
+        if not ragen_numbers_match(action, self.puzzle.numbers):
+            return 0
+        return self.config.score if ragen_correct(action, self.puzzle.target) else self.config.format_score
 
     def step(self, action: Any) -> tuple[str, float, bool, dict]:
         if self.puzzle is None:
             raise RuntimeError("CountdownEnv.step() called before reset()")
-        reward, valid, correct = self._judge(action)
+        valid = isinstance(action, str)
         if not valid or self._done:
             return unchanged_step(self.render_cache, valid, self._done, self._success, self.config.invalid_act_score)
-        self._done, self._success = True, correct
-        self.render_cache = "Correct!" if correct else f"Incorrect. Target: {self.puzzle.target}"
-        info = {"action_is_valid": True, "action_is_effective": True, "success": correct}
-        return self.render_cache, reward, True, info
+        reward = self.compute_reward(action)
+        self._done, self._success = True, reward == self.config.score
+        self.render_cache = f"Your answer get {reward} points."  # the score as configured: "1 points"
+        info = {"action_is_effective": reward > 0, "action_is_valid": True, "success": self._success}
+        return self.render_cache, float(reward), True, info
 
     def render(self, mode: str | None = None) -> str:
         return self.render_cache or ""

@@ -1,21 +1,26 @@
-"""The FrozenLake env: walk from the start to the goal across ice with holes.
+"""The FrozenLake env: walk from the start to the goal across ice with holes (RAGEN's episodes).
 
 Concepts:
 
-- **Map**: ``size`` rows of tiles, ``S`` start (top left), ``F`` frozen,
-  ``H`` hole, ``G`` goal (bottom right). ``generate_map`` draws each tile
-  frozen with probability ``p`` and keeps only maps with a path from start to
-  goal (after a bounded number of draws it carves one, so every map is
-  solvable). The map depends only on its seed: ``config.map_seed`` if set,
-  else the reset seed, so the members of an env group share it.
-- **Action**: an id of ``ACTION_LOOKUP`` (1 Left, 2 Down, 3 Right, 4 Up), as in
-  RAGEN. On slippery ice the move goes the intended way or to either side,
-  each with probability 1/3 (gymnasium's rule), drawn from the env's own RNG
-  (seeded by the reset seed). Moving off the map leaves the player in place.
-- **Reward**: 1 on reaching the goal (``success``); the episode ends in a hole,
-  on the goal, or after ``max_steps`` steps.
-- **Observation**: the map as text, one row per line, with ``grid_lookup``
-  codes 0 player, 1 frozen, 2 hole, 3 goal, 4 player in hole, 5 player on goal.
+- **Map**: ``size`` rows of tiles, ``S`` start, ``F`` frozen, ``H`` hole,
+  ``G`` goal. ``generate_map(size, p, seed)`` gives RAGEN's map for a seed:
+  from ``numpy.random.default_rng(seed)`` (gymnasium's seeding) it draws every
+  tile (frozen with probability ``p``), then the start and the goal cells, and
+  draws again until start and goal differ and a path joins them. The reset
+  seed picks the map, so the members of an env group share it.
+- **Action**: an id of ``ACTION_LOOKUP`` (1 Left, 2 Down, 3 Right, 4 Up),
+  turned into gymnasium's direction by ``action_map``. Each step draws one
+  uniform number from the env's own generator (``default_rng(reset seed)``,
+  after one draw for the start, as gymnasium's ``FrozenLakeEnv`` does): on
+  slippery ice it picks the direction to the left of the intended one, the
+  intended one or the one to its right with probabilities
+  ``(1 - success_rate) / 2``, ``success_rate``, ``(1 - success_rate) / 2``.
+  Moving off the map leaves the player in place.
+- **Reward**: 1 on reaching the goal (``success``); the episode ends in a hole
+  or on the goal.
+- **Observation**: ``observation_format`` ``grid`` (the map, one row per line,
+  with ``map_lookup`` and ``grid_lookup``), ``coord`` (the board size, then the
+  start, goal, player and holes as ``(row, col)``) or ``grid_coord`` (both).
 
 An action that is not an id leaves everything as it is and does not count as a
 step: ``info["action_is_valid"]`` is False and the episode goes on.
@@ -23,7 +28,6 @@ step: ``info["action_is_valid"]`` is False and the episode goes on.
 
 from __future__ import annotations
 
-from collections import deque
 from functools import lru_cache
 from typing import Any
 
@@ -31,138 +35,156 @@ import numpy as np
 
 from ..base import make_rng, unchanged_step
 from ..grid import GridEnv
-from ..render import coordinates
+from ..render import OBSERVATION_FORMATS
 from .config import FrozenLakeEnvConfig
 
 __all__ = ["FrozenLakeEnv", "generate_map"]
 
-# action id -> (row, col) change; gymnasium's 0..3 are our ids 1..4
-_MOVES = {1: (0, -1), 2: (1, 0), 3: (0, 1), 4: (-1, 0)}
-# draws of a random map before carving a path into the last one
-_MAP_DRAWS = 100
-# grid_lookup codes
-_PLAYER, _FROZEN, _HOLE, _GOAL, _PLAYER_IN_HOLE, _PLAYER_ON_GOAL = range(6)
-_TILE_CODE = {"S": _FROZEN, "F": _FROZEN, "H": _HOLE, "G": _GOAL}
+# gymnasium's directions 0 Left, 1 Down, 2 Right, 3 Up as (row, col) changes
+_DIRECTIONS = ((0, -1), (1, 0), (0, 1), (-1, 0))
+# grid_lookup codes of the player on a tile
+_PLAYER, _PLAYER_IN_HOLE, _PLAYER_ON_GOAL = 0, 4, 5
 
 
-def _has_path(board: list[list[str]]) -> bool:
+def _goal_reachable(board: list[list[str]], start: tuple[int, int]) -> bool:
     size = len(board)
-    seen = {(0, 0)}
-    queue = deque([(0, 0)])
-    while queue:
-        r, c = queue.popleft()
-        if board[r][c] == "G":
-            return True
-        for dr, dc in _MOVES.values():
+    seen = {start}
+    stack = [start]
+    while stack:
+        r, c = stack.pop()
+        for dr, dc in _DIRECTIONS:
             nr, nc = r + dr, c + dc
-            if 0 <= nr < size and 0 <= nc < size and (nr, nc) not in seen and board[nr][nc] != "H":
-                seen.add((nr, nc))
-                queue.append((nr, nc))
+            if 0 <= nr < size and 0 <= nc < size and (nr, nc) not in seen:
+                tile = board[nr][nc]
+                if tile == "G":
+                    return True
+                if tile != "H":
+                    seen.add((nr, nc))
+                    stack.append((nr, nc))
     return False
 
 
-@lru_cache(maxsize=1024)
+@lru_cache(maxsize=4096)
 def generate_map(size: int, p: float, seed: int) -> tuple[str, ...]:
-    """A solvable ``size`` x ``size`` map for ``seed`` (pure; memoised, immutable)."""
-    _, rng = make_rng(seed)
-    board: list[list[str]] = []
-    for _ in range(_MAP_DRAWS):
-        frozen = rng.random((size, size)) < p
+    """RAGEN's map for ``seed`` (memoised, immutable): rows of ``S``, ``F``, ``H``, ``G``.
+
+    A negative seed (which numpy refuses) is taken mod 2**64, as ``make_rng`` does."""
+    rng = np.random.default_rng(seed % 2**64 if seed < 0 else seed)
+    # numpy's choice(["F", "H"], p=[p, 1 - p]) is "F" where a uniform draw is
+    # below its normalised cumulative probability; the same arithmetic here
+    cdf = np.cumsum(np.array([p, 1 - p], dtype=np.float64))
+    frozen_below = float(cdf[0] / cdf[-1])
+    while True:
+        frozen = rng.random((size, size)) < frozen_below
+        start = tuple(int(v) for v in rng.integers(size, size=2))
+        goal = tuple(int(v) for v in rng.integers(size, size=2))
+        if start == goal:
+            continue
         board = [["F" if f else "H" for f in row] for row in frozen.tolist()]
-        board[0][0], board[-1][-1] = "S", "G"
-        if _has_path(board):
+        board[start[0]][start[1]] = "S"
+        board[goal[0]][goal[1]] = "G"
+        if _goal_reachable(board, start):
             return tuple("".join(row) for row in board)
-    # Low p on a big map rarely yields a path by chance: carve a random
-    # monotone (right/down) path into the last draw instead of looping on.
-    r = c = 0
-    while (r, c) != (size - 1, size - 1):
-        if c == size - 1 or (r < size - 1 and rng.random() < 0.5):
-            r += 1
-        else:
-            c += 1
-        if board[r][c] == "H":
-            board[r][c] = "F"
-    return tuple("".join(row) for row in board)
 
 
 class FrozenLakeEnv(GridEnv):
-    """FrozenLake: walk from start to goal on a generated map without falling in a hole; the ice may be slippery."""
+    """FrozenLake: walk from start to goal on the seed's map without falling in a hole; the ice may be slippery."""
 
     config_cls = FrozenLakeEnvConfig
     ACTION_LOOKUP = {1: "Left", 2: "Down", 3: "Right", 4: "Up"}
 
     def __init__(self, config: FrozenLakeEnvConfig | None = None) -> None:
         super().__init__(config if config is not None else FrozenLakeEnvConfig())
+        cfg = self.config
+        self.action_map = dict(cfg.action_map)
+        self.MAP_LOOKUP = dict(cfg.map_lookup)
+        fail = (1.0 - cfg.success_rate) / 2.0
+        # cumulative probabilities of (left of intended, intended, right of intended), summed as numpy's cumsum does
+        self._slip_cdf = (fail, fail + cfg.success_rate, fail + cfg.success_rate + fail)
         self.seed: int | None = None
         self.np_random: np.random.Generator | None = None
         self.desc: tuple[str, ...] | None = None
         self.player_pos: tuple[int, int] = (0, 0)
-        self.num_env_steps = 0
-        self._done = False
 
     def reset(self, seed: int | None = None, **kwargs: Any) -> str:
         self.seed, self.np_random = make_rng(seed)
-        map_seed = self.config.map_seed if self.config.map_seed is not None else self.seed
-        self.desc = generate_map(self.config.size, self.config.p, map_seed)
-        self.player_pos = (0, 0)
-        self.num_env_steps = 0
-        self._done = False
+        self.desc = generate_map(self.config.size, self.config.p, self.seed)
+        self.player_pos = next((r, row.index("S")) for r, row in enumerate(self.desc) if "S" in row)
+        self.np_random.random()  # gymnasium draws the start from the (one-cell) start distribution
         return self.render()
 
     @property
     def s(self) -> int:
         """The player's tile as gymnasium's flat state index."""
-        return self.player_pos[0] * self.config.size + self.player_pos[1]
+        return self.player_pos[0] * len(self.desc[0]) + self.player_pos[1]
 
     def _tile(self) -> str:
         r, c = self.player_pos
         return self.desc[r][c]
 
+    def is_valid_action(self, action: Any) -> bool:
+        return super().is_valid_action(action) and int(action) in self.action_map
+
     def step(self, action: Any) -> tuple[str, float, bool, dict]:
         if self.desc is None:
             raise RuntimeError("FrozenLakeEnv.step() called before reset()")
         valid = self.is_valid_action(action)
-        if not valid or self._done:
-            return unchanged_step(self.render(), valid, self._done, self._tile() == "G", self.config.invalid_act_score)
+        tile = self._tile()
+        if not valid or tile in "GH":
+            return unchanged_step(self.render(), valid, tile in "GH", tile == "G", self.config.invalid_act_score)
 
-        action = int(action)
+        direction = self.action_map[int(action)]
+        u = self.np_random.random()
         if self.config.is_slippery:
-            # intended direction or one of its two perpendiculars, 1/3 each
-            ids = list(_MOVES)
-            i = ids.index(action)
-            action = ids[(i + int(self.np_random.integers(-1, 2))) % 4]
-        dr, dc = _MOVES[action]
-        size = self.config.size
+            # gymnasium: the first of the cumulative probabilities above u (the first one if none is)
+            i = next((k for k, bound in enumerate(self._slip_cdf) if bound > u), 0)
+            direction = (direction + i - 1) % 4
+        dr, dc = _DIRECTIONS[direction]
+        size = len(self.desc)
         r, c = self.player_pos
-        nr, nc = min(max(r + dr, 0), size - 1), min(max(c + dc, 0), size - 1)
-        moved = (nr, nc) != (r, c)
-        self.player_pos = (nr, nc)
-        self.num_env_steps += 1
+        self.player_pos = (min(max(r + dr, 0), size - 1), min(max(c + dc, 0), size - 1))
         tile = self._tile()
         success = tile == "G"
-        reward = 1.0 if success else 0.0
-        self._done = tile in ("G", "H") or self.num_env_steps >= self.config.max_steps
-        info = {"action_is_valid": True, "action_is_effective": moved, "success": success}
-        return self.render(), reward, self._done, info
+        info = {"action_is_effective": self.player_pos != (r, c), "action_is_valid": True, "success": success}
+        return self.render(), 1.0 if success else 0.0, tile in "GH", info
+
+    def render(self, mode: str | None = None) -> str:
+        if not self._started():
+            return ""
+        fmt = mode if mode in OBSERVATION_FORMATS else self.config.observation_format
+        if mode not in (None, "text") and mode not in OBSERVATION_FORMATS:
+            raise ValueError(f"render mode must be 'text' or one of {list(OBSERVATION_FORMATS)}, got {mode!r}")
+        if fmt == "grid":
+            return self._grid()
+        if fmt == "coord":
+            return self._coordinates()
+        return f"Coordinates: \n{self._coordinates()}\nGrid Map: \n{self._grid()}"
 
     def _started(self) -> bool:
         return self.desc is not None
 
     def _grid(self) -> str:
-        lookup = self.GRID_LOOKUP
+        lookup, codes = self.GRID_LOOKUP, self.MAP_LOOKUP
         pr, pc = self.player_pos
         lines = []
         for r, row in enumerate(self.desc):
-            codes = [_TILE_CODE[t] for t in row]
+            cells = [lookup.get(codes["F" if t == "S" else t], "?") for t in row]
             if r == pr:
                 tile = row[pc]
-                codes[pc] = _PLAYER_IN_HOLE if tile == "H" else _PLAYER_ON_GOAL if tile == "G" else _PLAYER
-            lines.append("".join(lookup[code] for code in codes))
+                code = _PLAYER_IN_HOLE if tile == "H" else _PLAYER_ON_GOAL if tile == "G" else _PLAYER
+                cells[pc] = lookup.get(code, "?")
+            lines.append("".join(cells))
         return "\n".join(lines)
 
     def _coordinates(self) -> str:
         def cells(tile: str) -> list[tuple[int, int]]:
             return [(r, c) for r, row in enumerate(self.desc) for c, t in enumerate(row) if t == tile]
 
-        return coordinates([("Player", [self.player_pos]), ("Start", cells("S")), ("Goal", cells("G")),
-                            ("Holes", cells("H"))], len(self.desc), len(self.desc[0]))
+        tile = self._tile()
+        player = "Player on goal" if tile == "G" else "Player in hole" if tile == "H" else "Player"
+        lines = [f"Board size: {len(self.desc)} rows x {len(self.desc[0])} cols (zero-indexed)."]
+        for label, where in (("Start", cells("S")), ("Goal", cells("G")), (player, [self.player_pos]),
+                             ("Holes", cells("H"))):
+            if where:
+                lines.append(f"{label}: " + ", ".join(f"({r}, {c})" for r, c in where))
+        return "\n".join(lines)
