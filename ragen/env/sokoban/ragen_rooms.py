@@ -1,0 +1,254 @@
+"""RAGEN's Sokoban rooms, draw for draw: the room RAGEN's ``SokobanEnv.reset(seed)`` makes.
+
+RAGEN generates a room with gym-sokoban's algorithm under ``all_seed(seed)``
+(Python's ``random`` and numpy's legacy ``np.random`` both seeded with the
+seed). This module makes the same random draws, in the same order, from its own
+``random.Random(seed)`` and ``np.random.RandomState(seed)`` (the generators
+those global functions use), and runs the same reverse-play search, so the same
+seed gives the same room. Nothing global is touched.
+
+Concepts:
+
+- **Topology**: a random walk of ``int(1.7 * (rows + cols))`` steps from a
+  random start, turning with probability 0.35; at each step one of five small
+  masks is stamped as floor around the walker. The border is wall.
+- **Placement**: the player on a random floor cell, then each target on a
+  random remaining floor cell (numpy draws over the free cells in row-major
+  order). Every box starts on its target.
+- **Reverse play** (``_reverse_search``): a depth-first search over moves and
+  pulls from the solved state, actions in the order up, down, left, right,
+  depth bounded by ``search_depth``. A state is the grid (player, boxes, and
+  whether each box has been pulled yet); a state seen once is never searched
+  again, even when it is met later by a shorter path, so the order of the
+  search decides the result. Each new state scores ``box swaps x box
+  displacement`` (0 while a target is covered), and the first state with the
+  highest score is the puzzle. The search stops after 300,000 states.
+- **Tries and retries**: up to 4 topologies per seed until one has a positive
+  score; a seed whose room has too few free cells, or whose 4 tries all score 0,
+  fails, and the env retries with ``RandomState(seed % 2**32).randint(2**32)``
+  as the next seed (32 seeds at most).
+- **Player walk**: after the search the player takes up to 3 random steps onto
+  free cells it has not visited (with probability 0.8 if the displacement is 1,
+  else 0.5; each further step with probability 0.5).
+
+The search visits states in RAGEN's order but holds a state as integers (the
+player's cell and two bitmasks of boxes, pulled and not yet pulled) and
+undoes its moves instead of copying arrays, which is where RAGEN spends its
+time. ``generate_ragen_room`` is a pure function of (room size, boxes, search
+depth, seed), memoised like ``generator.generate_room``.
+"""
+
+from __future__ import annotations
+
+import random
+import sys
+from functools import lru_cache
+
+import numpy as np
+
+from .generator import BOX, FLOOR, PLAYER, TARGET, GeneratedRoom
+
+__all__ = ["generate_ragen_room", "RoomGenerationFailed", "MAX_EXPLORED_STATES", "MAX_SEED_RETRIES"]
+
+# RAGEN's bounds: the reverse search stops after this many states; a reset
+# tries this many seeds (the given one, then derived ones) before giving up.
+MAX_EXPLORED_STATES = 300_000
+MAX_SEED_RETRIES = 32
+_TRIES = 4
+_P_CHANGE_DIRECTION = 0.35
+_DIRECTIONS = [(1, 0), (0, 1), (-1, 0), (0, -1)]
+# Stamp masks as (row, col) offsets from the walker, in RAGEN's (gym-sokoban's) order.
+_MASKS = [
+    ((0, -1), (0, 0), (0, 1)),
+    ((-1, 0), (0, 0), (1, 0)),
+    ((0, -1), (0, 0), (1, 0)),
+    ((0, -1), (0, 0), (1, -1), (1, 0)),
+    ((0, 0), (0, 1), (1, 0)),
+]
+# Reverse-play and player-walk actions: up, down, left, right as (row, col) changes.
+_CHANGES = ((-1, 0), (1, 0), (0, -1), (0, 1))
+
+
+class RoomGenerationFailed(Exception):
+    """A seed that yields no room: too few free cells, or no try scored above 0."""
+
+
+def _topology(rows: int, cols: int, rng: random.Random) -> list[list[int]]:
+    """The random-walk floor plan: 1 floor, 0 wall (RAGEN's draws in RAGEN's order)."""
+    direction = rng.sample(_DIRECTIONS, 1)[0]
+    r = rng.randint(1, rows - 1)
+    c = rng.randint(1, cols - 1)
+    level = [[0] * cols for _ in range(rows)]
+    for _ in range(int(1.7 * (rows + cols))):
+        if rng.random() < _P_CHANGE_DIRECTION:
+            direction = rng.sample(_DIRECTIONS, 1)[0]
+        r = max(min(r + direction[0], rows - 2), 1)
+        c = max(min(c + direction[1], cols - 2), 1)
+        for dr, dc in rng.sample(_MASKS, 1)[0]:
+            level[r + dr][c + dc] = 1
+    for row in (0, rows - 1):
+        level[row] = [0] * cols
+    for row in level:
+        row[0] = row[cols - 1] = 0
+    return level
+
+
+def _place(level: list[list[int]], num_boxes: int, nrng: np.random.RandomState) -> tuple[int, list[int]]:
+    """The player's cell and the targets' cells (row-major indices), drawn as RAGEN draws them."""
+    cols = len(level[0])
+    free = [r * cols + c for r, row in enumerate(level) for c, v in enumerate(row) if v == 1]
+    if len(free) <= num_boxes + 1:
+        raise RoomGenerationFailed(f"not enough free cells ({len(free)}) for the player and {num_boxes} boxes")
+    player = free[nrng.randint(len(free))]
+    free.remove(player)
+    targets = []
+    for _ in range(num_boxes):
+        targets.append(free.pop(nrng.randint(len(free))))
+    return player, targets
+
+
+def _reverse_search(
+    floor: int, targets: list[int], player: int, rows: int, cols: int, search_depth: int
+) -> tuple[int, int, int]:
+    """RAGEN's reverse-play search; (player cell, box mask, box displacement) of the best state.
+
+    Boxes are numbered by their target in row-major order (RAGEN's box mapping);
+    ``loc[k]`` is box ``k``'s cell. The explored set holds (player, pulled boxes,
+    unpulled boxes) as one int: the same states RAGEN tells apart by the grid's bytes.
+    """
+    n = rows * cols
+    shift_pulled = n.bit_length()
+    shift_unpulled = shift_pulled + n
+    target_mask = 0
+    for t in sorted(targets):
+        target_mask |= 1 << t
+    order = sorted(targets)  # RAGEN's box mapping iterates targets row-major
+    target_rc = [divmod(t, cols) for t in order]
+    loc = list(order)
+    deltas = [dr * cols + dc for dr, dc in _CHANGES]
+    explored: set[int] = set()
+    best = [-1, player, target_mask, 0]  # score, player, boxes, displacement
+
+    def dfs(p: int, pulled: int, unpulled: int, disp: int, swaps: int, last: int, ttl: int) -> None:
+        ttl -= 1
+        if ttl <= 0 or len(explored) >= MAX_EXPLORED_STATES:
+            return
+        key = p | pulled << shift_pulled | unpulled << shift_unpulled
+        if key in explored:
+            return
+        boxes = pulled | unpulled
+        # a state scores only when every target is uncovered (RAGEN counts empty targets)
+        score = 0 if (boxes | 1 << p) & target_mask else swaps * disp
+        if score > best[0]:
+            best[0], best[1], best[2], best[3] = score, p, boxes, disp
+        explored.add(key)
+        for d in deltas:
+            q = p + d
+            if not floor >> q & 1 or boxes >> q & 1:
+                continue  # RAGEN's move into a wall or box leaves the state as it is: already explored
+            b = p - d
+            if boxes >> b & 1:  # the box behind the player comes along onto p
+                k = loc.index(b)
+                tr, tc = target_rc[k]
+                br, bc = divmod(b, cols)
+                pr, pc = divmod(p, cols)
+                moved = disp - abs(br - tr) - abs(bc - tc) + abs(pr - tr) + abs(pc - tc)
+                loc[k] = p
+                dfs(q, (pulled & ~(1 << b)) | 1 << p, unpulled & ~(1 << b), moved,
+                    swaps + (k != last), k, ttl)
+                loc[k] = b
+            else:
+                dfs(q, pulled, unpulled, disp, swaps, last, ttl)
+
+    limit = sys.getrecursionlimit()
+    if search_depth + 50 > limit:
+        sys.setrecursionlimit(search_depth + 50)
+    try:
+        dfs(player, 0, target_mask, 0, 0, -1, search_depth)
+    finally:
+        sys.setrecursionlimit(limit)
+    if best[0] < 0:  # search_depth 1: RAGEN's search explores nothing and its reset fails
+        raise ValueError(f"search_depth must be at least 2, got {search_depth}")
+    return best[1], best[2], best[3]
+
+
+def _walk_player(state: list[list[int]], fixed: list[list[int]], displacement: int, rng: random.Random) -> None:
+    """RAGEN's random player walk after the search (up to 3 steps, in place)."""
+    if rng.random() > (0.8 if displacement == 1 else 0.5):
+        return
+    (r, c), = [(r, c) for r, row in enumerate(state) for c, v in enumerate(row) if v == PLAYER]
+    visited = [(r, c)]
+    steps = 0
+    while steps < 3:
+        options = [(r + dr, c + dc) for dr, dc in _CHANGES
+                   if state[r + dr][c + dc] in (FLOOR, TARGET) and (r + dr, c + dc) not in visited]
+        if not options:
+            break
+        nr, nc = rng.choice(options)
+        state[r][c] = fixed[r][c]
+        state[nr][nc] = PLAYER
+        r, c = nr, nc
+        visited.append((r, c))
+        steps += 1
+        if steps >= 3 or rng.random() > 0.5:
+            break
+
+
+def _generate_once(rows: int, cols: int, num_boxes: int, search_depth: int, seed: int):
+    rng = random.Random(seed)
+    nrng = np.random.RandomState(seed)
+    displacement = 0
+    for _ in range(_TRIES):
+        level = _topology(rows, cols, rng)
+        player, targets = _place(level, num_boxes, nrng)
+        fixed = [row[:] for row in level]
+        floor = 0
+        for r in range(rows):
+            for c in range(cols):
+                if fixed[r][c]:
+                    floor |= 1 << (r * cols + c)
+        for t in targets:
+            fixed[t // cols][t % cols] = TARGET
+        best_player, boxes, displacement = _reverse_search(floor, targets, player, rows, cols, search_depth)
+        if displacement > 0:
+            break
+    if displacement == 0:
+        raise RoomGenerationFailed("no try moved a box off its target")
+    state = [row[:] for row in fixed]
+    for i in range(rows * cols):
+        if boxes >> i & 1:
+            state[i // cols][i % cols] = BOX  # RAGEN writes every box as 'box', pulled or not
+    state[best_player // cols][best_player % cols] = PLAYER
+    _walk_player(state, fixed, displacement, rng)
+    return fixed, state, displacement
+
+
+@lru_cache(maxsize=2048)
+def generate_ragen_room(rows: int, cols: int, num_boxes: int, search_depth: int, seed: int) -> GeneratedRoom:
+    """RAGEN's room for ``seed`` (memoised, immutable), retries included.
+
+    ``GeneratedRoom.seed`` is the seed that made the room (the given one or a
+    retry); ``min_pushes`` is 0: RAGEN's search does not measure it (the
+    displacement score is not a push count). ``RuntimeError`` when 32 seeds fail,
+    as RAGEN's reset does.
+    """
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**32:
+        raise ValueError(f"RAGEN's rooms take a seed in [0, 2**32) (numpy's legacy seeding), got {seed!r}")
+    current = seed
+    for _ in range(MAX_SEED_RETRIES):
+        try:
+            fixed, state, _ = _generate_once(rows, cols, num_boxes, search_depth, current)
+        except RoomGenerationFailed:
+            current = int(np.random.RandomState(current % 2**32).randint(2**32))
+            continue
+        return GeneratedRoom(
+            room_fixed=tuple(map(tuple, fixed)),
+            room_state=tuple(map(tuple, state)),
+            min_pushes=0,
+            seed=str(current),
+        )
+    raise RuntimeError(
+        f"Sokoban room generation failed after {MAX_SEED_RETRIES} retries "
+        f"(seed={seed}, dim={(rows, cols)}, num_boxes={num_boxes})"
+    )
+
