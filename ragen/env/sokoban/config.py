@@ -2,9 +2,11 @@
 
 Room size is ``dim_room = (rows, cols)``, or ``dim_x`` (rows) and ``dim_y``
 (cols) as in RAGEN's yaml files; when both spellings are given, ``dim_x``/
-``dim_y`` win. ``search_depth`` bounds the generator's reverse search, counted
-in pulls (pushes of the solution). Values are checked in ``__post_init__``;
-errors name the field.
+``dim_y`` win. ``generator`` picks the rooms: ``ragen`` (the default) makes
+RAGEN's room for each seed (``ragen_rooms``), where ``search_depth`` bounds
+RAGEN's reverse-play search in moves and pulls; ``fast`` makes our own rooms
+(``generator``), where it bounds the search in pulls. Values are checked in
+``__post_init__``; errors name the field.
 """
 
 from __future__ import annotations
@@ -16,7 +18,10 @@ from ..config_checks import EnvConfigError, check_int
 from ..grid import check_grid_settings
 from .generator import room_fits
 
-__all__ = ["SokobanEnvConfig"]
+__all__ = ["GENERATORS", "SokobanEnvConfig"]
+
+# Room generators: RAGEN's rooms, exactly (the default), or our own faster, harder ones.
+GENERATORS = ("ragen", "fast")
 
 
 def _default_grid_lookup() -> dict[int, str]:
@@ -55,6 +60,7 @@ class SokobanEnvConfig(BaseEnvConfig):
     dim_y: int | None = None
     render_mode: str = "text"
     observation_format: str = "grid"
+    generator: str = "ragen"
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -83,5 +89,8 @@ class SokobanEnvConfig(BaseEnvConfig):
                 f"(at most {max(0, (rows - 2) * (cols - 2) - 2)}: the player and one free cell need room too)",
             )
         self.max_steps = check_int("max_steps", self.max_steps, minimum=1)
-        self.search_depth = check_int("search_depth", self.search_depth, minimum=1)
+        if self.generator not in GENERATORS:
+            raise EnvConfigError("generator", f"must be one of {list(GENERATORS)}, got {self.generator!r}")
+        # RAGEN's search explores nothing at depth 1 (its reset then fails)
+        self.search_depth = check_int("search_depth", self.search_depth, minimum=2 if self.generator == "ragen" else 1)
         check_grid_settings(self, codes=7)
