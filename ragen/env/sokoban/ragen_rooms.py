@@ -5,7 +5,8 @@ RAGEN generates a room with gym-sokoban's algorithm under ``all_seed(seed)``
 seed). This module makes the same random draws, in the same order, from its own
 ``random.Random(seed)`` and ``np.random.RandomState(seed)`` (the generators
 those global functions use), and runs the same reverse-play search, so the same
-seed gives the same room. Nothing global is touched.
+seed gives the same room. Nothing global is touched (the numpy generator is
+one per thread, re-seeded for each room).
 
 Concepts:
 
@@ -42,6 +43,7 @@ from __future__ import annotations
 
 import random
 import sys
+import threading
 from functools import lru_cache
 
 import numpy as np
@@ -69,22 +71,39 @@ _MASKS = [
 _CHANGES = ((-1, 0), (1, 0), (0, -1), (0, 1))
 
 
+# One legacy numpy generator per thread, re-seeded per room: seeding costs about a
+# microsecond, building a RandomState about 150.
+_numpy_rngs = threading.local()
+
+
+def _numpy_rng(seed: int) -> np.random.RandomState:
+    rng = getattr(_numpy_rngs, "rng", None)
+    if rng is None:
+        rng = _numpy_rngs.rng = np.random.RandomState()
+    rng.seed(seed)
+    return rng
+
+
 class RoomGenerationFailed(Exception):
     """A seed that yields no room: too few free cells, or no try scored above 0."""
 
 
 def _topology(rows: int, cols: int, rng: random.Random) -> list[list[int]]:
-    """The random-walk floor plan: 1 floor, 0 wall (RAGEN's draws in RAGEN's order)."""
-    direction = rng.sample(_DIRECTIONS, 1)[0]
+    """The random-walk floor plan: 1 floor, 0 wall (RAGEN's draws in RAGEN's order).
+
+    RAGEN picks with ``sample(seq, 1)[0]``; ``choice(seq)`` makes the same single
+    ``_randbelow(len(seq))`` draw and picks the same item, for less overhead.
+    """
+    direction = rng.choice(_DIRECTIONS)
     r = rng.randint(1, rows - 1)
     c = rng.randint(1, cols - 1)
     level = [[0] * cols for _ in range(rows)]
     for _ in range(int(1.7 * (rows + cols))):
         if rng.random() < _P_CHANGE_DIRECTION:
-            direction = rng.sample(_DIRECTIONS, 1)[0]
+            direction = rng.choice(_DIRECTIONS)
         r = max(min(r + direction[0], rows - 2), 1)
         c = max(min(c + direction[1], cols - 2), 1)
-        for dr, dc in rng.sample(_MASKS, 1)[0]:
+        for dr, dc in rng.choice(_MASKS):
             level[r + dr][c + dc] = 1
     for row in (0, rows - 1):
         level[row] = [0] * cols
@@ -196,7 +215,7 @@ def _walk_player(state: list[list[int]], fixed: list[list[int]], displacement: i
 
 def _generate_once(rows: int, cols: int, num_boxes: int, search_depth: int, seed: int):
     rng = random.Random(seed)
-    nrng = np.random.RandomState(seed)
+    nrng = _numpy_rng(seed)
     displacement = 0
     for _ in range(_TRIES):
         level = _topology(rows, cols, rng)
@@ -239,7 +258,7 @@ def generate_ragen_room(rows: int, cols: int, num_boxes: int, search_depth: int,
         try:
             fixed, state, _ = _generate_once(rows, cols, num_boxes, search_depth, current)
         except RoomGenerationFailed:
-            current = int(np.random.RandomState(current % 2**32).randint(2**32))
+            current = int(_numpy_rng(current % 2**32).randint(2**32))
             continue
         return GeneratedRoom(
             room_fixed=tuple(map(tuple, fixed)),
