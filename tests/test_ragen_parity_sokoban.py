@@ -89,6 +89,8 @@ def test_fast_generator_is_still_available() -> None:
         ({"observation_format": "image"}, "observation_format"),
         ({"search_depth": 1}, "search_depth"),
         ({"render_mode": "rgb_array"}, "render_mode"),
+        ({"dim_x": 8}, "dim_x"),  # RAGEN would ignore a lone dim_x and make 6x6 rooms
+        ({"dim_y": 8}, "dim_y"),
     ],
 )
 def test_bad_settings_name_the_key(changes: dict, key: str) -> None:
