@@ -248,3 +248,12 @@ def test_non_square_rooms():
     obs = env.reset(seed=4)
     assert [len(line) for line in obs.splitlines()] == [9] * 6
     assert solve(env.room_fixed, env.room_state) is not None
+
+
+def test_ragen_search_deeper_than_the_recursion_limit():
+    import sys
+
+    limit = sys.getrecursionlimit()
+    room = generate_ragen_room(7, 7, 2, limit + 500, 3)
+    check_room(np.array(room.room_fixed), np.array(room.room_state), 2)
+    assert sys.getrecursionlimit() == limit

@@ -179,13 +179,17 @@ def _reverse_search(
             else:
                 dfs(q, pulled, unpulled, disp, swaps, last, ttl)
 
+    # one frame per search level, as in RAGEN; a deeper search than the interpreter's
+    # limit allows raises it for the search only
     limit = sys.getrecursionlimit()
-    if search_depth + 50 > limit:
-        sys.setrecursionlimit(search_depth + 50)
-    try:
+    if search_depth + 100 <= limit:
         dfs(player, 0, target_mask, 0, 0, -1, search_depth)
-    finally:
-        sys.setrecursionlimit(limit)
+    else:
+        sys.setrecursionlimit(search_depth + 100)
+        try:
+            dfs(player, 0, target_mask, 0, 0, -1, search_depth)
+        finally:
+            sys.setrecursionlimit(limit)
     if best[0] < 0:  # search_depth 1: RAGEN's search explores nothing and its reset fails
         raise ValueError(f"search_depth must be at least 2, got {search_depth}")
     return best[1], best[2], best[3]
