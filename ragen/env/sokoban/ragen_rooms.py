@@ -48,7 +48,7 @@ from functools import lru_cache
 
 import numpy as np
 
-from .generator import BOX, FLOOR, PLAYER, TARGET, GeneratedRoom
+from .generator import _STAMPS, BOX, FLOOR, PLAYER, TARGET, WALL, GeneratedRoom, _bits, _walk_tables
 
 __all__ = ["generate_ragen_room", "RoomGenerationFailed", "MAX_EXPLORED_STATES", "MAX_SEED_RETRIES"]
 
@@ -58,15 +58,11 @@ MAX_EXPLORED_STATES = 300_000
 MAX_SEED_RETRIES = 32
 _TRIES = 4
 _P_CHANGE_DIRECTION = 0.35
-_DIRECTIONS = [(1, 0), (0, 1), (-1, 0), (0, -1)]
-# Stamp masks as (row, col) offsets from the walker, in RAGEN's (gym-sokoban's) order.
-_MASKS = [
-    ((0, -1), (0, 0), (0, 1)),
-    ((-1, 0), (0, 0), (1, 0)),
-    ((0, -1), (0, 0), (1, 0)),
-    ((0, -1), (0, 0), (1, -1), (1, 0)),
-    ((0, 0), (0, 1), (1, 0)),
-]
+# RAGEN's walk directions (down, right, up, left) and its five stamp masks, by
+# index into generator's walk tables, which list them in RAGEN's order
+_DIRECTION_IDS = (0, 1, 2, 3)
+_N_MASKS = len(_STAMPS)
+_MASK_IDS = tuple(range(_N_MASKS))
 # Reverse-play and player-walk actions: up, down, left, right as (row, col) changes.
 _CHANGES = ((-1, 0), (1, 0), (0, -1), (0, 1))
 
@@ -88,38 +84,34 @@ class RoomGenerationFailed(Exception):
     """A seed that yields no room: too few free cells, or no try scored above 0."""
 
 
-def _topology(rows: int, cols: int, rng: random.Random) -> list[list[int]]:
-    """The random-walk floor plan: 1 floor, 0 wall (RAGEN's draws in RAGEN's order).
+def _topology(rows: int, cols: int, rng: random.Random) -> int:
+    """The random-walk floor plan as a cell bitmask (RAGEN's draws in RAGEN's order).
 
-    RAGEN picks with ``sample(seq, 1)[0]``; ``choice(seq)`` makes the same single
+    RAGEN's directions and stamp masks are in the order of ``generator``'s walk
+    tables, which hold each clamped step and each stamp clipped to the interior
+    (RAGEN stamps onto the border and then walls it again). RAGEN picks with
+    ``sample(seq, 1)[0]``; ``choice(seq)`` makes the same single
     ``_randbelow(len(seq))`` draw and picks the same item, for less overhead.
     """
-    direction = rng.choice(_DIRECTIONS)
-    r = rng.randint(1, rows - 1)
-    c = rng.randint(1, cols - 1)
-    level = [[0] * cols for _ in range(rows)]
+    moves, stamps = _walk_tables(rows, cols)
+    d = rng.choice(_DIRECTION_IDS)
+    cell = rng.randint(1, rows - 1) * cols + rng.randint(1, cols - 1)
+    floor = 0
+    rnd, choice = rng.random, rng.choice
     for _ in range(int(1.7 * (rows + cols))):
-        if rng.random() < _P_CHANGE_DIRECTION:
-            direction = rng.choice(_DIRECTIONS)
-        r = max(min(r + direction[0], rows - 2), 1)
-        c = max(min(c + direction[1], cols - 2), 1)
-        for dr, dc in rng.choice(_MASKS):
-            level[r + dr][c + dc] = 1
-    for row in (0, rows - 1):
-        level[row] = [0] * cols
-    for row in level:
-        row[0] = row[cols - 1] = 0
-    return level
+        if rnd() < _P_CHANGE_DIRECTION:
+            d = choice(_DIRECTION_IDS)
+        cell = moves[cell * 4 + d]
+        floor |= stamps[cell * _N_MASKS + choice(_MASK_IDS)]
+    return floor
 
 
-def _place(level: list[list[int]], num_boxes: int, nrng: np.random.RandomState) -> tuple[int, list[int]]:
+def _place(floor: int, num_boxes: int, nrng: np.random.RandomState) -> tuple[int, list[int]]:
     """The player's cell and the targets' cells (row-major indices), drawn as RAGEN draws them."""
-    cols = len(level[0])
-    free = [r * cols + c for r, row in enumerate(level) for c, v in enumerate(row) if v == 1]
+    free = _bits(floor)  # row-major, as numpy's where() lists them
     if len(free) <= num_boxes + 1:
         raise RoomGenerationFailed(f"not enough free cells ({len(free)}) for the player and {num_boxes} boxes")
-    player = free[nrng.randint(len(free))]
-    free.remove(player)
+    player = free.pop(nrng.randint(len(free)))
     targets = []
     for _ in range(num_boxes):
         targets.append(free.pop(nrng.randint(len(free))))
@@ -148,46 +140,62 @@ def _reverse_search(
     explored: set[int] = set()
     best = [-1, player, target_mask, 0]  # score, player, boxes, displacement
 
-    def dfs(p: int, pulled: int, unpulled: int, disp: int, swaps: int, last: int, ttl: int) -> None:
-        ttl -= 1
-        if ttl <= 0 or len(explored) >= MAX_EXPLORED_STATES:
-            return
-        key = p | pulled << shift_pulled | unpulled << shift_unpulled
-        if key in explored:
-            return
+    def dfs(p: int, pulled: int, unpulled: int, disp: int, swaps: int, last: int, ttl: int, key: int) -> bool:
+        """Search from a new state (``key``) that RAGEN's search would enter with ``ttl``
+        left; False once the state budget is spent, when RAGEN's search stops
+        changing anything. RAGEN enters a state, then returns at once if its ttl is
+        spent or the state explored: those calls are skipped here, same outcome."""
         boxes = pulled | unpulled
         # a state scores only when every target is uncovered (RAGEN counts empty targets)
         score = 0 if (boxes | 1 << p) & target_mask else swaps * disp
         if score > best[0]:
             best[0], best[1], best[2], best[3] = score, p, boxes, disp
         explored.add(key)
+        if len(explored) >= MAX_EXPLORED_STATES:  # every later call of RAGEN's returns at once
+            return False
+        if ttl <= 1:  # every child would have no ttl left
+            return True
+        child_ttl = ttl - 1
         for d in deltas:
             q = p + d
             if not floor >> q & 1 or boxes >> q & 1:
                 continue  # RAGEN's move into a wall or box leaves the state as it is: already explored
             b = p - d
             if boxes >> b & 1:  # the box behind the player comes along onto p
+                new_pulled = (pulled & ~(1 << b)) | 1 << p
+                new_unpulled = unpulled & ~(1 << b)
+                child = q | new_pulled << shift_pulled | new_unpulled << shift_unpulled
+                if child in explored:
+                    continue
                 k = loc.index(b)
                 tr, tc = target_rc[k]
                 br, bc = divmod(b, cols)
                 pr, pc = divmod(p, cols)
                 moved = disp - abs(br - tr) - abs(bc - tc) + abs(pr - tr) + abs(pc - tc)
                 loc[k] = p
-                dfs(q, (pulled & ~(1 << b)) | 1 << p, unpulled & ~(1 << b), moved,
-                    swaps + (k != last), k, ttl)
+                going = dfs(q, new_pulled, new_unpulled, moved, swaps + (k != last), k, child_ttl, child)
                 loc[k] = b
             else:
-                dfs(q, pulled, unpulled, disp, swaps, last, ttl)
+                child = q | pulled << shift_pulled | unpulled << shift_unpulled
+                if child in explored:
+                    continue
+                going = dfs(q, pulled, unpulled, disp, swaps, last, child_ttl, child)
+            if not going:
+                return False
+        return True
 
     # one frame per search level, as in RAGEN; a deeper search than the interpreter's
     # limit allows raises it for the search only
     limit = sys.getrecursionlimit()
-    if search_depth + 100 <= limit:
-        dfs(player, 0, target_mask, 0, 0, -1, search_depth)
+    root = (player, 0, target_mask, 0, 0, -1, search_depth - 1, player | target_mask << shift_unpulled)
+    if search_depth <= 1:  # RAGEN's search explores nothing and its reset fails
+        pass
+    elif search_depth + 100 <= limit:
+        dfs(*root)
     else:
         sys.setrecursionlimit(search_depth + 100)
         try:
-            dfs(player, 0, target_mask, 0, 0, -1, search_depth)
+            dfs(*root)
         finally:
             sys.setrecursionlimit(limit)
     if best[0] < 0:  # search_depth 1: RAGEN's search explores nothing and its reset fails
@@ -222,21 +230,18 @@ def _generate_once(rows: int, cols: int, num_boxes: int, search_depth: int, seed
     nrng = _numpy_rng(seed)
     displacement = 0
     for _ in range(_TRIES):
-        level = _topology(rows, cols, rng)
-        player, targets = _place(level, num_boxes, nrng)
-        fixed = [row[:] for row in level]
-        floor = 0
-        for r in range(rows):
-            for c in range(cols):
-                if fixed[r][c]:
-                    floor |= 1 << (r * cols + c)
-        for t in targets:
-            fixed[t // cols][t % cols] = TARGET
+        floor = _topology(rows, cols, rng)
+        player, targets = _place(floor, num_boxes, nrng)
         best_player, boxes, displacement = _reverse_search(floor, targets, player, rows, cols, search_depth)
         if displacement > 0:
             break
     if displacement == 0:
         raise RoomGenerationFailed("no try moved a box off its target")
+    fixed = [[WALL] * cols for _ in range(rows)]
+    for i in _bits(floor):
+        fixed[i // cols][i % cols] = FLOOR
+    for t in targets:
+        fixed[t // cols][t % cols] = TARGET
     state = [row[:] for row in fixed]
     for i in range(rows * cols):
         if boxes >> i & 1:
