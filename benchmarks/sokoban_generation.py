@@ -26,6 +26,7 @@ Usage::
 from __future__ import annotations
 
 import argparse
+import gc
 import statistics
 import sys
 import time
@@ -74,6 +75,7 @@ def load_ragen_env(src: Path):
 def timed(make, seeds: range) -> tuple[list[float], list]:
     for seed in range(seeds.stop, seeds.stop + 3):  # warm up the interpreter's caches
         make(seed)
+    gc.collect()  # start each series without the garbage of the one before
     times, rooms = [], []
     for seed in seeds:
         start = time.perf_counter()
