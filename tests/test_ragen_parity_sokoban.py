@@ -24,7 +24,8 @@ from ragen.env.sokoban.ragen_rooms import generate_ragen_room
 FIXTURES = Path(__file__).parent / "fixtures" / "ragen"
 FORMATS = ("grid", "coord", "grid_coord")
 # fixture name -> seeds in it (12x12: seeds whose search RAGEN ends at its 300,000-state budget)
-SEEDS = {"SimpleSokoban": 200, "LargerSokoban": 200, "Sokoban8x8Depth300": 200, "Sokoban12x12Boxes4Depth300": 2}
+SEEDS = {"SimpleSokoban": 200, "LargerSokoban": 200, "Sokoban8x8Depth300": 200, "DefaultSokoban": 200,
+         "SokobanDifferentGridVocab": 200, "SimpleSokobanGridCoord": 50, "Sokoban12x12Boxes4Depth300": 2}
 
 
 def load(name: str) -> dict:
@@ -54,7 +55,7 @@ def test_episodes_match_ragen(name: str) -> None:
             got["steps"].append({"action": action, "obs": obs, "reward": reward, "done": done, "info": info})
         got["final"] = {fmt: env.render(mode=fmt) for fmt in FORMATS}
         want = {k: ep[k] for k in ("initial", "steps", "final")}
-        if got != want or first != ep["initial"]["grid"]:
+        if got != want or first != ep["initial"][env.config.observation_format]:
             mismatches.append(seed)
         # the fixture stops at done or after max_actions: ours must agree on where
         assert len(ep["steps"]) == data["max_actions"] or ep["steps"][-1]["done"]
