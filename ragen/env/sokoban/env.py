@@ -6,9 +6,10 @@ Concepts:
   (adds 3 box on target, 4 box, 5 player) numpy arrays, gym-sokoban encoding.
   A room comes from ``ragen_rooms.generate_ragen_room`` (``generator: ragen``,
   the default: RAGEN's room for the seed; RAGEN takes seeds in ``[0, 2**32)``
-  only, and other seeds get the room of their value mod ``2**32``) or ``generator.generate_room``
-  (``generator: fast``), and depends only on the room settings and the reset
-  seed, so every member of an env group (same seed) starts from the same room.
+  only, and other seeds get the room of their value mod ``2**32``) or
+  ``generator.generate_room`` (``generator: fast``), and depends only on the
+  room settings and the reset seed, so every member of an env group (same
+  seed) starts from the same room.
 - **Action**: an id of ``ACTION_LOOKUP`` (1 Up, 2 Down, 3 Left, 4 Right). The
   player walks onto free floor, or pushes a box that has free floor behind it.
 - **Reward** (gym-sokoban): -0.1 per step, +1 for a box pushed onto a target,
@@ -74,14 +75,13 @@ class SokobanEnv(GridEnv):
         self._done = False
 
     def reset(self, seed: int | None = None, **kwargs: Any) -> str:
+        self.seed, self.np_random = make_rng(seed)
         rows, cols = self.dim_room
         if self.config.generator == "ragen":
-            self.seed, self.np_random = make_rng(seed)
             # RAGEN seeds numpy's legacy generator, which takes [0, 2**32) only (RAGEN fails
             # on other seeds); those seeds get the room of their value mod 2**32
             room = generate_ragen_room(rows, cols, self.num_boxes, self.search_depth, self.seed % 2**32)
         else:
-            self.seed, self.np_random = make_rng(seed)
             room = generate_room(rows, cols, self.num_boxes, self.search_depth, self.seed)
         # fresh arrays per episode: the memoised room itself is immutable
         self.room_fixed = np.array(room.room_fixed, dtype=np.uint8)
