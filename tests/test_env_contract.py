@@ -17,7 +17,7 @@ import pytest
 from ragen.env import make_env
 from ragen.env.countdown import generate_puzzle
 from ragen.env.frozen_lake import generate_map
-from ragen.env.sokoban import generate_room
+from ragen.env.sokoban import generate_ragen_room, generate_room
 
 ENV_SPECS = {
     "sokoban": {"dim_x": 6, "dim_y": 6, "num_boxes": 1, "max_steps": 30},
@@ -56,6 +56,7 @@ def play(env, seed: int, policy_seed: int, max_steps: int = 25) -> list:
 
 def clear_memos() -> None:
     generate_room.cache_clear()
+    generate_ragen_room.cache_clear()
     generate_map.cache_clear()
     generate_puzzle.cache_clear()
 

@@ -1,4 +1,5 @@
-"""Sokoban: generated rooms are valid and solvable, rules and rewards are gym-sokoban's."""
+"""Sokoban: generated rooms (RAGEN's and our fast ones) are valid and solvable, rules and
+rewards are gym-sokoban's. RAGEN's exact rooms are pinned by test_ragen_parity_sokoban."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from ragen.env import make_env_config
 from ragen.env.config_checks import EnvConfigError
 from ragen.env.sokoban import SokobanEnv, SokobanEnvConfig, generate_room, solve
 from ragen.env.sokoban.generator import BOX, BOX_ON_TARGET, FLOOR, PLAYER, TARGET, WALL
+from ragen.env.sokoban.ragen_rooms import generate_ragen_room
 
 SETTINGS = [(6, 6, 1, 300), (8, 8, 2, 300)]
 
@@ -39,8 +41,23 @@ def check_room(fixed: np.ndarray, state: np.ndarray, boxes: int) -> None:
     assert np.count_nonzero(state == BOX) >= 1  # never starts solved
 
 
+@pytest.mark.parametrize("rows,cols,boxes,depth", SETTINGS + [(8, 8, 2, 10), (6, 9, 2, 300)])
+def test_every_ragen_room_is_valid_and_solvable(rows, cols, boxes, depth):
+    for seed in range(100 if boxes == 1 else 40):
+        room = generate_ragen_room(rows, cols, boxes, depth, seed)
+        fixed, state = np.array(room.room_fixed), np.array(room.room_state)
+        check_room(fixed, state, boxes)
+        solution = solve(fixed, state)
+        assert solution, f"seed {seed} unsolvable"
+        env = env_for(rows, cols, boxes, depth, max_steps=500)
+        env.reset(seed=seed)
+        for action in solution:
+            _, _, done, info = env.step(action)
+        assert info["success"] and done
+
+
 @pytest.mark.parametrize("rows,cols,boxes,depth", SETTINGS)
-def test_every_generated_room_is_solvable_within_the_bound(rows, cols, boxes, depth):
+def test_every_fast_room_is_solvable_within_the_bound(rows, cols, boxes, depth):
     seeds = range(150) if boxes == 1 else range(60)
     for seed in seeds:
         room = generate_room(rows, cols, boxes, depth, seed)
@@ -50,7 +67,7 @@ def test_every_generated_room_is_solvable_within_the_bound(rows, cols, boxes, de
         assert solution is not None, f"seed {seed} unsolvable"
         assert len(solution) >= room.min_pushes >= 1
         # replaying the solution in the env solves it, and the pushes stay within search_depth
-        env = env_for(rows, cols, boxes, depth, max_steps=500)
+        env = env_for(rows, cols, boxes, depth, max_steps=500, generator="fast")
         env.reset(seed=seed)
         pushes = 0
         for action in solution:
@@ -61,13 +78,13 @@ def test_every_generated_room_is_solvable_within_the_bound(rows, cols, boxes, de
         assert pushes <= depth
 
 
-def test_generation_respects_a_small_search_depth():
+def test_fast_generation_respects_a_small_search_depth():
     # with a depth of 1 pull, the room is one push from solved
     for seed in range(30):
         room = generate_room(7, 7, 1, 1, seed)
         assert room.min_pushes == 1
         solution = solve(room.room_fixed, room.room_state)
-        env = env_for(7, 7, 1, 1)
+        env = env_for(7, 7, 1, 1, generator="fast")
         env.reset(seed=seed)
         rewards = [env.step(a)[1] for a in solution]
         assert sum(r > 0 for r in rewards) == 1  # exactly one push lands the box
@@ -84,9 +101,10 @@ def test_rooms_are_memoised_and_copied():
     c.reset(seed=42)
     assert np.array_equal(c.room_state, b.room_state)
     assert generate_room(6, 6, 1, 300, 42) is generate_room(6, 6, 1, 300, 42)
+    assert generate_ragen_room(6, 6, 1, 300, 42) is generate_ragen_room(6, 6, 1, 300, 42)
 
 
-def test_derived_seed_retry_is_deterministic(monkeypatch):
+def test_fast_derived_seed_retry_is_deterministic(monkeypatch):
     from ragen.env.sokoban import generator
 
     real = generator._try_generate
@@ -111,6 +129,8 @@ def test_derived_seed_retry_is_deterministic(monkeypatch):
 def test_impossible_room_raises_clearly():
     with pytest.raises(RuntimeError, match="could not generate"):
         generate_room(4, 4, 1, 300, 0)  # 2x2 inside: no box can ever be pulled off a target
+    with pytest.raises(RuntimeError, match="failed after 32 retries"):
+        generate_ragen_room(4, 4, 1, 300, 0)  # RAGEN's reset gives up after 32 seeds
 
 
 def test_rewards_follow_gym_sokoban():
@@ -228,3 +248,12 @@ def test_non_square_rooms():
     obs = env.reset(seed=4)
     assert [len(line) for line in obs.splitlines()] == [9] * 6
     assert solve(env.room_fixed, env.room_state) is not None
+
+
+def test_ragen_search_deeper_than_the_recursion_limit():
+    import sys
+
+    limit = sys.getrecursionlimit()
+    room = generate_ragen_room(7, 7, 2, limit + 500, 3)
+    check_room(np.array(room.room_fixed), np.array(room.room_state), 2)
+    assert sys.getrecursionlimit() == limit

@@ -428,8 +428,8 @@ def test_observation_formats(fmt):
     obs = trajs[0].turns[0].observation
     grids = parse(page).grids
     if fmt == "grid_coord":
-        assert obs.startswith("Coordinates:\n") and "Grid Map:\n" in obs
-        assert cells(grids[(0, "0", "0", None)]) == expected(obs.split("Grid Map:\n")[1], SOKOBAN)
+        assert obs.startswith("Coordinates: \n") and "Grid Map: \n" in obs
+        assert cells(grids[(0, "0", "0", None)]) == expected(obs.split("Grid Map: \n")[1], SOKOBAN)
         assert f'<pre class="coords">{html.escape(obs.split(chr(10) + "Grid Map:")[0])}</pre>' in page
     else:
         assert not grids  # coordinates only: shown as text

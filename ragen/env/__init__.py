@@ -214,5 +214,7 @@ def clear_caches() -> None:
     """Forget memoized generation (Sokoban rooms), so the next resets pay their
     full cost again: benchmarks call this between timed runs."""
     from .sokoban.generator import generate_room
+    from .sokoban.ragen_rooms import generate_ragen_room
 
     generate_room.cache_clear()
+    generate_ragen_room.cache_clear()

@@ -37,6 +37,16 @@ def coordinates(entities: Sequence[tuple[str, Sequence[tuple[int, int]]]], rows:
     return "\n".join(lines)
 
 
+def board_coordinates(entities: Sequence[tuple[str, Sequence[tuple[int, int]]]], rows: int, cols: int) -> str:
+    """RAGEN's coordinate text: ``Board size: R rows x C cols (zero-indexed).``,
+    then ``Name: (r, c), (r, c)`` per entity kind, kinds with no cells left out."""
+    lines = [f"Board size: {rows} rows x {cols} cols (zero-indexed)."]
+    for name, cells in entities:
+        if cells:
+            lines.append(f"{name}: " + ", ".join(f"({r}, {c})" for r, c in cells))
+    return "\n".join(lines)
+
+
 def render_text(mode: str, observation_format: str, grid: Callable[[], str], coord: Callable[[], str]) -> str:
     """The text of ``render(mode)``: ``text`` is the configured format; ``grid``,
     ``coord`` and ``grid_coord`` ask for one directly."""
@@ -46,5 +56,5 @@ def render_text(mode: str, observation_format: str, grid: Callable[[], str], coo
     if fmt == "coord":
         return coord()
     if fmt == "grid_coord":
-        return f"Coordinates:\n{coord()}\nGrid Map:\n{grid()}"
+        return f"Coordinates: \n{coord()}\nGrid Map: \n{grid()}"  # RAGEN's words, trailing spaces included
     raise ValueError(f"render mode must be 'text' or one of {list(OBSERVATION_FORMATS)}, got {mode!r}")

@@ -37,7 +37,9 @@ DEFAULT_VOCABS: dict[str, dict[str, str]] = {
     "frozen_lake": FrozenLakeEnvConfig().grid_vocab,
 }
 _TERRAINS = ("wall", "target", "hole", "goal")
-_GRID_MAP = "Grid Map:\n"
+# grid_coord's heading before the map: RAGEN's words (with a trailing space); dumps
+# written before the observations followed RAGEN's text have it without the space
+_GRID_MAP_HEADINGS = ("Grid Map: \n", "Grid Map:\n")
 
 
 @dataclass(frozen=True)
@@ -101,9 +103,11 @@ def picture(observation: str, symbols: Symbols | None) -> GridPicture | None:
     if symbols is None or not observation:
         return None
     text, grid = "", observation
-    at = observation.find(_GRID_MAP)
-    if at >= 0:
-        text, grid = observation[:at].rstrip("\n"), observation[at + len(_GRID_MAP):]
+    for heading in _GRID_MAP_HEADINGS:
+        at = observation.find(heading)
+        if at >= 0:
+            text, grid = observation[:at].rstrip("\n"), observation[at + len(heading):]
+            break
     lines = grid.strip("\n").split("\n")
     if not lines or not lines[0] or len({len(line) for line in lines}) != 1:
         return None

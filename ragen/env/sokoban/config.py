@@ -1,10 +1,13 @@
 """Configuration of the Sokoban env (RAGEN's ``SokobanEnvConfig`` fields).
 
 Room size is ``dim_room = (rows, cols)``, or ``dim_x`` (rows) and ``dim_y``
-(cols) as in RAGEN's yaml files; when both spellings are given, ``dim_x``/
-``dim_y`` win. ``search_depth`` bounds the generator's reverse search, counted
-in pulls (pushes of the solution). Values are checked in ``__post_init__``;
-errors name the field.
+(cols) together as in RAGEN's yaml files (they win over ``dim_room``; one
+without the other is an error, where RAGEN would ignore it). ``generator``
+picks the rooms: ``ragen`` (the default) makes RAGEN's room for each seed
+(``ragen_rooms``), where ``search_depth`` bounds RAGEN's reverse-play search in
+moves and pulls; ``fast`` makes our own rooms (``generator``), where it bounds
+the search in pulls. Values are checked in ``__post_init__``; errors name the
+field.
 """
 
 from __future__ import annotations
@@ -16,7 +19,10 @@ from ..config_checks import EnvConfigError, check_int
 from ..grid import check_grid_settings
 from .generator import room_fits
 
-__all__ = ["SokobanEnvConfig"]
+__all__ = ["GENERATORS", "SokobanEnvConfig"]
+
+# Room generators: RAGEN's rooms, exactly (the default), or our own faster, harder ones.
+GENERATORS = ("ragen", "fast")
 
 
 def _default_grid_lookup() -> dict[int, str]:
@@ -55,15 +61,16 @@ class SokobanEnvConfig(BaseEnvConfig):
     dim_y: int | None = None
     render_mode: str = "text"
     observation_format: str = "grid"
+    generator: str = "ragen"
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.dim_x is not None or self.dim_y is not None:
-            rows, cols = self.dim_room
-            self.dim_room = (
-                rows if self.dim_x is None else self.dim_x,
-                cols if self.dim_y is None else self.dim_y,
-            )
+        if (self.dim_x is None) != (self.dim_y is None):
+            # RAGEN reads them only as a pair and would silently keep dim_room
+            given, missing = ("dim_x", "dim_y") if self.dim_y is None else ("dim_y", "dim_x")
+            raise EnvConfigError(given, f"given without {missing}: set both (rows and cols), or dim_room")
+        if self.dim_x is not None:
+            self.dim_room = (self.dim_x, self.dim_y)
         dim = self.dim_room
         if isinstance(dim, (str, bytes)) or not hasattr(dim, "__len__") or len(dim) != 2:
             raise EnvConfigError("dim_room", f"expected (rows, cols), got {dim!r}")
@@ -83,5 +90,8 @@ class SokobanEnvConfig(BaseEnvConfig):
                 f"(at most {max(0, (rows - 2) * (cols - 2) - 2)}: the player and one free cell need room too)",
             )
         self.max_steps = check_int("max_steps", self.max_steps, minimum=1)
-        self.search_depth = check_int("search_depth", self.search_depth, minimum=1)
+        if self.generator not in GENERATORS:
+            raise EnvConfigError("generator", f"must be one of {list(GENERATORS)}, got {self.generator!r}")
+        # RAGEN's search explores nothing at depth 1 (its reset then fails)
+        self.search_depth = check_int("search_depth", self.search_depth, minimum=2 if self.generator == "ragen" else 1)
         check_grid_settings(self, codes=7)

@@ -4,16 +4,20 @@ Concepts:
 
 - **Room**: ``room_fixed`` (0 wall, 1 floor, 2 target) and ``room_state``
   (adds 3 box on target, 4 box, 5 player) numpy arrays, gym-sokoban encoding.
-  A room comes from ``generator.generate_room`` and depends only on the room
-  settings and the reset seed, so every member of an env group (same seed)
-  starts from the same room.
+  A room comes from ``ragen_rooms.generate_ragen_room`` (``generator: ragen``,
+  the default: RAGEN's room for the seed; RAGEN takes seeds in ``[0, 2**32)``
+  only, and other seeds get the room of their value mod ``2**32``) or
+  ``generator.generate_room`` (``generator: fast``), and depends only on the
+  room settings and the reset seed, so every member of an env group (same
+  seed) starts from the same room.
 - **Action**: an id of ``ACTION_LOOKUP`` (1 Up, 2 Down, 3 Left, 4 Right). The
   player walks onto free floor, or pushes a box that has free floor behind it.
 - **Reward** (gym-sokoban): -0.1 per step, +1 for a box pushed onto a target,
   -1 for a box pushed off one, +10 when every box is on a target (``done``,
   ``success``). The episode also ends after ``max_steps`` steps.
 - **Observation**: the grid as text, one row per line, each cell written with
-  ``grid_lookup`` (6 = player on target); or coordinates, or both
+  ``grid_lookup`` (6 = player on target); or RAGEN's coordinate text (targets,
+  boxes, boxes on target, player, player on target), or both
   (``observation_format``, see ``ragen.env.render``).
 
 An action that is not an id (text, ``None``, an unknown number) leaves the room
@@ -29,9 +33,10 @@ import numpy as np
 
 from ..base import make_rng, unchanged_step
 from ..grid import GridEnv
-from ..render import coordinates
+from ..render import board_coordinates
 from .config import SokobanEnvConfig
 from .generator import BOX, BOX_ON_TARGET, FLOOR, PLAYER, TARGET, generate_room
+from .ragen_rooms import generate_ragen_room
 
 __all__ = ["SokobanEnv"]
 
@@ -72,7 +77,12 @@ class SokobanEnv(GridEnv):
     def reset(self, seed: int | None = None, **kwargs: Any) -> str:
         self.seed, self.np_random = make_rng(seed)
         rows, cols = self.dim_room
-        room = generate_room(rows, cols, self.num_boxes, self.search_depth, self.seed)
+        if self.config.generator == "ragen":
+            # RAGEN seeds numpy's legacy generator, which takes [0, 2**32) only (RAGEN fails
+            # on other seeds); those seeds get the room of their value mod 2**32
+            room = generate_ragen_room(rows, cols, self.num_boxes, self.search_depth, self.seed % 2**32)
+        else:
+            room = generate_room(rows, cols, self.num_boxes, self.search_depth, self.seed)
         # fresh arrays per episode: the memoised room itself is immutable
         self.room_fixed = np.array(room.room_fixed, dtype=np.uint8)
         self.room_state = np.array(room.room_state, dtype=np.uint8)
@@ -150,12 +160,11 @@ class SokobanEnv(GridEnv):
             return [(int(r), int(c)) for r, c in np.argwhere(mask)]
 
         state, fixed = self.room_state, self.room_fixed
-        rows, cols = state.shape
-        pr, pc = (int(x) for x in self.player_position)
-        return coordinates([
-            ("Player", [(pr, pc)]),
-            ("Boxes", cells((state == BOX) | (state == BOX_ON_TARGET))),
+        player = state == PLAYER
+        return board_coordinates([
             ("Targets", cells(fixed == TARGET)),
-            ("Boxes on targets", cells(state == BOX_ON_TARGET)),
-            ("Walls inside the border", [(r, c) for r, c in cells(fixed == 0) if 0 < r < rows - 1 and 0 < c < cols - 1]),
-        ], rows, cols)
+            ("Boxes", cells(state == BOX)),
+            ("Boxes on target", cells(state == BOX_ON_TARGET)),
+            ("Player", cells(player & (fixed != TARGET))),
+            ("Player on target", cells(player & (fixed == TARGET))),
+        ], *state.shape)
