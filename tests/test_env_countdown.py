@@ -126,6 +126,8 @@ def test_judge_agrees_with_eval_on_arithmetic_text(text):
         expected = eval(text, {"__builtins__": None}, {})  # noqa: S307 (digits and operators only)
     except Exception:
         expected = None
+    if isinstance(expected, bool) or not isinstance(expected, (int, float)):
+        expected = None  # "()" is a tuple, not a value: RAGEN's comparison with the target fails on it
     assert python_arithmetic(text) == expected
 
 

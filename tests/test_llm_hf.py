@@ -321,7 +321,9 @@ def test_a_single_turn_rollout_leaves_the_turn_cache_empty_and_a_multi_turn_one_
     trajectories = sequential(specs, replace(config, max_turn=3), engine)
     assert trajectories == sequential(specs, replace(config, max_turn=3), within_calls)
     assert max(len(t.turns) for t in trajectories) == 3
-    assert engine.tokens_prefilled < 0.6 * within_calls.tokens_prefilled
+    # earlier turns come from the cache, not from another prefill
+    assert engine.tokens_reused > within_calls.tokens_reused
+    assert engine.tokens_prefilled < 0.8 * within_calls.tokens_prefilled
     assert len(engine.turn_cache) == sum(len(t.turns) < 3 for t in trajectories)
 
 
