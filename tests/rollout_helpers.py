@@ -8,6 +8,7 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
+from ragen.llm import make_engine
 from ragen.llm.scripted import ScriptedEngine
 from ragen.llm.types import SamplingParams
 from ragen.rollout.context import ContextConfig
@@ -38,6 +39,29 @@ def specs_for(tags: list[str], n_groups: list[int], group_size: int, envs: dict,
     es = EnvSpecMaker("train", {"env_groups": sum(n_groups), "group_size": group_size,
                                    "env_configs": {"tags": tags, "n_groups": n_groups}}, envs, seed)
     return es.make_specs()
+
+
+def streaming_engine(**decode):
+    """The scripted policy (10% malformed answers) timed as an engine that batches continuously."""
+    return make_engine({"name": "scripted", "malformed_rate": 0.1, "continuous_batching": {
+        "step_s": 0.0005, "tokens_median": 20, "tokens_sigma": 1.0, **decode}})
+
+
+TRAIN_SPLIT = {"env_groups": 4, "group_size": 2,
+               "env_configs": {"tags": ["SimpleSokoban", "FrozenLake"], "n_groups": [2, 2]}}
+VAL_SPLIT = {"env_groups": 3, "group_size": 1, "env_configs": {"tags": ["Bandit", "Countdown"], "n_groups": [2, 1]}}
+
+
+def agent_setup(val: dict = VAL_SPLIT, **agent_proxy):
+    """An ``AgentSetup`` of a small train and val split (seeds 3 and 11, 3 turns, 2 workers)."""
+    from ragen.llm_agent import AgentSetup
+
+    return AgentSetup.from_config({
+        "custom_envs": custom_envs(),
+        "seed": {"train": 3, "val": 11},
+        "agent_proxy": {"max_turn": 3, "parallel_n_jobs": 2, **agent_proxy},
+        "es_manager": {"train": TRAIN_SPLIT, "val": val},
+    })
 
 
 def loop_config(max_turn: int = 4, **kw) -> LoopConfig:

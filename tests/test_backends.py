@@ -11,7 +11,7 @@ from ragen.llm_agent import AgentSetup, LLMAgentProxy
 from ragen.rollout.backends import (FullyAsync, GenerateAhead, ParallelRolloutManager, RolloutBackend,
                                     SequentialRollout, make_backend)
 
-from tests.rollout_helpers import custom_envs
+from tests.rollout_helpers import agent_setup
 
 MODES = {
     "sequential": ({}, SequentialRollout, SequentialRollout),
@@ -25,17 +25,7 @@ MODES = {
 
 
 def setup_for(**agent_proxy) -> AgentSetup:
-    return AgentSetup.from_config({
-        "custom_envs": custom_envs(),
-        "seed": {"train": 3, "val": 11},
-        "agent_proxy": {"max_turn": 3, "parallel_n_jobs": 2, **agent_proxy},
-        "es_manager": {
-            "train": {"env_groups": 4, "group_size": 2,
-                      "env_configs": {"tags": ["SimpleSokoban", "FrozenLake"], "n_groups": [2, 2]}},
-            "val": {"env_groups": 3, "group_size": 1,
-                    "env_configs": {"tags": ["Bandit", "Countdown"], "n_groups": [2, 1]}},
-        },
-    })
+    return agent_setup(**agent_proxy)
 
 
 @pytest.mark.timeout(120)

@@ -16,7 +16,6 @@ pytest.importorskip("distributed")
 import dask  # noqa: E402
 from distributed import LocalCluster  # noqa: E402
 
-from ragen.llm import make_engine
 from ragen.llm.scripted import ScriptedEngine  # noqa: E402
 from ragen.rollout.proxy import AgentSetup, LLMAgentProxy  # noqa: E402
 from ragen.rollout.workers.cluster import ClusterConfig, open_cluster  # noqa: E402
@@ -24,7 +23,7 @@ from ragen.rollout.backends.parallel import ParallelRolloutManager  # noqa: E402
 from ragen.serving import SharedLLMInferenceManager  # noqa: E402
 from tests.fault_envs import FaultEnv, FaultEnvConfig  # noqa: E402
 from tests.rollout_helpers import (  # noqa: E402
-    custom_envs, fault_tag, loop_config, rollouts_at_once, sequential, specs_for)
+    custom_envs, fault_tag, loop_config, rollouts_at_once, sequential, specs_for, streaming_engine)
 
 
 # ----- a counting env: proves that workers keep their envs -------------------------
@@ -129,8 +128,7 @@ def test_scheduler_address_gives_the_sequential_trajectories(scheduler_address, 
 @pytest.mark.timeout(120)
 def test_env_level_turns_on_the_cluster_give_the_sequential_trajectories(scheduler_address, mixed_specs, reference):
     """An engine that batches continuously: each env's next turn as soon as its own answer is in."""
-    engine = make_engine({"name": "scripted", "malformed_rate": 0.1,
-                          "continuous_batching": {"step_s": 0.0005, "tokens_median": 20}})
+    engine = streaming_engine()
     try:
         with SharedLLMInferenceManager(engine) as shared, \
                 ParallelRolloutManager(shared, backend="dask",

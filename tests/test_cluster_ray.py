@@ -20,14 +20,13 @@ ray = pytest.importorskip("ray")
 
 from joblib.pool import PicklingPool  # noqa: E402
 
-from ragen.llm import make_engine
 from ragen.llm.scripted import ScriptedEngine  # noqa: E402
 from ragen.rollout.workers.cluster import ClusterConfig  # noqa: E402
 from ragen.rollout.backends.parallel import ParallelRolloutManager  # noqa: E402
 from ragen.serving import SharedLLMInferenceManager  # noqa: E402
 from tests.fault_envs import FaultEnv, FaultEnvConfig  # noqa: E402
 from tests.rollout_helpers import (  # noqa: E402
-    custom_envs, fault_tag, loop_config, rollouts_at_once, sequential, specs_for)
+    custom_envs, fault_tag, loop_config, rollouts_at_once, sequential, specs_for, streaming_engine)
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -87,8 +86,7 @@ def test_local_ray_gives_the_sequential_trajectories_and_keeps_envs(mixed_specs,
             # on the cluster's workers (pull-based: one that starts late may find every group taken)
             assert result.metrics["parallel/workers_used"] in (1, 2)
         # env-level turns, on an engine that batches continuously: the same trajectories
-        streaming = make_engine({"name": "scripted", "malformed_rate": 0.1,
-                                 "continuous_batching": {"step_s": 0.0005, "tokens_median": 20}})
+        streaming = streaming_engine()
         try:
             with SharedLLMInferenceManager(streaming) as streamed, \
                     ParallelRolloutManager(streamed, n_jobs=2, backend="ray") as env_level:

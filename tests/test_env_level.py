@@ -8,18 +8,12 @@ from concurrent.futures import Future
 
 import pytest
 
-from ragen.llm import make_engine
 from ragen.llm.scripted import ScriptedEngine
 from ragen.llm.types import StreamingEngine
 from ragen.rollout.loop import KeptEnvs, run_envs
 from ragen.serving import DirectClient, StreamingDirectClient, direct_client
 
-from tests.rollout_helpers import custom_envs, fault_tag, loop_config, specs_for
-
-
-def streaming_engine(**decode):
-    return make_engine({"name": "scripted", "malformed_rate": 0.1,
-                        "continuous_batching": {"step_s": 0.0005, "tokens_median": 20, "tokens_sigma": 1.0, **decode}})
+from tests.rollout_helpers import custom_envs, fault_tag, loop_config, specs_for, streaming_engine
 
 
 @pytest.mark.timeout(120)

@@ -11,35 +11,24 @@ from concurrent.futures import Future
 
 import pytest
 
-from ragen.llm import make_engine
 from ragen.llm.scripted import ScriptedEngine
 from ragen.llm.types import GenerationRequest, SamplingParams, StreamingEngine
-from ragen.llm_agent import AgentSetup, LLMAgentProxy
+from ragen.llm_agent import LLMAgentProxy
+from ragen.rollout.proxy import AgentSetup
 from ragen.rollout.backends import make_backend
 from ragen.rollout.types import StopReason
 from ragen.serving import SharedLLMInferenceManager
 from ragen.serving.gate import EngineGate
 
-from tests.rollout_helpers import custom_envs
+from tests.rollout_helpers import agent_setup, streaming_engine
 
 
-def streaming_engine(**decode):
-    return make_engine({"name": "scripted", "malformed_rate": 0.1, "continuous_batching": {
-        "step_s": 0.0005, "tokens_median": 20, "tokens_sigma": 1.0, **decode}})
+VAL = {"env_groups": 6, "group_size": 2,
+       "env_configs": {"tags": ["SimpleSokoban", "FrozenLake", "Bandit"], "n_groups": [2, 2, 2]}}
 
 
 def setup_for(**agent_proxy) -> AgentSetup:
-    return AgentSetup.from_config({
-        "custom_envs": custom_envs(),
-        "seed": {"train": 3, "val": 11},
-        "agent_proxy": {"max_turn": 3, "parallel_n_jobs": 2, **agent_proxy},
-        "es_manager": {
-            "train": {"env_groups": 4, "group_size": 2,
-                      "env_configs": {"tags": ["SimpleSokoban", "FrozenLake"], "n_groups": [2, 2]}},
-            "val": {"env_groups": 6, "group_size": 2,
-                    "env_configs": {"tags": ["SimpleSokoban", "FrozenLake", "Bandit"], "n_groups": [2, 2, 2]}},
-        },
-    })
+    return agent_setup(val=VAL, **agent_proxy)
 
 
 MODES = {

@@ -48,7 +48,7 @@ def rollout_metrics(trajectories: Sequence[Trajectory], stats: LoopStats, engine
         "parallel/fallbacks": float(fallbacks),
         "rollout/env_retries": float(stats.env_retries),
         # from the first env's end to the last's: the tail a rollout waits through
-        "timing/envs_done_spread_s": stats.done_spread_s if stats.done_spread_s is not None else 0.0,
+        "timing/envs_done_spread_s": stats.done_spread_s or 0.0,
         "timing/rollout_s": wall_s,
     })
     return m
