@@ -2,7 +2,9 @@
 
 - ``GenerationRequest``: one chat prompt, keyed by ``(seed, env_id, turn)`` so a
   policy's randomness can be tied to the request, never to batch order;
-  ``last_turn`` says that no turn of its episode follows (nothing to keep for one).
+  ``last_turn`` says that no turn of its episode follows (nothing to keep for one);
+  ``answer_prefix`` is text the answer starts with, after the template's
+  generation prompt (the completion holds only what follows it).
 - ``SamplingParams``: how to decode (``temperature == 0`` means greedy).
 - ``Completion``: the answer text, prompt and response token ids, the log-prob
   of each response token under the distribution it was sampled from, why it
@@ -66,6 +68,9 @@ class GenerationRequest(_PlainData):
     seed: int = 0  # the env's seed for this rollout
     max_tokens: int | None = None  # per-request cap (the env's max_tokens); None: sampling's
     last_turn: bool = False  # the episode's last possible turn: no next prompt continues this one
+    # text the answer starts with, placed after the chat template's generation prompt (RAGEN's
+    # "<think>"); the completion's text and token ids are what the model writes after it
+    answer_prefix: str = ""
 
     @property
     def key(self) -> tuple[int, int, int]:
