@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ragen.rollout.context import ContextConfig, ContextManager
+from ragen.rollout.context import INVALID_WARNING, ContextConfig, ContextManager
 from ragen.rollout.types import EnvSpec, Turn
 
 ctx = ContextManager(ContextConfig(max_actions_per_turn=3))
@@ -20,7 +20,7 @@ ctx = ContextManager(ContextConfig(max_actions_per_turn=3))
     ("<answer>Up</answer>", []),  # think missing while enable_think
     ("Up", []),
     ("<think>x<answer>Up</answer>", []),  # unclosed think
-    ("<think>a</think><answer><answer>Up</answer></answer>", ["<answer>Up"]),  # nested: not an action name
+    ("<think>a</think><answer><answer>Up</answer></answer>", ["Up"]),  # the tags are taken out, as RAGEN does
     ("<think>é</think><answer>Üp || 左</answer>", ["Üp", "左"]),
     ("<think>x</think><answer>Up||Down||Left||Right||Up</answer>", ["Up", "Down", "Left"]),
     ("<think>x</think><answer>Up<|im_end|></answer>", ["Up"]),
@@ -32,8 +32,22 @@ def test_parse(text, actions):
 
 def test_answer_only_mode():
     c = ContextManager(ContextConfig(enable_think=False))
+    assert c.answer_prefix == "<answer>"
+    assert c.parse_response("Up</answer>") == ["Up"]  # what the model writes after the prefix
     assert c.parse_response("<answer>Up</answer>") == ["Up"]
-    assert c.parse_response("<think>x</think><answer>Left</answer>") == ["Left"]
+    # after the prefix <answer>, RAGEN's answer runs to the first </answer>, with the tags taken out
+    assert c.parse_response("<think>x</think><answer>Left</answer>") == ["xLeft"]
+
+
+def test_the_answer_prefix_is_put_back_and_answers_are_shown_tidied():
+    assert ctx.answer_prefix == "<think>"
+    assert ctx.parse_response(" go left </think>\n<answer> Left || Up </answer>") == ["Left", "Up"]
+    assert ctx.normalize_response(" go left </think>\n<answer> Left || Up </answer>") == \
+        "<think>go left</think><answer>Left || Up</answer>"
+    # more actions than max_actions_per_turn: cut, and joined again with the separator
+    assert ctx.normalize_response("x</think><answer>Up||Up||Up||Up</answer>") == \
+        "<think>x</think><answer>Up || Up || Up</answer>"
+    assert ctx.normalize_response("no tags") == "<think>no tags"  # shown as written, with its prefix
 
 
 @settings(max_examples=300, deadline=None)
@@ -51,32 +65,69 @@ def test_parse_round_trip(actions):
     assert ctx.parse_response(text) == actions[:3]
 
 
-def _spec():
+def _spec(**kw):
     return EnvSpec(env_id=0, group_id=0, tag="T", seed=1, env_type="x", env_config={},
-                   env_instruction="Solve it.", max_tokens=50)
+                   env_instruction="Solve it.", max_tokens=50, **kw)
 
 
-def _turn(i):
-    return Turn(observation=f"obs{i}", actions_left=10 - i, response=f"<answer>a{i}</answer>", actions=[],
-                executed_actions=[], reward=float(i), penalty=0.0, info={}, policy_version=0)
+def _turn(i, executed=("a",)):
+    return Turn(observation=f"obs{i}", actions_left=10 - i, response=f"t{i}</think><answer>a{i}</answer>",
+                actions=[f"a{i}"], executed_actions=list(executed), reward=float(i), penalty=-0.1, info={},
+                policy_version=0)
 
 
-def test_prompt_lists_actions_state_and_reward():
-    msgs = ctx.build_messages(_spec(), [_turn(0)], "obs1", 9, ["Up", "Down"])
+STATE = ("\nTurn {n}:\nState:\nobs{i}\n{warn}You have {left} actions left. Always output: <think> [Your thoughts] "
+         "</think> <answer> [your answer] </answer> with no extra text. Strictly follow this format. "
+         "Max response length: 50 words (tokens).\n")
+
+
+def test_prompt_is_ragens_layout():
+    spec = _spec(state_legend="\nThe meaning of each symbol in the state is:\n#: wall", action_names=("Up", "Down"),
+                 max_actions_per_traj=10)
+    msgs = ctx.build_messages(spec, [_turn(0), _turn(1, executed=())], "obs2", 8)
+    assert msgs == [
+        {"role": "system", "content": "You're a helpful assistant. Solve it.\nThe meaning of each symbol in the "
+                                      "state is:\n#: wall\nYour available actions are:\nUp, Down\nYou can make up "
+                                      "to 10 actions, separated by the action separator \" || \"\n"},
+        {"role": "user", "content": STATE.format(n=1, i=0, left=10, warn="")},
+        {"role": "assistant", "content": "<think>t0</think><answer>a0</answer>"},
+        # the turn's reward as str() of its sum (no format penalty), then the next state
+        {"role": "user", "content": "Reward:\n0.0\n" + STATE.format(n=2, i=1, left=9, warn="")},
+        {"role": "assistant", "content": "<think>t1</think><answer>a1</answer>"},
+        {"role": "user", "content": "Reward:\n1.0\n" + STATE.format(n=3, i=2, left=8, warn=INVALID_WARNING)},
+    ]
+    assert ctx.episode_messages(spec, [_turn(0), _turn(1)]) == msgs[:5]  # up to the last answer
+
+
+def test_limited_multi_turn_keeps_the_last_turns_and_their_numbers():
+    c = ContextManager(ContextConfig(context_window_mode="limited_multi_turn", max_context_window=2))
+    msgs = c.build_messages(_spec(), [_turn(0), _turn(1), _turn(2)], "obs3", 7)
     assert [m["role"] for m in msgs] == ["system", "user", "assistant", "user"]
-    assert "Solve it." in msgs[0]["content"]
-    last = msgs[-1]["content"]
-    assert "obs1" in last and "9 actions left" in last and "Available actions: Up, Down" in last
-    assert "Reward:\n0" in last and "up to 3 actions" in last
+    assert msgs[1]["content"] == STATE.format(n=3, i=2, left=8, warn="")
+    assert msgs[3]["content"] == "Reward:\n2.0\n" + STATE.format(n=4, i=3, left=7, warn="")
+    # full ignores the window, as in RAGEN; 0 or -1 keep everything
+    assert ctx.build_messages(_spec(), [_turn(0), _turn(1)], "obs2", 8) == \
+        ContextManager(ContextConfig(max_actions_per_turn=3, max_context_window=1)).build_messages(
+            _spec(), [_turn(0), _turn(1)], "obs2", 8)
+    c0 = ContextManager(ContextConfig(context_window_mode="limited_multi_turn", max_context_window=0))
+    assert len(c0.build_messages(_spec(), [_turn(0)], "obs1", 9)) == 4
 
 
-def test_context_window_keeps_last_turns():
-    c = ContextManager(ContextConfig(max_context_window=1))
-    msgs = c.build_messages(_spec(), [_turn(0), _turn(1), _turn(2)], "obs3", 7, None)
-    assert [m["role"] for m in msgs] == ["system", "user", "assistant", "user"]
-    assert "obs2" in msgs[1]["content"] and "obs3" in msgs[3]["content"]
-    c0 = ContextManager(ContextConfig(max_context_window=0))
-    assert len(c0.build_messages(_spec(), [_turn(0)], "obs1", 9, None)) == 2
+def test_single_turn_summarizes_the_last_turns():
+    c = ContextManager(ContextConfig(context_window_mode="single_turn", max_context_window=2))
+    msgs = c.build_messages(_spec(), [_turn(0), _turn(1)], "obs2", 8)
+    assert [m["role"] for m in msgs] == ["system", "user"]
+    assert msgs[1]["content"] == (
+        "Summary: 2 step(s) completed so far. Showing the last 1 turn(s) with state/action/reward details. "
+        "Recent turns:\n---\nTurn 2 State:\nobs1\nTurn 2 Action: <think>t1</think><answer>a1</answer>\n"
+        "Turn 2 Reward: 1.0\n---\n\nCurrent Turn (Turn 3):\n" + STATE.format(n=0, i=2, left=8, warn="").split(":\n", 1)[1])
+    first = c.build_messages(_spec(), [], "obs0", 10)[1]["content"]
+    assert first == "(Turn 1):\n" + STATE.format(n=0, i=0, left=10, warn="").split(":\n", 1)[1]
+
+
+def test_unknown_window_mode_names_the_key():
+    with pytest.raises(ValueError, match="agent_proxy.context_window_mode"):
+        ContextConfig(context_window_mode="sliding")
 
 
 class CharTokenizer:
@@ -94,11 +145,12 @@ class CharTokenizer:
 def test_loss_mask_covers_exactly_the_models_tokens(turn_scores):
     c = ContextManager(ContextConfig(use_turn_scores=turn_scores))
     turns = [_turn(0), _turn(1)]
-    messages = c.episode_messages(_spec(), turns, ["Up"])
+    messages = c.episode_messages(_spec(), turns)
     [ep] = c.formulate_rollouts([{"messages": messages, "turn_rewards": [1.0, 2.0]}], CharTokenizer())
     text = "".join(chr(i) for i in ep["input_ids"])
     masked = "".join(chr(i) for i, m in zip(ep["input_ids"], ep["loss_mask"]) if m)
-    assert masked == "<answer>a0</answer><|im_end|><answer>a1</answer><|im_end|>"
+    # the answer prefix <think> was the prompt's end: not the model's
+    assert masked == "t0</think><answer>a0</answer><|im_end|>t1</think><answer>a1</answer><|im_end|>"
     assert text == CharTokenizer().apply_chat_template(messages).rstrip("\n")
     rewards = np.array(ep["token_rewards"])
     nz = [i for i, r in enumerate(rewards) if r]
@@ -124,9 +176,13 @@ _PIECES = st.sampled_from(["<think>", "</think>", "<answer>", "</answer>", " ", 
 def test_parse_agrees_with_the_reference_regex(text, think):
     import re
 
+    # RAGEN's parse, of the answer prefix and what the model wrote
     pattern = r"<think>(.*?)</think>\s*<answer>(.*?)</answer>" if think else r"<answer>(.*?)</answer>"
-    m = re.search(pattern, text, re.DOTALL)
-    want = [] if not m else [a.strip() for a in m.group(m.lastindex).split("||") if a.strip()][:3]
+    m = re.search(pattern, ("<think>" if think else "<answer>") + text, re.DOTALL)
+    content = m.group(m.lastindex) if m else ""
+    for tok in ("<think>", "</think>", "<answer>", "</answer>"):
+        content = content.replace(tok, "").strip()
+    want = [] if not m else [a.strip() for a in content.split("||") if a.strip()][:3]
     assert ContextManager(ContextConfig(max_actions_per_turn=3, enable_think=think)).parse_response(text) == want
 
 
@@ -143,12 +199,12 @@ def test_format_example_is_shown_but_never_trained_on():
     from dataclasses import replace
 
     c = ContextManager(ContextConfig())
-    spec = replace(_spec(), format_example=("example state", "<answer> wolf </answer>", ("owl", "wolf")))
-    prompt = c.build_messages(spec, [_turn(0)], "obs1", 9, ["Up"])
+    spec = replace(_spec(), format_example=("example state", "<answer> wolf </answer>"))
+    prompt = c.build_messages(spec, [_turn(0)], "obs1", 9)
     assert [m["role"] for m in prompt] == ["system", "user", "assistant", "user", "assistant", "user"]
-    assert "example state" in prompt[1]["content"] and "owl, wolf" in prompt[1]["content"]
-    messages = c.episode_messages(spec, [_turn(0)], ["Up"])
+    assert "example state" in prompt[1]["content"] and prompt[2]["content"] == "<answer> wolf </answer>"
+    messages = c.episode_messages(spec, [_turn(0)])
     [ep] = c.formulate_rollouts([{"messages": messages, "turn_rewards": [2.0]}], CharTokenizer())
     masked = "".join(chr(i) for i, m in zip(ep["input_ids"], ep["loss_mask"]) if m)
-    assert masked == "<answer>a0</answer><|im_end|>"  # the model's answer only, not the example's
+    assert masked == "t0</think><answer>a0</answer><|im_end|>"  # the model's answer only, not the example's
     assert sum(ep["token_rewards"]) == 2.0

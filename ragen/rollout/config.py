@@ -18,7 +18,7 @@ from typing import Any, Mapping
 
 from ragen.config_reader import read, setting
 from ragen.llm.types import SamplingParams
-from ragen.rollout.context import GROUPINGS, METHODS, ContextConfig
+from ragen.rollout.context import GROUPINGS, METHODS, WINDOW_MODES, ContextConfig
 from ragen.serving.address import check_listen_address
 
 logger = logging.getLogger(__name__)
@@ -114,7 +114,10 @@ class AgentProxyConfig:
     action_sep: str = ContextConfig.action_sep
     max_actions_per_turn: int = setting(ContextConfig.max_actions_per_turn, minimum=1)
     enable_think: bool = ContextConfig.enable_think
-    max_context_window: int = setting(ContextConfig.max_context_window, minimum=-1)  # past turns kept; -1: all
+    # full | limited_multi_turn | single_turn: the prompt's layout (RAGEN's); the last two show the
+    # last max_context_window turns, the current one included (-1 or 0: all)
+    context_window_mode: str = setting(ContextConfig.context_window_mode, choices=WINDOW_MODES)
+    max_context_window: int = setting(ContextConfig.max_context_window, minimum=-1)
     use_turn_scores: bool = ContextConfig.use_turn_scores
     reward_normalization: RewardNormalization = field(default_factory=RewardNormalization)
     # rollout engine
@@ -181,7 +184,7 @@ class EnvTagConfig:
     max_actions_per_traj: int = setting(10, minimum=1)
     env_instruction: str | None = ""
     max_tokens: int | None = setting(None, minimum=1)
-    format_example: Any = None  # {observation, answer, actions?}: checked where it is read
+    format_example: Any = None  # {observation, answer}: checked where it is read
     # RAGEN's keys (its defaults: false, 1): the envs of a parallel_friendly
     # tag are reset and stepped on a thread pool of max_workers.
     parallel_friendly: bool = False

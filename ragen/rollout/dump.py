@@ -43,7 +43,9 @@ from ragen.rollout.types import EnvSpec, RolloutResult, Step, StopReason, Trajec
 from ragen.utils import common_prefix_length
 
 FORMAT = "ragen.rollout_dump"
-VERSION = 1
+# 2: RAGEN's prompts: a turn's response is the text after the answer prefix, a spec has state_legend
+# and action_names, and its format_example is (observation, answer)
+VERSION = 2
 COMPRESS_ABOVE_BYTES = 4 << 20  # a dump larger than this is written gzipped
 # free-form values (an env's info and config) nest at most this deep: deeper ones would overflow the
 # recursion of the code that renders or builds from them
@@ -118,7 +120,7 @@ def _record_row(traj: Trajectory, spec: EnvSpec, ctx: ContextManager, loop: Loop
     for i, turn in enumerate(traj.turns):
         row = dict(turn.__dict__)
         row["steps"] = [s.__dict__ for s in turn.steps]
-        messages = ctx.build_messages(spec, traj.turns[:i], turn.observation, turn.actions_left, traj.action_names)
+        messages = ctx.build_messages(spec, traj.turns[:i], turn.observation, turn.actions_left)
         # a turn's prompt is mostly the previous one: only the messages after the common start are written
         kept = common_prefix_length([previous, messages])
         row["prompt"] = {"from_previous": kept, "messages": messages[kept:]}
@@ -195,8 +197,10 @@ def _record(row: Any, where: str, number: int) -> DumpRecord:
     try:
         spec_row = dict(row["spec"])
         if spec_row.get("format_example") is not None:
-            obs, answer, names = spec_row["format_example"]
-            spec_row["format_example"] = (obs, answer, tuple(names) if names is not None else None)
+            obs, answer = spec_row["format_example"][:2]  # version 1 added the action names it showed
+            spec_row["format_example"] = (obs, answer)
+        if spec_row.get("action_names") is not None:
+            spec_row["action_names"] = tuple(spec_row["action_names"])
         spec = EnvSpec(**spec_row)
         loop_row = dict(row["loop"])
         loop_row.pop("pipeline_depth", None)  # how a worker scheduled its envs (dump format 1): not what they played

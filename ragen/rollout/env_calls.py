@@ -299,8 +299,9 @@ def _observation(obs: Any, method: str) -> str:
 
 
 def _reward(r: Any) -> float:
-    """A step's reward as a float; a string, a non-number or a NaN/infinite one is refused, since one
-    of these in a sum makes every reward metric of the rollout NaN."""
+    """A step's reward as a number: a Python int or float as it is (a prompt shows the sum as RAGEN
+    does, ``0`` or ``0.0``), anything else as a float; a string, a non-number or a NaN/infinite one
+    is refused, since one of these in a sum makes every reward metric of the rollout NaN."""
     try:
         value = None if isinstance(r, (str, bytes)) else float(r)
     except (TypeError, ValueError):
@@ -310,7 +311,7 @@ def _reward(r: Any) -> float:
                              "not a number: return the reward as a float")
     if not math.isfinite(value):
         raise EnvOutputError(f"step returned the reward {value}, not a finite number")
-    return value
+    return r if type(r) in (int, float) else value
 
 
 def apply_answer(slot: EnvSlot, completion: Completion, ctx: ContextManager, config: LoopConfig, call: EnvCaller) -> None:
@@ -321,7 +322,8 @@ def apply_answer(slot: EnvSlot, completion: Completion, ctx: ContextManager, con
         valid = [(a, a) for a in actions]
     budget = slot.actions_left
     shown = slot.observation
-    reward, done, info, executed, steps = 0.0, False, {}, [], []
+    # an int 0 until a step adds to it: a prompt shows the turn's reward as str(), as RAGEN does
+    reward, done, info, executed, steps = 0, False, {}, [], []
     t0 = time.perf_counter()
     for name, action in valid[:budget]:
         obs, r, done, step_info = call(slot.env.step, action)

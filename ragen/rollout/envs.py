@@ -94,6 +94,7 @@ class EnvSpecMaker:
             EnvSpec(env_id=group_id * self.group_size + m, group_id=group_id, tag=self.group_tags[g], seed=seed,
                     env_type=ts["env_type"], env_config=ts["env_config"], config_type=ts["config_type"],
                     max_actions_per_traj=ts["max_actions_per_traj"], env_instruction=ts["env_instruction"],
+                    state_legend=ts["state_legend"], action_names=ts["action_names"],
                     max_tokens=ts["max_tokens"], format_example=ts["format_example"],
                     env_threads=ts["env_threads"], mode=self.split)
             for m in range(self.group_size)
@@ -114,14 +115,16 @@ def _validate_tag(tag: str, spec: Any) -> dict[str, Any]:
     env_config = cfg.env_config or {}
     # Builds (and so validates) the config now, before any model loads.
     make_env_config(cfg.env_type, env_config, config_type=cfg.config_type, tag=tag)
+    legend, action_names = _prompt_parts(cfg.env_type, cfg.config_type, tag, env_config)
     example = cfg.format_example
     if example is not None:
         if not isinstance(example, dict) or not isinstance(example.get("observation"), str) \
                 or not isinstance(example.get("answer"), str):
-            raise ValueError(f"{key}.format_example must have 'observation' and 'answer' strings "
-                             "(and optionally 'actions', a list of action names)")
-        names = example.get("actions")
-        example = (example["observation"], example["answer"], tuple(str(n) for n in names) if names else None)
+            raise ValueError(f"{key}.format_example must have 'observation' and 'answer' strings")
+        unknown = sorted(set(example) - {"observation", "answer"})
+        if unknown:
+            raise ValueError(f"{key}.format_example.{unknown[0]}: unknown key; it takes 'observation' and 'answer'")
+        example = (example["observation"], example["answer"])
     return {
         "format_example": example,
         "env_type": cfg.env_type,
@@ -129,9 +132,41 @@ def _validate_tag(tag: str, spec: Any) -> dict[str, Any]:
         "env_config": env_config,
         "max_actions_per_traj": cfg.max_actions_per_traj,
         "env_instruction": cfg.env_instruction or "",
+        "state_legend": legend,
+        "action_names": action_names,
         "max_tokens": cfg.max_tokens,
         "env_threads": cfg.max_workers if cfg.parallel_friendly else 1,
     }
+
+
+COORD_HINT = ("\nStates are provided as coordinate lists using zero-based indexing with the format (row, col) for "
+              "each entity type: Walls, Targets, Boxes, Boxes on target, Player, and Player on target when applicable.")
+
+
+def _prompt_parts(env_type: str, config_type: str | None, tag: str,
+                  env_config: Any) -> tuple[str, tuple[str, ...] | None]:
+    """What RAGEN adds to a tag's system message: the meaning of the grid
+    symbols (``observation_format: grid``) or the coordinate hint (``coord``),
+    and the action names. As in RAGEN, these come from the DEFAULTS of the
+    env's config class, not from the tag's ``env_config`` (which is read only
+    for a config class that has no defaults for its required fields)."""
+    from ragen.env import make_env_config
+
+    try:
+        defaults = make_env_config(env_type, None, config_type=config_type, tag=tag)
+    except ValueError:
+        defaults = make_env_config(env_type, env_config, config_type=config_type, tag=tag)
+    if defaults is None:
+        return "", None
+    get = defaults.get if isinstance(defaults, Mapping) else (lambda key: getattr(defaults, key, None))
+    fmt = get("observation_format") or "grid"
+    vocab, lookup = get("grid_vocab"), get("action_lookup")
+    legend = ""
+    if fmt == "grid" and vocab:
+        legend = "\nThe meaning of each symbol in the state is:\n" + ", ".join(f"{k}: {v}" for k, v in vocab.items())
+    if fmt == "coord":
+        legend = COORD_HINT
+    return legend, (tuple(str(v) for v in lookup.values()) if lookup else None)
 
 
 def compute_metrics(trajectories: Sequence[Trajectory], prefix: str = "rollout") -> dict[str, float]:

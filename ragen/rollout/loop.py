@@ -338,13 +338,13 @@ class _TurnLoop:
         """The env's prompt for its next turn."""
         turns = slot.traj.turns
         return GenerationRequest(
-            messages=self.ctx.build_messages(slot.spec, turns, slot.observation, slot.actions_left,
-                                             slot.traj.action_names),
+            messages=self.ctx.build_messages(slot.spec, turns, slot.observation, slot.actions_left),
             env_id=slot.spec.env_id,
             turn=len(turns),
             seed=slot.spec.seed,
             max_tokens=slot.spec.max_tokens,
             last_turn=len(turns) + 1 >= self.config.max_turn,
+            answer_prefix=self.ctx.answer_prefix,
         )
 
     def _guarded(self, slot: EnvSlot, fn: Callable[..., None], *args: Any) -> tuple[EnvSlot, Any]:

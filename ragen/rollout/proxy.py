@@ -70,10 +70,12 @@ class AgentSetup:
             action_sep=ap.action_sep,
             max_actions_per_turn=ap.max_actions_per_turn,
             enable_think=ap.enable_think,
+            context_window_mode=ap.context_window_mode,
             max_context_window=ap.max_context_window,
             use_turn_scores=ap.use_turn_scores,
             reward_grouping=ap.reward_normalization.grouping,
             reward_method=ap.reward_normalization.method,
+            response_length=gen.response_length,
         )
 
         def loop_config(sampling_seed: int) -> LoopConfig:

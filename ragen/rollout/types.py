@@ -46,10 +46,14 @@ class EnvSpec:
     config_type: str | None = None
     max_actions_per_traj: int = 10
     env_instruction: str = ""
+    # RAGEN's additions to the system message, from the defaults of the env's config class: the
+    # meaning of the grid symbols (or the coordinate hint) and the action names (None: not listed)
+    state_legend: str = ""
+    action_names: tuple[str, ...] | None = None
     max_tokens: int | None = None
-    # one worked exchange shown after the system message: (observation, answer,
-    # action names); it teaches the answer format and is never trained on
-    format_example: tuple[str, str, tuple[str, ...] | None] | None = None
+    # one worked exchange shown after the system message: (observation, answer);
+    # it teaches the answer format and is never trained on
+    format_example: tuple[str, str] | None = None
     # how many of this tag's envs one loop steps at once on threads: RAGEN's
     # ``max_workers`` for a ``parallel_friendly`` tag, else 1 (one after another)
     env_threads: int = 1
@@ -111,7 +115,7 @@ class Trajectory:
     error: str | None = None
     # the answer whose actions the env failed on (an error or timeout within a turn): a replay feeds it again
     failed_response: str | None = None
-    action_names: list[str] | None = None  # the env's ACTION_LOOKUP names, listed in prompts
+    action_names: list[str] | None = None  # the env's ACTION_LOOKUP names, for records
     # where and how long it ran: records for people, not part of the result (not compared)
     reset_s: float = field(default=0.0, compare=False)
     worker: int | None = field(default=None, compare=False)  # the worker process's pid; None: the driver

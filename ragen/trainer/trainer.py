@@ -305,7 +305,7 @@ class AgentTrainer:
         metrics: dict[str, float] = {}
         if not trajs:
             return [], {"batch/n_samples": 0.0}
-        episodes = [{"messages": self.ctx.episode_messages(spec, t.turns, t.action_names),
+        episodes = [{"messages": self.ctx.episode_messages(spec, t.turns),
                      "turn_rewards": [tn.reward + tn.penalty for tn in t.turns],
                      "sampled": [(tn.response_ids, tn.logprobs) for tn in t.turns]} for t, spec in trajs]
         rows = self.ctx.formulate_rollouts(episodes, self.tokenizer, cfg.rollout.max_model_len)
