@@ -110,9 +110,9 @@ def unchanged_step(observation: str, valid: bool, done: bool, success: bool,
                    invalid_act_score: float) -> tuple[str, float, bool, dict]:
     """The step result of an action that changes nothing: an invalid one
     (reward ``invalid_act_score``; the episode goes on as it was) or a valid
-    one after the episode ended (reward 0)."""
+    one after the episode ended (reward int 0, as gymnasium's FrozenLake gives)."""
     info = {"action_is_valid": valid, "action_is_effective": False, "success": success}
-    return observation, (0.0 if valid else float(invalid_act_score)), done, info
+    return observation, (0 if valid else invalid_act_score), done, info
 
 
 class BaseLanguageBasedEnv(BaseEnv):

@@ -100,7 +100,7 @@ class BanditEnv(BaseDiscreteActionEnv):
         self._done = True
         self._success = arm == self.hi_arm_name
         info = {"action_is_effective": True, "action_is_valid": True, "success": self._success}
-        return self.render_cache, float(reward), True, info
+        return self.render_cache, reward, True, info  # the score as configured (int or float), as in RAGEN
 
     def render(self, mode: str | None = None) -> str:
         return self.render_cache or ""

@@ -142,7 +142,7 @@ class CountdownEnv(BaseLanguageBasedEnv):
         self._done, self._success = True, reward == self.config.score
         self.render_cache = f"Your answer get {reward} points."  # the score as configured: "1 points"
         info = {"action_is_effective": reward > 0, "action_is_valid": True, "success": self._success}
-        return self.render_cache, float(reward), True, info
+        return self.render_cache, reward, True, info  # int 0 or the configured score, as in RAGEN
 
     def render(self, mode: str | None = None) -> str:
         return self.render_cache or ""

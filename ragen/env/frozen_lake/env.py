@@ -146,7 +146,7 @@ class FrozenLakeEnv(GridEnv):
         tile = self._tile()
         success = tile == "G"
         info = {"action_is_effective": self.player_pos != (r, c), "action_is_valid": True, "success": success}
-        return self.render(), 1.0 if success else 0.0, tile in "GH", info
+        return self.render(), 1 if success else 0, tile in "GH", info  # ints, as gymnasium's reward_schedule
 
     def render(self, mode: str | None = None) -> str:
         if not self._started():
