@@ -144,9 +144,11 @@ def test_ragen_action_list_in_the_system_message_is_found():
 def test_the_answer_continues_after_its_prefix(prefix):
     """The script writes its whole answer; a completion is what follows the request's prefix
     (bytes, text, log-probs with the choices' on the first byte), and the prompt ends with it.
-    An answer that does not start with the prefix is the completion whole."""
-    engine = ScriptedEngine(think=prefix == "<think>", malformed_rate=0.3)
-    plain = engine.generate(requests(60), SamplingParams())
+    An answer that does not start with the prefix is the completion whole; after "<answer>"
+    (RAGEN without thinking) the script writes no thought, as with think=False."""
+    engine = ScriptedEngine(malformed_rate=0.3)
+    plain = (engine if prefix == "<think>" else ScriptedEngine(think=False, malformed_rate=0.3)).generate(
+        requests(60), SamplingParams())
     prefixed = engine.generate(requests(60, answer_prefix=prefix), SamplingParams())
     assert sum(a.text.startswith(prefix) for a in plain) > 30
     for a, b in zip(plain, prefixed):

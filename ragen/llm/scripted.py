@@ -15,7 +15,9 @@ without torch:
   from the last user message, e.g. ``3 + 5 * 2``.
 - *Answer prefix*: the answer is written whole; when it starts with the
   request's ``answer_prefix`` (RAGEN's ``<think>``), the completion is the rest
-  (its text, bytes and log-probs), and the prompt ids end with the prefix.
+  (its text, bytes and log-probs), and the prompt ids end with the prefix. A
+  prefix that opens the answer tag (``<answer>``, RAGEN without thinking) gets
+  an answer without a thought, whatever ``think`` says.
 - *Malformed answers* at rate ``malformed_rate``: no tags, empty answer,
   unknown action, unclosed tag or nested tags, so parsers meet every defect.
 - *Tokens*: a byte-level tokenizer (utf-8 bytes) of a plain rendering of the
@@ -184,8 +186,10 @@ class ScriptedEngine(Engine):
             names, max_actions = parse_action_space("\n".join(m.get("content", "") for m in request.messages))
         answer, logp = self._actions(rng, names, max_actions) if names else self._expression(rng, prompt)
         thought = _THOUGHTS[rng.randrange(len(_THOUGHTS))]
-        think = f"<think>{thought}</think>" if self.think else ""
-        if self.think:
+        # a prefix that opens the answer tag (RAGEN without thinking) leaves no room for a thought
+        thinks = self.think and not request.answer_prefix.startswith("<answer>")
+        think = f"<think>{thought}</think>" if thinks else ""
+        if thinks:
             logp -= math.log(len(_THOUGHTS))
         # Always drawn, so the well-formed answers do not shift with the rate.
         malformed = rng.random() < self.malformed_rate
