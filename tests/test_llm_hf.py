@@ -397,3 +397,43 @@ def test_top_p_log_probs_are_renormalized_over_the_kept_tokens(engine):
         # renormalized over a mass of at most 1: a kept token's log-prob can only rise
         assert all(lp >= f - 1e-5 for lp, f in zip(c.logprobs, full))
     assert any(a.logprobs != b.logprobs for a, b in zip(wide, narrow))
+
+
+@pytest.mark.parametrize("prefix", ["<think>", "<answer>"])
+def test_the_answer_prefix_ends_the_prompt_and_the_answer_is_what_follows(engine, prefix):
+    """RAGEN's prompt: the chat template's text with the prefix appended, tokenized as one text;
+    the completion holds only the tokens, text and log-probs the model writes after it."""
+    sampling = SamplingParams(temperature=1.0, max_tokens=10, seed=3)
+    reqs = [replace(r, answer_prefix=prefix) for r in requests(3)]
+    completions = engine.generate(reqs, sampling)
+    prefix_ids = engine.tokenizer(prefix, add_special_tokens=False)["input_ids"]
+    for r, c in zip(reqs, completions):
+        text = engine.tokenizer.apply_chat_template(r.messages, add_generation_prompt=True, tokenize=False)
+        ragen_ids = engine.tokenizer(text + prefix, add_special_tokens=False)["input_ids"]
+        assert c.prompt_token_ids == ragen_ids == engine.encode_prompt(r.messages, prefix)
+        assert c.prompt_token_ids[-len(prefix_ids):] == prefix_ids
+        assert c.prompt_token_ids[:-len(prefix_ids)] == engine.encode_prompt(r.messages)
+        body = [t for t in c.response_token_ids if t not in engine.stop_token_ids]
+        assert c.text == engine.tokenizer.decode(body, skip_special_tokens=True)
+        # the log-probs are the model's after prompt and prefix
+        assert c.logprobs == pytest.approx(_recomputed_logprobs(engine, c), abs=1e-4)
+    # the prefix changes what the model writes (the prompt differs), not how it is sampled
+    assert ids(completions) != ids(engine.generate(requests(3), sampling))
+
+
+def test_the_turn_cache_reuses_a_prefixed_turn(tiny_model_path):
+    """The next turn renders the earlier answer with its prefix put back (as the turn loop
+    does): its prompt starts with the earlier prompt (prefix included), which is reused."""
+    kept = make_engine({"name": "hf", "device": "cpu"}, tiny_model_path)
+    full = make_engine({"name": "hf", "device": "cpu", "prefix_cache": False}, tiny_model_path)
+    first_reqs = [replace(r, answer_prefix="<think>") for r in _conversations()]
+    first = kept.generate(first_reqs, GREEDY)
+    assert ids(first) == ids(full.generate(first_reqs, GREEDY))
+    answered = [replace(c, text="<think>" + c.text) for c in first]
+    second_reqs = [replace(r, answer_prefix="<think>") for r in _conversations(answered)]
+    reused = kept.tokens_reused
+    second = kept.generate(second_reqs, GREEDY)
+    assert ids(second) == ids(full.generate(second_reqs, GREEDY))
+    for a, b in zip(first, second):
+        assert b.prompt_token_ids[:len(a.prompt_token_ids)] == a.prompt_token_ids
+    assert kept.tokens_reused - reused >= sum(len(c.prompt_token_ids) for c in first)

@@ -12,6 +12,7 @@ import json
 import threading
 import time
 from concurrent.futures import CancelledError
+from dataclasses import replace
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
@@ -45,6 +46,12 @@ class FakeServer:
       when one is given. A body whose seed is in ``drop_seeds`` is always dropped
       mid-reply.
 
+    The prompt is the last user message. As ``vllm serve`` does, a body with
+    ``continue_final_message`` continues its last (assistant) message: the reply
+    is what the policy writes after that prefix (without a policy, the usual
+    answer). ``refuse_continue``: such a body gets an HTTP 400 naming the field,
+    as a server without the extension answers.
+
     ``attempts`` counts the requests per prompt.
 
     Log-probs (when the body asks for them): ``LOGPROBS``, except for prompts
@@ -53,8 +60,9 @@ class FakeServer:
     """
 
     def __init__(self, lifetime_s: float = 60.0, policy: ScriptedEngine | None = None,
-                 drop_seeds: frozenset[int] = frozenset()):
+                 drop_seeds: frozenset[int] = frozenset(), refuse_continue: bool = False):
         self.bodies: list[dict] = []
+        self.refuse_continue = refuse_continue
         self.failed: set[str] = set()
         self.attempts: dict[str, int] = {}
         self.policy = policy
@@ -87,7 +95,7 @@ class FakeServer:
 
             def do_POST(self):
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-                prompt = body["messages"][-1]["content"]
+                prompt = last_user(body)
                 with server.lock:
                     server.bodies.append({**body, "auth": self.headers.get("Authorization")})
                     server.attempts[prompt] = attempt = server.attempts.get(prompt, 0) + 1
@@ -111,7 +119,13 @@ class FakeServer:
                         pass  # the client gave up (timeout)
 
             def _answer(self, body):
-                prompt = body["messages"][-1]["content"]
+                prompt = last_user(body)
+                messages, prefix = body["messages"], ""
+                if body.get("continue_final_message"):
+                    if server.refuse_continue:
+                        return 400, {"object": "error", "message": "continue_final_message: Extra inputs are "
+                                                                   "not permitted", "type": "BadRequestError"}
+                    messages, prefix = messages[:-1], messages[-1]["content"]
                 if prompt.startswith("FAIL_ONCE:") and prompt not in server.failed:
                     server.failed.add(prompt)
                     return 500, {"error": "try again"}
@@ -126,8 +140,8 @@ class FakeServer:
                     time.sleep(0.1)
                 finish = "length" if body["max_tokens"] < 5 else "stop"
                 if server.policy is not None:
-                    text = server.policy.answer_text(GenerationRequest(body["messages"], seed=body["seed"]),
-                                                     SamplingParams())
+                    text = server.policy.answer_text(
+                        GenerationRequest(messages, seed=body["seed"], answer_prefix=prefix), SamplingParams())
                 else:
                     text = f"<answer>{prompt}|{body['seed']}</answer>"
                 choice = {"index": 0, "finish_reason": finish, "message": {"role": "assistant", "content": text}}
@@ -160,6 +174,10 @@ class FakeServer:
         self.httpd.shutdown()
         self.httpd.server_close()
         self.watchdog.cancel()
+
+
+def last_user(body):
+    return next(m["content"] for m in reversed(body["messages"]) if m["role"] == "user")
 
 
 @pytest.fixture
@@ -271,6 +289,47 @@ def test_hanging_and_bad_requests_become_error_completions(server, caplog):
     messages = " ".join(r.getMessage() for r in caplog.records)
     assert "env 1" in messages and "timed out" in messages.lower() and "HTTP 400" in messages
     engine.close()
+
+
+def test_the_answer_prefix_is_continued_by_the_server():
+    """The prefix goes as a last assistant message with continue_final_message (vLLM's and
+    SGLang's extension); the completion is the server's reply: what follows the prefix."""
+    server = FakeServer(policy=ScriptedEngine(seed=1))
+    engine = OpenAIEngine(server.base_url, model="m")
+    try:
+        messages = [{"role": "system", "content": "Your available actions are:\nUp, Down\nup to 2 actions"},
+                    {"role": "user", "content": "State 1"}]
+        reqs = [GenerationRequest(messages, env_id=i, seed=i, answer_prefix="<think>") for i in range(4)]
+        plain = engine.generate([replace(r, answer_prefix="") for r in reqs], SamplingParams())
+        prefixed = engine.generate(reqs, SamplingParams())
+        for r, a, b in zip(reqs, plain, prefixed):
+            assert a.text.startswith("<think>") and b.text == a.text[len("<think>"):]
+            body = next(x for x in server.bodies[4:] if x["seed"] == request_seed(0, r.key))
+            assert body["messages"] == messages + [{"role": "assistant", "content": "<think>"}]
+            assert body["continue_final_message"] is True and body["add_generation_prompt"] is False
+        assert not any("continue_final_message" in x or "add_generation_prompt" in x
+                       for x in server.bodies[:4])  # no prefix: a plain chat request
+    finally:
+        engine.close()
+        server.stop()
+
+
+def test_a_server_that_refuses_the_continue_fields_says_so(caplog):
+    server = FakeServer(refuse_continue=True)
+    engine = OpenAIEngine(server.base_url, model="m", max_retries=2, backoff_s=0.01)
+    try:
+        with caplog.at_level("WARNING", logger="ragen.llm.openai_engine"):
+            prefixed, plain = engine.generate([GenerationRequest([{"role": "user", "content": "q"}], env_id=3,
+                                                                 answer_prefix="<think>"), req("q")], SamplingParams())
+        assert prefixed.finish_reason == "error" and plain.finish_reason == "stop"
+        assert len(server.bodies) == 2  # refused: not retried
+        message = " ".join(r.getMessage() for r in caplog.records)
+        assert "env 3" in message and "HTTP 400" in message
+        assert "continue_final_message=true" in message and "add_generation_prompt=false" in message
+        assert "must support" in message
+    finally:
+        engine.close()
+        server.stop()
 
 
 def test_unreachable_server_gives_error_completions():

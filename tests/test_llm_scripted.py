@@ -10,6 +10,7 @@ import re
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -112,10 +113,55 @@ def test_actions_come_from_the_list_within_the_limit():
         assert max(counts) == max_actions
 
 
+# RAGEN's system message (ctx_manager: the env's instruction, then its action lookup)
+RAGEN_SYSTEM = ("You are solving the Sokoban puzzle.\nYour available actions are:\nLeft, Down, Right, Up\n"
+                "You can make up to 10 actions, separated by the action separator \" || \"\n")
+
+
 def test_parse_action_space():
     assert parse_action_space(grid_prompt(4)) == (ACTIONS, 4)
     assert parse_action_space("Available actions: Left, Right.") == (["Left", "Right"], 1)
     assert parse_action_space("Make 24 from 3 4 5.") == ([], 1)
+    # RAGEN's form: the names on the line after "Your available actions are:"
+    assert parse_action_space(RAGEN_SYSTEM) == (["Left", "Down", "Right", "Up"], 10)
+    assert parse_action_space("Available actions:\n  A, B  \n") == (["A", "B"], 1)
+
+
+def test_ragen_action_list_in_the_system_message_is_found():
+    req = GenerationRequest(messages=[{"role": "system", "content": RAGEN_SYSTEM},
+                                      {"role": "user", "content": "Turn 1:\nState:\n#####\n#P_X#\n#####"}])
+    answers = ScriptedEngine(think=False).generate([replace(req, seed=s) for s in range(40)], SamplingParams())
+    counts = set()
+    for c in answers:
+        match = re.fullmatch(r"<answer>(.+)</answer>", c.text)
+        actions = match.group(1).split(ACTION_SEPARATOR)
+        assert set(actions) <= {"Left", "Down", "Right", "Up"}, c.text
+        counts.add(len(actions))
+    assert max(counts) > 3 and counts <= set(range(1, 11))
+
+
+@pytest.mark.parametrize("prefix", ["<think>", "<answer>"])
+def test_the_answer_continues_after_its_prefix(prefix):
+    """The script writes its whole answer; a completion is what follows the request's prefix
+    (bytes, text, log-probs with the choices' on the first byte), and the prompt ends with it.
+    An answer that does not start with the prefix is the completion whole; after "<answer>"
+    (RAGEN without thinking) the script writes no thought, as with think=False."""
+    engine = ScriptedEngine(malformed_rate=0.3)
+    plain = (engine if prefix == "<think>" else ScriptedEngine(think=False, malformed_rate=0.3)).generate(
+        requests(60), SamplingParams())
+    prefixed = engine.generate(requests(60, answer_prefix=prefix), SamplingParams())
+    assert sum(a.text.startswith(prefix) for a in plain) > 30
+    for a, b in zip(plain, prefixed):
+        assert b.prompt_token_ids == a.prompt_token_ids + list(prefix.encode())
+        rest = a.text[len(prefix):] if a.text.startswith(prefix) else a.text
+        assert b.text == rest == engine.answer_text(requests(60, answer_prefix=prefix)[b.env_id], SamplingParams())
+        assert b.response_token_ids == list(rest.encode()) and b.finish_reason == "stop"
+        assert b.logprobs == [a.logprobs[0]] + [0.0] * (len(rest) - 1)
+    # the token limit counts the tokens after the prefix
+    capped = engine.generate(requests(60, answer_prefix=prefix, max_tokens=4), SamplingParams())
+    for b, c in zip(prefixed, capped):
+        assert c.response_token_ids == b.response_token_ids[:4]
+        assert c.finish_reason == ("length" if len(b.response_token_ids) > 4 else "stop")
 
 
 def test_actions_line_in_system_prompt_is_found():

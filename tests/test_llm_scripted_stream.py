@@ -49,6 +49,18 @@ def test_the_same_answers_as_the_scripted_engine():
 
 
 @pytest.mark.timeout(60)
+def test_the_answer_continues_after_its_prefix():
+    reqs = requests(12, answer_prefix="<think>")
+    engine = streaming()
+    try:
+        want = ScriptedEngine(malformed_rate=0.2).generate(reqs, SAMPLING)
+        assert any(not c.text.startswith("<think>") and "</think>" in c.text for c in want)
+        assert [c.to_dict() for c in engine.generate(reqs, SAMPLING)] == [c.to_dict() for c in want]
+    finally:
+        engine.close()
+
+
+@pytest.mark.timeout(60)
 def test_each_answer_returns_at_the_step_its_request_ends():
     reqs = requests(16)
     engine = streaming()

@@ -262,6 +262,32 @@ def test_generate_maps_requests_to_vllm(fake_vllm, tiny_model_path):
     assert [c.logprobs for c in completions] == [FAKE_LOGPROBS, FAKE_LOGPROBS, []]
 
 
+@pytest.mark.parametrize("streaming", [False, True])
+def test_the_answer_prefix_ends_the_prompt_sent_to_vllm(fake_async_vllm, tiny_model_path, streaming):
+    """RAGEN's prompt: the template's text and the prefix, tokenized as one text; vLLM's
+    answer (all of the completion) is what follows it."""
+    from ragen.llm.chat_tokens import encode_chat
+
+    engine = make_engine({"name": "vllm", "streaming": streaming}, tiny_model_path)
+    try:
+        reqs = [GenerationRequest([{"role": "user", "content": "a"}], env_id=1, answer_prefix="<think>"),
+                GenerationRequest([{"role": "user", "content": "b"}], env_id=2, answer_prefix="<answer>",
+                                  max_tokens=0)]
+        out = engine.generate(reqs, SamplingParams(max_tokens=4, seed=1))
+        for r, c in zip(reqs, out):
+            text = engine.tokenizer.apply_chat_template(r.messages, add_generation_prompt=True, tokenize=False)
+            ragen_ids = engine.tokenizer(text + r.answer_prefix, add_special_tokens=False)["input_ids"]
+            assert c.prompt_token_ids == ragen_ids == encode_chat(engine.tokenizer, r.messages, r.answer_prefix)
+            assert c.prompt_token_ids[:-1] == engine.encode_prompt(r.messages)  # the tag is one token here
+        sent = engine.llm.generate_calls[-1][0][0] if not streaming else None
+        if sent is not None:
+            assert sent["prompt_token_ids"] == out[0].prompt_token_ids
+        seed = request_seed(1, reqs[0].key)
+        assert out[0].text == f"s{seed}" and out[0].response_token_ids == [seed % 97, 5]
+    finally:
+        engine.close()
+
+
 def test_missing_logprobs_and_an_old_vllm(fake_vllm, tiny_model_path, monkeypatch, caplog):
     monkeypatch.setattr(FakeLLM, "with_logprobs", False)
     del fake_vllm.EngineArgs  # a vLLM without logprobs_mode: started without it, with a warning
@@ -712,6 +738,36 @@ def test_real_rollout_through_agent_proxy(real_engine):
     assert len(trajs) == 2
     assert all(len(t.turns) == 1 and t.turns[0].response.strip() for t in trajs), [t.turns for t in trajs]
     assert result.metrics["engine/calls"] == 1.0 and result.metrics["engine/requests"] == 2.0
+
+
+@real
+def test_real_answer_prefix_is_continued(real_engine, real_model_path):
+    """With RAGEN's "<think>" after the generation prompt, the prompt is RAGEN's tokenization
+    and the answer is the model's continuation after it: in float32 its log-probs are those
+    of transformers over prompt (prefix included) and answer."""
+    reqs = [GenerationRequest(r.messages, env_id=r.env_id, seed=r.seed, answer_prefix="<think>")
+            for r in _real_reqs(2)]
+    out = _cold(real_engine, reqs, GREEDY)
+    tokenizer = real_engine.tokenizer
+    for r, c in zip(reqs, out):
+        text = tokenizer.apply_chat_template(r.messages, add_generation_prompt=True, tokenize=False)
+        assert c.prompt_token_ids == tokenizer(text + "<think>", add_special_tokens=False)["input_ids"]
+        assert tokenizer.decode(c.prompt_token_ids).endswith("<think>")
+        assert c.response_token_ids and len(c.logprobs) == len(c.response_token_ids)
+        body = [t for t in c.response_token_ids if t not in real_engine.stop_token_ids]
+        assert c.text == tokenizer.decode(body, skip_special_tokens=True)
+    if ENGINE_CFG["dtype"] != "float32":
+        return
+    from transformers import AutoModelForCausalLM
+
+    from ragen.llm.transformers_compat import dtype_kwarg
+
+    model = AutoModelForCausalLM.from_pretrained(real_model_path, local_files_only=True,
+                                                 **dtype_kwarg(torch.float32))
+    model.eval()
+    for c in out:
+        got = torch.tensor(c.logprobs, dtype=torch.float64)
+        assert (got - _reference_logprobs(model, c, GREEDY)).abs().max().item() < 1e-3
 
 
 @real

@@ -68,6 +68,7 @@ def test_batches_respect_max_batch_size():
 def test_answers_equal_direct_engine_calls():
     engine = ScriptedEngine(malformed_rate=0.3)
     reqs = _requests(10)
+    reqs[3:6] = [dataclasses.replace(r, answer_prefix="<think>") for r in reqs[3:6]]  # it travels with them
     with SharedLLMInferenceManager(engine) as shared:
         got = ask(shared.client(), reqs, SamplingParams())
     want = engine.generate(reqs, SamplingParams())

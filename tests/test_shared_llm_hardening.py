@@ -320,6 +320,7 @@ def test_the_client_refuses_an_oversized_frame():
 
 @pytest.mark.parametrize("field, value", [
     ("seed", "x"), ("env_id", 1.5), ("turn", None), ("max_tokens", -3), ("max_tokens", True),
+    ("answer_prefix", None),
 ])
 def test_a_malformed_request_fails_alone_not_the_batch_it_joins(field, value):
     """A worker's request with a field of the wrong type, coalesced with

@@ -1,5 +1,6 @@
 """The token side of a chat template, shared by the engines that tokenize
-(transformers and vLLM): a request's prompt ids, and the ids that end an answer."""
+(transformers and vLLM): a request's prompt ids (its answer prefix included), and
+the ids that end an answer."""
 
 from __future__ import annotations
 
@@ -9,9 +10,12 @@ from typing import Any, Mapping, Sequence
 CHAT_END_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>")
 
 
-def encode_chat(tokenizer: Any, messages: Sequence[Mapping[str, str]]) -> list[int]:
-    """The prompt ids of ``messages``, rendered by the tokenizer's chat template."""
+def encode_chat(tokenizer: Any, messages: Sequence[Mapping[str, str]], answer_prefix: str = "") -> list[int]:
+    """The prompt ids of ``messages``, rendered by the tokenizer's chat template, with
+    ``answer_prefix`` after its generation prompt: template text and prefix tokenized as
+    one text, as RAGEN builds its prompts (the model writes what follows the prefix)."""
     text = tokenizer.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=True)
+    text += answer_prefix
     # The template already holds its special tokens; do not add a BOS again.
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 

@@ -1,7 +1,8 @@
 """A transformers engine with a batch-independent sampler.
 
 ``HFEngine`` renders each request with the tokenizer's chat template
-(``add_generation_prompt=True``), left-pads a chunk of prompts and runs its own
+(``add_generation_prompt=True``) and its ``answer_prefix`` (the completion is
+what follows the prefix), left-pads a chunk of prompts and runs its own
 decode loop (a forward pass with the KV cache per token; position ids from the
 attention mask's cumulative sum, so left padding does not shift positions).
 
@@ -212,8 +213,9 @@ class HFEngine(Engine):
 
     # -- generation -------------------------------------------------------
 
-    def encode_prompt(self, messages: Sequence[Mapping[str, str]]) -> list[int]:
-        return encode_chat(self.tokenizer, messages)
+    def encode_prompt(self, messages: Sequence[Mapping[str, str]], answer_prefix: str = "") -> list[int]:
+        """The prompt ids of ``messages``, ending with ``answer_prefix`` (see ``encode_chat``)."""
+        return encode_chat(self.tokenizer, messages, answer_prefix)
 
     def generate(self, requests: Sequence[GenerationRequest], sampling: SamplingParams) -> list[Completion]:
         if not requests:
@@ -223,7 +225,7 @@ class HFEngine(Engine):
 
     def _generate(self, requests: Sequence[GenerationRequest], sampling: SamplingParams) -> list[Completion]:
         began = time.perf_counter()
-        prompts = [self.encode_prompt(r.messages) for r in requests]
+        prompts = [self.encode_prompt(r.messages, r.answer_prefix) for r in requests]
         limits = [max(0, r.token_limit(sampling)) for r in requests]
         seeds = [request_seed(sampling.seed, r.key) for r in requests]
         episodes = [(r.seed, r.env_id) for r in requests]

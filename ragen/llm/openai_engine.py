@@ -27,6 +27,14 @@ completion is handed back as soon as its reply is in.
   waiting for the server: no retry starts after it, and a pool thread still in
   an HTTP call ends with its socket timeout. ``submit`` after ``close()``
   raises ``RuntimeError``.
+- *Answer prefix*: a request's ``answer_prefix`` goes as a last message
+  ``{"role": "assistant", "content": prefix}`` with ``"continue_final_message":
+  true, "add_generation_prompt": false`` (the chat-completions extension of
+  ``vllm serve`` and SGLang): the server renders the generation prompt and the
+  prefix, and replies with what the model writes after it. A server that
+  refuses those fields (an HTTP 4xx) gives error completions whose warning
+  names them; a server that ignores them answers a new turn instead, so use a
+  server that supports them.
 - *Token ids*: the chat API does not return them, so they are empty lists,
   unless the server sends them (vLLM does when ``return_token_ids`` is set).
 - *Log-probs*: the body asks for ``"logprobs": true`` (``logprobs``, on by
@@ -69,6 +77,14 @@ logger = logging.getLogger(__name__)
 
 class _RetryableError(Exception):
     pass
+
+
+class _RefusedError(RuntimeError):
+    """An HTTP 4xx other than 429: the server refuses the request itself (no retry)."""
+
+
+# The body fields that continue a request's answer prefix (vLLM's and SGLang's extension).
+_CONTINUE_FIELDS = {"continue_final_message": True, "add_generation_prompt": False}
 
 
 class OpenAIEngine(StreamingEngine):
@@ -184,9 +200,12 @@ class OpenAIEngine(StreamingEngine):
         if limit <= 0:
             return Completion.answering(request, "", [], [], "length", version,
                                         [] if self.returns_logprobs else None)
+        messages = [dict(m) for m in request.messages]
+        if request.answer_prefix:
+            messages.append({"role": "assistant", "content": request.answer_prefix})
         body: dict[str, Any] = {
             "model": model,
-            "messages": [dict(m) for m in request.messages],
+            "messages": messages,
             "temperature": max(0.0, float(sampling.temperature)),
             "top_p": float(sampling.top_p),
             "max_tokens": int(limit),
@@ -201,11 +220,18 @@ class OpenAIEngine(StreamingEngine):
             body["return_token_ids"] = True
         if self.returns_logprobs:
             body["logprobs"] = True
+        if request.answer_prefix:
+            body.update(_CONTINUE_FIELDS)
         try:
             reply = self._post_with_retries("/chat/completions", body)
             choice = reply["choices"][0]
             text = (choice.get("message") or {}).get("content") or ""
         except Exception as exc:
+            if request.answer_prefix and isinstance(exc, _RefusedError):
+                exc = (f"{exc} -- the request carries an answer prefix, sent with "
+                       f"{', '.join(f'{k}={json.dumps(v)}' for k, v in _CONTINUE_FIELDS.items())} and the "
+                       f"prefix as a last assistant message: the server must support these chat-completions "
+                       f"fields (vllm serve and SGLang do)")
             self._warn_failed(request, exc)
             return self._error(request, version)
         response_ids = [int(t) for t in choice.get("token_ids") or []]
@@ -299,7 +325,7 @@ class OpenAIEngine(StreamingEngine):
             message = f"HTTP {exc.code} from {self.base_url}{route}: {detail}"
             if exc.code == 429 or exc.code >= 500:
                 raise _RetryableError(message) from exc
-            raise RuntimeError(message) from exc
+            raise _RefusedError(message) from exc
         except (urllib.error.URLError, http.client.HTTPException, socket.timeout, TimeoutError, ConnectionError) as exc:
             reason = getattr(exc, "reason", exc)
             raise _RetryableError(f"{type(exc).__name__} from {self.base_url}{route}: {reason}") from exc

@@ -8,10 +8,16 @@ without torch:
   answer is malformed) come from a generator seeded by ``request_seed`` of
   (engine seed, sampling seed, request key): the same request gets the same
   answer in any batch, order or process. Nothing global is random.
-- *Actions*: a prompt line ``Available actions: Up, Down, Left, Right`` gives
-  the names; ``up to N actions`` the most per turn, joined by ``" || "``.
-  Without such a line (language tasks such as Countdown), the answer is a short
-  expression over integers from the last user message, e.g. ``3 + 5 * 2``.
+- *Actions*: the names follow ``Available actions:`` on its line, or on the
+  next line after RAGEN's ``Your available actions are:``; ``up to N actions``
+  gives the most per turn, joined by ``" || "``. Without such a line (language
+  tasks such as Countdown), the answer is a short expression over integers
+  from the last user message, e.g. ``3 + 5 * 2``.
+- *Answer prefix*: the answer is written whole; when it starts with the
+  request's ``answer_prefix`` (RAGEN's ``<think>``), the completion is the rest
+  (its text, bytes and log-probs), and the prompt ids end with the prefix. A
+  prefix that opens the answer tag (``<answer>``, RAGEN without thinking) gets
+  an answer without a thought, whatever ``think`` says.
 - *Malformed answers* at rate ``malformed_rate``: no tags, empty answer,
   unknown action, unclosed tag or nested tags, so parsers meet every defect.
 - *Tokens*: a byte-level tokenizer (utf-8 bytes) of a plain rendering of the
@@ -53,7 +59,10 @@ logger = logging.getLogger(__name__)
 ACTION_SEPARATOR = " || "
 MALFORMED_KINDS = ("no_tags", "empty_answer", "unknown_action", "unclosed_tag", "nested_tags")
 
-_ACTIONS_LINE = re.compile(r"^[^\S\n]*Available actions\s*:[^\S\n]*(.+?)\s*$", re.IGNORECASE | re.MULTILINE)
+# "Available actions: A, B" on one line, or RAGEN's "Your available actions are:" and the
+# names on the next line
+_ACTIONS_LINE = re.compile(r"^[^\S\n]*(?:your[^\S\n]+)?available actions(?:[^\S\n]+are)?[^\S\n]*:"
+                           r"[^\S\n]*(?:\n[^\S\n]*)?(\S[^\n]*?)[^\S\n]*$", re.IGNORECASE | re.MULTILINE)
 _MAX_ACTIONS = re.compile(r"up to (\d+) actions?", re.IGNORECASE)
 _INTEGER = re.compile(r"\d+")
 _THOUGHTS = (
@@ -155,8 +164,16 @@ class ScriptedEngine(Engine):
         return completions
 
     def answer_text(self, request: GenerationRequest, sampling: SamplingParams) -> str:
-        """The full (untruncated) answer for a request; a pure function of its inputs."""
-        return self._answer(request, sampling)[0]
+        """The answer's text after the request's prefix, untruncated (a completion's text
+        without a token limit); a pure function of its inputs."""
+        return self._after_prefix(request, self._answer(request, sampling)[0])
+
+    @staticmethod
+    def _after_prefix(request: GenerationRequest, answer: str) -> str:
+        """What follows the request's ``answer_prefix`` in ``answer``: the rest when the
+        answer starts with it, else all of it (the script wrote no prefix)."""
+        prefix = request.answer_prefix
+        return answer[len(prefix):] if prefix and answer.startswith(prefix) else answer
 
     def _answer(self, request: GenerationRequest, sampling: SamplingParams) -> tuple[str, float]:
         """The full answer and the log-probability of the script's choices that made it."""
@@ -169,8 +186,10 @@ class ScriptedEngine(Engine):
             names, max_actions = parse_action_space("\n".join(m.get("content", "") for m in request.messages))
         answer, logp = self._actions(rng, names, max_actions) if names else self._expression(rng, prompt)
         thought = _THOUGHTS[rng.randrange(len(_THOUGHTS))]
-        think = f"<think>{thought}</think>" if self.think else ""
-        if self.think:
+        # a prefix that opens the answer tag (RAGEN without thinking) leaves no room for a thought
+        thinks = self.think and not request.answer_prefix.startswith("<answer>")
+        think = f"<think>{thought}</think>" if thinks else ""
+        if thinks:
             logp -= math.log(len(_THOUGHTS))
         # Always drawn, so the well-formed answers do not shift with the rate.
         malformed = rng.random() < self.malformed_rate
@@ -189,7 +208,8 @@ class ScriptedEngine(Engine):
         return f"{think}<answer><answer>{answer}</answer></answer>", logp
 
     def _complete(self, request: GenerationRequest, sampling: SamplingParams) -> Completion:
-        text, logp = self._answer(request, sampling)
+        answer, logp = self._answer(request, sampling)
+        text = self._after_prefix(request, answer)
         response_ids = list(text.encode("utf-8"))
         limit = request.token_limit(sampling)
         finish_reason = "stop"
@@ -197,7 +217,8 @@ class ScriptedEngine(Engine):
             response_ids = response_ids[: max(0, limit)]
             text = bytes(response_ids).decode("utf-8", errors="ignore")
             finish_reason = "length"
-        prompt_ids = list(render_messages(request.messages).encode("utf-8")) if self.return_prompt_ids else []
+        prompt = render_messages(request.messages) + request.answer_prefix
+        prompt_ids = list(prompt.encode("utf-8")) if self.return_prompt_ids else []
         # the choices' log-probability on the first token (every later byte follows from
         # them with probability 1): the tokens' log-probs sum to the answer's
         logprobs = [logp] + [0.0] * (len(response_ids) - 1) if response_ids else []

@@ -16,7 +16,8 @@ only) makes every answer run to its token limit (``ignore_eos`` and
 ``GenerationRequest.max_tokens``.
 
 ``VLLMEngine`` renders each request with the model's chat template (vLLM's
-tokenizer), passes token prompts, and gives every request its own
+tokenizer) and its ``answer_prefix`` after the generation prompt (the
+completion is what follows the prefix), passes token prompts, and gives every request its own
 ``vllm.SamplingParams`` (``n=1``, ``seed=request_seed(sampling.seed, key)``, its
 own ``max_tokens``, the chat end token as a stop token), so a request's sample
 does not depend on the batch. It returns vLLM's token ids and finish reasons.
@@ -273,11 +274,12 @@ class VLLMEngine(Engine):
         streaming = cfg.pop("streaming", True)
         return (VLLMStreamingEngine if streaming else VLLMEngine)(model_path, **cfg)
 
-    def encode_prompt(self, messages: Sequence[Mapping[str, str]]) -> list[int]:
-        return encode_chat(self.tokenizer, messages)
+    def encode_prompt(self, messages: Sequence[Mapping[str, str]], answer_prefix: str = "") -> list[int]:
+        """The prompt ids of ``messages``, ending with ``answer_prefix`` (see ``encode_chat``)."""
+        return encode_chat(self.tokenizer, messages, answer_prefix)
 
     def generate(self, requests: Sequence[GenerationRequest], sampling: SamplingParams) -> list[Completion]:
-        prompts = [self.encode_prompt(r.messages) for r in requests]
+        prompts = [self.encode_prompt(r.messages, r.answer_prefix) for r in requests]
         limits = [r.token_limit(sampling) for r in requests]
         live = [i for i, limit in enumerate(limits) if limit > 0]  # vLLM rejects max_tokens=0
         outputs: dict[int, Any] = {}
@@ -456,7 +458,8 @@ class VLLMStreamingEngine(VLLMEngine, StreamingEngine):
         """On the loop (where vLLM detokenizes too: one thread uses the tokenizer): one task a request."""
         for future, request, sampling in entries:
             try:
-                prompt, limit = self.encode_prompt(request.messages), request.token_limit(sampling)
+                prompt = self.encode_prompt(request.messages, request.answer_prefix)
+                limit = request.token_limit(sampling)
                 if limit <= 0:  # vLLM rejects max_tokens=0
                     self._settle(future, self._completion(request, prompt, None))
                     continue

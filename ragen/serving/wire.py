@@ -304,6 +304,7 @@ _REQUEST_FIELDS = {
     # 0 is an answer of no tokens (every engine handles it): a turn with no room left
     "max_tokens": (lambda v: v is None or (_is_int(v) and v >= 0), "null or an integer >= 0"),
     "last_turn": (lambda v: isinstance(v, bool), "true or false"),
+    "answer_prefix": (lambda v: isinstance(v, str), "a string"),
 }
 _SAMPLING_FIELDS = {
     "temperature": (lambda v: _is_number(v) and v >= 0, "a number >= 0"),
