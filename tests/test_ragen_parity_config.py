@@ -9,7 +9,6 @@ them: Hydra composes ``config/base.yaml`` (which takes ``envs.yaml``), resolved.
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 from hydra import compose, initialize_config_dir
@@ -22,12 +21,15 @@ from tests.rollout_helpers import ROOT
 FIXTURE = json.loads((ROOT / "tests" / "fixtures" / "ragen" / "envs_yaml.json").read_text())
 
 
+def _composed(*overrides: str) -> dict:
+    with initialize_config_dir(config_dir=str(ROOT / "config"), version_base=None):
+        return OmegaConf.to_container(compose("base", overrides=list(overrides)), resolve=True)
+
+
 @pytest.fixture(scope="module")
 def our_envs() -> dict:
-    with initialize_config_dir(config_dir=str(ROOT / "config"), version_base=None):
-        cfg = compose("base")
     # through JSON as the fixture went: integer keys (grid_lookup's) become strings on both sides
-    return json.loads(json.dumps(OmegaConf.to_container(cfg, resolve=True)["custom_envs"]))
+    return json.loads(json.dumps(_composed()["custom_envs"]))
 
 
 def test_the_fixture_holds_ragens_tags_of_our_env_types():
@@ -60,3 +62,21 @@ def test_every_ragen_tag_makes_env_specs(our_envs):
     for tag in tags:
         assert by_tag[tag].env_instruction == FIXTURE["entries"][tag]["env_instruction"], tag
         assert by_tag[tag].max_tokens == FIXTURE["entries"][tag]["max_tokens"], tag
+
+
+def test_the_default_job_keeps_its_hinted_bandit():
+    """`python train.py` trains on BanditHinted (a worked example, 10-token answers), not RAGEN's Bandit."""
+    cfg = _composed()
+    assert cfg["es_manager"]["train"]["env_configs"]["tags"] == ["BanditHinted"]
+    assert cfg["es_manager"]["val"]["env_configs"]["tags"] == ["BanditHinted", "BanditHintedTest"]
+    for tag, split in (("BanditHinted", "train"), ("BanditHintedTest", "test")):
+        entry = cfg["custom_envs"][tag]
+        assert entry["max_tokens"] == 10 and entry["format_example"]["answer"] == "<answer> wolf </answer>"
+        assert entry["env_config"] == {"split": split}
+
+
+@pytest.mark.parametrize("preset", ["env_bound", "mixed"])
+def test_benchmark_presets_keep_larger_sokoban_at_depth_300(preset):
+    """RAGEN's LargerSokoban has search_depth 10; the presets' figures in BENCHMARKS.md are at 300."""
+    cfg = _composed(f"benchmark={preset}")
+    assert cfg["custom_envs"]["LargerSokoban"]["env_config"]["search_depth"] == 300
