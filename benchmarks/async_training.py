@@ -41,8 +41,8 @@ def setup(custom_envs: dict, mode: dict) -> AgentSetup:
         "agent_proxy": {"max_turn": 5, "use_parallel_rollout": True, "parallel_n_jobs": 2, "pipeline_depth": 1, **mode},
         "es_manager": {
             "train": {"env_groups": 8, "group_size": 4,
-                      "env_configs": {"tags": ["Bandit", "SimpleSokoban"], "n_groups": [4, 4]}},
-            "val": {"env_groups": 1, "group_size": 1, "env_configs": {"tags": ["Bandit"], "n_groups": [1]}},
+                      "env_configs": {"tags": ["BanditHinted", "SimpleSokoban"], "n_groups": [4, 4]}},
+            "val": {"env_groups": 1, "group_size": 1, "env_configs": {"tags": ["BanditHinted"], "n_groups": [1]}},
         },
     })
 

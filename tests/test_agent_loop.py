@@ -108,8 +108,9 @@ def test_action_budget_and_max_turns():
     ("agent_proxy.parallel_backend=spark", "agent_proxy.parallel_backend"),
     ("agent_proxy.max_turn=0", "agent_proxy.max_turn"),
     ("agent_proxy.reward_normalization.method=median", "agent_proxy.reward_normalization.method"),
-    ("+custom_envs.Bandit.env_config.lo_arm_score=oops", "custom_envs.Bandit"),
-    ("+custom_envs.Bandit.env_config.hi_arm_hiscore_prob=2", "custom_envs.Bandit.env_config.hi_arm_hiscore_prob"),
+    ("+custom_envs.BanditHinted.env_config.lo_arm_score=oops", "custom_envs.BanditHinted"),
+    ("+custom_envs.BanditHinted.env_config.hi_arm_hiscore_prob=2",
+     "custom_envs.BanditHinted.env_config.hi_arm_hiscore_prob"),
 ])
 def test_config_errors_name_the_key(override, key):
     with pytest.raises(ValueError, match=key.replace(".", r"\.")):

@@ -176,14 +176,14 @@ def test_every_tag_in_envs_yaml_builds():
     omegaconf = pytest.importorskip("omegaconf")
     spec = omegaconf.OmegaConf.load(REPO_ROOT / "config" / "envs.yaml")
     tags = set(spec.custom_envs)
-    assert {"SimpleSokoban", "LargerSokoban", "SokobanDifferentGridVocab", "FrozenLake", "Bandit",
-            "BanditTest", "Countdown"} <= tags
+    assert {"SimpleSokoban", "LargerSokoban", "SokobanDifferentGridVocab", "CoordSokoban", "FrozenLake",
+            "CoordFrozenLake", "Bandit", "BanditTest", "BanditHinted", "BanditHintedTest", "Countdown"} <= tags
     for tag, entry in spec.custom_envs.items():
         assert {"env_type", "max_actions_per_traj", "env_instruction", "max_tokens", "env_config"} <= set(entry)
         env = make_env(entry.env_type, entry.env_config, entry.get("config_type"), tag=tag)
         assert isinstance(env.reset(seed=0), str)
     larger = make_env_config("sokoban", spec.custom_envs.LargerSokoban.env_config)
-    assert (larger.dim_room, larger.num_boxes, larger.search_depth) == ((8, 8), 2, 300)
+    assert (larger.dim_room, larger.num_boxes, larger.search_depth) == ((8, 8), 2, 10)  # RAGEN's entry
 
 
 def test_plain_value_errors_from_user_configs_get_the_tag(importable_tests):

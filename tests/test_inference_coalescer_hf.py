@@ -16,7 +16,7 @@ from tests.rollout_helpers import custom_envs, loop_config, specs_for
 
 @pytest.mark.timeout(300)
 def test_hf_rollouts_after_a_validation_are_one_engine_call_per_turn(tiny_model_path):
-    """The default job's shape: single-turn Bandit, a validation of 128 envs,
+    """The default job's shape: single-turn BanditHinted, a validation of 128 envs,
     training rollouts of 4 groups x 8 on 2 workers of 2 micro-batches each.
     Every rollout is one engine call (a cost model fitted through the calls of
     128 and 32 said a call costs nothing fixed, and split the training rollouts
@@ -25,8 +25,8 @@ def test_hf_rollouts_after_a_validation_are_one_engine_call_per_turn(tiny_model_
 
     engine = HFEngine(tiny_model_path, device="cpu")
     envs = custom_envs()
-    val = specs_for(["Bandit"], [128], 1, envs, seed=123)
-    train = specs_for(["Bandit"], [4], 8, envs, seed=10000)
+    val = specs_for(["BanditHinted"], [128], 1, envs, seed=123)
+    train = specs_for(["BanditHinted"], [4], 8, envs, seed=10000)
     config = loop_config(max_turn=1)
     config = replace(config, sampling=replace(config.sampling, max_tokens=10))
     calls = []

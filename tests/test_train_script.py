@@ -30,12 +30,12 @@ def _small(model_path: str, run_dir) -> list[str]:
         "es_manager.train.group_size=4",
         "es_manager.train.env_configs.n_groups=[2]",
         "es_manager.val.env_groups=2",
-        "es_manager.val.env_configs.tags=[BanditTest]",
+        "es_manager.val.env_configs.tags=[BanditHintedTest]",
         "es_manager.val.env_configs.n_groups=[2]",
         "agent_proxy.max_turn=1",
         "agent_proxy.enable_think=false",
-        "custom_envs.Bandit.max_tokens=8",
-        "custom_envs.BanditTest.max_tokens=8",
+        "custom_envs.BanditHinted.max_tokens=8",
+        "custom_envs.BanditHintedTest.max_tokens=8",
         "actor_rollout_ref.actor.ppo_mini_batch_size=8",
         "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4",
         "algorithm.adv_estimator=reinforce",
@@ -78,10 +78,11 @@ RAISES_ON_IMPORT = "raise RuntimeError('broken at import')\n"
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("args,needle", [
-    (["custom_envs.Bandit.env_type=h29_no_such_pkg.mod:Env"],
-     "error: custom_envs.Bandit.env_type: cannot import 'h29_no_such_pkg.mod:Env': ModuleNotFoundError"),
-    (["custom_envs.Bandit.env_type=h29_raises_on_import:Env"],
-     "error: custom_envs.Bandit.env_type: cannot import 'h29_raises_on_import:Env': RuntimeError: broken at import"),
+    (["custom_envs.BanditHinted.env_type=h29_no_such_pkg.mod:Env"],
+     "error: custom_envs.BanditHinted.env_type: cannot import 'h29_no_such_pkg.mod:Env': ModuleNotFoundError"),
+    (["custom_envs.BanditHinted.env_type=h29_raises_on_import:Env"],
+     "error: custom_envs.BanditHinted.env_type: cannot import 'h29_raises_on_import:Env': RuntimeError: "
+     "broken at import"),
     (["seed.train=x"], "error: seed.train must be an integer, got 'x'"),
     (["agent_proxy.env_timeout_s=0"], "error: agent_proxy.env_timeout_s must be > 0 seconds, got 0; for no limit "
                                       "write null"),

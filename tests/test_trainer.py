@@ -50,13 +50,13 @@ def small_overrides(model_path: str, run_dir, *extra: str) -> list[str]:
         "es_manager.train.group_size=4",
         "es_manager.train.env_configs.n_groups=[2]",
         "es_manager.val.env_groups=2",
-        "es_manager.val.env_configs.tags=[BanditTest]",
+        "es_manager.val.env_configs.tags=[BanditHintedTest]",
         "es_manager.val.env_configs.n_groups=[2]",
         "agent_proxy.max_turn=2",
         "agent_proxy.enable_think=false",
         "ctx_manager.generation.response_length=12",
-        "custom_envs.Bandit.max_tokens=12",
-        "custom_envs.BanditTest.max_tokens=12",
+        "custom_envs.BanditHinted.max_tokens=12",
+        "custom_envs.BanditHintedTest.max_tokens=12",
         "actor_rollout_ref.actor.ppo_mini_batch_size=4",
         "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2",
         "actor_rollout_ref.actor.optim.lr=1e-3",
@@ -502,9 +502,9 @@ def test_metrics_log_has_the_stable_names(tiny_model_path, tmp_path):
         trainer.fit()
     rows = read_metrics(run / "metrics.jsonl")
     assert [r["step"] for r in rows] == [0, 1]
-    assert {"val/success", "val/reward", "val/BanditTest/success", "policy_version"} <= set(rows[0])
-    names = {"step", "policy_version", "train/reward", "train/success", "train/Bandit/success", "val/success",
-             "val/reward", "val/BanditTest/success", "actor/pg_loss", "actor/entropy", "actor/grad_norm",
+    assert {"val/success", "val/reward", "val/BanditHintedTest/success", "policy_version"} <= set(rows[0])
+    names = {"step", "policy_version", "train/reward", "train/success", "train/BanditHinted/success", "val/success",
+             "val/reward", "val/BanditHintedTest/success", "actor/pg_loss", "actor/entropy", "actor/grad_norm",
              "actor/clip_frac", "timing/rollout_s", "timing/update_s", "timing/step_s", "response_length/mean",
              "off_policy/mismatch_kl", "off_policy/is_weight_mean", "off_policy/is_weight_max",
              "off_policy/over_cap_frac", "off_policy/version_lag_mean", "off_policy/version_lag_max"}
