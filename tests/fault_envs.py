@@ -14,7 +14,7 @@ from __future__ import annotations
 import os
 import signal
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -34,6 +34,8 @@ class FaultEnvConfig(BaseEnvConfig):
     max_start: int = 6
     step_cost_s: float = 0.0
     hook: Any = None  # anything, unused: a lock here makes a config that does not pickle
+    # the action names the prompt lists (RAGEN reads them from the config class's defaults)
+    action_lookup: dict = field(default_factory=lambda: dict(FaultEnv.ACTION_LOOKUP))
 
     def __post_init__(self) -> None:
         if self.fault not in FAULTS:

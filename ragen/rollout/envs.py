@@ -17,6 +17,7 @@ sent to workers); the turn loop in ``ragen.rollout.loop`` steps them;
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections import Counter, defaultdict
 from typing import Any, Mapping, Sequence
@@ -24,6 +25,8 @@ from typing import Any, Mapping, Sequence
 from ragen.config_reader import read, to_plain
 from ragen.rollout.config import EnvSplitConfig, EnvTagConfig
 from ragen.rollout.types import EnvSpec, StopReason, Trajectory
+
+logger = logging.getLogger(__name__)
 
 
 class EnvSpecMaker:
@@ -149,15 +152,18 @@ def _prompt_parts(env_type: str, config_type: str | None, tag: str,
     symbols (``observation_format: grid``) or the coordinate hint (``coord``),
     and the action names. As in RAGEN, these come from the DEFAULTS of the
     env's config class, not from the tag's ``env_config`` (which is read only
-    for a config class that has no defaults for its required fields)."""
-    from ragen.env import make_env_config
+    for a config class that has no defaults for its required fields). An env
+    without a config class (RAGEN needs one) lists its class's ``ACTION_LOOKUP``."""
+    from ragen.env import make_env_config, resolve_env_type
 
+    env_cls, config_cls = resolve_env_type(env_type, config_type, tag)
+    if config_cls is None:
+        lookup = getattr(env_cls, "ACTION_LOOKUP", None)
+        return "", (tuple(str(v) for v in lookup.values()) if isinstance(lookup, Mapping) and lookup else None)
     try:
         defaults = make_env_config(env_type, None, config_type=config_type, tag=tag)
     except ValueError:
         defaults = make_env_config(env_type, env_config, config_type=config_type, tag=tag)
-    if defaults is None:
-        return "", None
     get = defaults.get if isinstance(defaults, Mapping) else (lambda key: getattr(defaults, key, None))
     fmt = get("observation_format") or "grid"
     vocab, lookup = get("grid_vocab"), get("action_lookup")
@@ -166,6 +172,10 @@ def _prompt_parts(env_type: str, config_type: str | None, tag: str,
         legend = "\nThe meaning of each symbol in the state is:\n" + ", ".join(f"{k}: {v}" for k, v in vocab.items())
     if fmt == "coord":
         legend = COORD_HINT
+    if not lookup and isinstance(getattr(env_cls, "ACTION_LOOKUP", None), Mapping):
+        logger.warning("custom_envs.%s: the prompt does not list the actions of %s.ACTION_LOOKUP, as in RAGEN: "
+                       "its config class %s has no action_lookup default (add one to list them)",
+                       tag, env_cls.__name__, config_cls.__name__)
     return legend, (tuple(str(v) for v in lookup.values()) if lookup else None)
 
 
