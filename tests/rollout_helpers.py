@@ -65,7 +65,7 @@ def agent_setup(val: dict = VAL_SPLIT, **agent_proxy):
 
 
 def loop_config(max_turn: int = 4, **kw) -> LoopConfig:
-    return LoopConfig(context=ContextConfig(max_actions_per_turn=3), sampling=SamplingParams(max_tokens=64),
+    return LoopConfig(context=ContextConfig(max_actions_per_turn=3), sampling=SamplingParams(max_tokens=128),
                       max_turn=max_turn, **kw)
 
 

@@ -80,6 +80,25 @@ def test_a_large_dump_is_gzipped_and_reads_back(played, tmp_path, monkeypatch):
     assert not list(tmp_path.glob(".*tmp"))  # written atomically: no temporary left
 
 
+def test_a_version_1_dump_reads_back_in_todays_terms(played, tmp_path):
+    """Version 1 wrote whole answers (their own <think>), examples with action names, and no
+    state_legend or action_names in a spec: it reads back as the same rollout."""
+    result, config, _ = played
+    rows = [json.loads(line) for line in _lines(played, tmp_path)]
+    for row in rows:
+        row["version"] = 1
+        for key in ("state_legend", "action_names"):
+            row["spec"].pop(key)
+        row["spec"]["format_example"] = ["state", "<answer>Up</answer>", ["Up"]]
+        for turn in row["turns"]:
+            turn["response"] = "<think>" + turn["response"]
+    old = tmp_path / "v1.jsonl"
+    old.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    records = read_dump(old)
+    assert [r.trajectory for r in records] == result.trajectories
+    assert all(r.spec.format_example == ("state", "<answer>Up</answer>") for r in records)
+
+
 def _lines(played, tmp_path) -> list[str]:
     result, config, _ = played
     return write_dump(tmp_path, "d", result, config, split="train", step=1).read_text().splitlines(keepends=True)

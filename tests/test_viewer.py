@@ -175,10 +175,11 @@ def test_think_and_answer_are_shown_apart_and_malformed_answers_raw(records, pag
     seen_raw = seen_split = False
     for r in records:
         for turn in r.trajectory.turns:
-            parts = split_response(turn.response)
+            text = "<think>" + turn.response  # the prompt's answer prefix, then what the model wrote
+            parts = split_response(text)
             if parts is None:
                 seen_raw = True
-                assert f"<pre>{html.escape(turn.response)}</pre>" in page
+                assert f"<pre>{html.escape(text)}</pre>" in page
             else:
                 seen_split = True
                 assert f'<pre class="think">{html.escape(parts[0])}</pre>' in page

@@ -104,7 +104,7 @@ class ScriptedEngine(Engine):
     name = "scripted"
     returns_logprobs = True
     config_keys = ("seed", "malformed_rate", "base_s", "per_token_s", "think", "return_prompt_ids",
-                   "continuous_batching")
+                   "max_actions", "continuous_batching")
 
     def __init__(
         self,
@@ -115,21 +115,29 @@ class ScriptedEngine(Engine):
         per_token_s: float = 0.0,
         think: bool = True,
         return_prompt_ids: bool = True,
+        max_actions: int = 5,
     ) -> None:
         super().__init__()
-        self.check_options({"malformed_rate": malformed_rate, "base_s": base_s, "per_token_s": per_token_s})
+        self.check_options({"malformed_rate": malformed_rate, "base_s": base_s, "per_token_s": per_token_s,
+                            "max_actions": max_actions})
         self.seed = int(seed)
         self.malformed_rate = float(malformed_rate)
         self.base_s = float(base_s)
         self.per_token_s = float(per_token_s)
         self.think = bool(think)
         self.return_prompt_ids = bool(return_prompt_ids)
+        # RAGEN's prompt states only the episode's action budget ("up to N actions"), not a
+        # turn's: a model's answer holds a few; the script's at most this many
+        self.max_actions = int(max_actions)
 
     @classmethod
     def check_options(cls, options: dict[str, Any]) -> None:
         malformed_rate = options.get("malformed_rate", 0.0)
         if not 0.0 <= float(malformed_rate) <= 1.0:
             raise ValueError(f"engine.malformed_rate={malformed_rate} must be within [0, 1]")
+        max_actions = options.get("max_actions", 5)
+        if isinstance(max_actions, bool) or not isinstance(max_actions, int) or max_actions < 1:
+            raise ValueError(f"engine.max_actions={max_actions!r} must be an integer >= 1")
         base_s, per_token_s = options.get("base_s", 0.0), options.get("per_token_s", 0.0)
         if base_s < 0 or per_token_s < 0:
             raise ValueError(f"engine.base_s={base_s} and engine.per_token_s={per_token_s} must be >= 0")
@@ -184,7 +192,8 @@ class ScriptedEngine(Engine):
         names, max_actions = parse_action_space(prompt)
         if not names:  # instructions may sit in an earlier (system) message
             names, max_actions = parse_action_space("\n".join(m.get("content", "") for m in request.messages))
-        answer, logp = self._actions(rng, names, max_actions) if names else self._expression(rng, prompt)
+        answer, logp = self._actions(rng, names, min(max_actions, self.max_actions)) if names \
+            else self._expression(rng, prompt)
         thought = _THOUGHTS[rng.randrange(len(_THOUGHTS))]
         # a prefix that opens the answer tag (RAGEN without thinking) leaves no room for a thought
         thinks = self.think and not request.answer_prefix.startswith("<answer>")

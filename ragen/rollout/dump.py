@@ -206,6 +206,12 @@ def _record(row: Any, where: str, number: int) -> DumpRecord:
         loop_row.pop("pipeline_depth", None)  # how a worker scheduled its envs (dump format 1): not what they played
         loop = LoopConfig(**{**loop_row, "context": ContextConfig(**loop_row["context"]),
                              "sampling": SamplingParams.from_dict(loop_row["sampling"])})
+        # version 1 wrote whole answers; a response is now what follows the answer prefix
+        prefix = ContextManager(loop.context).answer_prefix if row["version"] < 2 else ""
+
+        def answer(text: Any) -> Any:
+            return text[len(prefix):] if prefix and isinstance(text, str) and text.startswith(prefix) else text
+
         turns, messages, seeds = [], [], []
         turn_fields = {f.name for f in dataclasses.fields(Turn)}
         previous: list = []
@@ -223,12 +229,14 @@ def _record(row: Any, where: str, number: int) -> DumpRecord:
             seeds.append(t["request_seed"])
             logprobs = t.get("logprobs")
             turns.append(Turn(**{**{k: v for k, v in t.items() if k in turn_fields},
+                                 "response": answer(t.get("response")),
                                  "steps": tuple(Step(**s) for s in t["steps"]),
                                  "response_ids": tuple(t.get("response_ids") or ()),
                                  "logprobs": None if logprobs is None else tuple(logprobs)}))
         traj_fields = {f.name for f in dataclasses.fields(Trajectory)}
         traj = Trajectory(**{**{k: v for k, v in row.items() if k in traj_fields},
-                             "turns": turns, "stop_reason": StopReason(row["stop_reason"])})
+                             "turns": turns, "stop_reason": StopReason(row["stop_reason"]),
+                             "failed_response": answer(row.get("failed_response"))})
         _check_fields(spec, "spec")
         _check_fields(loop, "loop")
         _check_fields(loop.context, "loop.context")

@@ -21,6 +21,7 @@ from html import escape
 from typing import Any
 
 from ragen.env.allowed import AllowedEnvTypes
+from ragen.rollout.context import ContextConfig, ContextManager
 from ragen.rollout.dump import DumpRecord
 from ragen.rollout.types import StopReason
 from ragen.utils import common_prefix_length
@@ -174,8 +175,10 @@ def _messages(messages: list[dict[str, str]], previous: list[dict[str, str]]) ->
 
 
 
-def _response(text: str, think: bool) -> str:
-    parts = split_response(text, think)
+def _response(context: ContextConfig, response: str) -> str:
+    """The answer as the model gave it: the answer prefix of the prompt, then what it wrote."""
+    text = ContextManager(context).answer_prefix + response
+    parts = split_response(text, context.enable_think)
     if parts is None:
         return f'<div class="response malformed"><b>raw answer (not in the format)</b><pre>{escape(text)}</pre></div>'
     thought, answer = parts
@@ -206,7 +209,7 @@ def _turn(r: DumpRecord, i: int, symbols: Symbols | None) -> str:
         f"{seed}</h4>"
         f'<div class="before"><b>state shown</b>'
         f"{_state(turn.observation, symbols, _where(env, i, 0))}</div>"
-        f"{messages}{_response(turn.response, r.loop.context.enable_think)}"
+        f"{messages}{_response(r.loop.context, turn.response)}"
         f'<p class="actions">parsed: {_list(turn.actions)} · executed: {_list(turn.executed_actions)}</p>'
         f"{steps_html}"
         f'<details class="info"><summary>info</summary><pre>{escape(info)}</pre></details></li>')
