@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -123,6 +125,16 @@ def test_single_turn_summarizes_the_last_turns():
         "Turn 2 Reward: 1.0\n---\n\nCurrent Turn (Turn 3):\n" + STATE.format(n=0, i=2, left=8, warn="").split(":\n", 1)[1])
     first = c.build_messages(_spec(), [], "obs0", 10)[1]["content"]
     assert first == "(Turn 1):\n" + STATE.format(n=0, i=0, left=10, warn="").split(":\n", 1)[1]
+
+
+def test_log_probs_are_kept_only_where_the_prompt_was_the_training_context():
+    tidy = replace(_turn(0), response_ids=(1,), logprobs=(-0.5,))
+    messy = replace(tidy, response=" t0 </think><answer>a0</answer>")  # shown tidied: another context
+    assert ctx.sampled([tidy, tidy, messy, tidy]) == [((1,), (-0.5,))] * 3 + [((1,), None)]
+    window = ContextManager(ContextConfig(context_window_mode="limited_multi_turn", max_context_window=2))
+    assert [lp for _, lp in window.sampled([tidy] * 3)] == [(-0.5,), (-0.5,), None]
+    single = ContextManager(ContextConfig(context_window_mode="single_turn"))
+    assert [lp for _, lp in single.sampled([tidy] * 2)] == [None, None]
 
 
 def test_unknown_window_mode_names_the_key():

@@ -556,10 +556,11 @@ def test_engine_log_probs_are_the_trainers_recomputed_ones(tiny_model_path, tmp_
     over two-turn episodes of a rollout, greedy and sampled, for the default model and the tiny one.
 
     A behaviour log-prob is known where the trainer's tokens (the chat template over the answer
-    text) are the engine's: for the default model's answers nearly all of them (not the end-of-turn
-    token the template adds to an answer cut at max_tokens); the random tiny model samples bytes
-    that are not UTF-8, which decode and encode back as other tokens, and the tokens from there on
-    are not known."""
+    text) are the engine's, in the context the engine sampled them in: for the default model's
+    answers most of them (not the end-of-turn token the template adds to an answer cut at
+    max_tokens, nor a second turn after an answer that its prompt showed tidied, as RAGEN's
+    prompts do: ContextManager.sampled); the random tiny model samples bytes that are not UTF-8,
+    which decode and encode back as other tokens, and the tokens from there on are not known."""
     path = tiny_model_path if model == "tiny" else "default"
     cfg = compose_cfg(small_overrides(path, tmp_path / "run", f"ctx_manager.generation.temperature={temperature}"))
     with AgentTrainer(cfg) as trainer:
@@ -573,7 +574,7 @@ def test_engine_log_probs_are_the_trainers_recomputed_ones(tiny_model_path, tmp_
         n_answer_tokens = sum(s.num_loss_tokens for s in samples)
         print(f"{model} T={temperature}: {len(pairs)} of {n_answer_tokens} answer tokens have the engine's "
               f"log-prob; largest difference {max(abs(b - r) for b, r in pairs):.2e}")
-        assert len(pairs) > (0.9 if model == "default" else 0.05) * n_answer_tokens
+        assert len(pairs) > (0.7 if model == "default" else 0.05) * n_answer_tokens
         assert max(abs(b - r) for b, r in pairs) < 1e-4
 
 

@@ -136,12 +136,33 @@ class ContextManager:
 
     def episode_messages(self, spec: EnvSpec, turns: Sequence[Turn]) -> list[dict[str, str]]:
         """The whole episode as one conversation (``full`` layout), up to its
-        last answer: what the trainer tokenizes."""
-        return self._head(spec) + self._conversation(spec, self._entries(turns), 0)
+        last answer: what the trainer tokenizes. Each answer is as the model
+        wrote it (the answer prefix, then its text), so the trained tokens are
+        the sampled ones; a later prompt showed it tidied
+        (``normalize_response``), which differs where the model put spaces
+        around its tags or more actions than a turn takes."""
+        return self._head(spec) + self._conversation(spec, self._entries(turns, as_written=True), 0)
 
-    def _entries(self, turns: Sequence[Turn]) -> list[_Entry]:
+    def sampled(self, turns: Sequence[Turn]) -> list[tuple[tuple[int, ...], tuple[float, ...] | None]]:
+        """Each turn's sampled ids and their log-probs, for ``formulate_rollouts``;
+        the log-probs None where the turn's prompt is not its context in
+        ``episode_messages`` (a log-prob holds only under the context it was
+        sampled in): after an earlier answer that the prompts showed tidied
+        otherwise than written, and where the layout cut or summarized the
+        history."""
+        cfg = self.config
+        out, same = [], True
+        for k, t in enumerate(turns):
+            cut = cfg.context_window_mode == "single_turn" or (
+                cfg.context_window_mode == "limited_multi_turn" and 0 < cfg.max_context_window <= k)
+            out.append((t.response_ids, t.logprobs if same and not cut else None))
+            same = same and self.normalize_response(t.response) == self.answer_prefix + t.response
+        return out
+
+    def _entries(self, turns: Sequence[Turn], as_written: bool = False) -> list[_Entry]:
         return [_Entry(t.observation, t.actions_left, i > 0 and not turns[i - 1].executed_actions,
-                       self.normalize_response(t.response), t.reward)
+                       self.answer_prefix + t.response if as_written else self.normalize_response(t.response),
+                       t.reward)
                 for i, t in enumerate(turns)]
 
     def _head(self, spec: EnvSpec) -> list[dict[str, str]]:

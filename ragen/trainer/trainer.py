@@ -307,7 +307,7 @@ class AgentTrainer:
             return [], {"batch/n_samples": 0.0}
         episodes = [{"messages": self.ctx.episode_messages(spec, t.turns),
                      "turn_rewards": [tn.reward + tn.penalty for tn in t.turns],
-                     "sampled": [(tn.response_ids, tn.logprobs) for tn in t.turns]} for t, spec in trajs]
+                     "sampled": self.ctx.sampled(t.turns)} for t, spec in trajs]
         rows = self.ctx.formulate_rollouts(episodes, self.tokenizer, cfg.rollout.max_model_len)
         n_turns = sum(len(t.turns) for t, _ in trajs)
         answer_tokens = [sum(r["loss_mask"]) for r in rows]
