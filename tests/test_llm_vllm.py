@@ -726,8 +726,10 @@ def test_real_rollout_through_agent_proxy(real_engine):
     from ragen.llm_agent import AgentSetup, LLMAgentProxy
     from tests.rollout_helpers import ROOT
 
+    # lockstep turns: both envs' requests in one engine call
     overrides = ["engine=vllm", "ctx_manager.generation.response_length=24", "ctx_manager.generation.temperature=0",
-                 "agent_proxy.max_turn=1", "agent_proxy.enable_think=false", "es_manager.train.env_groups=2",
+                 "agent_proxy.max_turn=1", "agent_proxy.enable_think=false", "agent_proxy.env_level_async=false",
+                 "es_manager.train.env_groups=2",
                  "es_manager.train.group_size=1", "es_manager.train.env_configs.tags=[Bandit]",
                  "es_manager.train.env_configs.n_groups=[2]"]
     with initialize_config_dir(config_dir=str(ROOT / "config"), version_base=None):
