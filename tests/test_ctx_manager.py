@@ -220,3 +220,23 @@ def test_format_example_is_shown_but_never_trained_on():
     masked = "".join(chr(i) for i, m in zip(ep["input_ids"], ep["loss_mask"]) if m)
     assert masked == "t0</think><answer>a0</answer><|im_end|>"  # the model's answer only, not the example's
     assert sum(ep["token_rewards"]) == 2.0
+
+
+def test_the_prompts_action_list_comes_from_the_config_class_defaults(caplog):
+    from ragen.rollout.envs import EnvSpecMaker
+
+    def spec(tag_cfg):
+        split = {"env_groups": 1, "group_size": 1, "env_configs": {"tags": ["T"], "n_groups": [1]}}
+        return EnvSpecMaker("train", split, {"T": tag_cfg}, seed=0).make_specs()[0]
+
+    # RAGEN's rule: the defaults, not the tag's env_config (its symbols stay the default ones)
+    sok = spec({"env_type": "sokoban", "env_config": {"grid_vocab": {"#": "rock"}, "grid_lookup": {0: "#"}}})
+    assert sok.action_names == ("Up", "Down", "Left", "Right") and "#: wall" in sok.state_legend
+    assert spec({"env_type": "bandit"}).action_names is None  # RAGEN's Bandit names its arms in the observation
+    # an env without a config class (RAGEN needs one): its ACTION_LOOKUP
+    assert spec({"env_type": "tests.fault_envs:_CounterEnv"}).action_names == ("Up", "Down")
+    # a user's config class without action_lookup: none, and a warning naming the tag
+    caplog.clear()
+    lone = spec({"env_type": "tests.fault_envs:_CounterEnv", "config_type": "ragen.env.base:BaseEnvConfig"})
+    assert lone.action_names is None
+    assert "custom_envs.T: the prompt does not list the actions of _CounterEnv.ACTION_LOOKUP" in caplog.text

@@ -172,7 +172,8 @@ def _prompt_parts(env_type: str, config_type: str | None, tag: str,
         legend = "\nThe meaning of each symbol in the state is:\n" + ", ".join(f"{k}: {v}" for k, v in vocab.items())
     if fmt == "coord":
         legend = COORD_HINT
-    if not lookup and isinstance(getattr(env_cls, "ACTION_LOOKUP", None), Mapping):
+    # a user's env type (ours follow RAGEN's: Bandit's observation names its arms)
+    if not lookup and ":" in env_type and isinstance(getattr(env_cls, "ACTION_LOOKUP", None), Mapping):
         logger.warning("custom_envs.%s: the prompt does not list the actions of %s.ACTION_LOOKUP, as in RAGEN: "
                        "its config class %s has no action_lookup default (add one to list them)",
                        tag, env_cls.__name__, config_cls.__name__)
