@@ -230,7 +230,10 @@ def test_the_prompts_action_list_comes_from_the_config_class_defaults(caplog):
         return EnvSpecMaker("train", split, {"T": tag_cfg}, seed=0).make_specs()[0]
 
     # RAGEN's rule: the defaults, not the tag's env_config (its symbols stay the default ones)
-    sok = spec({"env_type": "sokoban", "env_config": {"grid_vocab": {"#": "rock"}, "grid_lookup": {0: "#"}}})
+    symbols = {0: "W", 1: ".", 2: "G", 3: "C", 4: "B", 5: "A", 6: "@"}
+    vocab = {"W": "wall", ".": "empty", "G": "target", "C": "box on target", "B": "box", "A": "player",
+             "@": "player on target"}
+    sok = spec({"env_type": "sokoban", "env_config": {"grid_vocab": vocab, "grid_lookup": symbols}})
     assert sok.action_names == ("Up", "Down", "Left", "Right") and "#: wall" in sok.state_legend
     assert spec({"env_type": "bandit"}).action_names is None  # RAGEN's Bandit names its arms in the observation
     # an env without a config class (RAGEN needs one): its ACTION_LOOKUP
