@@ -123,8 +123,7 @@ class ContextManager:
                        actions_left: int) -> list[dict[str, str]]:
         """The prompt for the next turn: the episode so far in the window
         ``context_window_mode`` keeps, and the new state."""
-        entries = self._entries(turns)
-        entries.append(_Entry(observation, actions_left, bool(turns) and not turns[-1].executed_actions))
+        entries = self._entries(turns, current=(observation, actions_left))
         cfg = self.config
         offset = 0
         if cfg.context_window_mode != "full" and 0 < cfg.max_context_window < len(entries):
@@ -159,11 +158,20 @@ class ContextManager:
             same = same and self.normalize_response(t.response) == self.answer_prefix + t.response
         return out
 
-    def _entries(self, turns: Sequence[Turn], as_written: bool = False) -> list[_Entry]:
-        return [_Entry(t.observation, t.actions_left, i > 0 and not turns[i - 1].executed_actions,
-                       self.answer_prefix + t.response if as_written else self.normalize_response(t.response),
-                       t.reward)
-                for i, t in enumerate(turns)]
+    def _entries(self, turns: Sequence[Turn], current: tuple[str, int] | None = None,
+                 as_written: bool = False) -> list[_Entry]:
+        """The turns as prompts show them, then the ``current`` state (observation, actions left) if given;
+        a state after a turn that executed no action carries RAGEN's warning."""
+        def warned(i: int) -> bool:
+            return i > 0 and not turns[i - 1].executed_actions
+
+        entries = [_Entry(t.observation, t.actions_left, warned(i),
+                          self.answer_prefix + t.response if as_written else self.normalize_response(t.response),
+                          t.reward)
+                   for i, t in enumerate(turns)]
+        if current is not None:
+            entries.append(_Entry(*current, warned(len(turns))))
+        return entries
 
     def _head(self, spec: EnvSpec) -> list[dict[str, str]]:
         head = [self.system_message(spec)]

@@ -117,8 +117,8 @@ def _validate_tag(tag: str, spec: Any) -> dict[str, Any]:
     cfg = read(EnvTagConfig, spec, key)
     env_config = cfg.env_config or {}
     # Builds (and so validates) the config now, before any model loads.
-    make_env_config(cfg.env_type, env_config, config_type=cfg.config_type, tag=tag)
-    legend, action_names = _prompt_parts(cfg.env_type, cfg.config_type, tag, env_config)
+    built = make_env_config(cfg.env_type, env_config, config_type=cfg.config_type, tag=tag)
+    legend, action_names = _prompt_parts(cfg.env_type, cfg.config_type, tag, built)
     example = cfg.format_example
     if example is not None:
         if not isinstance(example, dict) or not isinstance(example.get("observation"), str) \
@@ -147,12 +147,12 @@ COORD_HINT = ("\nStates are provided as coordinate lists using zero-based indexi
 
 
 def _prompt_parts(env_type: str, config_type: str | None, tag: str,
-                  env_config: Any) -> tuple[str, tuple[str, ...] | None]:
+                  built: Any) -> tuple[str, tuple[str, ...] | None]:
     """What RAGEN adds to a tag's system message: the meaning of the grid
     symbols (``observation_format: grid``) or the coordinate hint (``coord``),
     and the action names. As in RAGEN, these come from the DEFAULTS of the
-    env's config class, not from the tag's ``env_config`` (which is read only
-    for a config class that has no defaults for its required fields). An env
+    env's config class, not from the tag's config (``built``, read only for a
+    config class that has no defaults for its required fields). An env
     without a config class (RAGEN needs one) lists its class's ``ACTION_LOOKUP``."""
     from ragen.env import make_env_config, resolve_env_type
 
@@ -163,7 +163,7 @@ def _prompt_parts(env_type: str, config_type: str | None, tag: str,
     try:
         defaults = make_env_config(env_type, None, config_type=config_type, tag=tag)
     except ValueError:
-        defaults = make_env_config(env_type, env_config, config_type=config_type, tag=tag)
+        defaults = built
     get = defaults.get if isinstance(defaults, Mapping) else (lambda key: getattr(defaults, key, None))
     fmt = get("observation_format") or "grid"
     vocab, lookup = get("grid_vocab"), get("action_lookup")
