@@ -81,6 +81,7 @@ def test_step_maps_action_names_charges_the_format_penalty_and_drops_done_envs()
         assert first["history"][0]["actions"] == [1] and first["history"][0]["llm_raw_response"] == "raw"
         assert first["history"][1]["actions_left"] == es.envs[0]["max_actions_per_traj"] - 1
         assert es.envs[0]["status"].num_actions == 1 and es.envs[1]["status"].num_actions == 0
+        assert type(second["history"][0]["reward"]) is int  # nothing stepped: RAGEN's int 0
         assert [c["env_id"] for c in out] == [e["env_id"] for e in es.envs if not e["status"].terminated]
         # an env that spends its action budget is done, and is not sent on
         budget = es.envs[1]["max_actions_per_traj"]

@@ -105,7 +105,8 @@ class EnvStateManager:
             actions = list(env_input.get("actions", []))
             valid = self._valid_actions(entry, actions)
             budget = entry["max_actions_per_traj"] - status.num_actions
-            reward, info, done, executed = 0.0, {}, False, []
+            # an int 0 until a step adds to it, as RAGEN's (and the loop's) turn reward
+            reward, info, done, executed = 0, {}, False, []
             for action in valid[:budget]:
                 _, r, d, step_info = entry["env"].step(action)
                 reward += r
