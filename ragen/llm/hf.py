@@ -54,7 +54,7 @@ from typing import Any, Iterable, Mapping, Sequence
 
 import torch
 
-from ragen.llm.chat_tokens import encode_chat, stop_token_ids
+from ragen.llm.chat_tokens import ChatTokens, stop_token_ids
 from ragen.llm.default_model import resolve_model_path
 from ragen.llm.transformers_compat import dtype_kwarg
 from ragen.llm.turn_cache import Hit, TurnCache
@@ -161,6 +161,7 @@ class HFEngine(Engine):
                 "tokenizer.apply_chat_template (set tokenizer.chat_template)"
             )
         self.stop_token_ids = stop_token_ids(tokenizer, model)
+        self.chat = ChatTokens.of(tokenizer, model)
         pad = tokenizer.pad_token_id
         self.pad_token_id = int(pad if pad is not None else min(self.stop_token_ids, default=0))
         params = inspect.signature(model.forward).parameters
@@ -214,8 +215,8 @@ class HFEngine(Engine):
     # -- generation -------------------------------------------------------
 
     def encode_prompt(self, messages: Sequence[Mapping[str, str]], answer_prefix: str = "") -> list[int]:
-        """The prompt ids of ``messages``, ending with ``answer_prefix`` (see ``encode_chat``)."""
-        return encode_chat(self.tokenizer, messages, answer_prefix)
+        """The prompt ids of ``messages`` rendered whole, ending with ``answer_prefix``."""
+        return self.chat.full(messages, answer_prefix)
 
     def generate(self, requests: Sequence[GenerationRequest], sampling: SamplingParams) -> list[Completion]:
         if not requests:
@@ -225,7 +226,7 @@ class HFEngine(Engine):
 
     def _generate(self, requests: Sequence[GenerationRequest], sampling: SamplingParams) -> list[Completion]:
         began = time.perf_counter()
-        prompts = [self.encode_prompt(r.messages, r.answer_prefix) for r in requests]
+        prompts = [self.prompt_ids(r) for r in requests]
         limits = [max(0, r.token_limit(sampling)) for r in requests]
         seeds = [request_seed(sampling.seed, r.key) for r in requests]
         episodes = [(r.seed, r.env_id) for r in requests]

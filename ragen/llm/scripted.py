@@ -21,7 +21,9 @@ without torch:
 - *Malformed answers* at rate ``malformed_rate``: no tags, empty answer,
   unknown action, unclosed tag or nested tags, so parsers meet every defect.
 - *Tokens*: a byte-level tokenizer (utf-8 bytes) of a plain rendering of the
-  messages; ``max_tokens`` truncates the response (finish reason ``length``).
+  messages (``byte_chat``; a request's history ids are taken as they are and
+  the new messages' bytes appended); ``max_tokens`` truncates the response
+  (finish reason ``length``).
 - *Log-probs*: the log-probability of the choices that made the answer (each
   uniform among its options; the malformed draw at ``malformed_rate``), on
   the first response token, 0 on the rest (they follow from the choices).
@@ -52,6 +54,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
 from ragen.config_reader import read, setting
+from ragen.llm.chat_tokens import ChatTokens
 from ragen.llm.types import Completion, Engine, GenerationRequest, SamplingParams, StreamingEngine, request_seed
 
 logger = logging.getLogger(__name__)
@@ -74,10 +77,15 @@ _THOUGHTS = (
 _OPERATORS = ("+", "-", "*")
 
 
-def render_messages(messages: Sequence[Mapping[str, str]]) -> str:
-    """The plain text that the byte tokenizer encodes as the prompt."""
+def render_messages(messages: Sequence[Mapping[str, str]], add_generation_prompt: bool = True) -> str:
+    """The plain text that the byte tokenizer encodes as the prompt: the scripted chat template."""
     parts = [f"<|{m.get('role', 'user')}|>\n{m.get('content', '')}\n" for m in messages]
-    return "".join(parts) + "<|assistant|>\n"
+    return "".join(parts) + ("<|assistant|>\n" if add_generation_prompt else "")
+
+
+def byte_chat() -> ChatTokens:
+    """The scripted engine's template (``render_messages``) and byte tokenizer (utf-8 bytes)."""
+    return ChatTokens(render_messages, lambda text: list(text.encode("utf-8")), {}, "scripted")
 
 
 def last_user_message(messages: Sequence[Mapping[str, str]]) -> str:
@@ -126,6 +134,7 @@ class ScriptedEngine(Engine):
         self.per_token_s = float(per_token_s)
         self.think = bool(think)
         self.return_prompt_ids = bool(return_prompt_ids)
+        self.chat = byte_chat()
         # RAGEN's prompt states only the episode's action budget ("up to N actions"), not a
         # turn's: a model's answer holds a few; the script's at most this many
         self.max_actions = int(max_actions)
@@ -226,8 +235,7 @@ class ScriptedEngine(Engine):
             response_ids = response_ids[: max(0, limit)]
             text = bytes(response_ids).decode("utf-8", errors="ignore")
             finish_reason = "length"
-        prompt = render_messages(request.messages) + request.answer_prefix
-        prompt_ids = list(prompt.encode("utf-8")) if self.return_prompt_ids else []
+        prompt_ids = self.prompt_ids(request) if self.return_prompt_ids else []
         # the choices' log-probability on the first token (every later byte follows from
         # them with probability 1): the tokens' log-probs sum to the answer's
         logprobs = [logp] + [0.0] * (len(response_ids) - 1) if response_ids else []

@@ -4,7 +4,10 @@
   policy's randomness can be tied to the request, never to batch order;
   ``last_turn`` says that no turn of its episode follows (nothing to keep for one);
   ``answer_prefix`` is text the answer starts with, after the template's
-  generation prompt (the completion holds only what follows it).
+  generation prompt (the completion holds only what follows it);
+  ``history_token_ids`` are the ids of the conversation so far, as the engine
+  saw and sampled them: the prompt is those ids and the template's tokens of
+  the messages after ``history_messages`` (``ChatTokens.append``).
 - ``SamplingParams``: how to decode (``temperature == 0`` means greedy).
 - ``Completion``: the answer text, prompt and response token ids, the log-prob
   of each response token under the distribution it was sampled from, why it
@@ -25,10 +28,15 @@ randomness is derived: every engine seeds its per-request sampler from it.
 from __future__ import annotations
 
 import hashlib
+import logging
 from concurrent.futures import Future
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any, Self, Sequence
+
+from ragen.llm.chat_tokens import ChatTokens
+
+logger = logging.getLogger(__name__)
 
 
 def request_seed(sampling_seed: int, key: Sequence[int]) -> int:
@@ -71,6 +79,11 @@ class GenerationRequest(_PlainData):
     # text the answer starts with, placed after the chat template's generation prompt (RAGEN's
     # "<think>"); the completion's text and token ids are what the model writes after it
     answer_prefix: str = ""
+    # the ids of messages[:history_messages] as the engine saw and sampled them (the previous
+    # prompt, then its answer): the prompt is these ids, then the template's tokens of the rest
+    # (ChatTokens.append); None: every message rendered and tokenized
+    history_token_ids: list[int] | None = None
+    history_messages: int = 0
 
     @property
     def key(self) -> tuple[int, int, int]:
@@ -128,6 +141,10 @@ class Engine(ABC):
     ``bump_policy_version()`` after it changed the weights the engine uses, and
     every completion records the version that produced it. ``tokens_prefilled``
     and ``tokens_reused`` count prompt tokens computed and shared (see ``HFEngine``).
+
+    An engine that tokenizes has ``chat`` (its template's ``ChatTokens``) and
+    builds each prompt with ``prompt_ids(request)``; ``history_divergences``
+    counts the appended prompts whose template rewrote earlier turns.
     """
 
     name: str = "engine"
@@ -142,6 +159,28 @@ class Engine(ABC):
         # several requests (engines that share prefixes count them; others leave both 0).
         self.tokens_prefilled = 0
         self.tokens_reused = 0
+        self.history_divergences = 0
+        self.chat: ChatTokens | None = None
+
+    def prompt_ids(self, request: GenerationRequest) -> list[int]:
+        """The request's prompt ids: its history ids and the template's tokens of the
+        messages after them, or all its messages rendered. A template that rewrites the
+        history is counted and named once in a warning; the ids sampled still lead."""
+        if self.chat is None:
+            raise RuntimeError(f"engine {self.name!r} has no chat template to build prompt ids with")
+        if request.history_token_ids is None:
+            return self.chat.full(request.messages, request.answer_prefix)
+        ids, diverged = self.chat.append(request.history_token_ids, request.messages, request.history_messages,
+                                         request.answer_prefix)
+        if diverged:
+            if not self.history_divergences:
+                logger.warning(
+                    "the chat template of %s rewrites earlier turns once later ones follow (e.g. drops their "
+                    "<think>): prompts keep the tokens sampled before, so they differ from a full render of the "
+                    "same messages (engine/history_divergences counts them; ctx_manager.token_history=rerender "
+                    "renders every prompt whole)", self.chat.name or self.name)
+            self.history_divergences += 1
+        return ids
 
     @abstractmethod
     def generate(self, requests: Sequence[GenerationRequest], sampling: SamplingParams) -> list[Completion]:

@@ -90,7 +90,7 @@ import time
 from concurrent.futures import Future
 from typing import Any, Iterable, Mapping, Sequence
 
-from ragen.llm.chat_tokens import encode_chat, stop_token_ids
+from ragen.llm.chat_tokens import ChatTokens, stop_token_ids
 from ragen.llm.default_model import resolve_model_path
 from ragen.llm.types import Completion, Engine, GenerationRequest, SamplingParams, StreamingEngine, request_seed
 
@@ -250,6 +250,7 @@ class VLLMEngine(Engine):
             **_logprobs_mode_kwargs(vllm),
         ))
         self.stop_token_ids = stop_token_ids(self.tokenizer)
+        self.chat = ChatTokens.of(self.tokenizer)
         logger.info("%s started %s (vllm %s)", type(self).__name__, path, getattr(vllm, "__version__", "?"))
 
     def _start(self, engine_args: dict[str, Any]) -> None:
@@ -275,11 +276,11 @@ class VLLMEngine(Engine):
         return (VLLMStreamingEngine if streaming else VLLMEngine)(model_path, **cfg)
 
     def encode_prompt(self, messages: Sequence[Mapping[str, str]], answer_prefix: str = "") -> list[int]:
-        """The prompt ids of ``messages``, ending with ``answer_prefix`` (see ``encode_chat``)."""
-        return encode_chat(self.tokenizer, messages, answer_prefix)
+        """The prompt ids of ``messages`` rendered whole, ending with ``answer_prefix``."""
+        return self.chat.full(messages, answer_prefix)
 
     def generate(self, requests: Sequence[GenerationRequest], sampling: SamplingParams) -> list[Completion]:
-        prompts = [self.encode_prompt(r.messages, r.answer_prefix) for r in requests]
+        prompts = [self.prompt_ids(r) for r in requests]
         limits = [r.token_limit(sampling) for r in requests]
         live = [i for i, limit in enumerate(limits) if limit > 0]  # vLLM rejects max_tokens=0
         outputs: dict[int, Any] = {}
@@ -458,7 +459,7 @@ class VLLMStreamingEngine(VLLMEngine, StreamingEngine):
         """On the loop (where vLLM detokenizes too: one thread uses the tokenizer): one task a request."""
         for future, request, sampling in entries:
             try:
-                prompt = self.encode_prompt(request.messages, request.answer_prefix)
+                prompt = self.prompt_ids(request)
                 limit = request.token_limit(sampling)
                 if limit <= 0:  # vLLM rejects max_tokens=0
                     self._settle(future, self._completion(request, prompt, None))
