@@ -102,7 +102,7 @@ def test_prompt_is_ragens_layout():
 
 
 def test_limited_multi_turn_keeps_the_last_turns_and_their_numbers():
-    c = ContextManager(ContextConfig(context_window_mode="limited_multi_turn", max_context_window=2))
+    c = ContextManager(ContextConfig(context_window_mode="limited_multi_turn", token_history="rerender", max_context_window=2))
     msgs = c.build_messages(_spec(), [_turn(0), _turn(1), _turn(2)], "obs3", 7)
     assert [m["role"] for m in msgs] == ["system", "user", "assistant", "user"]
     assert msgs[1]["content"] == STATE.format(n=3, i=2, left=8, warn="")
@@ -111,12 +111,12 @@ def test_limited_multi_turn_keeps_the_last_turns_and_their_numbers():
     assert ctx.build_messages(_spec(), [_turn(0), _turn(1)], "obs2", 8) == \
         ContextManager(ContextConfig(max_actions_per_turn=3, max_context_window=1)).build_messages(
             _spec(), [_turn(0), _turn(1)], "obs2", 8)
-    c0 = ContextManager(ContextConfig(context_window_mode="limited_multi_turn", max_context_window=0))
+    c0 = ContextManager(ContextConfig(context_window_mode="limited_multi_turn", token_history="rerender", max_context_window=0))
     assert len(c0.build_messages(_spec(), [_turn(0)], "obs1", 9)) == 4
 
 
 def test_single_turn_summarizes_the_last_turns():
-    c = ContextManager(ContextConfig(context_window_mode="single_turn", max_context_window=2))
+    c = ContextManager(ContextConfig(context_window_mode="single_turn", token_history="rerender", max_context_window=2))
     msgs = c.build_messages(_spec(), [_turn(0), _turn(1)], "obs2", 8)
     assert [m["role"] for m in msgs] == ["system", "user"]
     assert msgs[1]["content"] == (
@@ -131,9 +131,9 @@ def test_log_probs_are_kept_only_where_the_prompt_was_the_training_context():
     tidy = replace(_turn(0), response_ids=(1,), logprobs=(-0.5,))
     messy = replace(tidy, response=" t0 </think><answer>a0</answer>")  # shown tidied: another context
     assert ctx.sampled([tidy, tidy, messy, tidy]) == [((1,), (-0.5,))] * 3 + [((1,), None)]
-    window = ContextManager(ContextConfig(context_window_mode="limited_multi_turn", max_context_window=2))
+    window = ContextManager(ContextConfig(context_window_mode="limited_multi_turn", token_history="rerender", max_context_window=2))
     assert [lp for _, lp in window.sampled([tidy] * 3)] == [(-0.5,), (-0.5,), None]
-    single = ContextManager(ContextConfig(context_window_mode="single_turn"))
+    single = ContextManager(ContextConfig(context_window_mode="single_turn", token_history="rerender"))
     assert [lp for _, lp in single.sampled([tidy] * 2)] == [None, None]
 
 

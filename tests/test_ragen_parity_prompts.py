@@ -133,6 +133,8 @@ def setup_for(case: dict) -> AgentSetup:
         "seed": {"train": case["seed"], "val": case["seed"]},
         "agent_proxy": agent_proxy,
         "es_manager": {"format_penalty": DATA["format_penalty"], "train": split, "val": split},
+        # RAGEN renders every prompt whole, earlier answers tidied
+        "ctx_manager": {"token_history": "rerender"},
     })
 
 

@@ -144,7 +144,9 @@ class Engine(ABC):
 
     An engine that tokenizes has ``chat`` (its template's ``ChatTokens``) and
     builds each prompt with ``prompt_ids(request)``; ``history_divergences``
-    counts the appended prompts whose template rewrote earlier turns.
+    counts the appended prompts whose template rewrote earlier turns, and
+    ``token_prompt_fallbacks`` the requests a server took as messages where
+    token ids were meant (``OpenAIEngine``).
     """
 
     name: str = "engine"
@@ -160,6 +162,7 @@ class Engine(ABC):
         self.tokens_prefilled = 0
         self.tokens_reused = 0
         self.history_divergences = 0
+        self.token_prompt_fallbacks = 0
         self.chat: ChatTokens | None = None
 
     def prompt_ids(self, request: GenerationRequest) -> list[int]:

@@ -18,7 +18,7 @@ from typing import Any, Mapping
 
 from ragen.config_reader import read, setting
 from ragen.llm.types import SamplingParams
-from ragen.rollout.context import GROUPINGS, METHODS, WINDOW_MODES, ContextConfig
+from ragen.rollout.context import GROUPINGS, METHODS, WINDOW_MODES, TOKEN_HISTORIES, ContextConfig
 from ragen.serving.address import check_listen_address
 
 logger = logging.getLogger(__name__)
@@ -222,9 +222,12 @@ class GenerationConfig:
 
 @dataclass(frozen=True)
 class CtxManagerConfig:
-    """``ctx_manager``: the sampling of the rollout's answers."""
+    """``ctx_manager``: the sampling of the rollout's answers, and how prompts and training
+    sequences hold earlier answers' tokens (``ContextConfig``)."""
 
     generation: GenerationConfig = field(default_factory=GenerationConfig)
+    token_history: str = setting(ContextConfig.token_history, choices=TOKEN_HISTORIES)
+    train_end_after_cut: bool = ContextConfig.train_end_after_cut
 
 
 @dataclass(frozen=True)

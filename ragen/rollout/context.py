@@ -48,6 +48,7 @@ _SPACE = re.compile(r"\s*")
 GROUPINGS = ("state", "inductive", "batch")
 METHODS = ("identity", "mean", "mean_std", "asym_clip")
 WINDOW_MODES = ("full", "limited_multi_turn", "single_turn")
+TOKEN_HISTORIES = ("append", "rerender")
 
 
 @dataclass(frozen=True)
@@ -64,6 +65,12 @@ class ContextConfig:
     reward_grouping: str = "state"
     reward_method: str = "identity"
     response_length: int = 128  # the "Max response length" a prompt states for an env without max_tokens
+    # append: a prompt is the episode's ids so far (the answers as sampled) and the new
+    # message's tokens; rerender: every prompt rendered whole, answers tidied (RAGEN's text)
+    token_history: str = "append"
+    # train the end-of-turn token the template adds after an answer cut at its token limit
+    # (loss mask 1, as if sampled; it has no behaviour log-prob); false: mask 0
+    train_end_after_cut: bool = False
 
     def __post_init__(self) -> None:
         if not self.action_sep:
@@ -73,6 +80,14 @@ class ContextConfig:
         if self.context_window_mode not in WINDOW_MODES:
             raise ValueError(f"agent_proxy.context_window_mode: unknown {self.context_window_mode!r}; "
                              f"choose one of {WINDOW_MODES}")
+        if self.token_history not in TOKEN_HISTORIES:
+            raise ValueError(f"ctx_manager.token_history: unknown {self.token_history!r}; choose one of "
+                             f"{TOKEN_HISTORIES}")
+        if self.token_history == "append" and self.context_window_mode != "full":
+            raise ValueError(
+                f"ctx_manager.token_history=append keeps every earlier turn's tokens in the prompt, and "
+                f"agent_proxy.context_window_mode={self.context_window_mode} cuts them: set "
+                f"ctx_manager.token_history=rerender with it, or context_window_mode=full")
         if self.reward_grouping not in GROUPINGS:
             raise ValueError(
                 f"agent_proxy.reward_normalization.grouping: unknown {self.reward_grouping!r}; choose one of {GROUPINGS}"
@@ -122,8 +137,12 @@ class ContextManager:
     def build_messages(self, spec: EnvSpec, turns: Sequence[Turn], observation: str,
                        actions_left: int) -> list[dict[str, str]]:
         """The prompt for the next turn: the episode so far in the window
-        ``context_window_mode`` keeps, and the new state."""
-        entries = self._entries(turns, current=(observation, actions_left))
+        ``context_window_mode`` keeps, and the new state. Earlier answers are
+        tidied (``normalize_response``) under ``token_history: rerender``, as
+        RAGEN shows them; under ``append`` they are as written (their tokens
+        lead the prompt)."""
+        entries = self._entries(turns, current=(observation, actions_left),
+                                as_written=self.config.token_history == "append")
         cfg = self.config
         offset = 0
         if cfg.context_window_mode != "full" and 0 < cfg.max_context_window < len(entries):

@@ -19,7 +19,7 @@ from typing import Any
 from ragen.llm.types import Completion
 from ragen.rollout.context import ContextManager
 from ragen.rollout.loop_config import LoopConfig, LoopStats
-from ragen.rollout.types import EnvSpec, Step, StopReason, Trajectory, Turn
+from ragen.rollout.types import EnvSpec, Step, StopReason, Trajectory, Turn, episode_ids, prompt_delta
 from ragen.rollout.workers.executors import DaemonThreadPool
 
 logger = logging.getLogger(__name__)
@@ -338,6 +338,8 @@ def apply_answer(slot: EnvSlot, completion: Completion, ctx: ContextManager, con
             break
     env_s = time.perf_counter() - t0
     penalty = config.format_penalty if (not valid or len(valid) != len(actions)) else 0.0
+    prompt_start, prompt_ids = prompt_delta(episode_ids(slot.traj.turns), completion.prompt_token_ids) \
+        if completion.prompt_token_ids else (0, ())
     slot.traj.turns.append(
         Turn(
             observation=shown,
@@ -354,6 +356,8 @@ def apply_answer(slot: EnvSlot, completion: Completion, ctx: ContextManager, con
             env_s=env_s,
             response_ids=tuple(completion.response_token_ids),
             logprobs=None if completion.logprobs is None else tuple(completion.logprobs),
+            prompt_ids=prompt_ids,
+            prompt_start=prompt_start,
         )
     )
     if info.get("success"):

@@ -23,7 +23,7 @@ from ragen.rollout.context import ContextManager
 from ragen.rollout.env_calls import (EnvCaller, EnvError, EnvSlot, EnvThreads, KeptEnvs, apply_answer, end_in_error,
                                      guard, reset)
 from ragen.rollout.loop_config import LoopConfig, LoopStats
-from ragen.rollout.types import EnvSpec, StopReason, Trajectory
+from ragen.rollout.types import EnvSpec, StopReason, Trajectory, episode_ids
 from ragen.rollout.workers.schedule import groups_of
 from ragen.serving.client import LLMClient
 from ragen.serving.wire import EngineError, MessageTooLarge
@@ -335,10 +335,17 @@ class _TurnLoop:
         return ticket
 
     def request(self, slot: EnvSlot) -> GenerationRequest:
-        """The env's prompt for its next turn."""
+        """The env's prompt for its next turn. With ``token_history: append`` it carries
+        the episode's ids so far: the engine appends the new message's tokens to them."""
         turns = slot.traj.turns
+        messages = self.ctx.build_messages(slot.spec, turns, slot.observation, slot.actions_left)
+        history = None
+        if self.ctx.config.token_history == "append" and turns and turns[-1].has_prompt_ids:
+            history = episode_ids(turns)
         return GenerationRequest(
-            messages=self.ctx.build_messages(slot.spec, turns, slot.observation, slot.actions_left),
+            messages=messages,
+            history_token_ids=history,
+            history_messages=len(messages) - 1 if history is not None else 0,
             env_id=slot.spec.env_id,
             turn=len(turns),
             seed=slot.spec.seed,

@@ -76,6 +76,8 @@ class AgentSetup:
             reward_grouping=ap.reward_normalization.grouping,
             reward_method=ap.reward_normalization.method,
             response_length=gen.response_length,
+            token_history=sections["ctx_manager"].token_history,
+            train_end_after_cut=sections["ctx_manager"].train_end_after_cut,
         )
 
         def loop_config(sampling_seed: int) -> LoopConfig:

@@ -3,8 +3,10 @@
 - ``EnvSpec``: everything a worker needs to build and reset one env (tag, type,
   config, seed, ids); plain data, so it crosses process boundaries.
 - ``Turn``: one exchange: the state shown, the model's answer, the actions
-  parsed from it and executed, the reward, the policy version that answered
-  and the log-probs of the answer's tokens under the policy that sampled them.
+  parsed from it and executed, the reward, the policy version that answered,
+  and the tokens: the prompt's ids as the engine saw them (what was added
+  since the previous turn), the answer's sampled ids and the log-prob of each
+  under the policy that sampled it. ``episode_ids`` puts them together.
 - ``Step``: one ``env.step`` within a turn: the action and what the env gave
   back (observation, reward, done); what a replay checks against.
 - ``Trajectory``: one env's episode: its turns and a ``StopReason``.
@@ -20,7 +22,9 @@ import hashlib
 import json
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import Any
+from typing import Any, Sequence
+
+from ragen.utils import common_prefix_length
 
 
 class StopReason(StrEnum):
@@ -98,6 +102,32 @@ class Turn:
     # correction reads them. Not compared: an engine's float rounding may depend on the batch.
     response_ids: tuple[int, ...] = field(default=(), compare=False)
     logprobs: tuple[float, ...] | None = field(default=None, compare=False)
+    # The prompt's ids as the engine saw them: the first ``prompt_start`` ids of the previous
+    # turn's prompt and answer (``episode_ids``), then ``prompt_ids``. A prompt that appends to
+    # the episode's ids starts after all of them; one rendered whole shares only a start. Both
+    # empty: the engine gave no prompt ids.
+    prompt_ids: tuple[int, ...] = field(default=(), compare=False)
+    prompt_start: int = field(default=0, compare=False)
+
+    @property
+    def has_prompt_ids(self) -> bool:
+        return bool(self.prompt_ids) or self.prompt_start > 0
+
+
+def episode_ids(turns: Sequence[Turn]) -> list[int]:
+    """The ids of the episode up to the end of its last turn's answer, as the engine saw
+    and sampled them: that turn's prompt, then its answer."""
+    ids: list[int] = []
+    for t in turns:
+        ids = ids[:t.prompt_start] + list(t.prompt_ids) + list(t.response_ids)
+    return ids
+
+
+def prompt_delta(previous: Sequence[int], prompt: Sequence[int]) -> tuple[int, tuple[int, ...]]:
+    """``(prompt_start, prompt_ids)`` of a turn whose prompt is ``prompt``, after the
+    episode's ``previous`` ids (see ``Turn``)."""
+    start = common_prefix_length([list(previous), list(prompt)]) if previous else 0
+    return start, tuple(prompt[start:])
 
 
 @dataclass

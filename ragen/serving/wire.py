@@ -305,6 +305,9 @@ _REQUEST_FIELDS = {
     "max_tokens": (lambda v: v is None or (_is_int(v) and v >= 0), "null or an integer >= 0"),
     "last_turn": (lambda v: isinstance(v, bool), "true or false"),
     "answer_prefix": (lambda v: isinstance(v, str), "a string"),
+    "history_token_ids": (lambda v: v is None or (isinstance(v, list) and all(_is_int(x) and x >= 0 for x in v)),
+                          "null or a list of integers >= 0"),
+    "history_messages": (lambda v: _is_int(v) and v >= 0, "an integer >= 0"),
 }
 _SAMPLING_FIELDS = {
     "temperature": (lambda v: _is_number(v) and v >= 0, "a number >= 0"),
@@ -398,6 +401,9 @@ def parse_message(data: bytes, in_batch: bool = False
             ):
                 raise ValueError(f"requests[{i}].messages must be a list of {{role, content}} (strings)")
             _check_fields(vars(r), _REQUEST_FIELDS, f"requests[{i}]")
+            if r.history_messages > len(r.messages):
+                raise ValueError(f"requests[{i}].history_messages must be at most its {len(r.messages)} messages, "
+                                 f"got {r.history_messages}")
         sampling_raw = msg.get("sampling") or {}
         if not isinstance(sampling_raw, dict):
             raise ValueError("'sampling' must be an object")

@@ -114,7 +114,8 @@ class SyncBackend(RolloutBackend):
                 before = _engine_counts(self.engine)
                 with progress if progress is not None else RolloutProgress(len(specs), label) as shown:
                     result = self._play(specs, loop, shown, fault)
-                prefilled, reused, evicted = (b - a for a, b in zip(before, _engine_counts(self.engine)))
+                prefilled, reused, evicted, diverged, fallbacks = (
+                    b - a for a, b in zip(before, _engine_counts(self.engine)))
                 turn_cache = getattr(self.engine, "turn_cache", None)
                 cache_mb = turn_cache.bytes / 2**20 if turn_cache is not None else None
             finally:
@@ -128,6 +129,10 @@ class SyncBackend(RolloutBackend):
         if prefilled or reused:
             m.update({"engine/prefill_tokens": float(prefilled), "engine/reused_tokens": float(reused),
                       "engine/prefix_reuse": reused / (prefilled + reused)})
+        if diverged:
+            m["engine/history_divergences"] = float(diverged)
+        if fallbacks:
+            m["engine/token_prompt_fallbacks"] = float(fallbacks)
         if cache_mb is not None:  # the memory kept for next turns, and the episodes let go to stay in bound
             m.update({"engine/turn_cache_mb": cache_mb, "engine/turn_cache_evicted": float(evicted)})
         _log_summary(label, result)
@@ -168,12 +173,14 @@ class AsyncBackend(RolloutBackend):
         self.inner.close()
 
 
-def _engine_counts(engine: Engine) -> tuple[int, int, int]:
-    """The engine's prompt tokens computed and reused so far, and the episodes its turn cache
-    evicted (0 for what an engine does not count)."""
+def _engine_counts(engine: Engine) -> tuple[int, ...]:
+    """The engine's prompt tokens computed and reused so far, the episodes its turn cache
+    evicted, the appended prompts whose template rewrote history and the requests sent as
+    messages where token ids were meant (0 for what an engine does not count)."""
     turn_cache = getattr(engine, "turn_cache", None)
     return (getattr(engine, "tokens_prefilled", 0), getattr(engine, "tokens_reused", 0),
-            turn_cache.evicted if turn_cache is not None else 0)
+            turn_cache.evicted if turn_cache is not None else 0, getattr(engine, "history_divergences", 0),
+            getattr(engine, "token_prompt_fallbacks", 0))
 
 
 def _log_summary(label: str, result: RolloutResult) -> None:
