@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 
 import numpy as np
@@ -10,7 +11,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ragen.rollout.context import INVALID_WARNING, ContextConfig, ContextManager
-from ragen.rollout.types import EnvSpec, Turn
+from ragen.llm.chat_tokens import ChatTokens
+from ragen.rollout.types import EnvSpec, Turn, episode_ids, prompt_delta
 
 ctx = ContextManager(ContextConfig(max_actions_per_turn=3))
 
@@ -127,50 +129,138 @@ def test_single_turn_summarizes_the_last_turns():
     assert first == "(Turn 1):\n" + STATE.format(n=0, i=0, left=10, warn="").split(":\n", 1)[1]
 
 
-def test_log_probs_are_kept_only_where_the_prompt_was_the_training_context():
-    tidy = replace(_turn(0), response_ids=(1,), logprobs=(-0.5,))
-    messy = replace(tidy, response=" t0 </think><answer>a0</answer>")  # shown tidied: another context
-    assert ctx.sampled([tidy, tidy, messy, tidy]) == [((1,), (-0.5,))] * 3 + [((1,), None)]
-    window = ContextManager(ContextConfig(context_window_mode="limited_multi_turn", token_history="rerender", max_context_window=2))
-    assert [lp for _, lp in window.sampled([tidy] * 3)] == [(-0.5,), (-0.5,), None]
-    single = ContextManager(ContextConfig(context_window_mode="single_turn", token_history="rerender"))
-    assert [lp for _, lp in single.sampled([tidy] * 2)] == [None, None]
-
-
 def test_unknown_window_mode_names_the_key():
     with pytest.raises(ValueError, match="agent_proxy.context_window_mode"):
         ContextConfig(context_window_mode="sliding")
 
 
-class CharTokenizer:
-    """A tokenizer with a ChatML template: one token per character."""
+_SPECIAL = {"<|im_start|>": 1000, "<|im_end|>": 1001}
+END = _SPECIAL["<|im_end|>"]
 
-    def apply_chat_template(self, messages, add_generation_prompt=False, tokenize=False):
-        text = "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in messages)
-        return text + ("<|im_start|>assistant\n" if add_generation_prompt else "")
 
-    def __call__(self, text, add_special_tokens=False):
-        return {"input_ids": [ord(ch) for ch in text]}
+def _char_encode(text):
+    """One id per character, and one per ChatML special token."""
+    ids, i = [], 0
+    while i < len(text):
+        special = next((t for t in _SPECIAL if text.startswith(t, i)), None)
+        ids.append(_SPECIAL[special] if special else ord(text[i]))
+        i += len(special) if special else 1
+    return ids
+
+
+def _decode(ids):
+    names = {v: k for k, v in _SPECIAL.items()}
+    return "".join(names.get(i) or chr(i) for i in ids)
+
+
+def _render(messages, add_generation_prompt):
+    text = "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in messages)
+    return text + ("<|im_start|>assistant\n" if add_generation_prompt else "")
+
+
+CHAT = ChatTokens(_render, _char_encode, {END: "<|im_end|>"}, "char-chatml")
+
+
+def _played(c, spec, turns, ends=True, history=True):
+    """``turns`` with the ids an engine would give: each prompt appended to the episode's ids
+    (rendered whole without ``history``), each answer's characters, then the end token (``ends``)."""
+    out = []
+    for k, t in enumerate(turns):
+        messages = c.build_messages(spec, out, t.observation, t.actions_left)
+        prompt = (CHAT.append(episode_ids(out), messages, len(messages) - 1, c.answer_prefix)[0] if k and history
+                  else CHAT.full(messages, c.answer_prefix))
+        start, prompt_ids = prompt_delta(episode_ids(out), prompt)
+        answer = _char_encode(t.response) + ([END] if ends else [])
+        out.append(replace(t, prompt_ids=prompt_ids, prompt_start=start, response_ids=tuple(answer),
+                           logprobs=tuple(-0.1 * (i + 1) for i in range(len(answer))),
+                           finish_reason="stop" if ends else "length"))
+    return out
 
 
 @pytest.mark.parametrize("turn_scores", [False, True])
-def test_loss_mask_covers_exactly_the_models_tokens(turn_scores):
+def test_loss_mask_covers_exactly_the_sampled_tokens(turn_scores):
     c = ContextManager(ContextConfig(use_turn_scores=turn_scores))
-    turns = [_turn(0), _turn(1)]
-    messages = c.episode_messages(_spec(), turns)
-    [ep] = c.formulate_rollouts([{"messages": messages, "turn_rewards": [1.0, 2.0]}], CharTokenizer())
-    text = "".join(chr(i) for i in ep["input_ids"])
-    masked = "".join(chr(i) for i, m in zip(ep["input_ids"], ep["loss_mask"]) if m)
+    turns = _played(c, _spec(), [_turn(0), _turn(1)])
+    [ep] = c.formulate_rollouts([(_spec(), turns)], CHAT)
+    masked = _decode(i for i, m in zip(ep["input_ids"], ep["loss_mask"]) if m)
     # the answer prefix <think> was the prompt's end: not the model's
     assert masked == "t0</think><answer>a0</answer><|im_end|>t1</think><answer>a1</answer><|im_end|>"
-    assert text == CharTokenizer().apply_chat_template(messages).rstrip("\n")
+    assert ep["input_ids"] == episode_ids(turns)  # the ids the engine saw and sampled, token for token
+    assert _decode(ep["input_ids"]) == _render(c.episode_messages(_spec(), turns), False).rstrip("\n")
+    # every sampled token carries its log-prob; no prompt token does
+    logps = [x for x, m in zip(ep["behaviour_logprobs"], ep["loss_mask"]) if m]
+    assert logps == [x for t in turns for x in t.logprobs]
+    assert all(math.isnan(x) for x, m in zip(ep["behaviour_logprobs"], ep["loss_mask"]) if not m)
     rewards = np.array(ep["token_rewards"])
     nz = [i for i, r in enumerate(rewards) if r]
     assert all(ep["loss_mask"][i] for i in nz)
     if turn_scores:
-        assert list(rewards[nz]) == [1.0, 2.0]
+        assert list(rewards[nz]) == [-0.1, 0.9]
     else:
-        assert list(rewards[nz]) == [3.0] and nz[0] == max(i for i, m in enumerate(ep["loss_mask"]) if m)
+        assert list(rewards[nz]) == pytest.approx([0.8]) and nz[0] == max(i for i, m in enumerate(ep["loss_mask"]) if m)
+
+
+def test_the_sampled_ids_are_trained_even_where_their_text_encodes_otherwise():
+    c = ContextManager(ContextConfig())
+    turns = _played(c, _spec(), [_turn(0), _turn(1)])
+    # the engine sampled "a0" as one id that the text's encoding would split
+    odd = list(turns[0].response_ids)
+    odd[odd.index(ord("a")):odd.index(ord("a")) + 2] = [5000]
+    turns[0] = replace(turns[0], response_ids=tuple(odd), logprobs=tuple([-0.3] * len(odd)))
+    turns = _played_after(c, turns)
+    [ep] = c.formulate_rollouts([(_spec(), turns)], CHAT)
+    assert ep["input_ids"] == episode_ids(turns) and 5000 in ep["input_ids"]
+    assert not any(math.isnan(x) for x, m in zip(ep["behaviour_logprobs"], ep["loss_mask"]) if m)
+
+
+def _played_after(c, turns):
+    """The second turn's prompt appended again to the (edited) first turn's ids."""
+    messages = c.build_messages(_spec(), turns[:1], turns[1].observation, turns[1].actions_left)
+    prompt = CHAT.append(episode_ids(turns[:1]), messages, len(messages) - 1, c.answer_prefix)[0]
+    start, ids = prompt_delta(episode_ids(turns[:1]), prompt)
+    return [turns[0], replace(turns[1], prompt_ids=ids, prompt_start=start)]
+
+
+@pytest.mark.parametrize("train_end", [False, True])
+def test_the_end_token_after_a_cut_answer_is_not_the_models_unless_asked(train_end):
+    c = ContextManager(ContextConfig(train_end_after_cut=train_end))
+    turns = _played(c, _spec(), [_turn(0), _turn(1)], ends=False)
+    [ep] = c.formulate_rollouts([(_spec(), turns)], CHAT)
+    ids, mask = ep["input_ids"], ep["loss_mask"]
+    ends = [i for i, t in enumerate(ids) if t == END and i > 0 and ids[i - 1] == ord(">")
+            and _decode(ids[i - 9:i]) == "</answer>"]
+    # the template closes the first (cut) answer in the second prompt; the last gets its end only when trained
+    assert [mask[i] for i in ends] == ([1, 1] if train_end else [0])
+    assert ids[:len(episode_ids(turns))] == episode_ids(turns)
+    assert all(math.isnan(ep["behaviour_logprobs"][i]) for i in ends)
+
+
+def test_without_prompt_ids_the_template_builds_the_sequence_and_log_probs_are_unknown():
+    c = ContextManager(ContextConfig())
+    played = _played(c, _spec(), [_turn(0), _turn(1)])
+    bare = [replace(t, prompt_ids=(), prompt_start=0) for t in played]
+    [ep] = c.formulate_rollouts([(_spec(), bare)], CHAT)
+    assert ep["input_ids"] == episode_ids(played)
+    assert all(math.isnan(x) for x in ep["behaviour_logprobs"])
+    # no ids at all: the answers' text is encoded
+    text_only = [replace(t, response_ids=(), logprobs=None) for t in bare]
+    [ep2] = c.formulate_rollouts([(_spec(), text_only)], CHAT)
+    assert _decode(i for i, m in zip(ep2["input_ids"], ep2["loss_mask"]) if m) == \
+        "t0</think><answer>a0</answer>t1</think><answer>a1</answer>"
+
+
+def test_rerendered_prompts_keep_log_probs_only_while_they_extend_the_sampled_ids():
+    c = ContextManager(ContextConfig(token_history="rerender", max_actions_per_turn=1))
+    messy = replace(_turn(0), response=" t0 </think><answer>a0 || a1</answer>")  # shown tidied: another context
+    for first, known in ((_turn(0), True), (messy, False)):
+        turns = _played(c, _spec(), [first, _turn(1), _turn(2)], history=False)
+        [ep] = c.formulate_rollouts([(_spec(), turns)], CHAT)
+        lp = [x for x, m in zip(ep["behaviour_logprobs"], ep["loss_mask"]) if m]
+        n0 = len(turns[0].response_ids)
+        assert not any(math.isnan(x) for x in lp[:n0])  # the first prompt is always the context
+        assert all(math.isnan(x) for x in lp[n0:]) != known
+        masked = _decode(i for i, m in zip(ep["input_ids"], ep["loss_mask"]) if m)
+        assert masked.startswith(first.response)  # trained as sampled, not as shown
 
 
 def test_bad_context_config_names_key():
@@ -215,11 +305,11 @@ def test_format_example_is_shown_but_never_trained_on():
     prompt = c.build_messages(spec, [_turn(0)], "obs1", 9)
     assert [m["role"] for m in prompt] == ["system", "user", "assistant", "user", "assistant", "user"]
     assert "example state" in prompt[1]["content"] and prompt[2]["content"] == "<answer> wolf </answer>"
-    messages = c.episode_messages(spec, [_turn(0)])
-    [ep] = c.formulate_rollouts([{"messages": messages, "turn_rewards": [2.0]}], CharTokenizer())
-    masked = "".join(chr(i) for i, m in zip(ep["input_ids"], ep["loss_mask"]) if m)
+    [ep] = c.formulate_rollouts([(spec, _played(c, spec, [_turn(0)]))], CHAT)
+    masked = _decode(i for i, m in zip(ep["input_ids"], ep["loss_mask"]) if m)
     assert masked == "t0</think><answer>a0</answer><|im_end|>"  # the model's answer only, not the example's
-    assert sum(ep["token_rewards"]) == 2.0
+    assert "wolf" in _decode(ep["input_ids"])
+    assert sum(ep["token_rewards"]) == pytest.approx(-0.1)
 
 
 def test_the_prompts_action_list_comes_from_the_config_class_defaults(caplog):

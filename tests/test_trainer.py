@@ -15,7 +15,8 @@ import torch
 from hydra import compose, initialize_config_dir
 
 from ragen.llm.types import GenerationRequest, SamplingParams
-from ragen.rollout.context import ContextConfig, ContextManager
+from ragen.llm.chat_tokens import ChatTokens
+from ragen.rollout.context import ContextConfig
 from ragen.trainer import AgentTrainer, PPOActor, Sample, TrainerConfig, compute_advantages, filter_groups
 from ragen.trainer import checkpoint as ckpt
 from ragen.trainer.config import ActorSection, OptimSection
@@ -132,13 +133,14 @@ def test_policy_loss_clips_only_where_it_should():
 
 
 def _episode_samples(tokenizer, answers, advantages, prompt="Choose dragon or phoenix.", group=0):
-    ctx = ContextManager(ContextConfig(enable_think=False))
+    chat = ChatTokens.of(tokenizer)
     system = {"role": "system", "content": "You're a helpful assistant. Pick one arm."}
-    episodes = [{"messages": [system, {"role": "user", "content": prompt}, {"role": "assistant", "content": a}],
-                 "turn_rewards": [float(adv)]} for a, adv in zip(answers, advantages)]
-    rows = ctx.formulate_rollouts(episodes, tokenizer)
-    return [Sample(r["input_ids"], r["loss_mask"], float(adv), group_key=group)
-            for r, adv in zip(rows, advantages)]
+    ids = chat.full([system, {"role": "user", "content": prompt}])
+    samples = []
+    for a, adv in zip(answers, advantages):
+        answer = chat.encode(a) + [tokenizer.eos_token_id]
+        samples.append(Sample(ids + answer, [0] * len(ids) + [1] * len(answer), float(adv), group_key=group))
+    return samples
 
 
 def test_shared_prefix_log_probs_and_gradients_match_plain_passes(tiny_model_and_tokenizer):
@@ -551,16 +553,11 @@ def _behaviour_and_recomputed(trainer, samples):
     ("default", 0.0), ("default", 1.0), ("default", 0.7), ("tiny", 0.0), ("tiny", 1.3),
 ])
 def test_engine_log_probs_are_the_trainers_recomputed_ones(tiny_model_path, tmp_path, model, temperature):
-    """The bookkeeping of log-probs is right (masks, chat template, temperature): the log-prob the hf
-    engine (float32) sampled each answer token with equals the trainer's recomputation within 1e-4,
-    over two-turn episodes of a rollout, greedy and sampled, for the default model and the tiny one.
-
-    A behaviour log-prob is known where the trainer's tokens (the chat template over the answer
-    text) are the engine's, in the context the engine sampled them in: for the default model's
-    answers most of them (not the end-of-turn token the template adds to an answer cut at
-    max_tokens, nor a second turn after an answer that its prompt showed tidied, as RAGEN's
-    prompts do: ContextManager.sampled); the random tiny model samples bytes that are not UTF-8,
-    which decode and encode back as other tokens, and the tokens from there on are not known."""
+    """The trainer trains the tokens the engine sampled, in the context it sampled them in: every
+    answer token of two-turn episodes carries the log-prob the hf engine (float32) sampled it with,
+    equal to the trainer's recomputation within 1e-4, greedy and sampled, for the default model and
+    the tiny one (whose random answers hold bytes that are not UTF-8 and would encode back as other
+    tokens)."""
     path = tiny_model_path if model == "tiny" else "default"
     cfg = compose_cfg(small_overrides(path, tmp_path / "run", f"ctx_manager.generation.temperature={temperature}"))
     with AgentTrainer(cfg) as trainer:
@@ -574,7 +571,7 @@ def test_engine_log_probs_are_the_trainers_recomputed_ones(tiny_model_path, tmp_
         n_answer_tokens = sum(s.num_loss_tokens for s in samples)
         print(f"{model} T={temperature}: {len(pairs)} of {n_answer_tokens} answer tokens have the engine's "
               f"log-prob; largest difference {max(abs(b - r) for b, r in pairs):.2e}")
-        assert len(pairs) > (0.7 if model == "default" else 0.05) * n_answer_tokens
+        assert len(pairs) == n_answer_tokens
         assert max(abs(b - r) for b, r in pairs) < 1e-4
 
 
@@ -585,8 +582,7 @@ def test_importance_weights_are_one_on_policy_and_not_after_an_update(tiny_model
         for i, s in enumerate(samples):  # move the weights whatever the rewards were
             s.advantage = 1.0 if i % 2 == 0 else -1.0
         on_policy = trainer.actor.update(samples, 1)
-        # the random model's tokens that re-encode as themselves (see the test above)
-        assert on_policy["off_policy/logprob_token_frac"] > 0.05
+        assert on_policy["off_policy/logprob_token_frac"] == 1.0
         assert on_policy["off_policy/mismatch_kl"] < 1e-6
         assert on_policy["off_policy/is_weight_mean"] == pytest.approx(1.0, abs=1e-4)
         assert on_policy["off_policy/over_cap_frac"] == 0.0

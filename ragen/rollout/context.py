@@ -18,10 +18,10 @@ trajectories to training tensors.
   ``max_actions_per_turn``; ``normalize_response`` is the answer as later
   prompts show it (RAGEN's tidied ``<think>..</think><answer>..</answer>``).
   Never raises.
-- ``formulate_rollouts``: token ids of each whole episode with a loss mask over
-  the model's own tokens only, rewards at the end of each answer
-  (``use_turn_scores``) or at the last answer token, and, where the engine gave
-  them, the log-prob each answer token was sampled with.
+- ``formulate_rollouts``: the token ids of each whole episode as the engine saw
+  and sampled them, with a loss mask over the sampled tokens only, rewards at
+  the end of each answer (``use_turn_scores``) or at the last answer token, and
+  the log-prob each answer token was sampled with.
 - ``GROUPINGS`` / ``METHODS`` / ``WINDOW_MODES``: the config's choices;
   the trainer normalizes rewards (``ragen.trainer.core.normalize_rewards``).
 """
@@ -33,8 +33,8 @@ import re
 from dataclasses import dataclass
 from typing import Any, Sequence
 
+from ragen.llm.chat_tokens import ChatTokens
 from ragen.rollout.types import EnvSpec, Turn
-from ragen.utils import common_prefix_length
 
 FORMAT_THINK = "<think> [Your thoughts] </think> <answer> [your answer] </answer>"
 FORMAT_ANSWER = "<answer> [your answer] </answer>"
@@ -161,22 +161,6 @@ class ContextManager:
         around its tags or more actions than a turn takes."""
         return self._head(spec) + self._conversation(spec, self._entries(turns, as_written=True), 0)
 
-    def sampled(self, turns: Sequence[Turn]) -> list[tuple[tuple[int, ...], tuple[float, ...] | None]]:
-        """Each turn's sampled ids and their log-probs, for ``formulate_rollouts``;
-        the log-probs None where the turn's prompt is not its context in
-        ``episode_messages`` (a log-prob holds only under the context it was
-        sampled in): after an earlier answer that the prompts showed tidied
-        otherwise than written, and where the layout cut or summarized the
-        history."""
-        cfg = self.config
-        out, same = [], True
-        for k, t in enumerate(turns):
-            cut = cfg.context_window_mode == "single_turn" or (
-                cfg.context_window_mode == "limited_multi_turn" and 0 < cfg.max_context_window <= k)
-            out.append((t.response_ids, t.logprobs if same and not cut else None))
-            same = same and self.normalize_response(t.response) == self.answer_prefix + t.response
-        return out
-
     def _entries(self, turns: Sequence[Turn], current: tuple[str, int] | None = None,
                  as_written: bool = False) -> list[_Entry]:
         """The turns as prompts show them, then the ``current`` state (observation, actions left) if given;
@@ -272,73 +256,70 @@ class ContextManager:
         return f"<answer>{content}</answer>", actions
 
     # ----- training ------------------------------------------------------------
-    def formulate_rollouts(self, episodes: Sequence[dict[str, Any]], tokenizer: Any,
+    def formulate_rollouts(self, episodes: Sequence[tuple[EnvSpec, Sequence[Turn]]], chat: ChatTokens,
                            max_length: int | None = None) -> list[dict[str, Any]]:
-        """Token ids, loss mask and per-token rewards of each episode.
+        """Token ids, loss mask, per-token rewards and behaviour log-probs of each ``(spec, turns)`` episode.
 
-        ``episodes``: dicts with ``messages`` (system, user, assistant, ...) and
-        ``turn_rewards`` (one float per turn). The sequence is built piece by
-        piece so that the loss mask is exact: prompt pieces (system, user, the
-        template's headers, the answer prefix) get mask 0, each answer and the
-        template's end-of-turn token after it get mask 1. Assistant messages before the
-        last ``len(turn_rewards)`` ones are format examples: mask 0.
-
-        ``sampled`` (optional; one per turn): the engine's ``(token ids,
-        log-probs)`` of each answer (log-probs None where the engine gave none).
-        ``behaviour_logprobs`` then holds, per token, the log-prob it was sampled
-        with: for the answer tokens up to where the engine's tokens and these
-        first differ (a token's log-prob holds only after the same prefix), NaN
-        elsewhere; None without ``sampled``.
+        The sequence is the first prompt, then each answer's sampled ids (mask
+        1), each followed by what the next prompt adds (mask 0). A turn whose
+        prompt, as the engine saw it, starts with the sequence so far (always
+        under ``token_history: append``) adds exactly those ids, and its answer
+        tokens carry the log-prob each was sampled with. Otherwise (a prompt
+        rendered whole that rewrote an earlier answer, or no prompt ids from the
+        engine) the sequence appends the template's tokens of the new message
+        (``ChatTokens.append``) and the answer's log-probs are NaN: they were
+        sampled under another context. An answer without ids is encoded from its
+        text. The end-of-turn token the template adds after an answer that did
+        not end with one (cut at its length) has mask 0, or 1 with
+        ``train_end_after_cut``. Rewards sit on each answer's last token
+        (``use_turn_scores``) or all on the last answer's.
         """
         out = []
-        for ep in episodes:
-            ids, mask, rewards, behaviour = self._tokenize_episode(ep["messages"], ep["turn_rewards"], tokenizer,
-                                                                   ep.get("sampled"))
+        for spec, turns in episodes:
+            ids, mask, rewards, behaviour = self._episode_tokens(spec, turns, chat)
             if max_length is not None and len(ids) > max_length:
-                ids, mask, rewards = ids[:max_length], mask[:max_length], rewards[:max_length]
-                behaviour = None if behaviour is None else behaviour[:max_length]
+                ids, mask, rewards, behaviour = (x[:max_length] for x in (ids, mask, rewards, behaviour))
             out.append({"input_ids": ids, "loss_mask": mask, "token_rewards": rewards,
                         "behaviour_logprobs": behaviour})
         return out
 
-    def _tokenize_episode(self, messages, turn_rewards, tokenizer, sampled=None):
+    def _episode_tokens(self, spec: EnvSpec, turns: Sequence[Turn], chat: ChatTokens):
+        messages: list[dict[str, str]] = []  # the head, then a user message and an answer per turn (when needed)
         ids: list[int] = []
         mask: list[int] = []
-        rewards: list[float] = []
-        behaviour: list[float] | None = None if sampled is None else []
-        answers = iter(sampled or ())
-        rendered = ""
+        behaviour: list[float] = []
         answer_ends: list[int] = []
-        n_examples = sum(m["role"] == "assistant" for m in messages) - len(turn_rewards)
-        for k, msg in enumerate(messages):
-            if msg["role"] != "assistant":
-                continue
-            example = n_examples > 0
-            n_examples -= 1
-            before = tokenizer.apply_chat_template(messages[:k], add_generation_prompt=True, tokenize=False)
-            after = tokenizer.apply_chat_template(messages[: k + 1], tokenize=False)
-            prompt_piece = before[len(rendered):]
-            answer_piece = after[len(before):].rstrip("\n")  # the template's trailing newline is not the model's
-            # the answer prefix was part of the prompt the engine tokenized: not the model's either
-            written = answer_piece
-            if not example and answer_piece.startswith(self.answer_prefix):
-                written = answer_piece[len(self.answer_prefix):]
-            p = tokenizer(prompt_piece + answer_piece[:len(answer_piece) - len(written)],
-                          add_special_tokens=False)["input_ids"]
-            a = tokenizer(written, add_special_tokens=False)["input_ids"]
-            ids += p + a
-            mask += [0] * len(p) + [0 if example else 1] * len(a)
-            rewards += [0.0] * (len(p) + len(a))
-            if behaviour is not None:
-                known: list[float] = []
-                if not example:
-                    engine_ids, logprobs = next(answers, ((), None))
-                    if logprobs is not None:
-                        known = list(logprobs[:common_prefix_length([a, list(engine_ids)])])
-                behaviour += [math.nan] * len(p) + known + [math.nan] * (len(a) - len(known))
-            if not example:
-                answer_ends.append(len(ids) - 1)
-            rendered = before + answer_piece
+        seen: list[int] = []  # the episode's ids as the engine saw and sampled them
+        open_end = False  # the last answer did not end its turn
+        for k, turn in enumerate(turns):
+            prompt = seen[:turn.prompt_start] + list(turn.prompt_ids) if turn.has_prompt_ids else None
+            exact = prompt is not None and prompt[:len(ids)] == ids
+            if not exact:
+                messages = messages or self.episode_messages(spec, turns)
+                head = len(messages) - 2 * len(turns)
+                shown = messages[:head + 2 * k + 1]
+                prompt = chat.full(shown, self.answer_prefix) if k == 0 else \
+                    chat.append(ids, shown, head + 2 * k, self.answer_prefix)[0]
+            added = len(prompt) - len(ids)
+            ids = prompt
+            mask += [0] * added
+            if open_end and self.config.train_end_after_cut and added and ids[len(ids) - added] in chat.end_texts:
+                mask[len(ids) - added] = 1
+            answer = list(turn.response_ids) if turn.response_ids or not turn.response else chat.encode(turn.response)
+            logprobs = turn.logprobs if exact and turn.logprobs is not None and len(turn.logprobs) == len(answer) \
+                else None
+            behaviour += [math.nan] * added + (list(logprobs) if logprobs is not None else [math.nan] * len(answer))
+            ids = ids + answer
+            mask += [1] * len(answer)
+            answer_ends.append(len(ids) - 1)
+            open_end = not answer or answer[-1] not in chat.end_texts
+            seen = seen[:turn.prompt_start] + list(turn.prompt_ids) + list(turn.response_ids)
+        if open_end and self.config.train_end_after_cut and turns:
+            end = chat.encode(chat.closing())[:1]
+            if end and end[0] in chat.end_texts:
+                ids, mask, behaviour = ids + end, mask + [1], behaviour + [math.nan]
+        rewards = [0.0] * len(ids)
+        turn_rewards = [t.reward + t.penalty for t in turns]
         if answer_ends:
             if self.config.use_turn_scores:
                 for end, r in zip(answer_ends, turn_rewards):

@@ -49,6 +49,7 @@ import torch
 
 from ragen.config_reader import to_plain
 from ragen.llm import STREAMING_ENGINES, check_engine_config, engine_returns_logprobs, engine_streams
+from ragen.llm.chat_tokens import ChatTokens
 from ragen.llm.default_model import resolve_model_path
 from ragen.rollout.proxy import AgentSetup, LLMAgentProxy
 from ragen.rollout.backends.ahead import staleness
@@ -147,6 +148,8 @@ class AgentTrainer:
                               weights_lock=(lambda: self.proxy.engine_lock) if shares_weights else None,
                               temperature=temperature, correction=self.correction)
         self.ctx = ContextManager(self.setup.loop.context)
+        # the template and tokenizer the engine built prompts with (a vLLM engine's are the same files)
+        self.chat = engine.chat if self.engine_name == "hf" else ChatTokens.of(self.tokenizer, self.model)
         self.global_step = 0
         logger.info("trainable parameters: %d (%s); off-policy correction: %s%s", self.actor.num_trainable,
                     f"LoRA rank {self.config.model.lora_rank}" if self.config.use_lora else "full fine-tuning",
@@ -305,10 +308,7 @@ class AgentTrainer:
         metrics: dict[str, float] = {}
         if not trajs:
             return [], {"batch/n_samples": 0.0}
-        episodes = [{"messages": self.ctx.episode_messages(spec, t.turns),
-                     "turn_rewards": [tn.reward + tn.penalty for tn in t.turns],
-                     "sampled": self.ctx.sampled(t.turns)} for t, spec in trajs]
-        rows = self.ctx.formulate_rollouts(episodes, self.tokenizer, cfg.rollout.max_model_len)
+        rows = self.ctx.formulate_rollouts([(spec, t.turns) for t, spec in trajs], self.chat, cfg.rollout.max_model_len)
         n_turns = sum(len(t.turns) for t, _ in trajs)
         answer_tokens = [sum(r["loss_mask"]) for r in rows]
         metrics["response_length/mean"] = sum(answer_tokens) / max(n_turns, 1)
