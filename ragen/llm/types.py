@@ -124,6 +124,9 @@ class Completion(_PlainData):
     # log p of each response token under the distribution it was sampled from (temperature,
     # top-k, top-p applied); None: the engine gives none
     logprobs: list[float] | None = None
+    # > 0: the prompt is the first ``prompt_start`` ids of the request's ``history_token_ids``, then
+    # ``prompt_token_ids`` (what crosses to a worker: it holds the history already)
+    prompt_start: int = 0
 
     @classmethod
     def answering(cls, request: GenerationRequest, text: str, prompt_token_ids: list[int],

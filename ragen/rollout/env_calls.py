@@ -338,8 +338,12 @@ def apply_answer(slot: EnvSlot, completion: Completion, ctx: ContextManager, con
             break
     env_s = time.perf_counter() - t0
     penalty = config.format_penalty if (not valid or len(valid) != len(actions)) else 0.0
-    prompt_start, prompt_ids = prompt_delta(episode_ids(slot.traj.turns), completion.prompt_token_ids) \
-        if completion.prompt_token_ids else (0, ())
+    if completion.prompt_start:  # sent as the ids after the episode's, which the request carried
+        prompt_start, prompt_ids = completion.prompt_start, tuple(completion.prompt_token_ids)
+    elif completion.prompt_token_ids:
+        prompt_start, prompt_ids = prompt_delta(episode_ids(slot.traj.turns), completion.prompt_token_ids)
+    else:
+        prompt_start, prompt_ids = 0, ()
     slot.traj.turns.append(
         Turn(
             observation=shown,

@@ -420,11 +420,14 @@ def completion_for_wire(completion: Completion, request: GenerationRequest) -> d
     if not isinstance(completion, Completion):
         raise TypeError(f"the engine returned {type(completion).__name__}, not a Completion, for the request "
                         f"of env_id {request.env_id}, turn {request.turn}")
-    # Workers keep the answer's token ids and log-probs with its turn (the trainer's
-    # off-policy correction reads them), never the prompt's: those are most of a
-    # completion's bytes and of its encoding time, and the trainer renders prompts itself.
+    # The worker keeps the prompt's ids with its turn (the trainer trains them). A prompt that
+    # appends to the request's history ids crosses as the ids after them: the worker has those.
     d = completion.to_dict()
-    d["prompt_token_ids"] = []
+    history = request.history_token_ids
+    prompt = completion.prompt_token_ids
+    if history and not completion.prompt_start and len(prompt) >= len(history) and prompt[:len(history)] == history:
+        d["prompt_token_ids"] = prompt[len(history):]
+        d["prompt_start"] = len(history)
     return d
 
 
