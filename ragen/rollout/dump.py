@@ -99,7 +99,9 @@ def write_dump(directory: str | os.PathLike, name: str, result: RolloutResult, l
     directory.mkdir(parents=True, exist_ok=True)
     ctx = ContextManager(loop.context)
     loop_row = _loop_row(loop)
-    lines = [json.dumps(_record_row(t, s, ctx, loop, loop_row, split, step), ensure_ascii=False, default=str)
+    # no spaces after separators: token ids are most of a line, and a space is a third of a short id's bytes
+    lines = [json.dumps(_record_row(t, s, ctx, loop, loop_row, split, step), ensure_ascii=False, default=str,
+                        separators=(",", ":"))
              for t, s in zip(result.trajectories, result.specs)]
     data = ("\n".join(lines) + "\n").encode()
     path = directory / f"{name}.jsonl"
