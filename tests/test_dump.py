@@ -15,10 +15,10 @@ from ragen.rollout.dump import DumpError, dump_name, read_dump, write_dump
 from ragen.serving import DirectClient, SharedLLMInferenceManager
 from ragen.rollout.backends.parallel import ParallelRolloutManager
 from ragen.rollout.loop import KeptEnvs, run_envs
-from ragen.rollout.types import RolloutResult, StopReason
+from ragen.rollout.types import RolloutResult, StopReason, episode_ids
 
 from tests.dump_cases import BAD_DUMPS, write_bad_dump
-from tests.rollout_helpers import custom_envs, fault_tag, loop_config, specs_for
+from tests.rollout_helpers import custom_envs, fault_tag, loop_config, sequential, specs_for
 
 
 class _Recording(ScriptedEngine):
@@ -97,6 +97,45 @@ def test_a_version_1_dump_reads_back_in_todays_terms(played, tmp_path):
     records = read_dump(old)
     assert [r.trajectory for r in records] == result.trajectories
     assert all(r.spec.format_example == ("state", "<answer>Up</answer>") for r in records)
+
+
+def test_token_ids_read_back_as_the_engine_saw_and_sampled_them(tmp_path):
+    """A turn's prompt ids are written as the ids added since the turn before; read back,
+    every episode's ids are the engine's, token for token."""
+    specs = specs_for(["SimpleSokoban", "FrozenLake"], [2, 1], 2, custom_envs())
+    config = loop_config(max_turn=4)
+    trajectories = sequential(specs, config)
+    assert max(len(t.turns) for t in trajectories) >= 3
+    assert all(turn.prompt_ids and turn.response_ids for t in trajectories for turn in t.turns)
+    path = write_dump(tmp_path, "d", RolloutResult(trajectories, specs), config, split="train", step=0)
+    records = read_dump(path)
+    for r, t in zip(records, trajectories):
+        for k in range(1, len(t.turns) + 1):
+            assert episode_ids(r.trajectory.turns[:k]) == episode_ids(t.turns[:k])
+        assert [(u.prompt_start, u.prompt_ids, u.response_ids, u.logprobs) for u in r.trajectory.turns] == \
+            [(u.prompt_start, u.prompt_ids, u.response_ids, u.logprobs) for u in t.turns]
+    # linear in turns: a later turn writes only what its prompt added, never the episode so far
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    for row, t in zip(rows, trajectories):
+        for i, turn in enumerate(row["turns"][1:], 1):
+            assert turn["prompt_start"] == len(episode_ids(t.turns[:i]))
+            assert len(turn["prompt_ids"]) < len(episode_ids(t.turns[:i]))
+
+
+def test_a_version_2_dump_reads_back_with_no_prompt_ids(played, tmp_path):
+    result, config, _ = played
+    rows = [json.loads(line) for line in _lines(played, tmp_path)]
+    for row in rows:
+        row["version"] = 2
+        for turn in row["turns"]:
+            del turn["prompt_ids"], turn["prompt_start"]
+    old = tmp_path / "v2.jsonl"
+    old.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    records = read_dump(old)
+    assert [r.trajectory for r in records] == result.trajectories
+    turns = [(u, t) for r, tr in zip(records, result.trajectories) for u, t in zip(r.trajectory.turns, tr.turns)]
+    assert all(u.prompt_ids == () and u.prompt_start == 0 and not u.has_prompt_ids for u, _ in turns)
+    assert all((u.response_ids, u.logprobs) == (t.response_ids, t.logprobs) for u, t in turns)
 
 
 def _lines(played, tmp_path) -> list[str]:

@@ -148,6 +148,23 @@ def test_env_calls_run_in_the_calling_thread_and_raise_on_request(monkeypatch, t
     with pytest.raises(RuntimeError, match="injected step failure"):
         replay(record, raise_errors=True, env_types=allowed)
 
+def test_the_engine_gives_the_dumped_prompt_ids_and_a_changed_one_is_reported(tmp_path, capsys):
+    specs, config = specs_for(["SimpleSokoban", "FrozenLake"], [1, 1], 2, custom_envs()), loop_config(max_turn=4)
+    trajectories, _ = run_envs(specs, DirectClient(ScriptedEngine(**ENGINE)), config, kept_envs=KeptEnvs())
+    path = write_dump(tmp_path, "d", RolloutResult(trajectories, specs), config, split="train", step=0)
+    assert all(t.has_prompt_ids for r in read_dump(path) for t in r.trajectory.turns)
+    scripted = ["--engine", "scripted"] + [f"--engine-opt={k}={v}" for k, v in ENGINE.items()]
+    assert main([str(path), *scripted]) == 0
+    assert main([str(path)]) == 0  # the recorded answers: no prompt ids to compare
+    env_id, turn = _a_turn_with_steps(path, "SimpleSokoban")
+
+    def edit(row):
+        row["turns"][turn]["prompt_ids"][-1] += 1
+
+    capsys.readouterr()
+    assert main([_tampered(path, tmp_path, env_id, edit), "--env-id", str(env_id), *scripted]) == 1
+    assert f"differs at turn {turn}: prompt ids: the dump has " in capsys.readouterr().out
+
 
 @pytest.mark.timeout(300)
 def test_greedy_hf_decoding_replays_the_dump(tiny_model_path, tmp_path):

@@ -188,6 +188,27 @@ def test_think_and_answer_are_shown_apart_and_malformed_answers_raw(records, pag
     assert page.count('<details class="prompt">') == sum(len(r.trajectory.turns) for r in records)
 
 
+def test_each_turn_shows_the_prompt_tokens_it_added_and_the_tokens_it_sampled(dump, records, page, tmp_path):
+    for r in records:
+        for turn in r.trajectory.turns:
+            assert turn.has_prompt_ids and turn.response_ids
+            assert f"tokens +{len(turn.prompt_ids)} prompt, {len(turn.response_ids)} sampled</span>" in page
+    # a dump without prompt ids (format 2) shows the sampled ones; one without ids shows none
+    rows = [json.loads(line) for line in dump.read_text().splitlines()]
+    for row in rows:
+        row["version"] = 2
+        for turn in row["turns"]:
+            del turn["prompt_ids"], turn["prompt_start"]
+    old = tmp_path / "v2.jsonl"
+    old.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    old_page = render_html(read_dump(old))
+    assert 'class="tokens"' in old_page and " prompt, " not in old_page
+    bare = [dataclasses.replace(r, trajectory=dataclasses.replace(r.trajectory, turns=[
+        dataclasses.replace(t, response_ids=(), logprobs=None) for t in r.trajectory.turns]))
+        for r in read_dump(old)]
+    assert 'class="tokens"' not in render_html(bare)
+
+
 def test_text_is_escaped(records):
     r = records[0]
     evil = "<script>alert(1)</script>&"

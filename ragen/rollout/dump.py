@@ -5,16 +5,20 @@ A dump holds what a person needs to understand an episode and what
 seed, group), the turn loop's settings (prompt format, sampling), and per turn
 the prompt messages, the raw answer, the actions parsed and executed, each
 ``env.step``'s observation, reward and done flag, the env's info, the policy
-version and the request's sampling seed; then the stop reason, error text,
-timings and the worker that ran it.
+version and the request's sampling seed, and the tokens as the engine saw and
+sampled them (``Turn.prompt_ids`` and ``prompt_start``: only the prompt's ids
+added since the previous turn, so a dump stays linear in turns;
+``response_ids`` and ``logprobs``); then the stop reason, error text, timings
+and the worker that ran it.
 
 - ``write_dump(directory, name, result, loop, split=, step=)``: the driver
   writes one file after a rollout (never the workers): ``<name>.jsonl``, or
   ``<name>.jsonl.gz`` when it is large.
 - ``read_dump(path) -> list[DumpRecord]``: every line checked; a missing,
   truncated or foreign file, a field of the wrong type (each field against
-  its dataclass's annotation), JSON nested too deeply or an env id twice
-  raises ``DumpError`` naming the file and line.
+  its dataclass's annotation), token ids that do not follow on from the
+  turn before, JSON nested too deeply or an env id twice raises ``DumpError``
+  naming the file and line. Versions 1 and 2 read back with no prompt ids.
 - ``DumpRecord``: one line as typed records (``EnvSpec``, ``LoopConfig``,
   ``Trajectory``), plus the prompts and request seeds.
 
@@ -45,7 +49,8 @@ from ragen.utils import common_prefix_length
 FORMAT = "ragen.rollout_dump"
 # 2: RAGEN's prompts: a turn's response is the text after the answer prefix, a spec has state_legend
 # and action_names, and its format_example is (observation, answer)
-VERSION = 2
+# 3: a turn's prompt ids as the engine saw them (prompt_ids, prompt_start)
+VERSION = 3
 COMPRESS_ABOVE_BYTES = 4 << 20  # a dump larger than this is written gzipped
 # free-form values (an env's info and config) nest at most this deep: deeper ones would overflow the
 # recursion of the code that renders or builds from them
@@ -94,7 +99,9 @@ def write_dump(directory: str | os.PathLike, name: str, result: RolloutResult, l
     directory.mkdir(parents=True, exist_ok=True)
     ctx = ContextManager(loop.context)
     loop_row = _loop_row(loop)
-    lines = [json.dumps(_record_row(t, s, ctx, loop, loop_row, split, step), ensure_ascii=False, default=str)
+    # no spaces after separators: token ids are most of a line, and a space is a third of a short id's bytes
+    lines = [json.dumps(_record_row(t, s, ctx, loop, loop_row, split, step), ensure_ascii=False, default=str,
+                        separators=(",", ":"))
              for t, s in zip(result.trajectories, result.specs)]
     data = ("\n".join(lines) + "\n").encode()
     path = directory / f"{name}.jsonl"
@@ -215,6 +222,7 @@ def _record(row: Any, where: str, number: int) -> DumpRecord:
         turns, messages, seeds = [], [], []
         turn_fields = {f.name for f in dataclasses.fields(Turn)}
         previous: list = []
+        episode_length = 0  # len(episode_ids(turns)), kept as the turns are read
         for t in row["turns"]:
             for name, value in (("prompt.from_previous", t["prompt"]["from_previous"]),
                                 ("request_seed", t["request_seed"])):
@@ -227,12 +235,12 @@ def _record(row: Any, where: str, number: int) -> DumpRecord:
             previous = previous[:kept] + list(t["prompt"]["messages"])
             messages.append(previous)
             seeds.append(t["request_seed"])
-            logprobs = t.get("logprobs")
+            ids = _token_fields(t, len(turns), episode_length)
+            start, prompt_ids, response_ids = ids["prompt_start"], ids["prompt_ids"], ids["response_ids"]
+            episode_length = min(start, episode_length) + len(prompt_ids) + len(response_ids)
             turns.append(Turn(**{**{k: v for k, v in t.items() if k in turn_fields},
                                  "response": answer(t.get("response")),
-                                 "steps": tuple(Step(**s) for s in t["steps"]),
-                                 "response_ids": tuple(t.get("response_ids") or ()),
-                                 "logprobs": None if logprobs is None else tuple(logprobs)}))
+                                 "steps": tuple(Step(**s) for s in t["steps"]), **ids}))
         traj_fields = {f.name for f in dataclasses.fields(Trajectory)}
         traj = Trajectory(**{**{k: v for k, v in row.items() if k in traj_fields},
                              "turns": turns, "stop_reason": StopReason(row["stop_reason"]),
@@ -262,6 +270,27 @@ def _record(row: Any, where: str, number: int) -> DumpRecord:
         raise DumpError(f"{where}: a field is missing or malformed ({type(exc).__name__}: {exc})") from None
     return DumpRecord(split=row["split"], step=row["step"], spec=spec, loop=loop, trajectory=traj,
                       messages=messages, request_seeds=seeds, line=number)
+
+
+def _token_fields(t: dict, i: int, episode_length: int) -> dict[str, Any]:
+    """Turn ``i``'s ``prompt_ids``, ``prompt_start``, ``response_ids`` and ``logprobs``
+    as ``Turn`` holds them (absent, as before version 3: no prompt ids); raise
+    ``_BadField`` naming the one of the wrong type, or a start past the ids of the
+    turns before (``episode_length`` of them)."""
+    out: dict[str, Any] = {}
+    for name, hint, kind in (("prompt_ids", list[int], "a list of int"), ("response_ids", list[int], "a list of int"),
+                             ("logprobs", list[float] | None, "a list of float or null")):
+        value = t.get(name, [] if name != "logprobs" else None)
+        if not _is_a(value, hint):
+            raise _BadField(f"turns[{i}].{name}: expected {kind}, got {_short(value)}")
+        out[name] = None if value is None else tuple(value)
+    start = t.get("prompt_start", 0)
+    if not _is_a(start, int):
+        raise _BadField(f"turns[{i}].prompt_start: expected int, got {_short(start)}")
+    if not 0 <= start <= episode_length:
+        raise _BadField(f"turns[{i}].prompt_start: {start}, but the turns before it hold {episode_length} token ids")
+    out["prompt_start"] = start
+    return out
 
 
 def _short(value: Any, limit: int = 80) -> str:

@@ -9,7 +9,9 @@ again from its spec and reset with its seed, and the turn loop (the same
 by turn. Everything runs in the calling thread, one env after another, with no
 time limits and no retries, so ``pdb`` (or a breakpoint in the env's code)
 works. Every prompt, observation, reward and done flag is checked against the
-dump; the first difference is printed, or "identical". A replay plays at most
+dump, and so are the prompt's token ids where both the dump and the replay's
+engine have them (the recorded answers come with none: ``--engine`` gives
+them); the first difference is printed, or "identical". A replay plays at most
 one turn past the dump's last (that turn is already a difference), whatever
 ``max_turn`` the dump says. ``--engine`` has a model answer instead of the
 recorded answers (with the dump's sampling parameters and seeds: for greedy
@@ -49,7 +51,8 @@ from ragen.llm.types import Completion, Engine, GenerationRequest, SamplingParam
 from ragen.rollout.dump import DumpError, DumpRecord, read_dump
 from ragen.serving import DirectClient
 from ragen.rollout.loop import EnvError, KeptEnvs, run_envs
-from ragen.rollout.types import StopReason, Trajectory
+from ragen.rollout.types import StopReason, Trajectory, Turn
+from ragen.utils import common_prefix_length
 
 logger = logging.getLogger(__name__)
 
@@ -154,6 +157,7 @@ def first_difference(record: DumpRecord, replayed: Trajectory,
                      prompts: dict[int, list[dict[str, str]]] | None = None) -> str | None:
     """The first place where ``replayed`` differs from the dump, as a sentence."""
     dumped = record.trajectory
+    dumped_ids, replayed_ids = _prompt_ids(dumped.turns), _prompt_ids(replayed.turns)
     for i in range(max(len(dumped.turns), len(replayed.turns))):
         if i >= len(replayed.turns):
             return (f"turn {i}: the dump has this turn, the replay ended before it "
@@ -166,6 +170,9 @@ def first_difference(record: DumpRecord, replayed: Trajectory,
             return f"turn {i}: state shown: {_diff(a.observation, b.observation)}"
         if prompts is not None and i in prompts and record.messages[i] != prompts[i]:
             return f"turn {i}: prompt: {_prompt_diff(record.messages[i], prompts[i])}"
+        x, y = dumped_ids[i], replayed_ids[i]
+        if x is not None and y is not None and x != y:
+            return f"turn {i}: prompt ids: {_ids_diff(x, y)}"
         for name in ("response", "actions", "executed_actions"):
             if getattr(a, name) != getattr(b, name):
                 return f"turn {i}: {name}: {_diff(getattr(a, name), getattr(b, name))}"
@@ -184,6 +191,23 @@ def first_difference(record: DumpRecord, replayed: Trajectory,
         if x != y:
             return f"end of episode: {name}: {_diff(x, y)}"
     return None
+
+
+def _prompt_ids(turns: Sequence[Turn]) -> list[list[int] | None]:
+    """Each turn's whole prompt ids, as ``episode_ids`` builds them (None: the engine gave none)."""
+    out: list[list[int] | None] = []
+    ids: list[int] = []
+    for t in turns:
+        prompt = ids[:t.prompt_start] + list(t.prompt_ids)
+        out.append(prompt if t.has_prompt_ids else None)
+        ids = prompt + list(t.response_ids)
+    return out
+
+
+def _ids_diff(dumped: list[int], replayed: list[int]) -> str:
+    k = common_prefix_length([dumped, replayed])
+    return (f"the dump has {len(dumped)} ids, the replay {len(replayed)}; from id {k}: "
+            f"{_diff(dumped[k:k + 8], replayed[k:k + 8])}")
 
 
 def _error(t: Trajectory) -> str:

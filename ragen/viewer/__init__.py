@@ -6,7 +6,8 @@ writes the page (by default beside the dump, with ``.html`` for its suffix).
 - Page (``page.py``): the episodes of one dump: a table filtered by tag,
   success and stop reason, and each episode turn by turn: the state shown, the
   prompt, the model's ``<think>`` and ``<answer>``, the actions parsed and
-  executed, each step's reward and the state after it; failed envs' errors
+  executed, each step's reward and the state after it, the prompt tokens
+  added and the tokens sampled; failed envs' errors
   highlighted. Inline CSS and JS, no network.
 - Grid (``grid.py``): a grid env's text observation (Sokoban, FrozenLake, or
   any env whose config has a ``grid_vocab``) as cells with a kind each (wall,

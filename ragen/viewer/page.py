@@ -23,7 +23,7 @@ from typing import Any
 from ragen.env.allowed import AllowedEnvTypes
 from ragen.rollout.context import ContextConfig, ContextManager
 from ragen.rollout.dump import DumpRecord
-from ragen.rollout.types import StopReason
+from ragen.rollout.types import StopReason, Turn
 from ragen.utils import common_prefix_length
 from ragen.viewer.curve import curve_svg
 from ragen.viewer.grid import GridPicture, Symbols, picture, symbols_for
@@ -190,6 +190,18 @@ def _list(items: list[str]) -> str:
     return " ".join(f"<code>{escape(a)}</code>" for a in items) if items else "<em>none</em>"
 
 
+def _tokens(turn: Turn) -> str:
+    """How many prompt tokens the turn added after the ids before it, and how many it
+    sampled; nothing for a dump without token ids."""
+    parts = [f"+{len(turn.prompt_ids)} prompt"] if turn.has_prompt_ids else []
+    if turn.response_ids:
+        parts.append(f"{len(turn.response_ids)} sampled")
+    if not parts:
+        return ""
+    return (f' · <span class="tokens" title="prompt tokens added after the first {turn.prompt_start} of the '
+            f'episode; tokens sampled">tokens {", ".join(parts)}</span>')
+
+
 def _turn(r: DumpRecord, i: int, symbols: Symbols | None) -> str:
     turn = r.trajectory.turns[i]
     env = r.env_id
@@ -206,7 +218,7 @@ def _turn(r: DumpRecord, i: int, symbols: Symbols | None) -> str:
     return (
         f'<li class="turn" data-turn="{i}"><h4>turn {i + 1} · reward {turn.reward:.3f} · penalty {turn.penalty:.3f}'
         f" · actions left {turn.actions_left} · policy v{turn.policy_version} · finish {escape(turn.finish_reason)}"
-        f"{seed}</h4>"
+        f"{seed}{_tokens(turn)}</h4>"
         f'<div class="before"><b>state shown</b>'
         f"{_state(turn.observation, symbols, _where(env, i, 0))}</div>"
         f"{messages}{_response(r.loop.context, turn.response)}"
