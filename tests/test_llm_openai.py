@@ -746,3 +746,40 @@ def test_a_rollout_over_token_prompts_plays_as_over_messages_and_counts_fallback
         == requests
     later = [t for tr in ids.trajectories for t in tr.turns[1:]]
     assert later and all(t.prompt_start > 0 for t in later)  # later turns appended to the episode's ids
+
+
+# -- opt-in: a real `vllm serve` of the default model -------------------------------------------
+# RAGEN_OPENAI_TEST_URL=http://127.0.0.1:PORT/v1 for a server started with
+#   <vllm venv>/bin/python -m vllm.entrypoints.openai.api_server \
+#       --model <resolve_model_path('default')> --dtype float32 --enforce-eager --port PORT
+REAL_URL = __import__("os").environ.get("RAGEN_OPENAI_TEST_URL")
+
+
+@pytest.mark.skipif(not REAL_URL, reason="set RAGEN_OPENAI_TEST_URL to a vllm server of the default model")
+@pytest.mark.timeout(300)
+def test_a_real_vllm_server_takes_token_prompts_as_it_answers_messages(caplog):
+    ids_engine = OpenAIEngine(REAL_URL, tokenizer="default", return_token_ids=True)
+    chat_engine = OpenAIEngine(REAL_URL, return_token_ids=True)
+    greedy = SamplingParams(temperature=0.0, max_tokens=24)
+    first = GenerationRequest(CHAT, env_id=0, turn=0, seed=1)
+    try:
+        with caplog.at_level("WARNING", logger="ragen.llm.openai_engine"):
+            a = ids_engine.generate([first], greedy)[0]
+            assert not caplog.records  # the server took the ids and reported the same prompt ids
+        b = chat_engine.generate([first], greedy)[0]
+        assert a.prompt_token_ids == b.prompt_token_ids  # our render is the server's
+        assert (a.text, a.response_token_ids, a.finish_reason) == (b.text, b.response_token_ids, b.finish_reason)
+        assert a.logprobs == pytest.approx(b.logprobs, abs=1e-5)
+        history = a.prompt_token_ids + a.response_token_ids
+        messages = CHAT + [{"role": "assistant", "content": a.text}, {"role": "user", "content": "State 2"}]
+        caplog.clear()  # the chat engine's warning (no tokenizer)
+        with caplog.at_level("WARNING", logger="ragen.llm.openai_engine"):
+            c = ids_engine.generate([GenerationRequest(messages, env_id=0, turn=1, seed=1, history_token_ids=history,
+                                                       history_messages=3)], greedy)[0]
+            assert not caplog.records
+        assert c.prompt_token_ids[:len(history)] == history and c.response_token_ids and c.finish_reason != "error"
+        assert len(c.logprobs) == len(c.response_token_ids)
+        assert ids_engine.token_prompt_fallbacks == 0
+    finally:
+        ids_engine.close()
+        chat_engine.close()
