@@ -687,7 +687,9 @@ def test_a_request_refused_as_messages_too_is_an_error_not_a_switch(tiny_model_p
     engine = OpenAIEngine(server.base_url, model="m", tokenizer=tiny_model_path)
     try:
         assert engine.generate([req("BAD")], SamplingParams())[0].finish_reason == "error"
-        assert engine.token_prompt_fallbacks == 0 and engine._messages_why is None
+        assert engine.token_prompt_fallbacks == 0
+        engine.generate([req("q")], SamplingParams())  # still tried as ids first, then refused for good
+        assert len(server.token_bodies) == 2 and engine.token_prompt_fallbacks == 1
     finally:
         engine.close()
         server.stop()

@@ -175,6 +175,8 @@ class OpenAIEngine(StreamingEngine):
             "engine.tokenizer is not set (set it to the folder or cached id of the model the server runs)")
         self._warned_messages = False
         self._warned_prompt_ids = False
+        # pool threads build prompts one at a time: the tokenizer and the divergence count are shared
+        self._prompt_lock = threading.Lock()
         self._warn_lock = threading.Lock()
         self._pool = ThreadPoolExecutor(max_workers=self.max_concurrency, thread_name_prefix="openai-engine")
         self._model_lock = threading.Lock()
@@ -255,7 +257,10 @@ class OpenAIEngine(StreamingEngine):
     def _complete(self, request: GenerationRequest, sampling: SamplingParams, model: str, version: int) -> Completion:
         limit = request.token_limit(sampling)
         as_ids = self._messages_why is None  # read once: another request's refusal may change it meanwhile
-        ids = self.prompt_ids(request) if as_ids else []
+        ids: list[int] = []
+        if as_ids:
+            with self._prompt_lock:
+                ids = self.prompt_ids(request)
         if limit <= 0:
             return Completion.answering(request, "", ids, [], "length", version,
                                         [] if self.returns_logprobs else None)
