@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import json
+import re
 import threading
 import time
 from concurrent.futures import CancelledError
@@ -57,11 +58,25 @@ class FakeServer:
     Log-probs (when the body asks for them): ``LOGPROBS``, except for prompts
     ``NO_LOGPROBS`` (no field), ``NULL_LOGPROBS`` (null), ``TEXT_LOGPROBS`` (strings),
     ``SHORT_LOGPROBS`` (one per token less).
+
+    ``/completions`` takes token prompts (a list of ids), as ``vllm serve``
+    does: with a ``tokenizer`` (ChatML), the prompt is decoded into messages and
+    an answer prefix, answered as above, and the answer's ids are its tokens and
+    ``<|im_end|>``; its log-probs ``-0.1 * (i + 1)`` (``token_logprobs``); the
+    prompt ids are echoed (``shifted_prompt_ids``: the last one changed).
+    ``token_prompts``: ``"refuse"`` answers an HTTP 400 (a server that takes
+    text prompts only), ``"no_ids"`` answers without token ids (a server
+    without ``return_token_ids``).
     """
 
     def __init__(self, lifetime_s: float = 60.0, policy: ScriptedEngine | None = None,
-                 drop_seeds: frozenset[int] = frozenset(), refuse_continue: bool = False):
+                 drop_seeds: frozenset[int] = frozenset(), refuse_continue: bool = False,
+                 tokenizer=None, token_prompts: str = "take", shifted_prompt_ids: bool = False):
         self.bodies: list[dict] = []
+        self.token_bodies: list[dict] = []  # the /completions bodies
+        self.tokenizer = tokenizer
+        self.token_prompts = token_prompts
+        self.shifted_prompt_ids = shifted_prompt_ids
         self.refuse_continue = refuse_continue
         self.failed: set[str] = set()
         self.attempts: dict[str, int] = {}
@@ -95,6 +110,11 @@ class FakeServer:
 
             def do_POST(self):
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                if not self.path.endswith("/chat/completions"):
+                    with server.lock:
+                        server.token_bodies.append(body)
+                    self._send(*server.complete_ids(body))
+                    return
                 prompt = last_user(body)
                 with server.lock:
                     server.bodies.append({**body, "auth": self.headers.get("Authorization")})
@@ -168,6 +188,32 @@ class FakeServer:
         self.watchdog.daemon = True
         self.watchdog.start()
 
+    def complete_ids(self, body):
+        """The ``/completions`` reply to a token prompt (see the class docstring)."""
+        if self.token_prompts == "refuse" or not isinstance(body["prompt"], list):
+            return 400, {"object": "error", "message": "prompt: Input should be a valid string",
+                         "type": "BadRequestError"}
+        ids = body["prompt"]
+        messages, prefix = parse_chatml(self.tokenizer.decode(ids))
+        if self.policy is not None:
+            text = self.policy.answer_text(GenerationRequest(messages, seed=body["seed"], answer_prefix=prefix),
+                                           SamplingParams())
+        else:
+            text = f"<answer>{len(ids)}|{body['seed']}</answer>"
+        answer_ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        answer_ids += [self.tokenizer.convert_tokens_to_ids("<|im_end|>")]
+        finish = "length" if len(answer_ids) > body["max_tokens"] else "stop"
+        answer_ids = answer_ids[: body["max_tokens"]]
+        choice = {"index": 0, "finish_reason": finish, "text": self.tokenizer.decode(answer_ids,
+                                                                                     skip_special_tokens=True)}
+        if self.token_prompts != "no_ids" and body.get("return_token_ids"):
+            choice["token_ids"] = answer_ids
+            choice["prompt_token_ids"] = ids[:-1] + [ids[-1] + 1] if self.shifted_prompt_ids else ids
+        if body.get("logprobs") is not None:
+            choice["logprobs"] = {"tokens": [f"t{i}" for i in answer_ids], "text_offset": [0] * len(answer_ids),
+                                  "token_logprobs": token_logprobs(len(answer_ids)), "top_logprobs": None}
+        return 200, {"id": "x", "object": "text_completion", "model": body["model"], "choices": [choice]}
+
     def stop(self):
         self.stopping.set()
         self.release.set()
@@ -176,8 +222,24 @@ class FakeServer:
         self.watchdog.cancel()
 
 
+def token_logprobs(n: int) -> list[float]:
+    return [-0.1 * (i + 1) for i in range(n)]
+
+
+def parse_chatml(text: str) -> tuple[list[dict[str, str]], str]:
+    """The messages of a ChatML prompt and the text after its generation prompt (the answer prefix)."""
+    messages = [{"role": r, "content": c} for r, c in re.findall(r"<\|im_start\|>(\w+)\n(.*?)<\|im_end\|>", text, re.S)]
+    return messages, text.rsplit("<|im_start|>assistant\n", 1)[-1]
+
+
 def last_user(body):
     return next(m["content"] for m in reversed(body["messages"]) if m["role"] == "user")
+
+
+def other_warnings(caplog) -> list[str]:
+    """The warnings logged, but the one that says requests go as messages (no engine.tokenizer)."""
+    return [r.getMessage() for r in caplog.records
+            if r.levelname == "WARNING" and "go as chat messages" not in r.getMessage()]
 
 
 @pytest.fixture
@@ -241,7 +303,7 @@ def test_missing_or_malformed_logprobs_give_none_and_one_warning(server, caplog)
     assert [c.finish_reason for c in first + again] == ["stop"] * 9  # no crash, no error completions
     assert [c.logprobs for c in first] == [None] * 4 + [LOGPROBS]
     assert all(c.logprobs is None and c.response_token_ids == [1, 2, 3] for c in again)
-    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    warnings = other_warnings(caplog)
     assert len(warnings) == 1, warnings
     assert "no usable log-probs" in warnings[0] and "off-policy correction falls back to none" in warnings[0]
     engine.close()
@@ -250,7 +312,7 @@ def test_missing_or_malformed_logprobs_give_none_and_one_warning(server, caplog)
     with caplog.at_level("WARNING", logger="ragen.llm.openai_engine"):
         caplog.clear()
         assert other.generate([req("NO_LOGPROBS")] * 3, SamplingParams())[0].logprobs is None
-    assert len([r for r in caplog.records if r.levelname == "WARNING"]) == 1
+    assert len(other_warnings(caplog)) == 1
     other.close()
 
 
@@ -260,7 +322,7 @@ def test_logprobs_can_be_turned_off(server, caplog):
     with caplog.at_level("WARNING", logger="ragen.llm.openai_engine"):
         c = engine.generate([req("hi")], SamplingParams())[0]
     assert "logprobs" not in server.bodies[-1] and c.logprobs is None and c.finish_reason == "stop"
-    assert not caplog.records  # not asked for, so nothing to warn about
+    assert not other_warnings(caplog)  # not asked for, so nothing to warn about
     engine.close()
     with pytest.raises(ValueError, match="engine.logprobs must be true or false"):
         OpenAIEngine(server.base_url, logprobs="false")
@@ -403,7 +465,7 @@ def test_a_request_dropped_every_time_becomes_an_error_completion(server, caplog
     assert [c.finish_reason for c in completions] == ["error", "stop", "error", "stop"]
     assert completions[0].text == "" and (completions[2].env_id, completions[2].turn) == (2, 5)
     assert server.attempts["DROP_MID:99:a"] == server.attempts["DROP_NOW:99:b"] == 2  # 1 try + 1 retry
-    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    warnings = other_warnings(caplog)
     assert len(warnings) == 2
     assert "env 0 turn 5" in warnings[0] + warnings[1] and "env 2 turn 5" in warnings[0] + warnings[1]
     assert "IncompleteRead" in " ".join(warnings) and "RemoteDisconnected" in " ".join(warnings)
@@ -512,3 +574,214 @@ def test_an_env_whose_requests_fail_ends_in_error_and_the_others_finish(caplog):
     assert got[index].stop_reason == StopReason.ERROR and not got[index].turns
     assert "could not answer its request of turn 0" in got[index].error
     assert "env 3 turn 0" in caplog.text  # the engine's warning says why, in the rollout log
+
+
+# -- token prompts: /completions with the ids the engine builds -----------------------------
+
+
+@pytest.fixture(scope="module")
+def tiny_tokenizer(tiny_model_path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tiny_model_path, local_files_only=True)
+
+
+def fallback_warnings(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if "go as chat messages" in r.getMessage()]
+
+
+CHAT = [{"role": "system", "content": "Available actions: Up, Down. You can take up to 2 actions per turn."},
+        {"role": "user", "content": "State 1"}]
+
+
+def test_token_prompts_go_to_completions_and_a_second_turn_appends(tiny_model_path, tiny_tokenizer, caplog):
+    server = FakeServer(tokenizer=tiny_tokenizer)
+    engine = make_engine({"name": "openai", "base_url": server.base_url, "model": "m",
+                          "tokenizer": tiny_model_path}, None)
+    sampling = SamplingParams(temperature=0.5, top_p=0.9, top_k=20, max_tokens=64, seed=3, stop=["</answer>"])
+    try:
+        with caplog.at_level("WARNING", logger="ragen.llm.openai_engine"):
+            first = engine.generate([GenerationRequest(CHAT, env_id=4, turn=0, seed=9, answer_prefix="<think>")],
+                                    sampling)[0]
+            body = server.token_bodies[-1]
+            assert body["prompt"] == engine.chat.full(CHAT, "<think>") == first.prompt_token_ids
+            assert (body["temperature"], body["top_p"], body["top_k"], body["max_tokens"], body["n"]) == \
+                (0.5, 0.9, 20, 64, 1)
+            assert body["seed"] == request_seed(3, (9, 4, 0)) and body["stop"] == ["</answer>"]
+            assert body["return_token_ids"] is True and body["logprobs"] == 0 and "messages" not in body
+            assert first.text == f"<answer>{len(body['prompt'])}|{body['seed']}</answer>"
+            assert first.response_token_ids[-1] == tiny_tokenizer.convert_tokens_to_ids("<|im_end|>")
+            assert first.logprobs == token_logprobs(len(first.response_token_ids))
+            assert first.finish_reason == "stop" and first.env_id == 4
+
+            # the next turn: the ids so far (prompt and sampled answer), then the new message's tokens
+            history = first.prompt_token_ids + first.response_token_ids
+            messages = CHAT + [{"role": "assistant", "content": "<think>" + first.text},
+                               {"role": "user", "content": "State 2"}]
+            second = engine.generate([GenerationRequest(messages, env_id=4, turn=1, seed=9, answer_prefix="<think>",
+                                                        history_token_ids=history, history_messages=3)],
+                                     sampling)[0]
+        sent = server.token_bodies[-1]["prompt"]
+        assert sent[:len(history)] == history and sent == second.prompt_token_ids
+        assert sent == engine.chat.append(history, messages, 3, "<think>")[0]
+        assert tiny_tokenizer.decode(sent[len(history):]).endswith("<|im_start|>user\nState 2<|im_end|>\n"
+                                                                   "<|im_start|>assistant\n<think>")
+        assert not server.bodies and engine.token_prompt_fallbacks == 0  # no chat request, nothing counted
+        assert not caplog.records
+    finally:
+        engine.close()
+        server.stop()
+
+
+def test_a_zero_token_limit_sends_nothing_and_keeps_the_prompt_ids(tiny_model_path, tiny_tokenizer):
+    server = FakeServer(tokenizer=tiny_tokenizer)
+    engine = OpenAIEngine(server.base_url, model="m", tokenizer=tiny_model_path)
+    try:
+        c = engine.generate([req("q", max_tokens=0)], SamplingParams())[0]
+        assert c.prompt_token_ids == engine.chat.full(req("q").messages) and c.response_token_ids == []
+        assert c.finish_reason == "length" and not server.token_bodies and not server.bodies
+    finally:
+        engine.close()
+        server.stop()
+
+
+def test_without_a_tokenizer_requests_go_as_messages_warned_once_and_counted(server, caplog):
+    engine = OpenAIEngine(server.base_url, model="m")
+    assert engine.chat is None
+    with caplog.at_level("WARNING", logger="ragen.llm.openai_engine"):
+        engine.generate([req(f"q{i}", env_id=i) for i in range(3)], SamplingParams())
+        engine.generate([req("q", max_tokens=0)], SamplingParams())  # nothing sent: not counted
+        engine.generate([req("again")], SamplingParams())
+    assert engine.token_prompt_fallbacks == 4 and not server.token_bodies
+    (warning,) = fallback_warnings(caplog)
+    assert server.base_url in warning and "engine.tokenizer is not set" in warning
+    engine.close()
+
+
+@pytest.mark.parametrize("mode, why", [("refuse", "HTTP 400"), ("no_ids", "carries no token ids")])
+def test_a_server_that_refuses_token_prompts_switches_to_messages_once(mode, why, tiny_model_path, tiny_tokenizer,
+                                                                        caplog):
+    server = FakeServer(tokenizer=tiny_tokenizer, token_prompts=mode)
+    engine = OpenAIEngine(server.base_url, model="m", tokenizer=tiny_model_path, max_concurrency=1,
+                          return_token_ids=True)
+    try:
+        with caplog.at_level("WARNING", logger="ragen.llm.openai_engine"):
+            first = engine.generate([req("q0"), req("q1", env_id=1)], SamplingParams())
+            later = engine.generate([req(f"later{i}", env_id=i) for i in range(3)], SamplingParams())
+        # the first request tried ids, was refused, and went as messages; every later one went straight there
+        assert len(server.token_bodies) == 1 and len(server.bodies) == 5
+        assert [c.finish_reason for c in first + later] == ["stop"] * 5
+        assert first[0].text == f"<answer>q0|{request_seed(0, (0, 0, 0))}</answer>"
+        assert first[0].prompt_token_ids == [7, 8]  # the server's prompt ids on the chat path
+        assert engine.token_prompt_fallbacks == 5
+        (warning,) = fallback_warnings(caplog)
+        assert server.base_url in warning and "refused a token prompt" in warning and why in warning
+    finally:
+        engine.close()
+        server.stop()
+
+
+def test_a_request_refused_as_messages_too_is_an_error_not_a_switch(tiny_model_path, tiny_tokenizer):
+    """A 4xx for the request itself (e.g. too long a prompt) does not turn token prompts off."""
+    server = FakeServer(tokenizer=tiny_tokenizer, token_prompts="refuse")
+    engine = OpenAIEngine(server.base_url, model="m", tokenizer=tiny_model_path)
+    try:
+        assert engine.generate([req("BAD")], SamplingParams())[0].finish_reason == "error"
+        assert engine.token_prompt_fallbacks == 0
+        engine.generate([req("q")], SamplingParams())  # still tried as ids first, then refused for good
+        assert len(server.token_bodies) == 2 and engine.token_prompt_fallbacks == 1
+    finally:
+        engine.close()
+        server.stop()
+
+
+def test_other_prompt_ids_from_the_server_warn_once(tiny_model_path, tiny_tokenizer, caplog):
+    server = FakeServer(tokenizer=tiny_tokenizer, shifted_prompt_ids=True)
+    engine = OpenAIEngine(server.base_url, model="m", tokenizer=tiny_model_path)
+    try:
+        with caplog.at_level("WARNING", logger="ragen.llm.openai_engine"):
+            completions = engine.generate([req(f"q{i}", env_id=i) for i in range(3)], SamplingParams())
+        assert [c.prompt_token_ids for c in completions] == [engine.chat.full(req(f"q{i}").messages)
+                                                             for i in range(3)]  # the ids sent
+        warnings = [r.getMessage() for r in caplog.records]
+        assert len(warnings) == 1 and "other prompt ids than those sent" in warnings[0]
+    finally:
+        engine.close()
+        server.stop()
+
+
+def test_the_tokenizer_option_is_checked(tmp_path):
+    with pytest.raises(ValueError, match="engine.tokenizer="):
+        make_engine({"name": "openai", "tokenizer": str(tmp_path / "missing")}, None)
+    with pytest.raises(ValueError, match="engine.tokenizer must be null"):
+        make_engine({"name": "openai", "tokenizer": 3}, None)
+    with pytest.raises(ValueError, match="engine.tokenizer=.*no chat template"):
+        OpenAIEngine("http://127.0.0.1:9/v1", tokenizer=type("T", (), {"chat_template": None})())
+
+
+@pytest.mark.timeout(180)
+def test_a_rollout_over_token_prompts_plays_as_over_messages_and_counts_fallbacks(tiny_model_path, tiny_tokenizer):
+    """The scripted policy behind the server: token prompts give the trajectories that messages
+    give; a server that refuses them gives the same, with every request counted in the metrics."""
+    from ragen.rollout.backends.sequential import SequentialRollout
+
+    specs = specs_for(["FrozenLake", "Bandit", "SimpleSokoban"], [2, 1, 1], 2, custom_envs(), seed=7)
+    config = loop_config(max_turn=3)
+    results = {}
+    for label, kwargs, tokenizer in [("messages", {}, None), ("ids", {}, tiny_model_path),
+                                     ("refused", {"token_prompts": "refuse"}, tiny_model_path)]:
+        server = FakeServer(policy=ScriptedEngine(malformed_rate=0.1), tokenizer=tiny_tokenizer, **kwargs)
+        engine = OpenAIEngine(server.base_url, model="m", tokenizer=tokenizer, return_token_ids=True)
+        backend = SequentialRollout(engine)
+        try:
+            results[label] = backend.rollout(specs, config)
+        finally:
+            backend.close()
+            engine.close()
+            server.stop()
+    ids, messages, refused = results["ids"], results["messages"], results["refused"]
+    assert ids.trajectories == messages.trajectories == refused.trajectories
+    assert any(t.executed_actions for tr in ids.trajectories for t in tr.turns)
+    requests = sum(len(tr.turns) for tr in ids.trajectories)
+    assert "engine/token_prompt_fallbacks" not in ids.metrics
+    assert messages.metrics["engine/token_prompt_fallbacks"] == refused.metrics["engine/token_prompt_fallbacks"] \
+        == requests
+    later = [t for tr in ids.trajectories for t in tr.turns[1:]]
+    assert later and all(t.prompt_start > 0 for t in later)  # later turns appended to the episode's ids
+
+
+# -- opt-in: a real `vllm serve` of the default model -------------------------------------------
+# RAGEN_OPENAI_TEST_URL=http://127.0.0.1:PORT/v1 for a server started with
+#   <vllm venv>/bin/python -m vllm.entrypoints.openai.api_server \
+#       --model <resolve_model_path('default')> --dtype float32 --enforce-eager --port PORT
+REAL_URL = __import__("os").environ.get("RAGEN_OPENAI_TEST_URL")
+
+
+@pytest.mark.skipif(not REAL_URL, reason="set RAGEN_OPENAI_TEST_URL to a vllm server of the default model")
+@pytest.mark.timeout(300)
+def test_a_real_vllm_server_takes_token_prompts_as_it_answers_messages(caplog):
+    ids_engine = OpenAIEngine(REAL_URL, tokenizer="default", return_token_ids=True)
+    chat_engine = OpenAIEngine(REAL_URL, return_token_ids=True)
+    greedy = SamplingParams(temperature=0.0, max_tokens=24)
+    first = GenerationRequest(CHAT, env_id=0, turn=0, seed=1)
+    try:
+        with caplog.at_level("WARNING", logger="ragen.llm.openai_engine"):
+            a = ids_engine.generate([first], greedy)[0]
+            assert not caplog.records  # the server took the ids and reported the same prompt ids
+        b = chat_engine.generate([first], greedy)[0]
+        assert a.prompt_token_ids == b.prompt_token_ids  # our render is the server's
+        assert (a.text, a.response_token_ids, a.finish_reason) == (b.text, b.response_token_ids, b.finish_reason)
+        assert a.logprobs == pytest.approx(b.logprobs, abs=1e-5)
+        history = a.prompt_token_ids + a.response_token_ids
+        messages = CHAT + [{"role": "assistant", "content": a.text}, {"role": "user", "content": "State 2"}]
+        caplog.clear()  # the chat engine's warning (no tokenizer)
+        with caplog.at_level("WARNING", logger="ragen.llm.openai_engine"):
+            c = ids_engine.generate([GenerationRequest(messages, env_id=0, turn=1, seed=1, history_token_ids=history,
+                                                       history_messages=3)], greedy)[0]
+            assert not caplog.records
+        assert c.prompt_token_ids[:len(history)] == history and c.response_token_ids and c.finish_reason != "error"
+        assert len(c.logprobs) == len(c.response_token_ids)
+        assert ids_engine.token_prompt_fallbacks == 0
+    finally:
+        ids_engine.close()
+        chat_engine.close()

@@ -1,7 +1,9 @@
-"""An engine over an OpenAI-compatible chat-completions server (e.g. ``vllm serve``).
+"""An engine over an OpenAI-compatible server (e.g. ``vllm serve``).
 
-``OpenAIEngine`` posts each request to ``{base_url}/chat/completions`` with the
-standard library only (``urllib.request`` + ``json``). It is a
+``OpenAIEngine`` posts each request with the standard library only
+(``urllib.request`` + ``json``): as token ids to ``{base_url}/completions``
+when it has the server's tokenizer, else as chat messages to
+``{base_url}/chat/completions``. It is a
 ``StreamingEngine``: the server batches continuously, so each request's
 completion is handed back as soon as its reply is in.
 
@@ -35,8 +37,27 @@ completion is handed back as soon as its reply is in.
   refuses those fields (an HTTP 4xx) gives error completions whose warning
   names them; a server that ignores them answers a new turn instead, so use a
   server that supports them.
-- *Token ids*: the chat API does not return them, so they are empty lists,
-  unless the server sends them (vLLM does when ``return_token_ids`` is set).
+- *Token prompts*: with ``tokenizer`` (the folder or cached id of the model the
+  server runs, or ``default``), each prompt is ``prompt_ids(request)``: the
+  request's history ids (the ids sampled so far) and the template's tokens of
+  its new messages, ending with its answer prefix. It goes as ``"prompt": ids``
+  to ``/completions`` (vLLM takes a list of token ids as a prompt) with the same
+  sampling fields, seed and ``"return_token_ids": true``; log-probs are asked as
+  ``"logprobs": 0`` (the sampled tokens only). The completion is
+  ``choices[0].text``, its ``token_ids`` and ``logprobs.token_logprobs``; its
+  prompt ids are the ids sent (a server that reports other prompt ids is
+  named in one warning: the server and the tokenizer disagree).
+- *Fallback to messages, never a silent mix*: without a tokenizer, or once the
+  server refused token prompts (an HTTP 4xx on ``/completions`` where the same
+  request as messages is answered, or a reply without token ids), requests go
+  to ``/chat/completions`` as messages. One warning per engine names the server
+  and why, and ``token_prompt_fallbacks`` counts each request sent so (the
+  rollout metric ``engine/token_prompt_fallbacks``). A refusal is remembered:
+  later requests go straight to the chat path. There, prompts are the server's
+  render of the messages, not the ids sampled so far.
+- *Token ids on the chat path*: the chat API does not return them, so they are
+  empty lists, unless the server sends them (vLLM does when
+  ``return_token_ids`` is set).
 - *Log-probs*: the body asks for ``"logprobs": true`` (``logprobs``, on by
   default) and ``Completion.logprobs`` is the ``logprob`` of each entry of
   ``choices[0].logprobs.content`` (one per generated token). What they mean is
@@ -50,6 +71,8 @@ completion is handed back as soon as its reply is in.
   and one warning per engine: off-policy correction then falls back to none.
   For a server that rejects the field (an HTTP 400 naming it), set
   ``engine.logprobs=false``: nothing is asked, every completion has None.
+  On ``/completions`` they are ``choices[0].logprobs.token_logprobs``, under
+  the same rules.
 - *Model name*: ``model``, else ``model_path`` (when not ``default``), else
   the server's first model from ``GET {base_url}/models``, asked by the first
   ``submit`` (which waits for it) and kept.
@@ -70,6 +93,8 @@ import urllib.request
 from concurrent.futures import Future, InvalidStateError, ThreadPoolExecutor
 from typing import Any, Mapping, Sequence
 
+from ragen.llm.chat_tokens import ChatTokens
+from ragen.llm.default_model import resolve_model_path
 from ragen.llm.types import Completion, GenerationRequest, SamplingParams, StreamingEngine, request_seed
 
 logger = logging.getLogger(__name__)
@@ -81,6 +106,10 @@ class _RetryableError(Exception):
 
 class _RefusedError(RuntimeError):
     """An HTTP 4xx other than 429: the server refuses the request itself (no retry)."""
+
+
+class _NoTokenPrompts(RuntimeError):
+    """The server cannot take a token prompt or return the sampled ids: the request goes as messages."""
 
 
 # The body fields that continue a request's answer prefix (vLLM's and SGLang's extension).
@@ -101,6 +130,7 @@ class OpenAIEngine(StreamingEngine):
         "backoff_s",
         "return_token_ids",
         "logprobs",
+        "tokenizer",
     )
 
     def __init__(
@@ -115,8 +145,11 @@ class OpenAIEngine(StreamingEngine):
         backoff_s: float = 0.5,
         return_token_ids: bool = False,
         logprobs: bool = True,
+        tokenizer: Any = None,
     ) -> None:
         super().__init__()
+        if tokenizer is None or isinstance(tokenizer, str):
+            self.check_options({"tokenizer": tokenizer})
         if not isinstance(logprobs, bool):
             raise ValueError(f"engine.logprobs must be true or false, got {logprobs!r}")
         if int(max_concurrency) < 1:
@@ -135,6 +168,15 @@ class OpenAIEngine(StreamingEngine):
         self.return_token_ids = bool(return_token_ids)
         self.returns_logprobs = logprobs  # asked for; a server may still send none
         self._warned_no_logprobs = False
+        # the server's tokenizer (its template's ChatTokens): prompts go as token ids
+        self.chat = ChatTokens.of(_load_tokenizer(tokenizer)) if tokenizer is not None else None
+        # why requests go as messages (no tokenizer, or the server refused token prompts); None: as ids
+        self._messages_why: str | None = None if self.chat is not None else (
+            "engine.tokenizer is not set (set it to the folder or cached id of the model the server runs)")
+        self._warned_messages = False
+        self._warned_prompt_ids = False
+        # pool threads build prompts one at a time: the tokenizer and the divergence count are shared
+        self._prompt_lock = threading.Lock()
         self._warn_lock = threading.Lock()
         self._pool = ThreadPoolExecutor(max_workers=self.max_concurrency, thread_name_prefix="openai-engine")
         self._model_lock = threading.Lock()
@@ -142,6 +184,23 @@ class OpenAIEngine(StreamingEngine):
         self._lock = threading.Lock()
         self._pending: set[Future] = set()
         self._closed = threading.Event()
+
+    @classmethod
+    def check_options(cls, options: dict[str, Any]) -> None:
+        value = options.get("tokenizer")
+        if value is None:
+            return
+        if not isinstance(value, str) or not value.strip():
+            raise ValueError(f"engine.tokenizer must be null, 'default', a local model folder or a cached model id, "
+                             f"got {value!r}")
+        if value != "default":
+            try:
+                resolve_model_path(value)
+            except ValueError:
+                raise ValueError(
+                    f"engine.tokenizer={value!r} is not 'default', not a local folder, and not a model id in the "
+                    f"local Hugging Face cache (nothing is downloaded): set it to the model the server runs, or "
+                    f"null to send chat messages") from None
 
     @classmethod
     def from_config(cls, cfg: Mapping[str, Any], model_path: str | None = None) -> "OpenAIEngine":
@@ -197,15 +256,32 @@ class OpenAIEngine(StreamingEngine):
 
     def _complete(self, request: GenerationRequest, sampling: SamplingParams, model: str, version: int) -> Completion:
         limit = request.token_limit(sampling)
+        as_ids = self._messages_why is None  # read once: another request's refusal may change it meanwhile
+        ids: list[int] = []
+        if as_ids:
+            with self._prompt_lock:
+                ids = self.prompt_ids(request)
         if limit <= 0:
-            return Completion.answering(request, "", [], [], "length", version,
+            return Completion.answering(request, "", ids, [], "length", version,
                                         [] if self.returns_logprobs else None)
-        messages = [dict(m) for m in request.messages]
-        if request.answer_prefix:
-            messages.append({"role": "assistant", "content": request.answer_prefix})
+        if as_ids:
+            try:
+                return self._complete_ids(request, ids, sampling, limit, model, version)
+            except _NoTokenPrompts as exc:
+                completion = self._complete_messages(request, sampling, limit, model, version)
+                if completion.finish_reason == "error":  # refused as messages too: the request is at fault
+                    return completion
+                self._messages_why = self._messages_why or f"the server refused a token prompt: {exc}"
+                self._count_fallback()
+                return completion
+        self._count_fallback()
+        return self._complete_messages(request, sampling, limit, model, version)
+
+    def _sampling_fields(self, request: GenerationRequest, sampling: SamplingParams, limit: int,
+                         model: str) -> dict[str, Any]:
+        """The body fields both endpoints share: model, sampling, seed, stop, top-k."""
         body: dict[str, Any] = {
             "model": model,
-            "messages": messages,
             "temperature": max(0.0, float(sampling.temperature)),
             "top_p": float(sampling.top_p),
             "max_tokens": int(limit),
@@ -216,6 +292,46 @@ class OpenAIEngine(StreamingEngine):
             body["stop"] = list(sampling.stop)
         if sampling.top_k > 0:
             body["top_k"] = int(sampling.top_k)
+        return body
+
+    def _complete_ids(self, request: GenerationRequest, ids: list[int], sampling: SamplingParams, limit: int,
+                      model: str, version: int) -> Completion:
+        """The request's prompt ids sent to ``/completions``; ``_NoTokenPrompts`` when the
+        server refuses them (an HTTP 4xx) or answers without the sampled ids."""
+        body = {**self._sampling_fields(request, sampling, limit, model), "prompt": ids, "return_token_ids": True}
+        if self.returns_logprobs:
+            body["logprobs"] = 0  # the sampled tokens' own, no alternatives
+        try:
+            reply = self._post_with_retries("/completions", body)
+            choice = reply["choices"][0]
+            text = choice.get("text") or ""
+        except _RefusedError as exc:
+            raise _NoTokenPrompts(str(exc)) from exc
+        except Exception as exc:
+            self._warn_failed(request, exc)
+            return self._error(request, version)
+        if not isinstance(choice.get("token_ids"), list):
+            raise _NoTokenPrompts(f"its reply from {self.base_url}/completions carries no token ids "
+                                  f"(choices[0].token_ids, asked with return_token_ids)")
+        response_ids = [int(t) for t in choice["token_ids"]]
+        echoed = choice.get("prompt_token_ids") or reply.get("prompt_token_ids")
+        if echoed and [int(t) for t in echoed] != ids:
+            self._warn_prompt_ids(request, ids, echoed)
+        logprobs = None
+        if self.returns_logprobs:
+            raw = choice.get("logprobs")
+            logprobs = self._checked_logprobs(raw.get("token_logprobs") if isinstance(raw, dict) else None,
+                                              response_ids, raw)
+        return Completion.answering(request, text, ids, response_ids,
+                                    "length" if choice.get("finish_reason") == "length" else "stop", version, logprobs)
+
+    def _complete_messages(self, request: GenerationRequest, sampling: SamplingParams, limit: int, model: str,
+                           version: int) -> Completion:
+        """The request's messages sent to ``/chat/completions``."""
+        messages = [dict(m) for m in request.messages]
+        if request.answer_prefix:
+            messages.append({"role": "assistant", "content": request.answer_prefix})
+        body = {**self._sampling_fields(request, sampling, limit, model), "messages": messages}
         if self.return_token_ids:
             body["return_token_ids"] = True
         if self.returns_logprobs:
@@ -253,14 +369,40 @@ class OpenAIEngine(StreamingEngine):
         values = None
         if isinstance(content, list) and all(isinstance(entry, dict) for entry in content):
             values = [entry.get("logprob") for entry in content]
-            if not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values):
-                values = None
-            elif response_ids and len(values) != len(response_ids):
-                values = None  # not aligned with the tokens: worse than none
-        if values is None:
-            self._warn_no_logprobs(raw)
-            return None
-        return [float(v) for v in values]
+        return self._checked_logprobs(values, response_ids, raw)
+
+    def _checked_logprobs(self, values: Any, response_ids: list[int], raw: Any) -> list[float] | None:
+        """``values`` as floats when they are a list of numbers, one per response token (when
+        the server sent the tokens); else None and the engine's one warning (about ``raw``)."""
+        if isinstance(values, list) and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values):
+            if not response_ids or len(values) == len(response_ids):  # not aligned: worse than none
+                return [float(v) for v in values]
+        self._warn_no_logprobs(raw)
+        return None
+
+    def _count_fallback(self) -> None:
+        """Count a request sent as messages; the first one warns, naming the server and why."""
+        with self._warn_lock:
+            self.token_prompt_fallbacks += 1
+            if self._warned_messages:
+                return
+            self._warned_messages = True
+        logger.warning(
+            "OpenAIEngine: requests to %s go as chat messages, not token ids: %s. Their prompts are the server's "
+            "render of the messages, not the ids sampled so far (engine/token_prompt_fallbacks counts them; said "
+            "once per engine)", self.base_url, self._messages_why)
+
+    def _warn_prompt_ids(self, request: GenerationRequest, sent: list[int], echoed: Any) -> None:
+        with self._warn_lock:
+            if self._warned_prompt_ids:
+                return
+            self._warned_prompt_ids = True
+        logger.warning(
+            "OpenAIEngine: the server at %s reports other prompt ids than those sent for env %s turn %s "
+            "(%d sent, %d reported; first difference at %d): engine.tokenizer and the server's model may "
+            "disagree; completions keep the ids sent (said once per engine)",
+            self.base_url, request.env_id, request.turn, len(sent), len(echoed),
+            next((i for i, (a, b) in enumerate(zip(sent, echoed)) if a != int(b)), min(len(sent), len(echoed))))
 
     def _warn_no_logprobs(self, got: Any) -> None:
         with self._warn_lock:
@@ -338,3 +480,17 @@ class OpenAIEngine(StreamingEngine):
         self._pool.shutdown(wait=False, cancel_futures=True)
         for future in pending:
             future.cancel()
+
+
+def _load_tokenizer(tokenizer: Any) -> Any:
+    """``engine.tokenizer``: a transformers tokenizer as it is, or one loaded from a local
+    folder, a cached model id or ``default`` (never downloaded); it must have a chat template."""
+    if isinstance(tokenizer, str):
+        from transformers import AutoTokenizer
+
+        path = resolve_model_path(tokenizer)
+        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError(f"engine.tokenizer={getattr(tokenizer, 'name_or_path', tokenizer)!r} has no chat template: "
+                         f"token prompts are built with it; use the server's model folder, or null to send messages")
+    return tokenizer
