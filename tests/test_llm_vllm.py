@@ -773,6 +773,36 @@ def test_real_answer_prefix_is_continued(real_engine, real_model_path):
 
 
 @real
+def test_real_second_turn_appends_to_the_sampled_ids(real_engine, monkeypatch):
+    """A 2-turn episode: vLLM's prompt of the second turn (its own record, the output's
+    ``prompt_token_ids``) is the first prompt, the answer's sampled ids, then the template's
+    tokens of the new message, as ``ChatTokens.append`` builds it."""
+    seen = {}
+    completion = real_engine._completion
+
+    def recording(request, prompt_ids, output):
+        if output is not None:
+            seen[request.turn] = list(output.prompt_token_ids)
+        return completion(request, prompt_ids, output)
+
+    monkeypatch.setattr(real_engine, "_completion", recording)
+    first = GenerationRequest(_real_reqs(1)[0].messages, env_id=0, seed=7, answer_prefix="<think>")
+    sampling = SamplingParams(temperature=1.0, max_tokens=12, seed=3)
+    (answer,) = real_engine.generate([first], sampling)
+    history = answer.prompt_token_ids + answer.response_token_ids
+    messages = first.messages + [{"role": "assistant", "content": "<think>" + answer.text},
+                                 {"role": "user", "content": "And the number after it?"}]
+    second = GenerationRequest(messages, env_id=0, turn=1, seed=7, answer_prefix="<think>",
+                               history_token_ids=history, history_messages=len(first.messages) + 1)
+    (reply,) = real_engine.generate([second], sampling)
+    appended, diverged = real_engine.chat.append(history, messages, second.history_messages, "<think>")
+    assert not diverged
+    assert seen == {0: answer.prompt_token_ids, 1: appended}
+    assert reply.prompt_token_ids == appended and appended[: len(history)] == history
+    assert len(appended) > len(history) and reply.response_token_ids
+
+
+@real
 def test_real_close_with_requests_in_flight(real_engine):
     """close() ends vLLM and the loop, fails every request still in flight and returns
     in bounded time. It closes the module's engine: the last real test of the file."""

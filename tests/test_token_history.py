@@ -1,0 +1,141 @@
+"""Multi-turn episodes keep the tokens the engine saw and sampled, turn by turn.
+
+Through the turn loop (``token_history: append``), each turn's prompt, as the
+engine fed it to the model, is the episode's ids so far (``episode_ids``) and the
+turn's ``prompt_ids``; it starts with the previous prompt and answer; the turn's
+answer ids and log-probs are those sampled. On the tiny random model (whose
+answers, often cut by ``max_tokens``, do not encode back to their ids) and on the
+scripted engine (byte tokenizer); and a parallel rollout has the sequential
+one's ids.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from ragen.llm.scripted import ScriptedEngine
+from ragen.rollout.types import episode_ids
+from tests.rollout_helpers import custom_envs, loop_config, sequential, specs_for
+
+
+def token_fields(trajectories):
+    """What the trajectories' equality leaves out: each turn's prompt and answer ids."""
+    return [[(t.prompt_start, t.prompt_ids, t.response_ids) for t in traj.turns] for traj in trajectories]
+
+
+def cut_specs():
+    """Multi-turn envs whose answers of more than 60 tokens are cut (the scripted ones are 20-80)."""
+    specs = specs_for(["SimpleSokoban", "FrozenLake", "Countdown"], [2, 2, 1], 2, custom_envs())
+    return [replace(spec, max_tokens=60) for spec in specs]
+
+
+def check_turns(trajectories, fed: dict, sampled: dict) -> int:
+    """Each turn's prompt rebuilt from the trajectory is the one the engine fed, and starts with
+    the previous prompt and answer; the answer's ids and log-probs are those sampled. ``fed``
+    and ``sampled``: per episode (seed, env_id), the engine's prompts and (ids, log-probs) in
+    turn order. Returns the number of turns checked."""
+    checked = 0
+    for traj in trajectories:
+        episode = (traj.seed, traj.env_id)
+        assert len(fed[episode]) == len(traj.turns)
+        for k, turn in enumerate(traj.turns):
+            before = episode_ids(traj.turns[:k])
+            prompt = before[: turn.prompt_start] + list(turn.prompt_ids)
+            assert prompt == fed[episode][k], (episode, k)
+            if k:  # appended: the whole history, the sampled answer included
+                assert turn.prompt_start == len(before)
+                previous = traj.turns[k - 1]
+                assert prompt[: len(before)] == fed[episode][k - 1] + list(previous.response_ids)
+            ids, logprobs = sampled[episode][k]
+            assert list(turn.response_ids) == ids
+            assert turn.logprobs is not None and list(turn.logprobs) == logprobs
+            checked += 1
+        assert episode_ids(traj.turns) == fed[episode][-1] + sampled[episode][-1][0]
+    return checked
+
+
+@pytest.mark.parametrize("tag", ["SimpleSokoban", "FrozenLake"])
+def test_hf_multi_turn_prompts_are_the_ids_the_model_was_fed(tiny_model_path, tag):
+    from ragen.llm.hf import HFEngine
+
+    engine = HFEngine(tiny_model_path, device="cpu")
+    fed: dict = {}
+    sampled: dict = {}
+    chunk = engine._generate_chunk
+
+    def recording(prompts, limits, seeds, episodes, last, sampling):
+        outputs = chunk(prompts, limits, seeds, episodes, last, sampling)
+        for prompt, episode, (ids, _, logprobs) in zip(prompts, episodes, outputs):
+            fed.setdefault(episode, []).append(list(prompt))
+            sampled.setdefault(episode, []).append((list(ids), list(logprobs)))
+        return outputs
+
+    engine._generate_chunk = recording
+    specs = specs_for([tag], [3], 2, custom_envs())
+    config = loop_config(max_turn=4)
+    config = replace(config, sampling=replace(config.sampling, temperature=1.0, max_tokens=10, seed=5))
+    trajectories = sequential(specs, loop_config(max_turn=4), engine)
+    turns = [t for traj in trajectories for t in traj.turns]
+    assert check_turns(trajectories, fed, sampled) == len(turns) >= 2 * len(specs)
+    assert max(len(traj.turns) for traj in trajectories) >= 3
+    assert sum(t.finish_reason == "length" for t in turns) >= len(turns) // 2  # most answers cut
+    # answers that do not encode back to their ids: a re-rendered prompt would have changed them
+    tokenizer = engine.tokenizer
+    assert any(tokenizer(tokenizer.decode(t.response_ids), add_special_tokens=False)["input_ids"]
+               != list(t.response_ids) for t in turns)
+    assert engine.history_divergences == 0
+
+
+def test_scripted_multi_turn_prompts_are_the_ids_the_engine_saw():
+    engine = ScriptedEngine(malformed_rate=0.3)
+    fed: dict = {}
+    sampled: dict = {}
+    generate = engine.generate
+
+    def recording(requests, sampling):
+        completions = generate(requests, sampling)
+        for request, completion in zip(requests, completions):
+            episode = (request.seed, request.env_id)
+            fed.setdefault(episode, []).append(list(completion.prompt_token_ids))
+            sampled.setdefault(episode, []).append((list(completion.response_token_ids), list(completion.logprobs)))
+        return completions
+
+    engine.generate = recording
+    specs = cut_specs()
+    trajectories = sequential(specs, loop_config(max_turn=4), engine)
+    turns = [t for traj in trajectories for t in traj.turns]
+    assert check_turns(trajectories, fed, sampled) == len(turns)
+    assert max(len(traj.turns) for traj in trajectories) >= 3
+    assert any(t.finish_reason == "length" for t in turns)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("engine_name", ["scripted", "hf"])
+def test_parallel_equals_sequential_ids_included(engine_name, tiny_model_path):
+    """Workers get each prompt's ids back (sent as the ids after the request's history), so
+    their next prompts append as the sequential loop's do: the same ids, turn by turn."""
+    from ragen.llm.hf import HFEngine
+    from ragen.rollout.backends.parallel import ParallelRolloutManager
+    from ragen.serving import SharedLLMInferenceManager
+
+    config = loop_config(max_turn=4)
+    if engine_name == "hf":
+        engine = HFEngine(tiny_model_path, device="cpu")
+        specs = specs_for(["SimpleSokoban", "FrozenLake"], [2, 2], 2, custom_envs())
+        config = replace(config, sampling=replace(config.sampling, temperature=1.0, max_tokens=10, seed=5))
+    else:
+        engine = ScriptedEngine(malformed_rate=0.2)
+        specs = cut_specs()
+    reference = sequential(specs, config, engine)
+    assert max(len(traj.turns) for traj in reference) >= 3
+    assert all(t.prompt_ids and t.response_ids for traj in reference for t in traj.turns)
+    with SharedLLMInferenceManager(engine, coalesce_wait_s=0.005) as shared, \
+            ParallelRolloutManager(shared, n_jobs=2, backend="loky") as prm:
+        result = prm.rollout(specs, config)
+    assert result.trajectories == reference
+    assert token_fields(result.trajectories) == token_fields(reference)
+    got = [lp for traj in result.trajectories for t in traj.turns for lp in t.logprobs]
+    want = [lp for traj in reference for t in traj.turns for lp in t.logprobs]
+    assert got == pytest.approx(want, abs=1e-4)  # float32 kernels over other batches round otherwise
