@@ -69,11 +69,22 @@ def test_answers_equal_direct_engine_calls():
     engine = ScriptedEngine(malformed_rate=0.3)
     reqs = _requests(10)
     reqs[3:6] = [dataclasses.replace(r, answer_prefix="<think>") for r in reqs[3:6]]  # it travels with them
+    # second turns that append to their first turn's ids
+    firsts = engine.generate(reqs[:3], SamplingParams())
+    reqs += [dataclasses.replace(r, turn=1, history_token_ids=c.prompt_token_ids + c.response_token_ids,
+                                 history_messages=len(r.messages) + 1,
+                                 messages=r.messages + [{"role": "assistant", "content": c.text},
+                                                        {"role": "user", "content": "next"}])
+             for r, c in zip(reqs[:3], firsts)]
     with SharedLLMInferenceManager(engine) as shared:
         got = ask(shared.client(), reqs, SamplingParams())
     want = engine.generate(reqs, SamplingParams())
-    # prompt token ids stay in the driver; the answer's token ids and log-probs travel with it
-    assert [dataclasses.replace(c, prompt_token_ids=[]) for c in want] == got
+    assert got[:10] == want[:10]
+    # an appended prompt crosses as the ids after the request's history, which the worker holds
+    for r, c, w in zip(reqs[10:], got[10:], want[10:]):
+        assert c.prompt_start == len(r.history_token_ids) > 0
+        assert r.history_token_ids + c.prompt_token_ids == w.prompt_token_ids
+        assert dataclasses.replace(c, prompt_token_ids=w.prompt_token_ids, prompt_start=0) == w
     assert all(c.logprobs and len(c.logprobs) == len(c.response_token_ids) for c in got)
 
 
