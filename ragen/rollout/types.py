@@ -24,8 +24,6 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any, Sequence
 
-from ragen.utils import common_prefix_length
-
 
 class StopReason(StrEnum):
     """Why an episode ended; also used in metric names (``rollout/stop/<reason>``)."""
@@ -119,15 +117,27 @@ def episode_ids(turns: Sequence[Turn]) -> list[int]:
     and sampled them: that turn's prompt, then its answer."""
     ids: list[int] = []
     for t in turns:
-        ids = ids[:t.prompt_start] + list(t.prompt_ids) + list(t.response_ids)
+        del ids[t.prompt_start:]
+        ids += t.prompt_ids
+        ids += t.response_ids
     return ids
 
 
 def prompt_delta(previous: Sequence[int], prompt: Sequence[int]) -> tuple[int, tuple[int, ...]]:
     """``(prompt_start, prompt_ids)`` of a turn whose prompt is ``prompt``, after the
     episode's ``previous`` ids (see ``Turn``)."""
-    start = common_prefix_length([list(previous), list(prompt)]) if previous else 0
-    return start, tuple(prompt[start:])
+    previous, prompt = list(previous), list(prompt)
+    if prompt[:len(previous)] == previous:  # appended: the whole episode so far
+        return len(previous), tuple(prompt[len(previous):])
+    # rendered whole: the longest shared start, by halving (slice comparisons run in C)
+    low, high = 0, min(len(previous), len(prompt))
+    while low < high:
+        mid = (low + high + 1) // 2
+        if prompt[:mid] == previous[:mid]:
+            low = mid
+        else:
+            high = mid - 1
+    return low, tuple(prompt[low:])
 
 
 @dataclass

@@ -357,7 +357,7 @@ class SharedLLMClient:
         ``hold``: kept back, for at most ``HOLD_S``, to share a frame with the
         messages after it."""
         state = self._state()
-        raw = [r.to_dict() for r in requests]
+        raw = [wire.request_for_wire(r) for r in requests]
         msg = {"op": "gen", "ticket": state["ticket"] + 1, "sent": time.monotonic(), "requests": raw,
                "sampling": sampling.to_dict()}
         if hold:

@@ -51,7 +51,9 @@ import pickle
 import secrets
 import socket
 import struct
+import sys
 import time
+from array import array
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -305,8 +307,8 @@ _REQUEST_FIELDS = {
     "max_tokens": (lambda v: v is None or (_is_int(v) and v >= 0), "null or an integer >= 0"),
     "last_turn": (lambda v: isinstance(v, bool), "true or false"),
     "answer_prefix": (lambda v: isinstance(v, str), "a string"),
-    "history_token_ids": (lambda v: v is None or (isinstance(v, list) and all(_is_int(x) and x >= 0 for x in v)),
-                          "null or a list of integers >= 0"),
+    # decoded from bytes (request_for_wire), so every item is an integer >= 0
+    "history_token_ids": (lambda v: v is None or isinstance(v, list), "null or 4 bytes an id"),
     "history_messages": (lambda v: _is_int(v) and v >= 0, "an integer >= 0"),
 }
 _SAMPLING_FIELDS = {
@@ -393,6 +395,9 @@ def parse_message(data: bytes, in_batch: bool = False
         raw = msg.get("requests")
         if not isinstance(raw, list) or not all(isinstance(r, dict) for r in raw):
             raise ValueError("'requests' must be a list of objects")
+        for i, r in enumerate(raw):
+            if "history_token_ids" in r:
+                r["history_token_ids"] = _history_from_wire(r["history_token_ids"], f"requests[{i}]")
         requests = [GenerationRequest.from_dict(r) for r in raw]
         for i, r in enumerate(requests):
             if not isinstance(r.messages, list) or not all(
@@ -413,6 +418,31 @@ def parse_message(data: bytes, in_batch: bool = False
         return GenMessage(ticket, requests, sampling, notes, float(sent) if _is_number(sent) else None)
     except (ValueError, TypeError) as exc:
         raise BadMessage(str(exc), ticket) from None
+
+
+def request_for_wire(request: GenerationRequest) -> dict[str, Any]:
+    """A request as plain data for the manager: its history ids as bytes (4 little-endian
+    bytes an id), which pickle as one string where a list of ints pickles id by id."""
+    d = request.to_dict()
+    if request.history_token_ids is not None:
+        ids = array("I", request.history_token_ids)
+        if sys.byteorder == "big":
+            ids.byteswap()
+        d["history_token_ids"] = ids.tobytes()
+    return d
+
+
+def _history_from_wire(value: Any, where: str) -> list[int] | None:
+    """A request's history ids from their bytes; ValueError naming ``where`` for anything else."""
+    if value is None:
+        return None
+    if not isinstance(value, bytes) or len(value) % 4:
+        raise ValueError(f"{where}.history_token_ids must be null or 4 bytes an id, got {repr(value)[:80]}")
+    ids = array("I")
+    ids.frombytes(value)
+    if sys.byteorder == "big":
+        ids.byteswap()
+    return ids.tolist()
 
 
 def completion_for_wire(completion: Completion, request: GenerationRequest) -> dict[str, Any]:
