@@ -8,6 +8,7 @@ the manager goes on serving."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import re
@@ -320,7 +321,7 @@ def test_the_client_refuses_an_oversized_frame():
 
 @pytest.mark.parametrize("field, value", [
     ("seed", "x"), ("env_id", 1.5), ("turn", None), ("max_tokens", -3), ("max_tokens", True),
-    ("answer_prefix", None),
+    ("answer_prefix", None), ("history_messages", -1), ("history_messages", 99),
 ])
 def test_a_malformed_request_fails_alone_not_the_batch_it_joins(field, value):
     """A worker's request with a field of the wrong type, coalesced with
@@ -353,6 +354,18 @@ def test_a_malformed_request_fails_alone_not_the_batch_it_joins(field, value):
         thread.join()
     assert [c.env_id for c in got] == [0, 1, 2]
     assert len(errors) == 1 and field in errors[0] and "bad message" in errors[0]
+
+
+@pytest.mark.parametrize("value", [b"abc", "1 2", [1, 2]])
+def test_history_ids_cross_as_four_bytes_an_id(value):
+    request = dataclasses.replace(_requests(1)[0], history_token_ids=[0, 7, 2**32 - 1], history_messages=1)
+    raw = wire.request_for_wire(request)
+    assert isinstance(raw["history_token_ids"], bytes) and len(raw["history_token_ids"]) == 12
+    msg = {"op": "gen", "ticket": 1, "requests": [raw], "sampling": {}}
+    assert wire.parse_message(wire.frame(msg)[wire.HEADER_BYTES:]).requests == [request]
+    bad = {**msg, "requests": [{**raw, "history_token_ids": value}]}
+    with pytest.raises(wire.BadMessage, match=r"requests\[0\].history_token_ids must be null or 4 bytes an id"):
+        wire.parse_message(wire.frame(bad)[wire.HEADER_BYTES:])
 
 
 @pytest.mark.parametrize("sampling, field", [
