@@ -139,3 +139,61 @@ def test_parallel_equals_sequential_ids_included(engine_name, tiny_model_path):
     got = [lp for traj in result.trajectories for t in traj.turns for lp in t.logprobs]
     want = [lp for traj in reference for t in traj.turns for lp in t.logprobs]
     assert got == pytest.approx(want, abs=1e-4)  # float32 kernels over other batches round otherwise
+
+
+def test_a_template_that_rewrites_history_is_counted_in_the_rollout_metrics(caplog):
+    """The scripted engine with a template that drops earlier thoughts: every appended prompt
+    diverges from its full render; the rollout's metrics count them, one warning names it."""
+    import logging
+    import re
+
+    from ragen.llm.chat_tokens import ChatTokens
+    from ragen.llm.scripted import render_messages
+    from ragen.rollout.backends.sequential import SequentialRollout
+
+    def forgetful(messages, add_generation_prompt):
+        last_user = max((i for i, m in enumerate(messages) if m["role"] == "user"), default=-1)
+        kept = [{**m, "content": re.sub(r"<think>.*?</think>", "", m["content"], flags=re.S)}
+                if m["role"] == "assistant" and i < last_user else m for i, m in enumerate(messages)]
+        return render_messages(kept, add_generation_prompt)
+
+    engine = ScriptedEngine()
+    engine.chat = ChatTokens(forgetful, lambda text: list(text.encode()), {}, "forgetful-template")
+    backend = SequentialRollout(engine)
+    try:
+        with caplog.at_level(logging.WARNING):
+            result = backend.rollout(specs_for(["SimpleSokoban"], [2], 2, custom_envs()), loop_config(max_turn=3))
+    finally:
+        backend.close()
+    later_turns = sum(max(0, len(t.turns) - 1) for t in result.trajectories)
+    assert later_turns > 0 and result.metrics["engine/history_divergences"] == later_turns
+    assert len([r for r in caplog.records if "forgetful-template" in r.getMessage()]) == 1
+    # the prompts still lead with the sampled ids
+    for traj in result.trajectories:
+        for k, turn in enumerate(traj.turns):
+            assert turn.prompt_start == len(episode_ids(traj.turns[:k]))
+
+
+def test_the_training_sequence_of_a_scripted_rollout_is_its_ids_every_answer_token_with_its_log_prob():
+    """The trainer's sequences (formulate_rollouts over the engine's template) of cut, multi-turn
+    scripted episodes: exactly the ids the engine saw and sampled, the answers' tokens (and only
+    they) in the loss, each with the log-prob it was sampled with."""
+    import math
+
+    from ragen.rollout.context import ContextManager
+
+    engine = ScriptedEngine(malformed_rate=0.2)
+    specs = cut_specs()
+    config = loop_config(max_turn=4)
+    trajectories = sequential(specs, config, engine)
+    ctx = ContextManager(config.context)
+    rows = ctx.formulate_rollouts([(s, t.turns) for s, t in zip(specs, trajectories)], engine.chat)
+    n_answer = 0
+    for row, traj in zip(rows, trajectories):
+        assert row["input_ids"] == episode_ids(traj.turns)
+        trained = [x for x, m in zip(row["behaviour_logprobs"], row["loss_mask"]) if m]
+        assert trained == [x for t in traj.turns for x in t.logprobs]
+        assert not any(math.isnan(x) for x in trained)
+        n_answer += len(trained)
+    assert n_answer == sum(len(t.response_ids) for traj in trajectories for t in traj.turns) > 0
+    assert any(t.finish_reason == "length" for traj in trajectories for t in traj.turns)
