@@ -67,3 +67,14 @@ def write_bad_dump(good: Path, case: str, out: Path) -> tuple[Path, str]:
         lines = [json.dumps(r) for r in rows]
     out.write_text("\n".join(lines) + "\n", encoding="utf-8")
     return out, f"line {i + 1 + after}: {message.format(first=i + 1, env_id=rows[i]['env_id'])}"
+
+
+def write_as_version_2(lines: list[str], out: Path) -> Path:
+    """The dump ``lines`` as format 2 wrote them (no prompt ids), in the file ``out``."""
+    rows = [json.loads(line) for line in lines]
+    for row in rows:
+        row["version"] = 2
+        for turn in row["turns"]:
+            del turn["prompt_ids"], turn["prompt_start"]
+    out.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return out

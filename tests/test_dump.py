@@ -17,7 +17,7 @@ from ragen.rollout.backends.parallel import ParallelRolloutManager
 from ragen.rollout.loop import KeptEnvs, run_envs
 from ragen.rollout.types import RolloutResult, StopReason, episode_ids
 
-from tests.dump_cases import BAD_DUMPS, write_bad_dump
+from tests.dump_cases import BAD_DUMPS, write_as_version_2, write_bad_dump
 from tests.rollout_helpers import custom_envs, fault_tag, loop_config, sequential, specs_for
 
 
@@ -124,14 +124,7 @@ def test_token_ids_read_back_as_the_engine_saw_and_sampled_them(tmp_path):
 
 def test_a_version_2_dump_reads_back_with_no_prompt_ids(played, tmp_path):
     result, config, _ = played
-    rows = [json.loads(line) for line in _lines(played, tmp_path)]
-    for row in rows:
-        row["version"] = 2
-        for turn in row["turns"]:
-            del turn["prompt_ids"], turn["prompt_start"]
-    old = tmp_path / "v2.jsonl"
-    old.write_text("".join(json.dumps(row) + "\n" for row in rows))
-    records = read_dump(old)
+    records = read_dump(write_as_version_2(_lines(played, tmp_path), tmp_path / "v2.jsonl"))
     assert [r.trajectory for r in records] == result.trajectories
     turns = [(u, t) for r, tr in zip(records, result.trajectories) for u, t in zip(r.trajectory.turns, tr.turns)]
     assert all(u.prompt_ids == () and u.prompt_start == 0 and not u.has_prompt_ids for u, _ in turns)

@@ -20,7 +20,7 @@ from ragen.rollout.dump import DumpRecord, read_dump, write_dump
 from ragen.rollout.types import RolloutResult, StopReason
 from ragen.viewer import default_output, render_html, write_viewer
 from ragen.viewer.page import split_response
-from tests.dump_cases import BAD_DUMPS, write_bad_dump
+from tests.dump_cases import BAD_DUMPS, write_as_version_2, write_bad_dump
 from tests.rollout_helpers import (
     custom_envs,
     fault_tag,
@@ -194,13 +194,7 @@ def test_each_turn_shows_the_prompt_tokens_it_added_and_the_tokens_it_sampled(du
             assert turn.has_prompt_ids and turn.response_ids
             assert f"tokens +{len(turn.prompt_ids)} prompt, {len(turn.response_ids)} sampled</span>" in page
     # a dump without prompt ids (format 2) shows the sampled ones; one without ids shows none
-    rows = [json.loads(line) for line in dump.read_text().splitlines()]
-    for row in rows:
-        row["version"] = 2
-        for turn in row["turns"]:
-            del turn["prompt_ids"], turn["prompt_start"]
-    old = tmp_path / "v2.jsonl"
-    old.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    old = write_as_version_2(dump.read_text().splitlines(), tmp_path / "v2.jsonl")
     old_page = render_html(read_dump(old))
     assert 'class="tokens"' in old_page and " prompt, " not in old_page
     bare = [dataclasses.replace(r, trajectory=dataclasses.replace(r.trajectory, turns=[
