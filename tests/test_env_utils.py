@@ -107,3 +107,17 @@ def test_all_seed_nests_in_one_thread():
             inner = np.random.random()
         with all_seed(2):
             assert np.random.random() == inner
+
+
+def test_common_prefix_length_is_the_first_place_any_sequence_differs():
+    from ragen.utils import common_prefix_length
+
+    rng = random.Random(0)
+    for _ in range(2000):
+        seqs = [[rng.randrange(3) for _ in range(rng.randrange(8))] for _ in range(rng.randrange(1, 4))]
+        n = min(len(s) for s in seqs)
+        want = next((i for i in range(n) if any(s[i] != seqs[0][i] for s in seqs)), n)
+        assert common_prefix_length(seqs) == want
+        assert common_prefix_length([tuple(seqs[0]), *seqs[1:]]) == want  # a tuple beside lists
+    assert common_prefix_length([]) == 0
+    assert common_prefix_length(["abcd", "abxd"]) == 2

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from typing import Any, Sequence
 
 from ragen.llm.chat_tokens import ChatTokens
-from ragen.rollout.types import EnvSpec, Turn
+from ragen.rollout.types import EnvSpec, Turn, turn_prompts
 
 FORMAT_THINK = "<think> [Your thoughts] </think> <answer> [your answer] </answer>"
 FORMAT_ANSWER = "<answer> [your answer] </answer>"
@@ -289,10 +289,8 @@ class ContextManager:
         mask: list[int] = []
         behaviour: list[float] = []
         answer_ends: list[int] = []
-        seen: list[int] = []  # the episode's ids as the engine saw and sampled them
         open_end = False  # the last answer did not end its turn
-        for k, turn in enumerate(turns):
-            prompt = seen[:turn.prompt_start] + list(turn.prompt_ids) if turn.has_prompt_ids else None
+        for k, (turn, prompt) in enumerate(zip(turns, turn_prompts(turns))):  # prompts as the engine saw them
             exact = prompt is not None and prompt[:len(ids)] == ids
             if not exact:
                 messages = messages or self.episode_messages(spec, turns)
@@ -313,7 +311,6 @@ class ContextManager:
             mask += [1] * len(answer)
             answer_ends.append(len(ids) - 1)
             open_end = not answer or answer[-1] not in chat.end_texts
-            seen = seen[:turn.prompt_start] + list(turn.prompt_ids) + list(turn.response_ids)
         if open_end and self.config.train_end_after_cut and turns:
             end = chat.encode(chat.closing())[:1]
             if end and end[0] in chat.end_texts:

@@ -24,6 +24,8 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any, Sequence
 
+from ragen.utils import common_prefix_length
+
 
 class StopReason(StrEnum):
     """Why an episode ended; also used in metric names (``rollout/stop/<reason>``)."""
@@ -123,21 +125,24 @@ def episode_ids(turns: Sequence[Turn]) -> list[int]:
     return ids
 
 
+def turn_prompts(turns: Sequence[Turn]) -> list[list[int] | None]:
+    """Each turn's whole prompt ids as the engine saw them (None: the engine gave none)."""
+    out: list[list[int] | None] = []
+    ids: list[int] = []
+    for t in turns:
+        del ids[t.prompt_start:]
+        ids += t.prompt_ids
+        out.append(list(ids) if t.has_prompt_ids else None)
+        ids += t.response_ids
+    return out
+
+
 def prompt_delta(previous: Sequence[int], prompt: Sequence[int]) -> tuple[int, tuple[int, ...]]:
     """``(prompt_start, prompt_ids)`` of a turn whose prompt is ``prompt``, after the
-    episode's ``previous`` ids (see ``Turn``)."""
-    previous, prompt = list(previous), list(prompt)
-    if prompt[:len(previous)] == previous:  # appended: the whole episode so far
-        return len(previous), tuple(prompt[len(previous):])
-    # rendered whole: the longest shared start, by halving (slice comparisons run in C)
-    low, high = 0, min(len(previous), len(prompt))
-    while low < high:
-        mid = (low + high + 1) // 2
-        if prompt[:mid] == previous[:mid]:
-            low = mid
-        else:
-            high = mid - 1
-    return low, tuple(prompt[low:])
+    episode's ``previous`` ids (see ``Turn``): an appended prompt starts after all of
+    them, one rendered whole after the start it shares."""
+    start = common_prefix_length([list(previous), list(prompt)])
+    return start, tuple(prompt[start:])
 
 
 @dataclass

@@ -51,7 +51,7 @@ from ragen.llm.types import Completion, Engine, GenerationRequest, SamplingParam
 from ragen.rollout.dump import DumpError, DumpRecord, read_dump
 from ragen.serving import DirectClient
 from ragen.rollout.loop import EnvError, KeptEnvs, run_envs
-from ragen.rollout.types import StopReason, Trajectory, Turn
+from ragen.rollout.types import StopReason, Trajectory, turn_prompts
 from ragen.utils import common_prefix_length
 
 logger = logging.getLogger(__name__)
@@ -157,7 +157,7 @@ def first_difference(record: DumpRecord, replayed: Trajectory,
                      prompts: dict[int, list[dict[str, str]]] | None = None) -> str | None:
     """The first place where ``replayed`` differs from the dump, as a sentence."""
     dumped = record.trajectory
-    dumped_ids, replayed_ids = _prompt_ids(dumped.turns), _prompt_ids(replayed.turns)
+    dumped_ids, replayed_ids = turn_prompts(dumped.turns), turn_prompts(replayed.turns)
     for i in range(max(len(dumped.turns), len(replayed.turns))):
         if i >= len(replayed.turns):
             return (f"turn {i}: the dump has this turn, the replay ended before it "
@@ -191,17 +191,6 @@ def first_difference(record: DumpRecord, replayed: Trajectory,
         if x != y:
             return f"end of episode: {name}: {_diff(x, y)}"
     return None
-
-
-def _prompt_ids(turns: Sequence[Turn]) -> list[list[int] | None]:
-    """Each turn's whole prompt ids, as ``episode_ids`` builds them (None: the engine gave none)."""
-    out: list[list[int] | None] = []
-    ids: list[int] = []
-    for t in turns:
-        prompt = ids[:t.prompt_start] + list(t.prompt_ids)
-        out.append(prompt if t.has_prompt_ids else None)
-        ids = prompt + list(t.response_ids)
-    return out
 
 
 def _ids_diff(dumped: list[int], replayed: list[int]) -> str:
