@@ -266,8 +266,6 @@ def test_generate_maps_requests_to_vllm(fake_vllm, tiny_model_path):
 def test_the_answer_prefix_ends_the_prompt_sent_to_vllm(fake_async_vllm, tiny_model_path, streaming):
     """RAGEN's prompt: the template's text and the prefix, tokenized as one text; vLLM's
     answer (all of the completion) is what follows it."""
-    from ragen.llm.chat_tokens import encode_chat
-
     engine = make_engine({"name": "vllm", "streaming": streaming}, tiny_model_path)
     try:
         reqs = [GenerationRequest([{"role": "user", "content": "a"}], env_id=1, answer_prefix="<think>"),
@@ -277,7 +275,7 @@ def test_the_answer_prefix_ends_the_prompt_sent_to_vllm(fake_async_vllm, tiny_mo
         for r, c in zip(reqs, out):
             text = engine.tokenizer.apply_chat_template(r.messages, add_generation_prompt=True, tokenize=False)
             ragen_ids = engine.tokenizer(text + r.answer_prefix, add_special_tokens=False)["input_ids"]
-            assert c.prompt_token_ids == ragen_ids == encode_chat(engine.tokenizer, r.messages, r.answer_prefix)
+            assert c.prompt_token_ids == ragen_ids == engine.encode_prompt(r.messages, r.answer_prefix)
             assert c.prompt_token_ids[:-1] == engine.encode_prompt(r.messages)  # the tag is one token here
         sent = engine.llm.generate_calls[-1][0][0] if not streaming else None
         if sent is not None:

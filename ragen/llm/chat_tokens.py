@@ -25,6 +25,7 @@ appended prompt's text is not the full render of the same messages.
 
 from __future__ import annotations
 
+from functools import cached_property
 from typing import Any, Callable, Mapping, Sequence
 
 # End-of-turn tokens of common chat templates; an answer ends at any of them.
@@ -49,7 +50,6 @@ class ChatTokens:
         self.encode = encode
         self.end_texts = dict(end_texts)
         self.name = name
-        self._probe: tuple[list[dict[str, str]], str, str] | None | bool = False  # False: not yet read
 
     @classmethod
     def of(cls, tokenizer: Any, model: Any = None) -> "ChatTokens":
@@ -78,7 +78,7 @@ class ChatTokens:
         assistant answer as sampled), then the template's tokens of the rest; and whether
         the template diverges here (see the module docstring). A template whose renders
         do not extend one another at all gets the full render, counted as diverged."""
-        probe = self._read_probe()
+        probe = self._probe
         new = list(messages[history_messages:])
         if probe is None:
             return self.full(messages, answer_prefix), True
@@ -99,35 +99,23 @@ class ChatTokens:
     def closing(self) -> str:
         """The text the template puts after an answer's content (its end of turn); "" when
         the template cannot be read that way."""
-        probe = self._read_probe()
+        probe = self._probe
         return probe[2] if probe else ""
 
-    def _read_probe(self) -> tuple[list[dict[str, str]], str, str] | None:
+    @cached_property
+    def _probe(self) -> tuple[list[dict[str, str]], str, str] | None:
         """The placeholder conversation, its render and the text that closes its answer;
         None when the template's renders do not extend one another."""
-        if self._probe is False:
-            self._probe = None
-            for base in (list(_PROBE), list(_PROBE[1:])):  # some templates refuse a system message
-                try:
-                    opened = self.render(base[:-1], True)
-                    done = self.render(base, False)
-                except Exception:  # noqa: BLE001 - a template may raise on any role it refuses
-                    continue
-                answer = base[-1]["content"]
-                if done.startswith(opened + answer):
-                    self._probe = (base, done, done[len(opened) + len(answer):])
-                    break
-        return self._probe
-
-
-def encode_chat(tokenizer: Any, messages: Messages, answer_prefix: str = "") -> list[int]:
-    """The prompt ids of ``messages``, rendered by the tokenizer's chat template, with
-    ``answer_prefix`` after its generation prompt: template text and prefix tokenized as
-    one text, as RAGEN builds its prompts (the model writes what follows the prefix)."""
-    text = tokenizer.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=True)
-    text += answer_prefix
-    # The template already holds its special tokens; do not add a BOS again.
-    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+        for base in (list(_PROBE), list(_PROBE[1:])):  # some templates refuse a system message
+            try:
+                opened = self.render(base[:-1], True)
+                done = self.render(base, False)
+            except Exception:  # noqa: BLE001 - a template may raise on any role it refuses
+                continue
+            answer = base[-1]["content"]
+            if done.startswith(opened + answer):
+                return base, done, done[len(opened) + len(answer):]
+        return None
 
 
 def stop_token_ids(tokenizer: Any, model: Any = None) -> set[int]:

@@ -455,7 +455,7 @@ def completion_for_wire(completion: Completion, request: GenerationRequest) -> d
     d = completion.to_dict()
     history = request.history_token_ids
     prompt = completion.prompt_token_ids
-    if history and not completion.prompt_start and len(prompt) >= len(history) and prompt[:len(history)] == history:
+    if history and not completion.prompt_start and prompt[:len(history)] == history:
         d["prompt_token_ids"] = prompt[len(history):]
         d["prompt_start"] = len(history)
     return d
