@@ -282,7 +282,8 @@ def test_config_files_match_the_engines():
         cfg = OmegaConf.to_container(OmegaConf.load(CONFIG_DIR / f"{name}.yaml"))
         assert cfg.pop("name") == name
         module, _, cls = target.partition(":")
-        assert set(cfg) == set(getattr(importlib.import_module(module), cls).config_keys), name
+        engine_class = getattr(importlib.import_module(module), cls)
+        assert set(cfg) == {*engine_class.config_keys, *engine_class.replica_keys}, name
 
 
 def test_scripted_engine_does_not_import_torch():

@@ -24,7 +24,7 @@ import importlib
 from collections.abc import Mapping
 from typing import Any
 
-from ragen.config_reader import check_keys, to_plain
+from ragen.config_reader import check_keys, read, to_plain
 from ragen.llm.types import Completion, Engine, GenerationRequest, SamplingParams, request_seed
 
 __all__ = [
@@ -69,10 +69,26 @@ def check_engine_config(engine_cfg: Mapping[str, Any]) -> tuple[str, dict[str, A
             f"engine.name={name!r} is not a known engine; choose one of {sorted(ENGINE_CLASSES)}"
         )
     engine_class = _load_class(name)
-    keys = engine_class.config_keys
+    keys = (*engine_class.config_keys, *engine_class.replica_keys)
+    if "replicas" in cfg and "replicas" not in keys:
+        raise ValueError(
+            f"engine.replicas is not an option of engine {name!r}: "
+            + ("vLLM spreads itself over GPUs with engine.data_parallel_size" if name == "vllm"
+               else "list the servers in engine.base_urls"))
     check_keys(cfg, keys, "engine", hint=f"; the options of engine {name!r} are {sorted(keys)}")
-    engine_class.check_options(cfg)
+    replicas = _replicas(engine_class, cfg)
+    for _, options in replicas:
+        engine_class.check_options(options)
     return name, cfg
+
+
+def _replicas(engine_class: type[Engine], cfg: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
+    """The ``(name, options)`` of each replica, and ``engine.routing`` checked."""
+    if "routing" in cfg:
+        from ragen.llm.replicas import Routing
+
+        read(Routing, cfg["routing"], "engine.routing")
+    return engine_class.replica_options(dict(cfg))
 
 
 # which engines stream completions (``Engine.streams_with``), for errors that say which to choose
@@ -95,10 +111,20 @@ def make_engine(engine_cfg: Mapping[str, Any], model_path: str | None = None) ->
     """Build the engine named by ``engine_cfg["name"]``.
 
     The other keys are that engine's options (see ``config/engine/<name>.yaml``);
-    an unknown key is an error rather than silently ignored.
+    an unknown key is an error rather than silently ignored. Several replicas
+    (``engine.replicas``; openai: ``engine.base_urls``) are built as one engine
+    that routes among them (``ragen.llm.replicas``).
     """
     name, cfg = check_engine_config(engine_cfg)
-    return _load_class(name).from_config(cfg, model_path)
+    engine_class = _load_class(name)
+    replicas = _replicas(engine_class, cfg)
+    if len(replicas) == 1:
+        return engine_class.from_config(replicas[0][1], model_path)
+    from ragen.llm.replicas import Routing, replicate
+
+    routing = read(Routing, cfg.get("routing"), "engine.routing")
+    return replicate([(label, lambda options=options: engine_class.from_config(options, model_path))
+                      for label, options in replicas], routing)
 
 
 def __getattr__(attr: str) -> Any:

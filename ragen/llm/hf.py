@@ -176,6 +176,16 @@ class HFEngine(Engine):
         self._lock = threading.Lock()
 
     @classmethod
+    def replica_options(cls, options: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
+        """``engine.replicas`` copies; with ``device`` ``auto`` or ``cuda`` and that many GPUs,
+        one on each (``cuda:0``, ``cuda:1``, ...), else all on the one device."""
+        replicas = super().replica_options(options)
+        device = str(options.get("device", "auto"))
+        if len(replicas) > 1 and device in ("auto", "cuda") and torch.cuda.device_count() >= len(replicas):
+            return [(f"{i} (cuda:{i})", {**o, "device": f"cuda:{i}"}) for i, (_, o) in enumerate(replicas)]
+        return [(f"{name} ({device})", o) for name, o in replicas]
+
+    @classmethod
     def from_config(cls, cfg: Mapping[str, Any], model_path: str | None = None) -> "HFEngine":
         return cls(model_path, **cfg)
 

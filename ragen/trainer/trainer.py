@@ -51,6 +51,7 @@ from ragen.config_reader import to_plain
 from ragen.llm import STREAMING_ENGINES, check_engine_config, engine_returns_logprobs, engine_streams
 from ragen.llm.chat_tokens import ChatTokens
 from ragen.llm.default_model import resolve_model_path
+from ragen.llm.replicas import ReplicaSet
 from ragen.rollout.proxy import AgentSetup, LLMAgentProxy
 from ragen.rollout.backends.ahead import staleness
 from ragen.rollout.config import env_level_for
@@ -352,6 +353,9 @@ class AgentTrainer:
         """Make the engine answer with the new weights; return the new policy version."""
         if self.engine_name == "hf":
             # The engine holds these very tensors: the optimizer stepped under its lock.
+            if isinstance(self.engine, ReplicaSet):  # the primary does; the other replicas copy them
+                with self.proxy.engine_lock:
+                    return self.engine.load_weights(self._merged_weights(), skip_primary=True)
             return self.engine.bump_policy_version()
         before = self.engine.policy_version
         with self.proxy.engine_lock:
@@ -432,6 +436,8 @@ class AgentTrainer:
         ckpt.set_rng_state(state["rng"])
         self.global_step = int(state["step"])
         if self.engine_name == "hf":
+            if isinstance(self.engine, ReplicaSet):
+                self.engine.load_weights(self._merged_weights(), skip_primary=True)
             self.engine.policy_version = int(state["policy_version"])
         else:
             self.engine.load_weights(self._merged_weights())

@@ -114,8 +114,8 @@ class SyncBackend(RolloutBackend):
                 before = _engine_counts(self.engine)
                 with progress if progress is not None else RolloutProgress(len(specs), label) as shown:
                     result = self._play(specs, loop, shown, fault)
-                prefilled, reused, evicted, diverged, fallbacks = (
-                    b - a for a, b in zip(before, _engine_counts(self.engine)))
+                after = _engine_counts(self.engine)
+                counts = {key: after[key] - before.get(key, 0.0) for key in after}
                 turn_cache = getattr(self.engine, "turn_cache", None)
                 cache_mb = turn_cache.bytes / 2**20 if turn_cache is not None else None
             finally:
@@ -126,15 +126,18 @@ class SyncBackend(RolloutBackend):
                     if self._running == 0 and not self.keeps_episodes:
                         self.engine.release_cache()
         m = result.metrics
+        prefilled, reused = counts.pop("engine/prefill_tokens"), counts.pop("engine/reused_tokens")
         if prefilled or reused:
-            m.update({"engine/prefill_tokens": float(prefilled), "engine/reused_tokens": float(reused),
+            m.update({"engine/prefill_tokens": prefilled, "engine/reused_tokens": reused,
                       "engine/prefix_reuse": reused / (prefilled + reused)})
-        if diverged:
-            m["engine/history_divergences"] = float(diverged)
-        if fallbacks:
-            m["engine/token_prompt_fallbacks"] = float(fallbacks)
+        evicted = counts.pop("engine/turn_cache_evicted")
         if cache_mb is not None:  # the memory kept for next turns, and the episodes let go to stay in bound
-            m.update({"engine/turn_cache_mb": cache_mb, "engine/turn_cache_evicted": float(evicted)})
+            m.update({"engine/turn_cache_mb": cache_mb, "engine/turn_cache_evicted": evicted})
+        later, returned = counts.pop("engine/replica_later_turns", 0.0), counts.pop("engine/replica_returned", 0.0)
+        if later:  # the share of later turns that went back to their episode's replica
+            m["engine/replica_affinity"] = returned / later
+        m.update({key: value for key, value in counts.items()
+                  if value or key.startswith("engine/replica")})  # per replica: its zeros say something too
         _log_summary(label, result)
         return result
 
@@ -173,25 +176,35 @@ class AsyncBackend(RolloutBackend):
         self.inner.close()
 
 
-def _engine_counts(engine: Engine) -> tuple[int, ...]:
-    """The engine's prompt tokens computed and reused so far, the episodes its turn cache
-    evicted, the appended prompts whose template rewrote history and the requests sent as
-    messages where token ids were meant (0 for what an engine does not count)."""
+def _engine_counts(engine: Engine) -> dict[str, float]:
+    """The engine's counts so far: prompt tokens computed and reused, the episodes its turn
+    cache evicted, the appended prompts whose template rewrote history, the requests sent as
+    messages where token ids were meant (0 for what an engine does not count), and with
+    replicas, each one's requests, tokens, calls and busy time, the failovers and the later
+    turns routed back to their episode's replica (``Router.counts``)."""
     turn_cache = getattr(engine, "turn_cache", None)
-    return (getattr(engine, "tokens_prefilled", 0), getattr(engine, "tokens_reused", 0),
-            turn_cache.evicted if turn_cache is not None else 0, getattr(engine, "history_divergences", 0),
-            getattr(engine, "token_prompt_fallbacks", 0))
+    counts = {"engine/prefill_tokens": float(getattr(engine, "tokens_prefilled", 0)),
+              "engine/reused_tokens": float(getattr(engine, "tokens_reused", 0)),
+              "engine/turn_cache_evicted": float(turn_cache.evicted if turn_cache is not None else 0),
+              "engine/history_divergences": float(getattr(engine, "history_divergences", 0)),
+              "engine/token_prompt_fallbacks": float(getattr(engine, "token_prompt_fallbacks", 0))}
+    replica_counts = getattr(engine, "replica_counts", None)
+    if replica_counts is not None:
+        counts.update(replica_counts())
+    return counts
 
 
 def _log_summary(label: str, result: RolloutResult) -> None:
     m = result.metrics
     logger.info(
         "[Rollout] %s: %d envs in %.2f s | engine %.2f s, %d calls, mean batch %.1f%s | env %.2f s | "
-        "waiting for the model %.2f s | fallbacks %d | success %.3f",
+        "waiting for the model %.2f s | fallbacks %d%s | success %.3f",
         label, len(result.specs), m.get("timing/rollout_s", 0.0), m.get("timing/engine_s", 0.0),
         int(m.get("engine/calls", 0)), m.get("engine/mean_batch_size", 0.0),
         f", prompt tokens {m['engine/prefix_reuse']:.0%} reused" if "engine/prefix_reuse" in m else "",
         m.get("timing/env_s", 0.0), m.get("timing/wait_llm_s", 0.0), int(m.get("parallel/fallbacks", 0)),
+        f" | replicas: {m['engine/replica_affinity']:.0%} of later turns on their episode's, "
+        f"{int(m.get('engine/replica_failovers', 0))} failovers" if "engine/replica_affinity" in m else "",
         m.get("rollout/success", 0.0))
     for f in result.failed_envs:
         logger.warning("[Rollout] %s: env_id %d (tag %s, seed %d) ended in %s at turn %d: %s | check it alone: "

@@ -1,0 +1,448 @@
+"""Several engines of one kind behind one: replicas, routing and failover.
+
+- ``Routing`` (``engine.routing``): how requests are spread.
+- ``Router``: which replica takes each request. It sends a request to the
+  replica with the fewest requests in flight, except that a later turn of an
+  episode goes back to the replica that answered its earlier turns (which
+  holds its prefix in cache) unless that replica has more than
+  ``sticky_margin`` requests in flight above the least loaded one. A replica
+  that fails is marked down and skipped; once its back-off has passed, one
+  request probes it (the back-off doubles, up to ``probe_max_s``, while
+  probes fail). Its decisions read only counts and a clock, so a test drives
+  it with a fake clock.
+- ``ReplicatedEngine`` (members that batch: a call's requests split among
+  the replicas, which run their parts at once) and
+  ``ReplicatedStreamingEngine`` (members that stream: each request routed on
+  its own). A request whose replica fails is sent again to another replica
+  with the same request (so the same seed: the same answer on a seeded
+  engine); the failover is counted and named in the log. When no replica is
+  left, the request fails with ``NoReplicaLeft``, naming each replica and its
+  last error.
+
+A completion records the replica that produced it (``Completion.replica``).
+``make_engine`` builds these from ``engine.replicas`` (hf, scripted) or
+``engine.base_urls`` (openai); see docs/engines.md.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+import time
+from collections import OrderedDict
+from concurrent.futures import CancelledError, Future, InvalidStateError, ThreadPoolExecutor, wait
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, Sequence
+
+from ragen.config_reader import setting
+from ragen.llm.types import Completion, Engine, GenerationRequest, SamplingParams, StreamingEngine
+
+logger = logging.getLogger(__name__)
+
+MAX_SESSIONS = 100_000  # episodes whose replica is remembered (least recently routed forgotten first)
+
+
+@dataclass(frozen=True)
+class Routing:
+    """``engine.routing``: how requests are spread over replicas."""
+
+    # a later turn goes back to its episode's replica unless that one has more than this many
+    # requests in flight above the least loaded replica
+    sticky_margin: int = setting(8, minimum=0)
+    probe_s: float = setting(1.0, above=0.0)  # first wait before a failed replica is tried again
+    probe_max_s: float = setting(30.0, above=0.0)  # the most the wait grows to (doubling per failed probe)
+
+
+class NoReplicaLeft(RuntimeError):
+    """Every replica a request could go to has failed."""
+
+
+@dataclass
+class ReplicaStats:
+    """One replica's state in the router and what it has done."""
+
+    name: str
+    in_flight: int = 0
+    down: bool = False
+    retry_at: float = 0.0  # down: when a probe may go to it
+    backoff_s: float = 0.0
+    probing: bool = False  # down, with a probe request in flight
+    last_error: str = ""
+    requests: int = 0  # answered
+    tokens: int = 0  # response tokens of those answers
+    calls: int = 0  # engine calls (batch members)
+    busy_s: float = 0.0  # time with a request in flight
+    busy_since: float | None = None
+
+
+@dataclass(frozen=True)
+class TurnCaches:
+    """The replicas' turn caches summed: what they hold and the episodes they evicted."""
+
+    bytes: int
+    evicted: int
+
+
+def session_of(request: GenerationRequest) -> tuple[int, int]:
+    """The episode a request belongs to: its turns share the key."""
+    return (request.seed, request.env_id)
+
+
+class Router:
+    """Picks the replica of each request; see the module docstring. Thread-safe."""
+
+    def __init__(self, names: Sequence[str], routing: Routing = Routing(),
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        if not names:
+            raise ValueError("a router needs at least one replica")
+        self.routing = routing
+        self.clock = clock
+        self.replicas = [ReplicaStats(name) for name in names]
+        self.failovers = 0  # requests sent again after their replica failed
+        self.later_turns = 0  # requests of an episode routed before
+        self.returned = 0  # of those, routed to the episode's replica
+        self._sessions: OrderedDict[tuple[int, int], int] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def pick(self, request: GenerationRequest, exclude: Iterable[int] = ()) -> int:
+        """The replica for ``request`` (not one of ``exclude``), counted as in flight;
+        ``NoReplicaLeft`` when every replica is down or excluded."""
+        excluded = set(exclude)
+        with self._lock:
+            now = self.clock()
+            live = [i for i, r in enumerate(self.replicas) if not r.down and i not in excluded]
+            probe = next((i for i, r in enumerate(self.replicas)
+                          if r.down and not r.probing and now >= r.retry_at and i not in excluded), None)
+            session = session_of(request)
+            home = self._sessions.get(session)
+            if probe is not None:  # a down replica's back-off has passed: this request probes it
+                self.replicas[probe].probing = True
+                chosen = probe
+            elif not live:
+                raise NoReplicaLeft(self._no_replica_message(excluded))
+            else:
+                least = min(live, key=lambda i: self.replicas[i].in_flight)
+                sticky = (home in live and self.replicas[home].in_flight
+                          <= self.replicas[least].in_flight + self.routing.sticky_margin)
+                chosen = home if sticky else least
+            if home is not None:
+                self.later_turns += 1
+                self.returned += chosen == home
+            self._sessions[session] = chosen
+            self._sessions.move_to_end(session)
+            if len(self._sessions) > MAX_SESSIONS:
+                self._sessions.popitem(last=False)
+            replica = self.replicas[chosen]
+            if replica.in_flight == 0:
+                replica.busy_since = now
+            replica.in_flight += 1
+            return chosen
+
+    def done(self, index: int, completion: Completion) -> None:
+        """``index`` answered a request: it is up (a probe that succeeds brings it back)."""
+        with self._lock:
+            replica = self.replicas[index]
+            self._release(replica)
+            replica.requests += 1
+            replica.tokens += len(completion.response_token_ids)
+            if replica.down:
+                replica.down = replica.probing = False
+                replica.backoff_s = 0.0
+                logger.info("replica %s answers again: requests go to it", replica.name)
+
+    def failed(self, index: int, error: BaseException | str, requests: int = 1) -> None:
+        """``index`` failed ``requests`` requests, each sent again to another replica (a
+        failover): it is down until its back-off has passed."""
+        with self._lock:
+            replica = self.replicas[index]
+            for _ in range(requests):
+                self._release(replica)
+            self.failovers += requests
+            replica.last_error = str(error) if isinstance(error, str) else f"{type(error).__name__}: {error}"
+            if replica.down and not replica.probing:
+                return  # an earlier failure marked it down: one back-off per failure spell
+            replica.backoff_s = (min(replica.backoff_s * 2, self.routing.probe_max_s) if replica.down
+                                 else self.routing.probe_s)
+            replica.down, replica.probing = True, False
+            replica.retry_at = self.clock() + replica.backoff_s
+            logger.warning("replica %s failed (%s): it is down, its requests go to the other replicas, and one "
+                           "request probes it in %.1f s", replica.name, replica.last_error, replica.backoff_s)
+
+    def cancelled(self, index: int) -> None:
+        """A request of ``index`` was cancelled by its caller: no longer in flight."""
+        with self._lock:
+            replica = self.replicas[index]
+            self._release(replica)
+            replica.probing = False
+
+    def forget_sessions(self) -> None:
+        """Forget which replica each episode went to (no episode is running)."""
+        with self._lock:
+            self._sessions.clear()
+
+    def counts(self) -> dict[str, float]:
+        """Cumulative counts: per replica, and the failovers and returns to an episode's replica."""
+        with self._lock:
+            now = self.clock()
+            out = {"engine/replica_failovers": float(self.failovers),
+                   "engine/replica_later_turns": float(self.later_turns),
+                   "engine/replica_returned": float(self.returned)}
+            for i, r in enumerate(self.replicas):
+                busy = r.busy_s + (now - r.busy_since if r.busy_since is not None else 0.0)
+                out.update({f"engine/replica{i}_requests": float(r.requests),
+                            f"engine/replica{i}_tokens": float(r.tokens),
+                            f"engine/replica{i}_calls": float(r.calls),
+                            f"engine/replica{i}_busy_s": busy})
+            return out
+
+    def called(self, index: int) -> None:
+        with self._lock:
+            self.replicas[index].calls += 1
+
+    def _release(self, replica: ReplicaStats) -> None:
+        replica.in_flight = max(0, replica.in_flight - 1)
+        if replica.in_flight == 0 and replica.busy_since is not None:
+            replica.busy_s += self.clock() - replica.busy_since
+            replica.busy_since = None
+
+    def _no_replica_message(self, excluded: set[int]) -> str:
+        now = self.clock()
+        parts = []
+        for i, r in enumerate(self.replicas):
+            if r.down:
+                state = f"down, probed again in {max(0.0, r.retry_at - now):.1f} s"
+            else:
+                state = "failed this request"
+            parts.append(f"{r.name}: {state}; last error: {r.last_error or '(none)'}")
+        return "no replica can take the request: " + " | ".join(parts)
+
+
+class ReplicaSet:
+    """What both replicated engines share: the members, the router, the policy version
+    and the counters summed over the members. The first replica is the primary: the
+    trainer trains the hf engine's model in place there."""
+
+    def _setup(self, replicas: Sequence[Engine], names: Sequence[str], routing: Routing) -> None:
+        if not replicas:
+            raise ValueError("engine.replicas must be >= 1")
+        self.replicas = list(replicas)
+        self.router = Router(names, routing)
+        self.primary = self.replicas[0]
+        self.name = self.primary.name
+        self.returns_logprobs = self.primary.returns_logprobs
+        self.chat = self.primary.chat
+
+    @property
+    def policy_version(self) -> int:
+        return self.primary.policy_version
+
+    @policy_version.setter
+    def policy_version(self, version: int) -> None:
+        if "replicas" in self.__dict__:  # Engine.__init__ sets it before the members exist
+            for replica in self.replicas:
+                replica.policy_version = version
+
+    def bump_policy_version(self) -> int:
+        versions = [replica.bump_policy_version() for replica in self.replicas]
+        return versions[0]
+
+    def load_weights(self, named_tensors: Any, skip_primary: bool = False) -> int:
+        """Push the weights into every replica (``skip_primary``: the primary holds them,
+        the trainer updated its model in place); every replica's version is bumped."""
+        weights = list(named_tensors.items() if hasattr(named_tensors, "items") else named_tensors)
+        for replica in self.replicas:
+            if skip_primary and replica is self.primary:
+                replica.bump_policy_version()
+            else:
+                replica.load_weights(weights)
+        return self.policy_version
+
+    # The trainer's view of the hf primary
+    @property
+    def model(self) -> Any:
+        return self.primary.model
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.primary.tokenizer
+
+    def _sum(self, attr: str) -> int:
+        return sum(getattr(replica, attr, 0) for replica in self.replicas)
+
+    tokens_prefilled = property(lambda self: self._sum("tokens_prefilled"), lambda self, value: None)
+    tokens_reused = property(lambda self: self._sum("tokens_reused"), lambda self, value: None)
+    history_divergences = property(lambda self: self._sum("history_divergences"), lambda self, value: None)
+    token_prompt_fallbacks = property(lambda self: self._sum("token_prompt_fallbacks"), lambda self, value: None)
+
+    @property
+    def turn_cache(self) -> "TurnCaches | None":
+        """The members' turn caches together (hf), or None when they keep none."""
+        caches = [c for c in (getattr(r, "turn_cache", None) for r in self.replicas) if c is not None]
+        return TurnCaches(sum(c.bytes for c in caches), sum(c.evicted for c in caches)) if caches else None
+
+    def replica_counts(self) -> dict[str, float]:
+        return self.router.counts()
+
+    def release_cache(self) -> None:
+        self.router.forget_sessions()
+        for replica in self.replicas:
+            replica.release_cache()
+
+    def close(self) -> None:
+        for replica in self.replicas:
+            replica.close()
+
+
+class ReplicatedEngine(ReplicaSet, Engine):
+    """Replicas that batch: each call's requests are routed, and every replica answers
+    its part in a thread of its own at the same time; see the module docstring."""
+
+    def __init__(self, replicas: Sequence[Engine], names: Sequence[str] | None = None,
+                 routing: Routing = Routing()) -> None:
+        super().__init__()
+        self._setup(replicas, names or [f"{i}" for i in range(len(replicas))], routing)
+        self._pool = ThreadPoolExecutor(max_workers=len(self.replicas), thread_name_prefix="ragen-replica")
+
+    def generate(self, requests: Sequence[GenerationRequest], sampling: SamplingParams) -> list[Completion]:
+        answers: list[Completion | None] = [None] * len(requests)
+        tried: list[set[int]] = [set() for _ in requests]
+        todo = list(range(len(requests)))
+        while todo:
+            parts: dict[int, list[int]] = {}
+            for k in todo:
+                parts.setdefault(self.router.pick(requests[k], tried[k]), []).append(k)
+            calls = {self._pool.submit(self.replicas[i].generate, [requests[k] for k in part], sampling): i
+                     for i, part in parts.items()}
+            for i in calls.values():
+                self.router.called(i)
+            # unbounded: each replica's call returns or raises; the serving layer bounds a call
+            # with agent_proxy.engine_timeout_s
+            wait(calls)
+            todo = []
+            for call, i in calls.items():
+                part = parts[i]
+                error = call.exception()
+                if error is None:
+                    completions = call.result()
+                    if len(completions) != len(part):
+                        error = RuntimeError(f"answered {len(completions)} completions for {len(part)} requests")
+                if error is not None:
+                    self.router.failed(i, error, len(part))
+                    for k in part:
+                        tried[k].add(i)
+                    todo += part
+                    continue
+                for k, completion in zip(part, completions):
+                    self.router.done(i, completion)
+                    answers[k] = dataclasses.replace(completion, replica=i)
+        return answers  # type: ignore[return-value]  # every request answered, or NoReplicaLeft raised
+
+    def close(self) -> None:
+        super().close()
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+@dataclass(eq=False)
+class _Routed:
+    """A request in flight through the replicas: the caller's future, and where it went."""
+
+    future: Future
+    request: GenerationRequest
+    sampling: SamplingParams
+    tried: set[int]
+    replica: int = -1
+    inner: Future | None = None
+
+
+class ReplicatedStreamingEngine(ReplicaSet, StreamingEngine):
+    """Replicas that stream: each request routed on its own, its completion handed back
+    as soon as its replica answers; see the module docstring."""
+
+    def __init__(self, replicas: Sequence[StreamingEngine], names: Sequence[str] | None = None,
+                 routing: Routing = Routing()) -> None:
+        super().__init__()
+        self._setup(replicas, names or [f"{i}" for i in range(len(replicas))], routing)
+
+    def submit(self, requests: Sequence[GenerationRequest], sampling: SamplingParams) -> list[Future]:
+        routed = [_Routed(Future(), r, sampling, set()) for r in requests]
+        for entry in routed:
+            entry.future.add_done_callback(lambda future, entry=entry: self._cancel_inner(future, entry))
+            self._send(entry)
+        return [entry.future for entry in routed]
+
+    def _send(self, entry: _Routed) -> None:
+        """Route ``entry`` to a replica not yet tried; fail it when none is left."""
+        while not entry.future.done():
+            try:
+                index = self.router.pick(entry.request, entry.tried)
+            except NoReplicaLeft as exc:
+                _settle(entry.future, exception=exc)
+                return
+            entry.replica = index
+            try:
+                inner = self.replicas[index].submit([entry.request], entry.sampling)[0]
+            except Exception as exc:  # the replica refuses at once (closed): the next one
+                self._failover(entry, index, exc)
+                continue
+            entry.inner = inner
+            inner.add_done_callback(lambda future, entry=entry, index=index: self._answered(entry, index, future))
+            return
+
+    def _answered(self, entry: _Routed, index: int, inner: Future) -> None:
+        if entry.future.cancelled():  # the caller gave up on it
+            self.router.cancelled(index)
+            return
+        # a replica that cancels a request itself (closed) failed it
+        error = CancelledError(f"replica {self.router.replicas[index].name} cancelled it") \
+            if inner.cancelled() else inner.exception()
+        if error is None:
+            completion = inner.result()
+            self.router.done(index, completion)
+            _settle(entry.future, result=dataclasses.replace(completion, replica=index))
+            return
+        self._failover(entry, index, error)
+        self._send(entry)
+
+    def _failover(self, entry: _Routed, index: int, error: BaseException) -> None:
+        entry.tried.add(index)
+        self.router.failed(index, error)
+        logger.info("the request of env %s turn %s goes from replica %s to another (%s)", entry.request.env_id,
+                    entry.request.turn, self.router.replicas[index].name, error)
+
+    @staticmethod
+    def _cancel_inner(future: Future, entry: _Routed) -> None:
+        if future.cancelled() and entry.inner is not None:
+            entry.inner.cancel()
+
+
+def _settle(future: Future, result: Any = None, exception: BaseException | None = None,
+            cancel: bool = False) -> None:
+    """Resolve ``future`` unless its caller cancelled it first."""
+    try:
+        if cancel:
+            future.cancel()
+        elif exception is not None:
+            future.set_exception(exception)
+        else:
+            future.set_result(result)
+    except InvalidStateError:
+        pass  # cancelled by the caller meanwhile
+
+
+def replicate(builders: Sequence[tuple[str, Callable[[], Engine]]], routing: Routing = Routing()) -> Engine:
+    """One engine over the replicas ``builders`` make (``(name, build)`` each): streaming
+    when they stream. A replica that fails to build closes those built before it."""
+    replicas: list[Engine] = []
+    try:
+        for _, build in builders:
+            replicas.append(build())
+    except BaseException:
+        for replica in replicas:
+            replica.close()
+        raise
+    names = [name for name, _ in builders]
+    logger.info("%d replicas of engine %r: %s", len(replicas), replicas[0].name, ", ".join(names))
+    if all(replica.streams for replica in replicas):
+        return ReplicatedStreamingEngine(replicas, names, routing)  # type: ignore[arg-type]
+    return ReplicatedEngine(replicas, names, routing)
