@@ -17,7 +17,11 @@ per-repeat ratios), the ideal floor ``max(engine time, env time / workers)``
 digest of every trajectory checks that both modes give the same rollout (or,
 for a sampling engine, that success and reward agree within
 ``benchmark.metric_tolerance``). ``benchmark.inject_fault=true`` kills one
-worker mid-rollout to show the fallback. Writes ``benchmark.output`` (JSON) and
+worker mid-rollout to show the fallback. ``benchmark.replicas=[1,2,4]`` runs
+the one mode of ``benchmark.modes`` on an engine with each number of replicas
+(``engine.replicas``), side by side: throughput, calls, batch sizes, requests
+per replica and the share of later turns on their episode's replica; with
+``inject_fault`` a replica of the largest count is killed mid-rollout. Writes ``benchmark.output`` (JSON) and
 ``benchmark.plot`` (PNG), and with ``benchmark.dump_dir`` every timed rollout
 (``ragen.rollout.dump``; ``python -m ragen.tools.viewer`` / ``ragen.tools.replay`` read
 them); exits 1 when the results are inconsistent or a run failed.
@@ -74,6 +78,7 @@ class BenchmarkConfig:
     output: str | None = setting()  # JSON report; null: none
     plot: str | None = setting()  # PNG; null: none
     dump_dir: str | None = setting()  # every timed rollout dumped here (<mode>_<split>_<repeat>.jsonl); null: none
+    replicas: list[int] | None = setting()  # engine.replicas counts run side by side in the one mode; null: none
 
 
 def validate(bench_cfg: Any) -> BenchmarkConfig:
@@ -85,6 +90,15 @@ def validate(bench_cfg: Any) -> BenchmarkConfig:
     bad = [m for m in bench.modes if m not in MODES]
     if bad or not bench.modes:
         fail(f"benchmark.modes: unknown mode(s) {bad or bench.modes}; choose from {list(MODES)}")
+    if bench.replicas is not None:
+        if not bench.replicas or any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in bench.replicas):
+            fail(f"benchmark.replicas must be null or a list of integers >= 1, got {bench.replicas!r}")
+        if bench.inject_fault and max(bench.replicas) < 2:
+            fail(f"benchmark.inject_fault with benchmark.replicas kills a replica of the largest count: "
+                 f"it must be >= 2, got {bench.replicas!r}")
+        if len(bench.modes) != 1:
+            fail(f"benchmark.replicas compares replica counts in one mode: set benchmark.modes to one of "
+                 f"{list(MODES)}, got {bench.modes!r}")
     for key in ("output", "plot"):
         path = getattr(bench, key)
         if not path:
@@ -111,10 +125,19 @@ def deterministic(cfg: DictConfig) -> bool:
     return name == "scripted" or (name in ("hf", "vllm") and float(cfg.ctx_manager.generation.temperature) == 0.0)
 
 
-def run_modes(cfg: DictConfig, engine, bench: BenchmarkConfig) -> list[dict[str, Any]]:
-    """Every mode on the same seeds, interleaved: repeat r runs each mode in
-    turn, so a machine that drifts (other load, clocks) slows all modes alike
-    and the per-repeat ratios stay fair."""
+@dataclass(frozen=True)
+class Variant:
+    """One column of the report: a mode played on an engine."""
+
+    label: str
+    mode: str
+    engine: Any
+
+
+def run_modes(cfg: DictConfig, variants: list[Variant], bench: BenchmarkConfig) -> list[dict[str, Any]]:
+    """Every variant on the same seeds, interleaved: repeat r runs each in
+    turn, so a machine that drifts (other load, clocks) slows all alike and
+    the per-repeat ratios stay fair."""
     from contextlib import ExitStack
 
     from ragen.env import clear_caches
@@ -122,39 +145,40 @@ def run_modes(cfg: DictConfig, engine, bench: BenchmarkConfig) -> list[dict[str,
     from ragen.rollout.dump import write_dump
 
     split = bench.split
+    labels = [v.label for v in variants]
     proxies, setups, warmup = {}, {}, {}
-    runs: dict[str, list] = {m: [] for m in bench.modes}
+    runs: dict[str, list] = {label: [] for label in labels}
     fault_info = None
     with ExitStack() as stack:
-        for mode in bench.modes:
+        for v in variants:
             plain = OmegaConf.to_container(cfg, resolve=True)
-            if mode in ("sequential", "parallel"):
-                plain["agent_proxy"]["use_parallel_rollout"] = mode == "parallel"
+            if v.mode in ("sequential", "parallel"):
+                plain["agent_proxy"]["use_parallel_rollout"] = v.mode == "parallel"
             else:
-                plain["agent_proxy"]["env_level_async"] = mode == "env_level"
-            setups[mode] = AgentSetup.from_config(plain)
+                plain["agent_proxy"]["env_level_async"] = v.mode == "env_level"
+            setups[v.label] = AgentSetup.from_config(plain)
             t0 = time.perf_counter()
-            proxies[mode] = stack.enter_context(LLMAgentProxy(setups[mode], engine))
-            proxies[mode].rollout(split, rollout_index=10_000)  # warm-up: processes, caches, imports
-            warmup[mode] = time.perf_counter() - t0
+            proxies[v.label] = stack.enter_context(LLMAgentProxy(setups[v.label], v.engine))
+            proxies[v.label].rollout(split, rollout_index=10_000)  # warm-up: processes, caches, imports
+            warmup[v.label] = time.perf_counter() - t0
         for r in range(bench.repeats):
-            for mode in bench.modes:
+            for v in variants:
                 clear_caches()  # every timed run generates its rooms (workers never saw these seeds)
-                decode = _decode_counts(engine)
+                decode = _decode_counts(v.engine)
                 t = time.perf_counter()
-                result = proxies[mode].rollout(split, rollout_index=r)
+                result = proxies[v.label].rollout(split, rollout_index=r)
                 wall = time.perf_counter() - t
-                steps, running = (a - b for a, b in zip(_decode_counts(engine), decode))
+                steps, running = (a - b for a, b in zip(_decode_counts(v.engine), decode))
                 if steps:  # an engine that counts its decode steps: the mean requests running in one
                     result.metrics["engine/occupancy"] = running / steps
-                runs[mode].append((wall, result))
-                logger.info("%s run %d: %.3f s", mode, r + 1, wall)
+                runs[v.label].append((wall, result))
+                logger.info("%s run %d: %.3f s", v.label, r + 1, wall)
         if bench.dump_dir:  # after every timed rollout, so no dump slows one; each dump's time is reported
-            for mode in bench.modes:
-                loop = setups[mode].loop if split == "train" else setups[mode].val_loop
-                for r, (_, result) in enumerate(runs[mode]):
+            for v in variants:
+                loop = setups[v.label].loop if split == "train" else setups[v.label].val_loop
+                for r, (_, result) in enumerate(runs[v.label]):
                     t = time.perf_counter()
-                    write_dump(bench.dump_dir, f"{mode}_{split}_{r:03d}", result, loop, split=split, step=r)
+                    write_dump(bench.dump_dir, f"{v.label}_{split}_{r:03d}", result, loop, split=split, step=r)
                     result.metrics["timing/dump_s"] = time.perf_counter() - t
         if "parallel" in proxies and bench.inject_fault:
             from ragen.rollout.types import rollout_digest
@@ -169,10 +193,38 @@ def run_modes(cfg: DictConfig, engine, bench: BenchmarkConfig) -> list[dict[str,
                 "fallbacks": int(faulty.metrics.get("parallel/fallbacks", 0)
                                  + faulty.metrics.get("parallel/retried_tasks", 0)),
             }
-        out = [summarize(mode, runs[mode], warmup[mode], setups[mode], proxies[mode]) for mode in bench.modes]
+        if bench.replicas and bench.inject_fault:
+            fault_info = kill_a_replica(variants[-1], proxies[variants[-1].label], runs[variants[-1].label], split)
+        out = [summarize(v.label, runs[v.label], warmup[v.label], setups[v.label], proxies[v.label])
+               for v in variants]
     if fault_info is not None:
-        next(o for o in out if o["mode"] == "parallel")["_fault"] = fault_info
+        next(o for o in out if o["mode"] in ("parallel", variants[-1].label))["_fault"] = fault_info
     return out
+
+
+def kill_a_replica(variant: Variant, proxy, runs: list, split: str) -> dict[str, Any]:
+    """One more rollout of ``variant`` with its last replica killed halfway through
+    (its median wall time): every trajectory must come back, the same as its first run."""
+    import threading
+
+    from ragen.env import clear_caches
+    from ragen.rollout.types import rollout_digest
+
+    replicas = getattr(variant.engine, "replicas", None)
+    if not replicas:
+        fail(f"benchmark.inject_fault with benchmark.replicas kills a replica: {variant.label} has one engine")
+    clear_caches()
+    killer = threading.Timer(statistics.median(w for w, _ in runs) / 2, replicas[-1].close)
+    killer.start()
+    try:
+        faulty = proxy.rollout(split, rollout_index=0)
+    finally:
+        killer.cancel()
+    first = runs[0][1]
+    return {"recovered": len(faulty.trajectories) == len(first.trajectories),
+            "consistent": rollout_digest(faulty.trajectories) == rollout_digest(first.trajectories),
+            "replica_failovers": int(faulty.metrics.get("engine/replica_failovers", 0)),
+            "killed_after_s": killer.interval}
 
 
 def _decode_counts(engine) -> tuple[int, int]:
@@ -221,6 +273,12 @@ def summarize(mode: str, runs: list, warmup_s: float, setup, proxy) -> dict[str,
         "auto": [[r.metrics.get("auto/workers"), r.metrics.get("auto/pipeline_depth")] for _, r in runs
                  if "auto/workers" in r.metrics],
         "fallbacks": int(m.get("parallel/fallbacks", 0)),
+        # engine.replicas > 1: the requests each replica answered, and the later turns sent back to their
+        # episode's replica
+        "replica_requests": [int(m[f"engine/replica{i}_requests"])
+                             for i in itertools.takewhile(lambda i: f"engine/replica{i}_requests" in m, itertools.count())],
+        "replica_affinity": m.get("engine/replica_affinity"),
+        "replica_failovers": int(m.get("engine/replica_failovers", 0)),
         "env_retries": int(m.get("rollout/env_retries", 0)),
         # every env that ended in error or timeout, in any repeat: tag, seed, turn, exception
         "failed_envs": [dict(f, repeat=i) for i, (_, r) in enumerate(runs) for f in r.failed_envs],
@@ -261,6 +319,8 @@ def print_report(report: dict[str, Any]) -> None:
         ("engine occupancy (mean running)", "occupancy", "{:.1f}"),
         ("first to last env done (s)", "done_spread_s", "{:.3f}"),
         ("fallbacks", "fallbacks", "{}"),
+        ("requests per replica", "replica_requests", "list"),
+        ("later turns on their replica", "replica_affinity", "{:.1%}"),
         ("dump write (s, median, untimed)", "dump_s", "{:.3f}"),
         ("engine idle before/betw./after", "engine_idle_s", "idle"),
         ("dispatch/IPC/coalesce/merge (ms)", "overhead_s", "ms"),
@@ -276,7 +336,10 @@ def print_report(report: dict[str, Any]) -> None:
         for stat in ("success", "reward", "num_actions"):
             key = f"rollout/{tag}/{stat}"
             print(f"{(tag + ' ' + stat):32}" + "".join(f"{r['metrics'].get(key, float('nan')):>26.3f}" for r in runs))
-    if report["speedup"] is not None and report["ideal_wall_s"] is None:
+    if report.get("throughput_ratios"):
+        print("throughput against " + runs[0]["mode"] + ": " + ", ".join(
+            f"{label} {ratio:.2f}x" for label, ratio in report["throughput_ratios"].items()))
+    elif report["speedup"] is not None and report["ideal_wall_s"] is None:
         print(f"speedup of {runs[1]['mode']} over {runs[0]['mode']}: {report['speedup']:.2f}x")
     elif report["speedup"] is not None:
         print(f"speedup {report['speedup']:.2f}x   ideal floor {report['ideal_wall_s']:.3f} s   "
@@ -290,6 +353,8 @@ def print_report(report: dict[str, Any]) -> None:
 
 
 def _cell(fmt: str, value: Any) -> str:
+    if fmt == "list":
+        return "n/a" if not value else "/".join(str(v) for v in value)
     if fmt == "idle":  # three numbers, or none for the sequential mode
         return "n/a" if None in value else "/".join(f"{v:.3f}" for v in value)
     if fmt == "auto":  # parallel_n_jobs=auto only; repeats of one choice counted: "2x2, 1x2 *19"
@@ -365,23 +430,44 @@ def main(cfg: DictConfig) -> None:
         fail(str(exc))
     bench = validate(plain.get("benchmark"))
     t0 = time.perf_counter()
-    engine = make_engine(cfg.engine, cfg.model_path)
-    load_s = time.perf_counter() - t0
+    variants: list[Variant] = []
     try:
-        runs = run_modes(cfg, engine, bench)
+        if bench.replicas:
+            for n in bench.replicas:
+                try:
+                    engine = make_engine({**plain["engine"], "replicas": n}, cfg.model_path)
+                except ValueError as exc:
+                    fail(f"benchmark.replicas: {exc}")
+                variants.append(Variant(f"replicas={n}", bench.modes[0], engine))
+        else:
+            engine = make_engine(cfg.engine, cfg.model_path)
+            variants = [Variant(mode, mode, engine) for mode in bench.modes]
+        load_s = time.perf_counter() - t0
+        runs = run_modes(cfg, variants, bench)
     except Exception as exc:
         logger.exception("a run failed")
         print(f"error: a run failed: {type(exc).__name__}: {exc}", file=sys.stderr)
         raise SystemExit(1)
     finally:
-        engine.close()
+        for engine in {id(v.engine): v.engine for v in variants}.values():
+            engine.close()
     fault = next((r.pop("_fault") for r in runs if r.get("_fault")), None)
     for r in runs:
         r.pop("_fault", None)
     by_mode = {r["mode"]: r for r in runs}
     seq, par = by_mode.get("sequential"), by_mode.get("parallel")
     det = deterministic(cfg)
-    if not (seq and par) and len(runs) == 2:  # lockstep against env-level turns: the same digests, and the ratio
+    ratios = None
+    if bench.replicas:  # replica counts side by side: the same digests, and each one's throughput against the first
+        first = runs[0]
+        consistent = all(r["digests"] == first["digests"] for r in runs) if det else \
+            all(compare_metrics(first, r, bench.metric_tolerance) for r in runs)
+        check = "digests of every repeat equal" if det else \
+            f"sampling engine: success and mean reward within {bench.metric_tolerance:.0%}"
+        ratios = {r["mode"]: statistics.median(a / b for a, b in zip(first["wall_s_all"], r["wall_s_all"]))
+                  for r in runs}
+        speedup = ideal = efficiency = overhead = None
+    elif not (seq and par) and len(runs) == 2:  # lockstep against env-level turns: the same digests, and the ratio
         seq, par = runs
         consistent = all(d == seq["digests"][i] for i, d in enumerate(par["digests"])) if det else \
             compare_metrics(seq, par, bench.metric_tolerance)
@@ -415,6 +501,7 @@ def main(cfg: DictConfig) -> None:
         "model_load_s": load_s,
         "runs": runs,
         "speedup": speedup,
+        "throughput_ratios": ratios,  # benchmark.replicas: each count's throughput against the first's
         "ideal_wall_s": ideal,
         "efficiency": efficiency,
         "overhead": overhead,  # parallel wall minus sequential wall, and its parts (parallel/sequential only)
