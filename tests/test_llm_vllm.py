@@ -820,3 +820,17 @@ def test_real_close_with_requests_in_flight(real_engine):
         real_engine.submit([req("late")], GREEDY)
     assert not real_engine._thread.is_alive()
     real_engine.close()  # twice is fine
+
+
+def test_data_parallel_size_goes_to_vllms_async_engine(fake_async_vllm, tiny_model_path):
+    engine = make_engine({"name": "vllm", "data_parallel_size": 2}, tiny_model_path)
+    try:
+        assert engine.llm.args.kwargs["data_parallel_size"] == 2
+    finally:
+        engine.close()
+    with pytest.raises(ValueError, match="engine.data_parallel_size=2 needs engine.streaming=true"):
+        make_engine({"name": "vllm", "data_parallel_size": 2, "streaming": False}, tiny_model_path)
+    with pytest.raises(ValueError, match="engine.data_parallel_size must be an integer >= 1"):
+        make_engine({"name": "vllm", "data_parallel_size": 0}, tiny_model_path)
+    with pytest.raises(ValueError, match="engine.replicas is not an option of engine 'vllm'.*data_parallel_size"):
+        make_engine({"name": "vllm", "replicas": 2}, tiny_model_path)
