@@ -36,7 +36,8 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Sequence
 
 from ragen.config_reader import setting
-from ragen.llm.types import Completion, Engine, GenerationRequest, SamplingParams, StreamingEngine
+from ragen.llm.types import (Completion, Engine, EngineUnavailable, GenerationRequest, SamplingParams,
+                              StreamingEngine)
 
 logger = logging.getLogger(__name__)
 
@@ -54,7 +55,7 @@ class Routing:
     probe_max_s: float = setting(30.0, above=0.0)  # the most the wait grows to (doubling per failed probe)
 
 
-class NoReplicaLeft(RuntimeError):
+class NoReplicaLeft(EngineUnavailable):
     """Every replica a request could go to has failed."""
 
 
@@ -232,6 +233,7 @@ class ReplicaSet:
         self.name = self.primary.name
         self.returns_logprobs = self.primary.returns_logprobs
         self.chat = self.primary.chat
+        self.closing = False  # close() under way: requests the replicas cancel are not failovers
 
     @property
     def policy_version(self) -> int:
@@ -290,6 +292,7 @@ class ReplicaSet:
             replica.release_cache()
 
     def close(self) -> None:
+        self.closing = True
         for replica in self.replicas:
             replica.close()
 
@@ -310,8 +313,14 @@ class ReplicatedEngine(ReplicaSet, Engine):
         todo = list(range(len(requests)))
         while todo:
             parts: dict[int, list[int]] = {}
-            for k in todo:
-                parts.setdefault(self.router.pick(requests[k], tried[k]), []).append(k)
+            try:
+                for k in todo:
+                    parts.setdefault(self.router.pick(requests[k], tried[k]), []).append(k)
+            except NoReplicaLeft:
+                for i, part in parts.items():  # picked, never sent
+                    for _ in part:
+                        self.router.cancelled(i)
+                raise
             calls = {self._pool.submit(self.replicas[i].generate, [requests[k] for k in part], sampling): i
                      for i, part in parts.items()}
             for i in calls.values():
@@ -390,8 +399,9 @@ class ReplicatedStreamingEngine(ReplicaSet, StreamingEngine):
             return
 
     def _answered(self, entry: _Routed, index: int, inner: Future) -> None:
-        if entry.future.cancelled():  # the caller gave up on it
+        if entry.future.cancelled() or self.closing:  # the caller gave up on it, or the engine closes
             self.router.cancelled(index)
+            _settle(entry.future, exception=RuntimeError("the engine was closed before this request was answered"))
             return
         # a replica that cancels a request itself (closed) failed it
         error = CancelledError(f"replica {self.router.replicas[index].name} cancelled it") \

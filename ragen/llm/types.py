@@ -51,6 +51,11 @@ def request_seed(sampling_seed: int, key: Sequence[int]) -> int:
     return int.from_bytes(digest, "little") & 0x7FFFFFFF
 
 
+class EngineUnavailable(RuntimeError):
+    """No part of the engine can answer any request (every replica is down): a rollout
+    stops with this error rather than ending each env that asked."""
+
+
 class _PlainData:
     """A frozen dataclass of JSON-able fields that crosses process boundaries as a dict."""
 

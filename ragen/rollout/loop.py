@@ -204,14 +204,15 @@ class _TurnLoop:
         request's wait ran out (env-level: its env ended in ``timeout``). An
         engine's error for one ticket ends its envs alone where the engine,
         not the worker, is at fault: env-level always, lockstep when the
-        manager timed it out; otherwise it is raised."""
+        manager timed it out; otherwise, and when the engine can answer no
+        request at all (every replica down), it is raised."""
         got: list[tuple[int, list[Completion]]] = []
         while self.inflight and (not got or self.client.ready()):
             limit = None if got or not self.deadlines else max(0.0, min(self.deadlines.values()) - time.monotonic())
             try:
                 answer = self.client.wait_any(timeout=limit)
             except EngineError as exc:
-                if exc.ticket not in self.inflight or not (self.env_level or exc.timed_out):
+                if exc.ticket not in self.inflight or exc.unavailable or not (self.env_level or exc.timed_out):
                     raise
                 if exc.timed_out:  # the manager's own engine_timeout_s ran out first
                     self.end_waiting(exc.ticket, StopReason.TIMEOUT, str(exc))

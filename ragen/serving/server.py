@@ -246,7 +246,7 @@ class SharedLLMInferenceManager(Connections):
         except Exception as exc:  # the engine failed: every waiting client hears it
             logger.exception("engine call failed for %d requests", len(requests))
             for p in batch:
-                answers.setdefault(p.conn, []).append({"ticket": p.ticket, "error": f"{type(exc).__name__}: {exc}"})
+                answers.setdefault(p.conn, []).append(wire.error_answer(p.ticket, exc))
             return answers
         i = 0
         for p in batch:

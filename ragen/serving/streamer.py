@@ -169,7 +169,7 @@ def _answer(e: _InFlight) -> dict[str, Any]:
     try:
         completions = [f.result() for f in e.futures]  # all done: no wait
     except Exception as exc:
-        return {"ticket": p.ticket, "error": f"{type(exc).__name__}: {exc}"}
+        return wire.error_answer(p.ticket, exc)
     try:
         return {"ticket": p.ticket, "transit_in": p.transit_in,
                 "completions": [wire.completion_for_wire(c, r) for c, r in zip(completions, p.requests)]}

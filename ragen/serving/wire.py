@@ -57,7 +57,7 @@ from array import array
 from dataclasses import dataclass, field
 from typing import Any
 
-from ragen.llm.types import Completion, GenerationRequest, SamplingParams
+from ragen.llm.types import Completion, EngineUnavailable, GenerationRequest, SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -73,12 +73,24 @@ HEADER_BYTES = _HEADER.size  # a frame's length prefix
 
 class EngineError(RuntimeError):
     """The engine failed on a request (raised in the client); ``ticket``: that request's, where known;
-    ``timed_out``: the manager gave up waiting for the engine's answer."""
+    ``timed_out``: the manager gave up waiting for the engine's answer; ``unavailable``: the
+    engine can answer no request at all."""
 
-    def __init__(self, message: str, ticket: int | None = None, timed_out: bool = False) -> None:
+    def __init__(self, message: str, ticket: int | None = None, timed_out: bool = False,
+                 unavailable: bool = False) -> None:
         super().__init__(message)
         self.ticket = ticket
         self.timed_out = timed_out
+        self.unavailable = unavailable  # the engine can answer no request (EngineUnavailable)
+
+
+def error_answer(ticket: int | None, exc: BaseException) -> dict[str, Any]:
+    """The answer of a request list the engine failed on; ``unavailable`` when the
+    engine can answer none (``EngineUnavailable``: the rollout stops)."""
+    answer: dict[str, Any] = {"ticket": ticket, "error": f"{type(exc).__name__}: {exc}"}
+    if isinstance(exc, EngineUnavailable):
+        answer["unavailable"] = True
+    return answer
 
 
 class ProtocolError(RuntimeError):
