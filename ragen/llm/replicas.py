@@ -101,7 +101,7 @@ class Router:
         self.clock = clock
         self.replicas = [ReplicaStats(name) for name in names]
         self.failovers = 0  # requests sent again after their replica failed
-        self.later_turns = 0  # requests of an episode routed before
+        self.later_turns = 0  # requests of an episode's later turns (routed before)
         self.returned = 0  # of those, routed to the episode's replica
         self._sessions: OrderedDict[tuple[int, int], int] = OrderedDict()
         self._lock = threading.Lock()
@@ -127,7 +127,7 @@ class Router:
                 sticky = (home in live and self.replicas[home].in_flight
                           <= self.replicas[least].in_flight + self.routing.sticky_margin)
                 chosen = home if sticky else least
-            if home is not None:
+            if home is not None and request.turn > 0:
                 self.later_turns += 1
                 self.returned += chosen == home
             self._sessions[session] = chosen
