@@ -53,7 +53,8 @@ class FakeServer:
     answer). ``refuse_continue``: such a body gets an HTTP 400 naming the field,
     as a server without the extension answers.
 
-    ``attempts`` counts the requests per prompt.
+    ``attempts`` counts the requests per prompt. Each recorded body carries the
+    request's ``X-Session-ID`` header as ``"session"``.
 
     Log-probs (when the body asks for them): ``LOGPROBS``, except for prompts
     ``NO_LOGPROBS`` (no field), ``NULL_LOGPROBS`` (null), ``TEXT_LOGPROBS`` (strings),
@@ -112,12 +113,13 @@ class FakeServer:
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
                 if not self.path.endswith("/chat/completions"):
                     with server.lock:
-                        server.token_bodies.append(body)
+                        server.token_bodies.append({**body, "session": self.headers.get("X-Session-ID")})
                     self._send(*server.complete_ids(body))
                     return
                 prompt = last_user(body)
                 with server.lock:
-                    server.bodies.append({**body, "auth": self.headers.get("Authorization")})
+                    server.bodies.append({**body, "auth": self.headers.get("Authorization"),
+                                          "session": self.headers.get("X-Session-ID")})
                     server.attempts[prompt] = attempt = server.attempts.get(prompt, 0) + 1
                     server.in_flight += 1
                     server.max_in_flight = max(server.max_in_flight, server.in_flight)
@@ -546,6 +548,24 @@ def test_env_level_over_the_server_gives_the_lockstep_trajectories():
     assert stats.requests == stats.submits == sum(len(tr.turns) for tr in got)  # one request an env and turn
 
 
+@pytest.mark.timeout(120)
+def test_every_request_carries_its_episode_as_the_session_key():
+    """``X-Session-ID`` is ``{seed}-{env_id}``: one value for all turns of an episode (a router
+    keeps them on one server), another for each other episode, group members included."""
+    specs, config, server = env_level_setup()
+    engine = OpenAIEngine(server.base_url, model="m", max_concurrency=4)
+    try:
+        got, _ = run_envs(specs, StreamingDirectClient(engine), config, kept_envs=KeptEnvs(), env_level=True)
+    finally:
+        engine.close()
+        server.stop()
+    episode = {request_seed(config.sampling.seed, (s.seed, s.env_id, t)): s for s in specs for t in range(3)}
+    sessions = [body["session"] for body in server.bodies]
+    assert sessions == [f"{episode[b['seed']].seed}-{episode[b['seed']].env_id}" for b in server.bodies]
+    assert len(sessions) == sum(len(tr.turns) for tr in got) > len(specs)  # later turns keep their episode's key
+    assert len({s.seed for s in specs}) < len(set(sessions)) == len(specs)  # group members share a seed, not a key
+
+
 def run_with_a_dropped_env(drop_env: int):
     """The env-level trajectories with ``drop_env``'s requests dropped, and the reference without."""
     specs, config, server = env_level_setup()
@@ -608,6 +628,7 @@ def test_token_prompts_go_to_completions_and_a_second_turn_appends(tiny_model_pa
             assert (body["temperature"], body["top_p"], body["top_k"], body["max_tokens"], body["n"]) == \
                 (0.5, 0.9, 20, 64, 1)
             assert body["seed"] == request_seed(3, (9, 4, 0)) and body["stop"] == ["</answer>"]
+            assert body["session"] == "9-4"  # the episode's key, on the token path too
             assert body["return_token_ids"] is True and body["logprobs"] == 0 and "messages" not in body
             assert first.text == f"<answer>{len(body['prompt'])}|{body['seed']}</answer>"
             assert first.response_token_ids[-1] == tiny_tokenizer.convert_tokens_to_ids("<|im_end|>")
@@ -622,6 +643,7 @@ def test_token_prompts_go_to_completions_and_a_second_turn_appends(tiny_model_pa
                                                         history_token_ids=history, history_messages=3)],
                                      sampling)[0]
         sent = server.token_bodies[-1]["prompt"]
+        assert server.token_bodies[-1]["session"] == "9-4"  # the next turn: the same key
         assert sent[:len(history)] == history and sent == second.prompt_token_ids
         assert sent == engine.chat.append(history, messages, 3, "<think>")[0]
         assert tiny_tokenizer.decode(sent[len(history):]).endswith("<|im_start|>user\nState 2<|im_end|>\n"

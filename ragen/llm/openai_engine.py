@@ -73,6 +73,12 @@ completion is handed back as soon as its reply is in.
   ``engine.logprobs=false``: nothing is asked, every completion has None.
   On ``/completions`` they are ``choices[0].logprobs.token_logprobs``, under
   the same rules.
+- *Session key*: every request carries the header ``X-Session-ID:
+  {seed}-{env_id}`` (``session_key``), the episode's identity: the same for
+  every turn of an episode, different across episodes and rollouts. A router in
+  front of several servers (vllm-router's ``consistent_hash`` and
+  ``sticky_least_loaded``) sends an episode's turns to one server, whose prefix
+  cache holds the episode so far; a single ``vllm serve`` ignores the header.
 - *Model name*: ``model``, else ``model_path`` (when not ``default``), else
   the server's first model from ``GET {base_url}/models``, asked by the first
   ``submit`` (which waits for it) and kept.
@@ -116,6 +122,15 @@ class _RefusedError(RuntimeError):
 
 class _NoTokenPrompts(RuntimeError):
     """The server cannot take a token prompt or return the sampled ids: the request goes as messages."""
+
+
+# The header a router reads as the session key (vllm-router checks it first, before any body field).
+SESSION_HEADER = "X-Session-ID"
+
+
+def session_key(request: GenerationRequest) -> str:
+    """The episode's identity, ``{seed}-{env_id}``: the same for all its turns, sent as ``SESSION_HEADER``."""
+    return f"{request.seed}-{request.env_id}"
 
 
 # The body fields that continue a request's answer prefix (vLLM's and SGLang's extension).
@@ -340,7 +355,7 @@ class OpenAIEngine(StreamingEngine):
         if self.returns_logprobs:
             body["logprobs"] = 0  # the sampled tokens' own, no alternatives
         try:
-            reply = self._post_with_retries("/completions", body)
+            reply = self._post_with_retries("/completions", body, session_key(request))
             choice = reply["choices"][0]
             text = choice.get("text") or ""
         except _RefusedError as exc:
@@ -379,7 +394,7 @@ class OpenAIEngine(StreamingEngine):
         if request.answer_prefix:
             body.update(_CONTINUE_FIELDS)
         try:
-            reply = self._post_with_retries("/chat/completions", body)
+            reply = self._post_with_retries("/chat/completions", body, session_key(request))
             choice = reply["choices"][0]
             text = (choice.get("message") or {}).get("content") or ""
         except Exception as exc:
@@ -479,13 +494,14 @@ class OpenAIEngine(StreamingEngine):
                 logger.info("OpenAIEngine: using the server's model %r", self.model)
             return self.model
 
-    def _post_with_retries(self, route: str, body: dict[str, Any]) -> dict[str, Any]:
-        return self._call_with_retries("POST", route, body)
+    def _post_with_retries(self, route: str, body: dict[str, Any], session: str | None = None) -> dict[str, Any]:
+        return self._call_with_retries("POST", route, body, session)
 
-    def _call_with_retries(self, method: str, route: str, body: dict[str, Any] | None) -> dict[str, Any]:
+    def _call_with_retries(self, method: str, route: str, body: dict[str, Any] | None,
+                           session: str | None = None) -> dict[str, Any]:
         for attempt in range(self.max_retries + 1):
             try:
-                return self._call(method, route, body)
+                return self._call(method, route, body, session)
             except _RetryableError as exc:
                 if attempt == self.max_retries:
                     raise ServerUnavailable(f"{exc} (after {attempt + 1} attempts)") from exc
@@ -495,8 +511,11 @@ class OpenAIEngine(StreamingEngine):
                     raise ServerUnavailable(f"{exc}; the engine was closed before a retry") from exc
         raise AssertionError("unreachable")
 
-    def _call(self, method: str, route: str, body: dict[str, Any] | None) -> dict[str, Any]:
+    def _call(self, method: str, route: str, body: dict[str, Any] | None,
+              session: str | None = None) -> dict[str, Any]:
         headers = {"Content-Type": "application/json"}
+        if session is not None:
+            headers[SESSION_HEADER] = session
         if self.api_key:
             headers["Authorization"] = f"Bearer {self.api_key}"
         data = json.dumps(body).encode() if body is not None else None
