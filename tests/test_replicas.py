@@ -1,0 +1,308 @@
+"""Replicas (``ragen.llm.replicas``): the router's choices on a fake clock
+(least loaded, an episode back to its replica, a failed replica down and
+probed with a doubling back-off); scripted replicas, batch and streaming, that
+answer as one engine does, fail over to a live replica with the same answer
+and raise ``NoReplicaLeft`` naming each replica when none is left; rollouts
+over replicas that play the one-engine rollout, with a replica killed midway
+too; the config errors of ``engine.replicas``, ``engine.base_urls`` and
+``engine.routing``; openai over two fake servers; hf replicas on cpu."""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+from concurrent.futures import CancelledError, Future
+
+import pytest
+
+from ragen.llm import make_engine
+from ragen.llm.replicas import NoReplicaLeft, ReplicatedEngine, ReplicatedStreamingEngine, Router, Routing
+from ragen.llm.scripted import ScriptedEngine
+from ragen.llm.types import Completion, GenerationRequest, SamplingParams, StreamingEngine
+
+SAMPLING = SamplingParams(max_tokens=64)
+
+
+class FakeClock:
+    """A clock a test moves by hand."""
+
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def req(env_id: int, turn: int = 0, seed: int = 5) -> GenerationRequest:
+    return GenerationRequest([{"role": "user", "content": f"Env {env_id}.\nAvailable actions: Up, Down, Left"}],
+                             env_id=env_id, turn=turn, seed=seed)
+
+
+def answer(request: GenerationRequest, tokens: int = 3) -> Completion:
+    return Completion.answering(request, "x", [1], list(range(tokens)), "stop", 0)
+
+
+def router(n: int = 2, clock: FakeClock | None = None, **routing) -> Router:
+    return Router([f"r{i}" for i in range(n)], Routing(**routing), clock=clock or FakeClock())
+
+
+# -- Router ------------------------------------------------------------------------------------
+
+
+def test_the_replica_with_the_fewest_requests_in_flight_takes_a_new_episode():
+    r = router(3)
+    assert [r.pick(req(e)) for e in range(3)] == [0, 1, 2]
+    r.done(1, answer(req(1)))
+    assert r.pick(req(3)) == 1  # the only one with nothing in flight
+    r.done(0, answer(req(0)))
+    r.done(2, answer(req(2)))
+    assert r.pick(req(4)) == 0
+
+
+def test_a_later_turn_goes_back_to_its_replica_unless_it_is_busier_by_more_than_the_margin():
+    r = router(2, sticky_margin=1)
+    assert r.pick(req(0, turn=0)) == 0
+    r.done(0, answer(req(0)))
+    assert r.pick(req(1)) == 0  # both idle: the first; replica 0 has 1 in flight, replica 1 none
+    assert r.pick(req(0, turn=1)) == 0  # 1 above the least loaded: within the margin
+    assert r.pick(req(0, turn=2)) == 1  # 2 above: the least loaded takes it
+    assert r.pick(req(0, turn=3)) == 1  # and the episode stays there
+    counts = r.counts()
+    assert counts["engine/replica_later_turns"] == 3
+    assert counts["engine/replica_returned"] == 2
+
+
+def test_an_episode_of_another_seed_is_another_session():
+    r = router(2, sticky_margin=100)
+    assert r.pick(req(0, seed=1)) == 0
+    assert r.pick(req(0, seed=2)) == 1  # same env id, other rollout: least loaded
+    assert r.counts()["engine/replica_later_turns"] == 0
+
+
+def test_a_failed_replica_is_down_then_probed_with_a_doubling_back_off():
+    clock = FakeClock()
+    r = router(2, clock, probe_s=1.0, probe_max_s=3.0)
+    assert r.pick(req(0)) == 0
+    r.failed(0, RuntimeError("boom"))
+    assert r.counts()["engine/replica_failovers"] == 1
+    assert [r.pick(req(e)) for e in (1, 2)] == [1, 1]  # down: skipped, even by its own episode
+    assert r.pick(req(0, turn=1)) == 1
+    clock.now += 0.99
+    assert r.pick(req(3)) == 1
+    back_offs = []
+    for _ in range(4):  # probes that fail: 1 s, then 2, then 3 (the most), 3
+        start = clock.now
+        while r.pick(req(9)) != 0:  # waiting for the probe
+            clock.now += 0.01
+        back_offs.append(round(clock.now - start, 2))
+        assert r.pick(req(10)) == 1  # one probe at a time: the others go to the live replica
+        r.failed(0, RuntimeError("still down"))
+    assert back_offs[1:] == [2.0, 3.0, 3.0]
+    clock.now += 3.0
+    assert r.pick(req(11)) == 0  # the probe
+    r.done(0, answer(req(11)))  # it succeeds: the replica is up again
+    assert r.pick(req(12)) == 0  # least loaded again (replica 1 holds the others)
+    r.failed(0, RuntimeError("again"))  # a new failure spell starts at probe_s
+    clock.now += 1.0
+    assert r.pick(req(13)) == 0
+
+
+def test_one_failure_spell_takes_one_back_off_however_many_requests_fail():
+    clock = FakeClock()
+    r = router(2, clock, probe_s=1.0)
+    for e in range(4):
+        r.pick(req(e))  # 0, 1, 0, 1
+    r.failed(0, RuntimeError("boom"))
+    r.failed(0, RuntimeError("boom"))  # the other request that was on it
+    assert r.counts()["engine/replica_failovers"] == 2
+    clock.now += 1.0
+    assert r.pick(req(5)) == 0  # probed after probe_s, not 2 x probe_s
+
+
+def test_no_replica_left_names_every_replica_and_its_last_error():
+    r = router(2)
+    r.pick(req(0))
+    r.failed(0, RuntimeError("connection refused"))
+    r.pick(req(1))
+    r.failed(1, "timed out")
+    with pytest.raises(NoReplicaLeft) as caught:
+        r.pick(req(2))
+    message = str(caught.value)
+    assert "r0" in message and "RuntimeError: connection refused" in message
+    assert "r1" in message and "timed out" in message
+    with pytest.raises(NoReplicaLeft, match="r0.*r1"):  # live but already tried by this request
+        router(2).pick(req(0), exclude=[0, 1])
+
+
+def test_forget_sessions_routes_the_next_turn_as_a_new_episode():
+    r = router(2, sticky_margin=100)
+    assert r.pick(req(0)) == 0
+    r.forget_sessions()
+    r.pick(req(0, turn=1))
+    assert r.counts()["engine/replica_later_turns"] == 0
+
+
+def test_counts_per_replica_and_busy_time_on_the_clock():
+    clock = FakeClock()
+    r = router(2, clock)
+    r.pick(req(0))
+    r.pick(req(1))
+    r.called(0)
+    r.called(1)
+    clock.now += 2.0
+    r.done(0, answer(req(0), tokens=4))
+    clock.now += 1.0
+    r.cancelled(1)
+    r.pick(req(2))  # replica 0, in flight for 0.5 s when counted
+    clock.now += 0.5
+    counts = r.counts()
+    assert counts["engine/replica0_requests"] == 1 and counts["engine/replica1_requests"] == 0
+    assert counts["engine/replica0_tokens"] == 4
+    assert counts["engine/replica0_calls"] == counts["engine/replica1_calls"] == 1
+    assert counts["engine/replica0_busy_s"] == pytest.approx(2.5)
+    assert counts["engine/replica1_busy_s"] == pytest.approx(3.0)
+    assert counts["engine/replica_failovers"] == 0
+
+
+# -- scripted replicas -------------------------------------------------------------------------
+
+STREAM = {"step_s": 0.001}
+
+
+def scripted(replicas: int, stream: bool = False, **extra):
+    return make_engine({"name": "scripted", "replicas": replicas, "malformed_rate": 0.2,
+                        **({"continuous_batching": {**STREAM, **extra.pop("decode", {})}} if stream else {}),
+                        **extra})
+
+
+def requests(n: int = 12) -> list[GenerationRequest]:
+    return [req(e, turn=e % 3, seed=7 + e % 2) for e in range(n)]
+
+
+def without_replica(completions):
+    return [dataclasses.replace(c, replica=0) for c in completions]
+
+
+@pytest.fixture(scope="module")
+def one_engine_answers():
+    return ScriptedEngine(malformed_rate=0.2).generate(requests(), SAMPLING)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("stream", [False, True], ids=["batch", "streaming"])
+def test_replicas_answer_as_one_engine_and_both_serve(stream, one_engine_answers):
+    engine = scripted(2, stream)
+    try:
+        assert isinstance(engine, ReplicatedStreamingEngine if stream else ReplicatedEngine)
+        got = engine.generate(requests(), SAMPLING)
+        counts = engine.replica_counts()
+    finally:
+        engine.close()
+    assert without_replica(got) == one_engine_answers  # text, ids and log-probs
+    assert {c.replica for c in got} == {0, 1}
+    assert counts["engine/replica0_requests"] > 0 and counts["engine/replica1_requests"] > 0
+    assert counts["engine/replica0_requests"] + counts["engine/replica1_requests"] == len(got)
+    assert counts["engine/replica_failovers"] == 0
+    if not stream:
+        assert counts["engine/replica0_calls"] == counts["engine/replica1_calls"] == 1  # one call, split
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("stream", [False, True], ids=["batch", "streaming"])
+def test_a_closed_replicas_requests_are_answered_by_the_other(stream, one_engine_answers):
+    engine = scripted(2, stream)
+    try:
+        engine.replicas[1].close()
+        got = engine.generate(requests(), SAMPLING)
+        again = engine.generate(requests(), SAMPLING)  # replica 1 down: all to replica 0
+        counts = engine.replica_counts()
+    finally:
+        engine.close()
+    assert without_replica(got) == without_replica(again) == one_engine_answers
+    assert {c.replica for c in got} == {c.replica for c in again} == {0}
+    assert counts["engine/replica_failovers"] > 0
+    assert counts["engine/replica1_requests"] == 0
+
+
+@pytest.mark.timeout(60)
+def test_a_streaming_replica_closed_while_serving_fails_over_with_the_same_answers(one_engine_answers):
+    engine = scripted(2, True, decode={"step_s": 0.01, "tokens_median": 30, "tokens_sigma": 0.1})
+    try:
+        futures = engine.submit(requests(), SAMPLING)
+        time.sleep(0.05)  # both replicas are decoding
+        assert not all(f.done() for f in futures)
+        engine.replicas[1].close()
+        got = [f.result(timeout=30) for f in futures]
+        counts = engine.replica_counts()
+    finally:
+        engine.close()
+    assert without_replica(got) == one_engine_answers
+    assert {c.replica for c in got} == {0}
+    assert counts["engine/replica_failovers"] > 0
+
+
+@pytest.mark.timeout(60)
+def test_a_batch_replica_closed_between_calls_fails_over_with_the_same_answers(one_engine_answers):
+    engine = scripted(2, base_s=0.02)
+    try:
+        first = engine.generate(requests(), SAMPLING)
+        closer = threading.Timer(0.0, engine.replicas[1].close)
+        closer.start()
+        closer.join(5)
+        second = engine.generate(requests(), SAMPLING)
+        counts = engine.replica_counts()
+    finally:
+        engine.close()
+    assert {c.replica for c in first} == {0, 1} and {c.replica for c in second} == {0}
+    assert without_replica(first) == without_replica(second) == one_engine_answers
+    assert counts["engine/replica_failovers"] > 0
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("stream", [False, True], ids=["batch", "streaming"])
+def test_with_every_replica_closed_no_replica_left_names_each(stream):
+    engine = scripted(2, stream)
+    for replica in engine.replicas:
+        replica.close()
+    try:
+        if stream:
+            futures = engine.submit(requests(4), SAMPLING)
+            errors = [f.exception(timeout=10) for f in futures]
+            assert all(isinstance(e, NoReplicaLeft) for e in errors)
+            message = str(errors[0])
+        else:
+            with pytest.raises(NoReplicaLeft) as caught:
+                engine.generate(requests(4), SAMPLING)
+            message = str(caught.value)
+    finally:
+        engine.close()
+    assert message.count("the engine is closed") == 2, message
+    assert "0: " in message and "1: " in message
+
+
+class HeldEngine(StreamingEngine):
+    """A streaming member that keeps every future it hands out, unresolved."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.futures: list[Future] = []
+
+    def submit(self, requests, sampling):
+        futures = [Future() for _ in requests]
+        self.futures += futures
+        return futures
+
+
+def test_cancelling_a_request_cancels_it_in_its_replica():
+    members = [HeldEngine(), HeldEngine()]
+    engine = ReplicatedStreamingEngine(members, ["a", "b"])
+    outer = engine.submit([req(0), req(1)], SAMPLING)
+    assert [len(m.futures) for m in members] == [1, 1]
+    assert outer[1].cancel()
+    assert members[1].futures[0].cancelled() and not members[0].futures[0].cancelled()
+    assert engine.router.replicas[1].in_flight == 0  # no longer counted on its replica
+    members[0].futures[0].set_result(answer(req(0)))
+    assert outer[0].result(timeout=5).replica == 0
+    with pytest.raises(CancelledError):
+        outer[1].result(timeout=0)
