@@ -306,3 +306,165 @@ def test_cancelling_a_request_cancels_it_in_its_replica():
     assert outer[0].result(timeout=5).replica == 0
     with pytest.raises(CancelledError):
         outer[1].result(timeout=0)
+
+
+# -- config errors -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("cfg,needle", [
+    ({"name": "scripted", "replicas": 0}, "engine.replicas must be an integer >= 1, got 0"),
+    ({"name": "scripted", "replicas": "2"}, "engine.replicas must be an integer >= 1, got '2'"),
+    ({"name": "hf", "replicas": 1.5}, "engine.replicas must be an integer >= 1"),
+    ({"name": "openai", "base_urls": []}, "engine.base_urls must be null or a non-empty list"),
+    ({"name": "openai", "base_urls": "http://127.0.0.1:8000/v1"}, "engine.base_urls must be null or a non-empty"),
+    ({"name": "openai", "base_urls": ["localhost:8000"]}, "engine.base_urls[0]='localhost:8000' is not a server URL"),
+    ({"name": "openai", "base_urls": ["http://a:1/v1", "http://a:1/v1/"]}, "engine.base_urls lists a server twice"),
+    ({"name": "openai", "base_urls": ["http://a:1/v1"], "replicas": 2}, "engine.replicas is not an option of engine "
+                                                                          "'openai': list the servers in engine.base_urls"),
+    ({"name": "scripted", "replicas": 2, "routing": {"sticky_margin": -1}}, "engine.routing.sticky_margin must be >= 0"),
+    ({"name": "scripted", "replicas": 2, "routing": {"probe_s": 0}}, "engine.routing.probe_s must be > 0"),
+    ({"name": "scripted", "routing": {"sticky": 1}}, "engine.routing.sticky is not a known key"),
+    ({"name": "vllm", "replicas": 2}, "engine.replicas is not an option of engine 'vllm': vLLM spreads itself over "
+                                      "GPUs with engine.data_parallel_size"),
+    ({"name": "vllm", "data_parallel_size": 2, "streaming": False}, "engine.data_parallel_size=2 needs "
+                                                                    "engine.streaming=true"),
+    ({"name": "vllm", "data_parallel_size": 0}, "engine.data_parallel_size must be an integer >= 1"),
+])
+def test_replica_config_errors_name_the_key(cfg, needle):
+    with pytest.raises(ValueError) as caught:
+        make_engine(cfg, "/nonexistent/model")  # checked before anything is built or imported from the model
+    assert needle in str(caught.value)
+
+
+# -- rollouts over replicas ----------------------------------------------------------------------
+
+VAL = {"env_groups": 6, "group_size": 2,
+       "env_configs": {"tags": ["SimpleSokoban", "FrozenLake", "Bandit"], "n_groups": [2, 2, 2]}}
+ROLLOUT_MODES = {
+    "sequential": {},
+    "threading": {"use_parallel_rollout": True, "parallel_backend": "threading"},
+    "loky": {"use_parallel_rollout": True},
+}
+
+
+def play(engine, mode: str = "sequential", **agent_proxy):
+    """The validation rollout of ``VAL`` on ``engine`` (closed after)."""
+    from ragen.llm_agent import LLMAgentProxy
+
+    from tests.rollout_helpers import agent_setup
+
+    try:
+        with LLMAgentProxy(agent_setup(val=VAL, **ROLLOUT_MODES[mode], **agent_proxy), engine) as proxy:
+            return proxy.rollout("val", rollout_index=1)
+    finally:
+        engine.close()
+
+
+def rollout_engine(replicas: int, stream: bool = False):
+    return make_engine({"name": "scripted", "replicas": replicas, "malformed_rate": 0.1,
+                        **({"continuous_batching": {"step_s": 0.0005, "tokens_median": 20}} if stream else {})})
+
+
+@pytest.fixture(scope="module")
+def one_engine_digest():
+    from ragen.rollout.types import rollout_digest
+
+    return rollout_digest(play(rollout_engine(1)).trajectories)
+
+
+def assert_served_by_both(metrics):
+    assert metrics["engine/replica_affinity"] >= 0.9
+    assert metrics["engine/replica0_requests"] > 0 and metrics["engine/replica1_requests"] > 0
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("mode,stream", [("sequential", False), ("threading", False), ("loky", False),
+                                         ("sequential", True), ("threading", True)],
+                         ids=["sequential", "threading", "loky", "sequential-env-level", "threading-env-level"])
+def test_a_rollout_over_two_replicas_plays_the_one_engine_rollout(mode, stream, one_engine_digest):
+    from ragen.rollout.types import rollout_digest
+
+    result = play(rollout_engine(2, stream), mode)
+    assert rollout_digest(result.trajectories) == one_engine_digest
+    assert_served_by_both(result.metrics)
+    assert result.metrics["engine/replica_failovers"] == 0
+    if stream:  # env-level turns: one request a message
+        assert result.metrics["engine/requests"] == result.metrics["engine/calls"]
+
+
+def closes_after(base: type, calls: int, **options):
+    """A scripted engine of class ``base`` that is closed (from another thread) once it has
+    been called ``calls`` times: a replica killed mid-rollout."""
+
+    class Killed(base):
+        def __init__(self) -> None:
+            super().__init__(**options)
+            self.called = 0
+            self.killer: threading.Timer | None = None
+
+        def _count(self) -> None:
+            self.called += 1
+            if self.called == calls:
+                self.killer = threading.Timer(0.0, self.close)
+                self.killer.start()
+
+        def generate(self, requests, sampling):
+            if not self.streams:
+                self._count()
+            return super().generate(requests, sampling)
+
+        def submit(self, requests, sampling):
+            self._count()
+            return super().submit(requests, sampling)
+
+    return Killed()
+
+
+def killed_replicas(stream: bool, kill: int, calls: int = 3) -> list:
+    """Two scripted replicas, the first ``kill`` of them closed after ``calls`` calls."""
+    from ragen.llm.scripted import ScriptedStreamingEngine
+
+    base = ScriptedStreamingEngine if stream else ScriptedEngine
+    options = {"malformed_rate": 0.1,
+               **({"continuous_batching": {"step_s": 0.0005, "tokens_median": 20}} if stream else {})}
+    return [closes_after(base, calls, **options) if i < kill else base(**options) for i in range(2)]
+
+
+def replicated(members):
+    cls = ReplicatedStreamingEngine if members[0].streams else ReplicatedEngine
+    return cls(members, ["first", "second"], Routing(probe_s=30.0))
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("mode,stream", [("sequential", False), ("threading", False), ("threading", True)],
+                         ids=["sequential", "threading", "threading-env-level"])
+def test_a_replica_killed_mid_rollout_leaves_the_rollout_unchanged(mode, stream, one_engine_digest):
+    from ragen.rollout.types import rollout_digest
+
+    calls = 9 if stream else 3  # streaming: one request a call, 6 of the first turn's 12 on each replica
+    members = killed_replicas(stream, kill=1, calls=calls)
+    members.reverse()  # the second replica is killed
+    result = play(replicated(members), mode)
+    assert members[1].called >= calls and members[1]._closed
+    assert len(result.trajectories) == 12
+    assert rollout_digest(result.trajectories) == one_engine_digest
+    assert result.metrics["engine/replica_failovers"] > 0
+    assert result.metrics["engine/replica1_requests"] > 0  # it answered before it was killed
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("mode,stream", [("sequential", False), ("threading", True)],
+                         ids=["sequential", "threading-env-level"])
+def test_every_replica_killed_fails_the_rollout_naming_each(mode, stream):
+    try:
+        result = play(replicated(killed_replicas(stream, kill=2, calls=2)), mode)
+    except NoReplicaLeft as exc:
+        message = str(exc)
+    else:
+        assert len(result.trajectories) == 12
+        errors = [t.error for t in result.trajectories if t.error]
+        assert errors, "every replica killed, yet no trajectory reports an error"
+        message = errors[0]
+    assert "NoReplicaLeft" in message or "no replica can take the request" in message, message
+    assert "first" in message and "second" in message, message
+    assert "the engine is closed" in message or "was closed" in message, message
