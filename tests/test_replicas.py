@@ -468,3 +468,61 @@ def test_every_replica_killed_fails_the_rollout_naming_each(mode, stream):
     assert "NoReplicaLeft" in message or "no replica can take the request" in message, message
     assert "first" in message and "second" in message, message
     assert "the engine is closed" in message or "was closed" in message, message
+
+
+# -- openai: several servers (engine.base_urls) --------------------------------------------------
+
+
+def chat_requests(tag: str, n: int = 8) -> list[GenerationRequest]:
+    return [GenerationRequest([{"role": "user", "content": f"{tag}{i}"}], env_id=i, seed=3) for i in range(n)]
+
+
+def over_servers(*servers):
+    return make_engine({"name": "openai", "base_urls": [s.base_url for s in servers], "model": "m",
+                        "max_retries": 1, "backoff_s": 0.01, "timeout_s": 2.0})
+
+
+@pytest.fixture
+def two_servers():
+    from tests.test_llm_openai import FakeServer
+
+    servers = [FakeServer(lifetime_s=60.0), FakeServer(lifetime_s=60.0)]
+    yield servers
+    for server in servers:
+        if not server.stopping.is_set():
+            server.stop()
+
+
+@pytest.mark.timeout(60)
+def test_requests_spread_over_the_servers_and_fail_over_when_one_stops(two_servers):
+    first, second = two_servers
+    engine = over_servers(first, second)
+    try:
+        before = engine.generate(chat_requests("q"), SAMPLING)
+        assert first.bodies and second.bodies  # both servers took requests
+        assert {c.replica for c in before} == {0, 1}
+        second.stop()
+        after = engine.generate(chat_requests("q"), SAMPLING)
+        counts = engine.replica_counts()
+    finally:
+        engine.close()
+    assert all(c.finish_reason != "error" for c in before + after)
+    assert [c.text for c in after] == [c.text for c in before]
+    assert all(c.text.startswith(f"<answer>q{i}|") for i, c in enumerate(after))
+    assert {c.replica for c in after} == {0}
+    assert counts["engine/replica_failovers"] > 0
+
+
+@pytest.mark.timeout(60)
+def test_with_every_server_stopped_no_replica_left_names_both_urls(two_servers):
+    engine = over_servers(*two_servers)
+    urls = [s.base_url for s in two_servers]
+    for server in two_servers:
+        server.stop()
+    try:
+        futures = engine.submit(chat_requests("q", 2), SAMPLING)
+        errors = [f.exception(timeout=30) for f in futures]
+    finally:
+        engine.close()
+    assert all(isinstance(e, NoReplicaLeft) for e in errors), errors
+    assert all(url in str(errors[0]) for url in urls), errors[0]
