@@ -526,3 +526,50 @@ def test_with_every_server_stopped_no_replica_left_names_both_urls(two_servers):
         engine.close()
     assert all(isinstance(e, NoReplicaLeft) for e in errors), errors
     assert all(url in str(errors[0]) for url in urls), errors[0]
+
+
+# -- hf replicas on cpu ----------------------------------------------------------------------------
+
+
+def hf_requests() -> list[GenerationRequest]:
+    return [GenerationRequest([{"role": "user", "content": f"Choose {word}."}], env_id=i, seed=1)
+            for i, word in enumerate(["dragon", "phoenix", "left or right", "a number"])]
+
+
+@pytest.fixture(scope="module")
+def hf_replicas(tiny_model_path):
+    engine = make_engine({"name": "hf", "device": "cpu", "replicas": 2}, tiny_model_path)
+    yield engine
+    engine.close()
+
+
+@pytest.mark.timeout(300)
+def test_hf_replicas_answer_greedily_as_one_engine(tiny_model_path, hf_replicas):
+    greedy = SamplingParams(temperature=0.0, max_tokens=8)
+    one = make_engine({"name": "hf", "device": "cpu"}, tiny_model_path)
+    try:
+        reference = one.generate(hf_requests(), greedy)
+    finally:
+        one.close()
+    got = hf_replicas.generate(hf_requests(), greedy)
+    assert {c.replica for c in got} == {0, 1}
+    assert [(c.text, c.response_token_ids) for c in got] == [(c.text, c.response_token_ids) for c in reference]
+    for mine, theirs in zip(got, reference):
+        assert mine.logprobs == pytest.approx(theirs.logprobs, abs=1e-4)
+
+
+@pytest.mark.timeout(300)
+def test_hf_load_weights_skipping_the_primary_copies_it_into_the_others(hf_replicas):
+    import torch
+
+    primary, other = hf_replicas.replicas
+    assert hf_replicas.model is primary.model
+    with torch.no_grad():  # the trainer's step: the primary's model changed in place
+        for p in primary.model.parameters():
+            p.add_(0.01)
+    assert any(not torch.equal(a, b) for a, b in zip(primary.model.parameters(), other.model.parameters()))
+    before = [r.policy_version for r in hf_replicas.replicas]
+    version = hf_replicas.load_weights(dict(primary.model.named_parameters()), skip_primary=True)
+    assert all(torch.equal(a, b) for a, b in zip(primary.model.parameters(), other.model.parameters()))
+    assert [r.policy_version for r in hf_replicas.replicas] == [v + 1 for v in before]
+    assert version == hf_replicas.policy_version == before[0] + 1

@@ -292,6 +292,22 @@ def test_lora_trains_the_engine_model_in_place(tiny_model_path, tmp_path):
         assert (trainer.run_dir / "checkpoints" / "global_step_1" / "lora_adapter").is_dir()
 
 
+@pytest.mark.timeout(600)
+def test_a_step_with_two_hf_replicas_leaves_both_with_the_trained_weights(tiny_model_path, tmp_path):
+    cfg = compose_cfg(small_overrides(tiny_model_path, tmp_path / "run", "trainer.total_training_steps=1",
+                                      "trainer.save_freq=0", "engine.device=cpu", "engine.replicas=2"))
+    with AgentTrainer(cfg) as trainer:
+        primary, other = trainer.engine.replicas
+        assert trainer.policy is primary.model  # the primary is trained in place
+        w0 = [p.detach().clone() for p in primary.model.parameters()]
+        metrics = trainer.fit()
+        assert metrics["policy_version"] == 1
+        assert [r.policy_version for r in trainer.engine.replicas] == [1, 1]
+        assert any(not torch.equal(a, b) for a, b in zip(w0, primary.model.parameters()))  # the step moved them
+        assert all(torch.equal(a, b) for a, b in zip(primary.model.parameters(), other.model.parameters()))
+        assert metrics["engine/replica0_requests"] > 0 and metrics["engine/replica1_requests"] > 0
+
+
 def _step_metrics(run_dir, step):
     return next(r for r in read_metrics(run_dir / "metrics.jsonl") if r["step"] == step)
 
