@@ -391,6 +391,16 @@ def test_a_rollout_over_two_replicas_plays_the_one_engine_rollout(mode, stream, 
         assert result.metrics["engine/requests"] == result.metrics["engine/calls"]
 
 
+@pytest.mark.timeout(120)
+def test_lockstep_turns_over_streaming_replicas_play_the_one_engine_rollout(one_engine_digest):
+    from ragen.rollout.types import rollout_digest
+
+    result = play(rollout_engine(2, stream=True), "threading", env_level_async=False)
+    assert rollout_digest(result.trajectories) == one_engine_digest
+    assert_served_by_both(result.metrics)
+    assert result.metrics["engine/requests"] > result.metrics["engine/calls"]  # a request list a turn
+
+
 def closes_after(base: type, calls: int, **options):
     """A scripted engine of class ``base`` that is closed (from another thread) once it has
     been called ``calls`` times: a replica killed mid-rollout."""
@@ -634,3 +644,92 @@ def test_engine_routing_reaches_the_router():
         engine.close()
     single = make_engine({"name": "scripted", "replicas": 1})
     assert isinstance(single, ScriptedEngine)  # one replica: the engine itself
+
+
+def stop_after(server, bodies: int, within_s: float = 30.0) -> threading.Thread:
+    """A thread that stops ``server`` once it has taken ``bodies`` requests (or after ``within_s``)."""
+
+    def watch() -> None:
+        deadline = time.monotonic() + within_s
+        while len(server.bodies) < bodies and time.monotonic() < deadline:
+            time.sleep(0.002)
+        server.stop()
+
+    thread = threading.Thread(target=watch, daemon=True)
+    thread.start()
+    return thread
+
+
+@pytest.mark.timeout(120)
+def test_an_env_level_rollout_over_two_servers_survives_one_stopping_mid_way():
+    from ragen.llm.openai_engine import OpenAIEngine
+    from ragen.rollout.loop import KeptEnvs, run_envs
+    from ragen.serving import StreamingDirectClient
+
+    from tests.rollout_helpers import custom_envs, loop_config, specs_for
+    from tests.test_llm_openai import FakeServer
+
+    specs = specs_for(["FrozenLake", "Bandit", "SimpleSokoban"], [2, 1, 1], 2, custom_envs(), seed=7)
+    config = loop_config(max_turn=3)
+    servers = [FakeServer(policy=ScriptedEngine(malformed_rate=0.1)) for _ in range(3)]
+    try:
+        one = OpenAIEngine(servers[0].base_url, model="m", max_concurrency=4)
+        try:
+            reference, _ = run_envs(specs, StreamingDirectClient(one), config, kept_envs=KeptEnvs(), env_level=True)
+        finally:
+            one.close()
+        engine = over_servers(servers[1], servers[2])
+        watcher = stop_after(servers[2], bodies=3)
+        try:
+            got, _ = run_envs(specs, StreamingDirectClient(engine), config, kept_envs=KeptEnvs(), env_level=True)
+            counts = engine.replica_counts()
+        finally:
+            engine.close()
+        watcher.join(5)
+    finally:
+        for server in servers:
+            if not server.stopping.is_set():
+                server.stop()
+    assert len(got) == len(specs)
+    assert got == reference
+    assert all(t.finish_reason != "error" for tr in got for t in tr.turns)
+    assert counts["engine/replica1_requests"] > 0 and counts["engine/replica_failovers"] > 0
+
+
+class SlowToFail(ScriptedEngine):
+    """The scripted policy; while ``down``, a call moves ``clock`` on by ``takes_s`` and raises."""
+
+    def __init__(self, clock: FakeClock, takes_s: float = 0.0) -> None:
+        super().__init__(malformed_rate=0.2)
+        self.clock = clock
+        self.takes_s = takes_s
+        self.down = False
+
+    def generate(self, requests, sampling):
+        if self.down:
+            self.clock.now += self.takes_s
+            raise ConnectionError("refused")
+        return super().generate(requests, sampling)
+
+
+@pytest.mark.timeout(60)
+def test_a_call_that_runs_out_of_replicas_leaves_no_request_counted_in_flight(one_engine_answers):
+    """A call whose later request finds no replica while an earlier one was sent to a probe:
+    the probe is not left in flight (which would keep its replica from ever being probed again)."""
+    clock = FakeClock()
+    members = [SlowToFail(clock, takes_s=0.5), SlowToFail(clock, takes_s=0.5), SlowToFail(clock)]
+    engine = ReplicatedEngine(members, ["a", "b", "c"], Routing(probe_s=1.0))
+    engine.router.clock = clock
+    members[2].down = True
+    assert {c.replica for c in engine.generate(requests(3), SAMPLING)} == {0, 1}  # c failed: down for 1 s
+    members[2].down = False
+    members[0].down = members[1].down = True
+    # a and b each take the call's time to fail (c's back-off passes meanwhile): the first request
+    # then probes c, the second has no replica left
+    with pytest.raises(NoReplicaLeft):
+        engine.generate(requests(2), SAMPLING)
+    busy = engine.replica_counts()["engine/replica2_busy_s"]
+    clock.now += 10.0
+    assert engine.replica_counts()["engine/replica2_busy_s"] == busy  # nothing left in flight on c
+    # a and b are probed and fail again, then c is probed, and serves
+    assert [c.replica for c in engine.generate(requests(1), SAMPLING)] == [2]
