@@ -313,14 +313,18 @@ class ReplicatedEngine(ReplicaSet, Engine):
         todo = list(range(len(requests)))
         while todo:
             parts: dict[int, list[int]] = {}
-            try:
-                for k in todo:
+            waiting: list[int] = []  # no replica for them now, while others of the round have one
+            refused: NoReplicaLeft | None = None
+            for k in todo:
+                try:
                     parts.setdefault(self.router.pick(requests[k], tried[k]), []).append(k)
-            except NoReplicaLeft:
-                for i, part in parts.items():  # picked, never sent
-                    for _ in part:
-                        self.router.cancelled(i)
-                raise
+                except NoReplicaLeft as exc:
+                    refused = exc
+                    waiting.append(k)
+            if not parts:
+                raise refused  # type: ignore[misc]  # todo is not empty: every request was refused
+            # the waiting requests go in the next round, when the replicas taking this round's
+            # (probes among them, once every replica has failed) have answered or failed
             calls = {self._pool.submit(self.replicas[i].generate, [requests[k] for k in part], sampling): i
                      for i, part in parts.items()}
             for i in calls.values():
@@ -328,7 +332,7 @@ class ReplicatedEngine(ReplicaSet, Engine):
             # unbounded: each replica's call returns or raises; the serving layer bounds a call
             # with agent_proxy.engine_timeout_s
             wait(calls)
-            todo = []
+            todo = waiting
             for call, i in calls.items():
                 part = parts[i]
                 error = call.exception()
