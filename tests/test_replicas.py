@@ -713,9 +713,26 @@ class SlowToFail(ScriptedEngine):
 
 
 @pytest.mark.timeout(60)
-def test_a_call_that_runs_out_of_replicas_leaves_no_request_counted_in_flight(one_engine_answers):
-    """A call whose later request finds no replica while an earlier one was sent to a probe:
-    the probe is not left in flight (which would keep its replica from ever being probed again)."""
+def test_after_every_replica_failed_a_call_probes_them_and_is_answered(one_engine_answers):
+    clock = FakeClock()
+    members = [SlowToFail(clock), SlowToFail(clock)]
+    engine = ReplicatedEngine(members, ["a", "b"], Routing(probe_s=1.0))
+    engine.router.clock = clock
+    members[0].down = members[1].down = True
+    with pytest.raises(NoReplicaLeft, match="a: .*refused.*b: .*refused"):
+        engine.generate(requests(2), SAMPLING)
+    members[0].down = members[1].down = False
+    clock.now += 1.0
+    # more requests than replicas: two probe the replicas, the others wait for their answers
+    got = engine.generate(requests(), SAMPLING)
+    assert without_replica(got) == one_engine_answers
+    assert {c.replica for c in got} == {0, 1}
+
+
+@pytest.mark.timeout(60)
+def test_requests_wait_for_a_probe_and_none_is_left_in_flight(one_engine_answers):
+    """A call whose requests failed on every live replica while the back-off of a third passed:
+    one request probes the third, the others wait for its answer and go there too."""
     clock = FakeClock()
     members = [SlowToFail(clock, takes_s=0.5), SlowToFail(clock, takes_s=0.5), SlowToFail(clock)]
     engine = ReplicatedEngine(members, ["a", "b", "c"], Routing(probe_s=1.0))
@@ -724,12 +741,11 @@ def test_a_call_that_runs_out_of_replicas_leaves_no_request_counted_in_flight(on
     assert {c.replica for c in engine.generate(requests(3), SAMPLING)} == {0, 1}  # c failed: down for 1 s
     members[2].down = False
     members[0].down = members[1].down = True
-    # a and b each take the call's time to fail (c's back-off passes meanwhile): the first request
-    # then probes c, the second has no replica left
-    with pytest.raises(NoReplicaLeft):
-        engine.generate(requests(2), SAMPLING)
-    busy = engine.replica_counts()["engine/replica2_busy_s"]
+    got = engine.generate(requests(), SAMPLING)  # a and b take the call's time to fail: c's back-off passes
+    assert without_replica(got) == one_engine_answers
+    assert {c.replica for c in got} == {2}
+    busy = engine.replica_counts()
     clock.now += 10.0
-    assert engine.replica_counts()["engine/replica2_busy_s"] == busy  # nothing left in flight on c
-    # a and b are probed and fail again, then c is probed, and serves
-    assert [c.replica for c in engine.generate(requests(1), SAMPLING)] == [2]
+    later = engine.replica_counts()
+    for i in range(3):  # nothing left in flight
+        assert later[f"engine/replica{i}_busy_s"] == busy[f"engine/replica{i}_busy_s"]
