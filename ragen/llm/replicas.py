@@ -177,6 +177,11 @@ class Router:
             self._release(replica)
             replica.probing = False
 
+    def probing(self) -> bool:
+        """Whether a probe is in flight to a replica that is down (its answer may bring it back)."""
+        with self._lock:
+            return any(r.down and r.probing for r in self.replicas)
+
     def forget_sessions(self) -> None:
         """Forget which replica each episode went to (no episode is running)."""
         with self._lock:
@@ -376,6 +381,9 @@ class ReplicatedStreamingEngine(ReplicaSet, StreamingEngine):
                  routing: Routing = Routing()) -> None:
         super().__init__()
         self._setup(replicas, names or [f"{i}" for i in range(len(replicas))], routing)
+        # requests that found no replica while a probe was in flight: routed again when it is answered
+        self._parked: list[_Routed] = []
+        self._park_lock = threading.Lock()
 
     def submit(self, requests: Sequence[GenerationRequest], sampling: SamplingParams) -> list[Future]:
         routed = [_Routed(Future(), r, sampling, set()) for r in requests]
@@ -387,11 +395,16 @@ class ReplicatedStreamingEngine(ReplicaSet, StreamingEngine):
     def _send(self, entry: _Routed) -> None:
         """Route ``entry`` to a replica not yet tried; fail it when none is left."""
         while not entry.future.done():
-            try:
-                index = self.router.pick(entry.request, entry.tried)
-            except NoReplicaLeft as exc:
-                _settle(entry.future, exception=exc)
-                return
+            with self._park_lock:  # a probe answered meanwhile routes the parked requests after this
+                probing = self.router.probing()
+                try:
+                    index = self.router.pick(entry.request, entry.tried)
+                except NoReplicaLeft as exc:
+                    if probing:  # after every replica failed: wait for the probe's answer
+                        self._parked.append(entry)
+                    else:
+                        _settle(entry.future, exception=exc)
+                    return
             entry.replica = index
             try:
                 inner = self.replicas[index].submit([entry.request], entry.sampling)[0]
@@ -403,6 +416,21 @@ class ReplicatedStreamingEngine(ReplicaSet, StreamingEngine):
             return
 
     def _answered(self, entry: _Routed, index: int, inner: Future) -> None:
+        try:
+            self._settle_answer(entry, index, inner)
+        finally:
+            self._unpark()  # a replica's state may have changed: the parked requests try again
+
+    def _unpark(self) -> None:
+        with self._park_lock:
+            parked, self._parked = self._parked, []
+        for entry in parked:
+            if self.closing:
+                _settle(entry.future, exception=RuntimeError("the engine was closed before this request was answered"))
+            else:
+                self._send(entry)
+
+    def _settle_answer(self, entry: _Routed, index: int, inner: Future) -> None:
         if entry.future.cancelled() or self.closing:  # the caller gave up on it, or the engine closes
             self.router.cancelled(index)
             _settle(entry.future, exception=RuntimeError("the engine was closed before this request was answered"))
