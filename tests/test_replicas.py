@@ -313,7 +313,7 @@ def test_cancelling_a_request_cancels_it_in_its_replica():
 @pytest.mark.parametrize("cfg,needle", [
     ({"name": "scripted", "replicas": 0}, "engine.replicas must be an integer >= 1, got 0"),
     ({"name": "scripted", "replicas": "2"}, "engine.replicas must be an integer >= 1, got '2'"),
-    ({"name": "hf", "replicas": 1.5}, "engine.replicas must be an integer >= 1"),
+    ({"name": "scripted", "replicas": 1.5}, "engine.replicas must be an integer >= 1"),
     ({"name": "openai", "base_urls": []}, "engine.base_urls must be null or a non-empty list"),
     ({"name": "openai", "base_urls": "http://127.0.0.1:8000/v1"}, "engine.base_urls must be null or a non-empty"),
     ({"name": "openai", "base_urls": ["localhost:8000"]}, "engine.base_urls[0]='localhost:8000' is not a server URL"),
@@ -749,3 +749,25 @@ def test_requests_wait_for_a_probe_and_none_is_left_in_flight(one_engine_answers
     later = engine.replica_counts()
     for i in range(3):  # nothing left in flight
         assert later[f"engine/replica{i}_busy_s"] == busy[f"engine/replica{i}_busy_s"]
+
+
+@pytest.mark.timeout(60)
+def test_after_every_streaming_replica_failed_requests_wait_for_the_probes(one_engine_answers):
+    members = [Flaky(stream=True), Flaky(stream=True)]
+    engine = ReplicatedStreamingEngine(members, ["a", "b"], Routing(probe_s=1.0))
+    clock = FakeClock()
+    engine.router.clock = clock
+    members[0].down = members[1].down = True
+    errors = [f.exception(timeout=10) for f in engine.submit(requests(2), SAMPLING)]
+    assert all(isinstance(e, NoReplicaLeft) for e in errors), errors
+    members[0].down = members[1].down = False
+    clock.now += 1.0
+    # more requests than replicas: two probe the replicas, the others wait for their answers
+    got = [f.result(timeout=10) for f in engine.submit(requests(), SAMPLING)]
+    assert without_replica(got) == one_engine_answers
+    members[0].down = members[1].down = True
+    clock.now += 10.0
+    # the probes fail: the requests that waited for them fail too, naming both replicas
+    errors = [f.exception(timeout=10) for f in engine.submit(requests(), SAMPLING)]
+    assert all(isinstance(e, NoReplicaLeft) for e in errors), errors
+    assert "a: " in str(errors[-1]) and "b: " in str(errors[-1])
