@@ -15,9 +15,10 @@
   ``ReplicatedStreamingEngine`` (members that stream: each request routed on
   its own). A request whose replica fails is sent again to another replica
   with the same request (so the same seed: the same answer on a seeded
-  engine); the failover is counted and named in the log. When no replica is
-  left, the request fails with ``NoReplicaLeft``, naming each replica and its
-  last error.
+  engine); the failover is counted and named in the log. Once every replica
+  has failed, the requests that find none wait for the probes' answers. When
+  no replica is left, the request fails with ``NoReplicaLeft``, naming each
+  replica and its last error.
 
 A completion records the replica that produced it (``Completion.replica``).
 ``make_engine`` builds these from ``engine.replicas`` (hf, scripted) or
