@@ -327,8 +327,8 @@ class ReplicatedEngine(ReplicaSet, Engine):
                 except NoReplicaLeft as exc:
                     refused = exc
                     waiting.append(k)
-            if not parts:
-                raise refused  # type: ignore[misc]  # todo is not empty: every request was refused
+            if refused is not None and not parts:  # no replica takes any of them
+                raise refused
             # the waiting requests go in the next round, when the replicas taking this round's
             # (probes among them, once every replica has failed) have answered or failed
             calls = {self._pool.submit(self.replicas[i].generate, [requests[k] for k in part], sampling): i
@@ -394,7 +394,8 @@ class ReplicatedStreamingEngine(ReplicaSet, StreamingEngine):
         return [entry.future for entry in routed]
 
     def _send(self, entry: _Routed) -> None:
-        """Route ``entry`` to a replica not yet tried; fail it when none is left."""
+        """Route ``entry`` to a replica not yet tried; park it while none is up and a probe is in
+        flight; fail it when none is left."""
         while not entry.future.done():
             with self._park_lock:  # a probe answered meanwhile routes the parked requests after this
                 probing = self.router.probing()
