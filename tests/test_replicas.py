@@ -318,9 +318,10 @@ def test_cancelling_a_request_cancels_it_in_its_replica():
     ({"name": "openai", "base_urls": "http://127.0.0.1:8000/v1"}, "engine.base_urls must be null or a non-empty"),
     ({"name": "openai", "base_urls": ["localhost:8000"]}, "engine.base_urls[0]='localhost:8000' is not a server URL"),
     ({"name": "openai", "base_urls": ["http://a:1/v1", "http://a:1/v1/"]}, "engine.base_urls lists a server twice"),
-    ({"name": "openai", "base_urls": ["http://a:1/v1"], "replicas": 2}, "engine.replicas is not an option of engine "
-                                                                          "'openai': list the servers in engine.base_urls"),
-    ({"name": "scripted", "replicas": 2, "routing": {"sticky_margin": -1}}, "engine.routing.sticky_margin must be >= 0"),
+    ({"name": "openai", "base_urls": ["http://a:1/v1"], "replicas": 2},
+     "engine.replicas is not an option of engine 'openai': list the servers in engine.base_urls"),
+    ({"name": "scripted", "replicas": 2, "routing": {"sticky_margin": -1}},
+     "engine.routing.sticky_margin must be >= 0"),
     ({"name": "scripted", "replicas": 2, "routing": {"probe_s": 0}}, "engine.routing.probe_s must be > 0"),
     ({"name": "scripted", "routing": {"sticky": 1}}, "engine.routing.sticky is not a known key"),
     ({"name": "vllm", "replicas": 2}, "engine.replicas is not an option of engine 'vllm': vLLM spreads itself over "

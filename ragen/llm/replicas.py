@@ -428,7 +428,8 @@ class ReplicatedStreamingEngine(ReplicaSet, StreamingEngine):
             parked, self._parked = self._parked, []
         for entry in parked:
             if self.closing:
-                _settle(entry.future, exception=RuntimeError("the engine was closed before this request was answered"))
+                _settle(entry.future, exception=RuntimeError("the engine was closed before this request was "
+                                                             "answered"))
             else:
                 self._send(entry)
 
