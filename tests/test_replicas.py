@@ -766,3 +766,38 @@ def test_after_every_streaming_replica_failed_requests_wait_for_the_probes(one_e
     errors = [f.exception(timeout=10) for f in engine.submit(requests(), SAMPLING)]
     assert all(isinstance(e, NoReplicaLeft) for e in errors), errors
     assert "a: " in str(errors[-1]) and "b: " in str(errors[-1])
+
+
+class HeldFlaky(HeldEngine):
+    """``HeldEngine`` that refuses requests while ``down`` and cancels those it holds when closed."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.down = False
+
+    def submit(self, requests, sampling):
+        if self.down:
+            raise ConnectionError("refused")
+        return super().submit(requests, sampling)
+
+    def close(self) -> None:
+        for future in self.futures:
+            future.cancel()
+        super().close()
+
+
+@pytest.mark.timeout(30)
+def test_closing_fails_the_requests_waiting_for_a_probe():
+    members = [HeldFlaky(), HeldFlaky()]
+    engine = ReplicatedStreamingEngine(members, ["a", "b"], Routing(probe_s=1.0))
+    clock = FakeClock()
+    engine.router.clock = clock
+    members[0].down = members[1].down = True
+    assert all(isinstance(f.exception(timeout=5), NoReplicaLeft) for f in engine.submit(requests(2), SAMPLING))
+    members[0].down = members[1].down = False
+    clock.now += 1.0
+    futures = engine.submit(requests(4), SAMPLING)  # two probes held, two requests waiting for them
+    assert [len(m.futures) for m in members] == [1, 1] and not any(f.done() for f in futures)
+    engine.close()
+    errors = [f.exception(timeout=5) for f in futures]
+    assert all(isinstance(e, RuntimeError) and "closed" in str(e) for e in errors), errors
