@@ -87,6 +87,7 @@ RAISES_ON_IMPORT = "raise RuntimeError('broken at import')\n"
     (["agent_proxy.env_timeout_s=0"], "error: agent_proxy.env_timeout_s must be > 0 seconds, got 0; for no limit "
                                       "write null"),
     (["agent_proxy.rollout_timeout_s=0"], "error: agent_proxy.rollout_timeout_s must be > 0 seconds"),
+    (["engine=hf", "engine.replicas=0"], "error: engine.replicas must be an integer >= 1, got 0"),
 ])
 def test_train_py_bad_input_is_one_error_line_before_any_model_loads(tmp_path, args, needle):
     """model_path names no model: each error must come before one would load."""

@@ -292,6 +292,48 @@ def test_lora_trains_the_engine_model_in_place(tiny_model_path, tmp_path):
         assert (trainer.run_dir / "checkpoints" / "global_step_1" / "lora_adapter").is_dir()
 
 
+@pytest.mark.timeout(600)
+def test_a_step_with_two_hf_replicas_leaves_both_with_the_trained_weights(tiny_model_path, tmp_path):
+    cfg = compose_cfg(small_overrides(tiny_model_path, tmp_path / "run", "trainer.total_training_steps=1",
+                                      "trainer.save_freq=0", "engine.device=cpu", "engine.replicas=2"))
+    with AgentTrainer(cfg) as trainer:
+        primary, other = trainer.engine.replicas
+        assert trainer.policy is primary.model  # the primary is trained in place
+        w0 = [p.detach().clone() for p in primary.model.parameters()]
+        metrics = trainer.fit()
+        assert metrics["policy_version"] == 1
+        assert [r.policy_version for r in trainer.engine.replicas] == [1, 1]
+        assert any(not torch.equal(a, b) for a, b in zip(w0, primary.model.parameters()))  # the step moved them
+        assert all(torch.equal(a, b) for a, b in zip(primary.model.parameters(), other.model.parameters()))
+        assert metrics["engine/replica0_requests"] > 0 and metrics["engine/replica1_requests"] > 0
+
+
+@pytest.mark.timeout(600)
+def test_a_lora_step_with_two_hf_replicas_gives_the_other_the_merged_weights(tiny_model_path, tmp_path):
+    cfg = compose_cfg(small_overrides(tiny_model_path, tmp_path / "run", "trainer.total_training_steps=1",
+                                      "trainer.save_freq=0", "engine.device=cpu", "engine.replicas=2",
+                                      "actor_rollout_ref.model.lora_rank=4", "actor_rollout_ref.model.lora_alpha=8"))
+    with AgentTrainer(cfg) as trainer:
+        primary, other = trainer.engine.replicas
+        w0 = {n: p.detach().clone() for n, p in other.model.named_parameters()}
+        trainer.fit()
+        assert [r.policy_version for r in trainer.engine.replicas] == [1, 1]
+        greedy = SamplingParams(temperature=0.0, max_tokens=12)
+        request = [GenerationRequest(messages=[{"role": "user", "content": "Choose dragon or phoenix."}])]
+        # the primary answers with its adapter, the other with the adapter merged into its weights
+        trainer.peft_model.merge_adapter()
+        try:
+            merged = {n.replace(".base_layer.", "."): p.detach().clone()
+                      for n, p in primary.model.named_parameters() if "lora_" not in n}
+        finally:
+            trainer.peft_model.unmerge_adapter()
+        moved = [n for n, p in other.model.named_parameters() if not torch.equal(p, w0[n])]
+        assert moved  # the adapter's step reached the other replica
+        for n, p in other.model.named_parameters():
+            assert torch.allclose(p, merged[n], atol=1e-6), n
+        assert primary.generate(request, greedy)[0].text == other.generate(request, greedy)[0].text
+
+
 def _step_metrics(run_dir, step):
     return next(r for r in read_metrics(run_dir / "metrics.jsonl") if r["step"] == step)
 
@@ -327,6 +369,23 @@ def test_resume_reproduces_the_next_step(tiny_model_path, tmp_path, lora):
     assert set(final) == set(resumed_state)
     for name, tensor in final.items():
         torch.testing.assert_close(resumed_state[name], tensor, atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.timeout(600)
+def test_resuming_with_two_hf_replicas_gives_both_the_checkpoint_weights(tiny_model_path, tmp_path):
+    extra = ("trainer.total_training_steps=1", "engine.device=cpu", "engine.replicas=2")
+    run = tmp_path / "run"
+    with AgentTrainer(compose_cfg(small_overrides(tiny_model_path, run, *extra))) as trainer:
+        trainer.fit()
+        trained = trainer.trainable_state()
+    with AgentTrainer(compose_cfg(small_overrides(tiny_model_path, run, "trainer.resume=true", *extra))) as trainer:
+        primary, other = trainer.engine.replicas
+        assert trainer.global_step == 1
+        assert [r.policy_version for r in trainer.engine.replicas] == [1, 1]
+        for replica in (primary, other):
+            state = replica.model.state_dict()
+            for name, tensor in trained.items():
+                assert torch.equal(state[name], tensor), name
 
 
 def test_checkpoints_are_atomic_and_pruned(tmp_path):

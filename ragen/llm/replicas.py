@@ -15,9 +15,10 @@
   ``ReplicatedStreamingEngine`` (members that stream: each request routed on
   its own). A request whose replica fails is sent again to another replica
   with the same request (so the same seed: the same answer on a seeded
-  engine); the failover is counted and named in the log. When no replica is
-  left, the request fails with ``NoReplicaLeft``, naming each replica and its
-  last error.
+  engine); the failover is counted and named in the log. Once every replica
+  has failed, the requests that find none wait for the probes' answers. When
+  no replica is left, the request fails with ``NoReplicaLeft``, naming each
+  replica and its last error.
 
 A completion records the replica that produced it (``Completion.replica``).
 ``make_engine`` builds these from ``engine.replicas`` (hf, scripted) or
@@ -177,6 +178,11 @@ class Router:
             self._release(replica)
             replica.probing = False
 
+    def probing(self) -> bool:
+        """Whether a probe is in flight to a replica that is down (its answer may bring it back)."""
+        with self._lock:
+            return any(r.down and r.probing for r in self.replicas)
+
     def forget_sessions(self) -> None:
         """Forget which replica each episode went to (no episode is running)."""
         with self._lock:
@@ -313,14 +319,18 @@ class ReplicatedEngine(ReplicaSet, Engine):
         todo = list(range(len(requests)))
         while todo:
             parts: dict[int, list[int]] = {}
-            try:
-                for k in todo:
+            waiting: list[int] = []  # no replica for them now, while others of the round have one
+            refused: NoReplicaLeft | None = None
+            for k in todo:
+                try:
                     parts.setdefault(self.router.pick(requests[k], tried[k]), []).append(k)
-            except NoReplicaLeft:
-                for i, part in parts.items():  # picked, never sent
-                    for _ in part:
-                        self.router.cancelled(i)
-                raise
+                except NoReplicaLeft as exc:
+                    refused = exc
+                    waiting.append(k)
+            if refused is not None and not parts:  # no replica takes any of them
+                raise refused
+            # the waiting requests go in the next round, when the replicas taking this round's
+            # (probes among them, once every replica has failed) have answered or failed
             calls = {self._pool.submit(self.replicas[i].generate, [requests[k] for k in part], sampling): i
                      for i, part in parts.items()}
             for i in calls.values():
@@ -328,7 +338,7 @@ class ReplicatedEngine(ReplicaSet, Engine):
             # unbounded: each replica's call returns or raises; the serving layer bounds a call
             # with agent_proxy.engine_timeout_s
             wait(calls)
-            todo = []
+            todo = waiting
             for call, i in calls.items():
                 part = parts[i]
                 error = call.exception()
@@ -372,6 +382,9 @@ class ReplicatedStreamingEngine(ReplicaSet, StreamingEngine):
                  routing: Routing = Routing()) -> None:
         super().__init__()
         self._setup(replicas, names or [f"{i}" for i in range(len(replicas))], routing)
+        # requests that found no replica while a probe was in flight: routed again when it is answered
+        self._parked: list[_Routed] = []
+        self._park_lock = threading.Lock()
 
     def submit(self, requests: Sequence[GenerationRequest], sampling: SamplingParams) -> list[Future]:
         routed = [_Routed(Future(), r, sampling, set()) for r in requests]
@@ -381,13 +394,19 @@ class ReplicatedStreamingEngine(ReplicaSet, StreamingEngine):
         return [entry.future for entry in routed]
 
     def _send(self, entry: _Routed) -> None:
-        """Route ``entry`` to a replica not yet tried; fail it when none is left."""
+        """Route ``entry`` to a replica not yet tried; park it while none is up and a probe is in
+        flight; fail it when none is left."""
         while not entry.future.done():
-            try:
-                index = self.router.pick(entry.request, entry.tried)
-            except NoReplicaLeft as exc:
-                _settle(entry.future, exception=exc)
-                return
+            with self._park_lock:  # a probe answered meanwhile routes the parked requests after this
+                probing = self.router.probing()
+                try:
+                    index = self.router.pick(entry.request, entry.tried)
+                except NoReplicaLeft as exc:
+                    if probing:  # after every replica failed: wait for the probe's answer
+                        self._parked.append(entry)
+                    else:
+                        _settle(entry.future, exception=exc)
+                    return
             entry.replica = index
             try:
                 inner = self.replicas[index].submit([entry.request], entry.sampling)[0]
@@ -399,6 +418,22 @@ class ReplicatedStreamingEngine(ReplicaSet, StreamingEngine):
             return
 
     def _answered(self, entry: _Routed, index: int, inner: Future) -> None:
+        try:
+            self._settle_answer(entry, index, inner)
+        finally:
+            self._unpark()  # a replica's state may have changed: the parked requests try again
+
+    def _unpark(self) -> None:
+        with self._park_lock:
+            parked, self._parked = self._parked, []
+        for entry in parked:
+            if self.closing:
+                _settle(entry.future, exception=RuntimeError("the engine was closed before this request was "
+                                                             "answered"))
+            else:
+                self._send(entry)
+
+    def _settle_answer(self, entry: _Routed, index: int, inner: Future) -> None:
         if entry.future.cancelled() or self.closing:  # the caller gave up on it, or the engine closes
             self.router.cancelled(index)
             _settle(entry.future, exception=RuntimeError("the engine was closed before this request was answered"))
