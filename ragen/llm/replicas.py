@@ -417,6 +417,10 @@ class ReplicatedStreamingEngine(ReplicaSet, StreamingEngine):
             inner.add_done_callback(lambda future, entry=entry, index=index: self._answered(entry, index, future))
             return
 
+    def close(self) -> None:
+        super().close()
+        self._unpark()  # requests still waiting for a probe fail now
+
     def _answered(self, entry: _Routed, index: int, inner: Future) -> None:
         try:
             self._settle_answer(entry, index, inner)
