@@ -16,7 +16,11 @@ onto a server), and checks, in order:
   ``consistent_hash``, the router's log shows each episode's key sent to one
   server, for all its turns;
 - one server SIGKILLed mid-rollout, after the first completions, loses nothing:
-  every trajectory comes back, the same as without the fault.
+  every trajectory comes back, the same as without the fault;
+- the same two servers without the router, routed client-side
+  (``engine.base_urls``): the same trajectories, both servers used, later turns
+  on their episode's server; one server killed mid-rollout (the one killed
+  before is started again first): the same trajectories, the failover counted.
 
 Every process is killed at teardown, also on failure; every wait is bounded.
 """
@@ -53,6 +57,7 @@ ROLLOUT = ["es_manager.train.env_groups=4", "es_manager.train.group_size=2",
            "es_manager.train.env_configs.tags=[SimpleSokoban,Bandit]", "es_manager.train.env_configs.n_groups=[2,2]",
            "agent_proxy.max_turn=3", "ctx_manager.generation.response_length=24"]
 KILL_AFTER = 4  # completions served before one server is killed
+SERVER_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1"}
 
 
 def _router_binary() -> str | None:
@@ -100,10 +105,12 @@ class Fleet:
         self.logs = logs
         self.procs: dict[str, subprocess.Popen] = {}
         self.servers: list[str] = []
+        self.argv: dict[str, list[str]] = {}
         self.router = ""
 
     def start(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> None:
-        out = open(self.logs / f"{name}.log", "w")
+        self.argv[name] = argv
+        out = open(self.logs / f"{name}.log", "a")
         self.procs[name] = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT,
                                             env={**os.environ, **(env or {})}, start_new_session=True)
         out.close()
@@ -133,6 +140,13 @@ class Fleet:
         except subprocess.TimeoutExpired:
             pass
 
+    def revive(self, name: str, url: str) -> None:
+        """Start ``name`` again when it no longer answers (a test killed it)."""
+        if _get(f"{url}/health", timeout_s=2.0) is None:
+            self.kill(name)
+            self.start(name, self.argv[name], env=SERVER_ENV)
+            self.wait_healthy(name, url, START_LIMIT_S)
+
     def close(self) -> None:
         for name in list(self.procs):
             self.kill(name)
@@ -150,7 +164,7 @@ def fleet(tmp_path_factory):
             port = _free_port()
             fleet.start(f"server{i}", [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
                                        "--dtype", "float32", "--enforce-eager", "--host", "127.0.0.1",
-                                       "--port", str(port)], env={"VLLM_CPU_KVCACHE_SPACE": "1"})
+                                       "--port", str(port)], env=SERVER_ENV)
             fleet.servers.append(f"http://127.0.0.1:{port}")
         for i, url in enumerate(fleet.servers):
             fleet.wait_healthy(f"server{i}", url, START_LIMIT_S - (time.monotonic() - t0))
@@ -166,8 +180,9 @@ def fleet(tmp_path_factory):
         fleet.close()
 
 
-def _rollout(base_url: str):
-    """Rollout 0 of the train split through ``base_url``: its result and seconds."""
+def _rollout(base_url: str | list[str]):
+    """Rollout 0 of the train split through ``base_url`` (a list: ``engine.base_urls``, routed
+    client-side): its result and seconds."""
     from hydra import compose, initialize_config_dir
     from omegaconf import OmegaConf
 
@@ -176,7 +191,9 @@ def _rollout(base_url: str):
 
     with initialize_config_dir(config_dir=str(ROOT / "config"), version_base=None):
         cfg = OmegaConf.to_container(compose("base", overrides=[
-            "engine=openai", f"engine.base_url={base_url}/v1", "engine.tokenizer=default", *ROLLOUT]), resolve=True)
+            "engine=openai", "engine.tokenizer=default", "engine.backoff_s=0.2", *ROLLOUT,
+            f"engine.base_url={base_url}/v1" if isinstance(base_url, str)
+            else f"engine.base_urls=[{','.join(url + '/v1' for url in base_url)}]"]), resolve=True)
     engine = make_engine(cfg["engine"], cfg["model_path"])
     t0 = time.monotonic()
     try:
@@ -231,40 +248,75 @@ def test_a_rollout_through_the_router_repeats_exactly_and_reaches_both_servers(f
     REFERENCE["trajectories"] = first.trajectories
 
 
-@pytest.mark.timeout(900)
-def test_a_server_killed_mid_rollout_loses_no_trajectory(fleet, caplog):
-    if "trajectories" not in REFERENCE:
-        pytest.skip("needs the fault-free rollout of the test before")
+def _kill_mid_rollout(fleet, base_url: str | list[str]) -> tuple[object, dict[str, object]]:
+    """A rollout through ``base_url`` with the server that has requests running SIGKILLed after
+    ``KILL_AFTER`` completions: its result, and what the kill met."""
     before = [_served(url) for url in fleet.servers]
     outcome: dict[str, object] = {}
 
     def play() -> None:
         try:
-            outcome["result"], outcome["seconds"] = _rollout(fleet.router)
+            outcome["result"], outcome["seconds"] = _rollout(base_url)
         except BaseException as exc:  # re-raised in the test's thread
             outcome["error"] = exc
 
-    with caplog.at_level(logging.DEBUG, logger="ragen.llm.openai_engine"):
-        player = threading.Thread(target=play, daemon=True)
-        player.start()
-        deadline = time.monotonic() + ROLLOUT_LIMIT_S
-        while sum(_served(u) - b for u, b in zip(fleet.servers, before)) < KILL_AFTER:
-            assert player.is_alive() and time.monotonic() < deadline, "the rollout ended before the kill"
-            time.sleep(0.05)
-        # the server with requests in flight now (on a tie the first): they die with it
-        victim = max(range(2), key=lambda i: _running(fleet.servers[i]))
-        in_flight = _running(fleet.servers[victim])
-        done_before_kill = [_served(u) - b for u, b in zip(fleet.servers, before)]
-        fleet.kill(f"server{victim}")
-        player.join(ROLLOUT_LIMIT_S)
+    player = threading.Thread(target=play, daemon=True)
+    player.start()
+    deadline = time.monotonic() + ROLLOUT_LIMIT_S
+    while sum(_served(u) - b for u, b in zip(fleet.servers, before)) < KILL_AFTER:
+        assert player.is_alive() and time.monotonic() < deadline, "the rollout ended before the kill"
+        time.sleep(0.05)
+    # the server with requests in flight now (on a tie the first): they die with it
+    victim = max(range(2), key=lambda i: _running(fleet.servers[i]))
+    in_flight = _running(fleet.servers[victim])
+    done_before_kill = [_served(u) - b for u, b in zip(fleet.servers, before)]
+    fleet.kill(f"server{victim}")
+    player.join(ROLLOUT_LIMIT_S)
     assert not player.is_alive(), f"the rollout did not end within {ROLLOUT_LIMIT_S:.0f} s of the kill"
     if "error" in outcome:
         raise outcome["error"]
-    result = outcome["result"]
+    return outcome["result"], {"victim": victim, "in_flight": in_flight, "done_before_kill": done_before_kill,
+                               "seconds": outcome["seconds"],
+                               "by_survivor": _served(fleet.servers[1 - victim]) - before[1 - victim]}
+
+
+@pytest.mark.timeout(900)
+def test_a_server_killed_mid_rollout_loses_no_trajectory(fleet, caplog):
+    if "trajectories" not in REFERENCE:
+        pytest.skip("needs the fault-free rollout of the test before")
+    with caplog.at_level(logging.DEBUG, logger="ragen.llm.openai_engine"):
+        result, kill = _kill_mid_rollout(fleet, fleet.router)
     requests = _check(result)
-    survivor = fleet.servers[1 - victim]
     client_retries = sum("retry" in r.getMessage() for r in caplog.records)
-    print(f"kill: server{victim} SIGKILLed with {in_flight:.0f} requests running, after "
-          f"{done_before_kill} completions; rollout {outcome['seconds']:.1f} s, {requests} requests, "
-          f"{_served(survivor) - before[1 - victim]} served by the survivor, {client_retries} client-side retries")
+    print(f"kill: server{kill['victim']} SIGKILLed with {kill['in_flight']:.0f} requests running, after "
+          f"{kill['done_before_kill']} completions; rollout {kill['seconds']:.1f} s, {requests} requests, "
+          f"{kill['by_survivor']} served by the survivor, {client_retries} client-side retries")
     assert result.trajectories == REFERENCE["trajectories"]
+
+
+@pytest.mark.timeout(1500)
+def test_client_side_routing_keeps_episodes_on_a_server_and_fails_over(fleet, caplog):
+    if "trajectories" not in REFERENCE:
+        pytest.skip("needs the fault-free rollout of the first test")
+    for i, url in enumerate(fleet.servers):  # the test before killed one
+        fleet.revive(f"server{i}", url)
+    before = [_served(url) for url in fleet.servers]
+    result, seconds = _rollout(fleet.servers)
+    served = [_served(url) - b for url, b in zip(fleet.servers, before)]
+    requests = _check(result)
+    m = result.metrics
+    print(f"base_urls: {requests} requests, {seconds:.1f} s, served per server {served}, later turns on their "
+          f"episode's server {m['engine/replica_affinity']:.0%}, failovers {m['engine/replica_failovers']:.0f}")
+    assert result.trajectories == REFERENCE["trajectories"]  # the router's rollout: the same requests, seeds
+    assert sum(served) == requests and all(n > 0 for n in served)
+    assert m["engine/replica_affinity"] >= 0.9 and m["engine/replica_failovers"] == 0
+    with caplog.at_level(logging.WARNING, logger="ragen.llm.replicas"):
+        faulty, kill = _kill_mid_rollout(fleet, fleet.servers)
+    requests = _check(faulty)
+    named = [r.getMessage() for r in caplog.records if "failed" in r.getMessage()]
+    print(f"base_urls kill: server{kill['victim']} SIGKILLed with {kill['in_flight']:.0f} requests running, after "
+          f"{kill['done_before_kill']} completions; rollout {kill['seconds']:.1f} s, {requests} requests, "
+          f"{kill['by_survivor']} served by the survivor, failovers "
+          f"{faulty.metrics['engine/replica_failovers']:.0f}; log: {named[:1]}")
+    assert faulty.trajectories == REFERENCE["trajectories"]
+    assert faulty.metrics["engine/replica_failovers"] >= 1 and named
