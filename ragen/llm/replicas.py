@@ -282,6 +282,9 @@ class ReplicaSet:
     tokens_reused = property(lambda self: self._sum("tokens_reused"), lambda self, value: None)
     history_divergences = property(lambda self: self._sum("history_divergences"), lambda self, value: None)
     token_prompt_fallbacks = property(lambda self: self._sum("token_prompt_fallbacks"), lambda self, value: None)
+    # the scripted streaming engine's decode steps and the requests running summed over them
+    steps = property(lambda self: self._sum("steps"))
+    running_sum = property(lambda self: self._sum("running_sum"))
 
     @property
     def turn_cache(self) -> "TurnCaches | None":
