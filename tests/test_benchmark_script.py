@@ -126,6 +126,12 @@ def test_failed_envs_are_in_the_report(tmp_path):
                                            "completions (engine=vllm (engine.streaming: true, its default), "
                                            "engine=openai, or engine=scripted with engine.continuous_batching); "
                                            "engine 'scripted' answers whole batches"),
+    (["benchmark.replicas=[0]", "benchmark.modes=[parallel]"],
+     "error: benchmark.replicas must be null or a list of integers >= 1, got [0]"),
+    (["benchmark.replicas=[1,2]"], "error: benchmark.replicas compares replica counts in one mode"),
+    (["benchmark.replicas=[1]", "benchmark.modes=[parallel]", "benchmark.inject_fault=true"],
+     "error: benchmark.inject_fault with benchmark.replicas kills a replica of the largest count: it must be >= 2"),
+    (["engine.replicas=0"], "error: engine.replicas must be an integer >= 1, got 0"),
     (["custom_envs.FrozenLake.env_type=h29_no_such_pkg.mod:Env"],
      "error: custom_envs.FrozenLake.env_type: cannot import 'h29_no_such_pkg.mod:Env': ModuleNotFoundError"),
 ])
@@ -207,3 +213,22 @@ def test_without_matplotlib_the_report_is_written_and_the_plot_skipped_with_a_wa
     warning = [line for line in p.stderr.splitlines() if "benchmark.plot: no plot drawn" in line]
     assert len(warning) == 1 and warning[0].startswith("warning: ") and "pip install matplotlib" in warning[0], \
         p.stderr[-3000:]
+
+
+@pytest.mark.timeout(300)
+def test_replica_counts_side_by_side_with_one_killed(tmp_path):
+    """benchmark.replicas: one column per count, identical digests, throughput against the first;
+    inject_fault kills a replica of the largest count mid-rollout and nothing is lost."""
+    out = tmp_path / "r.json"
+    p = run(*SMALL, "benchmark.modes=[parallel]", "benchmark.replicas=[1,2]", "benchmark.inject_fault=true",
+            "engine.per_token_s=0.002", f"benchmark.output={out}", "benchmark.plot=null")
+    assert p.returncode == 0, p.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert [r["mode"] for r in report["runs"]] == ["replicas=1", "replicas=2"]
+    assert report["consistent"] and set(report["throughput_ratios"]) == {"replicas=1", "replicas=2"}
+    one, two = report["runs"]
+    assert one["replica_requests"] == [] and len(two["replica_requests"]) == 2 and min(two["replica_requests"]) > 0
+    assert two["replica_affinity"] >= 0.9
+    fault = report["fault_injection"]
+    assert fault["recovered"] and fault["consistent"] and fault["replica_failovers"] >= 1
+    assert "throughput against replicas=1" in p.stdout and "requests per replica" in p.stdout
