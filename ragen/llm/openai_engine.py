@@ -23,7 +23,11 @@ completion is handed back as soon as its reply is in.
   retries (a dropped connection, a timeout, an error status) resolves its
   future with a ``Completion`` with ``finish_reason="error"`` and empty text,
   and the error is logged as a warning naming its env and turn. The other
-  requests are unaffected; the turn loop ends that env in ``error``.
+  requests are unaffected; the turn loop ends that env in ``error``. One of
+  several servers (``engine.base_urls``: ``fail_over``) fails the future with
+  ``ServerUnavailable`` instead, and the replicas (``ragen.llm.replicas``)
+  send the request to another server; a refusal (HTTP 4xx) stays an error
+  completion, since every server would refuse it.
 - *Close*: ``close()`` cancels every future not yet resolved, queued or in
   flight (``future.result()`` raises ``CancelledError``), and returns without
   waiting for the server: no retry starts after it, and a pool thread still in
