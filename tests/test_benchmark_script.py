@@ -171,7 +171,7 @@ def test_the_report_counts_repeated_auto_choices_and_keeps_cells_apart(capsys):
     assert script._cell("auto", [[2, None], [1, 1]]) == "2x-, 1x1"
     assert script._cell("auto", []) == "n/a"
     run = {"mode": "parallel", "backend": "loky", "n_jobs": 2, "metrics": {}, "auto": [[w, 2] for w in range(20)],
-           "overhead_s": [None] * 4, "engine_idle_s": [None] * 3}
+           "overhead_s": [None] * 4, "engine_idle_s": [None] * 3, "replica_requests": [], "replica_affinity": None}
     run.update({k: 0.0 for k in ("wall_s", "trajectories_per_s", "env_steps_per_s", "engine_calls", "mean_batch_size",
                                  "env_time_s", "engine_time_s", "wait_time_s", "fallbacks", "dump_s", "warmup_s", "occupancy",
                                  "done_spread_s", "messages")})
