@@ -106,7 +106,14 @@ def test_every_key_in_config_is_known_to_the_reader(path):
         assert name in ENGINE_CLASSES
         from ragen.llm import _load_class
 
-        assert set(data) - {"name"} <= set(_load_class(name).config_keys), path
+        engine_class = _load_class(name)
+        assert set(data) - {"name"} <= {*engine_class.config_keys, *engine_class.replica_keys}, path
+        if "routing" in data:  # engine.routing: the Routing section's keys, every one
+            import dataclasses
+
+            from ragen.llm.replicas import Routing
+
+            assert set(data["routing"]) == {f.name for f in dataclasses.fields(Routing)}, path
         return
     known = set().union(*(section_keys(cls, name) for name, cls in SECTIONS.items()))
     wildcards = {k[:-2] for k in known if k.endswith(".*")}
