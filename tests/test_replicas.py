@@ -64,13 +64,15 @@ def test_a_later_turn_goes_back_to_its_replica_unless_it_is_busier_by_more_than_
     r = router(2, sticky_margin=1)
     assert r.pick(req(0, turn=0)) == 0
     r.done(0, answer(req(0)))
-    assert r.pick(req(1)) == 0  # both idle: the first; replica 0 has 1 in flight, replica 1 none
-    assert r.pick(req(0, turn=1)) == 0  # 1 above the least loaded: within the margin
-    assert r.pick(req(0, turn=2)) == 1  # 2 above: the least loaded takes it
-    assert r.pick(req(0, turn=3)) == 1  # and the episode stays there
+    assert r.pick(req(1)) == 1  # both idle: the one sent fewer requests
+    r.done(1, answer(req(1)))
+    assert r.pick(req(0, turn=1)) == 0  # both idle: back to its replica, though sent more
+    assert r.pick(req(0, turn=2)) == 0  # 1 above the least loaded: within the margin
+    assert r.pick(req(0, turn=3)) == 1  # 2 above: the least loaded takes it
+    assert r.pick(req(0, turn=4)) == 1  # and the episode stays there
     counts = r.counts()
-    assert counts["engine/replica_later_turns"] == 3
-    assert counts["engine/replica_returned"] == 2
+    assert counts["engine/replica_later_turns"] == 4
+    assert counts["engine/replica_returned"] == 3
 
 
 def test_an_episode_of_another_seed_is_another_session():

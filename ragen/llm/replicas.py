@@ -2,14 +2,14 @@
 
 - ``Routing`` (``engine.routing``): how requests are spread.
 - ``Router``: which replica takes each request. It sends a request to the
-  replica with the fewest requests in flight, except that a later turn of an
-  episode goes back to the replica that answered its earlier turns (which
-  holds its prefix in cache) unless that replica has more than
-  ``sticky_margin`` requests in flight above the least loaded one. A replica
-  that fails is marked down and skipped; once its back-off has passed, one
-  request probes it (the back-off doubles, up to ``probe_max_s``, while
-  probes fail). Its decisions read only counts and a clock, so a test drives
-  it with a fake clock.
+  replica with the fewest requests in flight (on a tie, the one sent fewest),
+  except that a later turn of an episode goes back to the replica that
+  answered its earlier turns (which holds its prefix in cache) unless that
+  replica has more than ``sticky_margin`` requests in flight above the least
+  loaded one. A replica that fails is marked down and skipped; once its
+  back-off has passed, one request probes it (the back-off doubles, up to
+  ``probe_max_s``, while probes fail). Its decisions read only counts and a
+  clock, so a test drives it with a fake clock.
 - ``ReplicatedEngine`` (members that batch: a call's requests split among
   the replicas, which run their parts at once) and
   ``ReplicatedStreamingEngine`` (members that stream: each request routed on
@@ -66,6 +66,7 @@ class ReplicaStats:
 
     name: str
     in_flight: int = 0
+    routed: int = 0  # requests sent to it (ties between replicas go to the one sent fewer)
     down: bool = False
     retry_at: float = 0.0  # down: when a probe may go to it
     backoff_s: float = 0.0
@@ -124,7 +125,7 @@ class Router:
             elif not live:
                 raise NoReplicaLeft(self._no_replica_message(excluded))
             else:
-                least = min(live, key=lambda i: self.replicas[i].in_flight)
+                least = min(live, key=lambda i: (self.replicas[i].in_flight, self.replicas[i].routed))
                 sticky = (home in live and self.replicas[home].in_flight
                           <= self.replicas[least].in_flight + self.routing.sticky_margin)
                 chosen = home if sticky else least
@@ -139,6 +140,7 @@ class Router:
             if replica.in_flight == 0:
                 replica.busy_since = now
             replica.in_flight += 1
+            replica.routed += 1
             return chosen
 
     def done(self, index: int, completion: Completion) -> None:
