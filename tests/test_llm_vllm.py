@@ -801,6 +801,29 @@ def test_real_second_turn_appends_to_the_sampled_ids(real_engine, monkeypatch):
 
 
 @real
+@pytest.mark.timeout(900)
+@pytest.mark.skipif(ENGINE_CFG["dtype"] != "float32",
+                    reason="in bfloat16 a batch's other rows change the logits' rounding, and the engines batch apart")
+def test_real_data_parallel_engine_answers_as_one_and_every_core_takes_new_weights(real_model_path, real_engine):
+    """engine.data_parallel_size=2: vLLM's two engine cores answer as one engine does, and a
+    weight update reaches both (their answers after it are the one engine's after the same update)."""
+    reqs = _real_reqs(8)
+    original = _checkpoint(real_model_path)
+    dp = make_engine({**ENGINE_CFG, "data_parallel_size": 2}, real_model_path)
+    try:
+        assert _ids(dp.generate(reqs, SAMPLED)) == _ids(real_engine.generate(reqs, SAMPLED))
+        before = _ids(dp.generate(reqs, GREEDY))
+        noisy = _noisy(original)
+        assert dp.load_weights(noisy) == 1
+        real_engine.load_weights(noisy)
+        after = _ids(dp.generate(reqs, GREEDY))
+        assert after != before and after == _ids(real_engine.generate(reqs, GREEDY))
+    finally:
+        dp.close()
+        real_engine.load_weights(original)
+
+
+@real
 def test_real_close_with_requests_in_flight(real_engine):
     """close() ends vLLM and the loop, fails every request still in flight and returns
     in bounded time. It closes the module's engine: the last real test of the file."""
@@ -835,25 +858,3 @@ def test_data_parallel_size_goes_to_vllms_async_engine(fake_async_vllm, tiny_mod
     with pytest.raises(ValueError, match="engine.replicas is not an option of engine 'vllm'.*data_parallel_size"):
         make_engine({"name": "vllm", "replicas": 2}, tiny_model_path)
 
-
-@real
-@pytest.mark.timeout(900)
-@pytest.mark.skipif(ENGINE_CFG["dtype"] != "float32",
-                    reason="in bfloat16 a batch's other rows change the logits' rounding, and the engines batch apart")
-def test_real_data_parallel_engine_answers_as_one_and_every_core_takes_new_weights(real_model_path, real_engine):
-    """engine.data_parallel_size=2: vLLM's two engine cores answer as one engine does, and a
-    weight update reaches both (their answers after it are the one engine's after the same update)."""
-    reqs = _real_reqs(8)
-    original = _checkpoint(real_model_path)
-    dp = make_engine({**ENGINE_CFG, "data_parallel_size": 2}, real_model_path)
-    try:
-        assert _ids(dp.generate(reqs, SAMPLED)) == _ids(real_engine.generate(reqs, SAMPLED))
-        before = _ids(dp.generate(reqs, GREEDY))
-        noisy = _noisy(original)
-        assert dp.load_weights(noisy) == 1
-        real_engine.load_weights(noisy)
-        after = _ids(dp.generate(reqs, GREEDY))
-        assert after != before and after == _ids(real_engine.generate(reqs, GREEDY))
-    finally:
-        dp.close()
-        real_engine.load_weights(original)
