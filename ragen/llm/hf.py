@@ -183,7 +183,7 @@ class HFEngine(Engine):
         device = str(options.get("device", "auto"))
         if len(replicas) > 1 and device in ("auto", "cuda") and torch.cuda.device_count() >= len(replicas):
             return [(f"{i} (cuda:{i})", {**o, "device": f"cuda:{i}"}) for i, (_, o) in enumerate(replicas)]
-        return [(f"{name} ({device})", o) for name, o in replicas]
+        return [(f"{name} ({resolve_device(device)})", o) for name, o in replicas]
 
     @classmethod
     def from_config(cls, cfg: Mapping[str, Any], model_path: str | None = None) -> "HFEngine":
