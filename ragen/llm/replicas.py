@@ -123,7 +123,7 @@ class Router:
                 self.replicas[probe].probing = True
                 chosen = probe
             elif not live:
-                raise NoReplicaLeft(self._no_replica_message(excluded))
+                raise NoReplicaLeft(self._no_replica_message())
             else:
                 least = min(live, key=lambda i: (self.replicas[i].in_flight, self.replicas[i].routed))
                 sticky = (home in live and self.replicas[home].in_flight
@@ -215,14 +215,14 @@ class Router:
             replica.busy_s += self.clock() - replica.busy_since
             replica.busy_since = None
 
-    def _no_replica_message(self, excluded: set[int]) -> str:
+    def _no_replica_message(self) -> str:
         now = self.clock()
         parts = []
         for i, r in enumerate(self.replicas):
             if r.down:
                 state = f"down, probed again in {max(0.0, r.retry_at - now):.1f} s"
             else:
-                state = "failed this request"
+                state = "failed this request"  # up, but tried by this request already
             parts.append(f"{r.name}: {state}; last error: {r.last_error or '(none)'}")
         return "no replica can take the request: " + " | ".join(parts)
 
