@@ -34,9 +34,10 @@ class FakeClock:
         return self.now
 
 
-def req(env_id: int, turn: int = 0, seed: int = 5) -> GenerationRequest:
+def req(env_id: int, turn: int = 0, seed: int | None = None) -> GenerationRequest:
+    """A request of env ``env_id``; each env a group of its own (its own seed) unless ``seed`` is given."""
     return GenerationRequest([{"role": "user", "content": f"Env {env_id}.\nAvailable actions: Up, Down, Left"}],
-                             env_id=env_id, turn=turn, seed=seed)
+                             env_id=env_id, turn=turn, seed=5 + env_id if seed is None else seed)
 
 
 def answer(request: GenerationRequest, tokens: int = 3) -> Completion:
@@ -73,6 +74,17 @@ def test_a_later_turn_goes_back_to_its_replica_unless_it_is_busier_by_more_than_
     counts = r.counts()
     assert counts["engine/replica_later_turns"] == 4
     assert counts["engine/replica_returned"] == 3
+
+
+def test_a_groups_first_turns_go_together_unless_that_replica_is_busier_by_more_than_the_margin():
+    """Group members share a seed and their first prompt: computed once on one replica."""
+    r = router(2, sticky_margin=2)
+    assert [r.pick(req(e, seed=40)) for e in range(4)] == [0, 0, 0, 1]  # the 4th: 3 above the least loaded
+    assert [r.pick(req(e, seed=41)) for e in range(4, 6)] == [1, 1]  # another group: the least loaded, then with it
+    assert r.pick(req(6, seed=40)) == 1  # the group's last member went to replica 1: the next follows it
+    assert r.counts()["engine/replica_later_turns"] == 0  # first turns are not later turns
+    r.forget_sessions()
+    assert r.pick(req(7, seed=41)) == 0  # forgotten: the least loaded (3 in flight against 4)
 
 
 def test_an_episode_of_another_seed_is_another_session():
@@ -480,7 +492,7 @@ def test_every_replica_killed_fails_the_rollout_naming_each(mode, stream):
 
 
 def chat_requests(tag: str, n: int = 8) -> list[GenerationRequest]:
-    return [GenerationRequest([{"role": "user", "content": f"{tag}{i}"}], env_id=i, seed=3) for i in range(n)]
+    return [GenerationRequest([{"role": "user", "content": f"{tag}{i}"}], env_id=i, seed=3 + i) for i in range(n)]
 
 
 def over_servers(*servers):
@@ -538,7 +550,7 @@ def test_with_every_server_stopped_no_replica_left_names_both_urls(two_servers):
 
 
 def hf_requests() -> list[GenerationRequest]:
-    return [GenerationRequest([{"role": "user", "content": f"Choose {word}."}], env_id=i, seed=1)
+    return [GenerationRequest([{"role": "user", "content": f"Choose {word}."}], env_id=i, seed=1 + i)
             for i, word in enumerate(["dragon", "phoenix", "left or right", "a number"])]
 
 

@@ -4,9 +4,10 @@
 - ``Router``: which replica takes each request. It sends a request to the
   replica with the fewest requests in flight (on a tie, the one sent fewest),
   except that a later turn of an episode goes back to the replica that
-  answered its earlier turns (which holds its prefix in cache) unless that
-  replica has more than ``sticky_margin`` requests in flight above the least
-  loaded one. A replica that fails is marked down and skipped; once its
+  answered its earlier turns (which holds its prefix in cache), and the first
+  turn of a group member (same seed, same prompt) goes where its group's first
+  member went, unless that replica has more than ``sticky_margin`` requests in
+  flight above the least loaded one. A replica that fails is marked down and skipped; once its
   back-off has passed, one request probes it (the back-off doubles, up to
   ``probe_max_s``, while probes fail). Its decisions read only counts and a
   clock, so a test drives it with a fake clock.
@@ -106,6 +107,7 @@ class Router:
         self.later_turns = 0  # requests of an episode's later turns (routed before)
         self.returned = 0  # of those, routed to the episode's replica
         self._sessions: OrderedDict[tuple[int, int], int] = OrderedDict()
+        self._groups: OrderedDict[int, int] = OrderedDict()  # a seed's first turns: the replica they went to
         self._lock = threading.Lock()
 
     def pick(self, request: GenerationRequest, exclude: Iterable[int] = ()) -> int:
@@ -119,6 +121,8 @@ class Router:
                           if r.down and not r.probing and now >= r.retry_at and i not in excluded), None)
             session = session_of(request)
             home = self._sessions.get(session)
+            if home is None and request.turn == 0:  # its group's members ask with the same prompt
+                home = self._groups.get(request.seed)
             if probe is not None:  # a down replica's back-off has passed: this request probes it
                 self.replicas[probe].probing = True
                 chosen = probe
@@ -132,10 +136,9 @@ class Router:
             if home is not None and request.turn > 0:
                 self.later_turns += 1
                 self.returned += chosen == home
-            self._sessions[session] = chosen
-            self._sessions.move_to_end(session)
-            if len(self._sessions) > MAX_SESSIONS:
-                self._sessions.popitem(last=False)
+            _remember(self._sessions, session, chosen)
+            if request.turn == 0:
+                _remember(self._groups, request.seed, chosen)
             replica = self.replicas[chosen]
             if replica.in_flight == 0:
                 replica.busy_since = now
@@ -189,6 +192,7 @@ class Router:
         """Forget which replica each episode went to (no episode is running)."""
         with self._lock:
             self._sessions.clear()
+            self._groups.clear()
 
     def counts(self) -> dict[str, float]:
         """Cumulative counts: per replica, and the failovers and returns to an episode's replica."""
@@ -225,6 +229,14 @@ class Router:
                 state = "failed this request"  # up, but tried by this request already
             parts.append(f"{r.name}: {state}; last error: {r.last_error or '(none)'}")
         return "no replica can take the request: " + " | ".join(parts)
+
+
+def _remember(homes: OrderedDict, key: Any, replica: int) -> None:
+    """``key`` went to ``replica``; the least recently routed keys past ``MAX_SESSIONS`` are forgotten."""
+    homes[key] = replica
+    homes.move_to_end(key)
+    if len(homes) > MAX_SESSIONS:
+        homes.popitem(last=False)
 
 
 class ReplicaSet:
