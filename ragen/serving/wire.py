@@ -37,7 +37,7 @@ against that limit before it sends (``send_frame``, ``MessageTooLarge``).
   [...]}`` (the answers' token ids and log-probs, not the prompts' token ids:
   those stay in the driver) or ``{"ticket": t, "error": msg}`` (with
   ``"timed_out": True`` when the engine did not answer within the manager's
-  time limit).
+  time limit, ``"unavailable": True`` when it can answer no request at all).
 """
 
 from __future__ import annotations
