@@ -101,12 +101,12 @@ import threading
 import urllib.error
 import urllib.parse
 import urllib.request
-from concurrent.futures import Future, InvalidStateError, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Mapping, Sequence
 
 from ragen.llm.chat_tokens import ChatTokens
 from ragen.llm.default_model import resolve_model_path
-from ragen.llm.types import Completion, GenerationRequest, SamplingParams, StreamingEngine, request_seed
+from ragen.llm.types import Completion, GenerationRequest, SamplingParams, StreamingEngine, request_seed, resolve
 
 logger = logging.getLogger(__name__)
 
@@ -291,6 +291,7 @@ class OpenAIEngine(StreamingEngine):
             with self._lock:
                 self._pending.discard(future)
             return
+        completion: Completion | None = None
         error: ServerUnavailable | None = None
         try:
             completion = self._complete(request, sampling, model, version)
@@ -303,13 +304,7 @@ class OpenAIEngine(StreamingEngine):
             if future not in self._pending:
                 return  # close() cancelled it
             self._pending.discard(future)
-        try:  # outside the lock: a callback may submit again
-            if error is not None:
-                future.set_exception(error)
-            else:
-                future.set_result(completion)
-        except InvalidStateError:
-            pass  # the caller cancelled it
+        resolve(future, completion, error)  # outside the lock: a callback may submit again
 
     def _complete(self, request: GenerationRequest, sampling: SamplingParams, model: str, version: int) -> Completion:
         limit = request.token_limit(sampling)

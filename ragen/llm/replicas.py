@@ -7,10 +7,10 @@
   answered its earlier turns (which holds its prefix in cache), and the first
   turn of a group member (same seed, same prompt) goes where its group's first
   member went, unless that replica has more than ``sticky_margin`` requests in
-  flight above the least loaded one. A replica that fails is marked down and skipped; once its
-  back-off has passed, one request probes it (the back-off doubles, up to
-  ``probe_max_s``, while probes fail). Its decisions read only counts and a
-  clock, so a test drives it with a fake clock.
+  flight above the least loaded one. A replica that fails is marked down and
+  skipped; once its back-off has passed, one request probes it (the back-off
+  doubles, up to ``probe_max_s``, while probes fail). Its decisions read only
+  counts and a clock, so a test drives it with a fake clock.
 - ``ReplicatedEngine`` (members that batch: a call's requests split among
   the replicas, which run their parts at once) and
   ``ReplicatedStreamingEngine`` (members that stream: each request routed on
@@ -33,13 +33,13 @@ import logging
 import threading
 import time
 from collections import OrderedDict
-from concurrent.futures import CancelledError, Future, InvalidStateError, ThreadPoolExecutor, wait
+from concurrent.futures import CancelledError, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Sequence
 
 from ragen.config_reader import setting
-from ragen.llm.types import (Completion, Engine, EngineUnavailable, GenerationRequest, SamplingParams,
-                              StreamingEngine)
+from ragen.llm.types import (CLOSED_BEFORE_ANSWER, Completion, Engine, EngineUnavailable, GenerationRequest,
+                              SamplingParams, StreamingEngine, resolve)
 
 logger = logging.getLogger(__name__)
 
@@ -244,11 +244,11 @@ class ReplicaSet:
     and the counters summed over the members. The first replica is the primary: the
     trainer trains the hf engine's model in place there."""
 
-    def _setup(self, replicas: Sequence[Engine], names: Sequence[str], routing: Routing) -> None:
+    def _setup(self, replicas: Sequence[Engine], names: Sequence[str] | None, routing: Routing) -> None:
         if not replicas:
             raise ValueError("engine.replicas must be >= 1")
         self.replicas = list(replicas)
-        self.router = Router(names, routing)
+        self.router = Router(names or [f"{i}" for i in range(len(self.replicas))], routing)
         self.primary = self.replicas[0]
         self.name = self.primary.name
         self.returns_logprobs = self.primary.returns_logprobs
@@ -327,7 +327,7 @@ class ReplicatedEngine(ReplicaSet, Engine):
     def __init__(self, replicas: Sequence[Engine], names: Sequence[str] | None = None,
                  routing: Routing = Routing()) -> None:
         super().__init__()
-        self._setup(replicas, names or [f"{i}" for i in range(len(replicas))], routing)
+        self._setup(replicas, names, routing)
         self._pool = ThreadPoolExecutor(max_workers=len(self.replicas), thread_name_prefix="ragen-replica")
 
     def generate(self, requests: Sequence[GenerationRequest], sampling: SamplingParams) -> list[Completion]:
@@ -387,8 +387,7 @@ class _Routed:
     request: GenerationRequest
     sampling: SamplingParams
     tried: set[int]
-    replica: int = -1
-    inner: Future | None = None
+    inner: Future | None = None  # the request in the replica it went to last
 
 
 class ReplicatedStreamingEngine(ReplicaSet, StreamingEngine):
@@ -398,7 +397,7 @@ class ReplicatedStreamingEngine(ReplicaSet, StreamingEngine):
     def __init__(self, replicas: Sequence[StreamingEngine], names: Sequence[str] | None = None,
                  routing: Routing = Routing()) -> None:
         super().__init__()
-        self._setup(replicas, names or [f"{i}" for i in range(len(replicas))], routing)
+        self._setup(replicas, names, routing)
         # requests that found no replica while a probe was in flight: routed again when it is answered
         self._parked: list[_Routed] = []
         self._park_lock = threading.Lock()
@@ -422,9 +421,8 @@ class ReplicatedStreamingEngine(ReplicaSet, StreamingEngine):
                     if probing:  # after every replica failed: wait for the probe's answer
                         self._parked.append(entry)
                     else:
-                        _settle(entry.future, exception=exc)
+                        resolve(entry.future, error=exc)
                     return
-            entry.replica = index
             try:
                 inner = self.replicas[index].submit([entry.request], entry.sampling)[0]
             except Exception as exc:  # the replica refuses at once (closed): the next one
@@ -449,15 +447,14 @@ class ReplicatedStreamingEngine(ReplicaSet, StreamingEngine):
             parked, self._parked = self._parked, []
         for entry in parked:
             if self.closing:
-                _settle(entry.future, exception=RuntimeError("the engine was closed before this request was "
-                                                             "answered"))
+                resolve(entry.future, error=RuntimeError(CLOSED_BEFORE_ANSWER))
             else:
                 self._send(entry)
 
     def _settle_answer(self, entry: _Routed, index: int, inner: Future) -> None:
         if entry.future.cancelled() or self.closing:  # the caller gave up on it, or the engine closes
             self.router.cancelled(index)
-            _settle(entry.future, exception=RuntimeError("the engine was closed before this request was answered"))
+            resolve(entry.future, error=RuntimeError(CLOSED_BEFORE_ANSWER))
             return
         # a replica that cancels a request itself (closed) failed it
         error = CancelledError(f"replica {self.router.replicas[index].name} cancelled it") \
@@ -465,7 +462,7 @@ class ReplicatedStreamingEngine(ReplicaSet, StreamingEngine):
         if error is None:
             completion = inner.result()
             self.router.done(index, completion)
-            _settle(entry.future, result=dataclasses.replace(completion, replica=index))
+            resolve(entry.future, dataclasses.replace(completion, replica=index))
             return
         self._failover(entry, index, error)
         self._send(entry)
@@ -480,20 +477,6 @@ class ReplicatedStreamingEngine(ReplicaSet, StreamingEngine):
     def _cancel_inner(future: Future, entry: _Routed) -> None:
         if future.cancelled() and entry.inner is not None:
             entry.inner.cancel()
-
-
-def _settle(future: Future, result: Any = None, exception: BaseException | None = None,
-            cancel: bool = False) -> None:
-    """Resolve ``future`` unless its caller cancelled it first."""
-    try:
-        if cancel:
-            future.cancel()
-        elif exception is not None:
-            future.set_exception(exception)
-        else:
-            future.set_result(result)
-    except InvalidStateError:
-        pass  # cancelled by the caller meanwhile
 
 
 def replicate(builders: Sequence[tuple[str, Callable[[], Engine]]], routing: Routing = Routing()) -> Engine:

@@ -55,7 +55,8 @@ from typing import Any, Mapping, Sequence
 
 from ragen.config_reader import read, setting
 from ragen.llm.chat_tokens import ChatTokens
-from ragen.llm.types import Completion, Engine, GenerationRequest, SamplingParams, StreamingEngine, request_seed
+from ragen.llm.types import (CLOSED_BEFORE_ANSWER, Completion, Engine, GenerationRequest, SamplingParams,
+                              StreamingEngine, request_seed)
 
 logger = logging.getLogger(__name__)
 
@@ -401,5 +402,5 @@ class ScriptedStreamingEngine(ScriptedEngine, StreamingEngine):
         self._thread.join(CLOSE_WAIT_S)
         for e in pending:
             if e.future.set_running_or_notify_cancel():
-                e.future.set_exception(RuntimeError("the engine was closed before this request was answered"))
+                e.future.set_exception(RuntimeError(CLOSED_BEFORE_ANSWER))
         super().close()

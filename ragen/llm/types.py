@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
-from concurrent.futures import Future
+from concurrent.futures import Future, InvalidStateError
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any, Self, Sequence
@@ -232,6 +232,21 @@ class Engine(ABC):
 
     def close(self) -> None:
         pass
+
+
+CLOSED_BEFORE_ANSWER = "the engine was closed before this request was answered"
+
+
+def resolve(future: Future, result: Any = None, error: BaseException | None = None) -> None:
+    """Resolve ``future`` with ``result``, or with ``error`` when given, unless its caller
+    cancelled it first."""
+    try:
+        if error is not None:
+            future.set_exception(error)
+        else:
+            future.set_result(result)
+    except InvalidStateError:
+        pass  # the caller cancelled it
 
 
 class StreamingEngine(Engine):

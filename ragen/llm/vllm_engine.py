@@ -92,7 +92,8 @@ from typing import Any, Iterable, Mapping, Sequence
 
 from ragen.llm.chat_tokens import ChatTokens, stop_token_ids
 from ragen.llm.default_model import resolve_model_path
-from ragen.llm.types import Completion, Engine, GenerationRequest, SamplingParams, StreamingEngine, request_seed
+from ragen.llm.types import (CLOSED_BEFORE_ANSWER, Completion, Engine, GenerationRequest, SamplingParams,
+                              StreamingEngine, request_seed, resolve)
 
 logger = logging.getLogger(__name__)
 
@@ -505,7 +506,7 @@ class VLLMStreamingEngine(VLLMEngine, StreamingEngine):
                 raise RuntimeError(f"vLLM gave no output for env {request.env_id} turn {request.turn}")
             completion = self._completion(request, prompt, final)
         except asyncio.CancelledError:
-            self._settle(future, error=RuntimeError("the engine was closed before this request was answered"))
+            self._settle(future, error=RuntimeError(CLOSED_BEFORE_ANSWER))
             raise
         except Exception as exc:  # handed to whoever waits for this request
             self._settle(future, error=exc)
@@ -520,13 +521,7 @@ class VLLMStreamingEngine(VLLMEngine, StreamingEngine):
                 return
             self._pending.discard(future)
             self._count(-1)
-        try:
-            if error is not None:
-                future.set_exception(error)
-            else:
-                future.set_result(completion)
-        except Exception:  # InvalidStateError: the caller cancelled it
-            pass
+        resolve(future, completion, error)
 
     def _call(self, call: Any, what: str) -> Any:
         """Run the coroutine ``call(llm)`` on the engine's loop and wait for it, at most ``RPC_TIMEOUT_S``."""
@@ -584,9 +579,6 @@ class VLLMStreamingEngine(VLLMEngine, StreamingEngine):
         self._stop_loop()
         for future in pending:
             if not future.done():
-                try:
-                    future.set_exception(RuntimeError("the engine was closed before this request was answered"))
-                except Exception:  # InvalidStateError: cancelled meanwhile
-                    pass
+                resolve(future, error=RuntimeError(CLOSED_BEFORE_ANSWER))
         del llm
         _free_memory()
