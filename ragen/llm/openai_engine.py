@@ -295,8 +295,12 @@ class OpenAIEngine(StreamingEngine):
         error: ServerUnavailable | None = None
         try:
             completion = self._complete(request, sampling, model, version)
-        except ServerUnavailable as exc:  # raised only with fail_over: another server takes the request
-            error = exc
+        except ServerUnavailable as exc:  # the server did not answer within its retries
+            if self.fail_over:  # another server takes the request
+                error = exc
+            else:
+                self._warn_failed(request, exc)
+                completion = self._error(request, version)
         except Exception as exc:  # failure is data: this request's completion is an error, the others go on
             self._warn_failed(request, repr(exc))
             completion = self._error(request, version)
@@ -359,9 +363,9 @@ class OpenAIEngine(StreamingEngine):
             text = choice.get("text") or ""
         except _RefusedError as exc:
             raise _NoTokenPrompts(str(exc)) from exc
+        except ServerUnavailable:
+            raise  # _answer: an error completion, or with fail_over another server
         except Exception as exc:
-            if self.fail_over and isinstance(exc, ServerUnavailable):
-                raise
             self._warn_failed(request, exc)
             return self._error(request, version)
         if not isinstance(choice.get("token_ids"), list):
@@ -396,9 +400,9 @@ class OpenAIEngine(StreamingEngine):
             reply = self._post_with_retries("/chat/completions", body, session_key(request))
             choice = reply["choices"][0]
             text = (choice.get("message") or {}).get("content") or ""
+        except ServerUnavailable:
+            raise  # _answer: an error completion, or with fail_over another server
         except Exception as exc:
-            if self.fail_over and isinstance(exc, ServerUnavailable):
-                raise
             if request.answer_prefix and isinstance(exc, _RefusedError):
                 exc = (f"{exc} -- the request carries an answer prefix, sent with "
                        f"{', '.join(f'{k}={json.dumps(v)}' for k, v in _CONTINUE_FIELDS.items())} and the "
