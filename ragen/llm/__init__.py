@@ -76,19 +76,20 @@ def check_engine_config(engine_cfg: Mapping[str, Any]) -> tuple[str, dict[str, A
             + ("vLLM spreads itself over GPUs with engine.data_parallel_size" if name == "vllm"
                else "list the servers in engine.base_urls"))
     check_keys(cfg, keys, "engine", hint=f"; the options of engine {name!r} are {sorted(keys)}")
-    replicas = _replicas(engine_class, cfg)
+    replicas, _ = _replicas(engine_class, cfg)
     for _, options in replicas:
         engine_class.check_options(options)
     return name, cfg
 
 
-def _replicas(engine_class: type[Engine], cfg: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
-    """The ``(name, options)`` of each replica, and ``engine.routing`` checked."""
+def _replicas(engine_class: type[Engine], cfg: dict[str, Any]) -> tuple[list[tuple[str, dict[str, Any]]], Any]:
+    """The ``(name, options)`` of each replica, and ``engine.routing`` read (None when it is not set)."""
+    routing = None
     if "routing" in cfg:
         from ragen.llm.replicas import Routing
 
-        read(Routing, cfg["routing"], "engine.routing")
-    return engine_class.replica_options(dict(cfg))
+        routing = read(Routing, cfg["routing"], "engine.routing")
+    return engine_class.replica_options(dict(cfg)), routing
 
 
 # which engines stream completions (``Engine.streams_with``), for errors that say which to choose
@@ -117,14 +118,13 @@ def make_engine(engine_cfg: Mapping[str, Any], model_path: str | None = None) ->
     """
     name, cfg = check_engine_config(engine_cfg)
     engine_class = _load_class(name)
-    replicas = _replicas(engine_class, cfg)
+    replicas, routing = _replicas(engine_class, cfg)
     if len(replicas) == 1:
         return engine_class.from_config(replicas[0][1], model_path)
     from ragen.llm.replicas import Routing, replicate
 
-    routing = read(Routing, cfg.get("routing"), "engine.routing")
     return replicate([(label, lambda options=options: engine_class.from_config(options, model_path))
-                      for label, options in replicas], routing)
+                      for label, options in replicas], routing or Routing())
 
 
 def __getattr__(attr: str) -> Any:
