@@ -23,6 +23,7 @@ boundaries (``to_dict`` / ``from_dict``); the engine itself never does.
 
 ``request_seed(sampling_seed, key)`` is the one place where a request's
 randomness is derived: every engine seeds its per-request sampler from it.
+``token_id_error(ids, vocab_size)`` is the one check that ids are token ids.
 """
 
 from __future__ import annotations
@@ -49,6 +50,28 @@ def request_seed(sampling_seed: int, key: Sequence[int]) -> int:
     text = ",".join(str(int(x)) for x in (sampling_seed, *key))
     digest = hashlib.blake2b(text.encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little") & 0x7FFFFFFF
+
+
+# Token ids cross processes as unsigned 32-bit integers (ragen.serving.wire).
+TOKEN_ID_LIMIT = 1 << 32
+
+
+def token_id_error(ids: Sequence[Any], vocab_size: int | None = None) -> str | None:
+    """Why ``ids`` are not token ids, or None when they are: each must be an int (not a
+    bool) in ``0 .. vocab_size - 1``, or ``0 .. 2**32 - 1`` when the vocabulary is unknown."""
+    if not ids:
+        return None
+    if any(type(i) is not int for i in ids):
+        bad = next(i for i in ids if type(i) is not int)
+        return f"token id {bad!r} is not an integer"
+    limit = TOKEN_ID_LIMIT if vocab_size is None else vocab_size
+    low, high = min(ids), max(ids)
+    if low < 0:
+        return f"token id {low} is negative"
+    if high >= limit:
+        where = f"the vocabulary's {vocab_size} ids" if vocab_size is not None else "32 bits"
+        return f"token id {high} is outside {where} (0..{limit - 1})"
+    return None
 
 
 class EngineUnavailable(RuntimeError):
@@ -155,7 +178,8 @@ class Engine(ABC):
     builds each prompt with ``prompt_ids(request)``; ``history_divergences``
     counts the appended prompts whose template rewrote earlier turns, and
     ``token_prompt_fallbacks`` the requests a server took as messages where
-    token ids were meant (``OpenAIEngine``).
+    token ids were meant (``OpenAIEngine``). ``vocab_size`` is the number of token
+    ids the engine's model knows, where the engine knows it (None: unknown).
     """
 
     name: str = "engine"
@@ -173,6 +197,7 @@ class Engine(ABC):
         self.history_divergences = 0
         self.token_prompt_fallbacks = 0
         self.chat: ChatTokens | None = None
+        self.vocab_size: int | None = None
 
     def prompt_ids(self, request: GenerationRequest) -> list[int]:
         """The request's prompt ids: its history ids and the template's tokens of the
