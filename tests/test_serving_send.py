@@ -129,3 +129,17 @@ def test_the_send_queue_bound_is_checked():
         SharedLLMInferenceManager(ScriptedEngine(), max_send_queue_bytes=0)
     with SharedLLMInferenceManager(ScriptedEngine(), max_message_bytes=1 << 20) as shared:
         assert shared.max_send_queue_bytes == 2 << 20  # the default: two of the largest frames
+
+
+def test_without_non_blocking_sends_every_frame_goes_through_the_sender(monkeypatch):
+    """Where the platform has no MSG_DONTWAIT, the sender thread sends every
+    frame, in order, and ends once its queue is empty."""
+    from ragen.serving import connections
+
+    monkeypatch.setattr(connections, "_DONTWAIT", None)
+    with SharedLLMInferenceManager(BigAnswers()) as shared:
+        worker = shared.client(timeout_s=15)
+        for n in (1, 3, 2):
+            assert [c.env_id for c in ask(worker, _requests(n), SamplingParams())] == list(range(n))
+        assert len(ask(worker, _requests(2, BIG_ENV), SamplingParams())[0].text) == ANSWER_BYTES
+        _wait_for(lambda: not _send_threads(), timeout_s=5)

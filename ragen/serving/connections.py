@@ -46,7 +46,8 @@ class Connection:
         self.peer = peer
         self.max_queued_bytes = max_queued_bytes
         self.alive = True
-        self.tag: int | None = None  # the tag its streams were last opened under (whose hooks its notes and answers reach)
+        # the tag its streams were last opened under (whose hooks its notes and answers reach)
+        self.tag: int | None = None
         self._lock = threading.Lock()  # the queue, and the order of the frames on the socket
         self._queue: deque[memoryview] = deque()  # its head is the one being sent
         self._queued = 0  # bytes in the queue
