@@ -58,6 +58,7 @@ class SharedLLMInferenceManager(Connections):
         max_coalesce_wait_s: float = 1.0,
         max_pending_handshakes: int = 64,
         request_timeout_s: float | None = None,
+        max_send_queue_bytes: int | None = None,
     ) -> None:
         self.coalescer = Coalescer(max_batch_size, coalesce_wait_s, max_coalesce_wait_s)
         check_listen_address(host, port)
@@ -71,6 +72,16 @@ class SharedLLMInferenceManager(Connections):
             raise ValueError(f"max_message_bytes must be an integer from 1 to 2**32 - 1 (a frame's "
                              f"length is 4 bytes), got {max_message_bytes!r}")
         self.max_message_bytes = max_message_bytes
+        # What waits to be sent to one peer that does not read, before it is
+        # dropped (Connection.send_frame). By default room for a frame of the
+        # largest size being sent and one more: a worker reads whenever it
+        # waits for an answer, so what it leaves unread stays far below that.
+        if max_send_queue_bytes is None:
+            max_send_queue_bytes = 2 * max_message_bytes
+        if isinstance(max_send_queue_bytes, bool) or not isinstance(max_send_queue_bytes, int) or \
+                max_send_queue_bytes < 1:
+            raise ValueError(f"max_send_queue_bytes must be a positive integer, got {max_send_queue_bytes!r}")
+        self.max_send_queue_bytes = max_send_queue_bytes
         self.handshake_timeout_s = handshake_timeout_s
         # A thread per connection is fine for workers, not for any number of
         # peers that connect and say nothing. Every peer is accepted at once (a
@@ -340,10 +351,7 @@ class SharedLLMInferenceManager(Connections):
             pass
         self._listener.close()
         for c in conns:
-            try:
-                c.sock.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
+            c.close()  # wakes its thread's read, and ends its sender
         if self.streamer is not None:
             self.streamer.close()
         for t in self._threads:
