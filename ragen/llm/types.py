@@ -23,7 +23,8 @@ boundaries (``to_dict`` / ``from_dict``); the engine itself never does.
 
 ``request_seed(sampling_seed, key)`` is the one place where a request's
 randomness is derived: every engine seeds its per-request sampler from it.
-``token_id_error(ids, vocab_size)`` is the one check that ids are token ids.
+``token_id_error(ids, vocab_size)`` is the one check that ids are token ids;
+``futures_error(got, n)`` the one check that a ``submit`` kept its contract.
 """
 
 from __future__ import annotations
@@ -292,6 +293,24 @@ class StreamingEngine(Engine):
         """One future per request, in request order."""
 
     def generate(self, requests: Sequence[GenerationRequest], sampling: SamplingParams) -> list[Completion]:
+        futures = self.submit(requests, sampling)
+        error = futures_error(futures, len(requests))
+        if error is not None:
+            raise TypeError(f"engine {self.name!r} ({type(self).__name__}) broke its contract: {error}")
         # Unbounded wait on each future: an engine resolves every future it hands out, with
         # its completion or an error (close() fails the ones still running).
-        return [f.result() for f in self.submit(requests, sampling)]
+        return [f.result() for f in futures]
+
+
+def futures_error(got: Any, n: int) -> str | None:
+    """Why ``got``, what ``StreamingEngine.submit`` returned for ``n`` requests, is not one
+    ``concurrent.futures.Future`` per request, or None when it is."""
+    if not isinstance(got, (list, tuple)):
+        what = "None" if got is None else f"a {type(got).__name__}"
+        return f"submit returned {what} for {n} requests, not a list of {n} futures"
+    bad = next((i for i, f in enumerate(got) if not isinstance(f, Future)), None)
+    if bad is not None:
+        return f"submit returned {type(got[bad]).__name__}, not a Future, at position {bad} of its list"
+    if len(got) != n:
+        return f"submit returned {len(got)} futures for {n} requests"
+    return None
