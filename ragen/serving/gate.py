@@ -8,10 +8,14 @@ the lock stops new requests from entering and waits for those in flight to
 finish, so weights never change under a request, and a stream of requests
 that never pauses cannot starve the trainer.
 
-Every wait is bounded by ``timeout_s`` (or the caller's ``timeout``): past
-it, ``GateTimeout`` says what held the gate (the lock and for how long, the
-threads asking for it, the requests in flight). A wait that goes on is also
-logged every ``report_every_s`` with the same account.
+A request waits to enter at most ``timeout_s`` (or its caller's
+``timeout``), and the lock waits for requests in flight at most as long;
+past that, ``GateTimeout`` says what held the gate (the lock and for how
+long, the threads asking for it, the requests in flight). The lock waits for
+another holder of it without a bound: that holder's engine call or weight
+swap ends by itself, and an engine call that hangs is the engine's to bound.
+Every wait that goes on is logged every ``report_every_s``, with the same
+account.
 """
 
 from __future__ import annotations
@@ -31,10 +35,10 @@ class GateTimeout(TimeoutError):
 class EngineGate:
     """A lock that requests in flight hold shared; the lock waits for them, and new ones wait for the lock.
 
-    ``timeout_s``: the longest wait of ``acquire`` (and ``with gate:``), and of
-    ``enter`` without a ``timeout`` of its own; None waits as long as it takes
-    (the manager's gate: twice ``agent_proxy.engine_timeout_s``, see
-    ``SharedLLMInferenceManager``)."""
+    ``timeout_s``: the longest wait of ``acquire`` (and ``with gate:``) for
+    requests in flight, and of ``enter`` without a ``timeout`` of its own; None
+    waits as long as they take (a rollout's gate: twice
+    ``agent_proxy.engine_timeout_s``, ``for_requests``)."""
 
     report_every_s = 60.0  # a wait this long is logged, with what it waits for, and again each time as long
 
@@ -49,6 +53,14 @@ class EngineGate:
         self._in_flight = 0
         self._busy_since = 0.0  # since when requests have been in flight without a pause
 
+    @classmethod
+    def for_requests(cls, request_timeout_s: float | None) -> "EngineGate":
+        """The gate of an engine whose streamed requests each leave it within
+        ``request_timeout_s`` of their arrival (answered, or given up): its bound is
+        twice that, room for a request that waited to enter and for the thread that
+        gives it up; None: no bound."""
+        return cls(None if request_timeout_s is None else 2 * request_timeout_s)
+
     @property
     def in_flight(self) -> int:
         with self._cond:
@@ -56,11 +68,14 @@ class EngineGate:
 
     def acquire(self, timeout: float | None = None) -> bool:
         """Takes the lock once no other thread holds it and no request is in
-        flight; ``GateTimeout`` after ``timeout`` (default ``timeout_s``)."""
+        flight; ``GateTimeout`` once it waited ``timeout`` (default ``timeout_s``)
+        for requests in flight. No new request enters while it waits."""
         with self._cond:
             self._waiting += 1
             try:
-                self._wait(lambda: not self._held and self._in_flight == 0, timeout, "the engine lock", asking=1)
+                # the time another holder keeps the lock does not count (see the module docstring)
+                self._wait(lambda: not self._held and self._in_flight == 0, timeout, "the engine lock", asking=1,
+                           counts=lambda: not self._held)
             finally:
                 self._waiting -= 1
                 if not self._waiting:
@@ -107,23 +122,29 @@ class EngineGate:
             if self._in_flight == 0:
                 self._cond.notify_all()
 
-    def _wait(self, ready: Callable[[], bool], timeout: float | None, what: str, asking: int = 0) -> None:
-        """Waits (holding ``_cond``) until ``ready()``: ``GateTimeout`` past the bound, a
-        warning each ``report_every_s``, both saying what holds the gate (``asking``: the
-        waiting threads that are this one)."""
+    def _wait(self, ready: Callable[[], bool], timeout: float | None, what: str, asking: int = 0,
+              counts: Callable[[], bool] = lambda: True) -> None:
+        """Waits (holding ``_cond``) until ``ready()``: ``GateTimeout`` once the time
+        waited while ``counts()`` passes the bound, a warning each ``report_every_s``,
+        both saying what holds the gate (``asking``: the waiting threads that are this one)."""
         bound = self.timeout_s if timeout is None else timeout
         start = time.monotonic()
+        spent = 0.0  # waited while it counts toward the bound
         report_at = start + self.report_every_s
         while not ready():
+            counting = bound is not None and counts()
             now = time.monotonic()
-            if bound is not None and now - start >= bound:
-                raise GateTimeout(f"waited {now - start:.3g} s (the bound: {bound:g} s) for {what}: "
-                                  f"{self._holders(now, asking)}")
+            if counting and spent >= bound:
+                waited = f"{spent:.3g} s" if now - start - spent < 1e-3 else \
+                    f"{spent:.3g} s for requests in flight ({now - start:.3g} s in all)"
+                raise GateTimeout(f"waited {waited} for {what} (the bound: {bound:g} s): {self._holders(now, asking)}")
             if now >= report_at:
                 logger.warning("waited %.3g s so far for %s: %s", now - start, what, self._holders(now, asking))
                 report_at = now + self.report_every_s
-            until = report_at if bound is None else min(report_at, start + bound)
+            until = min(report_at, now + bound - spent) if counting else report_at
             self._cond.wait(until - now)  # every change of the state waited on notifies
+            if counting:
+                spent += time.monotonic() - now
 
     def _holders(self, now: float, asking: int) -> str:
         """What holds the gate (under ``_cond``), besides ``asking`` threads waiting for the lock."""

@@ -2,7 +2,8 @@
 
 The manager owns the engine (the one the trainer updates) and a lock around
 every engine call (``engine_lock``; the trainer takes it to swap weights),
-whose waits last at most twice ``request_timeout_s`` (``EngineGate``). It
+whose waits for requests are bounded by twice ``request_timeout_s``
+(``EngineGate.for_requests``). It
 listens on a socket (``address``), serves each peer on a connection of its
 own (``connections``), and runs one batcher thread that turns the requests of
 all workers into engine calls as the ``Coalescer`` decides. An engine that
@@ -65,9 +66,7 @@ class SharedLLMInferenceManager(Connections):
         if max_pending_handshakes < 1:
             raise ValueError(f"max_pending_handshakes must be >= 1, got {max_pending_handshakes}")
         self.engine = engine
-        # Each streamed request leaves the gate within request_timeout_s (answered, or given up):
-        # twice that covers a holder of the lock before a weight swap and the requests after it.
-        self.engine_lock = EngineGate(None if request_timeout_s is None else 2 * request_timeout_s)
+        self.engine_lock = EngineGate.for_requests(request_timeout_s)
         self.max_batch_size = self.coalescer.max_batch_size
         if isinstance(max_message_bytes, bool) or not isinstance(max_message_bytes, int) or \
                 not 0 < max_message_bytes < 1 << 32:
