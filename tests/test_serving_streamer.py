@@ -177,15 +177,18 @@ def test_a_request_its_worker_gave_up_on_leaves_the_gate():
 
 
 @pytest.mark.timeout(120)
-def test_a_weight_swap_after_an_env_level_rollout_with_a_hung_request():
+@pytest.mark.parametrize("backend", [{"use_parallel_rollout": True, "parallel_backend": "threading"},
+                                     {"use_parallel_rollout": False}], ids=["manager", "sequential"])
+def test_a_weight_swap_after_an_env_level_rollout_with_a_hung_request(backend):
     """The issue's case: an env ends in timeout on a request whose future hangs
-    running, and the trainer's next ``with engine_lock`` gets the gate."""
+    running, and the trainer's next ``with engine_lock`` gets the gate (the
+    shared manager's, or the sequential rollout's own)."""
     from ragen.llm_agent import LLMAgentProxy
     from ragen.rollout.types import StopReason
     from tests.rollout_helpers import agent_setup
 
     engine = Hangs(hung=-1)
-    setup = agent_setup(use_parallel_rollout=True, parallel_backend="threading", engine_timeout_s=1.0)
+    setup = agent_setup(engine_timeout_s=1.0, **backend)
     with LLMAgentProxy(setup, engine) as proxy:
         engine.hung = proxy.rollout("val", rollout_index=1).specs[1].env_id
         got = proxy.rollout("val", rollout_index=1)
@@ -258,3 +261,42 @@ def test_a_request_held_out_by_a_weight_swap_past_its_timeout_is_answered_timed_
         finally:
             shared.engine_lock.release()
         assert [c.env_id for c in ask(client, _requests(1), SamplingParams())] == [0]
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("name", ["none", "too_few_running", "not_futures"])
+def test_the_sequential_streaming_client_refuses_a_broken_submit_and_leaves_the_gate(name):
+    from ragen.serving import StreamingDirectClient
+
+    spoil, what = BREAKS[name]
+    gate = EngineGate(timeout_s=10)
+    client = StreamingDirectClient(Spoiling(spoil), gate)
+    with pytest.raises(TypeError, match="spoiling") as info:
+        client.submit(_requests(3), SamplingParams())
+    assert what in str(info.value) and gate.in_flight == 0
+    ticket = client.submit(_requests(2), SamplingParams())
+    assert client.wait_any(timeout=10)[0] == ticket and gate.in_flight == 0
+
+
+@pytest.mark.timeout(30)
+def test_the_lock_waits_for_another_holder_past_the_bound():
+    """The bound is for requests in flight: a batch engine call (or a swap) that
+    holds the lock longer than it is waited out (its call ends by itself)."""
+    gate = EngineGate(timeout_s=0.1)
+    gate.acquire()  # a batch call that hangs past engine_timeout_s
+    errors, got = [], threading.Event()
+
+    def second():
+        try:
+            with gate:
+                got.set()
+        except TimeoutError as exc:
+            errors.append(exc)
+
+    thread = threading.Thread(target=second)
+    thread.start()
+    thread.join(0.5)  # five bounds: past the bound, still waiting
+    assert thread.is_alive() and not errors
+    gate.release()
+    thread.join(10)
+    assert got.is_set() and not errors

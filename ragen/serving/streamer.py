@@ -10,7 +10,7 @@ error, so an engine that loses a request never holds a worker's env past
 that; its futures are cancelled, and its requests leave the gate even where
 the engine cannot drop them (a future already running), as do those of a
 request list its worker cancelled. An engine whose ``submit`` breaks its
-contract (``futures_error``), or whose future resolves to something other
+contract (``StreamingEngine.checked``), or whose future resolves to something other
 than a ``Completion``, fails that request list alone, with an error naming
 the engine and what it returned.
 """
@@ -24,7 +24,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, Callable, Hashable
 
-from ragen.llm.types import Engine, futures_error
+from ragen.llm.types import StreamingEngine
 from ragen.serving import wire
 from ragen.serving.coalescer import Pending
 from ragen.serving.gate import EngineGate, GateTimeout
@@ -50,14 +50,13 @@ class Streamer:
     """Request lists forwarded to a ``StreamingEngine`` as they arrive, and
     their answers sent back as they finish (see the module docstring)."""
 
-    def __init__(self, engine: Engine, gate: EngineGate, stats: ManagerStats, reply: Reply,
+    def __init__(self, engine: StreamingEngine, gate: EngineGate, stats: ManagerStats, reply: Reply,
                  request_timeout_s: float | None) -> None:
         self.engine = engine
         self.gate = gate
         self.stats = stats
         self.reply = reply
         self.request_timeout_s = request_timeout_s
-        self.label = f"engine {engine.name!r} ({type(engine).__name__})"
         self._cond = threading.Condition()
         self._done: list[_InFlight] = []
         self._waiting: set[_InFlight] = set()  # with a deadline, not answered yet
@@ -80,7 +79,8 @@ class Streamer:
         except GateTimeout as exc:
             logger.warning("%d requests (env %s, turn %s) not sent to the engine: %s", n, p.requests[0].env_id,
                            p.requests[0].turn, exc)
-            self._fail(entry, {"ticket": p.ticket, "timed_out": True, "error": f"not sent to the {self.label}: {exc}"})
+            self._fail(entry, {"ticket": p.ticket, "timed_out": True,
+                               "error": f"not sent to the {self.engine.label}: {exc}"})
             return
         with self._cond:
             entry.holding = set(range(n))
@@ -93,21 +93,19 @@ class Streamer:
             self._cond.notify_all()  # a new deadline
         self.stats.record_submit(n)
         try:
-            futures = self.engine.submit(p.requests, p.sampling)
+            got = self.engine.submit(p.requests, p.sampling)
         except Exception as exc:  # the engine refused them: their worker hears why, the others go on
-            logger.exception("the %s refused %d requests", self.label, n)
+            logger.exception("the %s refused %d requests", self.engine.label, n)
             self._fail(entry, wire.error_answer(p.ticket, exc))
             return
-        error = futures_error(futures, n)
-        if error is not None:  # the engine broke its contract: this call fails, the next is served
-            logger.error("the %s broke its contract: %s", self.label, error)
-            self._fail(entry, {"ticket": p.ticket, "error": f"the {self.label} broke its contract: {error}"})
-            for f in futures if isinstance(futures, (list, tuple)) else ():
-                if isinstance(f, Future):
-                    f.cancel()
+        try:
+            futures = self.engine.checked(got, n)
+        except TypeError as exc:  # the engine broke its contract: this call fails, the next is served
+            logger.error("%s", exc)
+            self._fail(entry, wire.error_answer(p.ticket, exc))
             return
         with self._cond:
-            entry.futures = list(futures)
+            entry.futures = futures
             ended = entry.answered  # past its deadline while the engine took it
         if ended:
             for f in entry.futures:
@@ -238,5 +236,6 @@ class Streamer:
             return {"ticket": p.ticket, "transit_in": p.transit_in,
                     "completions": [wire.completion_for_wire(c, r) for c, r in zip(completions, p.requests)]}
         except Exception as exc:  # that request list only
-            logger.error("malformed completion from the %s: %s", self.label, exc)
-            return {"ticket": p.ticket, "error": f"the {self.label} broke its contract: {type(exc).__name__}: {exc}"}
+            logger.error("malformed completion from the %s: %s", self.engine.label, exc)
+            return {"ticket": p.ticket,
+                    "error": f"the {self.engine.label} broke its contract: {type(exc).__name__}: {exc}"}
