@@ -1,9 +1,10 @@
-"""The manager's path to an engine that streams (``Streamer``) and the engine
-gate (``EngineGate``) against a streaming engine that breaks its contract or
-never answers (issue 42): every request leaves the gate, by its answer, its
-timeout or its error; a broken call fails alone, naming the engine and what it
-returned; the manager goes on serving; and a weight swap gets the gate, or
-says what it waited for."""
+"""The manager's path to an engine that streams (``Streamer``), the
+sequential rollout's (``StreamingDirectClient``) and the engine gate
+(``EngineGate``) against a streaming engine that breaks its contract or never
+answers (issue 42): every request leaves the gate, by its answer, its
+timeout, its cancel or its error; a broken call fails alone, naming the
+engine and what it returned; the manager goes on serving; and a weight swap
+gets the gate, or says what it waited for."""
 
 from __future__ import annotations
 
