@@ -23,7 +23,8 @@ boundaries (``to_dict`` / ``from_dict``); the engine itself never does.
 
 ``request_seed(sampling_seed, key)`` is the one place where a request's
 randomness is derived: every engine seeds its per-request sampler from it.
-``token_id_error(ids, vocab_size)`` is the one check that ids are token ids.
+``token_id_error(ids, vocab_size)`` is the one check that ids are token ids;
+``StreamingEngine.checked`` the one check that a ``submit`` kept its contract.
 """
 
 from __future__ import annotations
@@ -247,6 +248,11 @@ class Engine(ABC):
             raise ValueError(f"engine.replicas must be an integer >= 1, got {count!r}")
         return [(str(i), dict(options)) for i in range(count)]
 
+    @property
+    def label(self) -> str:
+        """The engine as messages name it: its name and class."""
+        return f"engine {self.name!r} ({type(self).__name__})"
+
     def bump_policy_version(self) -> int:
         self.policy_version += 1
         return self.policy_version
@@ -292,6 +298,33 @@ class StreamingEngine(Engine):
         """One future per request, in request order."""
 
     def generate(self, requests: Sequence[GenerationRequest], sampling: SamplingParams) -> list[Completion]:
+        futures = self.checked(self.submit(requests, sampling), len(requests))
         # Unbounded wait on each future: an engine resolves every future it hands out, with
         # its completion or an error (close() fails the ones still running).
-        return [f.result() for f in self.submit(requests, sampling)]
+        return [f.result() for f in futures]
+
+    def checked(self, got: Any, n: int) -> list[Future]:
+        """``got``, what ``submit`` returned for ``n`` requests, as their futures; TypeError naming
+        the engine and what it returned when that is not one future per request (the futures
+        in it are cancelled: their requests fail)."""
+        error = _futures_error(got, n)
+        if error is None:
+            return list(got)
+        for f in got if isinstance(got, (list, tuple)) else ():
+            if isinstance(f, Future):
+                f.cancel()
+        raise TypeError(f"the {self.label} broke its contract: {error}")
+
+
+def _futures_error(got: Any, n: int) -> str | None:
+    """Why ``got``, what ``StreamingEngine.submit`` returned for ``n`` requests, is not one
+    ``concurrent.futures.Future`` per request, or None when it is."""
+    if not isinstance(got, (list, tuple)):
+        what = "None" if got is None else f"a {type(got).__name__}"
+        return f"submit returned {what} for {n} requests, not a list of {n} futures"
+    bad = next((i for i, f in enumerate(got) if not isinstance(f, Future)), None)
+    if bad is not None:
+        return f"submit returned {type(got[bad]).__name__}, not a Future, at position {bad} of its list"
+    if len(got) != n:
+        return f"submit returned {len(got)} futures for {n} requests"
+    return None

@@ -135,7 +135,9 @@ class StreamingDirectClient(_InProcess):
     to the engine at once, and a ticket is answered as soon as all of its
     requests are done, in whatever order tickets finish. ``engine_time_s`` is
     the time the engine had requests in flight. ``gate``: the engine lock,
-    held shared by each request from its submit to its answer."""
+    held shared by each request from its submit to its answer, or until its
+    ticket is abandoned (even where the engine cannot drop it: a future that
+    runs)."""
 
     streams = True
 
@@ -146,37 +148,48 @@ class StreamingDirectClient(_InProcess):
         self.gate = gate
         self._pending: dict[int, list[concurrent.futures.Future]] = {}
         self._lock = threading.Lock()  # the in-flight count, updated from the engine's thread
+        self._holding: dict[int, set[int]] = {}  # by ticket: its requests in flight (not done, not abandoned)
         self._in_flight = 0
         self._busy_since = 0.0
 
     def submit(self, requests: list[GenerationRequest], sampling: SamplingParams, hold: bool = False) -> int:
         self._next += 1
+        ticket, n = self._next, len(requests)
         if self.gate is not None:
-            self.gate.enter(len(requests))
+            self.gate.enter(n)
         with self._lock:
             if self._in_flight == 0:
                 self._busy_since = time.perf_counter()
-            self._in_flight += len(requests)
+            self._in_flight += n
+            self._holding[ticket] = set(range(n))
         try:
-            futures = self.engine.submit(requests, sampling)
+            futures = self.engine.checked(self.engine.submit(requests, sampling), n)
         except BaseException:
-            for _ in requests:
-                self._one_done(None)
+            self._leave(ticket)
             raise
-        for f in futures:
-            f.add_done_callback(self._one_done)
-        self._pending[self._next] = futures
+        for i, f in enumerate(futures):
+            f.add_done_callback(lambda _, i=i: self._leave(ticket, i))
+        self._pending[ticket] = futures
         self.engine_calls += 1
-        self.batch_sizes.append(len(requests))
-        return self._next
+        self.batch_sizes.append(n)
+        return ticket
 
-    def _one_done(self, _: concurrent.futures.Future | None) -> None:
+    def _leave(self, ticket: int, i: int | None = None) -> None:
+        """Request ``i`` of ``ticket`` (None: all of them) out of flight and the gate, once."""
         with self._lock:
-            self._in_flight -= 1
-            if self._in_flight == 0:
+            holding = self._holding.get(ticket, set())
+            gone = len(holding) if i is None else int(i in holding)
+            if i is None:
+                holding.clear()
+            else:
+                holding.discard(i)
+            if not holding:
+                self._holding.pop(ticket, None)
+            self._in_flight -= gone
+            if gone and self._in_flight == 0:
                 self.engine_time_s += time.perf_counter() - self._busy_since
-        if self.gate is not None:
-            self.gate.leave()
+        if gone and self.gate is not None:
+            self.gate.leave(gone)
 
     def _finished(self) -> int | None:
         return next((t for t, fs in self._pending.items() if all(f.done() for f in fs)), None)
@@ -202,6 +215,7 @@ class StreamingDirectClient(_InProcess):
         return ticket, [f.result() for f in futures]
 
     def abandon(self, ticket: int) -> None:
+        self._leave(ticket)
         for f in self._pending.pop(ticket, ()):
             f.cancel()  # the engine drops a request it has not answered yet
 

@@ -1,7 +1,9 @@
 """SharedLLMInferenceManager: the one engine in the driver, served to every worker.
 
 The manager owns the engine (the one the trainer updates) and a lock around
-every engine call (``engine_lock``; the trainer takes it to swap weights). It
+every engine call (``engine_lock``; the trainer takes it to swap weights),
+whose waits for requests are bounded by twice ``request_timeout_s``
+(``EngineGate.for_requests``). It
 listens on a socket (``address``), serves each peer on a connection of its
 own (``connections``), and runs one batcher thread that turns the requests of
 all workers into engine calls as the ``Coalescer`` decides. An engine that
@@ -65,7 +67,7 @@ class SharedLLMInferenceManager(Connections):
         if max_pending_handshakes < 1:
             raise ValueError(f"max_pending_handshakes must be >= 1, got {max_pending_handshakes}")
         self.engine = engine
-        self.engine_lock = EngineGate()
+        self.engine_lock = EngineGate.for_requests(request_timeout_s)
         self.max_batch_size = self.coalescer.max_batch_size
         if isinstance(max_message_bytes, bool) or not isinstance(max_message_bytes, int) or \
                 not 0 < max_message_bytes < 1 << 32:

@@ -6,8 +6,13 @@ shared until its answers are in. One thread sends answers back: per
 connection, every request list that finished since its last frame, in one
 frame, so that answers finishing at one decode step travel together. A
 request list not answered within ``request_timeout_s`` is answered with an
-error (its futures cancelled), so an engine that loses a request never holds
-a worker's env past that.
+error, so an engine that loses a request never holds a worker's env past
+that; its futures are cancelled, and its requests leave the gate even where
+the engine cannot drop them (a future already running), as do those of a
+request list its worker cancelled. An engine whose ``submit`` breaks its
+contract (``StreamingEngine.checked``), or whose future resolves to something other
+than a ``Completion``, fails that request list alone, with an error naming
+the engine and what it returned.
 """
 
 from __future__ import annotations
@@ -19,10 +24,10 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, Callable, Hashable
 
-from ragen.llm.types import Engine
+from ragen.llm.types import StreamingEngine
 from ragen.serving import wire
 from ragen.serving.coalescer import Pending
-from ragen.serving.gate import EngineGate
+from ragen.serving.gate import EngineGate, GateTimeout
 from ragen.serving.stats import ManagerStats
 
 logger = logging.getLogger(__name__)
@@ -36,15 +41,16 @@ class _InFlight:
     pending: Pending
     futures: list[Future] = field(default_factory=list)
     deadline: float | None = None
-    left: int = 0  # futures not done yet
-    answered: bool = False  # its answer (or its timeout's error) went out
+    holding: set[int] = field(default_factory=set)  # its requests in the gate: not done, not given up
+    answered: bool = False  # its answer is on its way (or its worker's cancel, or its timeout, ended it)
+    answer: dict[str, Any] | None = None  # when not made of its futures: the error that ended it
 
 
 class Streamer:
     """Request lists forwarded to a ``StreamingEngine`` as they arrive, and
     their answers sent back as they finish (see the module docstring)."""
 
-    def __init__(self, engine: Engine, gate: EngineGate, stats: ManagerStats, reply: Reply,
+    def __init__(self, engine: StreamingEngine, gate: EngineGate, stats: ManagerStats, reply: Reply,
                  request_timeout_s: float | None) -> None:
         self.engine = engine
         self.gate = gate
@@ -55,54 +61,109 @@ class Streamer:
         self._done: list[_InFlight] = []
         self._waiting: set[_InFlight] = set()  # with a deadline, not answered yet
         self._by_ticket: dict[tuple[Hashable, int], _InFlight] = {}  # not answered yet
-        self._in_flight = 0  # requests
+        self._in_flight = 0  # requests in the gate
         self._busy_since = 0.0
         self._closed = False
         self._thread = threading.Thread(target=self._reply_loop, name="ragen-llm-streamer", daemon=True)
         self._thread.start()
 
     def submit(self, p: Pending) -> None:
-        """``p``'s requests to the engine now (waits while the gate is held: a weight swap)."""
-        entry = _InFlight(p, left=len(p.requests))
+        """``p``'s requests to the engine now (waits while a weight swap holds the gate, at
+        most until the request's deadline)."""
+        n = len(p.requests)
+        entry = _InFlight(p)
         if self.request_timeout_s is not None:
             entry.deadline = time.monotonic() + self.request_timeout_s
-        self.gate.enter(len(p.requests))
+        try:
+            self.gate.enter(n, timeout=None if entry.deadline is None else max(0.0, entry.deadline - time.monotonic()))
+        except GateTimeout as exc:
+            logger.warning("%d requests (env %s, turn %s) not sent to the engine: %s", n, p.requests[0].env_id,
+                           p.requests[0].turn, exc)
+            self._fail(entry, {"ticket": p.ticket, "timed_out": True,
+                               "error": f"not sent to the {self.engine.label}: {exc}"})
+            return
         with self._cond:
+            entry.holding = set(range(n))
             if self._in_flight == 0:
                 self._busy_since = time.monotonic()
-            self._in_flight += len(p.requests)
+            self._in_flight += n
             if entry.deadline is not None:
                 self._waiting.add(entry)
             self._by_ticket[(p.conn, p.ticket)] = entry
             self._cond.notify_all()  # a new deadline
-        self.stats.record_submit(len(p.requests))
+        self.stats.record_submit(n)
         try:
-            entry.futures = self.engine.submit(p.requests, p.sampling)
+            got = self.engine.submit(p.requests, p.sampling)
         except Exception as exc:  # the engine refused them: their worker hears why, the others go on
-            logger.exception("the engine refused %d requests", len(p.requests))
-            failed: Future = Future()
-            failed.set_exception(exc)
-            entry.futures = [failed] * len(p.requests)
-            for _ in p.requests:
-                self._one_done(entry)
+            logger.exception("the %s refused %d requests", self.engine.label, n)
+            self._fail(entry, wire.error_answer(p.ticket, exc))
             return
-        for f in entry.futures:
-            f.add_done_callback(lambda _, e=entry: self._one_done(e))
-
-    def _one_done(self, entry: _InFlight) -> None:
-        self.gate.leave()
+        try:
+            futures = self.engine.checked(got, n)
+        except TypeError as exc:  # the engine broke its contract: this call fails, the next is served
+            logger.error("%s", exc)
+            self._fail(entry, wire.error_answer(p.ticket, exc))
+            return
         with self._cond:
-            self._in_flight -= 1
+            entry.futures = futures
+            ended = entry.answered  # past its deadline while the engine took it
+        if ended:
+            for f in entry.futures:
+                f.cancel()
+            return
+        for i, f in enumerate(entry.futures):
+            f.add_done_callback(lambda _, e=entry, i=i: self._one_done(e, i))
+
+    def _release(self, entry: _InFlight, requests: set[int]) -> int:
+        """``requests`` of ``entry`` out of the gate's count here (under ``_cond``); the
+        caller tells the gate, outside ``_cond``. Returns how many left."""
+        gone = len(entry.holding & requests)
+        entry.holding -= requests
+        if gone:
+            self._in_flight -= gone
             if self._in_flight == 0:
-                now = time.monotonic()
-                self.stats.record_busy((self._busy_since, now))
-            entry.left -= 1
-            if entry.left == 0:
-                self._waiting.discard(entry)
-                self._by_ticket.pop((entry.pending.conn, entry.pending.ticket), None)
-                if not entry.answered:
-                    self._done.append(entry)
-                    self._cond.notify_all()
+                self.stats.record_busy((self._busy_since, time.monotonic()))
+        return gone
+
+    def _end(self, entry: _InFlight) -> None:
+        """``entry`` is answered or given up (under ``_cond``): no deadline, no ticket to cancel."""
+        entry.answered = True
+        self._waiting.discard(entry)
+        self._by_ticket.pop((entry.pending.conn, entry.pending.ticket), None)
+
+    def _one_done(self, entry: _InFlight, i: int) -> None:
+        with self._cond:
+            gone = self._release(entry, {i})
+            if gone and not entry.holding and not entry.answered:
+                self._end(entry)
+                self._done.append(entry)
+                self._cond.notify_all()
+        if gone:
+            self.gate.leave(gone)
+
+    def _fail(self, entry: _InFlight, answer: dict[str, Any]) -> None:
+        """``entry`` answered with ``answer``, all its requests out of the gate."""
+        with self._cond:
+            gone = self._release(entry, set(entry.holding))
+            if not entry.answered:
+                entry.answer = answer
+                self._end(entry)
+                self._done.append(entry)
+                self._cond.notify_all()
+        if gone:
+            self.gate.leave(gone)
+
+    def _give_up(self, entries: list[_InFlight]) -> None:
+        """``entries`` (ended, under ``_cond`` before) out of the gate, and their requests
+        dropped by the engine where it still can (a running future cannot be cancelled:
+        its request leaves the gate all the same, and its answer goes nowhere)."""
+        with self._cond:
+            gone = sum(self._release(e, set(e.holding)) for e in entries)
+        if gone:
+            self.gate.leave(gone)
+        for e in entries:
+            for f in e.futures:
+                f.cancel()
 
     def _reply_loop(self) -> None:
         while True:
@@ -116,14 +177,10 @@ class Streamer:
                     return
                 done, self._done = self._done, []
                 expired = self._expired()
-                for e in done + expired:
-                    e.answered = True
-                    self._waiting.discard(e)
-                    self._by_ticket.pop((e.pending.conn, e.pending.ticket), None)
-            for e in expired:
-                for f in e.futures:
-                    f.cancel()  # a request the engine has not finished leaves its batch
+                for e in expired:
+                    self._end(e)
             try:
+                self._give_up(expired)
                 self._send(done, expired)
             except Exception:  # a bug here must not end the thread: every later answer would wait for ever
                 logger.exception("could not answer %d request lists", len(done) + len(expired))
@@ -135,7 +192,7 @@ class Streamer:
     def _send(self, done: list[_InFlight], expired: list[_InFlight]) -> None:
         answers: dict[Hashable, list[dict[str, Any]]] = {}
         for e in done:
-            answers.setdefault(e.pending.conn, []).append(_answer(e))
+            answers.setdefault(e.pending.conn, []).append(self._answer(e))
         for e in expired:
             logger.warning("no answer from the engine within agent_proxy.engine_timeout_s=%g s for %d requests "
                            "(env %s, turn %s)", self.request_timeout_s, len(e.pending.requests),
@@ -146,33 +203,39 @@ class Streamer:
             self.reply(answers)
 
     def cancel(self, conn: Hashable, ticket: int) -> None:
-        """Its worker stopped waiting for ``ticket``: not answered, its requests dropped by the engine."""
+        """Its worker stopped waiting for ``ticket``: not answered, its requests out of the
+        gate and dropped by the engine."""
         with self._cond:
-            entry = self._by_ticket.pop((conn, ticket), None)
+            entry = self._by_ticket.get((conn, ticket))
             if entry is None:
                 return
-            entry.answered = True
-            self._waiting.discard(entry)
-        for f in entry.futures:
-            f.cancel()
+            self._end(entry)
+        self._give_up([entry])
 
     def close(self) -> None:
+        """Stops the reply thread; the requests still in flight leave the gate (nobody reads their answers)."""
         with self._cond:
             self._closed = True
+            left = list(self._by_ticket.values())
+            for e in left:
+                self._end(e)
             self._cond.notify_all()
+        self._give_up(left)
         self._thread.join(timeout=5)
 
-
-def _answer(e: _InFlight) -> dict[str, Any]:
-    """The answer to one finished request list: its completions, or the error one of them ended with."""
-    p = e.pending
-    try:
-        completions = [f.result() for f in e.futures]  # all done: no wait
-    except Exception as exc:
-        return wire.error_answer(p.ticket, exc)
-    try:
-        return {"ticket": p.ticket, "transit_in": p.transit_in,
-                "completions": [wire.completion_for_wire(c, r) for c, r in zip(completions, p.requests)]}
-    except Exception as exc:  # that request list only
-        logger.error("malformed completion from the engine: %s", exc)
-        return {"ticket": p.ticket, "error": f"{type(exc).__name__}: {exc}"}
+    def _answer(self, e: _InFlight) -> dict[str, Any]:
+        """The answer to one finished request list: its completions, or the error one of them ended with."""
+        p = e.pending
+        if e.answer is not None:
+            return e.answer
+        try:
+            completions = [f.result() for f in e.futures]  # all done: no wait
+        except Exception as exc:
+            return wire.error_answer(p.ticket, exc)
+        try:
+            return {"ticket": p.ticket, "transit_in": p.transit_in,
+                    "completions": [wire.completion_for_wire(c, r) for c, r in zip(completions, p.requests)]}
+        except Exception as exc:  # that request list only
+            logger.error("malformed completion from the %s: %s", self.engine.label, exc)
+            return {"ticket": p.ticket,
+                    "error": f"the {self.engine.label} broke its contract: {type(exc).__name__}: {exc}"}

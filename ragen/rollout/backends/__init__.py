@@ -22,6 +22,7 @@ from ragen.rollout.backends.sequential import SequentialRollout
 from ragen.rollout.config import AgentProxyConfig, LlmServerConfig, env_level_for
 from ragen.rollout.workers.cluster import ClusterConfig
 from ragen.serving import SharedLLMInferenceManager
+from ragen.serving.gate import EngineGate
 
 __all__ = ["FullyAsync", "GenerateAhead", "ParallelRolloutManager", "RolloutBackend", "RolloutError",
            "SequentialRollout", "SyncBackend", "make_backend"]
@@ -48,7 +49,8 @@ def make_backend(ap: AgentProxyConfig, engine: Engine, server: LlmServerConfig =
                 rollout_timeout_s=ap.rollout_timeout_s, engine_timeout_s=ap.engine_timeout_s, cluster=cluster,
                 max_concurrent_rollouts=ap.max_concurrent_rollouts, pipeline_depth=ap.pipeline_depth)
         else:
-            sync = SequentialRollout(engine, serving.engine_lock if serving is not None else None,
+            sync = SequentialRollout(engine, serving.engine_lock if serving is not None else
+                                     EngineGate.for_requests(ap.engine_timeout_s),
                                      max_concurrent_rollouts=ap.max_concurrent_rollouts)
         sync.serving = sync.owned_serving = serving
         if ap.rollout_mode == "fully_async":
