@@ -4,6 +4,7 @@ as its own answer is in, and the trajectories are the lockstep loop's."""
 
 from __future__ import annotations
 
+import threading
 from concurrent.futures import Future
 
 import pytest
@@ -38,16 +39,23 @@ def test_env_level_gives_the_lockstep_trajectories():
 
 
 class GatedEngine(StreamingEngine):
-    """The scripted policy, answering at once, except env 0's requests: held
-    until env 1 has asked for its last turn."""
+    """The scripted policy, answering at once, except env ``held``'s
+    requests: held until env ``until[0]`` has asked for its turn ``until[1]``.
+    A loop that waits for every env's answer would wait for ever; after
+    ``release_s`` the held answers are given anyway, so that such a loop ends
+    and fails on the order of ``asked`` rather than on the test's timeout."""
 
-    def __init__(self, env1_last_turn: int) -> None:
+    def __init__(self, held: int, until: tuple[int, int], release_s: float = 10.0) -> None:
         super().__init__()
         self.inner = ScriptedEngine()
-        self.env1_last_turn = env1_last_turn
+        self.held_env, self.until = held, until
         self.held: list[tuple[Future, object, object]] = []
         self.released = False
         self.asked: list[tuple[int, int]] = []
+        self.lock = threading.Lock()
+        self.timer = threading.Timer(release_s, self.release)
+        self.timer.daemon = True
+        self.timer.start()
 
     def submit(self, requests, sampling):
         futures = []
@@ -55,17 +63,30 @@ class GatedEngine(StreamingEngine):
             self.asked.append((r.env_id, r.turn))
             f: Future = Future()
             futures.append(f)
-            if r.env_id == 0 and not self.released:
-                self.held.append((f, r, sampling))
-            else:
+            with self.lock:
+                hold = r.env_id == self.held_env and not self.released
+                if hold:
+                    self.held.append((f, r, sampling))
+            if not hold:
                 f.set_result(self.inner.generate([r], sampling)[0])
-            if r.env_id == 1 and r.turn == self.env1_last_turn:
-                self.released = True
-        if self.released:
-            for f, r, s in self.held:
-                f.set_result(self.inner.generate([r], s)[0])
-            self.held = []
+            if (r.env_id, r.turn) == self.until:
+                self.release()
         return futures
+
+    def release(self) -> None:
+        with self.lock:
+            self.released, held, self.held = True, self.held, []
+        for f, r, s in held:
+            f.set_result(self.inner.generate([r], s)[0])
+
+    def asked_before(self, env_id: int, turn: int) -> list[tuple[int, int]]:
+        """The requests the engine was asked for before env_id's request of ``turn``."""
+        key = (env_id, turn)
+        return self.asked[:self.asked.index(key)] if key in self.asked else list(self.asked)
+
+    def close(self) -> None:
+        self.timer.cancel()
+        self.release()
 
 
 @pytest.mark.timeout(60)
@@ -75,12 +96,14 @@ def test_an_env_plays_on_while_another_waits_for_its_answer():
     reference, _ = run_envs(specs, DirectClient(ScriptedEngine()), config, kept_envs=KeptEnvs())
     env1_turns = len(reference[1].turns)
     assert env1_turns >= 2
-    engine = GatedEngine(env1_last_turn=env1_turns - 1)
-    got, _ = run_envs(specs, StreamingDirectClient(engine), config, kept_envs=KeptEnvs(), env_level=True)
+    engine = GatedEngine(held=0, until=(1, env1_turns - 1))
+    try:
+        got, _ = run_envs(specs, StreamingDirectClient(engine), config, kept_envs=KeptEnvs(), env_level=True)
+    finally:
+        engine.close()
     assert got == reference
     # env 1 asked for every one of its turns while env 0's first answer was still held
-    first_of_env0_after = engine.asked.index((0, 1)) if (0, 1) in engine.asked else len(engine.asked)
-    assert [k for k in engine.asked[:first_of_env0_after] if k[0] == 1] == [(1, t) for t in range(env1_turns)]
+    assert [k for k in engine.asked_before(0, 1) if k[0] == 1] == [(1, t) for t in range(env1_turns)]
 
 
 @pytest.mark.timeout(60)
@@ -95,8 +118,8 @@ def test_the_streaming_client_answers_tickets_as_they_finish():
         requests = [GenerationRequest(messages=[{"role": "user", "content": "Available actions: Up, Down"}],
                                       env_id=s.env_id, turn=0, seed=s.seed) for s in specs]
         tickets = [client.submit([r], loop_config().sampling) for r in requests]
-        answered = {client.wait_any()[0] for _ in tickets}
-        assert answered == set(tickets) and not client.ready()
+        answered = [client.wait_any()[0] for _ in tickets]
+        assert sorted(answered) == tickets and not client.ready()
         with pytest.raises(RuntimeError, match="no request in flight"):  # never an endless wait on nothing
             client.wait_any()
         assert client.engine_calls == 3 and client.batch_sizes == [1, 1, 1] and client.engine_time_s > 0
@@ -104,6 +127,52 @@ def test_the_streaming_client_answers_tickets_as_they_finish():
         engine.close()
     with pytest.raises(TypeError, match="does not stream"):
         StreamingDirectClient(ScriptedEngine())
+
+
+class HandEngine(StreamingEngine):
+    """A streaming engine whose futures the test resolves, one by one."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = ScriptedEngine()
+        self.futures: list[tuple[Future, object, object]] = []
+
+    def submit(self, requests, sampling):
+        new = [(Future(), r, sampling) for r in requests]
+        self.futures += new
+        return [f for f, _, _ in new]
+
+    def finish(self, i: int) -> None:
+        f, r, s = self.futures[i]
+        f.set_result(self.inner.generate([r], s)[0])
+
+    def close(self) -> None:
+        for i, (f, _, _) in enumerate(self.futures):
+            if not f.done():
+                self.finish(i)
+
+
+@pytest.mark.timeout(60)
+def test_the_streaming_client_answers_the_ticket_that_finished_first():
+    """Tickets are answered in the order they finish, not the order they were submitted."""
+    from ragen.llm.types import GenerationRequest
+
+    engine = HandEngine()
+    client = StreamingDirectClient(engine)
+    sampling = loop_config().sampling
+    tickets = [client.submit([GenerationRequest(messages=[{"role": "user", "content": "Available actions: Up, Down"}],
+                                                env_id=i, turn=0, seed=1)], sampling) for i in range(3)]
+    try:
+        assert not client.ready()
+        for i in (2, 0, 1):
+            engine.finish(i)
+            assert client.ready()
+            # the answer is already here: the wait's limit only ends a client that waits for an earlier ticket
+            answer = client.wait_any(timeout=5)
+            assert answer is not None and answer[0] == tickets[i] and answer[1][0].text, (i, answer)
+        assert not client.ready()
+    finally:
+        engine.close()
 
 
 @pytest.mark.timeout(120)
@@ -120,3 +189,25 @@ def test_env_level_takes_chunks_from_a_queue():
     finally:
         engine.close()
     assert got == reference and stats.chunks == 3
+    assert stats.requests == stats.submits  # one request an env and turn, never a chunk's together
+
+
+@pytest.mark.timeout(60)
+def test_each_chunk_taken_plays_env_by_env():
+    """In a chunk from the queue, one env plays on while the answer of
+    another env of the same chunk (and group) is held back."""
+    specs = specs_for(["FrozenLake"], [2], 2, custom_envs(), seed=3)  # groups: envs 0, 1 and envs 2, 3
+    config = loop_config(max_turn=4)
+    reference, _ = run_envs(specs, DirectClient(ScriptedEngine()), config, kept_envs=KeptEnvs())
+    env3_turns = len(reference[3].turns)
+    assert env3_turns >= 2 and [s.group_id for s in specs[2:]] == [1, 1]
+    chunks = [specs[2:]]
+    engine = GatedEngine(held=2, until=(3, env3_turns - 1))
+    try:
+        got, stats = run_envs(specs[:2], StreamingDirectClient(engine), config, kept_envs=KeptEnvs(), env_level=True,
+                              take=lambda: chunks.pop(0) if chunks else [])
+    finally:
+        engine.close()
+    assert got == reference and stats.chunks == 1
+    # env 3 asked for every one of its turns while env 2's first answer was still held
+    assert [k for k in engine.asked_before(2, 1) if k[0] == 3] == [(3, t) for t in range(env3_turns)]

@@ -428,22 +428,41 @@ def test_max_message_bytes_is_read_from_agent_proxy(proxy_reference):
     assert_only_bad_group_hit(result, proxy_reference, {StopReason.ERROR}, f"limit of {CAP} bytes")
 
 
+def leave_an_answer_unread(shared: SharedLLMInferenceManager) -> None:
+    """This thread's connection to ``shared`` out of step, as a failure can leave it: open,
+    with the answer to a request of its own waiting unread."""
+    client = shared.client()
+    client.open_streams(1)
+    client.submit([GenerationRequest(messages=[{"role": "user", "content": "Available actions: Up, Down"}])],
+                  SamplingParams())
+    client.close_stream()
+    deadline = time.monotonic() + 10
+    while not client.ready() and time.monotonic() < deadline:  # the answer is here, not read
+        time.sleep(0.02)
+    assert client.ready()
+
+
 @pytest.mark.timeout(90)
 @pytest.mark.parametrize("backend", ["threading", "loky"])
 def test_connections_the_manager_closed_are_not_reused(reference, backend):
     """Workers and the in-process fallback keep their connection between
     rollouts: one the manager closed meanwhile (a frame it refused) failed
     the next shard, and then the fallback on the same dead socket
-    (BrokenPipeError). A shard starts on a live connection, and the fallback
-    on a fresh one."""
+    (BrokenPipeError). A shard starts on a live connection (a worker that
+    kept its own from a rollout with no fallback too), and the fallback on
+    a fresh one (on threading it runs in this thread, whose connection is
+    left out of step, not closed, before the first rollout)."""
     clean, _ = fault_specs()
-    with SharedLLMInferenceManager(FaultyEngine("raise", times=1)) as shared, \
+    with SharedLLMInferenceManager(FaultyEngine("raise", times=0)) as shared, \
             ParallelRolloutManager(shared, n_jobs=2, backend=backend) as prm:
-        for times in (1, 1, 0):  # a fallback (in the driver on threading, which keeps its connection) or none
+        leave_an_answer_unread(shared)
+        # a fallback (in the driver on threading, which keeps its connection) or none; a rollout
+        # with no fallback after one with none: the workers' connections were kept and closed since
+        for times in (1, 1, 0, 0):
             shared.engine.times = times
             result = prm.rollout(clean, loop_config())
             assert _strip(result.trajectories) == _strip(reference)
-            assert (result.metrics["parallel/fallbacks"] > 0) == (times > 0)
+            assert (result.metrics["parallel/fallbacks"] > 0) == (times > 0), times
             with shared._cond:  # the manager drops every connection
                 conns = list(shared._conns)
             for c in conns:

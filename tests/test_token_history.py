@@ -5,8 +5,9 @@ engine fed it to the model, is the episode's ids so far (``episode_ids``) and th
 turn's ``prompt_ids``; it starts with the previous prompt and answer; the turn's
 answer ids and log-probs are those sampled. On the tiny random model (whose
 answers, often cut by ``max_tokens``, do not encode back to their ids) and on the
-scripted engine (byte tokenizer); and a parallel rollout has the sequential
-one's ids.
+scripted engine with a tokenizer that merges byte pairs (its answers' bytes are
+not what their text encodes to, so a re-rendered prompt would differ); and a
+parallel rollout has the sequential one's ids.
 """
 
 from __future__ import annotations
@@ -15,7 +16,8 @@ from dataclasses import replace
 
 import pytest
 
-from ragen.llm.scripted import ScriptedEngine
+from ragen.llm.chat_tokens import ChatTokens
+from ragen.llm.scripted import ScriptedEngine, render_messages
 from ragen.rollout.types import episode_ids
 from tests.rollout_helpers import custom_envs, loop_config, sequential, specs_for
 
@@ -23,6 +25,46 @@ from tests.rollout_helpers import custom_envs, loop_config, sequential, specs_fo
 def token_fields(trajectories):
     """What the trajectories' equality leaves out: each turn's prompt and answer ids."""
     return [[(t.prompt_start, t.prompt_ids, t.response_ids) for t in traj.turns] for traj in trajectories]
+
+
+# byte pairs the test tokenizer encodes as one id each: inside the scripted answers
+# ("</think><answer>") and across their ends ("</answer>" then the template's "\n<|user|>")
+_MERGES = {b"><": 256, b">\n": 257, b"\n<": 258}
+
+
+def merging_encode(text: str) -> list[int]:
+    """Utf-8 bytes, each pair of ``_MERGES`` one id (left to right)."""
+    data, ids, i = text.encode("utf-8"), [], 0
+    while i < len(data):
+        merged = _MERGES.get(data[i: i + 2])
+        ids.append(data[i] if merged is None else merged)
+        i += 1 if merged is None else 2
+    return ids
+
+
+def merging_scripted_engine(**options) -> ScriptedEngine:
+    """The scripted engine with the merging tokenizer for its prompts; its answers stay bytes,
+    as a model's sampled tokens need not be the ones their text encodes to: an appended
+    prompt and the full render of the same messages differ in their ids."""
+    engine = ScriptedEngine(**options)
+    engine.chat = ChatTokens(render_messages, merging_encode, {}, "scripted-merging")
+    return engine
+
+
+def assert_appended(trajectories) -> None:
+    """Every later turn's prompt starts with all of the episode's ids before it, the answers
+    as sampled (with a tokenizer under which they do not encode back to their ids, a prompt
+    rendered whole shares only a shorter start)."""
+    for traj in trajectories:
+        for k, turn in enumerate(traj.turns):
+            if k:
+                assert turn.prompt_start == len(episode_ids(traj.turns[:k])), (traj.env_id, k)
+
+
+def sampling_capped(specs):
+    """The specs without a token cap of their own: the sampling's ``max_tokens`` applies
+    (a request's own cap, the env's ``max_tokens``, wins over it)."""
+    return [replace(spec, max_tokens=None) for spec in specs]
 
 
 def cut_specs():
@@ -73,14 +115,15 @@ def test_hf_multi_turn_prompts_are_the_ids_the_model_was_fed(tiny_model_path, ta
         return outputs
 
     engine._generate_chunk = recording
-    specs = specs_for([tag], [3], 2, custom_envs())
+    specs = sampling_capped(specs_for([tag], [3], 2, custom_envs()))
     config = loop_config(max_turn=4)
     config = replace(config, sampling=replace(config.sampling, temperature=1.0, max_tokens=10, seed=5))
-    trajectories = sequential(specs, loop_config(max_turn=4), engine)
+    trajectories = sequential(specs, config, engine)
     turns = [t for traj in trajectories for t in traj.turns]
     assert check_turns(trajectories, fed, sampled) == len(turns) >= 2 * len(specs)
     assert max(len(traj.turns) for traj in trajectories) >= 3
     assert sum(t.finish_reason == "length" for t in turns) >= len(turns) // 2  # most answers cut
+    assert all(len(t.response_ids) <= 10 for t in turns)  # at the config's max_tokens
     # answers that do not encode back to their ids: a re-rendered prompt would have changed them
     tokenizer = engine.tokenizer
     assert any(tokenizer(tokenizer.decode(t.response_ids), add_special_tokens=False)["input_ids"]
@@ -89,7 +132,7 @@ def test_hf_multi_turn_prompts_are_the_ids_the_model_was_fed(tiny_model_path, ta
 
 
 def test_scripted_multi_turn_prompts_are_the_ids_the_engine_saw():
-    engine = ScriptedEngine(malformed_rate=0.3)
+    engine = merging_scripted_engine(malformed_rate=0.3)
     fed: dict = {}
     sampled: dict = {}
     generate = engine.generate
@@ -109,6 +152,9 @@ def test_scripted_multi_turn_prompts_are_the_ids_the_engine_saw():
     assert check_turns(trajectories, fed, sampled) == len(turns)
     assert max(len(traj.turns) for traj in trajectories) >= 3
     assert any(t.finish_reason == "length" for t in turns)
+    # answers whose ids are not what their text encodes to: a re-rendered prompt would have changed them
+    assert any(merging_encode(bytes(t.response_ids).decode()) != list(t.response_ids) for t in turns)
+    assert engine.history_divergences == 0
 
 
 @pytest.mark.timeout(300)
@@ -123,14 +169,15 @@ def test_parallel_equals_sequential_ids_included(engine_name, tiny_model_path):
     config = loop_config(max_turn=4)
     if engine_name == "hf":
         engine = HFEngine(tiny_model_path, device="cpu")
-        specs = specs_for(["SimpleSokoban", "FrozenLake"], [2, 2], 2, custom_envs())
+        specs = sampling_capped(specs_for(["SimpleSokoban", "FrozenLake"], [2, 2], 2, custom_envs()))
         config = replace(config, sampling=replace(config.sampling, temperature=1.0, max_tokens=10, seed=5))
     else:
-        engine = ScriptedEngine(malformed_rate=0.2)
+        engine = merging_scripted_engine(malformed_rate=0.2)
         specs = cut_specs()
     reference = sequential(specs, config, engine)
     assert max(len(traj.turns) for traj in reference) >= 3
     assert all(t.prompt_ids and t.response_ids for traj in reference for t in traj.turns)
+    assert_appended(reference)  # the ids of each answer, as sampled, lead the next prompt
     with SharedLLMInferenceManager(engine, coalesce_wait_s=0.005) as shared, \
             ParallelRolloutManager(shared, n_jobs=2, backend="loky") as prm:
         result = prm.rollout(specs, config)
