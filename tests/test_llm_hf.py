@@ -3,6 +3,8 @@ stop reasons, per-request limits, policy versions and the shared model."""
 
 from __future__ import annotations
 
+import logging
+
 import filecmp
 from dataclasses import replace
 from pathlib import Path
@@ -87,6 +89,23 @@ def test_per_request_max_tokens_and_length_reason(engine):
     # the request's cap wins; the sampling's applies to the others
     capped = engine.generate(requests(2), SamplingParams(temperature=0.0, max_tokens=2))
     assert all(len(c.response_token_ids) <= 2 for c in capped)
+
+
+@pytest.mark.parametrize("bad_id", [-1, "vocab"])
+def test_a_history_id_the_model_has_no_embedding_for_fails_only_its_request(engine, bad_id, caplog):
+    """An id past the embedding (or negative) in one request's history failed the whole
+    call with IndexError; now that request alone is answered with an error naming the id."""
+    vocab = engine.model.get_input_embeddings().num_embeddings
+    bad_id = vocab if bad_id == "vocab" else bad_id
+    good = requests(2)
+    bad = GenerationRequest(good[0].messages, env_id=7, turn=3, history_token_ids=[1, bad_id], history_messages=1)
+    with caplog.at_level(logging.WARNING, logger="ragen.llm.hf"):
+        got = engine.generate([good[0], bad, good[1]], GREEDY)
+    assert ids([got[0], got[2]]) == ids(engine.generate(good, GREEDY))
+    assert got[1].finish_reason == "error" and (got[1].env_id, got[1].turn) == (7, 3)
+    assert f"token id {bad_id}" in got[1].text
+    assert any("env 7 turn 3" in r.getMessage() and f"token id {bad_id}" in r.getMessage() for r in caplog.records)
+    assert engine.vocab_size == vocab
 
 
 def test_eos_stops_with_reason_stop(tiny_model_and_tokenizer):

@@ -36,6 +36,10 @@ the ids) -> ``"stop"``; at ``max_tokens`` (the request's, else the sampling's)
 -> ``"length"``. The final EOS token is kept in ``response_token_ids`` (the
 policy learns to stop) and left out of the text.
 
+*Bad ids*: a request whose history ids the model has no embedding for
+(``vocab_size``: the input embedding's rows) is answered alone with an error
+completion naming the id; the other requests of the call are generated.
+
 *One model*: ``.model``, ``.tokenizer`` and ``.device`` are the objects the
 trainer updates in place; the engine can also be built around an existing
 model and tokenizer, so there is never a second copy. ``policy_version``
@@ -58,7 +62,7 @@ from ragen.llm.chat_tokens import ChatTokens, stop_token_ids
 from ragen.llm.default_model import resolve_model_path
 from ragen.llm.transformers_compat import dtype_kwarg
 from ragen.llm.turn_cache import Hit, TurnCache
-from ragen.llm.types import Completion, Engine, GenerationRequest, SamplingParams, request_seed
+from ragen.llm.types import Completion, Engine, GenerationRequest, SamplingParams, request_seed, token_id_error
 from ragen.utils import common_prefix_length
 
 logger = logging.getLogger(__name__)
@@ -87,6 +91,15 @@ def _plain_cache_layers(model: Any) -> bool:
         logger.info("HFEngine: no prefix reuse beyond identical prompts (%s's cache: %s)", type(model).__name__, exc)
         return False
     return all(type(layer) is DynamicLayer for layer in layers)
+
+
+def _vocab_size(model: Any) -> int | None:
+    """The ids the model has an embedding for: its input embedding's rows (the config's vocab_size else)."""
+    try:
+        return int(model.get_input_embeddings().num_embeddings)
+    except (AttributeError, NotImplementedError, TypeError):
+        size = getattr(getattr(model, "config", None), "vocab_size", None)
+        return size if isinstance(size, int) else None
 
 
 def resolve_device(device: str | torch.device = "auto") -> torch.device:
@@ -161,6 +174,7 @@ class HFEngine(Engine):
                 "tokenizer.apply_chat_template (set tokenizer.chat_template)"
             )
         self.stop_token_ids = stop_token_ids(tokenizer, model)
+        self.vocab_size = _vocab_size(model)
         self.chat = ChatTokens.of(tokenizer, model)
         pad = tokenizer.pad_token_id
         self.pad_token_id = int(pad if pad is not None else min(self.stop_token_ids, default=0))
@@ -231,8 +245,24 @@ class HFEngine(Engine):
     def generate(self, requests: Sequence[GenerationRequest], sampling: SamplingParams) -> list[Completion]:
         if not requests:
             return []
+        refused = self._refused(requests)
+        good = [r for i, r in enumerate(requests) if i not in refused]
         with self._lock:
-            return self._generate(requests, sampling)
+            done = iter(self._generate(good, sampling) if good else ())
+        return [refused[i] if i in refused else next(done) for i in range(len(requests))]
+
+    def _refused(self, requests: Sequence[GenerationRequest]) -> dict[int, Completion]:
+        """Error completions, by index, of the requests whose history ids the model has no
+        embedding for: in the batch, one would fail every request of the call (IndexError)."""
+        refused = {}
+        for i, request in enumerate(requests):
+            problem = token_id_error(request.history_token_ids or (), self.vocab_size)
+            if problem is not None:
+                logger.warning("HFEngine: request for env %s turn %s refused: its history_token_ids: %s",
+                               request.env_id, request.turn, problem)
+                refused[i] = Completion.answering(request, f"its history_token_ids: {problem}", [], [], "error",
+                                                  self.policy_version)
+        return refused
 
     def _generate(self, requests: Sequence[GenerationRequest], sampling: SamplingParams) -> list[Completion]:
         began = time.perf_counter()

@@ -20,10 +20,10 @@ without torch:
   an answer without a thought, whatever ``think`` says.
 - *Malformed answers* at rate ``malformed_rate``: no tags, empty answer,
   unknown action, unclosed tag or nested tags, so parsers meet every defect.
-- *Tokens*: a byte-level tokenizer (utf-8 bytes) of a plain rendering of the
-  messages (``byte_chat``; a request's history ids are taken as they are and
-  the new messages' bytes appended); ``max_tokens`` truncates the response
-  (finish reason ``length``).
+- *Tokens*: a byte-level tokenizer (utf-8 bytes: ``vocab_size`` 256) of a
+  plain rendering of the messages (``byte_chat``; a request's history ids are
+  taken as they are and the new messages' bytes appended); ``max_tokens``
+  truncates the response (finish reason ``length``).
 - *Log-probs*: the log-probability of the choices that made the answer (each
   uniform among its options; the malformed draw at ``malformed_rate``), on
   the first response token, 0 on the rest (they follow from the choices).
@@ -136,6 +136,7 @@ class ScriptedEngine(Engine):
         self.think = bool(think)
         self.return_prompt_ids = bool(return_prompt_ids)
         self.chat = byte_chat()
+        self.vocab_size = 256  # its token ids are utf-8 bytes
         # RAGEN's prompt states only the episode's action budget ("up to N actions"), not a
         # turn's: a model's answer holds a few; the script's at most this many
         self.max_actions = int(max_actions)

@@ -321,20 +321,21 @@ class SharedLLMClient:
             return
         wire.send_frame(state["sock"], self._with_notes(state, {"op": "close", "n": 1}))
 
-    def _hold(self, state: dict[str, Any], msg: bytes) -> None:
-        """``msg`` (an encoded message) kept back to share a frame: sent at once
-        when no frame went out in the last ``HOLD_S``, else with the messages
+    def _hold(self, state: dict[str, Any], msg: bytes, requests: int = 0) -> None:
+        """``msg`` (an encoded message of ``requests`` requests) kept back to share a frame:
+        sent at once when no frame went out in the last ``HOLD_S``, else with the messages
         after it, once the oldest waited ``HOLD_S`` (or at the next wait)."""
         now = time.monotonic()
         if not state["held"]:
             state["held_since"] = now
-        state["held"].append(msg)
+        state["held"].append((msg, requests))
         if now - state["held_since"] >= HOLD_S or now - state["flushed_at"] >= HOLD_S:
             self.flush()
 
     def flush(self) -> None:
-        """Sends the held messages, as few frames as the message limit allows
-        (``{"op": "batch", "msgs": [encoded message, ...]}``: each encoded once,
+        """Sends the held messages, as few frames as the manager reads (its message
+        limit, ``wire.MAX_BATCH`` messages, ``wire.MAX_REQUESTS`` requests) in
+        ``{"op": "batch", "msgs": [encoded message, ...]}`` (each encoded once,
         when it was held); the notes ride on the first."""
         state = getattr(_LOCAL, "conns", {}).get(self._key())
         if state is None or not state["held"]:
@@ -342,13 +343,16 @@ class SharedLLMClient:
         held, state["held"] = state["held"], []
         state["flushed_at"] = time.monotonic()
         frames: list[list[bytes]] = [[]]
-        size = 0
-        for msg in held:
-            if frames[-1] and size + len(msg) > self.max_message_bytes - 4096:  # room for the batch's own fields
+        size = requests = 0
+        for msg, n in held:
+            full = (size + len(msg) > self.max_message_bytes - 4096  # room for the batch's own fields
+                    or len(frames[-1]) == wire.MAX_BATCH or requests + n > wire.MAX_REQUESTS)
+            if frames[-1] and full:
                 frames.append([])
-                size = 0
+                size = requests = 0
             frames[-1].append(msg)
             size += len(msg) + 8
+            requests += n
         for i, msgs in enumerate(frames):
             batch = {"op": "batch", "msgs": msgs, "sent": time.monotonic()}
             wire.send_frame(state["sock"], self._with_notes(state, batch) if i == 0 else batch)
@@ -381,7 +385,7 @@ class SharedLLMClient:
                 self._refuse(raw, wire.MessageTooLarge(len(data) + 4096, self.max_message_bytes))
             state["ticket"] += 1
             state["outstanding"].add(state["ticket"])
-            self._hold(state, data)
+            self._hold(state, data, len(requests))
             return state["ticket"]
         if state["notes"]:
             msg["notes"] = state["notes"]

@@ -1,12 +1,13 @@
 """The manager's connections: each peer is accepted at once and authenticated
 (``wire``) on a thread of its own; at most ``max_pending_handshakes`` peers
 are in their handshake at once (a new one closes the oldest, so idle peers
-never hold a worker out). A malformed message gets an error reply and the
-connection goes on; an oversized frame or a failed handshake closes that
-connection only. Requests and streams go to the coalescer, calls and notes to
-the hooks of their tag. What is sent to a peer goes through that connection's
-own bounded queue (``Connection.send_frame``), so a peer that stops reading
-delays only its own answers, and is dropped once its queue is full."""
+never hold a worker out). The malformed messages of a frame get one error
+reply and one warning, and the connection goes on; an oversized frame or a
+failed handshake closes that connection only. Requests and streams go to the
+coalescer, calls and notes to the hooks of their tag. What is sent to a peer
+goes through that connection's own bounded queue (``Connection.send_frame``),
+so a peer that stops reading delays only its own answers, and is dropped once
+its queue is full."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ import time
 from collections import OrderedDict, deque
 from typing import Any
 
+from ragen.llm.types import Engine
 from ragen.serving import wire
 from ragen.serving.coalescer import Coalescer, Pending
 from ragen.serving.hooks import Hooks
@@ -157,6 +159,7 @@ class Connections:
     the accept loop, the handshakes and the messages of each connection. The
     manager's ``__init__`` sets the state below and starts ``_accept_loop``."""
 
+    engine: Engine  # its vocab_size, where known, bounds the history ids of a request
     coalescer: Coalescer
     stats: ManagerStats
     max_message_bytes: int
@@ -268,28 +271,49 @@ class Connections:
 
     def _handle(self, conn: Connection, data: bytes) -> None:
         try:
-            msg = wire.parse_message(data)
+            msg = wire.parse_message(data, getattr(self.engine, "vocab_size", None))
         except wire.BadMessage as exc:
-            self._bad(conn, exc)
+            self._bad(conn, [exc])
             return
         if msg.notes:
             self._take_notes(conn, msg.notes)
-        if isinstance(msg, wire.BatchMessage):
-            for item in msg.items:
-                if isinstance(item, wire.BadMessage):
-                    self._bad(conn, item)
-                else:
-                    self._dispatch(conn, item)
+        if not isinstance(msg, wire.BatchMessage):
+            self._answer_now(conn, [a for a in [self._dispatch(conn, msg)] if a is not None])
             return
-        self._dispatch(conn, msg)
+        bad = [item for item in msg.items if isinstance(item, wire.BadMessage)]
+        answers = [self._dispatch(conn, item) for item in msg.items if not isinstance(item, wire.BadMessage)]
+        self._answer_now(conn, [a for a in answers if a is not None])
+        if bad:
+            self._bad(conn, bad)
 
-    def _bad(self, conn: Connection, exc: wire.BadMessage) -> None:
-        self.stats.add(bad_messages=1)
-        logger.warning("bad message from %s: %s", conn.peer, exc)
-        conn.send({"answers": [{"ticket": exc.ticket, "error": f"bad message: {exc}"}]})
+    def _bad(self, conn: Connection, bad: list[wire.BadMessage]) -> None:
+        """The bad messages of one frame: one warning, and one reply that answers each ticket."""
+        self.stats.add(bad_messages=len(bad))
+        if len(bad) == 1:
+            logger.warning("bad message from %s: %s", conn.peer, bad[0])
+        else:
+            logger.warning("%d bad messages in a batch from %s; the first: %s", len(bad), conn.peer, bad[0])
+        answers = [{"ticket": exc.ticket, "error": f"bad message: {exc}"} for exc in bad if exc.ticket is not None]
+        if len(answers) < len(bad):  # the client reads the error of a message without a ticket only once
+            answers.append({"ticket": None, "error": f"bad message: {next(e for e in bad if e.ticket is None)}"})
+        self._answer_now(conn, answers)
 
-    def _dispatch(self, conn: Connection,
-                  msg: wire.StreamsMessage | wire.CallMessage | wire.GenMessage | wire.CancelMessage) -> None:
+    def _answer_now(self, conn: Connection, answers: list[dict[str, Any]]) -> None:
+        """Answers that need no engine, in as few frames as the client reads (one, but for a
+        batch of thousands of bad messages)."""
+        if not answers:
+            return
+        data = wire.answers_frame(answers)
+        if len(data) - wire.HEADER_BYTES > self.max_message_bytes and len(answers) > 1:
+            half = len(answers) // 2
+            self._answer_now(conn, answers[:half])
+            self._answer_now(conn, answers[half:])
+            return
+        self.stats.add(bytes_out=conn.send_frame(data))
+
+    def _dispatch(self, conn: Connection, msg: wire.StreamsMessage | wire.CallMessage | wire.GenMessage
+                  | wire.CancelMessage) -> dict[str, Any] | None:
+        """Serves one message; the answer to send at once, if it has one that needs no engine."""
         if isinstance(msg, wire.CallMessage):
             reply = self._call(conn, msg)
             try:
@@ -298,10 +322,10 @@ class Connections:
                 logger.error("the reply to call %r of tag %s is not plain data: %s", msg.kind, msg.tag, exc)
                 data = wire.frame({"reply": None, "error": f"the reply is not plain data: {exc}"})
             self.stats.add(bytes_out=conn.send_frame(data))
-            return
+            return None
         if isinstance(msg, wire.CancelMessage):
             self._cancel(conn, msg.ticket)
-            return
+            return None
         if isinstance(msg, wire.StreamsMessage):
             with self._cond:
                 if msg.op == "open":
@@ -310,13 +334,13 @@ class Connections:
                 else:
                     self.coalescer.close(conn, msg.n)
                 self._cond.notify_all()
-            return
+            return None
         if not msg.requests:
-            conn.send({"answers": [{"ticket": msg.ticket, "completions": []}]})
-            return
+            return {"ticket": msg.ticket, "completions": []}
         now = time.monotonic()
         self._arrive(Pending(conn, msg.ticket, msg.requests, msg.sampling, now,
                              None if msg.sent is None else now - msg.sent))
+        return None
 
     def _arrive(self, pending: Pending) -> None:
         """A request list for the engine (the manager's: coalesced, or streamed)."""

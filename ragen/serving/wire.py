@@ -8,6 +8,9 @@ because the full message history of every env travels each turn). Each side
 refuses a frame longer than its ``max_message_bytes`` (and closes the
 connection: the stream is out of step), so a sender checks its own message
 against that limit before it sends (``send_frame``, ``MessageTooLarge``).
+What a frame decodes to is bounded too (pickle can name one object many
+times): at most ``MAX_REQUESTS`` requests, and no more history ids or batched
+messages than the frame's own bytes; a frame past a bound is refused, naming it.
 
 - Handshake, within one deadline in all: manager -> client ``b"RAGEN4"`` and a
   32-byte nonce; client -> manager ``HMAC-SHA256(key, b"ragen client" + that
@@ -21,8 +24,9 @@ against that limit before it sends (``send_frame``, ``MessageTooLarge``).
   "tag": t, "payload": p}`` (a call that the hooks announced with tag t
   answer: ``server.Hooks``), or ``{"op": "gen", "ticket": t, "requests":
   [...], "sampling": {...}}``, checked field by field on arrival
-  (``parse_message``): a request of the wrong type or range is refused
-  alone, never failing the engine call it would have joined. A ``close``,
+  (``parse_message``): a request of the wrong type or range, or with history
+  ids outside the engine's vocabulary, is refused alone, never failing the
+  engine call it would have joined. A ``close``,
   ``call`` or ``gen`` message may add ``"notes": {name: k}``: counts the
   worker gathered since its last message, for the hooks of its connection's
   tag (absent means none). ``{"op": "batch", "msgs": [bytes, ...]}``: gen
@@ -57,7 +61,7 @@ from array import array
 from dataclasses import dataclass, field
 from typing import Any
 
-from ragen.llm.types import Completion, EngineUnavailable, GenerationRequest, SamplingParams
+from ragen.llm.types import Completion, EngineUnavailable, GenerationRequest, SamplingParams, token_id_error
 
 logger = logging.getLogger(__name__)
 
@@ -290,6 +294,11 @@ class BatchMessage:
 
 
 MAX_BATCH = 1 << 16  # messages in one batch
+# Requests in one frame (a batch's messages together). A frame's length bounds
+# its bytes, not the objects it decodes to: pickle can name one request (or one
+# history) many times, and each request costs the manager objects many times
+# its size on the wire. An honest worker sends one request an env.
+MAX_REQUESTS = 1 << 14
 
 
 class BadMessage(ValueError):
@@ -359,9 +368,29 @@ def _check_fields(values: dict[str, Any], checks: dict[str, Any], where: str) ->
             raise ValueError(f"{where}.{name} must be {what}, got {repr(values[name])[:80]}")
 
 
-def parse_message(data: bytes, in_batch: bool = False
+class _OverBound(ValueError):
+    """A frame whose content passes a bound of the whole frame: a batch holding it is refused whole."""
+
+
+@dataclass
+class _Room:
+    """What the rest of a frame may carry (a batch's messages share it)."""
+
+    requests: int
+
+
+def parse_message(data: bytes, vocab_size: int | None = None
                   ) -> StreamsMessage | CallMessage | GenMessage | CancelMessage | BatchMessage:
-    """A client's message, every field checked; BadMessage saying what is wrong otherwise."""
+    """A client's message, every field checked; BadMessage saying what is wrong otherwise.
+    What the frame decodes to is bounded before it is built: at most ``MAX_REQUESTS``
+    requests, and no more history bytes or batched messages than the frame holds (each
+    must be bytes of its own, never one object named many times). ``vocab_size``: the
+    engine's, which every history id must be within."""
+    return _parse(data, vocab_size, _Room(MAX_REQUESTS), in_batch=False)
+
+
+def _parse(data: bytes, vocab_size: int | None, room: _Room, in_batch: bool
+           ) -> StreamsMessage | CallMessage | GenMessage | CancelMessage | BatchMessage:
     ticket = None
     try:
         msg = loads(data)
@@ -370,19 +399,7 @@ def parse_message(data: bytes, in_batch: bool = False
         op = msg.get("op")
         notes = _notes(msg)
         if op == "batch" and not in_batch:
-            items = msg.get("msgs")
-            if not isinstance(items, list) or not all(isinstance(m, bytes) for m in items) or len(items) > MAX_BATCH:
-                raise ValueError(f"'msgs' must be a list of at most {MAX_BATCH} encoded messages")
-            parsed: list[StreamsMessage | GenMessage | CancelMessage | BadMessage] = []
-            for item in items:
-                try:
-                    one = parse_message(item, in_batch=True)
-                    if isinstance(one, CallMessage):
-                        raise BadMessage("a call cannot be held in a batch: its reply is awaited")
-                    parsed.append(one)  # type: ignore[arg-type]
-                except BadMessage as exc:
-                    parsed.append(exc)
-            return BatchMessage(parsed, notes)
+            return _parse_batch(msg.get("msgs"), len(data), vocab_size, room, notes)
         if op in ("open", "close"):
             n = msg.get("n")
             if not _is_int(n) or not 0 <= n <= 1 << 16:
@@ -399,28 +416,12 @@ def parse_message(data: bytes, in_batch: bool = False
                 raise ValueError("'ticket' must be an integer")
             return CancelMessage(msg["ticket"], notes)
         if op != "gen":
-            raise ValueError(f"unknown op {op!r}")
+            raise ValueError(f"unknown op {repr(op)[:80]}")
         ticket = msg.get("ticket")
         if not _is_int(ticket):
             ticket = None
             raise ValueError("'ticket' must be an integer")
-        raw = msg.get("requests")
-        if not isinstance(raw, list) or not all(isinstance(r, dict) for r in raw):
-            raise ValueError("'requests' must be a list of objects")
-        for i, r in enumerate(raw):
-            if "history_token_ids" in r:
-                r["history_token_ids"] = _history_from_wire(r["history_token_ids"], f"requests[{i}]")
-        requests = [GenerationRequest.from_dict(r) for r in raw]
-        for i, r in enumerate(requests):
-            if not isinstance(r.messages, list) or not all(
-                isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
-                for m in r.messages
-            ):
-                raise ValueError(f"requests[{i}].messages must be a list of {{role, content}} (strings)")
-            _check_fields(vars(r), _REQUEST_FIELDS, f"requests[{i}]")
-            if r.history_messages > len(r.messages):
-                raise ValueError(f"requests[{i}].history_messages must be at most its {len(r.messages)} messages, "
-                                 f"got {r.history_messages}")
+        requests = _gen_requests(msg.get("requests"), len(data), vocab_size, room)
         sampling_raw = msg.get("sampling") or {}
         if not isinstance(sampling_raw, dict):
             raise ValueError("'sampling' must be an object")
@@ -428,8 +429,89 @@ def parse_message(data: bytes, in_batch: bool = False
         _check_fields(vars(sampling), _SAMPLING_FIELDS, "sampling")
         sent = msg.get("sent")
         return GenMessage(ticket, requests, sampling, notes, float(sent) if _is_number(sent) else None)
+    except _OverBound as exc:
+        if in_batch:
+            raise
+        raise BadMessage(str(exc), ticket) from None
     except (ValueError, TypeError) as exc:
         raise BadMessage(str(exc), ticket) from None
+
+
+def _parse_batch(items: Any, size: int, vocab_size: int | None, room: _Room,
+                 notes: dict[str, int]) -> BatchMessage:
+    """A batch frame (of ``size`` bytes): each message parsed on its own; past
+    ``MAX_REQUESTS`` in all, every message of the frame refused with that bound."""
+    if not isinstance(items, list) or len(items) > MAX_BATCH or not all(isinstance(m, bytes) for m in items):
+        raise ValueError(f"'msgs' must be a list of at most {MAX_BATCH} encoded messages")
+    held = sum(len(m) for m in items)
+    if held > size:
+        raise ValueError(f"'msgs' total {held} bytes, more than the {size} bytes of the frame that holds them: "
+                         "each message must be bytes of its own")
+    parsed: list[StreamsMessage | GenMessage | CancelMessage | BadMessage] = []
+    for item in items:
+        try:
+            one = _parse(item, vocab_size, room, in_batch=True)
+            if isinstance(one, CallMessage):
+                raise BadMessage("a call cannot be held in a batch: its reply is awaited")
+            parsed.append(one)  # type: ignore[arg-type]
+        except BadMessage as exc:
+            parsed.append(exc)
+        except _OverBound as exc:  # the frame's bound: what was parsed of it is dropped with the rest
+            return BatchMessage([BadMessage(str(exc), _gen_ticket(m)) for m in items])
+    return BatchMessage(parsed, notes)
+
+
+def _gen_ticket(data: bytes) -> int | None:
+    """The ticket of an encoded gen message, or None (another op, or not a message)."""
+    try:
+        msg = loads(data)
+    except ValueError:
+        return None
+    ticket = msg.get("ticket") if isinstance(msg, dict) and msg.get("op") == "gen" else None
+    return ticket if _is_int(ticket) else None
+
+
+def _gen_requests(raw: Any, size: int, vocab_size: int | None, room: _Room) -> list[GenerationRequest]:
+    """The requests of a gen message of ``size`` bytes, each checked; ValueError naming the first bad field.
+    Their number and the bytes of their histories are checked before any is built."""
+    if not isinstance(raw, list):
+        raise ValueError("'requests' must be a list of objects")
+    room.requests -= len(raw)
+    if room.requests < 0:
+        raise _OverBound(f"a frame may carry at most {MAX_REQUESTS} requests (ragen.serving.wire.MAX_REQUESTS); "
+                         "this one carries more")
+    if not all(isinstance(r, dict) for r in raw):
+        raise ValueError("'requests' must be a list of objects")
+    history = sum(len(h) for r in raw if isinstance(h := r.get("history_token_ids"), bytes))
+    if history > size:
+        raise ValueError(f"the requests' history ids total {history} bytes, more than the {size} bytes of the "
+                         "message that carries them: each request's history_token_ids must be bytes of its own")
+    requests = []
+    for i, r in enumerate(raw):
+        if "history_token_ids" in r:  # a copy: the dict may be named by other requests too
+            r = {**r, "history_token_ids": _history_from_wire(r["history_token_ids"], f"requests[{i}]")}
+        request = GenerationRequest.from_dict(r)
+        _check_request(request, f"requests[{i}]", vocab_size)
+        requests.append(request)
+    return requests
+
+
+def _check_request(r: GenerationRequest, where: str, vocab_size: int | None) -> None:
+    """ValueError naming ``where`` and the field when a field of ``r`` is wrong."""
+    if not isinstance(r.messages, list) or not all(
+        isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+        for m in r.messages
+    ):
+        raise ValueError(f"{where}.messages must be a list of {{role, content}} (strings)")
+    _check_fields(vars(r), _REQUEST_FIELDS, where)
+    if r.history_messages > len(r.messages):
+        raise ValueError(f"{where}.history_messages must be at most its {len(r.messages)} messages, "
+                         f"got {r.history_messages}")
+    ids = r.history_token_ids
+    # max() first: the helper's checks of each id cost more, and these ids are ints >= 0 (4 bytes each)
+    if vocab_size is not None and ids and max(ids) >= vocab_size:
+        raise ValueError(f"{where} (env_id {r.env_id}, turn {r.turn}).history_token_ids: "
+                         f"{token_id_error(ids, vocab_size)}")
 
 
 def request_for_wire(request: GenerationRequest) -> dict[str, Any]:
