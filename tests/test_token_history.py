@@ -48,6 +48,7 @@ def merging_scripted_engine(**options) -> ScriptedEngine:
     prompt and the full render of the same messages differ in their ids."""
     engine = ScriptedEngine(**options)
     engine.chat = ChatTokens(render_messages, merging_encode, {}, "scripted-merging")
+    engine.vocab_size = 256 + len(_MERGES)  # the bytes and the merged pairs: the manager checks ids against it
     return engine
 
 
