@@ -498,9 +498,9 @@ def chat_requests(tag: str, n: int = 8) -> list[GenerationRequest]:
     return [GenerationRequest([{"role": "user", "content": f"{tag}{i}"}], env_id=i, seed=3 + i) for i in range(n)]
 
 
-def over_servers(*servers):
+def over_servers(*servers, **options):
     return make_engine({"name": "openai", "base_urls": [s.base_url for s in servers], "model": "m",
-                        "max_retries": 1, "backoff_s": 0.01, "timeout_s": 2.0})
+                        "max_retries": 1, "backoff_s": 0.01, "timeout_s": 2.0, **options})
 
 
 @pytest.fixture
@@ -532,6 +532,39 @@ def test_requests_spread_over_the_servers_and_fail_over_when_one_stops(two_serve
     assert all(c.text.startswith(f"<answer>q{i}|") for i, c in enumerate(after))
     assert {c.replica for c in after} == {0}
     assert counts["engine/replica_failovers"] > 0
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("bad", ["not_json", "no_choices", "negative_ids"])
+def test_a_server_with_malformed_replies_fails_over_to_the_others(bad, caplog):
+    """Garbage, a reply without choices, or token ids out of range: the server's failure,
+    named with its route in the router's warning; its requests go to the other servers."""
+    from tests.test_llm_openai import FakeServer
+
+    servers = [FakeServer(), FakeServer(bad_reply=bad), FakeServer()]
+    engine = over_servers(*servers, return_token_ids=True)
+    try:
+        with caplog.at_level("WARNING", logger="ragen.llm.replicas"):
+            got = engine.generate(chat_requests("q"), SAMPLING)
+        counts = engine.replica_counts()
+    finally:
+        engine.close()
+        for server in servers:
+            server.stop()
+    assert all(c.finish_reason != "error" for c in got)
+    assert all(c.text.startswith(f"<answer>q{i}|") for i, c in enumerate(got))
+    assert all(c.response_token_ids == [1, 2, 3] for c in got)
+    assert {c.replica for c in got} == {0, 2} and counts["engine/replica_failovers"] > 0
+    assert f"malformed reply from {servers[1].base_url}/chat/completions" in caplog.text
+
+
+def test_replicas_know_their_servers_vocabulary(tiny_model_path):
+    engine = make_engine({"name": "openai", "base_urls": ["http://127.0.0.1:9/v1", "http://127.0.0.1:10/v1"],
+                          "tokenizer": tiny_model_path})
+    try:
+        assert engine.vocab_size == engine.replicas[0].vocab_size > 0
+    finally:
+        engine.close()
 
 
 @pytest.mark.timeout(60)

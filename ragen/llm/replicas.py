@@ -253,6 +253,7 @@ class ReplicaSet:
         self.name = self.primary.name
         self.returns_logprobs = self.primary.returns_logprobs
         self.chat = self.primary.chat
+        self.vocab_size = self.primary.vocab_size
         self.closing = False  # close() under way: requests the replicas cancel are not failovers
 
     @property
