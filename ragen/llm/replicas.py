@@ -481,6 +481,9 @@ class ReplicatedStreamingEngine(ReplicaSet, StreamingEngine):
         flight or may fall due; fail it when none is left."""
         while not entry.future.done():
             with self._park_lock:  # a probe answered meanwhile routes the parked requests after this
+                if self.closing:  # close() has failed the parked requests, or is about to
+                    resolve(entry.future, error=RuntimeError(CLOSED_BEFORE_ANSWER))
+                    return
                 probing = self.router.probing()
                 try:
                     index = self.router.pick(entry.request, entry.tried, entry.since)
