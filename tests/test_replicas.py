@@ -4,8 +4,11 @@ probed with a doubling back-off); scripted replicas, batch and streaming, that
 answer as one engine does, fail over to a live replica with the same answer
 and raise ``NoReplicaLeft`` naming each replica when none is left; rollouts
 over replicas that play the one-engine rollout, with a replica killed midway
-too; the config errors of ``engine.replicas``, ``engine.base_urls`` and
-``engine.routing``; openai over two fake servers; hf replicas on cpu."""
+too; an outage of every replica waited out up to ``outage_wait_s``, and
+one longer failing naming each; the config errors of ``engine.replicas``,
+``engine.base_urls`` and ``engine.routing``; openai over fake servers, one
+of them stopping, failing for a while or replying malformed; hf replicas on
+cpu."""
 
 from __future__ import annotations
 
