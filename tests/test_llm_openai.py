@@ -2,9 +2,10 @@
 answers, request fields, log-probs (parsed, missing, malformed, turned off),
 retries after a 500 and after dropped connections, a hanging request turned
 into an error completion, malformed replies (not JSON, no choices, token ids
-out of range) turned into errors naming the server and route, the concurrency bound, futures resolved as their
-replies come in, close() with requests in flight, and the turn loop with no
-barrier between envs over the server."""
+out of range) turned into errors naming the server and route, the
+concurrency bound, futures resolved as their replies come in, close() with
+requests in flight, and the turn loop with no barrier between envs over the
+server."""
 
 from __future__ import annotations
 
