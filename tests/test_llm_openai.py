@@ -1,9 +1,11 @@
 """OpenAIEngine against a small fake OpenAI-compatible server on 127.0.0.1:
 answers, request fields, log-probs (parsed, missing, malformed, turned off),
 retries after a 500 and after dropped connections, a hanging request turned
-into an error completion, the concurrency bound, futures resolved as their
-replies come in, close() with requests in flight, and the turn loop with no
-barrier between envs over the server."""
+into an error completion, malformed replies (not JSON, no choices, token ids
+out of range) turned into errors naming the server and route, the
+concurrency bound, futures resolved as their replies come in, close() with
+requests in flight, and the turn loop with no barrier between envs over the
+server."""
 
 from __future__ import annotations
 
@@ -68,11 +70,20 @@ class FakeServer:
     ``token_prompts``: ``"refuse"`` answers an HTTP 400 (a server that takes
     text prompts only), ``"no_ids"`` answers without token ids (a server
     without ``return_token_ids``).
+
+    ``bad_reply`` spoils every answer of either route (``BAD_REPLIES``: not JSON,
+    no choices, token ids out of range, ...). While ``failing`` is set, every
+    POST gets an HTTP 500 (counted in ``failures``).
     """
 
     def __init__(self, lifetime_s: float = 60.0, policy: ScriptedEngine | None = None,
                  drop_seeds: frozenset[int] = frozenset(), refuse_continue: bool = False,
-                 tokenizer=None, token_prompts: str = "take", shifted_prompt_ids: bool = False):
+                 tokenizer=None, token_prompts: str = "take", shifted_prompt_ids: bool = False,
+                 bad_reply: str = ""):
+        assert not bad_reply or bad_reply in BAD_REPLIES, bad_reply
+        self.bad_reply = bad_reply
+        self.failing = False
+        self.failures = 0
         self.bodies: list[dict] = []
         self.token_bodies: list[dict] = []  # the /completions bodies
         self.tokenizer = tokenizer
@@ -95,7 +106,7 @@ class FakeServer:
                 pass
 
             def _send(self, code, payload, cut=False):
-                data = json.dumps(payload).encode()
+                data = payload if isinstance(payload, bytes) else json.dumps(payload).encode()
                 self.send_response(code)
                 self.send_header("Content-Type", "application/json")
                 self.send_header("Content-Length", str(len(data)))
@@ -111,10 +122,15 @@ class FakeServer:
 
             def do_POST(self):
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                if server.failing:
+                    with server.lock:
+                        server.failures += 1
+                    self._send(500, {"error": "the server is down"})
+                    return
                 if not self.path.endswith("/chat/completions"):
                     with server.lock:
                         server.token_bodies.append({**body, "session": self.headers.get("X-Session-ID")})
-                    self._send(*server.complete_ids(body))
+                    self._send(*server.spoiled(*server.complete_ids(body)))
                     return
                 prompt = last_user(body)
                 with server.lock:
@@ -136,7 +152,7 @@ class FakeServer:
                     answer = None
                 if answer is not None:
                     try:
-                        self._send(*answer, cut=drop)
+                        self._send(*server.spoiled(*answer), cut=drop)
                     except (BrokenPipeError, ConnectionResetError):
                         pass  # the client gave up (timeout)
 
@@ -216,12 +232,45 @@ class FakeServer:
                                   "token_logprobs": token_logprobs(len(answer_ids)), "top_logprobs": None}
         return 200, {"id": "x", "object": "text_completion", "model": body["model"], "choices": [choice]}
 
+    def spoiled(self, code, payload):
+        """``(code, payload)``, a 200 spoiled as ``bad_reply`` says."""
+        if code != 200 or not self.bad_reply:
+            return code, payload
+        if self.bad_reply == "not_json":
+            return code, b"<html><body>502 Bad Gateway</body></html>"
+        payload = json.loads(json.dumps(payload))  # a copy
+        choice = payload["choices"][0]
+        ids = {"negative_ids": [-1], "huge_ids": [2**32], "float_ids": [1.5], "past_vocab": [10**6]}
+        if self.bad_reply == "no_choices":
+            del payload["choices"]
+        elif self.bad_reply == "empty_choices":
+            payload["choices"] = []
+        elif self.bad_reply == "choice_not_object":
+            payload["choices"] = ["hello"]
+        elif self.bad_reply == "text_not_string":
+            if "message" in choice:
+                choice["message"]["content"] = 5
+            else:
+                choice["text"] = 5
+        elif self.bad_reply == "negative_prompt_ids":
+            choice["prompt_token_ids"] = payload["prompt_token_ids"] = [5, -3]
+        else:
+            choice["token_ids"] = [1] + ids[self.bad_reply]
+            if isinstance(choice.get("logprobs"), dict) and "token_logprobs" in choice["logprobs"]:
+                choice["logprobs"]["token_logprobs"] = [-0.1, -0.2]
+        return code, payload
+
     def stop(self):
         self.stopping.set()
         self.release.set()
         self.httpd.shutdown()
         self.httpd.server_close()
         self.watchdog.cancel()
+
+
+# what FakeServer(bad_reply=...) spoils its answers with
+BAD_REPLIES = ("not_json", "no_choices", "empty_choices", "choice_not_object", "text_not_string",
+               "negative_ids", "huge_ids", "float_ids", "past_vocab", "negative_prompt_ids")
 
 
 def token_logprobs(n: int) -> list[float]:
@@ -472,6 +521,93 @@ def test_a_request_dropped_every_time_becomes_an_error_completion(server, caplog
     assert "env 0 turn 5" in warnings[0] + warnings[1] and "env 2 turn 5" in warnings[0] + warnings[1]
     assert "IncompleteRead" in " ".join(warnings) and "RemoteDisconnected" in " ".join(warnings)
     engine.close()
+
+
+def failure_warnings(caplog) -> list[str]:
+    """The warnings that a request ended in error."""
+    return [r.getMessage() for r in caplog.records if "finish_reason='error'" in r.getMessage()]
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("bad, why", [
+    ("negative_ids", "token id -1 is negative"), ("huge_ids", f"token id {2**32} is outside 32 bits"),
+    ("float_ids", "token id 1.5 is not an integer"), ("negative_prompt_ids", "token id -3 is negative"),
+    ("not_json", "not JSON"), ("no_choices", "no choices"), ("empty_choices", "no choices"),
+    ("choice_not_object", "no choices"), ("text_not_string", "not a string")])
+def test_a_malformed_reply_is_an_error_naming_the_server_and_route(bad, why, caplog):
+    """Token ids out of range, a reply that is not JSON, without choices or with the wrong
+    types: that request's error completion (no ids reach the rollout), and a warning that
+    names the env, the server and the route. The server answered: no retry."""
+    server = FakeServer(bad_reply=bad)
+    engine = OpenAIEngine(server.base_url, model="m", return_token_ids=True, max_retries=2, backoff_s=0.01)
+    try:
+        with caplog.at_level("WARNING", logger="ragen.llm.openai_engine"):
+            completion = engine.generate([req("q", env_id=3, turn=1)], SamplingParams())[0]
+    finally:
+        engine.close()
+        server.stop()
+    assert completion.finish_reason == "error"
+    assert (completion.text, completion.prompt_token_ids, completion.response_token_ids) == ("", [], [])
+    (warning,) = failure_warnings(caplog)
+    assert "env 3 turn 1" in warning and f"malformed reply from {server.base_url}/chat/completions" in warning
+    assert why in warning, warning
+    assert server.attempts["q"] == 1
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("bad, why", [("past_vocab", "token id 1000000 is outside the vocabulary's"),
+                                      ("negative_ids", "token id -1 is negative"),
+                                      ("negative_prompt_ids", "token id -3 is negative"),
+                                      ("not_json", "not JSON"), ("no_choices", "no choices")])
+def test_a_malformed_reply_to_a_token_prompt_is_an_error_not_a_switch_to_messages(bad, why, tiny_model_path,
+                                                                                   tiny_tokenizer, caplog):
+    server = FakeServer(tokenizer=tiny_tokenizer, bad_reply=bad)
+    engine = OpenAIEngine(server.base_url, model="m", tokenizer=tiny_model_path, max_retries=2, backoff_s=0.01)
+    try:
+        with caplog.at_level("WARNING", logger="ragen.llm.openai_engine"):
+            completion = engine.generate([req("q", env_id=2)], SamplingParams())[0]
+    finally:
+        engine.close()
+        server.stop()
+    assert completion.finish_reason == "error" and completion.response_token_ids == []
+    (warning,) = failure_warnings(caplog)
+    assert f"malformed reply from {server.base_url}/completions" in warning and why in warning, warning
+    assert len(server.token_bodies) == 1 and not server.bodies and engine.token_prompt_fallbacks == 0
+    assert engine.vocab_size == len(tiny_tokenizer)  # the tiny model's config says the same
+
+
+@pytest.mark.timeout(120)
+def test_ids_out_of_range_end_the_envs_in_error_not_the_parallel_rollout(caplog):
+    """Workers hold ids as unsigned 32-bit integers: a server's negative id, let through,
+    failed the worker and then the sequential fallback, naming neither server nor env."""
+    from ragen.llm_agent import LLMAgentProxy
+
+    from tests.rollout_helpers import agent_setup
+
+    server = FakeServer(policy=ScriptedEngine(malformed_rate=0.1), bad_reply="negative_ids")
+    engine = OpenAIEngine(server.base_url, model="m", return_token_ids=True)
+    try:
+        with caplog.at_level(logging.WARNING):
+            with LLMAgentProxy(agent_setup(use_parallel_rollout=True), engine) as proxy:
+                result = proxy.rollout("val", rollout_index=1)
+    finally:
+        engine.close()
+        server.stop()
+    assert result.trajectories and all(t.stop_reason == StopReason.ERROR for t in result.trajectories)
+    assert (f"malformed reply from {server.base_url}/chat/completions: choices[0].token_ids: token id -1 is "
+            f"negative") in caplog.text
+
+
+def test_the_vocabulary_is_the_larger_of_the_tokenizers_and_the_model_configs(tiny_tokenizer, tmp_path):
+    """Models pad their embedding past the tokenizer (a server may sample a padded id): the
+    model folder's config.json counts when it says more."""
+    tiny_tokenizer.save_pretrained(tmp_path)
+    assert OpenAIEngine("http://127.0.0.1:9/v1", tokenizer=str(tmp_path)).vocab_size == len(tiny_tokenizer)
+    (tmp_path / "config.json").write_text(json.dumps({"vocab_size": len(tiny_tokenizer) + 64}))
+    assert OpenAIEngine("http://127.0.0.1:9/v1", tokenizer=str(tmp_path)).vocab_size == len(tiny_tokenizer) + 64
+    (tmp_path / "config.json").write_text(json.dumps({"text_config": {"vocab_size": len(tiny_tokenizer) + 8}}))
+    assert OpenAIEngine("http://127.0.0.1:9/v1", tokenizer=str(tmp_path)).vocab_size == len(tiny_tokenizer) + 8
+    assert OpenAIEngine("http://127.0.0.1:9/v1").vocab_size is None  # no tokenizer: 32 bits is the bound
 
 
 @pytest.mark.timeout(30)

@@ -4,8 +4,11 @@ probed with a doubling back-off); scripted replicas, batch and streaming, that
 answer as one engine does, fail over to a live replica with the same answer
 and raise ``NoReplicaLeft`` naming each replica when none is left; rollouts
 over replicas that play the one-engine rollout, with a replica killed midway
-too; the config errors of ``engine.replicas``, ``engine.base_urls`` and
-``engine.routing``; openai over two fake servers; hf replicas on cpu."""
+too; an outage of every replica waited out up to ``outage_wait_s``, and
+one longer failing naming each; the config errors of ``engine.replicas``,
+``engine.base_urls`` and ``engine.routing``; openai over fake servers, one
+of them stopping, failing for a while or replying malformed; hf replicas on
+cpu."""
 
 from __future__ import annotations
 
@@ -17,7 +20,8 @@ from concurrent.futures import CancelledError, Future
 import pytest
 
 from ragen.llm import make_engine
-from ragen.llm.replicas import NoReplicaLeft, ReplicatedEngine, ReplicatedStreamingEngine, Router, Routing
+from ragen.llm.replicas import (NoReplicaLeft, ReplicatedEngine, ReplicatedStreamingEngine, Router, Routing,
+                                 WaitForReplica)
 from ragen.llm.scripted import ScriptedEngine
 from ragen.llm.types import Completion, GenerationRequest, SamplingParams, StreamingEngine
 
@@ -135,7 +139,7 @@ def test_one_failure_spell_takes_one_back_off_however_many_requests_fail():
 
 
 def test_no_replica_left_names_every_replica_and_its_last_error():
-    r = router(2)
+    r = router(2, outage_wait_s=0.0)  # no wait for a probe
     r.pick(req(0))
     r.failed(0, RuntimeError("connection refused"))
     r.pick(req(1))
@@ -146,7 +150,48 @@ def test_no_replica_left_names_every_replica_and_its_last_error():
     assert "r0" in message and "RuntimeError: connection refused" in message
     assert "r1" in message and "timed out" in message
     with pytest.raises(NoReplicaLeft, match="r0.*r1"):  # live but already tried by this request
-        router(2).pick(req(0), exclude=[0, 1])
+        router(2, outage_wait_s=0.0).pick(req(0), exclude=[0, 1])
+
+
+def test_while_every_replica_is_down_a_request_waits_for_probes_until_its_outage_wait():
+    clock = FakeClock()
+    r = router(2, clock, probe_s=1.0, outage_wait_s=5.0)
+    assert [r.pick(req(0)), r.pick(req(1))] == [0, 1]
+    r.failed(0, "HTTP 500")
+    since = clock.now  # req(0)'s first failure
+    clock.now += 0.5
+    r.failed(1, "HTTP 500")  # every replica down
+    with pytest.raises(WaitForReplica) as told:
+        r.pick(req(0), exclude=[0], since=since)
+    assert told.value.retry_in_s == pytest.approx(0.5)  # when replica 0 may be probed
+    clock.now += 0.5
+    assert r.pick(req(0), exclude=[0], since=since) == 0  # the probe, though it failed there: it waits
+    with pytest.raises(WaitForReplica) as told:
+        r.pick(req(2))  # a new request finds none: its wait starts now
+    assert told.value.since == clock.now and told.value.retry_in_s == pytest.approx(0.5)  # replica 1's probe
+    r.done(0, answer(req(0)))  # the probe answered: replica 0 is back
+    assert r.pick(req(2), since=told.value.since) == 0
+    r.failed(0, "HTTP 500")
+    since, picks = clock.now, 0
+    with pytest.raises(NoReplicaLeft) as caught:
+        while True:  # every probe fails; the request waits as told, on the clock
+            try:
+                r.failed(r.pick(req(2), exclude=[0], since=since), "HTTP 500")
+                picks += 1
+            except WaitForReplica as wait:
+                clock.now += wait.retry_in_s
+    assert clock.now >= since + 5.0 and picks >= 2  # probed while it waited
+    message = str(caught.value)
+    assert "r0: " in message and "r1: " in message and message.count("HTTP 500") == 2, message
+    assert "engine.routing.outage_wait_s=5.0" in message, message
+
+
+def test_a_request_that_failed_on_the_replicas_up_goes_back_to_one_only_while_it_waits():
+    clock = FakeClock()
+    r = router(2, clock, outage_wait_s=5.0)
+    assert r.pick(req(0), exclude=[0, 1], since=clock.now - 1.0) == 0  # they came back after failing it
+    with pytest.raises(NoReplicaLeft, match="failed this request"):  # past its wait
+        r.pick(req(0), exclude=[0, 1], since=clock.now - 5.0)
 
 
 def test_forget_sessions_routes_the_next_turn_as_a_new_episode():
@@ -275,7 +320,7 @@ def test_a_batch_replica_closed_between_calls_fails_over_with_the_same_answers(o
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("stream", [False, True], ids=["batch", "streaming"])
 def test_with_every_replica_closed_no_replica_left_names_each(stream):
-    engine = scripted(2, stream)
+    engine = scripted(2, stream, routing={"probe_s": 0.05, "outage_wait_s": 0.2})
     for replica in engine.replicas:
         replica.close()
     try:
@@ -337,6 +382,8 @@ def test_cancelling_a_request_cancels_it_in_its_replica():
     ({"name": "scripted", "replicas": 2, "routing": {"sticky_margin": -1}},
      "engine.routing.sticky_margin must be >= 0"),
     ({"name": "scripted", "replicas": 2, "routing": {"probe_s": 0}}, "engine.routing.probe_s must be > 0"),
+    ({"name": "openai", "base_urls": ["http://a:1/v1", "http://b:1/v1"], "routing": {"outage_wait_s": -1}},
+     "engine.routing.outage_wait_s must be >= 0"),
     ({"name": "scripted", "routing": {"sticky": 1}}, "engine.routing.sticky is not a known key"),
     ({"name": "vllm", "replicas": 2}, "engine.replicas is not an option of engine 'vllm': vLLM spreads itself over "
                                       "GPUs with engine.data_parallel_size"),
@@ -456,7 +503,7 @@ def killed_replicas(stream: bool, kill: int, calls: int = 3) -> list:
 
 def replicated(members):
     cls = ReplicatedStreamingEngine if members[0].streams else ReplicatedEngine
-    return cls(members, ["first", "second"], Routing(probe_s=30.0))
+    return cls(members, ["first", "second"], Routing(probe_s=30.0, outage_wait_s=0.5))
 
 
 @pytest.mark.timeout(300)
@@ -468,11 +515,14 @@ def test_a_replica_killed_mid_rollout_leaves_the_rollout_unchanged(mode, stream,
     calls = 9 if stream else 3  # streaming: one request a call, 6 of the first turn's 12 on each replica
     members = killed_replicas(stream, kill=1, calls=calls)
     members.reverse()  # the second replica is killed
-    result = play(replicated(members), mode)
+    # no parallel retry or sequential fallback: they would re-run envs whose failover raised
+    no_rerun = {} if mode == "sequential" else {"fallback_to_sequential": False}
+    result = play(replicated(members), mode, **no_rerun)
     assert members[1].called >= calls and members[1].killer is not None  # it was killed
     assert len(result.trajectories) == 12
     assert rollout_digest(result.trajectories) == one_engine_digest
     assert result.metrics["engine/replica_failovers"] > 0
+    assert result.metrics.get("parallel/fallbacks", 0) == 0 and result.metrics.get("parallel/retried_tasks", 0) == 0
     assert result.metrics["engine/replica1_requests"] > 0  # it answered before it was killed
 
 
@@ -495,9 +545,9 @@ def chat_requests(tag: str, n: int = 8) -> list[GenerationRequest]:
     return [GenerationRequest([{"role": "user", "content": f"{tag}{i}"}], env_id=i, seed=3 + i) for i in range(n)]
 
 
-def over_servers(*servers):
+def over_servers(*servers, **options):
     return make_engine({"name": "openai", "base_urls": [s.base_url for s in servers], "model": "m",
-                        "max_retries": 1, "backoff_s": 0.01, "timeout_s": 2.0})
+                        "max_retries": 1, "backoff_s": 0.01, "timeout_s": 2.0, **options})
 
 
 @pytest.fixture
@@ -532,8 +582,41 @@ def test_requests_spread_over_the_servers_and_fail_over_when_one_stops(two_serve
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.parametrize("bad", ["not_json", "no_choices", "negative_ids"])
+def test_a_server_with_malformed_replies_fails_over_to_the_others(bad, caplog):
+    """Garbage, a reply without choices, or token ids out of range: the server's failure,
+    named with its route in the router's warning; its requests go to the other servers."""
+    from tests.test_llm_openai import FakeServer
+
+    servers = [FakeServer(), FakeServer(bad_reply=bad), FakeServer()]
+    engine = over_servers(*servers, return_token_ids=True)
+    try:
+        with caplog.at_level("WARNING", logger="ragen.llm.replicas"):
+            got = engine.generate(chat_requests("q"), SAMPLING)
+        counts = engine.replica_counts()
+    finally:
+        engine.close()
+        for server in servers:
+            server.stop()
+    assert all(c.finish_reason != "error" for c in got)
+    assert all(c.text.startswith(f"<answer>q{i}|") for i, c in enumerate(got))
+    assert all(c.response_token_ids == [1, 2, 3] for c in got)
+    assert {c.replica for c in got} == {0, 2} and counts["engine/replica_failovers"] > 0
+    assert f"malformed reply from {servers[1].base_url}/chat/completions" in caplog.text
+
+
+def test_replicas_know_their_servers_vocabulary(tiny_model_path):
+    engine = make_engine({"name": "openai", "base_urls": ["http://127.0.0.1:9/v1", "http://127.0.0.1:10/v1"],
+                          "tokenizer": tiny_model_path})
+    try:
+        assert engine.vocab_size == engine.replicas[0].vocab_size > 0
+    finally:
+        engine.close()
+
+
+@pytest.mark.timeout(60)
 def test_with_every_server_stopped_no_replica_left_names_both_urls(two_servers):
-    engine = over_servers(*two_servers)
+    engine = over_servers(*two_servers, routing={"probe_s": 0.05, "outage_wait_s": 0.3})
     urls = [s.base_url for s in two_servers]
     for server in two_servers:
         server.stop()
@@ -725,7 +808,7 @@ class SlowToFail(ScriptedEngine):
 def test_after_every_replica_failed_a_call_probes_them_and_is_answered(one_engine_answers):
     clock = FakeClock()
     members = [SlowToFail(clock), SlowToFail(clock)]
-    engine = ReplicatedEngine(members, ["a", "b"], Routing(probe_s=1.0))
+    engine = ReplicatedEngine(members, ["a", "b"], Routing(probe_s=1.0, outage_wait_s=0.0))
     engine.router.clock = clock
     members[0].down = members[1].down = True
     with pytest.raises(NoReplicaLeft, match="a: .*refused.*b: .*refused"):
@@ -744,7 +827,7 @@ def test_requests_wait_for_a_probe_and_none_is_left_in_flight(one_engine_answers
     one request probes the third, the others wait for its answer and go there too."""
     clock = FakeClock()
     members = [SlowToFail(clock, takes_s=0.5), SlowToFail(clock, takes_s=0.5), SlowToFail(clock)]
-    engine = ReplicatedEngine(members, ["a", "b", "c"], Routing(probe_s=1.0))
+    engine = ReplicatedEngine(members, ["a", "b", "c"], Routing(probe_s=1.0, outage_wait_s=0.0))
     engine.router.clock = clock
     members[2].down = True
     assert {c.replica for c in engine.generate(requests(3), SAMPLING)} == {0, 1}  # c failed: down for 1 s
@@ -763,7 +846,7 @@ def test_requests_wait_for_a_probe_and_none_is_left_in_flight(one_engine_answers
 @pytest.mark.timeout(60)
 def test_after_every_streaming_replica_failed_requests_wait_for_the_probes(one_engine_answers):
     members = [Flaky(stream=True), Flaky(stream=True)]
-    engine = ReplicatedStreamingEngine(members, ["a", "b"], Routing(probe_s=1.0))
+    engine = ReplicatedStreamingEngine(members, ["a", "b"], Routing(probe_s=1.0, outage_wait_s=0.0))
     clock = FakeClock()
     engine.router.clock = clock
     members[0].down = members[1].down = True
@@ -803,7 +886,7 @@ class HeldFlaky(HeldEngine):
 @pytest.mark.timeout(30)
 def test_closing_fails_the_requests_waiting_for_a_probe():
     members = [HeldFlaky(), HeldFlaky()]
-    engine = ReplicatedStreamingEngine(members, ["a", "b"], Routing(probe_s=1.0))
+    engine = ReplicatedStreamingEngine(members, ["a", "b"], Routing(probe_s=1.0, outage_wait_s=0.0))
     clock = FakeClock()
     engine.router.clock = clock
     members[0].down = members[1].down = True
@@ -815,3 +898,123 @@ def test_closing_fails_the_requests_waiting_for_a_probe():
     engine.close()
     errors = [f.exception(timeout=5) for f in futures]
     assert all(isinstance(e, RuntimeError) and "closed" in str(e) for e in errors), errors
+
+
+# -- an outage of every replica: waited out up to engine.routing.outage_wait_s ----------------------
+
+
+def when_all_down(engine, then, within_s: float = 30.0) -> threading.Thread:
+    """A thread that calls ``then()`` once every replica of ``engine`` is down (or after ``within_s``)."""
+
+    def watch() -> None:
+        deadline = time.monotonic() + within_s
+        while not all(r.down for r in engine.router.replicas) and time.monotonic() < deadline:
+            time.sleep(0.002)
+        then()
+
+    thread = threading.Thread(target=watch, daemon=True)
+    thread.start()
+    return thread
+
+
+def answers_of(engine, stream: bool, reqs) -> list:
+    if stream:
+        return [f.result(timeout=30) for f in engine.submit(reqs, SAMPLING)]
+    return engine.generate(reqs, SAMPLING)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("stream", [False, True], ids=["batch", "streaming"])
+def test_an_outage_of_every_replica_shorter_than_the_outage_wait_is_waited_out(stream, one_engine_answers):
+    members = [Flaky(stream), Flaky(stream)]
+    cls = ReplicatedStreamingEngine if stream else ReplicatedEngine
+    engine = cls(members, ["a", "b"], Routing(probe_s=0.02, probe_max_s=0.1, outage_wait_s=60.0))
+    members[0].down = members[1].down = True
+
+    def come_back() -> None:
+        members[0].down = members[1].down = False
+
+    watcher = when_all_down(engine, come_back)
+    try:
+        got = answers_of(engine, stream, requests())
+        counts = engine.replica_counts()
+    finally:
+        engine.close()
+    watcher.join(5)
+    assert without_replica(got) == one_engine_answers
+    assert counts["engine/replica_failovers"] >= 2  # both were down
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("stream", [False, True], ids=["batch", "streaming"])
+def test_an_outage_longer_than_the_outage_wait_fails_naming_each_replica(stream):
+    members = [Flaky(stream), Flaky(stream)]
+    cls = ReplicatedStreamingEngine if stream else ReplicatedEngine
+    engine = cls(members, ["a", "b"], Routing(probe_s=0.02, probe_max_s=0.05, outage_wait_s=0.3))
+    members[0].down = members[1].down = True
+    reqs = requests(4)
+    try:
+        if stream:
+            errors = [f.exception(timeout=30) for f in engine.submit(reqs, SAMPLING)]
+            assert all(isinstance(e, NoReplicaLeft) for e in errors), errors
+            message = str(errors[-1])
+        else:
+            with pytest.raises(NoReplicaLeft) as caught:
+                engine.generate(reqs, SAMPLING)
+            message = str(caught.value)
+        failovers = engine.replica_counts()["engine/replica_failovers"]
+    finally:
+        engine.close()
+    assert "a: " in message and "b: " in message and message.count("refused") == 2, message
+    assert "engine.routing.outage_wait_s=0.3" in message, message
+    assert failovers > 2 * len(reqs)  # probed while it waited, not only tried once on each
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("stream", [False, True], ids=["batch", "streaming"])
+def test_closing_fails_the_requests_waiting_out_an_outage(stream):
+    members = [Flaky(stream), Flaky(stream)]
+    cls = ReplicatedStreamingEngine if stream else ReplicatedEngine
+    engine = cls(members, ["a", "b"], Routing(probe_s=30.0, outage_wait_s=60.0))
+    members[0].down = members[1].down = True
+    errors: list[BaseException] = []
+
+    def generate() -> None:
+        try:
+            engine.generate(requests(4), SAMPLING)
+        except BaseException as exc:  # handed to the test
+            errors.append(exc)
+
+    caller = threading.Thread(target=generate, daemon=True)
+    caller.start()
+    when_all_down(engine, lambda: None).join(10)
+    engine.close()
+    caller.join(10)
+    assert not caller.is_alive() and len(errors) == 1, errors
+    assert isinstance(errors[0], RuntimeError) and "closed" in str(errors[0]), errors
+
+
+@pytest.mark.timeout(60)
+def test_an_outage_of_every_server_shorter_than_the_outage_wait_is_waited_out(two_servers):
+    """Both servers answer HTTP 500 for a while (each request retried once): the requests
+    wait for the probes and are answered once the servers are back."""
+    engine = over_servers(*two_servers, routing={"probe_s": 0.05, "probe_max_s": 0.2, "outage_wait_s": 60.0})
+    for server in two_servers:
+        server.failing = True
+
+    def come_back() -> None:
+        for server in two_servers:
+            server.failing = False
+
+    try:
+        futures = engine.submit(chat_requests("q"), SAMPLING)
+        watcher = when_all_down(engine, come_back)
+        got = [f.result(timeout=30) for f in futures]
+        counts = engine.replica_counts()
+    finally:
+        engine.close()
+    watcher.join(5)
+    assert all(server.failures > 0 for server in two_servers)
+    assert all(c.finish_reason != "error" for c in got)
+    assert all(c.text.startswith(f"<answer>q{i}|") for i, c in enumerate(got))
+    assert counts["engine/replica_failovers"] > 0

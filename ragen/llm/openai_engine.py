@@ -28,6 +28,13 @@ completion is handed back as soon as its reply is in.
   ``ServerUnavailable`` instead, and the replicas (``ragen.llm.replicas``)
   send the request to another server; a refusal (HTTP 4xx) stays an error
   completion, since every server would refuse it.
+- *Malformed replies*: a reply that is not JSON, has no ``choices``, has
+  fields of the wrong type, or token ids (prompt or response) that are not
+  ids of the model (negative, not integers, past 32 bits, or past
+  ``vocab_size`` when there is a tokenizer) is ``MalformedReply``, a
+  ``ServerUnavailable`` naming the server and route: not retried (the server
+  answered), it is that request's error completion, or with ``fail_over``
+  the server's failure, and another server takes the request.
 - *Close*: ``close()`` cancels every future not yet resolved, queued or in
   flight (``future.result()`` raises ``CancelledError``), and returns without
   waiting for the server: no retry starts after it, and a pool thread still in
@@ -51,6 +58,9 @@ completion is handed back as soon as its reply is in.
   ``choices[0].text``, its ``token_ids`` and ``logprobs.token_logprobs``; its
   prompt ids are the ids sent (a server that reports other prompt ids is
   named in one warning: the server and the tokenizer disagree).
+  ``vocab_size`` is the larger of ``len(tokenizer)`` and the ``vocab_size``
+  of the ``config.json`` beside it: models pad their embedding past the
+  tokenizer, and a server may sample a padded id.
 - *Fallback to messages, never a silent mix*: without a tokenizer, or once the
   server refused token prompts (an HTTP 4xx on ``/completions`` where the same
   request as messages is answered, or a reply without token ids), requests go
@@ -96,6 +106,7 @@ from __future__ import annotations
 import http.client
 import json
 import logging
+import os
 import socket
 import threading
 import urllib.error
@@ -106,7 +117,8 @@ from typing import Any, Mapping, Sequence
 
 from ragen.llm.chat_tokens import ChatTokens
 from ragen.llm.default_model import resolve_model_path
-from ragen.llm.types import Completion, GenerationRequest, SamplingParams, StreamingEngine, request_seed, resolve
+from ragen.llm.types import (Completion, GenerationRequest, SamplingParams, StreamingEngine, request_seed, resolve,
+                              token_id_error)
 
 logger = logging.getLogger(__name__)
 
@@ -116,8 +128,13 @@ class _RetryableError(Exception):
 
 
 class ServerUnavailable(RuntimeError):
-    """The server did not answer a request within its retries (connection refused or
-    dropped, timeouts, 429 or 5xx every time)."""
+    """The server gave no usable answer to a request: none within its retries (connection
+    refused or dropped, timeouts, 429 or 5xx every time), or a malformed one."""
+
+
+class MalformedReply(ServerUnavailable):
+    """The server's reply is not a completion: not JSON, no choices, a field of the wrong
+    type, or token ids that are not the model's."""
 
 
 class _RefusedError(RuntimeError):
@@ -199,7 +216,10 @@ class OpenAIEngine(StreamingEngine):
         self.returns_logprobs = logprobs  # asked for; a server may still send none
         self._warned_no_logprobs = False
         # the server's tokenizer (its template's ChatTokens): prompts go as token ids
-        self.chat = ChatTokens.of(_load_tokenizer(tokenizer)) if tokenizer is not None else None
+        if tokenizer is not None:
+            tokenizer = _load_tokenizer(tokenizer)
+            self.chat = ChatTokens.of(tokenizer)
+            self.vocab_size = _vocab_size(tokenizer)  # what a reply's ids are checked against
         # why requests go as messages (no tokenizer, or the server refused token prompts); None: as ids
         self._messages_why: str | None = None if self.chat is not None else (
             "engine.tokenizer is not set (set it to the folder or cached id of the model the server runs)")
@@ -295,7 +315,7 @@ class OpenAIEngine(StreamingEngine):
         error: ServerUnavailable | None = None
         try:
             completion = self._complete(request, sampling, model, version)
-        except ServerUnavailable as exc:  # the server did not answer within its retries
+        except ServerUnavailable as exc:  # no usable answer within its retries
             if self.fail_over:  # another server takes the request
                 error = exc
             else:
@@ -357,23 +377,19 @@ class OpenAIEngine(StreamingEngine):
         body = {**self._sampling_fields(request, sampling, limit, model), "prompt": ids, "return_token_ids": True}
         if self.returns_logprobs:
             body["logprobs"] = 0  # the sampled tokens' own, no alternatives
+        route = "/completions"
         try:
-            reply = self._post_with_retries("/completions", body, session_key(request))
-            choice = reply["choices"][0]
-            text = choice.get("text") or ""
+            reply = self._post_with_retries(route, body, session_key(request))
         except _RefusedError as exc:
             raise _NoTokenPrompts(str(exc)) from exc
-        except ServerUnavailable:
-            raise  # _answer: an error completion, or with fail_over another server
-        except Exception as exc:
-            self._warn_failed(request, exc)
-            return self._error(request, version)
+        choice = self._choice(reply, route)
+        text = self._text(choice.get("text"), route, "choices[0].text")
         if not isinstance(choice.get("token_ids"), list):
-            raise _NoTokenPrompts(f"its reply from {self.base_url}/completions carries no token ids "
+            raise _NoTokenPrompts(f"its reply from {self.base_url}{route} carries no token ids "
                                   f"(choices[0].token_ids, asked with return_token_ids)")
-        response_ids = [int(t) for t in choice["token_ids"]]
+        response_ids = self._ids(choice["token_ids"], route, "choices[0].token_ids")
         echoed = choice.get("prompt_token_ids") or reply.get("prompt_token_ids")
-        if echoed and [int(t) for t in echoed] != ids:
+        if echoed and self._ids(echoed, route, "prompt_token_ids") != ids:
             self._warn_prompt_ids(request, ids, echoed)
         logprobs = None
         if self.returns_logprobs:
@@ -396,30 +412,61 @@ class OpenAIEngine(StreamingEngine):
             body["logprobs"] = True
         if request.answer_prefix:
             body.update(_CONTINUE_FIELDS)
+        route = "/chat/completions"
         try:
-            reply = self._post_with_retries("/chat/completions", body, session_key(request))
-            choice = reply["choices"][0]
-            text = (choice.get("message") or {}).get("content") or ""
-        except ServerUnavailable:
-            raise  # _answer: an error completion, or with fail_over another server
-        except Exception as exc:
-            if request.answer_prefix and isinstance(exc, _RefusedError):
-                exc = (f"{exc} -- the request carries an answer prefix, sent with "
+            reply = self._post_with_retries(route, body, session_key(request))
+        except _RefusedError as exc:
+            why: Any = exc
+            if request.answer_prefix:
+                why = (f"{exc} -- the request carries an answer prefix, sent with "
                        f"{', '.join(f'{k}={json.dumps(v)}' for k, v in _CONTINUE_FIELDS.items())} and the "
                        f"prefix as a last assistant message: the server must support these chat-completions "
                        f"fields (vllm serve and SGLang do)")
-            self._warn_failed(request, exc)
+            self._warn_failed(request, why)
             return self._error(request, version)
-        response_ids = [int(t) for t in choice.get("token_ids") or []]
+        choice = self._choice(reply, route)
+        message = choice.get("message")
+        if message is not None and not isinstance(message, dict):
+            raise self._malformed(route, f"choices[0].message is not an object (got {message!r:.80})")
+        text = self._text((message or {}).get("content"), route, "choices[0].message.content")
+        response_ids = self._ids(choice.get("token_ids") or [], route, "choices[0].token_ids")
+        prompt_ids = self._ids(reply.get("prompt_token_ids") or choice.get("prompt_token_ids") or [], route,
+                               "prompt_token_ids")
         return Completion.answering(
             request,
             text,
-            [int(t) for t in reply.get("prompt_token_ids") or choice.get("prompt_token_ids") or []],
+            prompt_ids,
             response_ids,
             "length" if choice.get("finish_reason") == "length" else "stop",
             version,
             self._logprobs(choice, response_ids) if self.returns_logprobs else None,
         )
+
+    def _malformed(self, route: str, why: str) -> MalformedReply:
+        return MalformedReply(f"malformed reply from {self.base_url}{route}: {why}")
+
+    def _choice(self, reply: Any, route: str) -> dict[str, Any]:
+        """The reply's first choice; MalformedReply unless it is an object with a list of choices."""
+        choices = reply.get("choices") if isinstance(reply, dict) else None
+        if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
+            raise self._malformed(route, f"no choices (got {json.dumps(reply)[:200]})")
+        return choices[0]
+
+    def _text(self, value: Any, route: str, field: str) -> str:
+        """``value`` as the answer's text ("" when missing); MalformedReply unless a string."""
+        if value is None:
+            return ""
+        if not isinstance(value, str):
+            raise self._malformed(route, f"{field} is not a string (got {value!r:.80})")
+        return value
+
+    def _ids(self, value: Any, route: str, field: str) -> list[int]:
+        """``value`` as token ids; MalformedReply naming ``field`` unless it is a list of the
+        model's ids: the rollout sends ids as unsigned 32-bit integers and trains on them."""
+        error = token_id_error(value, self.vocab_size) if isinstance(value, list) else "not a list"
+        if error is not None:
+            raise self._malformed(route, f"{field}: {error}")
+        return value
 
     def _logprobs(self, choice: Mapping[str, Any], response_ids: list[int]) -> list[float] | None:
         """The sampled tokens' log-probs from ``choice["logprobs"]["content"]``, or None
@@ -525,7 +572,7 @@ class OpenAIEngine(StreamingEngine):
         http_request = urllib.request.Request(self.base_url + route, data=data, headers=headers, method=method)
         try:
             with urllib.request.urlopen(http_request, timeout=self.timeout_s) as response:
-                return json.loads(response.read().decode())
+                raw = response.read()
         except urllib.error.HTTPError as exc:
             detail = exc.read().decode(errors="replace")[:300]
             message = f"HTTP {exc.code} from {self.base_url}{route}: {detail}"
@@ -535,6 +582,10 @@ class OpenAIEngine(StreamingEngine):
         except (urllib.error.URLError, http.client.HTTPException, socket.timeout, TimeoutError, ConnectionError) as exc:
             reason = getattr(exc, "reason", exc)
             raise _RetryableError(f"{type(exc).__name__} from {self.base_url}{route}: {reason}") from exc
+        try:
+            return json.loads(raw)
+        except ValueError as exc:  # not JSON, or not text: e.g. a proxy's error page
+            raise self._malformed(route, f"not JSON ({exc}): {raw[:100]!r}") from None
 
     def close(self) -> None:
         """Cancel every future not yet resolved and stop the pool, without waiting for the server."""
@@ -558,6 +609,24 @@ def _load_tokenizer(tokenizer: Any) -> Any:
         raise ValueError(f"engine.tokenizer={getattr(tokenizer, 'name_or_path', tokenizer)!r} has no chat template: "
                          f"token prompts are built with it; use the server's model folder, or null to send messages")
     return tokenizer
+
+
+def _vocab_size(tokenizer: Any) -> int:
+    """The ids the server's model may return: ``len(tokenizer)``, or the ``vocab_size`` of the
+    model's config.json beside the tokenizer when larger (an embedding padded past the tokenizer)."""
+    size = len(tokenizer)
+    path = os.path.join(str(getattr(tokenizer, "name_or_path", "") or ""), "config.json")
+    try:
+        with open(path, encoding="utf-8") as f:
+            config = json.load(f)
+    except (OSError, ValueError):  # no model config beside the tokenizer: its length is all we know
+        return size
+    sections = [config, config.get("text_config")] if isinstance(config, dict) else []
+    for section in sections:
+        value = section.get("vocab_size") if isinstance(section, dict) else None
+        if type(value) is int:
+            size = max(size, value)
+    return size
 
 
 def _checked_url(url: Any, key: str) -> str:

@@ -9,17 +9,23 @@
   member went, unless that replica has more than ``sticky_margin`` requests in
   flight above the least loaded one. A replica that fails is marked down and
   skipped; once its back-off has passed, one request probes it (the back-off
-  doubles, up to ``probe_max_s``, while probes fail). Its decisions read only
-  counts and a clock, so a test drives it with a fake clock.
+  doubles, up to ``probe_max_s``, while probes fail). For ``outage_wait_s``
+  from a request's first failure (or its first finding every replica down),
+  any replica may take it again, and while every replica is down it is told
+  to wait for a probe (``WaitForReplica``); past that, it goes only to a
+  replica it has not tried. Its decisions read only counts and a clock, so a
+  test drives it with a fake clock.
 - ``ReplicatedEngine`` (members that batch: a call's requests split among
   the replicas, which run their parts at once) and
   ``ReplicatedStreamingEngine`` (members that stream: each request routed on
   its own). A request whose replica fails is sent again to another replica
   with the same request (so the same seed: the same answer on a seeded
   engine); the failover is counted and named in the log. Once every replica
-  has failed, the requests that find none wait for the probes' answers. When
-  no replica is left, the request fails with ``NoReplicaLeft``, naming each
-  replica and its last error.
+  has failed, the requests that find none wait for the probes: an outage of
+  every replica shorter than ``outage_wait_s`` is waited out. When no replica
+  is left (a request that has waited longer, or whose replicas up all failed
+  it), the request fails with ``NoReplicaLeft``, naming each replica and its
+  last error.
 
 A completion records the replica that produced it (``Completion.replica``).
 ``make_engine`` builds these from ``engine.replicas`` (hf, scripted) or
@@ -55,10 +61,24 @@ class Routing:
     sticky_margin: int = setting(8, minimum=0)
     probe_s: float = setting(1.0, above=0.0)  # first wait before a failed replica is tried again
     probe_max_s: float = setting(30.0, above=0.0)  # the most the wait grows to (doubling per failed probe)
+    # a request that failed, or found every replica down, waits this long for a replica to take it
+    # (probes bring them back), then fails with NoReplicaLeft; 0: no wait
+    outage_wait_s: float = setting(10.0, minimum=0.0)
 
 
 class NoReplicaLeft(EngineUnavailable):
     """Every replica a request could go to has failed."""
+
+
+class WaitForReplica(Exception):
+    """Every replica is down, and the request has waited less than ``outage_wait_s`` since
+    ``since``: it asks again in ``retry_in_s`` (a probe falls due, or its wait ends), or
+    when a probe is answered."""
+
+    def __init__(self, since: float, retry_in_s: float) -> None:
+        super().__init__(f"every replica is down: ask again in {retry_in_s:.2f} s")
+        self.since = since
+        self.retry_in_s = retry_in_s
 
 
 @dataclass
@@ -108,14 +128,20 @@ class Router:
         self.returned = 0  # of those, routed to the episode's replica
         self._sessions: OrderedDict[tuple[int, int], int] = OrderedDict()
         self._groups: OrderedDict[int, int] = OrderedDict()  # a seed's first turns: the replica they went to
+        self._all_down = False  # every replica down (said once in the log)
         self._lock = threading.Lock()
 
-    def pick(self, request: GenerationRequest, exclude: Iterable[int] = ()) -> int:
-        """The replica for ``request`` (not one of ``exclude``), counted as in flight;
-        ``NoReplicaLeft`` when every replica is down or excluded."""
-        excluded = set(exclude)
+    def pick(self, request: GenerationRequest, exclude: Iterable[int] = (), since: float | None = None) -> int:
+        """The replica for ``request``, counted as in flight. ``exclude``: the replicas that
+        failed it; ``since``: when it first failed or waited (None: it has not). Within
+        ``outage_wait_s`` of that, any replica may take it, and ``WaitForReplica`` when every
+        replica is down; past it, one not excluded, else ``NoReplicaLeft``."""
         with self._lock:
             now = self.clock()
+            start = now if since is None else since
+            patient = now - start < self.routing.outage_wait_s
+            # while it waits, a replica that failed it and came back (or is due a probe) may take it
+            excluded = set() if patient else set(exclude)
             live = [i for i, r in enumerate(self.replicas) if not r.down and i not in excluded]
             probe = next((i for i, r in enumerate(self.replicas)
                           if r.down and not r.probing and now >= r.retry_at and i not in excluded), None)
@@ -127,7 +153,9 @@ class Router:
                 self.replicas[probe].probing = True
                 chosen = probe
             elif not live:
-                raise NoReplicaLeft(self._no_replica_message())
+                if patient:
+                    raise WaitForReplica(start, self._retry_in(now, start))
+                raise NoReplicaLeft(self._no_replica_message(now - start))
             else:
                 least = min(live, key=lambda i: (self.replicas[i].in_flight, self.replicas[i].routed))
                 sticky = (home in live and self.replicas[home].in_flight
@@ -156,6 +184,7 @@ class Router:
             if replica.down:
                 replica.down = replica.probing = False
                 replica.backoff_s = 0.0
+                self._all_down = False
                 logger.info("replica %s answers again: requests go to it", replica.name)
 
     def failed(self, index: int, error: BaseException | str, requests: int = 1) -> None:
@@ -172,9 +201,14 @@ class Router:
             replica.backoff_s = (min(replica.backoff_s * 2, self.routing.probe_max_s) if replica.down
                                  else self.routing.probe_s)
             replica.down, replica.probing = True, False
-            replica.retry_at = self.clock() + replica.backoff_s
+            now = self.clock()
+            replica.retry_at = now + replica.backoff_s
             logger.warning("replica %s failed (%s): it is down, its requests go to the other replicas, and one "
                            "request probes it in %.1f s", replica.name, replica.last_error, replica.backoff_s)
+            if not self._all_down and all(r.down for r in self.replicas):
+                self._all_down = True
+                logger.warning("every replica is down: requests wait up to %.1f s (engine.routing.outage_wait_s) "
+                               "for a probe to bring one back", self.routing.outage_wait_s)
 
     def cancelled(self, index: int) -> None:
         """A request of ``index`` was cancelled by its caller: no longer in flight."""
@@ -219,7 +253,12 @@ class Router:
             replica.busy_s += self.clock() - replica.busy_since
             replica.busy_since = None
 
-    def _no_replica_message(self) -> str:
+    def _retry_in(self, now: float, since: float) -> float:
+        """Until the next probe falls due, or the wait of a request waiting since ``since`` ends."""
+        due = [r.retry_at for r in self.replicas if r.down and not r.probing]
+        return max(0.0, min(due + [since + self.routing.outage_wait_s]) - now)
+
+    def _no_replica_message(self, waited_s: float) -> str:
         now = self.clock()
         parts = []
         for i, r in enumerate(self.replicas):
@@ -228,7 +267,8 @@ class Router:
             else:
                 state = "failed this request"  # up, but tried by this request already
             parts.append(f"{r.name}: {state}; last error: {r.last_error or '(none)'}")
-        return "no replica can take the request: " + " | ".join(parts)
+        return (f"no replica can take the request (after {waited_s:.1f} s; engine.routing.outage_wait_s="
+                f"{self.routing.outage_wait_s}): " + " | ".join(parts))
 
 
 def _remember(homes: OrderedDict, key: Any, replica: int) -> None:
@@ -253,6 +293,7 @@ class ReplicaSet:
         self.name = self.primary.name
         self.returns_logprobs = self.primary.returns_logprobs
         self.chat = self.primary.chat
+        self.vocab_size = self.primary.vocab_size
         self.closing = False  # close() under way: requests the replicas cancel are not failovers
 
     @property
@@ -329,23 +370,20 @@ class ReplicatedEngine(ReplicaSet, Engine):
         super().__init__()
         self._setup(replicas, names, routing)
         self._pool = ThreadPoolExecutor(max_workers=len(self.replicas), thread_name_prefix="ragen-replica")
+        self._closed = threading.Event()  # ends a wait for a probe
 
     def generate(self, requests: Sequence[GenerationRequest], sampling: SamplingParams) -> list[Completion]:
         answers: list[Completion | None] = [None] * len(requests)
         tried: list[set[int]] = [set() for _ in requests]
+        since: list[float | None] = [None] * len(requests)  # when each first failed or waited
         todo = list(range(len(requests)))
         while todo:
-            parts: dict[int, list[int]] = {}
-            waiting: list[int] = []  # no replica for them now, while others of the round have one
-            refused: NoReplicaLeft | None = None
-            for k in todo:
-                try:
-                    parts.setdefault(self.router.pick(requests[k], tried[k]), []).append(k)
-                except NoReplicaLeft as exc:
-                    refused = exc
-                    waiting.append(k)
-            if refused is not None and not parts:  # no replica takes any of them
-                raise refused
+            parts, waiting, wait_s = self._route(requests, todo, tried, since)
+            if not parts:  # every replica down: wait for a probe to fall due (the router bounds the wait)
+                if self._closed.wait(wait_s):
+                    raise RuntimeError(CLOSED_BEFORE_ANSWER)
+                todo = waiting
+                continue
             # the waiting requests go in the next round, when the replicas taking this round's
             # (probes among them, once every replica has failed) have answered or failed
             calls = {self._pool.submit(self.replicas[i].generate, [requests[k] for k in part], sampling): i
@@ -367,6 +405,7 @@ class ReplicatedEngine(ReplicaSet, Engine):
                     self.router.failed(i, error, len(part))
                     for k in part:
                         tried[k].add(i)
+                        since[k] = self.router.clock() if since[k] is None else since[k]
                     todo += part
                     continue
                 for k, completion in zip(part, completions):
@@ -374,8 +413,32 @@ class ReplicatedEngine(ReplicaSet, Engine):
                     answers[k] = dataclasses.replace(completion, replica=i)
         return answers  # type: ignore[return-value]  # every request answered, or NoReplicaLeft raised
 
+    def _route(self, requests: Sequence[GenerationRequest], todo: list[int], tried: list[set[int]],
+               since: list[float | None]) -> tuple[dict[int, list[int]], list[int], float]:
+        """The requests ``todo`` by the replica each goes to, those that wait for the next round,
+        and how long to wait when none goes anywhere; ``NoReplicaLeft`` when none can go anywhere
+        and one has no replica left."""
+        parts: dict[int, list[int]] = {}
+        waiting: list[int] = []  # no replica for them now
+        refused: NoReplicaLeft | None = None
+        wait_s = float("inf")
+        for k in todo:
+            try:
+                parts.setdefault(self.router.pick(requests[k], tried[k], since[k]), []).append(k)
+            except WaitForReplica as told:  # every replica down
+                since[k] = told.since
+                waiting.append(k)
+                wait_s = min(wait_s, told.retry_in_s)
+            except NoReplicaLeft as exc:
+                refused = exc
+                waiting.append(k)
+        if refused is not None and not parts:  # no replica takes any of them
+            raise refused
+        return parts, waiting, wait_s
+
     def close(self) -> None:
         super().close()
+        self._closed.set()
         self._pool.shutdown(wait=False, cancel_futures=True)
 
 
@@ -388,6 +451,7 @@ class _Routed:
     sampling: SamplingParams
     tried: set[int]
     inner: Future | None = None  # the request in the replica it went to last
+    since: float | None = None  # when it first failed or waited for a replica
 
 
 class ReplicatedStreamingEngine(ReplicaSet, StreamingEngine):
@@ -398,9 +462,12 @@ class ReplicatedStreamingEngine(ReplicaSet, StreamingEngine):
                  routing: Routing = Routing()) -> None:
         super().__init__()
         self._setup(replicas, names, routing)
-        # requests that found no replica while a probe was in flight: routed again when it is answered
+        # requests that found no replica while every replica was down: routed again when a probe is
+        # answered, or when the wake-up timer fires (a probe falls due, or the outage wait ends)
         self._parked: list[_Routed] = []
         self._park_lock = threading.Lock()
+        self._wake: threading.Timer | None = None
+        self._wake_at = 0.0
 
     def submit(self, requests: Sequence[GenerationRequest], sampling: SamplingParams) -> list[Future]:
         routed = [_Routed(Future(), r, sampling, set()) for r in requests]
@@ -410,13 +477,21 @@ class ReplicatedStreamingEngine(ReplicaSet, StreamingEngine):
         return [entry.future for entry in routed]
 
     def _send(self, entry: _Routed) -> None:
-        """Route ``entry`` to a replica not yet tried; park it while none is up and a probe is in
-        flight; fail it when none is left."""
+        """Route ``entry`` (``Router.pick``); park it while no replica is up and a probe is in
+        flight or may fall due; fail it when none is left."""
         while not entry.future.done():
             with self._park_lock:  # a probe answered meanwhile routes the parked requests after this
+                if self.closing:  # close() has failed the parked requests, or is about to
+                    resolve(entry.future, error=RuntimeError(CLOSED_BEFORE_ANSWER))
+                    return
                 probing = self.router.probing()
                 try:
-                    index = self.router.pick(entry.request, entry.tried)
+                    index = self.router.pick(entry.request, entry.tried, entry.since)
+                except WaitForReplica as told:  # every replica down
+                    entry.since = told.since
+                    self._parked.append(entry)
+                    self._wake_in(told.retry_in_s)
+                    return
                 except NoReplicaLeft as exc:
                     if probing:  # after every replica failed: wait for the probe's answer
                         self._parked.append(entry)
@@ -432,8 +507,29 @@ class ReplicatedStreamingEngine(ReplicaSet, StreamingEngine):
             inner.add_done_callback(lambda future, entry=entry, index=index: self._answered(entry, index, future))
             return
 
+    def _wake_in(self, delay_s: float) -> None:
+        """Route the parked requests again in ``delay_s`` (the park lock held), unless an
+        earlier wake-up is set."""
+        at = time.monotonic() + delay_s
+        if self._wake is not None:
+            if self._wake_at <= at:
+                return
+            self._wake.cancel()
+        self._wake, self._wake_at = threading.Timer(delay_s, self._woken), at
+        self._wake.daemon = True
+        self._wake.start()
+
+    def _woken(self) -> None:
+        with self._park_lock:
+            if self._wake is threading.current_thread():
+                self._wake = None
+        self._unpark()
+
     def close(self) -> None:
         super().close()
+        with self._park_lock:
+            if self._wake is not None:
+                self._wake.cancel()
         self._unpark()  # requests still waiting for a probe fail now
 
     def _answered(self, entry: _Routed, index: int, inner: Future) -> None:
@@ -469,6 +565,7 @@ class ReplicatedStreamingEngine(ReplicaSet, StreamingEngine):
 
     def _failover(self, entry: _Routed, index: int, error: BaseException) -> None:
         entry.tried.add(index)
+        entry.since = self.router.clock() if entry.since is None else entry.since
         self.router.failed(index, error)
         logger.info("the request of env %s turn %s goes from replica %s to another (%s)", entry.request.env_id,
                     entry.request.turn, self.router.replicas[index].name, error)
