@@ -10,7 +10,7 @@ Each run writes a fresh run folder, runs/<project>/<experiment>/<date>_<time>
 
 The logic lives in ``ragen.trainer``; this file parses the config, shows a
 progress bar and the one-line summary of each step, and reports where the
-metrics, checkpoints and learning curve went.
+metrics, checkpoints and learning curve went (the curve only where it was drawn).
 """
 
 from __future__ import annotations
@@ -47,7 +47,8 @@ def run(cfg: DictConfig) -> dict:
         print(f"run folder: {trainer.run_dir}")
         print(f"  metrics:        {trainer.run_dir / 'metrics.jsonl'}")
         print(f"  checkpoints:    {trainer.run_dir / 'checkpoints'}")
-        print(f"  learning curve: {trainer.run_dir / 'learning_curve.png'}")
+        if trainer.curve_path is not None:
+            print(f"  learning curve: {trainer.curve_path}")
         return last
     finally:
         if bar is not None:

@@ -157,6 +157,7 @@ class AgentTrainer:
         # the template and tokenizer the engine built prompts with (a vLLM engine's are the same files)
         self.chat = engine.chat if self.engine_name == "hf" else ChatTokens.of(self.tokenizer, self.model)
         self.global_step = 0
+        self.curve_path: Path | None = None  # the learning curve fit() drew, if it could
         logger.info("trainable parameters: %d (%s); off-policy correction: %s%s", self.actor.num_trainable,
                     f"LoRA rank {self.config.model.lora_rank}" if self.config.use_lora else "full fine-tuning",
                     self.correction, f" (cap {self.config.actor.tis_cap:g})" if self.correction != "none" else "")
@@ -259,7 +260,7 @@ class AgentTrainer:
             if on_step is not None:
                 on_step(step, metrics)
             last = metrics
-        self.plot()
+        self.curve_path = self.plot()
         return last
 
     def train_step(self, step: int) -> dict[str, float]:
@@ -459,9 +460,13 @@ class AgentTrainer:
     # ------------------------------------------------------------ end
 
     def plot(self) -> Path | None:
+        """Draw ``learning_curve.png``; return its path, or None where it was not drawn (the log says why)."""
         try:
             path = plot_learning_curve(self.run_dir / METRICS_FILE, self.run_dir / CURVE_FILE,
                                        title=f"{self.config.run.project_name}/{self.config.run.experiment_name}")
+        except ModuleNotFoundError as exc:  # matplotlib (or a module it needs) is not installed
+            logger.warning("no learning curve drawn: %s; install it to draw %s", exc, CURVE_FILE)
+            return None
         except Exception:  # a missing plot must not fail a finished run
             logger.exception("could not draw the learning curve")
             return None
