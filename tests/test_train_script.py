@@ -66,6 +66,27 @@ def test_train_py_two_steps(tiny_model_path, tmp_path, config_name):
     assert [r["step"] for r in read_metrics(run_dir / "metrics.jsonl")] == [0, 1, 2, 3]
 
 
+def test_without_matplotlib_train_py_names_only_what_it_wrote(tiny_model_path, tmp_path):
+    """No matplotlib (docs/vllm_cpu.md's venv lacked it): one warning that says what to install, no
+    traceback, and no `learning curve:` line for a file that is not there."""
+    fake = tmp_path / "no_matplotlib"
+    (fake / "matplotlib").mkdir(parents=True)
+    (fake / "matplotlib" / "__init__.py").write_text(
+        "raise ModuleNotFoundError(\"No module named 'matplotlib'\", name='matplotlib')\n")
+    run_dir = tmp_path / "run"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([str(fake), str(ROOT)])}
+    args = [*_small(tiny_model_path, run_dir), "trainer.total_training_steps=1", "trainer.test_freq=0",
+            "trainer.val_before_train=false"]
+    proc = subprocess.run([sys.executable, str(ROOT / "train.py"), f"hydra.run.dir={tmp_path / 'hydra'}", *args],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-5000:]
+    assert not (run_dir / "learning_curve.png").exists()
+    assert "learning curve:" not in proc.stdout
+    assert f"run folder: {run_dir}" in proc.stdout and "metrics.jsonl" in proc.stdout
+    assert "no learning curve drawn: No module named 'matplotlib'" in proc.stdout + proc.stderr
+    assert "Traceback" not in proc.stdout + proc.stderr
+
+
 def test_train_py_bad_config_names_the_key(tiny_model_path, tmp_path):
     proc = _run([*_small(tiny_model_path, tmp_path / "run"), "algorithm.adv_estimator=nope"], tmp_path)
     assert proc.returncode == 2

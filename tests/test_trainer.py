@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import re
 import shutil
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -553,6 +554,30 @@ def test_existing_run_needs_resume(tiny_model_path, tmp_path, no_model_loading):
     ckpt.save_checkpoint(run, 1, {"step": 1})
     with pytest.raises(ValueError, match=r"trainer\.resume"):
         AgentTrainer(compose_cfg(small_overrides(tiny_model_path, run)))
+
+
+def test_the_default_run_folder_is_a_fresh_one_per_run():
+    """Two runs of one command must not meet each other's checkpoints: the default folder is the run's own."""
+    folder = TrainerConfig.from_config(compose_cfg([])).run.default_local_dir
+    assert re.fullmatch(r"runs/ragen/bandit_grpo/\d{4}-\d\d-\d\d_\d\d-\d\d-\d\d", folder), folder
+    parallel = TrainerConfig.from_config(compose_cfg([], "base-parallel")).run.default_local_dir
+    assert re.fullmatch(r"runs/ragen/bandit_grpo/[\d_-]+", parallel), parallel
+
+
+def test_latest_links_the_newest_run_folder_and_leaves_anything_else_alone(tmp_path):
+    first, second = tmp_path / "exp" / "2026-01-01_00-00-00", tmp_path / "exp" / "2026-01-01_00-00-07"
+    for run in (first, second):
+        run.mkdir(parents=True)
+    assert ckpt.mark_latest_run(first) == tmp_path / "exp" / "latest"
+    assert (tmp_path / "exp" / "latest").resolve() == first
+    ckpt.mark_latest_run(second)
+    link = tmp_path / "exp" / "latest"
+    assert link.resolve() == second and link.readlink() == Path(second.name)  # relative: the tree can move
+    assert sorted(p.name for p in link.parent.iterdir()) == [first.name, second.name, "latest"]  # no temp left
+    (tmp_path / "other" / "latest").mkdir(parents=True)  # a folder of the user's, not a link
+    (tmp_path / "other" / "run").mkdir()
+    assert ckpt.mark_latest_run(tmp_path / "other" / "run") is None
+    assert (tmp_path / "other" / "latest").is_dir() and not (tmp_path / "other" / "latest").is_symlink()
 
 
 def test_metrics_log_has_the_stable_names(tiny_model_path, tmp_path):

@@ -260,6 +260,19 @@ def test_curve_from_metrics_beside_the_dump(tmp_path, dump):
     assert 'data-metric="train/reward"' in write_viewer(sub / dump.name).read_text()
 
 
+def test_the_curve_shows_rounded_numbers():
+    """A mean of rewards that cancel is float noise (8.674e-19): shown as 0, and no value in more than
+    four significant digits."""
+    from ragen.viewer.curve import curve_svg
+
+    svg = curve_svg([{"step": 1, "train/reward": 8.674e-19}, {"step": 2, "train/reward": -0.1},
+                     {"step": 3, "train/reward": 1 / 3}, {"step": 4, "train/reward": -1e-17}])
+    shown = re.findall(r">([^<>]+)<", svg)
+    assert "step 1: 0" in shown and "step 2: -0.1" in shown and "step 3: 0.3333" in shown and "step 4: 0" in shown
+    assert not [text for text in shown if "e-" in text], shown
+    assert "0.3333" in shown  # the axis' top
+
+
 # ----------------------------------------------------------------------------- the command line
 
 

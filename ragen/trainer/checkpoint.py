@@ -14,6 +14,10 @@ place, then ``latest_checkpointed_iteration.txt`` (verl's name) is replaced
 atomically. A crash at any moment leaves the previous checkpoint intact and
 findable; a half-written folder is never taken for a checkpoint.
 
+*Findable*: ``mark_latest_run`` points ``latest`` beside a run folder at it
+(``runs/ragen/bandit_grpo/latest``), so the newest of an experiment's run
+folders, one per run, has a path that does not change.
+
 A checkpoint damaged afterwards (a ``state.pt`` cut short by a copy or a full
 disk, a ``meta.json`` that is not JSON) raises ``CheckpointError`` naming the
 file and the previous checkpoint to resume from instead.
@@ -37,6 +41,7 @@ import torch
 logger = logging.getLogger(__name__)
 
 LATEST_FILE = "latest_checkpointed_iteration.txt"
+LATEST_RUN = "latest"
 STATE_FILE = "state.pt"
 _STEP_DIR = re.compile(r"^global_step_(\d+)$")
 
@@ -60,6 +65,26 @@ def checkpoint_root(run_dir: str | os.PathLike) -> Path:
 
 def step_dir(run_dir: str | os.PathLike, step: int) -> Path:
     return checkpoint_root(run_dir) / f"global_step_{step}"
+
+
+def mark_latest_run(run_dir: str | os.PathLike) -> Path | None:
+    """Point the link ``latest`` beside ``run_dir`` at it (a relative link, swapped atomically);
+    return the link, or None where there is something else of that name or links cannot be made."""
+    run_dir = Path(run_dir)
+    link = run_dir.parent / LATEST_RUN
+    if run_dir.name == LATEST_RUN or (link.exists() and not link.is_symlink()):
+        logger.warning("%s is not a link that ragen made: it is left alone, and does not name the newest run", link)
+        return None
+    tmp = link.with_name(f".{LATEST_RUN}.{os.getpid()}.tmp")
+    try:
+        tmp.unlink(missing_ok=True)
+        os.symlink(run_dir.name, tmp, target_is_directory=True)
+        os.replace(tmp, link)
+    except OSError as exc:  # a file system without links: the run folder is still printed at the end
+        tmp.unlink(missing_ok=True)
+        logger.warning("could not point %s at %s: %s", link, run_dir, exc)
+        return None
+    return link
 
 
 def _atomic_write_text(path: Path, text: str) -> None:
@@ -165,7 +190,7 @@ def _damaged(run_dir: str | os.PathLike, step: int, path: Path, why: BaseExcepti
     folder = step_dir(run_dir, step)
     if earlier:
         advice = (f"resume from the previous checkpoint, {step_dir(run_dir, earlier[-1])}: move or delete {folder} "
-                  "and run again with trainer.resume=true")
+                  f"and run again with trainer.resume=true trainer.default_local_dir={Path(run_dir)}")
     else:
         advice = f"there is no earlier checkpoint: delete {folder} to start the run afresh"
     return f"checkpoint {path} is truncated or corrupt ({why}); {advice}"

@@ -46,14 +46,14 @@ TRAINABLE_ENGINES = ("hf", "vllm")
 class TrainerSection:
     """``trainer.*``: the run."""
 
-    default_local_dir: str = setting()  # the run folder (base.yaml: runs/<project>/<experiment>)
+    default_local_dir: str = setting()  # the run folder (trainer_defaults.yaml: a fresh one per run)
     project_name: str = "ragen"
     experiment_name: str = "default"
     total_training_steps: int = setting(20, minimum=1)
     test_freq: int = 5  # <= 0: no periodic validation (the last step is still validated)
     save_freq: int = 10  # <= 0: only the last step is saved
     val_before_train: bool = True
-    resume: bool = False
+    resume: bool = False  # continue from the latest checkpoint in default_local_dir
     logger: str | list[str] = setting(default_factory=lambda: ["console", "jsonl"])
     max_actor_ckpt_to_keep: int | None = setting(None, minimum=1)
     seed: int | None = None  # None: seed.train

@@ -27,6 +27,11 @@ actor corrects for the policy that sampled (``off_policy_correction``).
 written down by the driver after it ran (``ragen.rollout.dump``), for
 ``python -m ragen.tools.viewer`` and ``python -m ragen.tools.replay``.
 
+*The run folder* (``trainer.default_local_dir``) holds the run's config,
+metrics, checkpoints and learning curve; ``config/trainer_defaults.yaml`` names
+a fresh one per run, and ``latest`` beside it links the newest. A folder that
+already holds checkpoints is refused unless the run resumes it.
+
 *Checkpoints* (``save_freq`` and the last step) and *resume*: see
 ``ragen.trainer.checkpoint``. On resume the metrics log is cut back to the
 checkpoint's step, so the steps redone are logged once.
@@ -117,7 +122,7 @@ class AgentTrainer:
         self.engine = engine
         self.proxy = None
         try:
-            self._build(cfg, plain, resume_step, console)
+            self._build(plain, resume_step, console)
         except BaseException:
             if self.proxy is not None:
                 self.proxy.close()
@@ -125,7 +130,7 @@ class AgentTrainer:
                 engine.close()
             raise
 
-    def _build(self, cfg: Mapping[str, Any], plain: Mapping[str, Any], resume_step: int | None,
+    def _build(self, plain: Mapping[str, Any], resume_step: int | None,
                console: Callable[[str], None] | None) -> None:
         engine = self.engine
         self.model, self.tokenizer = self._policy_model(engine)
@@ -152,13 +157,15 @@ class AgentTrainer:
         # the template and tokenizer the engine built prompts with (a vLLM engine's are the same files)
         self.chat = engine.chat if self.engine_name == "hf" else ChatTokens.of(self.tokenizer, self.model)
         self.global_step = 0
+        self.curve_path: Path | None = None  # the learning curve fit() drew, if it could
         logger.info("trainable parameters: %d (%s); off-policy correction: %s%s", self.actor.num_trainable,
                     f"LoRA rank {self.config.model.lora_rank}" if self.config.use_lora else "full fine-tuning",
                     self.correction, f" (cap {self.config.actor.tis_cap:g})" if self.correction != "none" else "")
         if resume_step is not None:
             self._load(resume_step)
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        self._save_config(cfg)
+        ckpt.mark_latest_run(self.run_dir)
+        self._save_config(plain)
         self.tracking = Tracking(self.run_dir, self.config.loggers, self.config.run.project_name,
                                  self.config.run.experiment_name, config=plain, console=console)
 
@@ -169,14 +176,17 @@ class AgentTrainer:
         existing = ckpt.list_checkpoints(self.run_dir)
         if self.config.run.resume:
             step = ckpt.latest_checkpoint(self.run_dir)
-            if step is None:
-                logger.info("trainer.resume is true but %s holds no checkpoint: starting from step 0", self.run_dir)
-            return step
-        if existing:
+            if step is not None:
+                return step
+            latest = self.run_dir.parent / ckpt.LATEST_RUN
+            logger.warning("trainer.resume is true but %s holds no checkpoint: starting from step 0 (to continue "
+                           "an earlier run, name its folder: trainer.default_local_dir=%s)", self.run_dir,
+                           latest if latest.is_dir() else "<its run folder>")
+        elif existing:
             raise ValueError(
                 f"trainer.default_local_dir={str(self.run_dir)!r} already holds checkpoints (steps {existing}); "
-                "set trainer.resume=true to continue that run, or choose another trainer.experiment_name / "
-                "trainer.default_local_dir"
+                "set trainer.resume=true to continue that run, or name another trainer.default_local_dir "
+                "(config/trainer_defaults.yaml's default is a fresh folder per run)"
             )
         stale = self.run_dir / METRICS_FILE
         if stale.is_file():
@@ -212,11 +222,12 @@ class AgentTrainer:
                              "parameters")
         return peft_model
 
-    def _save_config(self, cfg: Mapping[str, Any]) -> None:
+    def _save_config(self, plain: Mapping[str, Any]) -> None:
         try:
             from omegaconf import OmegaConf
 
-            OmegaConf.save(OmegaConf.create(to_plain(cfg)), self.run_dir / "config.yaml")
+            # the config as read (not resolved again: the run folder's time stamp would be read afresh)
+            OmegaConf.save(OmegaConf.create(plain), self.run_dir / "config.yaml")
         except Exception:  # a record for people; the run does not depend on it
             logger.debug("could not write config.yaml", exc_info=True)
 
@@ -249,7 +260,7 @@ class AgentTrainer:
             if on_step is not None:
                 on_step(step, metrics)
             last = metrics
-        self.plot()
+        self.curve_path = self.plot()
         return last
 
     def train_step(self, step: int) -> dict[str, float]:
@@ -408,7 +419,7 @@ class AgentTrainer:
             raise ValueError(
                 f"the checkpoint of step {step} in {self.run_dir} was written with actor_rollout_ref.model.lora_rank="
                 f"{rank}, this run has actor_rollout_ref.model.lora_rank={self.config.model.lora_rank}: set it to "
-                f"{rank} to resume, or start a new run (another trainer.experiment_name)"
+                f"{rank} to resume, or start a new run (in a fresh run folder, without trainer.resume)"
             )
         state = ckpt.load_checkpoint(self.run_dir, step)
         if bool(state.get("lora")) != (self.peft_model is not None):
@@ -449,9 +460,13 @@ class AgentTrainer:
     # ------------------------------------------------------------ end
 
     def plot(self) -> Path | None:
+        """Draw ``learning_curve.png``; return its path, or None where it was not drawn (the log says why)."""
         try:
             path = plot_learning_curve(self.run_dir / METRICS_FILE, self.run_dir / CURVE_FILE,
                                        title=f"{self.config.run.project_name}/{self.config.run.experiment_name}")
+        except ModuleNotFoundError as exc:  # matplotlib (or a module it needs) is not installed
+            logger.warning("no learning curve drawn: %s; install it to draw %s", exc, CURVE_FILE)
+            return None
         except Exception:  # a missing plot must not fail a finished run
             logger.exception("could not draw the learning curve")
             return None

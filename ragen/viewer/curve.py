@@ -74,6 +74,12 @@ def series(rows: list[dict[str, Any]], name: str) -> list[tuple[int, float]]:
     return sorted(points.items())
 
 
+def _number(value: float) -> str:
+    """A value as shown: to four decimal places, so that float noise (8.674e-19 for rewards that
+    cancel) reads 0, in at most four significant digits."""
+    return f"{round(value, 4) + 0.0:.4g}"  # + 0.0: -0.0 reads 0
+
+
 def curve_svg(rows: list[dict[str, Any]]) -> str:
     charts = [_chart(name, pts) for name in CURVE_METRICS if (pts := series(rows, name))]
     return "\n".join(charts)
@@ -95,7 +101,7 @@ def _chart(name: str, points: list[tuple[int, float]]) -> str:
 
     coords = [xy(s, v) for s, v in points]
     poly = " ".join(f"{x:.1f},{y:.1f}" for x, y in coords)
-    dots = "".join(f'<circle cx="{x:.1f}" cy="{y:.1f}" r="2.5"><title>step {s}: {v:.4g}</title></circle>'
+    dots = "".join(f'<circle cx="{x:.1f}" cy="{y:.1f}" r="2.5"><title>step {s}: {_number(v)}</title></circle>'
                    for (x, y), (s, v) in zip(coords, points))
     label = html.escape(name)
     left, bottom = _PAD_L, _PAD_T + plot_h
@@ -105,8 +111,8 @@ def _chart(name: str, points: list[tuple[int, float]]) -> str:
         f'<text x="{_W / 2:.0f}" y="15" text-anchor="middle" class="title">{label}</text>'
         f'<line x1="{left}" y1="{_PAD_T}" x2="{left}" y2="{bottom}" class="axis"/>'
         f'<line x1="{left}" y1="{bottom}" x2="{_W - _PAD_R}" y2="{bottom}" class="axis"/>'
-        f'<text x="{left - 4}" y="{_PAD_T + 4}" text-anchor="end">{hi:.3g}</text>'
-        f'<text x="{left - 4}" y="{bottom}" text-anchor="end">{lo:.3g}</text>'
+        f'<text x="{left - 4}" y="{_PAD_T + 4}" text-anchor="end">{_number(hi)}</text>'
+        f'<text x="{left - 4}" y="{bottom}" text-anchor="end">{_number(lo)}</text>'
         f'<text x="{left}" y="{bottom + 16}" text-anchor="middle">{x0}</text>'
         f'<text x="{_W - _PAD_R}" y="{bottom + 16}" text-anchor="end">{x1}</text>'
         f'<text x="{left + plot_w / 2:.0f}" y="{bottom + 26}" text-anchor="middle">step</text>'

@@ -136,8 +136,9 @@ class SyncBackend(RolloutBackend):
         later, returned = counts.pop("engine/replica_later_turns", 0.0), counts.pop("engine/replica_returned", 0.0)
         if later:  # the share of later turns that went back to their episode's replica
             m["engine/replica_affinity"] = returned / later
-        m.update({key: value for key, value in counts.items()
-                  if value or key.startswith("engine/replica")})  # per replica: its zeros say something too
+        # the counts that remain (history divergences, token prompts sent as messages, each replica's
+        # use) say something at zero too: an engine that took every prompt as the ids sampled
+        m.update(counts)
         _log_summary(label, result)
         return result
 
@@ -194,17 +195,27 @@ def _engine_counts(engine: Engine) -> dict[str, float]:
     return counts
 
 
+def _replica_part(m: dict[str, float]) -> str:
+    """With replicas: their failovers (0 too), and the later turns that went back to their episode's
+    replica where there were later turns."""
+    if "engine/replica_failovers" not in m:
+        return ""
+    affinity = (f"{m['engine/replica_affinity']:.0%} of later turns on their episode's, "
+                if "engine/replica_affinity" in m else "")
+    return f" | replicas: {affinity}{int(m['engine/replica_failovers'])} failovers"
+
+
 def _log_summary(label: str, result: RolloutResult) -> None:
     m = result.metrics
     logger.info(
-        "[Rollout] %s: %d envs in %.2f s | engine %.2f s, %d calls, mean batch %.1f%s | env %.2f s | "
-        "waiting for the model %.2f s | fallbacks %d%s | success %.3f",
+        # env and waiting time add up every worker's, so with several workers they pass the rollout's wall time
+        "[Rollout] %s: %d envs in %.2f s | engine %.2f s, %d calls, mean batch %.1f%s | summed over workers: "
+        "env %.2f s, waiting for the model %.2f s | fallbacks %d%s | success %.3f",
         label, len(result.specs), m.get("timing/rollout_s", 0.0), m.get("timing/engine_s", 0.0),
         int(m.get("engine/calls", 0)), m.get("engine/mean_batch_size", 0.0),
         f", prompt tokens {m['engine/prefix_reuse']:.0%} reused" if "engine/prefix_reuse" in m else "",
         m.get("timing/env_s", 0.0), m.get("timing/wait_llm_s", 0.0), int(m.get("parallel/fallbacks", 0)),
-        f" | replicas: {m['engine/replica_affinity']:.0%} of later turns on their episode's, "
-        f"{int(m.get('engine/replica_failovers', 0))} failovers" if "engine/replica_affinity" in m else "",
+        _replica_part(m),
         m.get("rollout/success", 0.0))
     for f in result.failed_envs:
         logger.warning("[Rollout] %s: env_id %d (tag %s, seed %d) ended in %s at turn %d: %s | check it alone: "
