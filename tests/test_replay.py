@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -98,6 +99,24 @@ def test_a_changed_reward_is_reported_at_its_turn_and_step(parallel_dump, tmp_pa
     # the other envs are untouched
     others = [r.env_id for r in read_dump(path) if r.env_id != env_id][:3]
     assert main([path] + [a for i in others for a in ("--env-id", str(i))]) == 0
+
+
+@pytest.mark.timeout(120)
+def test_an_env_config_past_its_bounds_is_refused_before_any_env_is_built(parallel_dump, tmp_path, capsys):
+    record = next(r for r in read_dump(parallel_dump) if r.spec.tag == "SimpleSokoban")
+
+    def edit(row):
+        row["spec"]["env_config"].update(dim_x=2**40, dim_y=2**40)
+
+    path = _tampered(parallel_dump, tmp_path, record.env_id, edit)
+    message = (f"line {record.line}: custom_envs.SimpleSokoban.env_config.dim_x: the room is at most 64x64 "
+               f"(walls included), got 1099511627776x1099511627776")
+    for chosen in (["--env-id", str(record.env_id)], []):  # the env alone, or the whole dump
+        assert main([path, *chosen, *ALLOW_FAULT]) == 2
+        captured = capsys.readouterr()
+        assert captured.err == f"error: {path} {message}\n" and not captured.out
+    with pytest.raises(ValueError, match=re.escape(message)):  # the API too
+        replay(read_dump(path)[record.line - 1])
 
 
 def test_a_changed_observation_and_prompt_are_reported(parallel_dump, tmp_path, capsys):
