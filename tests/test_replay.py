@@ -10,6 +10,7 @@ import re
 import subprocess
 import sys
 import threading
+import tracemalloc
 
 import pytest
 import yaml
@@ -356,3 +357,37 @@ def test_a_huge_max_turn_in_a_dump_does_not_keep_the_replay_going(parallel_dump,
     assert main([path, "--env-id", str(record.env_id)]) == 1
     n = len(record.trajectory.turns)
     assert f"differs at turn {n}: the replay went on past the dump's last turn" in capsys.readouterr().out
+
+
+# an env that never ends: an episode as long as max_turn
+ENDLESS = {"env_type": "tests.custom_env_example:MyEnvWithConfig", "max_actions_per_traj": 10**6,
+           "env_instruction": "Count up.", "env_config": {"limit": 10**9}}
+
+
+def _long_episode(tmp_path, turns: int):
+    specs = specs_for(["Endless"], [1], 1, custom_envs(Endless=ENDLESS))
+    config = loop_config(max_turn=turns)
+    trajectories, _ = run_envs(specs, DirectClient(ScriptedEngine(seed=1)), config, kept_envs=KeptEnvs())
+    (record,) = read_dump(write_dump(tmp_path, f"d{turns}", RolloutResult(trajectories, specs), config,
+                                     split="train", step=0))
+    return record
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("engine", ["recorded", "scripted"])
+def test_replay_memory_grows_linearly_with_the_turns(tmp_path, engine):
+    """Each turn appends its prompt's ids to the episode's: twice the turns is twice the
+    dump, and must be about twice the memory, not four times (every turn's whole prompt kept)."""
+    allowed = allowed_env_types(allow=["tests.custom_env_example:MyEnvWithConfig"])
+    peaks = {}
+    for turns in (100, 200):
+        record = _long_episode(tmp_path, turns)
+        assert len(record.trajectory.turns) == turns and all(t.has_prompt_ids for t in record.trajectory.turns)
+        tracemalloc.start()
+        try:
+            result = replay(record, ScriptedEngine(seed=1) if engine == "scripted" else None, env_types=allowed)
+            peaks[turns] = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+        assert result.identical, result.difference
+    assert peaks[200] < 2.5 * peaks[100], {k: f"{v / 2**20:.1f} MiB" for k, v in peaks.items()}

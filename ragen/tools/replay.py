@@ -93,17 +93,22 @@ class RecordedEngine(Engine):
 
 
 class _PromptsSeen(Engine):
-    """Passes requests to ``engine`` and keeps each turn's prompt."""
+    """Passes requests to ``engine`` and keeps the prompt of the first turn whose prompt is
+    not the dump's (``expected``, per turn): the only one that can be the first difference.
+    Every turn's prompt kept would grow with the square of the turns."""
 
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: Engine, expected: Sequence[Sequence[dict[str, str]]]) -> None:
         super().__init__()
         self.engine = engine
         self.name = engine.name
+        self.expected = expected
         self.prompts: dict[int, list[dict[str, str]]] = {}
 
     def generate(self, requests: Sequence[GenerationRequest], sampling: SamplingParams) -> list[Completion]:
         for r in requests:
-            self.prompts[r.turn] = r.messages
+            if r.turn < len(self.expected) and r.messages != self.expected[r.turn] \
+                    and (not self.prompts or r.turn < min(self.prompts)):
+                self.prompts = {r.turn: r.messages}
         return self.engine.generate(requests, sampling)
 
 
@@ -134,7 +139,7 @@ def replay(record: DumpRecord, engine: Engine | None = None, raise_errors: bool 
     # one turn past the dump's last already differs: the dump's max_turn (data) never keeps a replay going
     max_turn = min(record.loop.max_turn, len(record.trajectory.turns) + 1)
     loop = dataclasses.replace(record.loop, env_timeout_s=None, env_retries=0, max_turn=max_turn)
-    seen = _PromptsSeen(engine if engine is not None else RecordedEngine(record))
+    seen = _PromptsSeen(engine if engine is not None else RecordedEngine(record), record.messages)
     kept = KeptEnvs()
     try:
         (trajectory,), _ = run_envs([spec], DirectClient(seen), loop, kept_envs=kept,
@@ -174,6 +179,7 @@ def first_difference(record: DumpRecord, replayed: Trajectory,
                      prompts: dict[int, list[dict[str, str]]] | None = None) -> str | None:
     """The first place where ``replayed`` differs from the dump, as a sentence."""
     dumped = record.trajectory
+    # one turn's prompt ids at a time, from each side
     dumped_ids, replayed_ids = turn_prompts(dumped.turns), turn_prompts(replayed.turns)
     for i in range(max(len(dumped.turns), len(replayed.turns))):
         if i >= len(replayed.turns):
@@ -187,7 +193,7 @@ def first_difference(record: DumpRecord, replayed: Trajectory,
             return f"turn {i}: state shown: {_diff(a.observation, b.observation)}"
         if prompts is not None and i in prompts and record.messages[i] != prompts[i]:
             return f"turn {i}: prompt: {_prompt_diff(record.messages[i], prompts[i])}"
-        x, y = dumped_ids[i], replayed_ids[i]
+        x, y = next(dumped_ids), next(replayed_ids)
         if x is not None and y is not None and x != y:
             return f"turn {i}: prompt ids: {_ids_diff(x, y)}"
         for name in ("response", "actions", "executed_actions"):
