@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import re
 
+import numpy as np
 import pytest
 
 from ragen.llm_agent.es_manager import EnvStateManager, EnvStatus
@@ -114,6 +115,8 @@ def test_step_names_an_env_id_out_of_range(env_id, message):
         # nothing stepped: not the last env (what -1 would index), nor the good one before it
         assert all(e["status"].num_actions == 0 for e in es.envs)
         assert all(len(c["history"]) == 1 for c in es.rollout_cache)
+        es.step([{**good, "env_id": np.int64(5)}])  # RAGEN's proxy takes the ids from a numpy array
+        assert es.envs[5]["status"].num_actions == 1
     finally:
         es.close()
 

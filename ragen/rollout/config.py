@@ -219,7 +219,7 @@ SPLITS = ("train", "val")
 class EsManagerConfig:
     """``es_manager``: the train and val env sets, and the penalty of an answer without valid
     actions. A config may leave out a split that nothing plays (RAGEN's ``EnvStateManager``
-    reads only its mode's); ``split(name)`` is the one that is played, or the error that names it."""
+    reads only its mode's); ``split(name)`` gives a split to play, or a ValueError naming it."""
 
     train: EnvSplitConfig | None = None
     val: EnvSplitConfig | None = None

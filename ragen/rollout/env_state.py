@@ -30,6 +30,7 @@ The rollouts of this package do not use it: their workers play ``EnvSpec``s
 
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
@@ -64,7 +65,7 @@ class EnvStateManager:
         self.format_penalty = sections["es_manager"].format_penalty
         self.base_seed: int = getattr(sections["seed"], mode)
         self.seed_counter = 0
-        # only this mode's split: a config without the other is RAGEN's too
+        # only this mode's split, as RAGEN's: a config for it may leave out the other
         maker = EnvSpecMaker(mode, sections["es_manager"].split(mode), plain.get("custom_envs") or {},
                              self.base_seed)
         self.env_groups, self.group_size = maker.env_groups, maker.group_size
@@ -142,7 +143,8 @@ class EnvStateManager:
     def _check_env_id(self, env_id: Any) -> None:
         """ValueError naming ``env_id`` unless it is one of the envs' ids (their index in ``envs``;
         a negative one would index from the end)."""
-        if isinstance(env_id, bool) or not isinstance(env_id, int) or not 0 <= env_id < len(self.envs):
+        # numpy's ints too: RAGEN's proxy takes the ids from a numpy array
+        if isinstance(env_id, bool) or not isinstance(env_id, numbers.Integral) or not 0 <= env_id < len(self.envs):
             raise ValueError(f"env_id {env_id!r} is not an env of this EnvStateManager: its env ids are 0 to "
                              f"{len(self.envs) - 1}")
 
