@@ -6,8 +6,9 @@ Concepts:
   (``agent_proxy``, ``trainer``, ...); a field's annotation is its type, its
   default is the key's default, and ``setting(...)`` adds what the type cannot
   say (``choices``, ``minimum``, ``above``, ``maximum``; on a list, they hold for each
-  item). A field typed as another section dataclass is a nested section; one
-  typed ``dict``/``Mapping`` or ``Any`` is passed through as it is.
+  item). A field typed as another section dataclass is a nested section (typed
+  ``Section | None``, one the config may leave out); one typed
+  ``dict``/``Mapping`` or ``Any`` is passed through as it is.
 - ``read(Section, mapping, "agent_proxy")`` builds the section from plain or
   OmegaConf data. It is strict, and every error names the dotted key: an
   unknown key (with a "did you mean"), a string where a boolean belongs, a
@@ -117,7 +118,7 @@ def section_keys(cls: type, where: str = "") -> set[str]:
         if not f.init:
             continue
         key = _join(where, f.name)
-        tp = hints[f.name]
+        tp = _section_type(hints[f.name]) or hints[f.name]
         if dataclasses.is_dataclass(tp):
             keys |= section_keys(tp, key)
         elif tp is Any or typing.get_origin(tp) in (dict, Mapping) or tp in (dict, Mapping):
@@ -126,6 +127,15 @@ def section_keys(cls: type, where: str = "") -> set[str]:
         else:
             keys.add(key)
     return keys
+
+
+def _section_type(tp: Any) -> type | None:
+    """The section dataclass of a ``Section | None`` annotation; None for any other."""
+    if typing.get_origin(tp) in (typing.Union, types.UnionType):
+        options = [a for a in typing.get_args(tp) if a is not type(None)]
+        if len(options) == 1 and dataclasses.is_dataclass(options[0]):
+            return options[0]
+    return None
 
 
 def _describe(tp: Any) -> str:
@@ -189,6 +199,9 @@ def _typed(value: Any, tp: Any, key: str) -> Any:
         options = typing.get_args(tp)
         if value is None and type(None) in options:
             return None
+        section = _section_type(tp)
+        if section is not None and isinstance(value, Mapping):  # its own errors name its keys
+            return read(section, value, key)
         for option in options:
             if option is type(None):
                 continue

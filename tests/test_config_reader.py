@@ -80,6 +80,7 @@ def code_default(dotted: str):
     cls = SECTIONS[section]
     for name in path[:-1]:
         cls = typing.get_type_hints(cls)[name]
+        cls = next((a for a in typing.get_args(cls) if dataclasses.is_dataclass(a)), cls)  # Section | None
     f = {f.name: f for f in dataclasses.fields(cls)}[path[-1]]
     if f.default_factory is not dataclasses.MISSING:
         return f.default_factory()
@@ -245,6 +246,46 @@ def test_bad_keys_of_the_other_rollout_sections_are_refused(section, value, mess
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.parametrize("split, value, message", [
+    ("train", {"group_size": 10**7}, "es_manager.train.group_size must be <= 65536, got 10000000"),
+    ("val", {"env_groups": 10**6, "env_configs": {"tags": ["Bandit"], "n_groups": [10**6]}},
+     "es_manager.val.env_groups must be <= 65536, got 1000000"),
+    ("train", {"env_groups": 256, "group_size": 512, "env_configs": {"tags": ["Bandit"], "n_groups": [256]}},
+     "es_manager.train: env_groups x group_size = 256 x 512 = 131072 envs, more than the 65536 envs one rollout "
+     "plays at most"),
+])
+def test_the_envs_of_a_rollout_are_bounded_naming_the_key(split, value, message):
+    from ragen.rollout.config import read_rollout_sections
+    from ragen.rollout.envs import EnvSpecMaker
+
+    cfg = minimal()
+    cfg["es_manager"][split].update(value)
+    with pytest.raises(ValueError, match=re.escape(message)):
+        read_rollout_sections(cfg)
+    with pytest.raises(ValueError, match=re.escape(message)):
+        AgentSetup.from_config(cfg)
+    with pytest.raises(ValueError, match=re.escape(message)):  # the env set alone (RAGEN's EnvStateManager's)
+        EnvSpecMaker(split, cfg["es_manager"][split], cfg["custom_envs"], 0)
+    cfg["es_manager"][split].update(env_groups=256, group_size=256, env_configs={"tags": ["Bandit"],
+                                                                                 "n_groups": [256]})
+    assert AgentSetup.from_config(cfg).es[split].num_envs == 65536  # the bound itself is played
+
+
+@pytest.mark.timeout(60)
+def test_a_split_is_needed_only_where_it_is_played():
+    from ragen.rollout.config import read_rollout_sections
+
+    cfg = minimal()
+    del cfg["es_manager"]["val"]
+    assert read_rollout_sections(cfg)["es_manager"].val is None  # RAGEN's EnvStateManager of mode train reads this
+    with pytest.raises(ValueError, match=re.escape("es_manager.val is missing")):
+        AgentSetup.from_config(cfg)  # training validates on val
+    cfg["es_manager"]["vall"] = {}
+    with pytest.raises(ValueError, match=re.escape("es_manager.vall is not a known key (did you mean 'val'?)")):
+        read_rollout_sections(cfg)
+
+
+@pytest.mark.timeout(60)
 def test_a_bad_seed_train_is_named_as_itself_not_as_the_trainer_seed_that_copies_it():
     """trainer_defaults.yaml sets trainer.seed: ${seed.train}; the error names the key the user wrote."""
     from hydra import compose, initialize_config_dir
@@ -314,11 +355,15 @@ def test_reader_types():
 
 
 @pytest.mark.timeout(120)
-def test_train_py_refuses_a_misspelt_key_before_any_model_loads(tmp_path):
+@pytest.mark.parametrize("override, message", [
+    ("+agent_proxy.parallel_njobs=4", "agent_proxy.parallel_njobs is not a known key (did you mean 'parallel_n_jobs'?)"),
+    ("es_manager.train.group_size=10000000", "es_manager.train.group_size must be <= 65536, got 10000000"),
+])
+def test_train_py_refuses_a_bad_key_before_any_model_loads(tmp_path, override, message):
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run([sys.executable, "train.py", "+agent_proxy.parallel_njobs=4",
+    proc = subprocess.run([sys.executable, "train.py", override,
                            f"hydra.run.dir={tmp_path / 'hydra'}", "model_path=/nonexistent/model"],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=100)
     assert proc.returncode == 2, proc.stderr
-    assert "error: agent_proxy.parallel_njobs is not a known key (did you mean 'parallel_n_jobs'?)" in proc.stderr
+    assert f"error: {message}" in proc.stderr
     assert "Traceback" not in proc.stderr

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import tracemalloc
 
 import pytest
 
@@ -60,7 +61,10 @@ def test_a_dump_reads_back_as_the_rollout_that_was_played(played, tmp_path):
     for r in records:
         for i, messages in enumerate(r.messages):
             request = sent[(r.env_id, i)]
-            assert messages == request.messages
+            assert messages == request.messages and request.messages == messages
+            # it reads as the list it is: its items, from either end, its slices
+            assert list(messages) == request.messages and len(messages) == len(request.messages)
+            assert messages[-1] == request.messages[-1] and messages[1:] == request.messages[1:]
             assert r.request_seeds[i] == request_seed(config.sampling.seed, request.key)
     # each env step is written: its observation, reward and done flag
     turns = [t for r in records for t in r.trajectory.turns]
@@ -69,6 +73,36 @@ def test_a_dump_reads_back_as_the_rollout_that_was_played(played, tmp_path):
     # the failing env is there too, with its error text
     broken = [r.trajectory for r in records if r.trajectory.tag == "Broken"]
     assert broken and all(t.stop_reason == StopReason.ERROR and "RuntimeError" in t.error for t in broken)
+
+
+@pytest.mark.timeout(120)
+def test_a_records_memory_is_linear_in_its_turns(played, tmp_path):
+    """Each turn's prompt keeps the turn before's messages and adds its own, as the file
+    writes it: twice the turns is twice the file, and must be about twice the memory
+    read, not four times (each turn's whole message list held)."""
+    result, config, _ = played
+    path = write_dump(tmp_path, "d", result, config, split="train", step=0)
+    row = next(json.loads(x) for x in path.read_text().splitlines() if json.loads(x)["turns"])
+    held = {}
+    for n in (500, 1000):
+        turn = row["turns"][0]
+        added = [{"role": "assistant", "content": "a"}, {"role": "user", "content": "b"}] * 4
+        turns = [turn] + [{**turn, "prompt_ids": [], "response_ids": [], "logprobs": None, "prompt_start": 0,
+                           "prompt": {"from_previous": len(turn["prompt"]["messages"]) + 8 * (i - 1),
+                                      "messages": added}}
+                          for i in range(1, n)]
+        long = tmp_path / f"long{n}.jsonl"
+        long.write_text(json.dumps({**row, "turns": turns}) + "\n")
+        tracemalloc.start()
+        try:
+            (record,) = read_dump(long)
+            held[n] = tracemalloc.get_traced_memory()[0]
+        finally:
+            tracemalloc.stop()
+        assert len(record.messages) == n and len(record.messages[-1]) == len(turn["prompt"]["messages"]) + 8 * (n - 1)
+        assert record.messages[-1][-8:] == added and record.messages[-1][0] == turn["prompt"]["messages"][0]
+        del record
+    assert held[1000] < 2.5 * held[500], {k: f"{v / 2**20:.1f} MiB" for k, v in held.items()}
 
 
 def test_a_large_dump_is_gzipped_and_reads_back(played, tmp_path, monkeypatch):

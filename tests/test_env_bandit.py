@@ -93,6 +93,15 @@ def test_config_errors_name_the_field(values, field):
         make_env_config("bandit", values, tag="Bandit")
 
 
+@pytest.mark.parametrize("start,message", [
+    (2**40, "must be <= 2147483647, got 1099511627776"),
+    (-2**31 - 1, "must be >= -2147483648, got -2147483649"),
+])
+def test_the_first_action_id_is_bounded_naming_the_bound(start, message):
+    with pytest.raises(ValueError, match=rf"^custom_envs\.Bandit\.env_config\.action_space_start: {message}$"):
+        make_env_config("bandit", {"action_space_start": start}, tag="Bandit")
+
+
 def test_unknown_split_is_named():
     with pytest.raises(ValueError, match=r"env_config.split: must be one of \['train', 'test'\]"):
         make_env("bandit", {"split": "validation"}, tag="Bandit")

@@ -192,3 +192,13 @@ def test_parser_agrees_with_exact_arithmetic(expr):
 def test_config_errors_name_the_field(values, field):
     with pytest.raises(ValueError, match=rf"^custom_envs\.Countdown\.env_config\.{field}: "):
         make_env_config("countdown", values, tag="Countdown")
+
+
+@pytest.mark.parametrize("values,message", [
+    ({"num_count": 2**40}, "num_count: must be <= 6, got 1099511627776"),
+    ({"max_number": 10**6 + 1}, "max_number: must be <= 1000000, got 1000001"),
+    ({"max_target": 10**9 + 1}, "max_target: must be <= 1000000000, got 1000000001"),
+])
+def test_sizes_are_bounded_naming_the_key_and_the_bound(values, message):
+    with pytest.raises(ValueError, match=rf"^custom_envs\.Countdown\.env_config\.{message}$"):
+        make_env_config("countdown", values, tag="Countdown")

@@ -163,6 +163,7 @@ def test_action_lookup_and_render_symbols():
     [
         ({"size": 1}, "size"),
         ({"size": -4}, "size"),
+        ({"size": 2**40}, "size"),
         ({"p": -0.1}, "p"),
         ({"p": 1.5}, "p"),
         ({"success_rate": 2}, "success_rate"),
@@ -180,3 +181,9 @@ def test_action_lookup_and_render_symbols():
 def test_config_errors_name_the_field(values, field):
     with pytest.raises(ValueError, match=rf"^custom_envs\.FrozenLake\.env_config\.{field}: "):
         make_env_config("frozen_lake", values, tag="FrozenLake")
+
+
+def test_the_map_size_is_bounded_naming_the_bound():
+    with pytest.raises(ValueError, match=r"^custom_envs\.FrozenLake\.env_config\.size: must be <= 64, got 65$"):
+        make_env_config("frozen_lake", {"size": 65}, tag="FrozenLake")
+    assert make_env_config("frozen_lake", {"size": 64}).size == 64

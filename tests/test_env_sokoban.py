@@ -236,6 +236,28 @@ def test_config_errors_name_the_field(values, field):
         make_env_config("sokoban", values, tag="Tag")
 
 
+@pytest.mark.parametrize(
+    "values,field,bound",
+    [
+        ({"dim_room": (2**40, 2**40)}, "dim_room", "the room is at most 64x64"),
+        ({"dim_room": (20000, 6)}, "dim_room", "the room is at most 64x64"),
+        ({"dim_x": 6, "dim_y": 65}, "dim_y", "the room is at most 64x64"),
+        ({"search_depth": 2**40}, "search_depth", "must be <= 300000"),
+        ({"generator": "fast", "search_depth": 10**5}, "search_depth", "must be <= 10000"),
+    ],
+)
+def test_every_size_is_bounded_naming_the_key_and_the_bound(values, field, bound):
+    with pytest.raises(ValueError, match=rf"^custom_envs\.Tag\.env_config\.{field}: .*{bound}"):
+        make_env_config("sokoban", values, tag="Tag")
+
+
+def test_the_largest_room_is_accepted_and_plays():
+    full = SokobanEnvConfig(dim_room=(64, 64), num_boxes=62 * 62 - 2, search_depth=300000)
+    assert full.dim_room == (64, 64)
+    env = env_for(64, 64, 3, 10_000, generator="fast")
+    assert len(env.reset(seed=1).splitlines()) == 64
+
+
 def test_config_spellings():
     assert SokobanEnvConfig(dim_x=7, dim_y=9).dim_room == (7, 9)
     assert SokobanEnvConfig(dim_room=[5, 6]).dim_room == (5, 6)

@@ -4,6 +4,9 @@ action names, ``get_rollout_states`` with RAGEN's metrics."""
 
 from __future__ import annotations
 
+import re
+
+import numpy as np
 import pytest
 
 from ragen.llm_agent.es_manager import EnvStateManager, EnvStatus
@@ -93,3 +96,44 @@ def test_step_maps_action_names_charges_the_format_penalty_and_drops_done_envs()
         assert len(es.render()) == 2
     finally:
         es.close()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("env_id, message", [
+    (-1, "env_id -1 is not an env of this EnvStateManager: its env ids are 0 to 5"),
+    (99, "env_id 99 is not an env of this EnvStateManager: its env ids are 0 to 5"),
+    ("0", "env_id '0' is not an env of this EnvStateManager: its env ids are 0 to 5"),
+    (True, "env_id True is not an env of this EnvStateManager: its env ids are 0 to 5"),
+])
+def test_step_names_an_env_id_out_of_range(env_id, message):
+    es = EnvStateManager(config(), mode="train")
+    try:
+        es.reset()
+        good = {"env_id": 0, "actions": ["Up"], "llm_response": "", "llm_raw_response": ""}
+        with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
+            es.step([good, {**good, "env_id": env_id}])
+        # nothing stepped: not the last env (what -1 would index), nor the good one before it
+        assert all(e["status"].num_actions == 0 for e in es.envs)
+        assert all(len(c["history"]) == 1 for c in es.rollout_cache)
+        es.step([{**good, "env_id": np.int64(5)}])  # RAGEN's proxy takes the ids from a numpy array
+        assert es.envs[5]["status"].num_actions == 1
+    finally:
+        es.close()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("mode", ["train", "val"])
+def test_a_mode_needs_only_its_own_split(mode):
+    other = "val" if mode == "train" else "train"
+    cfg = config()
+    del cfg["es_manager"][other]
+    es = EnvStateManager(cfg, mode=mode)  # RAGEN's reads es_manager[mode] only
+    try:
+        assert len(es.reset()) == len(es.envs) == (6 if mode == "train" else 2)
+    finally:
+        es.close()
+    with pytest.raises(ValueError, match=f"es_manager.{other} is missing"):
+        EnvStateManager(cfg, mode=other)
+    cfg["es_manager"]["trian"] = {}
+    with pytest.raises(ValueError, match="es_manager.trian is not a known key"):  # still strict
+        EnvStateManager(cfg, mode=mode)

@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import threading
+import tracemalloc
 
 import pytest
 import yaml
@@ -98,6 +100,24 @@ def test_a_changed_reward_is_reported_at_its_turn_and_step(parallel_dump, tmp_pa
     # the other envs are untouched
     others = [r.env_id for r in read_dump(path) if r.env_id != env_id][:3]
     assert main([path] + [a for i in others for a in ("--env-id", str(i))]) == 0
+
+
+@pytest.mark.timeout(120)
+def test_an_env_config_past_its_bounds_is_refused_before_any_env_is_built(parallel_dump, tmp_path, capsys):
+    record = next(r for r in read_dump(parallel_dump) if r.spec.tag == "SimpleSokoban")
+
+    def edit(row):
+        row["spec"]["env_config"].update(dim_x=2**40, dim_y=2**40)
+
+    path = _tampered(parallel_dump, tmp_path, record.env_id, edit)
+    message = (f"line {record.line}: custom_envs.SimpleSokoban.env_config.dim_x: the room is at most 64x64 "
+               f"(walls included), got 1099511627776x1099511627776")
+    for chosen in (["--env-id", str(record.env_id)], []):  # the env alone, or the whole dump
+        assert main([path, *chosen, *ALLOW_FAULT]) == 2
+        captured = capsys.readouterr()
+        assert captured.err == f"error: {path} {message}\n" and not captured.out
+    with pytest.raises(ValueError, match=re.escape(message)):  # the API too
+        replay(read_dump(path)[record.line - 1])
 
 
 def test_a_changed_observation_and_prompt_are_reported(parallel_dump, tmp_path, capsys):
@@ -337,3 +357,37 @@ def test_a_huge_max_turn_in_a_dump_does_not_keep_the_replay_going(parallel_dump,
     assert main([path, "--env-id", str(record.env_id)]) == 1
     n = len(record.trajectory.turns)
     assert f"differs at turn {n}: the replay went on past the dump's last turn" in capsys.readouterr().out
+
+
+# an env that never ends: an episode as long as max_turn
+ENDLESS = {"env_type": "tests.custom_env_example:MyEnvWithConfig", "max_actions_per_traj": 10**6,
+           "env_instruction": "Count up.", "env_config": {"limit": 10**9}}
+
+
+def _long_episode(tmp_path, turns: int):
+    specs = specs_for(["Endless"], [1], 1, custom_envs(Endless=ENDLESS))
+    config = loop_config(max_turn=turns)
+    trajectories, _ = run_envs(specs, DirectClient(ScriptedEngine(seed=1)), config, kept_envs=KeptEnvs())
+    (record,) = read_dump(write_dump(tmp_path, f"d{turns}", RolloutResult(trajectories, specs), config,
+                                     split="train", step=0))
+    return record
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("engine", ["recorded", "scripted"])
+def test_replay_memory_grows_linearly_with_the_turns(tmp_path, engine):
+    """Each turn appends its prompt's ids to the episode's: twice the turns is twice the
+    dump, and must be about twice the memory, not four times (every turn's whole prompt kept)."""
+    allowed = allowed_env_types(allow=["tests.custom_env_example:MyEnvWithConfig"])
+    peaks = {}
+    for turns in (100, 200):
+        record = _long_episode(tmp_path, turns)
+        assert len(record.trajectory.turns) == turns and all(t.has_prompt_ids for t in record.trajectory.turns)
+        tracemalloc.start()
+        try:
+            result = replay(record, ScriptedEngine(seed=1) if engine == "scripted" else None, env_types=allowed)
+            peaks[turns] = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+        assert result.identical, result.difference
+    assert peaks[200] < 2.5 * peaks[100], {k: f"{v / 2**20:.1f} MiB" for k, v in peaks.items()}

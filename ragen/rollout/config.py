@@ -191,23 +191,50 @@ class EnvTagConfig:
     max_workers: int = setting(1, minimum=1)
 
 
+# The envs of one rollout (env_groups x group_size of a split) at most: every env is an object in a
+# worker and a trajectory in the driver, so a count far past it takes the machine's memory.
+MAX_ENVS_PER_ROLLOUT = 2**16
+
+
 @dataclass(frozen=True)
 class EnvSplitConfig:
     """``es_manager.train`` / ``es_manager.val``: groups x group_size envs, a tag per group."""
 
-    env_groups: int = setting(minimum=1)
-    group_size: int = setting(minimum=1)
+    env_groups: int = setting(minimum=1, maximum=MAX_ENVS_PER_ROLLOUT)
+    group_size: int = setting(minimum=1, maximum=MAX_ENVS_PER_ROLLOUT)
     env_configs: EnvConfigs = field(default_factory=EnvConfigs)
+
+    def check_env_count(self, key: str) -> None:
+        """ValueError naming ``key`` (``es_manager.<split>``) when its envs pass ``MAX_ENVS_PER_ROLLOUT``."""
+        n = self.env_groups * self.group_size
+        if n > MAX_ENVS_PER_ROLLOUT:
+            raise ValueError(f"{key}: env_groups x group_size = {self.env_groups} x {self.group_size} = {n} envs, "
+                             f"more than the {MAX_ENVS_PER_ROLLOUT} envs one rollout plays at most")
+
+
+SPLITS = ("train", "val")
 
 
 @dataclass(frozen=True)
 class EsManagerConfig:
     """``es_manager``: the train and val env sets, and the penalty of an answer without valid
-    actions."""
+    actions. A config may leave out a split that nothing plays (RAGEN's ``EnvStateManager``
+    reads only its mode's); ``split(name)`` gives a split to play, or a ValueError naming it."""
 
-    train: EnvSplitConfig = setting()
-    val: EnvSplitConfig = setting()
+    train: EnvSplitConfig | None = None
+    val: EnvSplitConfig | None = None
     format_penalty: float = -0.1
+
+    def __post_init__(self) -> None:
+        for name in SPLITS:
+            if getattr(self, name) is not None:
+                getattr(self, name).check_env_count(f"es_manager.{name}")
+
+    def split(self, name: str) -> EnvSplitConfig:
+        """``es_manager.<name>``; ValueError when the config leaves it out."""
+        if getattr(self, name) is None:
+            raise ValueError(f"es_manager.{name} is missing: give it env_groups, group_size and env_configs")
+        return getattr(self, name)
 
 
 @dataclass(frozen=True)

@@ -21,6 +21,9 @@ and the worker that ran it.
   naming the file and line. Versions 1 and 2 read back with no prompt ids.
 - ``DumpRecord``: one line as typed records (``EnvSpec``, ``LoopConfig``,
   ``Trajectory``), plus the prompts and request seeds.
+- ``TurnPrompt``: one turn's prompt messages, read as a list; held as the
+  messages it keeps from the turn before and its own new ones, as the file
+  writes them, so that a record's memory stays linear in its turns.
 
 ``dump_name(split, step)``: the trainer's file names, ``step_000012`` for the
 training rollout of step 12 and ``val_step_000012`` for the validation after it.
@@ -38,6 +41,7 @@ import typing
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
+from collections.abc import Sequence
 from typing import Any, Callable, Union
 
 from ragen.llm.types import SamplingParams, request_seed
@@ -65,6 +69,67 @@ class _BadField(ValueError):
     """A field of a line that has the wrong type; the message names the field."""
 
 
+class TurnPrompt(Sequence):
+    """One turn's prompt messages: the first ``kept`` of the turn before's prompt, then
+    this turn's ``new`` ones. It reads as the list of its messages (index, slice,
+    iterate, ``==`` a list); a turn's whole list is built only while it is read, so the
+    prompts of an episode take memory linear in its turns, not in their square."""
+
+    __slots__ = ("_before", "_kept", "_new", "_len")
+
+    def __init__(self, before: TurnPrompt | None, kept: int, new: Sequence[dict[str, str]]) -> None:
+        if not 0 <= kept <= (len(before) if before is not None else 0):
+            raise ValueError(f"prompt.from_previous={kept} but the previous prompt has "
+                             f"{len(before) if before is not None else 0} messages")
+        self._before, self._kept, self._new = before, kept, tuple(new)
+        self._len = kept + len(self._new)
+
+    @property
+    def new(self) -> tuple[dict[str, str], ...]:
+        """The messages this turn adds after the ones it keeps."""
+        return self._new
+
+    @property
+    def kept(self) -> int:
+        return self._kept
+
+    def __len__(self) -> int:
+        return self._len
+
+    def __getitem__(self, k):
+        if isinstance(k, slice):
+            return self.as_list()[k]
+        if k < 0:
+            k += self._len
+        if not 0 <= k < self._len:
+            raise IndexError("prompt message index out of range")
+        node = self
+        while k < node._kept:  # a kept message: the turn before holds it at the same place
+            node = node._before
+        return node._new[k - node._kept]
+
+    def as_list(self) -> list[dict[str, str]]:
+        """The turn's messages as a new list (a walk back over the turns it keeps from)."""
+        pieces, need, node = [], self._len, self
+        while need > 0:
+            pieces.append(node._new[:need - node._kept] if need > node._kept else ())
+            need, node = min(need, node._kept), node._before
+        return [m for piece in reversed(pieces) for m in piece]
+
+    def __iter__(self):
+        return iter(self.as_list())
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, (TurnPrompt, list, tuple)):
+            return len(self) == len(other) and self.as_list() == list(other)
+        return NotImplemented
+
+    __hash__ = None  # a list, by value
+
+    def __repr__(self) -> str:
+        return repr(self.as_list())
+
+
 @dataclass(frozen=True)
 class DumpRecord:
     """One trajectory of a dump, typed."""
@@ -74,7 +139,7 @@ class DumpRecord:
     spec: EnvSpec
     loop: LoopConfig
     trajectory: Trajectory
-    messages: list[list[dict[str, str]]]  # per turn: the prompt as sent
+    messages: list[Sequence[dict[str, str]]]  # per turn: the prompt as sent (read_dump: a TurnPrompt each)
     request_seeds: list[int]  # per turn: the seed the engine's sampler got
     line: int  # where it is in its file (1-based)
 
@@ -221,18 +286,17 @@ def _record(row: Any, where: str, number: int) -> DumpRecord:
 
         turns, messages, seeds = [], [], []
         turn_fields = {f.name for f in dataclasses.fields(Turn)}
-        previous: list = []
+        previous: TurnPrompt | None = None
         episode_length = 0  # len(episode_ids(turns)), kept as the turns are read
         for t in row["turns"]:
             for name, value in (("prompt.from_previous", t["prompt"]["from_previous"]),
                                 ("request_seed", t["request_seed"])):
                 if not _is_a(value, int):
                     raise _BadField(f"turns[{len(turns)}].{name}: expected int, got {_short(value)}")
-            kept = t["prompt"]["from_previous"]
-            if not 0 <= kept <= len(previous):
-                raise ValueError(f"turn {len(turns)}: prompt.from_previous={kept} but the previous prompt has "
-                                 f"{len(previous)} messages")
-            previous = previous[:kept] + list(t["prompt"]["messages"])
+            try:
+                previous = TurnPrompt(previous, t["prompt"]["from_previous"], list(t["prompt"]["messages"]))
+            except ValueError as exc:
+                raise ValueError(f"turn {len(turns)}: {exc}") from None
             messages.append(previous)
             seeds.append(t["request_seed"])
             ids = _token_fields(t, len(turns), episode_length)
@@ -254,7 +318,7 @@ def _record(row: Any, where: str, number: int) -> DumpRecord:
             _check_fields(turn, f"turns[{i}]")
             for j, step in enumerate(turn.steps):
                 _check_fields(step, f"turns[{i}].steps[{j}]")
-            for m, message in enumerate(messages[i]):
+            for m, message in enumerate(messages[i].new, messages[i].kept):  # the kept ones: checked before
                 if not (isinstance(message, dict) and isinstance(message.get("role"), str)
                         and isinstance(message.get("content"), str)):
                     raise _BadField(f"turns[{i}].prompt.messages: message {m} is {_short(message)}; expected "

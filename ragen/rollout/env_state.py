@@ -2,7 +2,8 @@
 
 ``EnvStateManager(config, mode="train")`` builds the envs of
 ``es_manager.<mode>`` (``env_groups`` x ``group_size``, a ``custom_envs`` tag
-per group) and steps them from the calling thread, as RAGEN's does:
+per group; the config needs no other split) and steps them from the calling
+thread, as RAGEN's does:
 
 - ``envs``: one entry per env, ``{"tag", "group_id", "env_id", "env",
   "config", "status", "max_actions_per_traj"}``; ``status`` is an
@@ -14,7 +15,8 @@ per group) and steps them from the calling thread, as RAGEN's does:
   env ``{"env_id", "group_id", "tag", "penalty", "history"}``, the history a
   list of ``{"state", "actions_left", ...}``.
 - ``step(inputs)``: ``inputs`` are ``{"env_id", "actions", "llm_response",
-  "llm_raw_response"}``; the actions named in the env's ``ACTION_LOOKUP``
+  "llm_raw_response"}`` (an env_id not in ``envs`` is a ValueError naming it,
+  and then no env steps); the actions named in the env's ``ACTION_LOOKUP``
   (any case) run, within the env's action budget; an answer with no valid
   action, or with invalid ones, adds ``es_manager.format_penalty``. Returns
   the caches of the envs that play on.
@@ -28,6 +30,7 @@ The rollouts of this package do not use it: their workers play ``EnvSpec``s
 
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
@@ -62,7 +65,8 @@ class EnvStateManager:
         self.format_penalty = sections["es_manager"].format_penalty
         self.base_seed: int = getattr(sections["seed"], mode)
         self.seed_counter = 0
-        maker = EnvSpecMaker(mode, plain.get("es_manager", {}).get(mode), plain.get("custom_envs") or {},
+        # only this mode's split, as RAGEN's: a config for it may leave out the other
+        maker = EnvSpecMaker(mode, sections["es_manager"].split(mode), plain.get("custom_envs") or {},
                              self.base_seed)
         self.env_groups, self.group_size = maker.env_groups, maker.group_size
         self.envs: list[dict[str, Any]] = []
@@ -97,6 +101,8 @@ class EnvStateManager:
     def step(self, all_env_inputs: list[dict[str, Any]]) -> list[dict[str, Any]]:
         if self.rollout_cache is None:
             raise RuntimeError("EnvStateManager.step before reset()")
+        for env_input in all_env_inputs:  # every id first: a bad one steps no env
+            self._check_env_id(env_input["env_id"])
         outputs = []
         for env_input in all_env_inputs:
             env_id = env_input["env_id"]
@@ -133,6 +139,14 @@ class EnvStateManager:
             if not done:
                 outputs.append(cache)
         return outputs
+
+    def _check_env_id(self, env_id: Any) -> None:
+        """ValueError naming ``env_id`` unless it is one of the envs' ids (their index in ``envs``;
+        a negative one would index from the end)."""
+        # numpy's ints too: RAGEN's proxy takes the ids from a numpy array
+        if isinstance(env_id, bool) or not isinstance(env_id, numbers.Integral) or not 0 <= env_id < len(self.envs):
+            raise ValueError(f"env_id {env_id!r} is not an env of this EnvStateManager: its env ids are 0 to "
+                             f"{len(self.envs) - 1}")
 
     @staticmethod
     def _valid_actions(entry: dict[str, Any], actions: list[str]) -> list[Any]:

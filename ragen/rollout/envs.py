@@ -44,6 +44,7 @@ class EnvSpecMaker:
         self.split = split
         key = f"es_manager.{split}"
         cfg = read(EnvSplitConfig, split_cfg, key)
+        cfg.check_env_count(key)
         self.env_groups = cfg.env_groups
         self.group_size = cfg.group_size
         tags = list(cfg.env_configs.tags)

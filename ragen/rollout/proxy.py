@@ -91,7 +91,7 @@ class AgentSetup:
         custom_envs = cfg.get("custom_envs")
         if not isinstance(custom_envs, Mapping) or not custom_envs:
             raise ValueError("custom_envs is missing or empty: add config/envs.yaml to the defaults list")
-        es = {split: EnvSpecMaker(split, getattr(es_cfg, split), custom_envs, getattr(seed, split))
+        es = {split: EnvSpecMaker(split, es_cfg.split(split), custom_envs, getattr(seed, split))
               for split in ("train", "val")}
         server: LlmServerConfig = sections["llm_server"]
         return cls(

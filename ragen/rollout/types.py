@@ -22,7 +22,7 @@ import hashlib
 import json
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 from ragen.utils import common_prefix_length
 
@@ -125,16 +125,15 @@ def episode_ids(turns: Sequence[Turn]) -> list[int]:
     return ids
 
 
-def turn_prompts(turns: Sequence[Turn]) -> list[list[int] | None]:
-    """Each turn's whole prompt ids as the engine saw them (None: the engine gave none)."""
-    out: list[list[int] | None] = []
+def turn_prompts(turns: Sequence[Turn]) -> Iterator[list[int] | None]:
+    """Each turn's whole prompt ids as the engine saw them (None: the engine gave none), one
+    turn at a time: all of them at once would take memory growing with the square of the turns."""
     ids: list[int] = []
     for t in turns:
         del ids[t.prompt_start:]
         ids += t.prompt_ids
-        out.append(list(ids) if t.has_prompt_ids else None)
+        yield list(ids) if t.has_prompt_ids else None
         ids += t.response_ids
-    return out
 
 
 def prompt_delta(previous: Sequence[int], prompt: Sequence[int]) -> tuple[int, tuple[int, ...]]:

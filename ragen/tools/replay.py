@@ -30,11 +30,13 @@ setup are built (``ragen.env.allowed``): registered names, the import paths
 named by the ``custom_envs`` of ``--config FILE`` (an envs YAML, a run
 folder's ``config.yaml`` or a Hydra config such as ``config/base.yaml``), and
 ``--allow-env-type package.module:Class``. Any other type is refused before
-its module is imported.
+its module is imported. The env configs the file holds then go through their
+config class's checks, as a config's ``custom_envs`` do (``check_env_configs``).
 
 Exit status: 0 when every env replays identically, 1 when one differs, 2 for
 bad input (a missing, truncated or foreign file, an env id not in the dump, an
-env type the setup does not name).
+env type the setup does not name, an env config that its class refuses, such
+as a size past its bound).
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ import sys
 from dataclasses import dataclass
 from typing import Any, Sequence
 
+from ragen.env import make_env_config
 from ragen.env.allowed import AllowedEnvTypes, EnvTypeNotAllowed, add_allow_options, allowed_env_types
 from ragen.llm.types import Completion, Engine, GenerationRequest, SamplingParams
 from ragen.rollout.dump import DumpError, DumpRecord, read_dump
@@ -90,17 +93,22 @@ class RecordedEngine(Engine):
 
 
 class _PromptsSeen(Engine):
-    """Passes requests to ``engine`` and keeps each turn's prompt."""
+    """Passes requests to ``engine`` and keeps the prompt of the first turn whose prompt is
+    not the dump's (``expected``, per turn): the only one that can be the first difference.
+    Every turn's prompt kept would grow with the square of the turns."""
 
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: Engine, expected: Sequence[Sequence[dict[str, str]]]) -> None:
         super().__init__()
         self.engine = engine
         self.name = engine.name
+        self.expected = expected
         self.prompts: dict[int, list[dict[str, str]]] = {}
 
     def generate(self, requests: Sequence[GenerationRequest], sampling: SamplingParams) -> list[Completion]:
         for r in requests:
-            self.prompts[r.turn] = r.messages
+            if r.turn < len(self.expected) and r.messages != self.expected[r.turn] \
+                    and (not self.prompts or r.turn < min(self.prompts)):
+                self.prompts = {r.turn: r.messages}
         return self.engine.generate(requests, sampling)
 
 
@@ -126,11 +134,12 @@ def replay(record: DumpRecord, engine: Engine | None = None, raise_errors: bool 
     ``env_types``: the env types it may build (default: registered names
     only); any other raises ``EnvTypeNotAllowed`` before anything is imported."""
     check_env_types([record], env_types)
+    check_env_configs([record])
     spec = dataclasses.replace(record.spec, env_threads=1)  # the calling thread steps it
     # one turn past the dump's last already differs: the dump's max_turn (data) never keeps a replay going
     max_turn = min(record.loop.max_turn, len(record.trajectory.turns) + 1)
     loop = dataclasses.replace(record.loop, env_timeout_s=None, env_retries=0, max_turn=max_turn)
-    seen = _PromptsSeen(engine if engine is not None else RecordedEngine(record))
+    seen = _PromptsSeen(engine if engine is not None else RecordedEngine(record), record.messages)
     kept = KeptEnvs()
     try:
         (trajectory,), _ = run_envs([spec], DirectClient(seen), loop, kept_envs=kept,
@@ -153,10 +162,24 @@ def check_env_types(records: Sequence[DumpRecord], env_types: AllowedEnvTypes | 
             raise EnvTypeNotAllowed(f"line {r.line}: {exc}") from None
 
 
+def check_env_configs(records: Sequence[DumpRecord]) -> None:
+    """Raise ``DumpError`` (naming the record's line and the key) for the first record
+    whose env config its config class refuses, as a config's ``custom_envs`` would
+    be (a size past its bound, an unknown key) at start-up: a dump is input, and an env
+    built from a refused config could take the machine's memory. Check the env types
+    first (``check_env_types``): this imports the config's class."""
+    for r in records:
+        try:
+            make_env_config(r.spec.env_type, r.spec.env_config, r.spec.config_type, r.spec.tag)
+        except ValueError as exc:
+            raise DumpError(f"line {r.line}: {exc}") from None
+
+
 def first_difference(record: DumpRecord, replayed: Trajectory,
                      prompts: dict[int, list[dict[str, str]]] | None = None) -> str | None:
     """The first place where ``replayed`` differs from the dump, as a sentence."""
     dumped = record.trajectory
+    # one turn's prompt ids at a time, from each side
     dumped_ids, replayed_ids = turn_prompts(dumped.turns), turn_prompts(replayed.turns)
     for i in range(max(len(dumped.turns), len(replayed.turns))):
         if i >= len(replayed.turns):
@@ -170,7 +193,7 @@ def first_difference(record: DumpRecord, replayed: Trajectory,
             return f"turn {i}: state shown: {_diff(a.observation, b.observation)}"
         if prompts is not None and i in prompts and record.messages[i] != prompts[i]:
             return f"turn {i}: prompt: {_prompt_diff(record.messages[i], prompts[i])}"
-        x, y = dumped_ids[i], replayed_ids[i]
+        x, y = next(dumped_ids), next(replayed_ids)
         if x is not None and y is not None and x != y:
             return f"turn {i}: prompt ids: {_ids_diff(x, y)}"
         for name in ("response", "actions", "executed_actions"):
@@ -286,8 +309,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         env_types = allowed_env_types(args.config, args.allow_env_type)
         try:
             check_env_types(chosen, env_types)  # before any env's module is imported
-        except EnvTypeNotAllowed as exc:
-            raise EnvTypeNotAllowed(f"{args.dump} {exc}") from None
+            check_env_configs(chosen)
+        except (EnvTypeNotAllowed, DumpError) as exc:
+            raise type(exc)(f"{args.dump} {exc}") from None
         engine = _engine_from_args(args)
     except (DumpError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)

@@ -59,7 +59,9 @@ class BanditEnvConfig(BaseEnvConfig):
     def __post_init__(self) -> None:
         super().__post_init__()
         self.split = check_str("split", self.split, choices=tuple(ARM_NAMES))
-        self.action_space_start = check_int("action_space_start", self.action_space_start)
+        # an action id: a 32-bit int (a dump writes it as JSON, which refuses ints of thousands of digits)
+        self.action_space_start = check_int("action_space_start", self.action_space_start, minimum=-2**31,
+                                            maximum=2**31 - 1)
         self.lo_arm_score = _score("lo_arm_score", self.lo_arm_score)
         self.hi_arm_loscore = _score("hi_arm_loscore", self.hi_arm_loscore)
         self.hi_arm_hiscore = _score("hi_arm_hiscore", self.hi_arm_hiscore)

@@ -7,7 +7,10 @@ picks the rooms: ``ragen`` (the default) makes RAGEN's room for each seed
 (``ragen_rooms``), where ``search_depth`` bounds RAGEN's reverse-play search in
 moves and pulls; ``fast`` makes our own rooms (``generator``), where it bounds
 the search in pulls. Values are checked in ``__post_init__``; errors name the
-field.
+field. Sizes are bounded: a side of the room is 3 to ``MAX_ROOM_SIDE`` cells
+(walls included), the boxes fit inside the walls with the player and one free
+cell, and ``search_depth`` is at most the generator's state budget, past which
+its search stops anyway.
 """
 
 from __future__ import annotations
@@ -17,12 +20,18 @@ from dataclasses import dataclass, field
 from ..base import BaseEnvConfig
 from ..config_checks import EnvConfigError, check_int
 from ..grid import check_grid_settings
-from .generator import room_fits
+from .generator import MAX_REVERSE_STATES, room_fits
+from .ragen_rooms import MAX_EXPLORED_STATES
 
-__all__ = ["GENERATORS", "SokobanEnvConfig"]
+__all__ = ["GENERATORS", "MAX_ROOM_SIDE", "SokobanEnvConfig"]
 
 # Room generators: RAGEN's rooms, exactly (the default), or our own faster, harder ones.
 GENERATORS = ("ragen", "fast")
+# The longest side of a room, walls included (FrozenLake's bound too): RAGEN's generator keeps
+# up to MAX_EXPLORED_STATES states of about 2 x rows x cols bits each while it makes a room.
+MAX_ROOM_SIDE = 64
+# search_depth at most: a generator's search stops at its state budget, so a deeper one is the same search
+MAX_SEARCH_DEPTH = {"ragen": MAX_EXPLORED_STATES, "fast": MAX_REVERSE_STATES}
 
 
 def _default_grid_lookup() -> dict[int, str]:
@@ -80,6 +89,9 @@ class SokobanEnvConfig(BaseEnvConfig):
         for name, value in zip(names, (rows, cols)):
             if value < 3:
                 raise EnvConfigError(name, f"the room must be at least 3x3 (walls included), got {rows}x{cols}")
+            if value > MAX_ROOM_SIDE:
+                raise EnvConfigError(name, f"the room is at most {MAX_ROOM_SIDE}x{MAX_ROOM_SIDE} (walls included), "
+                                           f"got {rows}x{cols}")
         self.dim_room = (rows, cols)
         self.dim_x, self.dim_y = rows, cols
         self.num_boxes = check_int("num_boxes", self.num_boxes, minimum=1)
@@ -93,5 +105,6 @@ class SokobanEnvConfig(BaseEnvConfig):
         if self.generator not in GENERATORS:
             raise EnvConfigError("generator", f"must be one of {list(GENERATORS)}, got {self.generator!r}")
         # RAGEN's search explores nothing at depth 1 (its reset then fails)
-        self.search_depth = check_int("search_depth", self.search_depth, minimum=2 if self.generator == "ragen" else 1)
+        self.search_depth = check_int("search_depth", self.search_depth, minimum=2 if self.generator == "ragen" else 1,
+                                      maximum=MAX_SEARCH_DEPTH[self.generator])
         check_grid_settings(self, codes=7)
