@@ -247,11 +247,11 @@ def test_bad_keys_of_the_other_rollout_sections_are_refused(section, value, mess
 
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("split, value, message", [
-    ("train", {"group_size": 10**7}, "es_manager.train.group_size must be <= 65536, got 10000000"),
+    ("train", {"group_size": 10**7}, "es_manager.train.group_size must be <= 16384, got 10000000"),
     ("val", {"env_groups": 10**6, "env_configs": {"tags": ["Bandit"], "n_groups": [10**6]}},
-     "es_manager.val.env_groups must be <= 65536, got 1000000"),
-    ("train", {"env_groups": 256, "group_size": 512, "env_configs": {"tags": ["Bandit"], "n_groups": [256]}},
-     "es_manager.train: env_groups x group_size = 256 x 512 = 131072 envs, more than the 65536 envs one rollout "
+     "es_manager.val.env_groups must be <= 16384, got 1000000"),
+    ("train", {"env_groups": 128, "group_size": 256, "env_configs": {"tags": ["Bandit"], "n_groups": [128]}},
+     "es_manager.train: env_groups x group_size = 128 x 256 = 32768 envs, more than the 16384 envs one rollout "
      "plays at most"),
 ])
 def test_the_envs_of_a_rollout_are_bounded_naming_the_key(split, value, message):
@@ -266,9 +266,9 @@ def test_the_envs_of_a_rollout_are_bounded_naming_the_key(split, value, message)
         AgentSetup.from_config(cfg)
     with pytest.raises(ValueError, match=re.escape(message)):  # the env set alone (RAGEN's EnvStateManager's)
         EnvSpecMaker(split, cfg["es_manager"][split], cfg["custom_envs"], 0)
-    cfg["es_manager"][split].update(env_groups=256, group_size=256, env_configs={"tags": ["Bandit"],
-                                                                                 "n_groups": [256]})
-    assert AgentSetup.from_config(cfg).es[split].num_envs == 65536  # the bound itself is played
+    cfg["es_manager"][split].update(env_groups=128, group_size=128, env_configs={"tags": ["Bandit"],
+                                                                                 "n_groups": [128]})
+    assert AgentSetup.from_config(cfg).es[split].num_envs == 16384  # the bound itself is played
 
 
 @pytest.mark.timeout(60)
@@ -357,7 +357,7 @@ def test_reader_types():
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("override, message", [
     ("+agent_proxy.parallel_njobs=4", "agent_proxy.parallel_njobs is not a known key (did you mean 'parallel_n_jobs'?)"),
-    ("es_manager.train.group_size=10000000", "es_manager.train.group_size must be <= 65536, got 10000000"),
+    ("es_manager.train.group_size=10000000", "es_manager.train.group_size must be <= 16384, got 10000000"),
 ])
 def test_train_py_refuses_a_bad_key_before_any_model_loads(tmp_path, override, message):
     env = {**os.environ, "PYTHONPATH": str(ROOT)}

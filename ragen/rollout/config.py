@@ -19,6 +19,7 @@ from typing import Any, Mapping
 from ragen.config_reader import read, setting
 from ragen.llm.types import SamplingParams
 from ragen.rollout.context import GROUPINGS, METHODS, WINDOW_MODES, TOKEN_HISTORIES, ContextConfig
+from ragen.serving import wire
 from ragen.serving.address import check_listen_address
 
 logger = logging.getLogger(__name__)
@@ -192,8 +193,9 @@ class EnvTagConfig:
 
 
 # The envs of one rollout (env_groups x group_size of a split) at most: every env is an object in a
-# worker and a trajectory in the driver, so a count far past it takes the machine's memory.
-MAX_ENVS_PER_ROLLOUT = 2**16
+# worker and a trajectory in the driver, so a count far past it takes the machine's memory; and a
+# worker may ask for all of its envs' turns in one message, which carries at most wire.MAX_REQUESTS.
+MAX_ENVS_PER_ROLLOUT = wire.MAX_REQUESTS
 
 
 @dataclass(frozen=True)
