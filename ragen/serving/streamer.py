@@ -121,12 +121,13 @@ class Streamer:
                     self._waiting.discard(e)
                     self._by_ticket.pop((e.pending.conn, e.pending.ticket), None)
             for e in expired:
-                for f in e.futures:
-                    f.cancel()  # a request the engine has not finished leaves its batch
+                _give_up(e)
             try:
                 self._send(done, expired)
             except Exception:  # a bug here must not end the thread: every later answer would wait for ever
                 logger.exception("could not answer %d request lists", len(done) + len(expired))
+            for e in done:
+                _let_go(e)
 
     def _expired(self) -> list[_InFlight]:
         now = time.monotonic()
@@ -153,14 +154,28 @@ class Streamer:
                 return
             entry.answered = True
             self._waiting.discard(entry)
-        for f in entry.futures:
-            f.cancel()
+        _give_up(entry)
 
     def close(self) -> None:
         with self._cond:
             self._closed = True
             self._cond.notify_all()
         self._thread.join(timeout=5)
+
+
+def _let_go(e: _InFlight) -> list[Future]:
+    """Drop an answered entry's futures, and return them. Each future's done callback
+    holds the entry: kept, they would make a cycle that holds its requests and
+    completions until a full collection, which a manager that froze its heap
+    (``LLMAgentProxy``) runs seldom."""
+    futures, e.futures = e.futures, []
+    return futures
+
+
+def _give_up(e: _InFlight) -> None:
+    """Nobody waits for ``e`` now: what the engine has not finished leaves its batch."""
+    for f in _let_go(e):
+        f.cancel()
 
 
 def _answer(e: _InFlight) -> dict[str, Any]:
