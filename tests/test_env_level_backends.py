@@ -5,8 +5,10 @@ x turns, and the engine gate that weight swaps take."""
 
 from __future__ import annotations
 
+import gc
 import threading
 import time
+import weakref
 from concurrent.futures import Future
 
 import pytest
@@ -18,7 +20,10 @@ from ragen.rollout.proxy import AgentSetup
 from ragen.rollout.backends import make_backend
 from ragen.rollout.types import StopReason
 from ragen.serving import SharedLLMInferenceManager
+from ragen.serving.coalescer import Pending
 from ragen.serving.gate import EngineGate
+from ragen.serving.stats import ManagerStats
+from ragen.serving.streamer import Streamer
 
 from tests.rollout_helpers import agent_setup, streaming_engine
 
@@ -132,6 +137,70 @@ def test_a_request_never_answered_ends_its_env_in_timeout(mode, reference):
     assert [t for k, t in enumerate(got.trajectories) if k != i] == \
         [t for k, t in enumerate(val.trajectories) if k != i]
     assert all(f.cancelled() for f in engine.kept)  # the lost request was dropped, not left running
+
+
+class AnswersLater(LosesEnv):
+    """``LosesEnv``'s answers, set from another thread after ``submit`` returns, as an engine's are."""
+
+    def submit(self, requests, sampling):
+        futures = [Future() for _ in requests]
+
+        def answer():
+            for f, r in zip(futures, requests):
+                if r.env_id == self.lost:
+                    self.kept.append(f)
+                else:
+                    f.set_result(self.inner.generate([r], sampling)[0])
+
+        threading.Timer(0.05, answer).start()
+        return futures
+
+
+@pytest.mark.timeout(60)
+def test_the_manager_frees_a_request_list_once_it_is_answered():
+    """No reference cycle keeps the manager's record of a request list alive: it
+    is freed when answered, timed out or cancelled, not left for a full
+    collection (a cycle per request raised the driver's RSS over many
+    env-level rollouts, ragen.tools.soak)."""
+    engine = AnswersLater(lost=1)
+    answered = threading.Event()
+    answers = []
+
+    def reply(by_conn):
+        answers.extend(a for conn_answers in by_conn.values() for a in conn_answers)
+        answered.set()
+
+    streamer = Streamer(engine, EngineGate(), ManagerStats(), reply, request_timeout_s=0.3)
+    sampling = SamplingParams()
+    kept = []
+
+    def ask(ticket, env_id):
+        request = GenerationRequest(messages=[{"role": "user", "content": "Available actions: Up"}], env_id=env_id)
+        pending = Pending("conn", ticket, [request], sampling, time.monotonic())
+        streamer.submit(pending)
+        return weakref.ref(pending)
+
+    def wait_for(n):
+        deadline = time.monotonic() + 10
+        while len(answers) < n and time.monotonic() < deadline:
+            answered.wait(0.1)
+            answered.clear()
+        assert len(answers) == n
+
+    gc.collect()
+    gc.disable()
+    try:
+        kept = [ask(0, 0), ask(1, 1), ask(2, 1)]  # answered; timed out; cancelled by its worker
+        streamer.cancel("conn", 2)
+        wait_for(2)
+        assert sorted(a["ticket"] for a in answers) == [0, 1] and answers[-1]["timed_out"]
+        engine.kept.clear()  # the engine drops the requests it never answered
+        ask(3, 0)  # one more answer: the reply thread holds none of the earlier ones now
+        wait_for(3)
+        assert [ref() for ref in kept] == [None, None, None]
+    finally:
+        gc.enable()
+        streamer.close()
 
 
 @pytest.mark.timeout(60)

@@ -108,7 +108,7 @@ class Streamer:
             entry.futures = futures
             ended = entry.answered  # past its deadline while the engine took it
         if ended:
-            for f in entry.futures:
+            for f in _let_go(entry):
                 f.cancel()
             return
         for i, f in enumerate(entry.futures):
@@ -162,7 +162,7 @@ class Streamer:
         if gone:
             self.gate.leave(gone)
         for e in entries:
-            for f in e.futures:
+            for f in _let_go(e):
                 f.cancel()
 
     def _reply_loop(self) -> None:
@@ -184,6 +184,8 @@ class Streamer:
                 self._send(done, expired)
             except Exception:  # a bug here must not end the thread: every later answer would wait for ever
                 logger.exception("could not answer %d request lists", len(done) + len(expired))
+            for e in done:
+                _let_go(e)
 
     def _expired(self) -> list[_InFlight]:
         now = time.monotonic()
@@ -239,3 +241,12 @@ class Streamer:
             logger.error("malformed completion from the %s: %s", self.engine.label, exc)
             return {"ticket": p.ticket,
                     "error": f"the {self.engine.label} broke its contract: {type(exc).__name__}: {exc}"}
+
+
+def _let_go(e: _InFlight) -> list[Future]:
+    """Drops an ended entry's futures, and returns them. Each future's done callback
+    holds the entry: kept, they would make a cycle that holds its requests and
+    completions until a full collection, which a manager that froze its heap
+    (``LLMAgentProxy``) runs seldom."""
+    futures, e.futures = e.futures, []
+    return futures
