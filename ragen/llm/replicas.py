@@ -38,6 +38,7 @@ import dataclasses
 import logging
 import threading
 import time
+import weakref
 from collections import OrderedDict
 from concurrent.futures import CancelledError, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
@@ -472,7 +473,9 @@ class ReplicatedStreamingEngine(ReplicaSet, StreamingEngine):
     def submit(self, requests: Sequence[GenerationRequest], sampling: SamplingParams) -> list[Future]:
         routed = [_Routed(Future(), r, sampling, set()) for r in requests]
         for entry in routed:
-            entry.future.add_done_callback(lambda future, entry=entry: self._cancel_inner(future, entry))
+            # a weak reference: the entry holds its future, and a callback holding the entry would
+            # make a cycle that keeps both (and the completion) until a full collection
+            entry.future.add_done_callback(lambda future, ref=weakref.ref(entry): self._cancel_inner(future, ref()))
             self._send(entry)
         return [entry.future for entry in routed]
 
@@ -533,6 +536,7 @@ class ReplicatedStreamingEngine(ReplicaSet, StreamingEngine):
         self._unpark()  # requests still waiting for a probe fail now
 
     def _answered(self, entry: _Routed, index: int, inner: Future) -> None:
+        entry.inner = None  # done: nothing to cancel, and no cycle through its callback
         try:
             self._settle_answer(entry, index, inner)
         finally:
@@ -571,9 +575,10 @@ class ReplicatedStreamingEngine(ReplicaSet, StreamingEngine):
                     entry.request.turn, self.router.replicas[index].name, error)
 
     @staticmethod
-    def _cancel_inner(future: Future, entry: _Routed) -> None:
-        if future.cancelled() and entry.inner is not None:
-            entry.inner.cancel()
+    def _cancel_inner(future: Future, entry: _Routed | None) -> None:
+        inner = None if entry is None else entry.inner  # None: answered, or nothing holds the entry now
+        if future.cancelled() and inner is not None:
+            inner.cancel()
 
 
 def replicate(builders: Sequence[tuple[str, Callable[[], Engine]]], routing: Routing = Routing()) -> Engine:
