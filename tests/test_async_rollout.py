@@ -3,6 +3,7 @@ fully-async rollout that never loses or duplicates a group."""
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 import time
@@ -128,6 +129,26 @@ def test_ahead_after_a_failed_rollout_raises_on_every_get():
         ahead.close()
     # after close: an error, not a wait for a batch that will never come
     assert isinstance(_get_within(ahead, 0).get("error"), RuntimeError)
+
+
+@pytest.mark.timeout(120)
+def test_fully_async_in_flight_groups_far_above_the_cores_cap_its_workers_with_a_warning(caplog):
+    import joblib
+
+    from ragen.rollout.config import MAX_JOBS_PER_CORE
+
+    cap = MAX_JOBS_PER_CORE * joblib.cpu_count()
+    engine = ScriptedEngine()
+    setup = setup_for(rollout_mode="fully_async", max_inflight_groups=10**6, parallel_backend="threading",
+                      async_generation_ratio=1)
+    with caplog.at_level(logging.WARNING, logger="ragen.rollout.config"):
+        with LLMAgentProxy(setup, engine) as proxy:
+            batch = proxy.next_train_batch(engine.policy_version)
+            workers = threading.active_count()
+    assert len({t.group_id for t in batch.trajectories}) == setup.es["train"].env_groups
+    assert workers < cap + 20  # the pool's threads, and the few of the manager and the scheduler
+    assert any(f"agent_proxy.max_inflight_groups={10**6}" in r.getMessage() and f"capped at {cap}" in r.getMessage()
+               for r in caplog.records)
 
 
 @pytest.mark.parametrize("backend", ["loky", "threading"])

@@ -89,8 +89,8 @@ def env_level_for(value: Any, streams: bool, engine: str, streaming_engines: str
 MAX_JOBS_PER_CORE = 4
 
 
-def cap_n_jobs(n_jobs: Any, cores: int | None = None) -> Any:
-    """``agent_proxy.parallel_n_jobs`` above ``MAX_JOBS_PER_CORE`` x the cores:
+def cap_n_jobs(n_jobs: Any, cores: int | None = None, key: str = "agent_proxy.parallel_n_jobs") -> Any:
+    """A worker count (``key``) above ``MAX_JOBS_PER_CORE`` x the cores:
     capped there, with a warning naming the key; anything else as it is."""
     if not isinstance(n_jobs, int) or n_jobs < 1:
         return n_jobs
@@ -101,8 +101,8 @@ def cap_n_jobs(n_jobs: Any, cores: int | None = None) -> Any:
     cap = MAX_JOBS_PER_CORE * max(1, cores)
     if n_jobs <= cap:
         return n_jobs
-    logger.warning("agent_proxy.parallel_n_jobs=%d is more than %d workers per core (%d cores): capped at %d",
-                   n_jobs, MAX_JOBS_PER_CORE, cores, cap)
+    logger.warning("%s=%d is more than %d workers per core (%d cores): capped at %d",
+                   key, n_jobs, MAX_JOBS_PER_CORE, cores, cap)
     return cap
 
 

@@ -80,8 +80,10 @@ class GroupsInFlight:
         self.es, self.client, self.config, self.flight = es, client, config, flight
         self.ahead_groups = ahead_groups  # None: no admission bound
         # One task is one group, and a group mostly waits for the engine: a worker per
-        # in-flight group (not per core) keeps max_inflight_groups really in flight.
-        self._n_workers = max(joblib.effective_n_jobs(cap_n_jobs(flight.n_jobs)), flight.max_inflight_groups)
+        # in-flight group (not per core) keeps max_inflight_groups really in flight, up to
+        # the workers a machine takes (past them, groups wait for a worker).
+        self._n_workers = max(joblib.effective_n_jobs(cap_n_jobs(flight.n_jobs)),
+                              cap_n_jobs(flight.max_inflight_groups, key="agent_proxy.max_inflight_groups"))
         self._workers = KeptExecutor(lambda: local_pool(flight.backend, self._n_workers, "ragen-async"))
         self._workers.get()
         self._cond = threading.Condition()
