@@ -262,6 +262,18 @@ def test_a_weight_swap_waits_for_requests_in_flight_and_holds_new_ones():
     assert events == ["swap", "request"]
 
 
+def test_a_worker_waits_past_the_managers_own_timeout():
+    """Where the manager answers a request past engine_timeout_s itself, the worker's wait
+    (which starts first) leaves that answer a grace, so the envs end in timeout rather than
+    the worker's task in the fallback; elsewhere the worker's wait is engine_timeout_s."""
+    from ragen.rollout.backends.parallel import worker_wait_s
+
+    assert worker_wait_s(1.0, manager_times_out=True) == 2.0
+    assert worker_wait_s(600.0, manager_times_out=True) == 660.0
+    assert worker_wait_s(1.0, manager_times_out=False) == 1.0
+    assert worker_wait_s(None, manager_times_out=True) is None
+
+
 @pytest.mark.timeout(120)
 def test_lockstep_turns_on_a_streaming_engine_end_a_lost_request_in_timeout(reference):
     """env_level_async: false: the request list that holds the lost request ends

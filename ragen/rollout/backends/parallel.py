@@ -48,6 +48,17 @@ class RolloutError(RuntimeError):
     """A rollout that could not give every spec its trajectory."""
 
 
+def worker_wait_s(engine_timeout_s: float | None, manager_times_out: bool) -> float | None:
+    """How long a worker waits for the manager's answer. Where the manager ends a request
+    that ran past ``engine_timeout_s`` itself (a streaming engine: its envs then end in
+    ``timeout``), the worker's wait is only the backstop for a manager that does not answer,
+    and leaves that answer a grace to arrive (else the worker's wait, which starts first,
+    runs out first, and its whole task goes to the fallback)."""
+    if engine_timeout_s is None or not manager_times_out:
+        return engine_timeout_s
+    return engine_timeout_s + max(1.0, 0.1 * engine_timeout_s)
+
+
 class ParallelRolloutManager(SyncBackend):
     """``use_parallel_rollout: true``: a rollout's envs played by joblib workers
     that take whole groups as they free up, all asking ``shared`` (one engine
@@ -89,7 +100,8 @@ class ParallelRolloutManager(SyncBackend):
         self.rollout_timeout_s = rollout_timeout_s
         self.fallback_env_timeout_s = fallback_env_timeout_s
         self.pipeline_depth = pipeline_depth  # a worker's streams; with auto, each rollout's choice
-        self._client = shared.client(timeout_s=engine_timeout_s)
+        manager_times_out = shared.streamer is not None and shared.streamer.request_timeout_s is not None
+        self._client = shared.client(timeout_s=worker_wait_s(engine_timeout_s, manager_times_out))
         # executors kept between rollouts; one rollout at a time on each (see _Executors)
         self._lock = threading.Lock()
         self._idle: list[_Executors] = []
