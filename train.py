@@ -3,7 +3,7 @@
     python train.py                                   # config/base.yaml
     python train.py --config-name base-parallel       # parallel rollout
     python train.py trainer.total_training_steps=50 actor_rollout_ref.model.lora_rank=16
-    python train.py trainer.resume=true trainer.default_local_dir=runs/ragen/bandit_grpo/latest  # continue a run
+    python train.py trainer.resume=true trainer.total_training_steps=24  # continue the newest run
 
 Each run writes a fresh run folder, runs/<project>/<experiment>/<date>_<time>
 (``trainer.default_local_dir``), and ``latest`` beside it links the newest.

@@ -446,6 +446,21 @@ def _saved_steps(model_path: str, run, steps, *extra: str) -> None:
             trainer.save()
 
 
+def test_resume_in_a_fresh_run_folder_continues_the_newest_run(tiny_model_path, tmp_path):
+    """trainer.resume=true with the default run folder (a fresh one, not yet made): the run
+    ``latest`` links is continued in its own folder, not a new run from step 0."""
+    older, newest = tmp_path / "exp" / "2026-01-01_00-00-00", tmp_path / "exp" / "2026-01-01_00-00-09"
+    _saved_steps(tiny_model_path, older, [1])
+    _saved_steps(tiny_model_path, newest, [1, 2])
+    assert (tmp_path / "exp" / ckpt.LATEST_RUN).resolve() == newest
+    fresh = tmp_path / "exp" / "2026-01-02_00-00-00"
+    with AgentTrainer(compose_cfg(small_overrides(tiny_model_path, fresh, "trainer.resume=true"))) as trainer:
+        assert trainer.global_step == 2 and trainer.run_dir == newest
+    assert not fresh.exists()
+    with AgentTrainer(compose_cfg(small_overrides(tiny_model_path, fresh))) as trainer:  # no resume: a new run
+        assert trainer.global_step == 0 and trainer.run_dir == fresh
+
+
 def test_a_truncated_checkpoint_names_the_file_and_offers_the_previous_one(tiny_model_path, tmp_path):
     run = tmp_path / "run"
     _saved_steps(tiny_model_path, run, [1, 2])

@@ -53,7 +53,7 @@ class TrainerSection:
     test_freq: int = 5  # <= 0: no periodic validation (the last step is still validated)
     save_freq: int = 10  # <= 0: only the last step is saved
     val_before_train: bool = True
-    resume: bool = False  # continue from the latest checkpoint in default_local_dir
+    resume: bool = False  # continue from the latest checkpoint in default_local_dir (a fresh one: the newest run's)
     logger: str | list[str] = setting(default_factory=lambda: ["console", "jsonl"])
     max_actor_ckpt_to_keep: int | None = setting(None, minimum=1)
     seed: int | None = None  # None: seed.train

@@ -30,7 +30,8 @@ written down by the driver after it ran (``ragen.rollout.dump``), for
 *The run folder* (``trainer.default_local_dir``) holds the run's config,
 metrics, checkpoints and learning curve; ``config/trainer_defaults.yaml`` names
 a fresh one per run, and ``latest`` beside it links the newest. A folder that
-already holds checkpoints is refused unless the run resumes it.
+already holds checkpoints is refused unless the run resumes it; a resume whose
+folder does not exist yet (the default's fresh one) continues the newest run.
 
 *Checkpoints* (``save_freq`` and the last step) and *resume*: see
 ``ragen.trainer.checkpoint``. On resume the metrics log is cut back to the
@@ -179,6 +180,11 @@ class AgentTrainer:
             if step is not None:
                 return step
             latest = self.run_dir.parent / ckpt.LATEST_RUN
+            if not self.run_dir.exists() and latest.is_dir() and ckpt.latest_checkpoint(latest) is not None:
+                # a fresh run folder (the default, one per run): resume means the newest run
+                self.run_dir = latest.resolve()
+                logger.info("trainer.resume: continuing the newest run of %s, %s", latest.parent, self.run_dir)
+                return ckpt.latest_checkpoint(self.run_dir)
             logger.warning("trainer.resume is true but %s holds no checkpoint: starting from step 0 (to continue "
                            "an earlier run, name its folder: trainer.default_local_dir=%s)", self.run_dir,
                            latest if latest.is_dir() else "<its run folder>")
