@@ -608,7 +608,9 @@ def case_4(kind: str) -> dict[str, Any]:
     healthy = second[0] == "ok" and set(stops(second[1])) <= {"done", "max_turns", "action_budget"}
     if swap[0] == "got":
         bounded(proxy.close, 10)
-    figure = f"healthy rollout: {stops(second[1])}" if second[0] == "ok" else "healthy rollout: none"
+    gave_up = " (gave up)" if swap[0] == "waiting" else ""
+    figure = (f"healthy rollout: {stops(second[1]) if second[0] == 'ok' else second[0]}; "
+              f"swap waited {swap[1]:.2f} s{gave_up}")
     return {"happened": happened, "figure": figure, "fixed": healthy and swap[0] == "got"}
 
 
