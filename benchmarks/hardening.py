@@ -48,6 +48,8 @@ HERE = Path(__file__).resolve().parent
 
 @dataclass(frozen=True)
 class Row:
+    """One reproduction: its child process runs ``CASES[id]``."""
+
     id: str
     defect: str  # what --cases names: "1".."11" or "batch"
     did: str  # what the row does, in words
@@ -124,6 +126,8 @@ def tree_rss_mb(pid: int) -> float:
 
 @dataclass
 class Watched:
+    """How a watched process ended."""
+
     rc: int | None
     seconds: float
     peak_mb: float
