@@ -188,6 +188,7 @@ class Engine(ABC):
     # whether completions carry ``logprobs`` (the trainer's off-policy correction needs them);
     # an engine that asks a server for them may still get none back, and says so per completion
     returns_logprobs: bool = False
+    vocab_size: int | None = None  # the token ids its model knows, where the engine knows them
 
     def __init__(self) -> None:
         self.policy_version = 0
@@ -198,7 +199,6 @@ class Engine(ABC):
         self.history_divergences = 0
         self.token_prompt_fallbacks = 0
         self.chat: ChatTokens | None = None
-        self.vocab_size: int | None = None
 
     def prompt_ids(self, request: GenerationRequest) -> list[int]:
         """The request's prompt ids: its history ids and the template's tokens of the

@@ -271,7 +271,7 @@ class Connections:
 
     def _handle(self, conn: Connection, data: bytes) -> None:
         try:
-            msg = wire.parse_message(data, getattr(self.engine, "vocab_size", None))
+            msg = wire.parse_message(data, self.engine.vocab_size)
         except wire.BadMessage as exc:
             self._bad(conn, [exc])
             return
