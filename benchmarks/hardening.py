@@ -465,6 +465,17 @@ def openai_engine(servers: list[FakeServer], **options: Any):
     return make_engine({"name": "openai", "model": "m", "return_token_ids": True, **where, **options})
 
 
+def play_over_servers(servers: list[FakeServer], **options: Any) -> tuple:
+    """A parallel rollout over an OpenAI engine on ``servers``; the engine closed and the servers stopped after."""
+    engine = openai_engine(servers, **options)
+    try:
+        return play(engine, use_parallel_rollout=True)
+    finally:
+        engine.close()
+        for s in servers:
+            s.stop()
+
+
 def naming(pattern: str) -> list[str]:
     return LOG.messages(pattern)
 
@@ -490,13 +501,7 @@ def server_named(url: str, servers: list[FakeServer]) -> tuple[bool, str]:
 def case_1(n_servers: int, bad: str) -> dict[str, Any]:
     servers = [FakeServer(bad=bad if i == n_servers // 2 else "") for i in range(n_servers)]
     bad_url = servers[n_servers // 2].base_url
-    engine = openai_engine(servers, max_retries=1, backoff_s=0.05)
-    try:
-        outcome = play(engine, use_parallel_rollout=True)
-    finally:
-        engine.close()
-        for s in servers:
-            s.stop()
+    outcome = play_over_servers(servers, max_retries=1, backoff_s=0.05)
     named, where = server_named(bad_url, servers)
     where = "; " + where
     if outcome[0] != "ok":
@@ -621,13 +626,7 @@ def case_4(kind: str) -> dict[str, Any]:
 def case_5() -> dict[str, Any]:
     outage = {"start": None, "for_s": 1.5}
     servers = [FakeServer(outage=outage), FakeServer(outage=outage)]
-    engine = openai_engine(servers, max_retries=1)
-    try:
-        outcome = play(engine, use_parallel_rollout=True)
-    finally:
-        engine.close()
-        for s in servers:
-            s.stop()
+    outcome = play_over_servers(servers, max_retries=1)
     failures = sum(s.failures for s in servers)
     text = portless(said(outcome), servers)
     if outcome[0] != "ok":
@@ -643,13 +642,7 @@ def case_5() -> dict[str, Any]:
 
 def case_6(bad: str) -> dict[str, Any]:
     servers = [FakeServer(), FakeServer(bad=bad), FakeServer()]
-    engine = openai_engine(servers, max_retries=1, backoff_s=0.05)
-    try:
-        outcome = play(engine, use_parallel_rollout=True)
-    finally:
-        engine.close()
-        for s in servers:
-            s.stop()
+    outcome = play_over_servers(servers, max_retries=1, backoff_s=0.05)
     named, warning = server_named(servers[1].base_url, servers)
     if outcome[0] != "ok":
         return {"happened": f"{portless(said(outcome), servers)}; {warning}", "figure": "", "fixed": False}

@@ -97,6 +97,24 @@ def test_a_frame_is_refused_before_it_decodes_to_more_than_it_holds(name):
     assert peak < 24 * len(data), f"decoding a frame of {len(data)} bytes allocated {peak} bytes"
 
 
+
+def _ask_bad_and_good(client, bad, sampling):
+    """Two streams: ``bad`` (one request list) and two good requests, both asked before either
+    is answered. Their tickets, the good answers' env ids by ticket and the (ticket, error)s."""
+    client.open_streams(2)
+    bad_ticket = client.submit(bad, sampling)
+    good_ticket = client.submit(_requests(2), sampling)
+    got, errors = {}, []
+    while len(got) + len(errors) < 2:
+        try:
+            ticket, completions = client.wait_any()
+            got[ticket] = [c.env_id for c in completions]
+        except EngineError as exc:
+            errors.append((exc.ticket, str(exc)))
+            client.close_stream()  # as the worker's loop does once its envs ended
+    client.close_stream()
+    return bad_ticket, good_ticket, got, errors
+
 @pytest.mark.parametrize("name", FRAMES)
 def test_the_manager_refuses_such_a_frame_and_answers_the_others(name):
     make, bound = FRAMES[name]
@@ -170,19 +188,7 @@ def test_history_ids_outside_the_vocabulary_are_refused_alone():
     engine = ScriptedEngine()
     bad = _requests(1, env0=9, history_token_ids=[1, 2, 300], history_messages=1)
     with SharedLLMInferenceManager(engine, coalesce_wait_s=0.0, max_coalesce_wait_s=5.0) as shared:
-        client = shared.client(timeout_s=20)
-        client.open_streams(2)
-        bad_ticket = client.submit(bad, SamplingParams())
-        good_ticket = client.submit(_requests(2), SamplingParams())
-        got, errors = {}, []
-        while len(got) + len(errors) < 2:
-            try:
-                ticket, completions = client.wait_any()
-                got[ticket] = [c.env_id for c in completions]
-            except EngineError as exc:
-                errors.append((exc.ticket, str(exc)))
-                client.close_stream()  # as the worker's loop does once its envs ended
-        client.close_stream()
+        bad_ticket, good_ticket, got, errors = _ask_bad_and_good(shared.client(timeout_s=20), bad, SamplingParams())
     assert got == {good_ticket: [0, 1]}
     assert [t for t, _ in errors] == [bad_ticket]
     assert re.search(r"env_id 9, turn 0.*token id 300 is outside the vocabulary's 256 ids", errors[0][1])
@@ -201,19 +207,7 @@ def test_an_out_of_vocabulary_id_fails_only_its_request_in_a_coalesced_hf_call(t
     bad = _requests(1, env0=9, history_token_ids=[1, 2, vocab + 5], history_messages=1)
     sampling = SamplingParams(max_tokens=4)
     with SharedLLMInferenceManager(engine, coalesce_wait_s=0.0, max_coalesce_wait_s=5.0) as shared:
-        client = shared.client(timeout_s=60)
-        client.open_streams(2)
-        bad_ticket = client.submit(bad, sampling)
-        good_ticket = client.submit(_requests(2), sampling)
-        got, errors = {}, []
-        while len(got) + len(errors) < 2:
-            try:
-                ticket, completions = client.wait_any()
-                got[ticket] = [c.env_id for c in completions]
-            except EngineError as exc:
-                errors.append((exc.ticket, str(exc)))
-                client.close_stream()
-        client.close_stream()
+        bad_ticket, good_ticket, got, errors = _ask_bad_and_good(shared.client(timeout_s=60), bad, sampling)
     assert got == {good_ticket: [0, 1]}
     assert [t for t, _ in errors] == [bad_ticket]
     assert f"token id {vocab + 5}" in errors[0][1] and "env_id 9" in errors[0][1]
