@@ -25,7 +25,8 @@ from ragen.llm import make_engine
 from ragen.llm.types import SamplingParams
 from ragen.rollout.context import ContextConfig
 from ragen.rollout.envs import EnvSpecMaker
-from ragen.rollout.loop import KeptEnvs, LoopConfig, run_envs
+from ragen.rollout.batching import EnvLevel, Lockstep
+from ragen.rollout.scheduler import KeptEnvs, LoopConfig, run_envs
 from ragen.serving import direct_client
 
 
@@ -58,7 +59,8 @@ def main() -> None:
         for _ in range(args.repeats):
             for env_level in (False, True):
                 t0, steps, running = time.perf_counter(), engine.steps, engine.running_sum
-                got, stats = run_envs(specs, direct_client(engine), loop, kept_envs=KeptEnvs(), env_level=env_level)
+                got, stats = run_envs(specs, direct_client(engine), loop, kept_envs=KeptEnvs(),
+                                      batching=EnvLevel() if env_level else Lockstep())
                 wall = time.perf_counter() - t0
                 steps, running = engine.steps - steps, engine.running_sum - running
                 rows[env_level].append((wall, steps, running / steps, stats.submits))

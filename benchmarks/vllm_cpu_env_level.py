@@ -37,7 +37,8 @@ from ragen.llm import make_engine
 from ragen.llm.types import GenerationRequest, SamplingParams, request_seed
 from ragen.rollout.context import ContextConfig
 from ragen.rollout.envs import EnvSpecMaker
-from ragen.rollout.loop import KeptEnvs, LoopConfig, run_envs
+from ragen.rollout.batching import EnvLevel, Lockstep
+from ragen.rollout.scheduler import KeptEnvs, LoopConfig, run_envs
 from ragen.serving.client import DirectClient, StreamingDirectClient
 
 
@@ -138,7 +139,8 @@ def main() -> None:
                 engine.reset_prefix_cache()
                 client = StreamingDirectClient(forced) if env_level else DirectClient(forced)
                 t0, busy = time.perf_counter(), engine.request_seconds
-                got, stats = run_envs(specs, client, loop, kept_envs=KeptEnvs(), env_level=env_level)
+                got, stats = run_envs(specs, client, loop, kept_envs=KeptEnvs(),
+                                      batching=EnvLevel() if env_level else Lockstep())
                 wall = time.perf_counter() - t0
                 occupancy = (engine.request_seconds - busy) / wall
                 rows[env_level].append((wall, occupancy, stats.submits))

@@ -23,7 +23,7 @@ import sys
 from ragen.llm.scripted import ScriptedEngine
 from ragen.serving import DirectClient, SharedLLMInferenceManager
 from ragen.rollout.backends.parallel import ParallelRolloutManager
-from ragen.rollout.loop import KeptEnvs, run_envs
+from ragen.rollout.scheduler import KeptEnvs, run_envs
 
 from tests.rollout_helpers import custom_envs, fault_tag, loop_config, specs_for
 

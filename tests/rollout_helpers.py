@@ -14,7 +14,7 @@ from ragen.llm.types import SamplingParams
 from ragen.rollout.context import ContextConfig
 from ragen.rollout.envs import EnvSpecMaker
 from ragen.serving import DirectClient
-from ragen.rollout.loop import KeptEnvs, LoopConfig, run_envs
+from ragen.rollout.scheduler import KeptEnvs, LoopConfig, run_envs
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -10,7 +10,7 @@ from omegaconf import OmegaConf
 from ragen.llm import make_engine
 from ragen.llm.scripted import ScriptedEngine
 from ragen.llm_agent import AgentSetup, LLMAgentProxy, StopReason
-from ragen.rollout.loop import LoopConfig
+from ragen.rollout.loop_config import LoopConfig
 
 from tests.rollout_helpers import ROOT
 

@@ -15,7 +15,8 @@ from ragen.rollout import dump as dump_module
 from ragen.rollout.dump import DumpError, dump_name, read_dump, write_dump
 from ragen.serving import DirectClient, SharedLLMInferenceManager
 from ragen.rollout.backends.parallel import ParallelRolloutManager
-from ragen.rollout.loop import KeptEnvs, run_envs
+from ragen.rollout.batching import Lockstep
+from ragen.rollout.scheduler import KeptEnvs, run_envs
 from ragen.rollout.types import RolloutResult, StopReason, episode_ids
 
 from tests.dump_cases import BAD_DUMPS, write_as_version_2, write_bad_dump
@@ -221,7 +222,7 @@ def test_sequential_and_parallel_dumps_are_identical_apart_from_timings_and_work
     specs = specs_for(["SimpleSokoban", "FrozenLake"], [3, 3], 2, custom_envs())
     config = loop_config(max_turn=4)
     engine = ScriptedEngine(malformed_rate=0.1)
-    trajectories, _ = run_envs(specs, DirectClient(engine), config, kept_envs=KeptEnvs(), pipeline_depth=2)
+    trajectories, _ = run_envs(specs, DirectClient(engine), config, kept_envs=KeptEnvs(), batching=Lockstep(depth=2))
     seq = write_dump(tmp_path / "seq", "d", RolloutResult(trajectories, specs), config, split="train", step=0)
     with SharedLLMInferenceManager(engine, coalesce_wait_s=0.005) as shared, \
             ParallelRolloutManager(shared, n_jobs=2, backend="loky") as prm:

@@ -1,4 +1,4 @@
-"""The turn loop with no barrier between envs (``run_envs(..., env_level=True)``)
+"""The turn loop with no barrier between envs (``run_envs(..., batching=EnvLevel())``)
 on an engine that batches continuously: each env takes its next turn as soon
 as its own answer is in, and the trajectories are the lockstep loop's."""
 
@@ -11,7 +11,8 @@ import pytest
 
 from ragen.llm.scripted import ScriptedEngine
 from ragen.llm.types import StreamingEngine
-from ragen.rollout.loop import KeptEnvs, run_envs
+from ragen.rollout.batching import EnvLevel, Lockstep
+from ragen.rollout.scheduler import KeptEnvs, run_envs
 from ragen.serving import DirectClient, StreamingDirectClient, direct_client
 
 from tests.rollout_helpers import custom_envs, fault_tag, loop_config, specs_for, streaming_engine
@@ -27,8 +28,8 @@ def test_env_level_gives_the_lockstep_trajectories():
     engine = streaming_engine()
     try:
         for env_level, depth in ((True, 1), (False, 1), (False, 2)):
-            got, stats = run_envs(specs, direct_client(engine), config, kept_envs=KeptEnvs(), env_level=env_level,
-                                  pipeline_depth=depth)
+            batching = EnvLevel() if env_level else Lockstep(depth=depth)
+            got, stats = run_envs(specs, direct_client(engine), config, kept_envs=KeptEnvs(), batching=batching)
             assert got == reference, (env_level, depth)
             assert [[t.logprobs for t in tr.turns] for tr in got] == [[t.logprobs for t in tr.turns] for tr in reference]
             if env_level:  # one request an env and turn
@@ -98,7 +99,7 @@ def test_an_env_plays_on_while_another_waits_for_its_answer():
     assert env1_turns >= 2
     engine = GatedEngine(held=0, until=(1, env1_turns - 1))
     try:
-        got, _ = run_envs(specs, StreamingDirectClient(engine), config, kept_envs=KeptEnvs(), env_level=True)
+        got, _ = run_envs(specs, StreamingDirectClient(engine), config, kept_envs=KeptEnvs(), batching=EnvLevel())
     finally:
         engine.close()
     assert got == reference
@@ -184,8 +185,8 @@ def test_env_level_takes_chunks_from_a_queue():
     chunks = [specs[i: i + 4] for i in range(4, len(specs), 4)]
     engine = streaming_engine()
     try:
-        got, stats = run_envs(specs[:4], StreamingDirectClient(engine), config, kept_envs=KeptEnvs(), env_level=True,
-                              take=lambda: chunks.pop(0) if chunks else [], max_live_envs=6)
+        got, stats = run_envs(specs[:4], StreamingDirectClient(engine), config, kept_envs=KeptEnvs(),
+                              batching=EnvLevel(max_live_envs=6), take=lambda: chunks.pop(0) if chunks else [])
     finally:
         engine.close()
     assert got == reference and stats.chunks == 3
@@ -204,8 +205,8 @@ def test_each_chunk_taken_plays_env_by_env():
     chunks = [specs[2:]]
     engine = GatedEngine(held=2, until=(3, env3_turns - 1))
     try:
-        got, stats = run_envs(specs[:2], StreamingDirectClient(engine), config, kept_envs=KeptEnvs(), env_level=True,
-                              take=lambda: chunks.pop(0) if chunks else [])
+        got, stats = run_envs(specs[:2], StreamingDirectClient(engine), config, kept_envs=KeptEnvs(),
+                              batching=EnvLevel(), take=lambda: chunks.pop(0) if chunks else [])
     finally:
         engine.close()
     assert got == reference and stats.chunks == 1

@@ -16,7 +16,7 @@ from ragen.env.base import BaseDiscreteActionEnv
 from ragen.llm.scripted import ScriptedEngine
 from ragen.llm_agent import AgentSetup, LLMAgentProxy
 from ragen.serving import DirectClient
-from ragen.rollout.loop import KeptEnvs, run_envs
+from ragen.rollout.scheduler import KeptEnvs, run_envs
 from ragen.rollout.types import RolloutResult, StopReason
 
 from tests.rollout_helpers import ROOT, custom_envs, fault_tag, loop_config, sequential, specs_for

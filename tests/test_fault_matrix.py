@@ -44,7 +44,7 @@ from ragen.llm_agent import AgentSetup, LLMAgentProxy
 from ragen.rollout.workers.cluster import ClusterConfig
 from ragen.rollout.backends.parallel import ParallelRolloutManager, RolloutError
 from ragen.serving import DirectClient
-from ragen.rollout.loop import KeptEnvs, run_envs
+from ragen.rollout.scheduler import KeptEnvs, run_envs
 from ragen.serving import SharedLLMInferenceManager
 from ragen.rollout.types import StopReason
 

@@ -24,7 +24,8 @@ from ragen.llm import make_engine
 from ragen.llm.openai_engine import OpenAIEngine
 from ragen.llm.scripted import ScriptedEngine
 from ragen.llm.types import GenerationRequest, SamplingParams, request_seed
-from ragen.rollout.loop import KeptEnvs, run_envs
+from ragen.rollout.batching import EnvLevel
+from ragen.rollout.scheduler import KeptEnvs, run_envs
 from ragen.rollout.types import StopReason
 from ragen.serving import DirectClient, StreamingDirectClient
 
@@ -674,7 +675,7 @@ def test_env_level_over_the_server_gives_the_lockstep_trajectories():
     engine = OpenAIEngine(server.base_url, model="m", max_concurrency=4)
     try:
         reference, _ = run_envs(specs, DirectClient(engine), config, kept_envs=KeptEnvs())
-        got, stats = run_envs(specs, StreamingDirectClient(engine), config, kept_envs=KeptEnvs(), env_level=True)
+        got, stats = run_envs(specs, StreamingDirectClient(engine), config, kept_envs=KeptEnvs(), batching=EnvLevel())
     finally:
         engine.close()
         server.stop()
@@ -691,7 +692,7 @@ def test_every_request_carries_its_episode_as_the_session_key():
     specs, config, server = env_level_setup()
     engine = OpenAIEngine(server.base_url, model="m", max_concurrency=4)
     try:
-        got, _ = run_envs(specs, StreamingDirectClient(engine), config, kept_envs=KeptEnvs(), env_level=True)
+        got, _ = run_envs(specs, StreamingDirectClient(engine), config, kept_envs=KeptEnvs(), batching=EnvLevel())
     finally:
         engine.close()
         server.stop()
@@ -714,7 +715,7 @@ def run_with_a_dropped_env(drop_env: int):
     specs, config, server = env_level_setup(drop_env)
     engine = OpenAIEngine(server.base_url, model="m", max_concurrency=4, max_retries=1, backoff_s=0.01)
     try:
-        got, _ = run_envs(specs, StreamingDirectClient(engine), config, kept_envs=KeptEnvs(), env_level=True)
+        got, _ = run_envs(specs, StreamingDirectClient(engine), config, kept_envs=KeptEnvs(), batching=EnvLevel())
     finally:
         engine.close()
         server.stop()

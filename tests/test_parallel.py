@@ -5,13 +5,15 @@ from __future__ import annotations
 
 import threading
 import time
+from operator import attrgetter
 
 import pytest
 
 from ragen.llm.scripted import ScriptedEngine
 from ragen.rollout.backends.parallel import ParallelRolloutManager, RolloutError
 from ragen.serving import DirectClient
-from ragen.rollout.loop import KeptEnvs, run_envs
+from ragen.rollout.batching import Lockstep
+from ragen.rollout.scheduler import KeptEnvs, run_envs
 from ragen.rollout.backends import parallel as parallel_rollout
 from ragen.rollout.workers.schedule import CHUNK_WORK_S, chunk_sizes, min_chunk_groups
 from ragen.serving import SharedLLMInferenceManager
@@ -48,7 +50,7 @@ def test_a_worker_result_is_frozen_plain_data_and_combines_its_parts():
     import pickle
 
     from ragen.rollout.workers.task import WorkerResult
-    from ragen.rollout.loop import LoopStats
+    from ragen.rollout.scheduler import LoopStats
     from ragen.rollout.types import Trajectory
 
     a = WorkerResult(task=2, trajectories=[Trajectory(env_id=1, group_id=0, tag="t", seed=5)],
@@ -410,7 +412,7 @@ def test_streams_of_taken_chunks_merge_back_into_pipeline_depth_once_answered_to
         client.opened += bool(chunk)  # the manager opens a stream per chunk taken
         return chunk
 
-    trajectories, stats = run_envs([], client, config, kept_envs=KeptEnvs(), take=take, pipeline_depth=2)
+    trajectories, stats = run_envs([], client, config, kept_envs=KeptEnvs(), take=take, batching=Lockstep(depth=2))
     assert stats.chunks == 4
     assert sorted(trajectories, key=lambda t: t.env_id) == reference
     assert client.opened == client.closed == 4
@@ -419,25 +421,23 @@ def test_streams_of_taken_chunks_merge_back_into_pipeline_depth_once_answered_to
 
 
 def test_groups_are_dealt_out_over_micro_batches():
-    from ragen.rollout.env_calls import EnvSlot as _EnvSlot
-    from ragen.rollout.loop import _split_streams
+    from ragen.rollout.batching import split_streams
 
     specs = specs_for(["SimpleSokoban", "FrozenLake"], [4, 4], 1, custom_envs())
-    streams = _split_streams([_EnvSlot(s) for s in specs], 2)
-    assert [{s.spec.tag for s in stream} for stream in streams] == [{"SimpleSokoban", "FrozenLake"}] * 2
+    streams = split_streams(specs, 2, group_id=attrgetter("group_id"))
+    assert [{s.tag for s in stream} for stream in streams] == [{"SimpleSokoban", "FrozenLake"}] * 2
 
 
 @pytest.mark.timeout(60)
 def test_micro_batches_get_groups_dealt_in_turn_in_order():
     """Group k of n goes to micro-batch k % n, and each keeps the groups'
     order: the exact layout, so results and worker load stay as they were."""
-    from ragen.rollout.env_calls import EnvSlot as _EnvSlot
-    from ragen.rollout.loop import _split_streams
+    from ragen.rollout.batching import split_streams
     from ragen.utils import deal
 
     specs = specs_for(["Bandit"], [7], 2, custom_envs())
-    streams = _split_streams([_EnvSlot(s) for s in specs], 2)
-    assert [[s.spec.group_id for s in stream] for stream in streams] == [
+    streams = split_streams(specs, 2, group_id=attrgetter("group_id"))
+    assert [[s.group_id for s in stream] for stream in streams] == [
         [0, 0, 2, 2, 4, 4, 6, 6], [1, 1, 3, 3, 5, 5]]
     assert deal("abcdefg", 3) == [["a", "d", "g"], ["b", "e"], ["c", "f"]]
     assert deal([1, 2], 4) == [[1], [2], [], []]

@@ -19,7 +19,8 @@ from ragen.serving import SharedLLMInferenceManager, wire
 from ragen.rollout.backends.parallel import ParallelRolloutManager
 from ragen.rollout.progress import RolloutProgress
 from ragen.rollout.workers.dispatch import FINISHED, announced, report_finished
-from ragen.rollout.loop import KeptEnvs, run_envs, stream_count
+from ragen.rollout.batching import Lockstep, stream_count
+from ragen.rollout.scheduler import KeptEnvs, run_envs
 from ragen.rollout.types import rollout_digest
 
 from tests.rollout_helpers import custom_envs, loop_config, specs_for
@@ -103,7 +104,7 @@ def test_the_workers_finished_counts_ride_on_their_messages(mixed_specs):
             client = replace(shared.client(timeout_s=30), tag=tag)
             try:
                 trajectories, stats = run_envs(mixed_specs, client, config, kept_envs=KeptEnvs(),
-                                               on_finished=partial(report_finished, client), pipeline_depth=2)
+                                               on_finished=partial(report_finished, client), batching=Lockstep(depth=2))
                 deadline = time.monotonic() + 5  # the last close is read by the manager's connection thread
                 while progress.finished < total and time.monotonic() < deadline:
                     time.sleep(0.01)

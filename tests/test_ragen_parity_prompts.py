@@ -26,7 +26,7 @@ import pytest
 
 from ragen.env.countdown import CountdownEnv, CountdownPuzzle
 from ragen.llm.types import Completion, Engine, GenerationRequest, SamplingParams
-from ragen.rollout.loop import KeptEnvs, run_envs
+from ragen.rollout.scheduler import KeptEnvs, run_envs
 from ragen.rollout.proxy import AgentSetup
 from ragen.serving import DirectClient
 

@@ -19,7 +19,7 @@ from ragen.llm.scripted import ScriptedEngine
 from ragen.rollout.dump import read_dump, write_dump
 from ragen.serving import DirectClient, SharedLLMInferenceManager
 from ragen.rollout.backends.parallel import ParallelRolloutManager
-from ragen.rollout.loop import KeptEnvs, run_envs
+from ragen.rollout.scheduler import KeptEnvs, run_envs
 from ragen.rollout.types import RolloutResult
 from ragen.env.allowed import EnvTypeNotAllowed, allowed_env_types
 from ragen.tools.replay import main, replay

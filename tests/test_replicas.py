@@ -783,7 +783,8 @@ def stop_after(server, bodies: int, within_s: float = 30.0) -> threading.Thread:
 @pytest.mark.timeout(120)
 def test_an_env_level_rollout_over_two_servers_survives_one_stopping_mid_way():
     from ragen.llm.openai_engine import OpenAIEngine
-    from ragen.rollout.loop import KeptEnvs, run_envs
+    from ragen.rollout.batching import EnvLevel
+    from ragen.rollout.scheduler import KeptEnvs, run_envs
     from ragen.serving import StreamingDirectClient
 
     from tests.rollout_helpers import custom_envs, loop_config, specs_for
@@ -795,13 +796,13 @@ def test_an_env_level_rollout_over_two_servers_survives_one_stopping_mid_way():
     try:
         one = OpenAIEngine(servers[0].base_url, model="m", max_concurrency=4)
         try:
-            reference, _ = run_envs(specs, StreamingDirectClient(one), config, kept_envs=KeptEnvs(), env_level=True)
+            reference, _ = run_envs(specs, StreamingDirectClient(one), config, kept_envs=KeptEnvs(), batching=EnvLevel())
         finally:
             one.close()
         engine = over_servers(servers[1], servers[2])
         watcher = stop_after(servers[2], bodies=3)
         try:
-            got, _ = run_envs(specs, StreamingDirectClient(engine), config, kept_envs=KeptEnvs(), env_level=True)
+            got, _ = run_envs(specs, StreamingDirectClient(engine), config, kept_envs=KeptEnvs(), batching=EnvLevel())
             counts = engine.replica_counts()
         finally:
             engine.close()

@@ -8,7 +8,9 @@ from ragen.rollout.context import ContextConfig, ContextManager
 from ragen.rollout.env_state import EnvStateManager
 from ragen.rollout.envs import compute_metrics
 from ragen.rollout.backends.parallel import ParallelRolloutManager, RolloutError
-from ragen.rollout.loop import KeptEnvs, LoopConfig, run_envs
+from ragen.rollout.env_calls import KeptEnvs
+from ragen.rollout.loop_config import LoopConfig
+from ragen.rollout.scheduler import run_envs
 from ragen.serving import DirectClient, SharedLLMClient, SharedLLMInferenceManager
 from ragen.rollout.types import EnvSpec, RolloutResult, StopReason, Trajectory, Turn
 

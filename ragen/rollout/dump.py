@@ -46,7 +46,7 @@ from typing import Any, Callable, Union
 
 from ragen.llm.types import SamplingParams, request_seed
 from ragen.rollout.context import ContextConfig, ContextManager
-from ragen.rollout.loop import LoopConfig
+from ragen.rollout.loop_config import LoopConfig
 from ragen.rollout.types import EnvSpec, RolloutResult, Step, StopReason, Trajectory, Turn
 from ragen.utils import common_prefix_length
 

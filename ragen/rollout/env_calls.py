@@ -268,7 +268,7 @@ def reset(slot: EnvSlot, kept_envs: KeptEnvs, call: EnvCaller) -> None:
 def _reset_env(slot: EnvSlot, call: EnvCaller) -> None:
     kwargs = {"mode": slot.spec.mode} if _takes_mode(type(slot.env)) else {}
     slot.observation = _observation(call(slot.env.reset, seed=slot.spec.seed, **kwargs), "reset")
-    lookup = getattr(slot.env, "ACTION_LOOKUP", None)
+    lookup = action_lookup(slot.env)
     if lookup:
         slot.traj.action_names = [str(v) for v in lookup.values()]
         slot.lookup = {str(v).lower(): k for k, v in lookup.items()}
@@ -314,10 +314,32 @@ def _reward(r: Any) -> float:
     return r if type(r) in (int, float) else value
 
 
+def action_lookup(env: Any) -> dict[Any, Any] | None:
+    """The env's actions, id -> name: its ``ACTION_LOOKUP``, or else its config's ``action_lookup``
+    (RAGEN's); None when it has neither (the env steps the names as they are)."""
+    return getattr(env, "ACTION_LOOKUP", None) or getattr(getattr(env, "config", None), "action_lookup", None) or None
+
+
 def apply_answer(slot: EnvSlot, completion: Completion, ctx: ContextManager, config: LoopConfig, call: EnvCaller) -> None:
-    actions = ctx.parse_response(completion.text)
+    """The answer parsed into actions and applied (``apply_actions``); the env ends when it is done,
+    its action budget is spent, or it played ``config.max_turn`` turns."""
+    done = apply_actions(slot, ctx.parse_response(completion.text), completion, config.format_penalty, call)
+    if done:
+        slot.finish(StopReason.DONE)
+    elif slot.actions_left <= 0:
+        slot.finish(StopReason.ACTION_BUDGET)
+    elif len(slot.traj.turns) >= config.max_turn:
+        slot.finish(StopReason.MAX_TURNS)
+
+
+def apply_actions(slot: EnvSlot, actions: list[str], completion: Completion, format_penalty: float,
+                  call: EnvCaller) -> bool:
+    """One turn: the actions the env knows (its lookup, any case; the others dropped) stepped
+    within the action budget until one ends the env, recorded as a ``Turn`` of ``completion``'s
+    answer, with ``format_penalty`` when an action was dropped or none was given; whether
+    the env is done."""
     if slot.lookup is not None:
-        valid = [(a, slot.lookup[a.lower()]) for a in actions if a.lower() in slot.lookup]
+        valid = [(a, slot.lookup[a.lower()]) for a in actions if isinstance(a, str) and a.lower() in slot.lookup]
     else:
         valid = [(a, a) for a in actions]
     budget = slot.actions_left
@@ -337,19 +359,14 @@ def apply_answer(slot: EnvSlot, completion: Completion, ctx: ContextManager, con
         if done:
             break
     env_s = time.perf_counter() - t0
-    penalty = config.format_penalty if (not valid or len(valid) != len(actions)) else 0.0
-    if completion.prompt_start:  # sent as the ids after the episode's, which the request carried
-        prompt_start, prompt_ids = completion.prompt_start, tuple(completion.prompt_token_ids)
-    elif completion.prompt_token_ids:
-        prompt_start, prompt_ids = prompt_delta(episode_ids(slot.traj.turns), completion.prompt_token_ids)
-    else:
-        prompt_start, prompt_ids = 0, ()
+    penalty = format_penalty if (not valid or len(valid) != len(actions)) else 0.0
+    prompt_start, prompt_ids = _prompt_ids(slot, completion)
     slot.traj.turns.append(
         Turn(
             observation=shown,
             actions_left=budget,
             response=completion.text,
-            actions=actions,
+            actions=list(actions),
             executed_actions=executed,
             reward=reward,
             penalty=penalty,
@@ -366,9 +383,13 @@ def apply_answer(slot: EnvSlot, completion: Completion, ctx: ContextManager, con
     )
     if info.get("success"):
         slot.traj.success = True
-    if done:
-        slot.finish(StopReason.DONE)
-    elif slot.actions_left <= 0:
-        slot.finish(StopReason.ACTION_BUDGET)
-    elif len(slot.traj.turns) >= config.max_turn:
-        slot.finish(StopReason.MAX_TURNS)
+    return bool(done)
+
+
+def _prompt_ids(slot: EnvSlot, completion: Completion) -> tuple[int, tuple[int, ...]]:
+    """Where the turn's prompt ids start in the episode's, and the ids from there."""
+    if completion.prompt_start:  # sent as the ids after the episode's, which the request carried
+        return completion.prompt_start, tuple(completion.prompt_token_ids)
+    if completion.prompt_token_ids:
+        return prompt_delta(episode_ids(slot.traj.turns), completion.prompt_token_ids)
+    return 0, ()

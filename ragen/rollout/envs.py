@@ -11,7 +11,7 @@ RAGEN, training seeds advance ``env_groups`` every rollout, and validation
 plays the same seeds every time (one fixed validation set).
 
 ``make_specs()`` returns the ``EnvSpec`` list of the next rollout (plain data,
-sent to workers); the turn loop in ``ragen.rollout.loop`` steps them;
+sent to workers); the scheduler in ``ragen.rollout.scheduler`` plays them;
 ``compute_metrics`` reduces the trajectories to stable metric names.
 """
 

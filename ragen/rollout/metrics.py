@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Sequence
 
 from ragen.rollout.envs import compute_metrics
-from ragen.rollout.loop import LoopStats
+from ragen.rollout.loop_config import LoopStats
 from ragen.rollout.types import Trajectory
 
 

@@ -34,7 +34,7 @@ from ragen.rollout.config import (AgentProxyConfig, CtxManagerConfig, EsManagerC
                                   read_rollout_sections)
 from ragen.rollout.context import ContextConfig
 from ragen.rollout.envs import EnvSpecMaker
-from ragen.rollout.loop import LoopConfig
+from ragen.rollout.loop_config import LoopConfig
 from ragen.rollout.progress import RolloutProgress
 from ragen.rollout.types import RolloutResult
 from ragen.rollout.workers.cluster import ClusterConfig

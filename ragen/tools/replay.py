@@ -53,7 +53,7 @@ from ragen.env.allowed import AllowedEnvTypes, EnvTypeNotAllowed, add_allow_opti
 from ragen.llm.types import Completion, Engine, GenerationRequest, SamplingParams
 from ragen.rollout.dump import DumpError, DumpRecord, read_dump
 from ragen.serving import DirectClient
-from ragen.rollout.loop import EnvError, KeptEnvs, run_envs
+from ragen.rollout.scheduler import EnvError, KeptEnvs, run_envs
 from ragen.rollout.types import StopReason, Trajectory, turn_prompts
 from ragen.utils import common_prefix_length
 

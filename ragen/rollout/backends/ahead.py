@@ -32,7 +32,7 @@ from typing import Callable, Iterator
 
 from ragen.rollout.backends.base import AsyncBackend, SyncBackend
 from ragen.rollout.envs import EnvSpecMaker
-from ragen.rollout.loop import LoopConfig
+from ragen.rollout.loop_config import LoopConfig
 from ragen.rollout.progress import RolloutProgress
 from ragen.rollout.types import RolloutResult
 

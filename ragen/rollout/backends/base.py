@@ -16,7 +16,7 @@ from typing import Any, Iterator, Sequence
 
 from ragen.llm.types import Engine
 from ragen.rollout.envs import EnvSpecMaker
-from ragen.rollout.loop import LoopConfig
+from ragen.rollout.loop_config import LoopConfig
 from ragen.rollout.progress import RolloutProgress
 from ragen.rollout.types import EnvSpec, RolloutResult
 from ragen.serving.gate import EngineGate

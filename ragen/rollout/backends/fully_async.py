@@ -19,11 +19,11 @@ from ragen.rollout.backends.ahead import StalenessBound, response_tokens
 from ragen.rollout.backends.base import AsyncBackend, SyncBackend
 from ragen.rollout.config import cap_n_jobs
 from ragen.rollout.envs import EnvSpecMaker, compute_metrics
-from ragen.rollout.loop import LoopConfig
+from ragen.rollout.loop_config import LoopConfig
 from ragen.rollout.progress import RolloutProgress
 from ragen.rollout.types import RolloutResult
 from ragen.rollout.workers.executors import KeptExecutor, local_pool
-from ragen.rollout.workers.task import run_worker
+from ragen.rollout.workers.task import WorkerTask, run_worker
 
 logger = logging.getLogger(__name__)
 
@@ -117,7 +117,7 @@ class GroupsInFlight:
                             break
                         specs = self.es.group_specs(index)
                         executor = self._workers.get()
-                        future = executor.submit(run_worker, index, specs, self.client, self.config)
+                        future = executor.submit(run_worker, WorkerTask(index, specs, self.client, self.config))
                         inflight[future] = (index, executor)
                         self.counts["started"] += 1
                     if not inflight:  # nothing to wait for until the trainer takes a batch (get_batch notifies)

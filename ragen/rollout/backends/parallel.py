@@ -26,7 +26,7 @@ import joblib
 
 from ragen.rollout.backends.base import SyncBackend
 from ragen.rollout.config import BACKENDS, AgentProxyConfig, cap_n_jobs, check_n_jobs, check_time_limit
-from ragen.rollout.loop import LoopConfig, LoopStats
+from ragen.rollout.scheduler import LoopConfig, LoopStats
 from ragen.rollout.metrics import EngineUse, engine_idle, rollout_metrics
 from ragen.rollout.progress import RolloutProgress
 from ragen.rollout.types import EnvSpec, RolloutResult, Trajectory
@@ -35,7 +35,7 @@ from ragen.rollout.workers.cluster import ClusterConfig, open_cluster
 from ragen.rollout.workers.dispatch import announced
 from ragen.rollout.workers.executors import LOCAL_POOLS, KeptExecutor, local_pool
 from ragen.rollout.workers.schedule import GroupQueue, group_cost_s, groups_of, min_chunk_groups
-from ragen.rollout.workers.task import WorkerResult, run_isolated, run_worker
+from ragen.rollout.workers.task import WorkerResult, WorkerTask, run_isolated, run_worker, with_env_limit
 from ragen.serving import SharedLLMInferenceManager
 from ragen.serving.gate import EngineGate
 
@@ -148,15 +148,15 @@ class ParallelRolloutManager(SyncBackend):
             if not keep:
                 lease.close()
 
-    def _results(self, lease: "_Executors", calls: list[tuple]) -> Iterator[WorkerResult]:
-        """``run_worker`` on each argument tuple; results as tasks finish.
+    def _results(self, lease: "_Executors", calls: list[WorkerTask]) -> Iterator[WorkerResult]:
+        """``run_worker`` on each task; results as tasks finish.
         Raises TimeoutError past rollout_timeout_s, or the executor's error
         when a worker died."""
         executor = lease.workers_for(len(calls))
         if isinstance(executor, joblib.Parallel):
-            yield from executor(joblib.delayed(run_worker)(*args) for args in calls)
+            yield from executor(joblib.delayed(run_worker)(task) for task in calls)
             return
-        pending = {executor.submit(run_worker, *args) for args in calls}
+        pending = {executor.submit(run_worker, task) for task in calls}
         deadline = None if self.rollout_timeout_s is None else time.monotonic() + self.rollout_timeout_s
         try:
             while pending:
@@ -297,9 +297,10 @@ class ParallelRolloutManager(SyncBackend):
             client = replace(self._client, tag=tag)
             # Workers isolate env errors: a failing env is retried alone and, if it
             # keeps failing, ends its own trajectory; its worker goes on.
-            calls = [(i, [], client, config, True,
-                      {"exit_at_turn": fault["exit_at_turn"]} if fault and fault.get("worker") == i else None,
-                      groups, max_live, depth)
+            calls = [WorkerTask(i, [], client, config, isolate_errors=True, groups=groups, max_live_envs=max_live,
+                                pipeline_depth=depth,
+                                fault={"exit_at_turn": fault["exit_at_turn"]} if fault and fault.get("worker") == i
+                                else None)
                      for i in range(n_tasks)]
             try:
                 for res in self._results(lease, calls):
@@ -331,8 +332,8 @@ class ParallelRolloutManager(SyncBackend):
             # env_timeout_s (or fallback_env_timeout_s), each engine wait by engine_timeout_s.
             # A fresh connection: the failure may have left this thread's out of step.
             self._client.reset()
-            result = run_worker(task, specs, self._client, config, isolate_errors=True,
-                                env_timeout_s=self.fallback_env_timeout_s)
+            result = run_worker(WorkerTask(task, specs, self._client,
+                                           with_env_limit(config, self.fallback_env_timeout_s), isolate_errors=True))
         else:
             result = run_isolated(lease.spare, task, specs, self._client, config, self.fallback_env_timeout_s)
         if result.error:  # not an env's fault (the engine, the manager): nothing to isolate

@@ -7,7 +7,9 @@ from typing import Any, Sequence
 
 from ragen.llm.types import Engine
 from ragen.rollout.backends.base import SyncBackend
-from ragen.rollout.loop import KeptEnvs, LoopConfig, run_envs
+from ragen.rollout.env_calls import KeptEnvs
+from ragen.rollout.loop_config import LoopConfig
+from ragen.rollout.scheduler import run_envs
 from ragen.rollout.metrics import EngineUse, rollout_metrics
 from ragen.rollout.progress import RolloutProgress
 from ragen.rollout.types import EnvSpec, RolloutResult

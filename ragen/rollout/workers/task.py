@@ -1,7 +1,8 @@
-"""What a parallel worker runs: a task that plays the chunks of groups it
-takes from a rollout's queue (``run_worker``), and the isolated re-run of
-groups no worker brought back (``run_isolated``). A task hands back a
-``WorkerResult``, plain frozen data that crosses the process boundary."""
+"""What a parallel worker runs: a ``WorkerTask`` that plays its specs and the
+chunks of groups it takes from a rollout's queue (``run_worker``), and the
+isolated re-run of groups no worker brought back (``run_isolated``). A task
+and its ``WorkerResult`` are plain frozen data that cross the process
+boundary."""
 
 from __future__ import annotations
 
@@ -10,11 +11,12 @@ import logging
 import os
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import partial
 from typing import Sequence
 
-from ragen.rollout.loop import KeptEnvs, LoopConfig, LoopStats, run_envs
+from ragen.rollout.batching import choose_batching
+from ragen.rollout.scheduler import KeptEnvs, LoopConfig, LoopStats, run_envs
 from ragen.rollout.types import EnvSpec, StopReason, Trajectory
 from ragen.rollout.workers.dispatch import report_finished, take_chunk
 from ragen.rollout.workers.executors import KeptExecutor, freeze_once
@@ -56,34 +58,53 @@ class WorkerResult:
                    stats=sum((p.stats for p in parts), LoopStats()))
 
 
-def run_worker(task: int, specs: list[EnvSpec], client: SharedLLMClient, config: LoopConfig,
-               isolate_errors: bool = False, fault: dict[str, int] | None = None,
-               groups: list[list[EnvSpec]] | None = None, max_live_envs: int | None = None,
-               pipeline_depth: int = 1, env_timeout_s: float | None = None) -> WorkerResult:
-    """One worker's task: ``specs``, and with ``groups`` the chunks of them it
-    takes from the rollout's queue (``dispatch.take_chunk``) as it frees up,
-    played by ``run_envs`` (``pipeline_depth``, ``env_timeout_s``: its own).
-    Failures come back as data, not exceptions, so the executor does not
-    cancel the other workers."""
+@dataclass(frozen=True)
+class WorkerTask:
+    """One worker task: ``specs``, and with ``groups`` the chunks of them it takes from the
+    rollout's queue (``dispatch.take_chunk``) as it frees up, each chunk a stream of its own
+    once ``pipeline_depth`` streams play (``batching.Lockstep``); at most ``max_live_envs``
+    envs at once (None: no limit). ``isolate_errors``: an env's failure ends its own
+    trajectory (the fallback's), else the task's. ``fault``: ``{"exit_at_turn": k}`` kills
+    the worker's process at turn k (fault injection)."""
+
+    task: int
+    specs: list[EnvSpec]
+    client: SharedLLMClient
+    config: LoopConfig
+    isolate_errors: bool = False
+    fault: dict[str, int] | None = None
+    groups: list[list[EnvSpec]] | None = None
+    max_live_envs: int | None = None
+    pipeline_depth: int = 1
+
+
+def with_env_limit(config: LoopConfig, limit_s: float) -> LoopConfig:
+    """``config`` with ``limit_s`` on each env call where it sets none (the fallback's)."""
+    return config if config.env_timeout_s else replace(config, env_timeout_s=limit_s)
+
+
+def run_worker(task: WorkerTask) -> WorkerResult:
+    """One worker's task, played by ``run_envs``. Failures come back as data, not
+    exceptions, so the executor does not cancel the other workers."""
     started_at, t0 = time.monotonic(), time.perf_counter()
     freeze_once()
+    client, groups = task.client, task.groups
     take = None if groups is None else (lambda: [s for i in take_chunk(client) for s in groups[i]])
     client.drop_if_closed()
     transit_before = client.transit()[0]
+    batching = choose_batching(task.config, client.streams, task.pipeline_depth, task.max_live_envs)
     try:
-        trajectories, stats = run_envs(specs, client, config, kept_envs=_worker_envs(),
-                                       isolate_errors=isolate_errors, fault=fault,
-                                       on_finished=partial(report_finished, client), take=take,
-                                       max_live_envs=max_live_envs, pipeline_depth=pipeline_depth,
-                                       env_timeout_s=env_timeout_s)
+        trajectories, stats = run_envs(task.specs, client, task.config, _worker_envs(), task.isolate_errors,
+                                       batching=batching, take=take, on_finished=partial(report_finished, client),
+                                       fault=task.fault)
         for t in trajectories:
             t.worker = os.getpid()
         error = None
-    except Exception as exc:
+    except Exception as exc:  # any failure of the task is reported as data (see above)
         trajectories, stats, error = [], LoopStats(), f"{type(exc).__name__}: {exc}"
-    return WorkerResult(task=task, trajectories=trajectories, stats=stats, error=error, pid=os.getpid(),
-                       wall_s=time.perf_counter() - t0, started_at=started_at,
-                       ipc_s=max(0.0, client.transit()[0] - transit_before))
+    return WorkerResult(task=task.task, trajectories=trajectories, stats=stats, error=error, pid=os.getpid(),
+                        wall_s=time.perf_counter() - t0, started_at=started_at,
+                        ipc_s=max(0.0, client.transit()[0] - transit_before))
 
 
 def run_isolated(spare: KeptExecutor, task: int, specs: list[EnvSpec], client: SharedLLMClient,
@@ -92,10 +113,10 @@ def run_isolated(spare: KeptExecutor, task: int, specs: list[EnvSpec], client: S
     isolation, each env call within ``config.env_timeout_s`` or else
     ``env_timeout_s``; if the process dies, split until the env that kills it
     is found: that env gets an ``error`` trajectory, the others their results."""
-    limit = config.env_timeout_s or env_timeout_s
-    timeout = limit * (config.max_turn + 2) * (1 + config.env_retries) * max(1, len(specs))
+    limited = with_env_limit(config, env_timeout_s)
+    timeout = limited.env_timeout_s * (config.max_turn + 2) * (1 + config.env_retries) * max(1, len(specs))
     try:
-        future = spare.get().submit(run_worker, task, specs, client, config, True, None, env_timeout_s=limit)
+        future = spare.get().submit(run_worker, WorkerTask(task, specs, client, limited, isolate_errors=True))
         return future.result(timeout=timeout)
     except (concurrent.futures.BrokenExecutor, TimeoutError, OSError) as exc:
         spare.replace()

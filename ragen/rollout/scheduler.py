@@ -1,0 +1,333 @@
+"""One scheduler drives many episodes: ``run_envs(specs, client, config)``.
+
+Each spec is played by ``play_episode`` (``ragen.rollout.episode``); the
+``Scheduler`` sends the episodes' requests to an ``LLMClient`` in streams,
+formed by a batching policy (``ragen.rollout.batching``: RAGEN's lockstep
+turns, pipelined streams, env-level turns), hands each answer back to its
+episode, and ends an episode whose request the engine could not answer.
+With ``take`` it also takes chunks of groups from the rollout's queue as it
+frees up. The envs of a tag with ``parallel_friendly: true`` (RAGEN's key)
+are reset and stepped ``max_workers`` at a time on threads; others one after
+another. ``KeptEnvs`` keeps env instances between rollouts.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+from ragen.llm.types import Completion
+from ragen.rollout.batching import Batching, choose_batching
+from ragen.rollout.env_calls import EnvError, EnvSlot, EnvThreads, KeptEnvs
+from ragen.rollout.episode import EnvTurns, Playing
+from ragen.rollout.loop_config import LoopConfig, LoopStats
+from ragen.rollout.types import EnvSpec, StopReason, Trajectory
+from ragen.serving.client import LLMClient
+from ragen.serving.wire import EngineError, MessageTooLarge
+
+__all__ = ["EnvError", "KeptEnvs", "LoopConfig", "LoopStats", "Scheduler", "run_envs"]
+
+logger = logging.getLogger(__name__)
+
+
+def run_envs(
+    specs: Sequence[EnvSpec],
+    client: LLMClient,
+    config: LoopConfig,
+    kept_envs: KeptEnvs | None = None,
+    isolate_errors: bool = True,
+    *,
+    batching: Batching | None = None,
+    take: Callable[[], list[EnvSpec]] | None = None,
+    on_finished: Callable[[int], None] | None = None,
+    fault: dict[str, int] | None = None,
+) -> tuple[list[Trajectory], LoopStats]:
+    """Play every spec to the end; one trajectory per spec, in spec order.
+
+    ``isolate_errors``: an env that raises (or times out) ends its own
+    trajectory with stop reason ``error`` (``timeout``) and the others go on;
+    otherwise the first failure raises ``EnvError`` (workers do this, so the
+    fallback re-runs what the worker played). ``batching``: the policy that
+    forms the streams (None: ``choose_batching`` from the config and
+    ``client.streams``). ``take``: pull-based work: each call returns the
+    specs of one more chunk of whole groups, a stream of its own already
+    opened by the manager, until it returns none; their trajectories follow
+    the specs'. ``on_finished(n)``: ``n`` more envs ended (for progress); it
+    must not raise. ``fault``: ``{"exit_at_turn": k}`` makes the calling
+    process exit at turn k (fault injection for benchmarks and tests).
+    """
+    turns = EnvTurns(config, kept_envs if kept_envs is not None else KeptEnvs(), isolate_errors)
+    scheduler = Scheduler(client, turns, batching or choose_batching(config, client.streams), on_finished, fault)
+    episodes = [Playing(EnvSlot(s), turns) for s in specs]
+    try:
+        scheduler.play(episodes, take)
+        return [e.slot.traj for e in episodes], turns.stats
+    except BaseException:
+        client.reset()
+        raise
+    finally:
+        scheduler.close()
+
+
+@dataclass(eq=False)
+class Scheduler:
+    """The episodes of one ``run_envs`` call, played in streams: a stream is a list of
+    episodes with one request in flight (``inflight``, by the client's ticket). A stream
+    asks for its first answers as soon as its own envs are reset, and answers that
+    arrive while later envs reset are handled between two resets. Streams that ride
+    along (``riders``) join the next request of another stream answered in the same
+    engine call, so that a worker's chunk streams merge back into its first ones."""
+
+    client: LLMClient
+    turns: EnvTurns
+    batching: Batching
+    on_finished: Callable[[int], None] | None = None
+    fault: dict[str, int] | None = None
+    inflight: dict[int, list[Playing]] = field(default_factory=dict)
+    deadlines: dict[int, float] = field(default_factory=dict)  # bounded waits: by ticket, when its wait ends
+    riders: set[int] = field(default_factory=set)
+    open_streams: int = 0
+
+    def __post_init__(self) -> None:
+        self.stats = self.turns.stats
+        self.threads = EnvThreads()
+
+    def play(self, episodes: list[Playing], take: Callable[[], list[EnvSpec]] | None) -> None:
+        """Every episode, and those of the chunks ``take`` gives (added to ``episodes``), to its end."""
+        created = self.turns.kept_envs.created
+        streams = self.batching.streams(episodes)
+        if streams:
+            self.client.open_streams(len(streams))
+        self.open_streams = len(streams)
+        try:
+            for stream in streams:
+                self.start(stream)
+            if take is not None:
+                self.take_chunks(episodes, take)
+            self.stats.envs_created = self.turns.kept_envs.created - created
+            while self.inflight:
+                self.wait_some()
+        finally:
+            for _ in range(self.open_streams):
+                self.client.close_stream()
+            self.client.flush()  # held closes and cancels
+        self.release_ended(episodes)
+
+    def take_chunks(self, episodes: list[Playing], take: Callable[[], list[EnvSpec]]) -> None:
+        """Chunks from ``take``, each started as the policy's streams, until it gives none."""
+        limit = self.batching.max_live_envs
+        while True:
+            while self.inflight and limit is not None and sum(e.slot.active for e in episodes) >= limit:
+                self.wait_some()  # no room for another chunk until envs end
+            taken = [Playing(EnvSlot(s), self.turns) for s in take()]
+            if not taken:
+                return
+            self.stats.chunks += 1
+            episodes += taken
+            streams = self.batching.chunk_streams(taken, self.open_streams)
+            if len(streams) > 1:  # the manager opened the chunk's own
+                self.client.open_streams(len(streams) - 1)
+            self.open_streams += len(streams)
+            for stream, rider in streams:
+                self.start(stream, rider)
+
+    def start(self, stream: list[Playing], rider: bool = False) -> None:
+        """The stream's envs reset and its first request sent; answers that
+        arrive meanwhile are handled between two resets."""
+        for chunk in _reset_chunks(stream):
+            t0 = time.perf_counter()
+            self.threads.run([(e.slot, e.job()) for e in chunk])
+            self.stats.env_reset_s += time.perf_counter() - t0
+            while self.inflight and self.client.ready():  # keep the model busy while later envs reset
+                self.handle(self.gather())
+        self.ended(stream)
+        self.submit(stream, rider)
+
+    def wait_some(self) -> None:
+        """The next answers waited for and handled."""
+        t0 = time.perf_counter()
+        got = self.gather()
+        self.stats.wait_s += time.perf_counter() - t0
+        self.handle(got)
+
+    def gather(self) -> list[tuple[int, list[Completion]]]:
+        """The next answer and every other one already here; none when a bounded
+        wait ran out (its envs ended in ``timeout``). An engine's error for one
+        ticket ends its envs alone where the policy says the engine, not the
+        worker, is at fault; otherwise, and when the engine can answer no
+        request at all (every replica down), it is raised."""
+        got: list[tuple[int, list[Completion]]] = []
+        while self.inflight and (not got or self.client.ready()):
+            limit = None if got or not self.deadlines else max(0.0, min(self.deadlines.values()) - time.monotonic())
+            try:
+                answer = self.client.wait_any(timeout=limit)
+            except EngineError as exc:
+                if exc.ticket not in self.inflight or exc.unavailable or not self.batching.ends_alone(exc):
+                    raise
+                if exc.timed_out:  # the manager's own engine_timeout_s ran out first
+                    self.end_waiting(exc.ticket, StopReason.TIMEOUT, str(exc))
+                else:
+                    self.end_waiting(exc.ticket, StopReason.ERROR, f"the engine failed on its request: {exc}")
+                continue
+            if answer is None:
+                self.expire()
+                return got
+            self.deadlines.pop(answer[0], None)
+            got.append(answer)
+        return got
+
+    def expire(self) -> None:
+        """The envs whose request's wait ran past ``engine_timeout_s`` end in ``timeout``."""
+        now = time.monotonic()
+        for ticket in [t for t, d in self.deadlines.items() if d <= now]:
+            self.client.abandon(ticket)
+            self.end_waiting(ticket, StopReason.TIMEOUT, f"no answer from the engine within "
+                             f"agent_proxy.engine_timeout_s={self.turns.config.engine_timeout_s:g} s")
+
+    def end_waiting(self, ticket: int, reason: StopReason, message: str) -> None:
+        """The envs waiting for ``ticket`` end in ``reason``, and their stream closes."""
+        self.deadlines.pop(ticket, None)
+        self.riders.discard(ticket)
+        batch = self.inflight.pop(ticket)
+        for episode in batch:
+            self.end(episode, reason, message)
+        self.ended(batch)
+        self.close_stream()
+
+    def end(self, episode: Playing, reason: StopReason, message: str) -> None:
+        """The episode ended from outside, the engine at fault (``EnvTurns.end``)."""
+        self.turns.end(episode.slot, reason, message)
+        episode.close()
+
+    def handle(self, answers: list[tuple[int, list[Completion]]]) -> None:
+        """Answers that arrived together (one engine call's): the riders among them are
+        stepped first and join the next request of the first other stream answered with
+        them, closing their own, so the streams a worker opened chunk by chunk merge back
+        into its first ones once they are in step (one request per stream and turn).
+        The policy's own streams never merge: they overlap env steps with the engine
+        when the coalescer does not wait for them all."""
+        answers = sorted(answers, key=lambda a: a[0] not in self.riders)  # stable: riders first
+        hosts = sum(t not in self.riders for t, _ in answers)
+        joined: list[Playing] = []
+        for i, (ticket, completions) in enumerate(answers):
+            rider = ticket in self.riders
+            self.riders.discard(ticket)
+            batch = self.step(ticket, completions)
+            if rider and (hosts or (i + 1 < len(answers))):
+                joined += batch  # into the next answered stream's request
+                self.close_stream()
+            else:
+                self.submit(batch + joined, rider)
+                joined = []
+
+    def step(self, ticket: int, completions: list[Completion]) -> list[Playing]:
+        """The answered stream's episodes played to their next request; returns the stream."""
+        batch = self.inflight.pop(ticket)
+        if len(completions) != len(batch):
+            raise RuntimeError(f"engine answered {len(completions)} completions for {len(batch)} requests")
+        if self.fault and batch and len(batch[0].slot.traj.turns) + 1 >= self.fault.get("exit_at_turn", 1 << 30):
+            logger.warning("fault injection: process %d exits now", os.getpid())
+            os._exit(3)
+        answered = []
+        for episode, completion in zip(batch, completions):
+            if completion.finish_reason == "error":
+                self.end(episode, StopReason.ERROR, (
+                    f"the engine could not answer its request of turn {len(episode.slot.traj.turns)}"
+                    + (f": {completion.text}" if completion.text else " (its warning above says why)")))
+            else:
+                answered.append((episode.slot, episode.job(completion)))
+        t0 = time.perf_counter()
+        self.threads.run(answered)
+        self.stats.env_step_s += time.perf_counter() - t0
+        self.ended(batch)
+        return batch
+
+    def submit(self, batch: list[Playing], rider: bool) -> None:
+        """The stream's next request; the stream closes when none of its episodes plays on."""
+        ticket = self.send(batch)
+        self.ended(batch)  # episodes whose request was too large for the manager
+        if ticket is None:
+            self.close_stream()
+        elif rider:
+            self.riders.add(ticket)
+
+    def send(self, stream: list[Playing]) -> int | None:
+        """The next requests of the stream's playing episodes: their ticket; None when none plays.
+        An episode whose request would take the message past the manager's limit ends
+        in ``error`` (the largest first, until the rest fit); the others are sent."""
+        active = [e for e in stream if e.request is not None]
+        while active:
+            try:
+                ticket = self.client.submit([e.request for e in active], self.turns.config.sampling,
+                                            hold=self.batching.hold)
+            except MessageTooLarge as exc:
+                for i in exc.refused:
+                    self.turns.refuse(active[i].slot, (
+                        f"MessageTooLarge: its request to the LLM manager ({exc.request_sizes.get(i, 0)} bytes) "
+                        f"takes a message of {exc.size} bytes past the limit of {exc.limit} bytes; raise "
+                        f"agent_proxy.max_message_bytes or make the env's observations shorter"))
+                    active[i].close()
+                active = [e for e in active if e.request is not None]
+                continue
+            self.inflight[ticket] = active
+            if self.batching.bounded_wait and self.turns.config.engine_timeout_s is not None:
+                self.deadlines[ticket] = time.monotonic() + self.turns.config.engine_timeout_s
+            self.stats.requests += len(active)
+            self.stats.submits += 1
+            return ticket
+        return None
+
+    def close_stream(self) -> None:
+        self.client.close_stream()
+        self.open_streams -= 1
+
+    def ended(self, batch: list[Playing]) -> None:
+        """The batch's episodes that ended since last looked at: told to ``on_finished``
+        and their envs given back to ``kept_envs`` at once (a chunk taken later reuses them)."""
+        self.report_finished(batch)
+        self.release_ended(batch)
+
+    def release_ended(self, batch: list[Playing]) -> None:
+        for slot in (e.slot for e in batch):
+            if not slot.active and not slot.timed:
+                slot.timed = True
+                self.stats.env_done(time.monotonic())
+            if not slot.active and slot.env is not None:
+                self.turns.kept_envs.release(slot.spec, slot.env)
+                slot.env = None
+
+    def report_finished(self, batch: list[Playing]) -> None:
+        if self.on_finished is None:
+            return
+        n = 0
+        for slot in (e.slot for e in batch):
+            if not slot.active and not slot.reported:
+                slot.reported = True
+                n += 1
+        if n:
+            self.on_finished(n)
+
+    def close(self) -> None:
+        self.threads.close()
+        self.turns.close()
+
+
+def _reset_chunks(stream: list[Playing]) -> list[list[Playing]]:
+    """The stream's episodes in the order their envs are reset: one at a time, except
+    the envs of a tag with ``env_threads > 1``, reset together (at the place of the
+    tag's first env)."""
+    chunks: list[list[Playing]] = []
+    together: dict[str, list[Playing]] = {}
+    for episode in stream:
+        spec = episode.slot.spec
+        if spec.env_threads <= 1:
+            chunks.append([episode])
+        elif spec.tag in together:
+            together[spec.tag].append(episode)
+        else:
+            together[spec.tag] = [episode]
+            chunks.append(together[spec.tag])
+    return chunks
