@@ -247,7 +247,7 @@ def _rebuild(slot: EnvSlot, call: EnvCaller, expect: str | None) -> None:
 
     spec = slot.spec
     slot.env = make_env(spec.env_type, spec.env_config, config_type=spec.config_type, tag=spec.tag)
-    _reset_env(slot, call)
+    reset_env(slot, call)
     for turn in slot.traj.turns:
         for name in turn.executed_actions:
             action = slot.lookup[name.lower()] if slot.lookup is not None else name
@@ -261,11 +261,13 @@ def _rebuild(slot: EnvSlot, call: EnvCaller, expect: str | None) -> None:
 def reset(slot: EnvSlot, kept_envs: KeptEnvs, call: EnvCaller) -> None:
     t0 = time.perf_counter()
     slot.env = kept_envs.acquire(slot.spec)
-    _reset_env(slot, call)
+    reset_env(slot, call)
     slot.traj.reset_s = time.perf_counter() - t0
 
 
-def _reset_env(slot: EnvSlot, call: EnvCaller) -> None:
+def reset_env(slot: EnvSlot, call: EnvCaller) -> None:
+    """The slot's env reset with its seed (and its mode, where ``reset`` takes one); its
+    observation and action lookup read."""
     kwargs = {"mode": slot.spec.mode} if _takes_mode(type(slot.env)) else {}
     slot.observation = _observation(call(slot.env.reset, seed=slot.spec.seed, **kwargs), "reset")
     lookup = action_lookup(slot.env)

@@ -16,26 +16,31 @@ thread, as RAGEN's does:
   list of ``{"state", "actions_left", ...}``.
 - ``step(inputs)``: ``inputs`` are ``{"env_id", "actions", "llm_response",
   "llm_raw_response"}`` (an env_id not in ``envs`` is a ValueError naming it,
-  and then no env steps); the actions named in the env's ``ACTION_LOOKUP``
-  (any case) run, within the env's action budget; an answer with no valid
-  action, or with invalid ones, adds ``es_manager.format_penalty``. Returns
-  the caches of the envs that play on.
+  and then no env steps); the actions are applied as the rollout applies an
+  answer's (``env_calls.apply_actions``): those the env's lookup names (any
+  case) run, within the env's action budget; an answer with no valid action,
+  or with invalid ones, adds ``es_manager.format_penalty``. Returns the
+  caches of the envs that play on.
 - ``get_rollout_states()``: the caches with per-env ``metrics`` (``<tag>/success``,
   ``<tag>/num_actions``, the mean of each ``info`` value over the turns,
   ``<tag>/pass@<group_size>``); ``render()``; ``close()``.
 
 The rollouts of this package do not use it: their workers play ``EnvSpec``s
-(``ragen.rollout.envs.EnvSpecMaker``, whose seeds are the same).
+(``ragen.rollout.envs.EnvSpecMaker``, whose seeds are the same), with the
+same reset and answer-applying code.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import numbers
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 from ragen.config_reader import to_plain
+from ragen.llm.types import Completion
 from ragen.rollout.config import read_rollout_sections
+from ragen.rollout.env_calls import EnvCaller, EnvSlot, apply_actions, reset_env
 from ragen.rollout.envs import EnvSpecMaker
 
 
@@ -70,11 +75,14 @@ class EnvStateManager:
                              self.base_seed)
         self.env_groups, self.group_size = maker.env_groups, maker.group_size
         self.envs: list[dict[str, Any]] = []
-        for spec in maker.make_specs(0):
+        self._specs = maker.make_specs(0)
+        for spec in self._specs:
             env = make_env(spec.env_type, spec.env_config, config_type=spec.config_type, tag=spec.tag)
             self.envs.append({"tag": spec.tag, "group_id": spec.group_id, "env_id": spec.env_id, "env": env,
                               "config": getattr(env, "config", None), "status": EnvStatus(),
                               "max_actions_per_traj": spec.max_actions_per_traj})
+        self._slots: list[EnvSlot] = []  # each env's episode since the last reset
+        self._call = EnvCaller(None)  # in the calling thread, as RAGEN's
         self.rollout_cache: list[dict[str, Any]] | None = None
 
     def reset(self, seed: int | None = None) -> list[dict[str, Any]]:
@@ -86,10 +94,13 @@ class EnvStateManager:
                 seed = self.base_seed
         elif self.mode == "train":
             self.seed_counter = seed - self.base_seed + 1  # RAGEN's rule for an explicit seed
-        cache = []
-        for entry in self.envs:
+        cache, self._slots = [], []
+        for spec, entry in zip(self._specs, self.envs):
             env_seed = seed + entry["group_id"]
-            entry["env"].reset(seed=env_seed, mode=self.mode)
+            slot = EnvSlot(dataclasses.replace(spec, seed=env_seed, mode=self.mode))
+            slot.env = entry["env"]
+            reset_env(slot, self._call)
+            self._slots.append(slot)
             entry["status"] = EnvStatus(seed=env_seed)
             cache.append({"env_id": entry["env_id"], "history": [], "group_id": entry["group_id"],
                           "tag": entry["tag"], "penalty": 0})
@@ -103,42 +114,34 @@ class EnvStateManager:
             raise RuntimeError("EnvStateManager.step before reset()")
         for env_input in all_env_inputs:  # every id first: a bad one steps no env
             self._check_env_id(env_input["env_id"])
-        outputs = []
-        for env_input in all_env_inputs:
-            env_id = env_input["env_id"]
-            entry, cache = self.envs[env_id], self.rollout_cache[env_id]
-            status = entry["status"]
-            actions = list(env_input.get("actions", []))
-            valid = self._valid_actions(entry, actions)
-            budget = entry["max_actions_per_traj"] - status.num_actions
-            # an int 0 until a step adds to it, as RAGEN's (and the loop's) turn reward
-            reward, info, done, executed = 0, {}, False, []
-            for action in valid[:budget]:
-                _, r, d, step_info = entry["env"].step(action)
-                reward += r
-                info.update(step_info)
-                executed.append(action)
-                if d:
-                    done = True
-                    break
-            if len(valid) != len(actions) or not valid:
-                cache["penalty"] += self.format_penalty
-            status.num_actions += len(executed)
-            status.rewards.append(reward)
-            if done:
-                status.terminated = True
-                status.truncated = not info.get("success", False)
-            cache["history"][-1].update({"actions": executed, "reward": reward, "info": info,
-                                         "llm_response": env_input.get("llm_response"),
-                                         "llm_raw_response": env_input.get("llm_raw_response")})
-            cache["history"].append({"state": entry["env"].render(),
-                                     "actions_left": entry["max_actions_per_traj"] - status.num_actions})
-            if status.num_actions >= entry["max_actions_per_traj"] and not done:
-                status.truncated = status.terminated = True
-                done = True
-            if not done:
-                outputs.append(cache)
-        return outputs
+        return [self.rollout_cache[i["env_id"]] for i in all_env_inputs if not self._step_one(i)]
+
+    def _step_one(self, env_input: dict[str, Any]) -> bool:
+        """One env's turn, recorded in its cache and status; whether the env is done."""
+        env_id = env_input["env_id"]
+        entry, cache, slot = self.envs[env_id], self.rollout_cache[env_id], self._slots[env_id]
+        status = entry["status"]
+        answer = Completion(text=env_input.get("llm_response") or "", prompt_token_ids=[], response_token_ids=[],
+                            finish_reason="stop", policy_version=0, env_id=int(env_id))
+        done = apply_actions(slot, list(env_input.get("actions", [])), answer, self.format_penalty, self._call)
+        turn = slot.traj.turns[-1]
+        cache["penalty"] += turn.penalty
+        status.num_actions += len(turn.executed_actions)
+        status.rewards.append(turn.reward)
+        if done:
+            status.terminated = True
+            status.truncated = not turn.info.get("success", False)
+        executed = [slot.lookup[a.lower()] for a in turn.executed_actions] if slot.lookup is not None \
+            else list(turn.executed_actions)  # RAGEN's history holds the ids stepped
+        cache["history"][-1].update({"actions": executed, "reward": turn.reward, "info": turn.info,
+                                     "llm_response": env_input.get("llm_response"),
+                                     "llm_raw_response": env_input.get("llm_raw_response")})
+        cache["history"].append({"state": entry["env"].render(),
+                                 "actions_left": entry["max_actions_per_traj"] - status.num_actions})
+        if status.num_actions >= entry["max_actions_per_traj"] and not done:
+            status.truncated = status.terminated = True
+            done = True
+        return done
 
     def _check_env_id(self, env_id: Any) -> None:
         """ValueError naming ``env_id`` unless it is one of the envs' ids (their index in ``envs``;
@@ -147,15 +150,6 @@ class EnvStateManager:
         if isinstance(env_id, bool) or not isinstance(env_id, numbers.Integral) or not 0 <= env_id < len(self.envs):
             raise ValueError(f"env_id {env_id!r} is not an env of this EnvStateManager: its env ids are 0 to "
                              f"{len(self.envs) - 1}")
-
-    @staticmethod
-    def _valid_actions(entry: dict[str, Any], actions: list[str]) -> list[Any]:
-        """The actions named in the env's ``action_lookup`` (any case), as its ids; all of them without one."""
-        lookup = getattr(entry["config"], "action_lookup", None) or getattr(entry["env"], "ACTION_LOOKUP", None)
-        if not lookup:
-            return actions
-        by_name = {str(v).lower(): k for k, v in lookup.items()}
-        return [by_name[a.lower()] for a in actions if isinstance(a, str) and a.lower() in by_name]
 
     def get_rollout_states(self) -> list[dict[str, Any]]:
         if self.rollout_cache is None:
