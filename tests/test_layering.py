@@ -159,6 +159,27 @@ def test_layers_import_one_way():
     assert wrong == []
 
 
+# Inside the rollout (docs/layout.md): an episode plays one env and knows nothing of the
+# scheduler that drives it, its batching policies, clients or workers; the policies know
+# nothing of the scheduler either.
+EPISODE_DOES_NOT_IMPORT = {
+    "ragen.rollout.episode": ("ragen.serving", "ragen.rollout.scheduler", "ragen.rollout.batching",
+                              "ragen.rollout.backends", "ragen.rollout.workers"),
+    "ragen.rollout.env_calls": ("ragen.serving", "ragen.rollout.scheduler", "ragen.rollout.batching",
+                                "ragen.rollout.episode", "ragen.rollout.backends"),
+    "ragen.rollout.batching": ("ragen.serving.client", "ragen.rollout.scheduler", "ragen.rollout.episode",
+                               "ragen.rollout.backends"),
+}
+
+
+@pytest.mark.timeout(60)
+def test_an_episode_knows_nothing_of_its_scheduler():
+    graph = import_graph()
+    wrong = [f"{module} -> {dep}" for module, banned in EPISODE_DOES_NOT_IMPORT.items()
+             for dep in sorted(graph[module]) if any(_in(dep, b) for b in banned)]
+    assert wrong == []
+
+
 @pytest.mark.timeout(60)
 def test_every_module_sits_in_a_layer():
     """A new top-level package is placed in LAYERS (or is one of the shared helpers below every package)."""

@@ -11,7 +11,7 @@ The sizes depend only on how many groups remain, never on which worker asks,
 so the number of chunks (each one stream) is known before the rollout
 (``chunk_sizes``) and the shared manager is told how many streams to wait
 for. A worker's streams past its first ``depth`` merge into those once an
-engine call answers them together (``loop.run_envs``).
+engine call answers them together (``scheduler.Scheduler``).
 """
 
 from __future__ import annotations

@@ -16,7 +16,9 @@ from functools import partial
 from typing import Sequence
 
 from ragen.rollout.batching import choose_batching
-from ragen.rollout.scheduler import KeptEnvs, LoopConfig, LoopStats, run_envs
+from ragen.rollout.env_calls import KeptEnvs
+from ragen.rollout.loop_config import LoopConfig, LoopStats
+from ragen.rollout.scheduler import run_envs
 from ragen.rollout.types import EnvSpec, StopReason, Trajectory
 from ragen.rollout.workers.dispatch import report_finished, take_chunk
 from ragen.rollout.workers.executors import KeptExecutor, freeze_once
