@@ -6,7 +6,7 @@
 
 The same specs (SimpleSokoban and FrozenLake, half each) played by ``run_envs``
 in the calling process, alternating: lockstep (one stream: every turn waits for
-the longest answer of all envs) and env-level (``env_level=True``: every env
+the longest answer of all envs) and env-level (``batching=EnvLevel()``: every env
 takes its next turn as soon as its own answer is in). Reports wall time, the
 engine's decode steps and mean running requests (occupancy), the requests sent
 separately (submits), and whether both gave the same trajectories.

@@ -9,7 +9,7 @@ First the cost of a decode step at a few batch sizes: B requests of 16 and of
 FrozenLake specs played by ``run_envs`` in the calling process, alternating the
 order each repeat: lockstep (``DirectClient``: every turn one ``generate`` over
 all envs, which waits for the longest answer) and env-level
-(``StreamingDirectClient``, ``env_level=True``: each env takes its next turn as
+(``StreamingDirectClient``, ``batching=EnvLevel()``: each env takes its next turn as
 soon as its own answer is in). Every answer's length is forced: drawn
 lognormal from its request key (median, sigma, at most the cap) and run to the
 end by ``engine.exact_lengths`` (``ignore_eos``, ``min_tokens`` = ``max_tokens``).

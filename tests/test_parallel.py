@@ -354,7 +354,7 @@ def test_answers_that_arrive_while_envs_reset_are_handled_between_resets(mixed_s
             return super().acquire(spec)
 
     trajectories, _ = run_envs(mixed_specs, EagerClient(engine), loop_config(), kept_envs=LoggingKeptEnvs(),
-                               pipeline_depth=3)
+                               batching=Lockstep(depth=3))
     assert trajectories == reference
     # the first micro-batch's answers were stepped before the last micro-batch was reset
     assert log.index("answer") < len(log) - 1 - log[::-1].index("reset")
