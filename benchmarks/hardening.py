@@ -895,8 +895,8 @@ def case_batch() -> dict[str, Any]:
 def case_8() -> dict[str, Any]:
     from ragen.llm.hf import HFEngine
     from ragen.llm.tiny_model import build_tiny_model
-    from ragen.llm.types import SamplingParams
-    from ragen.serving import EngineError, SharedLLMInferenceManager
+    from ragen.llm.types import EngineError, SamplingParams
+    from ragen.serving import SharedLLMInferenceManager
 
     path = build_tiny_model(Path(os.environ.get("HARDENING_TMP", tempfile.mkdtemp())) / "tiny", seed=0)
     engine = HFEngine(path, device="cpu")

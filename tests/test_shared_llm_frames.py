@@ -14,8 +14,8 @@ import tracemalloc
 import pytest
 
 from ragen.llm.scripted import ScriptedEngine
-from ragen.llm.types import GenerationRequest, SamplingParams
-from ragen.serving import EngineError, SharedLLMInferenceManager, wire
+from ragen.llm.types import EngineError, GenerationRequest, SamplingParams
+from ragen.serving import SharedLLMInferenceManager, wire
 
 from tests.inference_helpers import ask
 

@@ -23,9 +23,9 @@ import time
 import pytest
 
 from ragen.llm.scripted import ScriptedEngine
-from ragen.llm.types import Completion, GenerationRequest, SamplingParams
+from ragen.llm.types import Completion, EngineError, GenerationRequest, SamplingParams
 from ragen.llm_agent import AgentSetup
-from ragen.serving import EngineError, ProtocolError, SharedLLMClient, SharedLLMInferenceManager, wire
+from ragen.serving import ProtocolError, SharedLLMClient, SharedLLMInferenceManager, wire
 
 from tests.inference_helpers import ask
 from tests.rollout_helpers import custom_envs

@@ -26,7 +26,8 @@ from ragen.rollout.loop_config import LoopConfig, LoopStats
 from ragen.rollout.types import EnvSpec, StopReason, Trajectory, episode_ids
 from ragen.rollout.workers.schedule import groups_of
 from ragen.serving.client import LLMClient
-from ragen.serving.wire import EngineError, MessageTooLarge
+from ragen.llm.types import EngineError
+from ragen.serving.wire import MessageTooLarge
 from ragen.utils import deal
 
 __all__ = ["EnvError", "KeptEnvs", "LoopConfig", "LoopStats", "run_envs", "stream_count"]

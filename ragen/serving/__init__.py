@@ -20,7 +20,8 @@ from ragen.serving.coalescer import CallCostModel, Coalescer, Decision, Pending,
 from ragen.serving.hooks import Hooks, Observer, Reply
 from ragen.serving.server import SharedLLMInferenceManager
 from ragen.serving.stats import ManagerStats
-from ragen.serving.wire import AuthenticationError, EngineError, ProtocolError
+from ragen.llm.types import EngineError
+from ragen.serving.wire import AuthenticationError, ProtocolError
 
 __all__ = [
     "AuthenticationError", "CallCostModel", "Coalescer", "Decision", "DirectClient", "EngineError", "Hooks",

@@ -26,7 +26,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from ragen.llm.types import Completion, Engine, EngineUnavailable, GenerationRequest, SamplingParams
+from ragen.llm.types import Completion, Engine, EngineError, EngineUnavailable, GenerationRequest, SamplingParams
 from ragen.serving import wire
 from ragen.serving.gate import EngineGate
 
@@ -54,7 +54,7 @@ class LLMClient(Protocol):
 
     def wait_any(self, timeout: float | None = None) -> tuple[int, list[Completion]] | None:
         """The next finished ticket and its completions; None when ``timeout``
-        seconds passed first (None: no limit). ``wire.EngineError`` naming
+        seconds passed first (None: no limit). ``EngineError`` naming
         the ticket when the engine failed on it."""
 
     def abandon(self, ticket: int) -> None:
@@ -210,7 +210,7 @@ class StreamingDirectClient(_InProcess):
         futures = self._pending.pop(ticket)
         failed = next((f.exception() for f in futures if f.exception() is not None), None)
         if failed is not None:
-            raise wire.EngineError(f"{type(failed).__name__}: {failed}", ticket,
+            raise EngineError(f"{type(failed).__name__}: {failed}", ticket,
                                    unavailable=isinstance(failed, EngineUnavailable)) from failed
         return ticket, [f.result() for f in futures]
 
@@ -515,6 +515,6 @@ class SharedLLMClient:
                 continue  # an answer to a request abandoned after a failure
             state["outstanding"].discard(ticket)
             if "error" in msg:
-                raise wire.EngineError(msg["error"], ticket, timed_out=msg.get("timed_out") is True,
+                raise EngineError(msg["error"], ticket, timed_out=msg.get("timed_out") is True,
                                        unavailable=msg.get("unavailable") is True)
             return ticket, [Completion.from_dict(c) for c in msg["completions"]]

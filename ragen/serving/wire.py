@@ -75,19 +75,6 @@ _HEADER = struct.Struct(">I")
 HEADER_BYTES = _HEADER.size  # a frame's length prefix
 
 
-class EngineError(RuntimeError):
-    """The engine failed on a request (raised in the client); ``ticket``: that request's, where known;
-    ``timed_out``: the manager gave up waiting for the engine's answer; ``unavailable``: the
-    engine can answer no request at all."""
-
-    def __init__(self, message: str, ticket: int | None = None, timed_out: bool = False,
-                 unavailable: bool = False) -> None:
-        super().__init__(message)
-        self.ticket = ticket
-        self.timed_out = timed_out
-        self.unavailable = unavailable  # the engine can answer no request (EngineUnavailable)
-
-
 def error_answer(ticket: int | None, exc: BaseException) -> dict[str, Any]:
     """The answer of a request list the engine failed on; ``unavailable`` when the
     engine can answer none (``EngineUnavailable``: the rollout stops)."""
