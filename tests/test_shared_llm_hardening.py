@@ -25,7 +25,7 @@ import pytest
 from ragen.llm.scripted import ScriptedEngine
 from ragen.llm.types import Completion, EngineError, GenerationRequest, SamplingParams
 from ragen.llm_agent import AgentSetup
-from ragen.serving import ProtocolError, SharedLLMClient, SharedLLMInferenceManager, wire
+from ragen.serving import ProtocolError, SharedLLMClient, SharedLLMInferenceManager, messages, wire
 
 from tests.inference_helpers import ask
 from tests.rollout_helpers import custom_envs
@@ -359,13 +359,13 @@ def test_a_malformed_request_fails_alone_not_the_batch_it_joins(field, value):
 @pytest.mark.parametrize("value", [b"abc", "1 2", [1, 2]])
 def test_history_ids_cross_as_four_bytes_an_id(value):
     request = dataclasses.replace(_requests(1)[0], history_token_ids=[0, 7, 2**32 - 1], history_messages=1)
-    raw = wire.request_for_wire(request)
+    raw = messages.request_for_wire(request)
     assert isinstance(raw["history_token_ids"], bytes) and len(raw["history_token_ids"]) == 12
     msg = {"op": "gen", "ticket": 1, "requests": [raw], "sampling": {}}
-    assert wire.parse_message(wire.frame(msg)[wire.HEADER_BYTES:]).requests == [request]
+    assert messages.parse_message(wire.frame(msg)[wire.HEADER_BYTES:]).requests == [request]
     bad = {**msg, "requests": [{**raw, "history_token_ids": value}]}
-    with pytest.raises(wire.BadMessage, match=r"requests\[0\].history_token_ids must be null or 4 bytes an id"):
-        wire.parse_message(wire.frame(bad)[wire.HEADER_BYTES:])
+    with pytest.raises(messages.BadMessage, match=r"requests\[0\].history_token_ids must be null or 4 bytes an id"):
+        messages.parse_message(wire.frame(bad)[wire.HEADER_BYTES:])
 
 
 @pytest.mark.parametrize("sampling, field", [

@@ -1,6 +1,7 @@
 """The inference layer of the rollout: one engine in the driver, reached by every worker.
 
-- ``wire``: frames of plain data, the mutual HMAC handshake, the messages.
+- ``wire``: frames of plain data and the mutual HMAC handshake; ``messages``:
+  what a worker and the manager say in them, each field checked on arrival.
 - ``coalescer``: when to call the engine and with which requests (a plain
   object, decided from plain inputs).
 - ``server``: ``SharedLLMInferenceManager``, which owns the engine and its

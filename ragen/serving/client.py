@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from ragen.llm.types import Completion, Engine, EngineError, EngineUnavailable, GenerationRequest, SamplingParams
-from ragen.serving import wire
+from ragen.serving import messages, wire
 from ragen.serving.gate import EngineGate
 
 _CONNECT_TIMEOUT_S = 30.0
@@ -334,7 +334,7 @@ class SharedLLMClient:
 
     def flush(self) -> None:
         """Sends the held messages, as few frames as the manager reads (its message
-        limit, ``wire.MAX_BATCH`` messages, ``wire.MAX_REQUESTS`` requests) in
+        limit, ``messages.MAX_BATCH`` messages, ``wire.MAX_REQUESTS`` requests) in
         ``{"op": "batch", "msgs": [encoded message, ...]}`` (each encoded once,
         when it was held); the notes ride on the first."""
         state = getattr(_LOCAL, "conns", {}).get(self._key())
@@ -346,7 +346,7 @@ class SharedLLMClient:
         size = requests = 0
         for msg, n in held:
             full = (size + len(msg) > self.max_message_bytes - 4096  # room for the batch's own fields
-                    or len(frames[-1]) == wire.MAX_BATCH or requests + n > wire.MAX_REQUESTS)
+                    or len(frames[-1]) == messages.MAX_BATCH or requests + n > wire.MAX_REQUESTS)
             if frames[-1] and full:
                 frames.append([])
                 size = requests = 0
@@ -376,7 +376,7 @@ class SharedLLMClient:
         ``hold``: kept back, for at most ``HOLD_S``, to share a frame with the
         messages after it."""
         state = self._state()
-        raw = [wire.request_for_wire(r) for r in requests]
+        raw = [messages.request_for_wire(r) for r in requests]
         msg = {"op": "gen", "ticket": state["ticket"] + 1, "sent": time.monotonic(), "requests": raw,
                "sampling": sampling.to_dict()}
         if hold:

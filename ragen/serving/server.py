@@ -29,7 +29,7 @@ from collections import OrderedDict
 from typing import Any
 
 from ragen.llm.types import Completion, Engine, GenerationRequest, SamplingParams
-from ragen.serving import wire
+from ragen.serving import messages, wire
 from ragen.serving.address import check_listen_address, is_loopback
 from ragen.serving.client import SharedLLMClient
 from ragen.serving.coalescer import Coalescer, Pending
@@ -259,7 +259,7 @@ class SharedLLMInferenceManager(Connections):
         except Exception as exc:  # the engine failed: every waiting client hears it
             logger.exception("engine call failed for %d requests", len(requests))
             for p in batch:
-                answers.setdefault(p.conn, []).append(wire.error_answer(p.ticket, exc))
+                answers.setdefault(p.conn, []).append(messages.error_answer(p.ticket, exc))
             return answers
         i = 0
         for p in batch:
@@ -267,7 +267,7 @@ class SharedLLMInferenceManager(Connections):
             i += len(p.requests)
             try:
                 answer = {"ticket": p.ticket, "transit_in": p.transit_in,
-                          "completions": [wire.completion_for_wire(c, r) for c, r in zip(part, p.requests)]}
+                          "completions": [messages.completion_for_wire(c, r) for c, r in zip(part, p.requests)]}
             except Exception as exc:  # that request list only: the others' completions are good
                 logger.error("malformed completion from the engine: %s", exc)
                 answer = {"ticket": p.ticket, "error": f"{type(exc).__name__}: {exc}"}
@@ -310,7 +310,7 @@ class SharedLLMInferenceManager(Connections):
         """One frame per connection, all encoded before any is sent: a woken
         worker takes a core at once, and the other workers' answers must not
         wait behind it."""
-        frames = [(conn, self._fitting(wire.answers_frame(a), a), len(a)) for conn, a in answers.items()
+        frames = [(conn, self._fitting(messages.answers_frame(a), a), len(a)) for conn, a in answers.items()
                   if conn.alive]
         with self._cond:
             self.coalescer.answered({conn: n for conn, _, n in frames}, time.monotonic())
@@ -327,7 +327,7 @@ class SharedLLMInferenceManager(Connections):
         size = len(data) - wire.HEADER_BYTES
         if size <= self.max_message_bytes:
             return data
-        sizes = [len(wire.answers_frame([a])) for a in answers]
+        sizes = [len(messages.answers_frame([a])) for a in answers]
         answers = list(answers)
         for i in sorted(range(len(answers)), key=sizes.__getitem__, reverse=True):
             logger.error("the answer to ticket %s from %d bytes of answers exceeds max_message_bytes=%d; answering "
@@ -335,7 +335,7 @@ class SharedLLMInferenceManager(Connections):
             answers[i] = {"ticket": answers[i].get("ticket"), "error": (
                 f"the engine's answer ({sizes[i]} bytes) does not fit the limit of {self.max_message_bytes} bytes "
                 "of a message (agent_proxy.max_message_bytes)")}
-            data = wire.answers_frame(answers)
+            data = messages.answers_frame(answers)
             if len(data) - wire.HEADER_BYTES <= self.max_message_bytes:
                 break
         return data

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Hashable
 
 from ragen.llm.types import StreamingEngine
-from ragen.serving import wire
+from ragen.serving import messages
 from ragen.serving.coalescer import Pending
 from ragen.serving.gate import EngineGate, GateTimeout
 from ragen.serving.stats import ManagerStats
@@ -96,13 +96,13 @@ class Streamer:
             got = self.engine.submit(p.requests, p.sampling)
         except Exception as exc:  # the engine refused them: their worker hears why, the others go on
             logger.exception("the %s refused %d requests", self.engine.label, n)
-            self._fail(entry, wire.error_answer(p.ticket, exc))
+            self._fail(entry, messages.error_answer(p.ticket, exc))
             return
         try:
             futures = self.engine.checked(got, n)
         except TypeError as exc:  # the engine broke its contract: this call fails, the next is served
             logger.error("%s", exc)
-            self._fail(entry, wire.error_answer(p.ticket, exc))
+            self._fail(entry, messages.error_answer(p.ticket, exc))
             return
         with self._cond:
             entry.futures = futures
@@ -233,10 +233,10 @@ class Streamer:
         try:
             completions = [f.result() for f in e.futures]  # all done: no wait
         except Exception as exc:
-            return wire.error_answer(p.ticket, exc)
+            return messages.error_answer(p.ticket, exc)
         try:
             return {"ticket": p.ticket, "transit_in": p.transit_in,
-                    "completions": [wire.completion_for_wire(c, r) for c, r in zip(completions, p.requests)]}
+                    "completions": [messages.completion_for_wire(c, r) for c, r in zip(completions, p.requests)]}
         except Exception as exc:  # that request list only
             logger.error("malformed completion from the %s: %s", self.engine.label, exc)
             return {"ticket": p.ticket,
