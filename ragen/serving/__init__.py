@@ -11,17 +11,19 @@
 - ``hooks``: what the work the manager is told of (``announce``) brings: its
   calls, notes and observer (``Hooks``).
 - ``client``: the ``LLMClient`` protocol the turn loop talks to, with
-  ``DirectClient`` (an engine in the caller's thread) and ``SharedLLMClient``
-  (a worker's handle on the manager).
+  ``DirectClient`` and ``StreamingDirectClient`` (an engine in the caller's
+  process); ``shared_client``: ``SharedLLMClient`` (a worker's handle on
+  the manager).
 """
 
+from ragen.llm.types import EngineError
 from ragen.serving.address import check_listen_address
-from ragen.serving.client import DirectClient, LLMClient, SharedLLMClient, StreamingDirectClient, direct_client
+from ragen.serving.client import DirectClient, LLMClient, StreamingDirectClient, direct_client
 from ragen.serving.coalescer import CallCostModel, Coalescer, Decision, Pending, StreamClock
 from ragen.serving.hooks import Hooks, Observer, Reply
 from ragen.serving.server import SharedLLMInferenceManager
+from ragen.serving.shared_client import SharedLLMClient
 from ragen.serving.stats import ManagerStats
-from ragen.llm.types import EngineError
 from ragen.serving.wire import AuthenticationError, ProtocolError
 
 __all__ = [

@@ -31,11 +31,11 @@ from typing import Any
 from ragen.llm.types import Completion, Engine, GenerationRequest, SamplingParams
 from ragen.serving import messages, wire
 from ragen.serving.address import check_listen_address, is_loopback
-from ragen.serving.client import SharedLLMClient
 from ragen.serving.coalescer import Coalescer, Pending
 from ragen.serving.connections import Connection, Connections
 from ragen.serving.gate import EngineGate
 from ragen.serving.hooks import Hooks, Observer, Reply
+from ragen.serving.shared_client import SharedLLMClient
 from ragen.serving.stats import ManagerStats
 from ragen.serving.streamer import Streamer
 
