@@ -12,8 +12,9 @@
   calls, notes and observer (``Hooks``).
 - ``client``: the ``LLMClient`` protocol the turn loop talks to, with
   ``DirectClient`` and ``StreamingDirectClient`` (an engine in the caller's
-  process); ``shared_client``: ``SharedLLMClient`` (a worker's handle on
-  the manager).
+  process); ``inflight``: a streaming engine's requests from their submit
+  until they are done, for that client and the manager's ``streamer``;
+  ``shared_client``: ``SharedLLMClient`` (a worker's handle on the manager).
 """
 
 from ragen.llm.types import EngineError

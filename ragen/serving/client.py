@@ -13,13 +13,13 @@ reaches the driver's engine through ``shared_client.SharedLLMClient``.
 from __future__ import annotations
 
 import concurrent.futures
-import threading
 import time
 from collections import deque
 from typing import Protocol
 
 from ragen.llm.types import Completion, Engine, EngineError, EngineUnavailable, GenerationRequest, SamplingParams
 from ragen.serving.gate import EngineGate
+from ragen.serving.inflight import InFlight
 
 
 class LLMClient(Protocol):
@@ -130,49 +130,22 @@ class StreamingDirectClient(_InProcess):
         super().__init__(engine)
         self.gate = gate
         self._pending: dict[int, list[concurrent.futures.Future]] = {}
-        self._lock = threading.Lock()  # the in-flight count, updated from the engine's thread
-        self._holding: dict[int, set[int]] = {}  # by ticket: its requests in flight (not done, not abandoned)
-        self._in_flight = 0
-        self._busy_since = 0.0
+        self._flight = InFlight(engine, gate, self._busy)  # by ticket
+
+    def _busy(self, start: float, end: float) -> None:
+        self.engine_time_s += end - start
 
     def submit(self, requests: list[GenerationRequest], sampling: SamplingParams, hold: bool = False) -> int:
         self._next += 1
         ticket, n = self._next, len(requests)
-        if self.gate is not None:
-            self.gate.enter(n)
-        with self._lock:
-            if self._in_flight == 0:
-                self._busy_since = time.perf_counter()
-            self._in_flight += n
-            self._holding[ticket] = set(range(n))
-        try:
-            futures = self.engine.checked(self.engine.submit(requests, sampling), n)
-        except BaseException:
-            self._leave(ticket)
-            raise
+        self._flight.enter(ticket, n)
+        futures = self._flight.submit(ticket, requests, sampling)
         for i, f in enumerate(futures):
-            f.add_done_callback(lambda _, i=i: self._leave(ticket, i))
+            f.add_done_callback(lambda _, i=i: self._flight.leave(ticket, i))
         self._pending[ticket] = futures
         self.engine_calls += 1
         self.batch_sizes.append(n)
         return ticket
-
-    def _leave(self, ticket: int, i: int | None = None) -> None:
-        """Request ``i`` of ``ticket`` (None: all of them) out of flight and the gate, once."""
-        with self._lock:
-            holding = self._holding.get(ticket, set())
-            gone = len(holding) if i is None else int(i in holding)
-            if i is None:
-                holding.clear()
-            else:
-                holding.discard(i)
-            if not holding:
-                self._holding.pop(ticket, None)
-            self._in_flight -= gone
-            if gone and self._in_flight == 0:
-                self.engine_time_s += time.perf_counter() - self._busy_since
-        if gone and self.gate is not None:
-            self.gate.leave(gone)
 
     def _finished(self) -> int | None:
         return next((t for t, fs in self._pending.items() if all(f.done() for f in fs)), None)
@@ -198,7 +171,7 @@ class StreamingDirectClient(_InProcess):
         return ticket, [f.result() for f in futures]
 
     def abandon(self, ticket: int) -> None:
-        self._leave(ticket)
+        self._flight.leave(ticket)
         for f in self._pending.pop(ticket, ()):
             f.cancel()  # the engine drops a request it has not answered yet
 
