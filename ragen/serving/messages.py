@@ -362,6 +362,21 @@ def completion_for_wire(completion: Completion, request: GenerationRequest) -> d
     return d
 
 
+def completions_answer(ticket: int, transit_in: float | None, completions: list[Completion],
+                       requests: list[GenerationRequest], engine_label: str | None = None) -> dict[str, Any]:
+    """The answer of one request list with the engine's ``completions``; when one of them is
+    not a ``Completion``, an error for that request list alone (the others' completions are
+    good), which says the engine broke its contract where ``engine_label`` names it."""
+    try:
+        return {"ticket": ticket, "transit_in": transit_in,
+                "completions": [completion_for_wire(c, r) for c, r in zip(completions, requests)]}
+    except Exception as exc:  # whatever the engine's object fails with, only its request list fails
+        logger.error("malformed completion from the %s: %s", engine_label or "engine", exc)
+        error = f"{type(exc).__name__}: {exc}"
+        return {"ticket": ticket, "error": error if engine_label is None else
+                f"the {engine_label} broke its contract: {error}"}
+
+
 def answers_frame(answers: list[dict[str, Any]]) -> bytes:
     """The frame of one connection's answers. An answer that is not plain
     data (an engine's numpy number, say) becomes an error for its request

@@ -265,12 +265,7 @@ class SharedLLMInferenceManager(Connections):
         for p in batch:
             part = completions[i: i + len(p.requests)]
             i += len(p.requests)
-            try:
-                answer = {"ticket": p.ticket, "transit_in": p.transit_in,
-                          "completions": [messages.completion_for_wire(c, r) for c, r in zip(part, p.requests)]}
-            except Exception as exc:  # that request list only: the others' completions are good
-                logger.error("malformed completion from the engine: %s", exc)
-                answer = {"ticket": p.ticket, "error": f"{type(exc).__name__}: {exc}"}
+            answer = messages.completions_answer(p.ticket, p.transit_in, part, p.requests)
             answers.setdefault(p.conn, []).append(answer)
         return answers
 

@@ -216,13 +216,7 @@ class Streamer:
             completions = [f.result() for f in e.futures]  # all done: no wait
         except Exception as exc:
             return messages.error_answer(p.ticket, exc)
-        try:
-            return {"ticket": p.ticket, "transit_in": p.transit_in,
-                    "completions": [messages.completion_for_wire(c, r) for c, r in zip(completions, p.requests)]}
-        except Exception as exc:  # that request list only
-            logger.error("malformed completion from the %s: %s", self.engine.label, exc)
-            return {"ticket": p.ticket,
-                    "error": f"the {self.engine.label} broke its contract: {type(exc).__name__}: {exc}"}
+        return messages.completions_answer(p.ticket, p.transit_in, completions, p.requests, self.engine.label)
 
 
 def _let_go(e: _Entry) -> list[Future]:
