@@ -55,7 +55,7 @@ class SharedLLMInferenceManager(Connections):
         coalesce_wait_s: float = 0.0005,
         host: str = "127.0.0.1",
         port: int = 0,
-        max_message_bytes: int = 64 << 20,
+        max_message_bytes: int = wire.DEFAULT_MAX_MESSAGE_BYTES,
         handshake_timeout_s: float = 5.0,
         max_coalesce_wait_s: float = 1.0,
         max_pending_handshakes: int = 64,
@@ -69,11 +69,7 @@ class SharedLLMInferenceManager(Connections):
         self.engine = engine
         self.engine_lock = EngineGate.for_requests(request_timeout_s)
         self.max_batch_size = self.coalescer.max_batch_size
-        if isinstance(max_message_bytes, bool) or not isinstance(max_message_bytes, int) or \
-                not 0 < max_message_bytes < 1 << 32:
-            raise ValueError(f"max_message_bytes must be an integer from 1 to 2**32 - 1 (a frame's "
-                             f"length is 4 bytes), got {max_message_bytes!r}")
-        self.max_message_bytes = max_message_bytes
+        self.max_message_bytes = wire.check_max_message_bytes(max_message_bytes)
         # What waits to be sent to one peer that does not read, before it is
         # dropped (Connection.send_frame). By default room for a frame of the
         # largest size being sent and one more: a worker reads whenever it
@@ -105,6 +101,10 @@ class SharedLLMInferenceManager(Connections):
         # an engine that batches continuously gets each request list as it arrives
         self.streamer = Streamer(engine, self.engine_lock, self.stats, self._send_answers, request_timeout_s) \
             if getattr(engine, "streams", False) else None
+        self._listen(host, port)
+
+    def _listen(self, host: str, port: int) -> None:
+        """Binds ``host:port`` and starts the accept and batcher threads."""
         self._listener = socket.create_server((host, port))
         self.address: tuple[str, int] = self._listener.getsockname()[:2]
         self._threads = [

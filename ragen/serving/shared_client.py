@@ -40,7 +40,8 @@ class SharedLLMClient:
     authkey: bytes = field(repr=False)
     timeout_s: float | None = None  # for one answer; None: wait as long as it takes
     tag: int | None = None  # the announced tag its streams are opened and its calls made under
-    max_message_bytes: int = 64 << 20  # the largest frame it reads, as the manager caps what it reads
+    # the largest frame it reads, as the manager caps what it reads
+    max_message_bytes: int = wire.DEFAULT_MAX_MESSAGE_BYTES
     streams: bool = False  # the manager's engine answers each request as soon as it is done
 
     def _key(self) -> tuple:

@@ -39,12 +39,23 @@ DIGEST_BYTES = hashlib.sha256().digest_size
 CLIENT_LABEL, SERVER_LABEL = b"ragen client", b"ragen server"
 _HEADER = struct.Struct(">I")
 HEADER_BYTES = _HEADER.size  # a frame's length prefix
+MAX_FRAME_BYTES = (1 << 32) - 1  # the longest frame: its length prefix is 4 bytes
+DEFAULT_MAX_MESSAGE_BYTES = 64 << 20  # the longest frame a side reads unless told (max_message_bytes)
 
 # Requests in one frame (a batch's messages together). A frame's length bounds
 # its bytes, not the objects it decodes to: pickle can name one request (or one
 # history) many times, and each request costs the manager objects many times
 # its size on the wire. An honest worker sends one request an env.
 MAX_REQUESTS = 1 << 14
+
+
+def check_max_message_bytes(value: Any, key: str = "max_message_bytes", least: int = 1) -> int:
+    """``value`` as the longest message a side reads: an integer from ``least`` to
+    ``MAX_FRAME_BYTES``; ValueError naming ``key`` otherwise."""
+    if isinstance(value, bool) or not isinstance(value, int) or not least <= value <= MAX_FRAME_BYTES:
+        raise ValueError(f"{key} must be an integer from {least} to 2**32 - 1 (a frame's length is 4 bytes), "
+                         f"got {value!r}")
+    return value
 
 
 class ProtocolError(RuntimeError):
