@@ -34,7 +34,7 @@ from ragen.serving.stats import ManagerStats
 logger = logging.getLogger(__name__)
 
 # conn -> its answers; sends them (one frame per connection)
-Reply = Callable[[dict[Hashable, list[dict[str, Any]]]], None]
+SendAnswers = Callable[[dict[Hashable, list[dict[str, Any]]]], None]
 
 
 @dataclass(eq=False)
@@ -52,7 +52,7 @@ class Streamer:
     """Request lists forwarded to a ``StreamingEngine`` as they arrive, and
     their answers sent back as they finish (see the module docstring)."""
 
-    def __init__(self, engine: StreamingEngine, gate: EngineGate, stats: ManagerStats, reply: Reply,
+    def __init__(self, engine: StreamingEngine, gate: EngineGate, stats: ManagerStats, reply: SendAnswers,
                  request_timeout_s: float | None) -> None:
         self.engine = engine
         self.gate = gate
