@@ -379,7 +379,7 @@ class Connections:
                 return {"reply": None, "error": f"no handler of calls of kind {msg.kind!r} under tag {msg.tag}"}
             try:
                 reply = handler(msg.payload)
-            except Exception as exc:
+            except Exception as exc:  # the rollout's handler: its failure is the caller's error, not the manager's
                 logger.exception("the handler of call %r of tag %s failed", msg.kind, msg.tag)
                 return {"reply": None, "error": f"{type(exc).__name__}: {exc}"}
             if reply.streams:  # from now on streams of their own

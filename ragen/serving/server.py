@@ -242,7 +242,7 @@ class SharedLLMInferenceManager(Connections):
                         {"ticket": p.ticket, "error": f"the LLM manager failed: {type(exc).__name__}: {exc}"})
                 try:
                     self._reply(answers)
-                except Exception:
+                except Exception:  # the batcher goes on whatever the reply failed with
                     logger.exception("could not answer %d requests", len(batch))
 
     def _answers(self, batch: list[Pending]) -> dict[Connection, list[dict[str, Any]]]:

@@ -79,7 +79,7 @@ class SharedLLMClient:
                 sock.close()
                 if attempt + 1 == _CONNECT_TRIES:
                     raise
-            except BaseException:
+            except BaseException:  # whatever ends the handshake, the socket is closed
                 sock.close()
                 raise
         sock.settimeout(None)

@@ -214,7 +214,7 @@ class Streamer:
             return e.answer
         try:
             completions = [f.result() for f in e.futures]  # all done: no wait
-        except Exception as exc:
+        except Exception as exc:  # the engine's error for that request list, whatever its type
             return messages.error_answer(p.ticket, exc)
         return messages.completions_answer(p.ticket, p.transit_in, completions, p.requests, self.engine.label)
 
