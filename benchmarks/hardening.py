@@ -706,7 +706,7 @@ def big_answers_engine():
 
 def case_3() -> dict[str, Any]:
     from ragen.llm.types import SamplingParams
-    from ragen.serving import SharedLLMInferenceManager, wire
+    from ragen.serving import SharedLLMInferenceManager, messages, wire
 
     stuck_s = 10.0
     max_message = 4 << 20  # so that the send bound (two of the largest frames, by default) is 8 MiB
@@ -716,7 +716,7 @@ def case_3() -> dict[str, Any]:
             time.sleep(0.05)  # each its own engine call: one answer a frame, under max_message_bytes
             try:
                 wire.send_frame(sock, {"op": "gen", "ticket": ticket0 + i, "sampling": SamplingParams().to_dict(),
-                                       "requests": [wire.request_for_wire(r) for r in _requests(1, BIG_ENV + i)]})
+                                       "requests": [messages.request_for_wire(r) for r in _requests(1, BIG_ENV + i)]})
             except OSError:  # the manager closed it
                 return
 
@@ -757,13 +757,13 @@ def case_3() -> dict[str, Any]:
 
 def frame_payload(name: str) -> tuple[bytes, list[int]]:
     """A crafted frame's payload and the tickets it asks for."""
-    from ragen.serving import wire
+    from ragen.serving import messages
 
     def gen(ticket, requests):
         return {"op": "gen", "ticket": ticket, "requests": requests, "sampling": {}}
 
     def raw(r):
-        return wire.request_for_wire(r)
+        return messages.request_for_wire(r)
 
     def dump(msg):  # as a client's frame carries it: pickle keeps shared objects shared
         return pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)
@@ -895,8 +895,8 @@ def case_batch() -> dict[str, Any]:
 def case_8() -> dict[str, Any]:
     from ragen.llm.hf import HFEngine
     from ragen.llm.tiny_model import build_tiny_model
-    from ragen.llm.types import SamplingParams
-    from ragen.serving import EngineError, SharedLLMInferenceManager
+    from ragen.llm.types import EngineError, SamplingParams
+    from ragen.serving import SharedLLMInferenceManager
 
     path = build_tiny_model(Path(os.environ.get("HARDENING_TMP", tempfile.mkdtemp())) / "tiny", seed=0)
     engine = HFEngine(path, device="cpu")

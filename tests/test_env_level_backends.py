@@ -222,7 +222,7 @@ def test_held_requests_share_one_frame():
         while len(answered) < len(tickets):
             answered.add(client.wait_any(timeout=30)[0])
         assert answered == set(tickets)
-        # 20 requests and 5 closes held for at most client.HOLD_S: a few frames, not 25
+        # 20 requests and 5 closes held for at most shared_client.HOLD_S: a few frames, not 25
         assert manager.stats.snapshot().messages_in - before <= 3
         assert manager.open_streams == 0
     finally:

@@ -15,7 +15,7 @@ import pytest
 
 from ragen.llm.scripted import ScriptedEngine
 from ragen.llm_agent import AgentSetup, LLMAgentProxy
-from ragen.serving import SharedLLMInferenceManager, wire
+from ragen.serving import SharedLLMInferenceManager, messages, wire
 from ragen.rollout.backends.parallel import ParallelRolloutManager
 from ragen.rollout.progress import RolloutProgress
 from ragen.rollout.workers.dispatch import FINISHED, announced, report_finished
@@ -116,12 +116,12 @@ def test_the_workers_finished_counts_ride_on_their_messages(mixed_specs):
 
 def test_finished_on_the_wire_is_optional_and_checked():
     gen = {"op": "gen", "ticket": 1, "requests": [], "sampling": {}}
-    assert wire.parse_message(wire.frame(gen)[4:]).notes == {}
-    assert wire.parse_message(wire.frame({**gen, "notes": {FINISHED: 3}})[4:]).notes == {FINISHED: 3}
-    assert wire.parse_message(wire.frame({"op": "close", "n": 1, "notes": {FINISHED: 2}})[4:]).notes == {FINISHED: 2}
+    assert messages.parse_message(wire.frame(gen)[4:]).notes == {}
+    assert messages.parse_message(wire.frame({**gen, "notes": {FINISHED: 3}})[4:]).notes == {FINISHED: 3}
+    assert messages.parse_message(wire.frame({"op": "close", "n": 1, "notes": {FINISHED: 2}})[4:]).notes == {FINISHED: 2}
     for bad in (-1, "2", True, 1.5):
-        with pytest.raises(wire.BadMessage, match="notes"):
-            wire.parse_message(wire.frame({**gen, "notes": {FINISHED: bad}})[4:])
+        with pytest.raises(messages.BadMessage, match="notes"):
+            messages.parse_message(wire.frame({**gen, "notes": {FINISHED: bad}})[4:])
 
 
 def test_not_on_a_terminal_it_logs_after_the_delay_and_then_at_most_every_interval(caplog):

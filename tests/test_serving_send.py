@@ -14,7 +14,7 @@ import pytest
 
 from ragen.llm.scripted import ScriptedEngine
 from ragen.llm.types import Completion, GenerationRequest, SamplingParams
-from ragen.serving import SharedLLMInferenceManager, wire
+from ragen.serving import SharedLLMInferenceManager, messages, wire
 
 from tests.inference_helpers import ask
 
@@ -62,7 +62,7 @@ def _stuck_peer(shared) -> socket.socket:
 def _ask_big(sock, n, ticket0):
     """``n`` requests, each its own message, each answered with ``ANSWER_BYTES``."""
     for i in range(n):
-        wire.send_frame(sock, {"op": "gen", "ticket": ticket0 + i, "requests": [wire.request_for_wire(r) for r in
+        wire.send_frame(sock, {"op": "gen", "ticket": ticket0 + i, "requests": [messages.request_for_wire(r) for r in
                                                                                  _requests(1, BIG_ENV + i)],
                                "sampling": SamplingParams().to_dict()})
 

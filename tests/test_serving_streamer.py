@@ -16,8 +16,8 @@ from concurrent.futures import Future
 import pytest
 
 from ragen.llm.scripted import ScriptedEngine
-from ragen.llm.types import GenerationRequest, SamplingParams, StreamingEngine
-from ragen.serving import EngineError, SharedLLMInferenceManager
+from ragen.llm.types import EngineError, GenerationRequest, SamplingParams, StreamingEngine
+from ragen.serving import SharedLLMInferenceManager
 from ragen.serving.gate import EngineGate
 
 from tests.inference_helpers import ask

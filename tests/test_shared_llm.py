@@ -13,8 +13,8 @@ import threading
 import pytest
 
 from ragen.llm.scripted import ScriptedEngine
-from ragen.llm.types import GenerationRequest, SamplingParams
-from ragen.serving import EngineError, Hooks, ProtocolError, Reply, SharedLLMInferenceManager
+from ragen.llm.types import EngineError, GenerationRequest, SamplingParams
+from ragen.serving import Hooks, ProtocolError, Reply, SharedLLMInferenceManager
 
 from tests.inference_helpers import ask
 

@@ -14,8 +14,8 @@ import tracemalloc
 import pytest
 
 from ragen.llm.scripted import ScriptedEngine
-from ragen.llm.types import GenerationRequest, SamplingParams
-from ragen.serving import EngineError, SharedLLMInferenceManager, wire
+from ragen.llm.types import EngineError, GenerationRequest, SamplingParams
+from ragen.serving import SharedLLMInferenceManager, messages, wire
 
 from tests.inference_helpers import ask
 
@@ -28,7 +28,7 @@ def _requests(n, env0=0, **fields):
 
 
 def _raw(request):
-    return wire.request_for_wire(request)
+    return messages.request_for_wire(request)
 
 
 def _payload(msg):
@@ -65,8 +65,8 @@ def _shared_batch_item():
 
 def _many_requests():
     """200,000 tiny requests (one messages list shared by all) in a frame of about 3 MiB."""
-    messages = [{"role": "user", "content": "x"}]
-    return _payload(_gen(1, [{"messages": messages, "env_id": i} for i in range(200_000)]))
+    chat = [{"role": "user", "content": "x"}]
+    return _payload(_gen(1, [{"messages": chat, "env_id": i} for i in range(200_000)]))
 
 
 FRAMES = {
@@ -87,8 +87,8 @@ def test_a_frame_is_refused_before_it_decodes_to_more_than_it_holds(name):
     data = make()
     tracemalloc.start()
     try:
-        with pytest.raises(wire.BadMessage, match=bound):
-            wire.parse_message(data)
+        with pytest.raises(messages.BadMessage, match=bound):
+            messages.parse_message(data)
         peak = tracemalloc.get_traced_memory()[1]
     finally:
         tracemalloc.stop()

@@ -22,10 +22,12 @@ import time
 
 import pytest
 
+from ragen.config_reader import read
 from ragen.llm.scripted import ScriptedEngine
-from ragen.llm.types import Completion, GenerationRequest, SamplingParams
+from ragen.llm.types import Completion, EngineError, GenerationRequest, SamplingParams
 from ragen.llm_agent import AgentSetup
-from ragen.serving import EngineError, ProtocolError, SharedLLMClient, SharedLLMInferenceManager, wire
+from ragen.rollout.config import AgentProxyConfig
+from ragen.serving import ProtocolError, SharedLLMClient, SharedLLMInferenceManager, messages, wire
 
 from tests.inference_helpers import ask
 from tests.rollout_helpers import custom_envs
@@ -359,13 +361,13 @@ def test_a_malformed_request_fails_alone_not_the_batch_it_joins(field, value):
 @pytest.mark.parametrize("value", [b"abc", "1 2", [1, 2]])
 def test_history_ids_cross_as_four_bytes_an_id(value):
     request = dataclasses.replace(_requests(1)[0], history_token_ids=[0, 7, 2**32 - 1], history_messages=1)
-    raw = wire.request_for_wire(request)
+    raw = messages.request_for_wire(request)
     assert isinstance(raw["history_token_ids"], bytes) and len(raw["history_token_ids"]) == 12
     msg = {"op": "gen", "ticket": 1, "requests": [raw], "sampling": {}}
-    assert wire.parse_message(wire.frame(msg)[wire.HEADER_BYTES:]).requests == [request]
+    assert messages.parse_message(wire.frame(msg)[wire.HEADER_BYTES:]).requests == [request]
     bad = {**msg, "requests": [{**raw, "history_token_ids": value}]}
-    with pytest.raises(wire.BadMessage, match=r"requests\[0\].history_token_ids must be null or 4 bytes an id"):
-        wire.parse_message(wire.frame(bad)[wire.HEADER_BYTES:])
+    with pytest.raises(messages.BadMessage, match=r"requests\[0\].history_token_ids must be null or 4 bytes an id"):
+        messages.parse_message(wire.frame(bad)[wire.HEADER_BYTES:])
 
 
 @pytest.mark.parametrize("sampling, field", [
@@ -426,6 +428,17 @@ def test_good_llm_server_config_is_read():
 def test_the_manager_refuses_a_bad_address_before_binding(kw, key):
     with pytest.raises(ValueError, match=key.replace(".", r"\.")):
         SharedLLMInferenceManager(ScriptedEngine(), **kw)
+
+
+@pytest.mark.parametrize("value", [0, 2**32, True, 1.5])
+def test_a_bad_max_message_bytes_is_refused_in_the_same_words_by_the_manager_and_by_agent_proxy(value):
+    """``wire.check_max_message_bytes`` owns the bound and its message; agent_proxy's key
+    asks for at least 64 KiB, and a value that is not an integer is the config reader's."""
+    with pytest.raises(ValueError, match=r"^max_message_bytes must be an integer from 1 to 2\*\*32 - 1"):
+        SharedLLMInferenceManager(ScriptedEngine(), max_message_bytes=value)
+    words = " from 65536 to 2\\*\\*32 - 1" if type(value) is int else ", got"
+    with pytest.raises(ValueError, match=rf"^agent_proxy\.max_message_bytes must be an integer{words}"):
+        read(AgentProxyConfig, {"max_message_bytes": value}, "agent_proxy")
 
 
 def test_listening_beyond_loopback_warns_to_firewall_the_port(caplog):

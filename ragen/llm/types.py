@@ -80,6 +80,19 @@ class EngineUnavailable(RuntimeError):
     stops with this error rather than ending each env that asked."""
 
 
+class EngineError(RuntimeError):
+    """The engine failed on a request (raised in the client); ``ticket``: that request's, where known;
+    ``timed_out``: the manager gave up waiting for the engine's answer; ``unavailable``: the
+    engine can answer no request at all."""
+
+    def __init__(self, message: str, ticket: int | None = None, timed_out: bool = False,
+                 unavailable: bool = False) -> None:
+        super().__init__(message)
+        self.ticket = ticket
+        self.timed_out = timed_out
+        self.unavailable = unavailable  # the engine can answer no request (EngineUnavailable)
+
+
 class _PlainData:
     """A frozen dataclass of JSON-able fields that crosses process boundaries as a dict."""
 

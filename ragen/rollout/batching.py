@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from operator import attrgetter
 from typing import Any, Callable, Sequence, TypeVar
 
-from ragen.serving.wire import EngineError
+from ragen.llm.types import EngineError
 from ragen.rollout.loop_config import LoopConfig
 from ragen.rollout.types import EnvSpec
 from ragen.rollout.workers.schedule import groups_of

@@ -144,7 +144,7 @@ class AgentProxyConfig:
     env_level_async: Any = "auto"  # checked by check_env_level_async
     # the longest message between a worker and the shared manager (a frame's length is 4 bytes);
     # an env whose request would pass it ends in error
-    max_message_bytes: int = setting(64 << 20, minimum=1 << 16, maximum=(1 << 32) - 1)
+    max_message_bytes: int = wire.DEFAULT_MAX_MESSAGE_BYTES  # checked by wire.check_max_message_bytes
     max_concurrent_rollouts: int = setting(1, minimum=1)
     # asynchronous training
     async_generation_ratio: int = setting(0, minimum=0)
@@ -157,6 +157,7 @@ class AgentProxyConfig:
     def __post_init__(self) -> None:
         check_n_jobs(self.parallel_n_jobs)
         check_env_level_async(self.env_level_async)
+        wire.check_max_message_bytes(self.max_message_bytes, "agent_proxy.max_message_bytes", least=1 << 16)
         for key in TIMEOUT_KEYS:
             check_time_limit(key, getattr(self, key))
         if not self.action_sep:

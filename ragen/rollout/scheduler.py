@@ -26,7 +26,8 @@ from ragen.rollout.episode import EnvTurns, Playing
 from ragen.rollout.loop_config import LoopConfig, LoopStats
 from ragen.rollout.types import EnvSpec, StopReason, Trajectory
 from ragen.serving.client import LLMClient
-from ragen.serving.wire import EngineError, MessageTooLarge
+from ragen.llm.types import EngineError
+from ragen.serving.wire import MessageTooLarge
 
 __all__ = ["EnvError", "KeptEnvs", "LoopConfig", "LoopStats", "Scheduler", "run_envs"]
 

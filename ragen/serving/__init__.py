@@ -1,6 +1,7 @@
 """The inference layer of the rollout: one engine in the driver, reached by every worker.
 
-- ``wire``: frames of plain data, the mutual HMAC handshake, the messages.
+- ``wire``: frames of plain data and the mutual HMAC handshake; ``messages``:
+  what a worker and the manager say in them, each field checked on arrival.
 - ``coalescer``: when to call the engine and with which requests (a plain
   object, decided from plain inputs).
 - ``server``: ``SharedLLMInferenceManager``, which owns the engine and its
@@ -10,17 +11,21 @@
 - ``hooks``: what the work the manager is told of (``announce``) brings: its
   calls, notes and observer (``Hooks``).
 - ``client``: the ``LLMClient`` protocol the turn loop talks to, with
-  ``DirectClient`` (an engine in the caller's thread) and ``SharedLLMClient``
-  (a worker's handle on the manager).
+  ``DirectClient`` and ``StreamingDirectClient`` (an engine in the caller's
+  process); ``inflight``: a streaming engine's requests from their submit
+  until they are done, for that client and the manager's ``streamer``;
+  ``shared_client``: ``SharedLLMClient`` (a worker's handle on the manager).
 """
 
+from ragen.llm.types import EngineError
 from ragen.serving.address import check_listen_address
-from ragen.serving.client import DirectClient, LLMClient, SharedLLMClient, StreamingDirectClient, direct_client
+from ragen.serving.client import DirectClient, LLMClient, StreamingDirectClient, direct_client
 from ragen.serving.coalescer import CallCostModel, Coalescer, Decision, Pending, StreamClock
 from ragen.serving.hooks import Hooks, Observer, Reply
 from ragen.serving.server import SharedLLMInferenceManager
+from ragen.serving.shared_client import SharedLLMClient
 from ragen.serving.stats import ManagerStats
-from ragen.serving.wire import AuthenticationError, EngineError, ProtocolError
+from ragen.serving.wire import AuthenticationError, ProtocolError
 
 __all__ = [
     "AuthenticationError", "CallCostModel", "Coalescer", "Decision", "DirectClient", "EngineError", "Hooks",

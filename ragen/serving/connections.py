@@ -20,7 +20,7 @@ from collections import OrderedDict, deque
 from typing import Any
 
 from ragen.llm.types import Engine
-from ragen.serving import wire
+from ragen.serving import messages, wire
 from ragen.serving.coalescer import Coalescer, Pending
 from ragen.serving.hooks import Hooks
 from ragen.serving.stats import ManagerStats
@@ -271,22 +271,22 @@ class Connections:
 
     def _handle(self, conn: Connection, data: bytes) -> None:
         try:
-            msg = wire.parse_message(data, self.engine.vocab_size)
-        except wire.BadMessage as exc:
+            msg = messages.parse_message(data, self.engine.vocab_size)
+        except messages.BadMessage as exc:
             self._bad(conn, [exc])
             return
         if msg.notes:
             self._take_notes(conn, msg.notes)
-        if not isinstance(msg, wire.BatchMessage):
+        if not isinstance(msg, messages.BatchMessage):
             self._answer_now(conn, [a for a in [self._dispatch(conn, msg)] if a is not None])
             return
-        bad = [item for item in msg.items if isinstance(item, wire.BadMessage)]
-        answers = [self._dispatch(conn, item) for item in msg.items if not isinstance(item, wire.BadMessage)]
+        bad = [item for item in msg.items if isinstance(item, messages.BadMessage)]
+        answers = [self._dispatch(conn, item) for item in msg.items if not isinstance(item, messages.BadMessage)]
         self._answer_now(conn, [a for a in answers if a is not None])
         if bad:
             self._bad(conn, bad)
 
-    def _bad(self, conn: Connection, bad: list[wire.BadMessage]) -> None:
+    def _bad(self, conn: Connection, bad: list[messages.BadMessage]) -> None:
         """The bad messages of one frame: one warning, and one reply that answers each ticket."""
         self.stats.add(bad_messages=len(bad))
         if len(bad) == 1:
@@ -303,7 +303,7 @@ class Connections:
         batch of thousands of bad messages)."""
         if not answers:
             return
-        data = wire.answers_frame(answers)
+        data = messages.answers_frame(answers)
         if len(data) - wire.HEADER_BYTES > self.max_message_bytes and len(answers) > 1:
             half = len(answers) // 2
             self._answer_now(conn, answers[:half])
@@ -311,10 +311,10 @@ class Connections:
             return
         self.stats.add(bytes_out=conn.send_frame(data))
 
-    def _dispatch(self, conn: Connection, msg: wire.StreamsMessage | wire.CallMessage | wire.GenMessage
-                  | wire.CancelMessage) -> dict[str, Any] | None:
+    def _dispatch(self, conn: Connection, msg: messages.StreamsMessage | messages.CallMessage | messages.GenMessage
+                  | messages.CancelMessage) -> dict[str, Any] | None:
         """Serves one message; the answer to send at once, if it has one that needs no engine."""
-        if isinstance(msg, wire.CallMessage):
+        if isinstance(msg, messages.CallMessage):
             reply = self._call(conn, msg)
             try:
                 data = wire.frame({**reply, "sent": time.monotonic()})
@@ -323,10 +323,10 @@ class Connections:
                 data = wire.frame({"reply": None, "error": f"the reply is not plain data: {exc}"})
             self.stats.add(bytes_out=conn.send_frame(data))
             return None
-        if isinstance(msg, wire.CancelMessage):
+        if isinstance(msg, messages.CancelMessage):
             self._cancel(conn, msg.ticket)
             return None
-        if isinstance(msg, wire.StreamsMessage):
+        if isinstance(msg, messages.StreamsMessage):
             with self._cond:
                 if msg.op == "open":
                     conn.tag = msg.tag
@@ -365,7 +365,7 @@ class Connections:
             except Exception:  # a note handler never fails the manager
                 logger.debug("the handler of note %r of tag %s failed", name, conn.tag, exc_info=True)
 
-    def _call(self, conn: Connection, msg: wire.CallMessage) -> dict[str, Any]:
+    def _call(self, conn: Connection, msg: messages.CallMessage) -> dict[str, Any]:
         """The reply to a call, from the handler of its kind under its tag (a
         withdrawn tag's: None); the streams it opens are open before the reply
         is sent."""
@@ -379,7 +379,7 @@ class Connections:
                 return {"reply": None, "error": f"no handler of calls of kind {msg.kind!r} under tag {msg.tag}"}
             try:
                 reply = handler(msg.payload)
-            except Exception as exc:
+            except Exception as exc:  # the rollout's handler: its failure is the caller's error, not the manager's
                 logger.exception("the handler of call %r of tag %s failed", msg.kind, msg.tag)
                 return {"reply": None, "error": f"{type(exc).__name__}: {exc}"}
             if reply.streams:  # from now on streams of their own

@@ -29,13 +29,13 @@ from collections import OrderedDict
 from typing import Any
 
 from ragen.llm.types import Completion, Engine, GenerationRequest, SamplingParams
-from ragen.serving import wire
+from ragen.serving import messages, wire
 from ragen.serving.address import check_listen_address, is_loopback
-from ragen.serving.client import SharedLLMClient
 from ragen.serving.coalescer import Coalescer, Pending
 from ragen.serving.connections import Connection, Connections
 from ragen.serving.gate import EngineGate
 from ragen.serving.hooks import Hooks, Observer, Reply
+from ragen.serving.shared_client import SharedLLMClient
 from ragen.serving.stats import ManagerStats
 from ragen.serving.streamer import Streamer
 
@@ -55,7 +55,7 @@ class SharedLLMInferenceManager(Connections):
         coalesce_wait_s: float = 0.0005,
         host: str = "127.0.0.1",
         port: int = 0,
-        max_message_bytes: int = 64 << 20,
+        max_message_bytes: int = wire.DEFAULT_MAX_MESSAGE_BYTES,
         handshake_timeout_s: float = 5.0,
         max_coalesce_wait_s: float = 1.0,
         max_pending_handshakes: int = 64,
@@ -69,11 +69,7 @@ class SharedLLMInferenceManager(Connections):
         self.engine = engine
         self.engine_lock = EngineGate.for_requests(request_timeout_s)
         self.max_batch_size = self.coalescer.max_batch_size
-        if isinstance(max_message_bytes, bool) or not isinstance(max_message_bytes, int) or \
-                not 0 < max_message_bytes < 1 << 32:
-            raise ValueError(f"max_message_bytes must be an integer from 1 to 2**32 - 1 (a frame's "
-                             f"length is 4 bytes), got {max_message_bytes!r}")
-        self.max_message_bytes = max_message_bytes
+        self.max_message_bytes = wire.check_max_message_bytes(max_message_bytes)
         # What waits to be sent to one peer that does not read, before it is
         # dropped (Connection.send_frame). By default room for a frame of the
         # largest size being sent and one more: a worker reads whenever it
@@ -105,6 +101,10 @@ class SharedLLMInferenceManager(Connections):
         # an engine that batches continuously gets each request list as it arrives
         self.streamer = Streamer(engine, self.engine_lock, self.stats, self._send_answers, request_timeout_s) \
             if getattr(engine, "streams", False) else None
+        self._listen(host, port)
+
+    def _listen(self, host: str, port: int) -> None:
+        """Binds ``host:port`` and starts the accept and batcher threads."""
         self._listener = socket.create_server((host, port))
         self.address: tuple[str, int] = self._listener.getsockname()[:2]
         self._threads = [
@@ -242,7 +242,7 @@ class SharedLLMInferenceManager(Connections):
                         {"ticket": p.ticket, "error": f"the LLM manager failed: {type(exc).__name__}: {exc}"})
                 try:
                     self._reply(answers)
-                except Exception:
+                except Exception:  # the batcher goes on whatever the reply failed with
                     logger.exception("could not answer %d requests", len(batch))
 
     def _answers(self, batch: list[Pending]) -> dict[Connection, list[dict[str, Any]]]:
@@ -259,18 +259,13 @@ class SharedLLMInferenceManager(Connections):
         except Exception as exc:  # the engine failed: every waiting client hears it
             logger.exception("engine call failed for %d requests", len(requests))
             for p in batch:
-                answers.setdefault(p.conn, []).append(wire.error_answer(p.ticket, exc))
+                answers.setdefault(p.conn, []).append(messages.error_answer(p.ticket, exc))
             return answers
         i = 0
         for p in batch:
             part = completions[i: i + len(p.requests)]
             i += len(p.requests)
-            try:
-                answer = {"ticket": p.ticket, "transit_in": p.transit_in,
-                          "completions": [wire.completion_for_wire(c, r) for c, r in zip(part, p.requests)]}
-            except Exception as exc:  # that request list only: the others' completions are good
-                logger.error("malformed completion from the engine: %s", exc)
-                answer = {"ticket": p.ticket, "error": f"{type(exc).__name__}: {exc}"}
+            answer = messages.completions_answer(p.ticket, p.transit_in, part, p.requests)
             answers.setdefault(p.conn, []).append(answer)
         return answers
 
@@ -310,7 +305,7 @@ class SharedLLMInferenceManager(Connections):
         """One frame per connection, all encoded before any is sent: a woken
         worker takes a core at once, and the other workers' answers must not
         wait behind it."""
-        frames = [(conn, self._fitting(wire.answers_frame(a), a), len(a)) for conn, a in answers.items()
+        frames = [(conn, self._fitting(messages.answers_frame(a), a), len(a)) for conn, a in answers.items()
                   if conn.alive]
         with self._cond:
             self.coalescer.answered({conn: n for conn, _, n in frames}, time.monotonic())
@@ -327,7 +322,7 @@ class SharedLLMInferenceManager(Connections):
         size = len(data) - wire.HEADER_BYTES
         if size <= self.max_message_bytes:
             return data
-        sizes = [len(wire.answers_frame([a])) for a in answers]
+        sizes = [len(messages.answers_frame([a])) for a in answers]
         answers = list(answers)
         for i in sorted(range(len(answers)), key=sizes.__getitem__, reverse=True):
             logger.error("the answer to ticket %s from %d bytes of answers exceeds max_message_bytes=%d; answering "
@@ -335,7 +330,7 @@ class SharedLLMInferenceManager(Connections):
             answers[i] = {"ticket": answers[i].get("ticket"), "error": (
                 f"the engine's answer ({sizes[i]} bytes) does not fit the limit of {self.max_message_bytes} bytes "
                 "of a message (agent_proxy.max_message_bytes)")}
-            data = wire.answers_frame(answers)
+            data = messages.answers_frame(answers)
             if len(data) - wire.HEADER_BYTES <= self.max_message_bytes:
                 break
         return data

@@ -25,23 +25,25 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Hashable
 
 from ragen.llm.types import StreamingEngine
-from ragen.serving import wire
+from ragen.serving import messages
 from ragen.serving.coalescer import Pending
 from ragen.serving.gate import EngineGate, GateTimeout
+from ragen.serving.inflight import InFlight
 from ragen.serving.stats import ManagerStats
 
 logger = logging.getLogger(__name__)
 
 # conn -> its answers; sends them (one frame per connection)
-Reply = Callable[[dict[Hashable, list[dict[str, Any]]]], None]
+SendAnswers = Callable[[dict[Hashable, list[dict[str, Any]]]], None]
 
 
 @dataclass(eq=False)
-class _InFlight:
+class _Entry:
+    """A request list sent to the engine, until its answer is on its way (``InFlight`` counts its requests)."""
+
     pending: Pending
     futures: list[Future] = field(default_factory=list)
     deadline: float | None = None
-    holding: set[int] = field(default_factory=set)  # its requests in the gate: not done, not given up
     answered: bool = False  # its answer is on its way (or its worker's cancel, or its timeout, ended it)
     answer: dict[str, Any] | None = None  # when not made of its futures: the error that ended it
 
@@ -50,7 +52,7 @@ class Streamer:
     """Request lists forwarded to a ``StreamingEngine`` as they arrive, and
     their answers sent back as they finish (see the module docstring)."""
 
-    def __init__(self, engine: StreamingEngine, gate: EngineGate, stats: ManagerStats, reply: Reply,
+    def __init__(self, engine: StreamingEngine, gate: EngineGate, stats: ManagerStats, reply: SendAnswers,
                  request_timeout_s: float | None) -> None:
         self.engine = engine
         self.gate = gate
@@ -58,11 +60,12 @@ class Streamer:
         self.reply = reply
         self.request_timeout_s = request_timeout_s
         self._cond = threading.Condition()
-        self._done: list[_InFlight] = []
-        self._waiting: set[_InFlight] = set()  # with a deadline, not answered yet
-        self._by_ticket: dict[tuple[Hashable, int], _InFlight] = {}  # not answered yet
-        self._in_flight = 0  # requests in the gate
-        self._busy_since = 0.0
+        # by entry: its requests in the gate, not done, not given up (counted under _cond)
+        self.flight = InFlight(engine, gate, lambda start, end: stats.record_busy((start, end)), self._cond,
+                               time.monotonic)
+        self._done: list[_Entry] = []
+        self._waiting: set[_Entry] = set()  # with a deadline, not answered yet
+        self._by_ticket: dict[tuple[Hashable, int], _Entry] = {}  # not answered yet
         self._closed = False
         self._thread = threading.Thread(target=self._reply_loop, name="ragen-llm-streamer", daemon=True)
         self._thread.start()
@@ -71,11 +74,11 @@ class Streamer:
         """``p``'s requests to the engine now (waits while a weight swap holds the gate, at
         most until the request's deadline)."""
         n = len(p.requests)
-        entry = _InFlight(p)
+        entry = _Entry(p)
         if self.request_timeout_s is not None:
             entry.deadline = time.monotonic() + self.request_timeout_s
         try:
-            self.gate.enter(n, timeout=None if entry.deadline is None else max(0.0, entry.deadline - time.monotonic()))
+            self.flight.enter(entry, n, None if entry.deadline is None else max(0.0, entry.deadline - time.monotonic()))
         except GateTimeout as exc:
             logger.warning("%d requests (env %s, turn %s) not sent to the engine: %s", n, p.requests[0].env_id,
                            p.requests[0].turn, exc)
@@ -83,26 +86,16 @@ class Streamer:
                                "error": f"not sent to the {self.engine.label}: {exc}"})
             return
         with self._cond:
-            entry.holding = set(range(n))
-            if self._in_flight == 0:
-                self._busy_since = time.monotonic()
-            self._in_flight += n
             if entry.deadline is not None:
                 self._waiting.add(entry)
             self._by_ticket[(p.conn, p.ticket)] = entry
             self._cond.notify_all()  # a new deadline
         self.stats.record_submit(n)
         try:
-            got = self.engine.submit(p.requests, p.sampling)
-        except Exception as exc:  # the engine refused them: their worker hears why, the others go on
+            futures = self.flight.submit(entry, p.requests, p.sampling)
+        except Exception as exc:  # refused, or the engine broke its contract: their worker hears why, the others go on
             logger.exception("the %s refused %d requests", self.engine.label, n)
-            self._fail(entry, wire.error_answer(p.ticket, exc))
-            return
-        try:
-            futures = self.engine.checked(got, n)
-        except TypeError as exc:  # the engine broke its contract: this call fails, the next is served
-            logger.error("%s", exc)
-            self._fail(entry, wire.error_answer(p.ticket, exc))
+            self._fail(entry, messages.error_answer(p.ticket, exc))
             return
         with self._cond:
             entry.futures = futures
@@ -114,37 +107,26 @@ class Streamer:
         for i, f in enumerate(entry.futures):
             f.add_done_callback(lambda _, e=entry, i=i: self._one_done(e, i))
 
-    def _release(self, entry: _InFlight, requests: set[int]) -> int:
-        """``requests`` of ``entry`` out of the gate's count here (under ``_cond``); the
-        caller tells the gate, outside ``_cond``. Returns how many left."""
-        gone = len(entry.holding & requests)
-        entry.holding -= requests
-        if gone:
-            self._in_flight -= gone
-            if self._in_flight == 0:
-                self.stats.record_busy((self._busy_since, time.monotonic()))
-        return gone
-
-    def _end(self, entry: _InFlight) -> None:
+    def _end(self, entry: _Entry) -> None:
         """``entry`` is answered or given up (under ``_cond``): no deadline, no ticket to cancel."""
         entry.answered = True
         self._waiting.discard(entry)
         self._by_ticket.pop((entry.pending.conn, entry.pending.ticket), None)
 
-    def _one_done(self, entry: _InFlight, i: int) -> None:
+    def _one_done(self, entry: _Entry, i: int) -> None:
         with self._cond:
-            gone = self._release(entry, {i})
-            if gone and not entry.holding and not entry.answered:
+            gone = self.flight.release(entry, {i})
+            if gone and not self.flight.holds(entry) and not entry.answered:
                 self._end(entry)
                 self._done.append(entry)
                 self._cond.notify_all()
         if gone:
             self.gate.leave(gone)
 
-    def _fail(self, entry: _InFlight, answer: dict[str, Any]) -> None:
+    def _fail(self, entry: _Entry, answer: dict[str, Any]) -> None:
         """``entry`` answered with ``answer``, all its requests out of the gate."""
         with self._cond:
-            gone = self._release(entry, set(entry.holding))
+            gone = self.flight.release(entry)
             if not entry.answered:
                 entry.answer = answer
                 self._end(entry)
@@ -153,12 +135,12 @@ class Streamer:
         if gone:
             self.gate.leave(gone)
 
-    def _give_up(self, entries: list[_InFlight]) -> None:
+    def _give_up(self, entries: list[_Entry]) -> None:
         """``entries`` (ended, under ``_cond`` before) out of the gate, and their requests
         dropped by the engine where it still can (a running future cannot be cancelled:
         its request leaves the gate all the same, and its answer goes nowhere)."""
         with self._cond:
-            gone = sum(self._release(e, set(e.holding)) for e in entries)
+            gone = sum(self.flight.release(e) for e in entries)
         if gone:
             self.gate.leave(gone)
         for e in entries:
@@ -187,11 +169,11 @@ class Streamer:
             for e in done:
                 _let_go(e)
 
-    def _expired(self) -> list[_InFlight]:
+    def _expired(self) -> list[_Entry]:
         now = time.monotonic()
         return [e for e in self._waiting if e.deadline is not None and e.deadline <= now and not e.answered]
 
-    def _send(self, done: list[_InFlight], expired: list[_InFlight]) -> None:
+    def _send(self, done: list[_Entry], expired: list[_Entry]) -> None:
         answers: dict[Hashable, list[dict[str, Any]]] = {}
         for e in done:
             answers.setdefault(e.pending.conn, []).append(self._answer(e))
@@ -225,25 +207,19 @@ class Streamer:
         self._give_up(left)
         self._thread.join(timeout=5)
 
-    def _answer(self, e: _InFlight) -> dict[str, Any]:
+    def _answer(self, e: _Entry) -> dict[str, Any]:
         """The answer to one finished request list: its completions, or the error one of them ended with."""
         p = e.pending
         if e.answer is not None:
             return e.answer
         try:
             completions = [f.result() for f in e.futures]  # all done: no wait
-        except Exception as exc:
-            return wire.error_answer(p.ticket, exc)
-        try:
-            return {"ticket": p.ticket, "transit_in": p.transit_in,
-                    "completions": [wire.completion_for_wire(c, r) for c, r in zip(completions, p.requests)]}
-        except Exception as exc:  # that request list only
-            logger.error("malformed completion from the %s: %s", self.engine.label, exc)
-            return {"ticket": p.ticket,
-                    "error": f"the {self.engine.label} broke its contract: {type(exc).__name__}: {exc}"}
+        except Exception as exc:  # the engine's error for that request list, whatever its type
+            return messages.error_answer(p.ticket, exc)
+        return messages.completions_answer(p.ticket, p.transit_in, completions, p.requests, self.engine.label)
 
 
-def _let_go(e: _InFlight) -> list[Future]:
+def _let_go(e: _Entry) -> list[Future]:
     """Drops an ended entry's futures, and returns them. Each future's done callback
     holds the entry: kept, they would make a cycle that holds its requests and
     completions until a full collection, which a manager that froze its heap
