@@ -25,15 +25,16 @@ from typing import Any, Iterator, Sequence
 import joblib
 
 from ragen.rollout.backends.base import SyncBackend
+from ragen.rollout.backends.lease import ExecutorLease
 from ragen.rollout.config import BACKENDS, AgentProxyConfig, cap_n_jobs, check_n_jobs, check_time_limit
-from ragen.rollout.scheduler import LoopConfig, LoopStats
+from ragen.rollout.loop_config import LoopConfig, LoopStats
 from ragen.rollout.metrics import EngineUse, engine_idle, rollout_metrics
 from ragen.rollout.progress import RolloutProgress
 from ragen.rollout.types import EnvSpec, RolloutResult, Trajectory
 from ragen.rollout.workers.autosize import AutoSizer, Measured
 from ragen.rollout.workers.cluster import ClusterConfig, open_cluster
 from ragen.rollout.workers.dispatch import announced
-from ragen.rollout.workers.executors import LOCAL_POOLS, KeptExecutor, local_pool
+from ragen.rollout.workers.executors import LOCAL_POOLS
 from ragen.rollout.workers.schedule import GroupQueue, group_cost_s, groups_of, min_chunk_groups
 from ragen.rollout.workers.task import WorkerResult, WorkerTask, run_isolated, run_worker, with_env_limit
 from ragen.serving import SharedLLMInferenceManager
@@ -102,10 +103,10 @@ class ParallelRolloutManager(SyncBackend):
         self.pipeline_depth = pipeline_depth  # a worker's streams; with auto, each rollout's choice
         manager_times_out = shared.streamer is not None and shared.streamer.request_timeout_s is not None
         self._client = shared.client(timeout_s=worker_wait_s(engine_timeout_s, manager_times_out))
-        # executors kept between rollouts; one rollout at a time on each (see _Executors)
+        # executors kept between rollouts; one rollout at a time on each (see ExecutorLease)
         self._lock = threading.Lock()
-        self._idle: list[_Executors] = []
-        self._leased: set[_Executors] = set()
+        self._idle: list[ExecutorLease] = []
+        self._leased: set[ExecutorLease] = set()
         self._closed = False
         self._rollouts_running = 0  # rollouts with tasks on the workers now (for a cluster's announcements)
         self._picklable: set[tuple] = set()  # reuse keys whose env config is known to pickle
@@ -129,13 +130,13 @@ class ParallelRolloutManager(SyncBackend):
 
     # ----- executors ------------------------------------------------------------
     @contextlib.contextmanager
-    def _lease(self) -> Iterator["_Executors"]:
+    def _lease(self) -> Iterator[ExecutorLease]:
         """The executors of one rollout: an idle one kept from an earlier
         rollout, or a new one while every kept one is in use (rollouts at once)."""
         with self._lock:
             if self._closed:
                 raise RolloutError("the ParallelRolloutManager is closed")
-            lease = self._idle.pop() if self._idle else _Executors(self)
+            lease = self._idle.pop() if self._idle else ExecutorLease(self)
             self._leased.add(lease)
         try:
             yield lease
@@ -148,7 +149,7 @@ class ParallelRolloutManager(SyncBackend):
             if not keep:
                 lease.close()
 
-    def _results(self, lease: "_Executors", calls: list[WorkerTask]) -> Iterator[WorkerResult]:
+    def _results(self, lease: ExecutorLease, calls: list[WorkerTask]) -> Iterator[WorkerResult]:
         """``run_worker`` on each task; results as tasks finish.
         Raises TimeoutError past rollout_timeout_s, or the executor's error
         when a worker died."""
@@ -190,44 +191,9 @@ class ParallelRolloutManager(SyncBackend):
             choice = self._auto.choice
             workers, depth = choice.workers, choice.depth or depth
         with self._lease() as lease:
-            results, failures, crashed, timed_out = self._run_parallel(lease, groups, config, fault, progress,
-                                                                       workers, depth)
-            retried = 0
-            missing = _missing(groups, results)
-            if crashed and missing and self.fallback_to_sequential and not timed_out:
-                # A dead worker takes the executor down with the groups in flight on the
-                # other workers, which did nothing wrong: all get one parallel retry on a
-                # fresh executor; what fails again goes to the sequential fallback.
-                retried = len(crashed)
-                logger.warning("[Retry] a worker died (%s); re-running the %d groups not played (its own and "
-                               "the other workers' unfinished ones) in parallel", next(iter(crashed.values())),
-                               len(missing))
-                again, failed, crashed_again, _ = self._run_parallel(lease, missing, config, None, progress,
-                                                                     workers, depth)
-                results += again
-                failures.update({f"retry {k}": v for k, v in {**failed, **crashed_again}.items()})
-                missing = _missing(groups, results)
-            else:
-                failures.update(crashed)
-            fallback_s = 0.0
-            if missing:
-                if not failures:  # a cluster re-ran a lost worker's task, which found its groups taken
-                    failures["lost"] = "a worker was lost; the cluster ran its task again, but its groups were taken"
-                causes = "; ".join(f"worker {i}: {c}" for i, c in sorted(failures.items(), key=str))
-                if not self.fallback_to_sequential:
-                    raise RolloutError(f"{sum(map(len, missing))} envs were not played ({causes})")
-                t0 = time.perf_counter()
-                rest = [s for g in missing for s in g]
-                ids = [s.env_id for s in rest]
-                logger.warning("[Fallback] %d envs (%d groups, env_id %d..%d) were not played (%s); re-running "
-                               "them sequentially with the same seeds", len(ids), len(missing), min(ids), max(ids),
-                               causes)
-                result = replace(self._fallback(lease, -1, rest, config), cause=causes)
-                results.append(result)
-                if progress is not None:  # the fallback's client reports to no rollout
-                    progress.envs_finished(len(result.trajectories))
-                    progress.answered(result.stats.requests)
-                fallback_s = time.perf_counter() - t0
+            played = self._run_parallel(lease, groups, config, fault, progress, workers, depth)
+            results, failures, retried = self._retry_crashed(lease, groups, config, progress, workers, depth, *played)
+            fallback_s = self._fall_back(lease, groups, results, failures, config, progress)
         t_merge = time.perf_counter()
         trajectories = sorted((t for r in results for t in r.trajectories), key=lambda t: t.env_id)
         _check_complete(specs, trajectories)
@@ -236,6 +202,58 @@ class ParallelRolloutManager(SyncBackend):
         metrics = self._metrics(trajectories, results, stats_before, failures, time.perf_counter() - t_start)
         metrics["parallel/retried_tasks"] = float(retried)
         metrics["timing/fallback_s"] = fallback_s
+        self._learn_from(results, metrics, choice, t_start_mono)
+        metrics["overhead/merge_s"] = time.perf_counter() - t_merge
+        metrics["timing/rollout_s"] = time.perf_counter() - t_start
+        return RolloutResult(trajectories=trajectories, specs=sorted(specs, key=lambda s: s.env_id), metrics=metrics)
+
+    def _retry_crashed(self, lease: ExecutorLease, groups: list[list[EnvSpec]], config: LoopConfig,
+                       progress: RolloutProgress | None, workers: int, depth: int, results: list[WorkerResult],
+                       failures: dict[Any, str], crashed: dict[int, str],
+                       timed_out: bool) -> tuple[list[WorkerResult], dict[Any, str], int]:
+        """A dead worker takes the executor down with the groups in flight on the other
+        workers, which did nothing wrong: all get one parallel retry on a fresh executor;
+        what fails again is left to the sequential fallback. -> (results, failures, tasks
+        retried)."""
+        missing = _missing(groups, results)
+        if not (crashed and missing and self.fallback_to_sequential and not timed_out):
+            failures.update(crashed)
+            return results, failures, 0
+        logger.warning("[Retry] a worker died (%s); re-running the %d groups not played (its own and "
+                       "the other workers' unfinished ones) in parallel", next(iter(crashed.values())),
+                       len(missing))
+        again, failed, crashed_again, _ = self._run_parallel(lease, missing, config, None, progress, workers, depth)
+        failures.update({f"retry {k}": v for k, v in {**failed, **crashed_again}.items()})
+        return results + again, failures, len(crashed)
+
+    def _fall_back(self, lease: ExecutorLease, groups: list[list[EnvSpec]], results: list[WorkerResult],
+                   failures: dict[Any, str], config: LoopConfig, progress: RolloutProgress | None) -> float:
+        """The groups no worker brought back re-run by the fallback (added to ``results``),
+        or ``RolloutError`` when it is off; the seconds it took."""
+        missing = _missing(groups, results)
+        if not missing:
+            return 0.0
+        if not failures:  # a cluster re-ran a lost worker's task, which found its groups taken
+            failures["lost"] = "a worker was lost; the cluster ran its task again, but its groups were taken"
+        causes = "; ".join(f"worker {i}: {c}" for i, c in sorted(failures.items(), key=str))
+        if not self.fallback_to_sequential:
+            raise RolloutError(f"{sum(map(len, missing))} envs were not played ({causes})")
+        t0 = time.perf_counter()
+        rest = [s for g in missing for s in g]
+        ids = [s.env_id for s in rest]
+        logger.warning("[Fallback] %d envs (%d groups, env_id %d..%d) were not played (%s); re-running "
+                       "them sequentially with the same seeds", len(ids), len(missing), min(ids), max(ids), causes)
+        result = replace(self._fallback(lease, -1, rest, config), cause=causes)
+        results.append(result)
+        if progress is not None:  # the fallback's client reports to no rollout
+            progress.envs_finished(len(result.trajectories))
+            progress.answered(result.stats.requests)
+        return time.perf_counter() - t0
+
+    def _learn_from(self, results: list[WorkerResult], metrics: dict[str, float], choice: Any,
+                    t_start_mono: float) -> None:
+        """What the workers measured: the dispatch and engine-idle metrics, the automatic
+        sizing's next choice, and the cost of a group for the next chunk sizes."""
         workers_ran = [r for r in results if r.pid != -1]
         if workers_ran and self._cluster is None:  # monotonic clocks compare on one machine only
             metrics["overhead/dispatch_s"] = max(0.0, max(r.started_at for r in workers_ran) - t_start_mono)
@@ -246,9 +264,6 @@ class ParallelRolloutManager(SyncBackend):
                                        busy_s=sum(max(0.0, r.wall_s - r.stats.wait_s) for r in workers_ran),
                                        workers=max(1, len(workers_ran))))
         self._group_s = group_cost_s([t for r in workers_ran for t in r.trajectories]) or self._group_s
-        metrics["overhead/merge_s"] = time.perf_counter() - t_merge
-        metrics["timing/rollout_s"] = time.perf_counter() - t_start
-        return RolloutResult(trajectories=trajectories, specs=sorted(specs, key=lambda s: s.env_id), metrics=metrics)
 
     def _check_picklable(self, specs: Sequence[EnvSpec]) -> None:
         """Env configs travel to worker processes: say which key cannot, once
@@ -268,7 +283,7 @@ class ParallelRolloutManager(SyncBackend):
                 )
             self._picklable.add(spec.reuse_key)
 
-    def _run_parallel(self, lease: "_Executors", groups: list[list[EnvSpec]], config: LoopConfig,
+    def _run_parallel(self, lease: ExecutorLease, groups: list[list[EnvSpec]], config: LoopConfig,
                       fault: dict[str, Any] | None, progress: RolloutProgress | None, workers: int, depth: int):
         """The groups played by ``workers`` workers, each taking chunks of them from
         the rollout's queue as it frees up -> (results of the workers that
@@ -323,7 +338,7 @@ class ParallelRolloutManager(SyncBackend):
                     self._rollouts_running -= 1
         return results, failed, crashed, False
 
-    def _fallback(self, lease: "_Executors", task: int, specs: list[EnvSpec],
+    def _fallback(self, lease: ExecutorLease, task: int, specs: list[EnvSpec],
                   config: LoopConfig) -> WorkerResult:
         if self.backend in IN_PROCESS_BACKENDS:
             # The task ran in this process: its env configs need not pickle and envs
@@ -384,55 +399,6 @@ class ParallelRolloutManager(SyncBackend):
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
-
-
-class _Executors:
-    """The executors of one rollout at a time: the workers' (a ``joblib.Parallel``
-    or a ``concurrent.futures`` executor) and the fallback's spare process.
-
-    Rollouts at once (``max_concurrent_rollouts`` > 1) each lease their own: a
-    ``joblib.Parallel`` is not reentrant (two calls at once share its task
-    queue and backend state: one call never returned, or its backend was torn
-    down under the other), and a failure that takes an executor down (a
-    killed worker, a timeout, an env that kills the spare process) must not
-    take another rollout's healthy tasks with it.
-    """
-
-    def __init__(self, manager: "ParallelRolloutManager") -> None:
-        self.manager = manager
-        self.workers = KeptExecutor(self._build_workers)
-        self.spare = KeptExecutor(lambda: local_pool("loky", 1, "ragen-spare"))
-        self._size = 1  # workers of the local pool (LOCAL_POOLS) when it is next built
-
-    def workers_for(self, tasks: int):
-        """The workers' executor, for a rollout of ``tasks`` tasks. A local pool
-        has as many workers as a rollout has had tasks (at most ``n_workers``):
-        none is started for groups that do not exist. It is built again, larger,
-        when a rollout has more (its workers' kept envs are lost then, once)."""
-        m = self.manager
-        if m.backend in LOCAL_POOLS and self._size < min(tasks, m.n_workers):
-            self._size = min(tasks, m.n_workers)
-            self.workers.close(wait=False)
-        return self.workers.get()
-
-    def _build_workers(self):
-        m = self.manager
-        if m.backend in LOCAL_POOLS:
-            return local_pool(m.backend, self._size, "ragen-worker")
-        parallel = joblib.Parallel(
-            n_jobs=1 if m.backend == "sequential" else (-1 if m._auto is not None else m.n_jobs),
-            backend=m._joblib_backend(), batch_size=1,
-            # results as tasks finish, so a failure keeps the finished ones; the
-            # ray backend returns all at once
-            return_as="list" if m.backend == "ray" else "generator_unordered",
-            pre_dispatch="all", timeout=m.rollout_timeout_s,
-        )
-        parallel.__enter__()
-        return parallel
-
-    def close(self) -> None:
-        self.workers.close(wait=False)
-        self.spare.close(wait=True)
 
 
 def _mean(values: Sequence[float]) -> float:
