@@ -510,11 +510,11 @@ def _worker_gc_state():
 def test_loky_workers_collect_less_often_and_leave_their_imports_out_of_full_collections(engine):
     import gc
 
-    from ragen.rollout.backends.parallel import _Executors
+    from ragen.rollout.backends.lease import ExecutorLease
 
     before = gc.get_threshold()
     with SharedLLMInferenceManager(engine) as shared, ParallelRolloutManager(shared, n_jobs=1) as prm:
-        executors = _Executors(prm)
+        executors = ExecutorLease(prm)
         try:
             assert executors.workers.get().submit(_worker_gc_state).result(timeout=60) == (10_000, True)
         finally:
