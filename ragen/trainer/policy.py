@@ -1,9 +1,7 @@
-"""The trainable policy: the model the actor trains, its LoRA adapter, and its weights as an engine and a
-checkpoint take them.
-
-With the ``hf`` engine the policy is ``engine.model`` itself (LoRA layers are injected into that same
-object); with ``vllm`` it is a transformers copy loaded from the same files, whose weights are pushed to
-the engine after each step.
+"""The trainable policy: the model the actor trains, its LoRA adapter, and its weights as an engine and
+a checkpoint take them. With the ``hf`` engine the policy is ``engine.model`` itself (LoRA layers are
+injected into that same object); with ``vllm`` it is a transformers copy loaded from the same files,
+whose weights are pushed to the engine after each step.
 """
 
 from __future__ import annotations

@@ -1,40 +1,13 @@
 """AgentTrainer: the RL loop around the rollout engine.
 
-One training step::
-
-    rollout (LLMAgentProxy, sequential or parallel)      -> trajectories
-    group filtering (rollout_filter_ratio)               -> kept groups
-    advantages (algorithm.adv_estimator)                 -> one per episode
-    ContextManager.formulate_rollouts                    -> token ids + loss masks
-    PPOActor.update (clipped PG, micro-batches, clip)    -> new weights
-    weight sync                                          -> policy version + 1
-
-The policy the actor trains is the ``hf`` engine's own model, or a copy whose weights are pushed to a
-``vllm`` engine (``ragen.trainer.policy``); the batch is made by ``ragen.trainer.samples``. Every turn
-records the policy version that answered it; the step logs how many versions old each sample is, and
-the actor corrects for the policy that sampled (``off_policy_correction``).
-
-*Validation* runs the ``val`` env set through the same proxy (so it shares
-``max_concurrent_rollouts``) before training (``val_before_train``) and every
-``test_freq`` steps (and at the last step).
-
-*Dumps* (``trainer.rollout_data_dir``): every training and validation rollout
-written down by the driver after it ran (``ragen.rollout.dump``), for
-``python -m ragen.tools.viewer`` and ``python -m ragen.tools.replay``.
-
-*The run folder* (``trainer.default_local_dir``) holds the run's config,
-metrics, checkpoints and learning curve; ``config/trainer_defaults.yaml`` names
-a fresh one per run, and ``latest`` beside it links the newest. A folder that
-already holds checkpoints is refused unless the run resumes it; a resume whose
-folder does not exist yet (the default's fresh one) continues the newest run.
-
-*Checkpoints* (``save_freq`` and the last step) and *resume*: see
-``ragen.trainer.checkpoint``. On resume the metrics log is cut back to the
-checkpoint's step, so the steps redone are logged once.
-
-Start-up checks run before any model loads where they can: every trainer key
-(``TrainerConfig``), every rollout key (``AgentSetup``), batch sizes against
-the train env count, the engine kind, ``model_path`` and the run folder.
+One step rolls out (``LLMAgentProxy``: synchronous, generated ahead or fully async), makes the batch
+of the kept groups with their advantages (``ragen.trainer.samples``), updates the policy
+(``PPOActor``) and makes the engine answer with the new weights (``ragen.trainer.policy``, policy
+version + 1). Around it: validation on the ``val`` env set (``val_before_train``, ``test_freq``),
+rollout dumps (``trainer.rollout_data_dir``), checkpoints and resume in the run folder
+(``ragen.trainer.checkpoint``; on resume the metrics log is cut back to the checkpoint's step). Every
+trainer and rollout key, the batch sizes against the train env count, the engine kind,
+``model_path`` and the run folder are checked before any model loads.
 """
 
 from __future__ import annotations
