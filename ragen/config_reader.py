@@ -14,7 +14,8 @@ Concepts:
   unknown key (with a "did you mean"), a string where a boolean belongs, a
   bool where a number belongs, a number out of range, a required key missing.
 - ``check_keys`` is the unknown-key check alone, for sections whose keys are
-  listed elsewhere (the engines' ``config_keys``).
+  listed elsewhere (the engines' ``config_keys``); ``check_setting`` is the
+  choices-and-bounds check alone, for a constructor that owns a key's value.
 - ``section_keys(Section)`` lists the dotted keys a section knows (the test
   that walks ``config/`` compares them with the YAML).
 - ``to_plain``: OmegaConf containers (or any Mapping/Sequence) -> plain dicts
@@ -34,7 +35,7 @@ import typing
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, TypeVar
 
-__all__ = ["check_keys", "read", "section_keys", "setting", "to_plain"]
+__all__ = ["check_keys", "check_setting", "read", "section_keys", "setting", "to_plain"]
 
 T = TypeVar("T")
 
@@ -63,6 +64,22 @@ def setting(default: Any = dataclasses.MISSING, *, default_factory: Any = datacl
     metadata = {"choices": tuple(choices) if choices is not None else None, "minimum": minimum, "maximum": maximum,
                 "above": above}
     return dataclasses.field(default=default, default_factory=default_factory, metadata=metadata)
+
+
+def check_setting(key: str, value: Any, *, choices: Sequence[Any] | None = None, minimum: float | None = None,
+                  maximum: float | None = None, above: float | None = None) -> Any:
+    """``value`` within ``setting``'s ``choices`` and bounds, or the reader's ValueError naming ``key``."""
+    if choices is not None and value not in choices:
+        close = difflib.get_close_matches(str(value), [str(c) for c in choices], n=1)
+        suggestion = f" (did you mean {close[0]!r}?)" if close else ""
+        raise ValueError(f"{key}: unknown {value!r}{suggestion}; choose one of {list(choices)}")
+    if minimum is not None and value < minimum:
+        raise ValueError(f"{key} must be >= {minimum}, got {value!r}")
+    if above is not None and value <= above:
+        raise ValueError(f"{key} must be > {above}, got {value!r}")
+    if maximum is not None and value > maximum:
+        raise ValueError(f"{key} must be <= {maximum}, got {value!r}")
+    return value
 
 
 def _join(where: str, key: Any) -> str:
@@ -174,20 +191,7 @@ def _checked(value: Any, key: str, metadata: Mapping) -> Any:
     """``value`` within ``metadata``'s choices and bounds, or ValueError naming ``key``."""
     if value is None or isinstance(value, (bool, list, tuple, dict)) or dataclasses.is_dataclass(value):
         return value
-    choices = metadata.get("choices")
-    if choices is not None and value not in choices:
-        close = difflib.get_close_matches(str(value), [str(c) for c in choices], n=1)
-        suggestion = f" (did you mean {close[0]!r}?)" if close else ""
-        raise ValueError(f"{key}: unknown {value!r}{suggestion}; choose one of {list(choices)}")
-    minimum, maximum = metadata.get("minimum"), metadata.get("maximum")
-    if minimum is not None and value < minimum:
-        raise ValueError(f"{key} must be >= {minimum}, got {value!r}")
-    above = metadata.get("above")
-    if above is not None and value <= above:
-        raise ValueError(f"{key} must be > {above}, got {value!r}")
-    if maximum is not None and value > maximum:
-        raise ValueError(f"{key} must be <= {maximum}, got {value!r}")
-    return value
+    return check_setting(key, value, **metadata)
 
 
 def _typed(value: Any, tp: Any, key: str) -> Any:

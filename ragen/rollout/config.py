@@ -18,7 +18,7 @@ from typing import Any, Mapping
 
 from ragen.config_reader import read, setting
 from ragen.llm.types import SamplingParams
-from ragen.rollout.context import GROUPINGS, METHODS, WINDOW_MODES, TOKEN_HISTORIES, ContextConfig
+from ragen.rollout.context import ContextConfig
 from ragen.serving import wire
 from ragen.serving.address import check_listen_address
 
@@ -34,8 +34,9 @@ class RewardNormalization:
     """``agent_proxy.reward_normalization``: how the trainer normalizes episode scores (over which
     groups, by which method)."""
 
-    grouping: str = setting(ContextConfig.reward_grouping, choices=GROUPINGS)
-    method: str = setting(ContextConfig.reward_method, choices=METHODS)
+    # ContextConfig's reward_grouping and reward_method, which check them
+    grouping: str = ContextConfig.reward_grouping
+    method: str = ContextConfig.reward_method
 
 
 def check_n_jobs(n_jobs: Any) -> None:
@@ -111,14 +112,15 @@ class AgentProxyConfig:
     """``agent_proxy.*``: the turn loop, prompts, and the rollout engine."""
 
     max_turn: int = setting(5, minimum=1)
-    # the prompt and parsing keys: ContextConfig's defaults (it is built from them)
+    # the prompt and parsing keys: ContextConfig's defaults; it is built from them (context_config) and
+    # checks their values
     action_sep: str = ContextConfig.action_sep
-    max_actions_per_turn: int = setting(ContextConfig.max_actions_per_turn, minimum=1)
+    max_actions_per_turn: int = ContextConfig.max_actions_per_turn
     enable_think: bool = ContextConfig.enable_think
     # full | limited_multi_turn | single_turn: the prompt's layout (RAGEN's); the last two show the
     # last max_context_window turns, the current one included (-1 or 0: all)
-    context_window_mode: str = setting(ContextConfig.context_window_mode, choices=WINDOW_MODES)
-    max_context_window: int = setting(ContextConfig.max_context_window, minimum=-1)
+    context_window_mode: str = ContextConfig.context_window_mode
+    max_context_window: int = ContextConfig.max_context_window
     use_turn_scores: bool = ContextConfig.use_turn_scores
     reward_normalization: RewardNormalization = field(default_factory=RewardNormalization)
     # rollout engine
@@ -160,8 +162,6 @@ class AgentProxyConfig:
         wire.check_max_message_bytes(self.max_message_bytes, "agent_proxy.max_message_bytes", least=1 << 16)
         for key in TIMEOUT_KEYS:
             check_time_limit(key, getattr(self, key))
-        if not self.action_sep:
-            raise ValueError("agent_proxy.action_sep must be a non-empty string")
         if self.rollout_mode == "fully_async" and self.parallel_backend not in FULLY_ASYNC_BACKENDS:
             raise ValueError(f"agent_proxy.parallel_backend={self.parallel_backend!r}: rollout_mode fully_async "
                              f"keeps its groups in flight on this machine, on one of {FULLY_ASYNC_BACKENDS}")
@@ -256,7 +256,7 @@ class CtxManagerConfig:
     sequences hold earlier answers' tokens (``ContextConfig``)."""
 
     generation: GenerationConfig = field(default_factory=GenerationConfig)
-    token_history: str = setting(ContextConfig.token_history, choices=TOKEN_HISTORIES)
+    token_history: str = ContextConfig.token_history  # checked by ContextConfig
     train_end_after_cut: bool = ContextConfig.train_end_after_cut
 
 
@@ -311,5 +311,27 @@ ROLLOUT_SECTIONS: dict[str, type] = {
 
 
 def read_rollout_sections(cfg: Mapping[str, Any]) -> dict[str, Any]:
-    """Section name -> its dataclass instance, read from the whole config."""
-    return {name: read(cls, cfg.get(name), name) for name, cls in ROLLOUT_SECTIONS.items()}
+    """Section name -> its dataclass instance, read from the whole config; the prompt keys' values are
+    checked too, by the ``ContextConfig`` they make."""
+    sections = {name: read(cls, cfg.get(name), name) for name, cls in ROLLOUT_SECTIONS.items()}
+    context_config(sections)
+    return sections
+
+
+def context_config(sections: Mapping[str, Any]) -> ContextConfig:
+    """The ``ContextConfig`` of the ``agent_proxy`` and ``ctx_manager`` sections (``read_rollout_sections``)."""
+    ap: AgentProxyConfig = sections["agent_proxy"]
+    ctx: CtxManagerConfig = sections["ctx_manager"]
+    return ContextConfig(
+        action_sep=ap.action_sep,
+        max_actions_per_turn=ap.max_actions_per_turn,
+        enable_think=ap.enable_think,
+        context_window_mode=ap.context_window_mode,
+        max_context_window=ap.max_context_window,
+        use_turn_scores=ap.use_turn_scores,
+        reward_grouping=ap.reward_normalization.grouping,
+        reward_method=ap.reward_normalization.method,
+        response_length=ctx.generation.response_length,
+        token_history=ctx.token_history,
+        train_end_after_cut=ctx.train_end_after_cut,
+    )

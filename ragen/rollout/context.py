@@ -33,6 +33,7 @@ import re
 from dataclasses import dataclass
 from typing import Any, Sequence
 
+from ragen.config_reader import check_setting
 from ragen.llm.chat_tokens import ChatTokens
 from ragen.rollout.types import EnvSpec, Turn, turn_prompts
 
@@ -53,7 +54,8 @@ TOKEN_HISTORIES = ("append", "rerender")
 
 @dataclass(frozen=True)
 class ContextConfig:
-    """The agent_proxy keys that shape prompts and parsing (plain, picklable)."""
+    """The agent_proxy and ctx_manager keys that shape prompts and parsing (plain, picklable); it checks
+    their values, naming the key."""
 
     action_sep: str = "||"
     max_actions_per_turn: int = 5
@@ -73,29 +75,20 @@ class ContextConfig:
     train_end_after_cut: bool = False
 
     def __post_init__(self) -> None:
+        # the one check of these keys, wherever a ContextConfig is built (a config, a dump, code)
         if not self.action_sep:
             raise ValueError("agent_proxy.action_sep must be a non-empty string")
-        if self.max_actions_per_turn < 1:
-            raise ValueError(f"agent_proxy.max_actions_per_turn must be >= 1, got {self.max_actions_per_turn}")
-        if self.context_window_mode not in WINDOW_MODES:
-            raise ValueError(f"agent_proxy.context_window_mode: unknown {self.context_window_mode!r}; "
-                             f"choose one of {WINDOW_MODES}")
-        if self.token_history not in TOKEN_HISTORIES:
-            raise ValueError(f"ctx_manager.token_history: unknown {self.token_history!r}; choose one of "
-                             f"{TOKEN_HISTORIES}")
+        check_setting("agent_proxy.max_actions_per_turn", self.max_actions_per_turn, minimum=1)
+        check_setting("agent_proxy.context_window_mode", self.context_window_mode, choices=WINDOW_MODES)
+        check_setting("agent_proxy.max_context_window", self.max_context_window, minimum=-1)
+        check_setting("ctx_manager.token_history", self.token_history, choices=TOKEN_HISTORIES)
         if self.token_history == "append" and self.context_window_mode != "full":
             raise ValueError(
                 f"ctx_manager.token_history=append keeps every earlier turn's tokens in the prompt, and "
                 f"agent_proxy.context_window_mode={self.context_window_mode} cuts them: set "
                 f"ctx_manager.token_history=rerender with it, or context_window_mode=full")
-        if self.reward_grouping not in GROUPINGS:
-            raise ValueError(
-                f"agent_proxy.reward_normalization.grouping: unknown {self.reward_grouping!r}; choose one of {GROUPINGS}"
-            )
-        if self.reward_method not in METHODS:
-            raise ValueError(
-                f"agent_proxy.reward_normalization.method: unknown {self.reward_method!r}; choose one of {METHODS}"
-            )
+        check_setting("agent_proxy.reward_normalization.grouping", self.reward_grouping, choices=GROUPINGS)
+        check_setting("agent_proxy.reward_normalization.method", self.reward_method, choices=METHODS)
 
 
 @dataclass(frozen=True)

@@ -256,73 +256,21 @@ def read_dump(path: str | os.PathLike) -> list[DumpRecord]:
 
 
 def _record(row: Any, where: str, number: int) -> DumpRecord:
-    if not isinstance(row, dict) or row.get("format") != FORMAT:
-        raise DumpError(f"{where}: not a ragen rollout dump (no \"format\": \"{FORMAT}\"); dumps are written by "
-                        "train.py with trainer.rollout_data_dir, or by test_parallel_rollout.py with "
-                        "benchmark.dump_dir")
-    if not isinstance(row.get("version"), int) or row["version"] > VERSION:
-        raise DumpError(f"{where}: dump format version {row.get('version')!r}; this ragen reads versions up to "
-                        f"{VERSION}")
-    missing = [k for k in _REQUIRED if k not in row]
-    if missing:
-        raise DumpError(f"{where}: missing field(s) {missing}")
+    _check_header(row, where)
     try:
-        spec_row = dict(row["spec"])
-        if spec_row.get("format_example") is not None:
-            obs, answer = spec_row["format_example"][:2]  # version 1 added the action names it showed
-            spec_row["format_example"] = (obs, answer)
-        if spec_row.get("action_names") is not None:
-            spec_row["action_names"] = tuple(spec_row["action_names"])
-        spec = EnvSpec(**spec_row)
-        loop_row = dict(row["loop"])
-        loop_row.pop("pipeline_depth", None)  # how a worker scheduled its envs (dump format 1): not what they played
-        loop = LoopConfig(**{**loop_row, "context": ContextConfig(**loop_row["context"]),
-                             "sampling": SamplingParams.from_dict(loop_row["sampling"])})
+        spec, loop = _spec_and_loop(row)
         # version 1 wrote whole answers; a response is now what follows the answer prefix
         prefix = ContextManager(loop.context).answer_prefix if row["version"] < 2 else ""
 
         def answer(text: Any) -> Any:
             return text[len(prefix):] if prefix and isinstance(text, str) and text.startswith(prefix) else text
 
-        turns, messages, seeds = [], [], []
-        turn_fields = {f.name for f in dataclasses.fields(Turn)}
-        previous: TurnPrompt | None = None
-        episode_length = 0  # len(episode_ids(turns)), kept as the turns are read
-        for t in row["turns"]:
-            for name, value in (("prompt.from_previous", t["prompt"]["from_previous"]),
-                                ("request_seed", t["request_seed"])):
-                if not _is_a(value, int):
-                    raise _BadField(f"turns[{len(turns)}].{name}: expected int, got {_short(value)}")
-            try:
-                previous = TurnPrompt(previous, t["prompt"]["from_previous"], list(t["prompt"]["messages"]))
-            except ValueError as exc:
-                raise ValueError(f"turn {len(turns)}: {exc}") from None
-            messages.append(previous)
-            seeds.append(t["request_seed"])
-            ids = _token_fields(t, len(turns), episode_length)
-            start, prompt_ids, response_ids = ids["prompt_start"], ids["prompt_ids"], ids["response_ids"]
-            episode_length = min(start, episode_length) + len(prompt_ids) + len(response_ids)
-            turns.append(Turn(**{**{k: v for k, v in t.items() if k in turn_fields},
-                                 "response": answer(t.get("response")),
-                                 "steps": tuple(Step(**s) for s in t["steps"]), **ids}))
+        turns, messages, seeds = _read_turns(row["turns"], answer)
         traj_fields = {f.name for f in dataclasses.fields(Trajectory)}
         traj = Trajectory(**{**{k: v for k, v in row.items() if k in traj_fields},
                              "turns": turns, "stop_reason": StopReason(row["stop_reason"]),
                              "failed_response": answer(row.get("failed_response"))})
-        _check_fields(spec, "spec")
-        _check_fields(loop, "loop")
-        _check_fields(loop.context, "loop.context")
-        _check_fields(loop.sampling, "loop.sampling")
-        _check_fields(traj, "")
-        for i, turn in enumerate(turns):
-            _check_fields(turn, f"turns[{i}]")
-            for j, step in enumerate(turn.steps):
-                _check_fields(step, f"turns[{i}].steps[{j}]")
-            for m, message in enumerate(messages[i].new, messages[i].kept):  # the kept ones: checked before
-                if not (isinstance(message, dict) and isinstance(message.get("role"), str)
-                        and isinstance(message.get("content"), str)):
-                    raise _BadField(f"turns[{i}].prompt.messages: message {m} is {_short(message)}; expected "
-                                     '{"role": str, "content": str}')
+        _check_types(spec, loop, traj, messages)
         for name, value in (("split", row["split"]), ("step", row["step"])):
             if not _is_a(value, str if name == "split" else int):
                 raise _BadField(f"{name}: expected {'str' if name == 'split' else 'int'}, got {_short(value)}")
@@ -334,6 +282,81 @@ def _record(row: Any, where: str, number: int) -> DumpRecord:
         raise DumpError(f"{where}: a field is missing or malformed ({type(exc).__name__}: {exc})") from None
     return DumpRecord(split=row["split"], step=row["step"], spec=spec, loop=loop, trajectory=traj,
                       messages=messages, request_seeds=seeds, line=number)
+
+
+def _check_header(row: Any, where: str) -> None:
+    """DumpError unless ``row`` is a ragen dump line of a version this code reads, with every field it needs."""
+    if not isinstance(row, dict) or row.get("format") != FORMAT:
+        raise DumpError(f"{where}: not a ragen rollout dump (no \"format\": \"{FORMAT}\"); dumps are written by "
+                        "train.py with trainer.rollout_data_dir, or by test_parallel_rollout.py with "
+                        "benchmark.dump_dir")
+    if not isinstance(row.get("version"), int) or row["version"] > VERSION:
+        raise DumpError(f"{where}: dump format version {row.get('version')!r}; this ragen reads versions up to "
+                        f"{VERSION}")
+    missing = [k for k in _REQUIRED if k not in row]
+    if missing:
+        raise DumpError(f"{where}: missing field(s) {missing}")
+
+
+def _spec_and_loop(row: dict) -> tuple[EnvSpec, LoopConfig]:
+    """The line's ``EnvSpec`` and ``LoopConfig``, as the earlier dump versions wrote them too."""
+    spec_row = dict(row["spec"])
+    if spec_row.get("format_example") is not None:
+        obs, answer = spec_row["format_example"][:2]  # version 1 added the action names it showed
+        spec_row["format_example"] = (obs, answer)
+    if spec_row.get("action_names") is not None:
+        spec_row["action_names"] = tuple(spec_row["action_names"])
+    spec = EnvSpec(**spec_row)
+    loop_row = dict(row["loop"])
+    loop_row.pop("pipeline_depth", None)  # how a worker scheduled its envs (dump format 1): not what they played
+    loop = LoopConfig(**{**loop_row, "context": ContextConfig(**loop_row["context"]),
+                         "sampling": SamplingParams.from_dict(loop_row["sampling"])})
+    return spec, loop
+
+
+def _read_turns(rows: list, answer: Callable[[Any], Any]) -> tuple[list[Turn], list[TurnPrompt], list[int]]:
+    """The turns of a line, each turn's prompt and each request's seed; ``answer`` reads a response."""
+    turns, messages, seeds = [], [], []
+    turn_fields = {f.name for f in dataclasses.fields(Turn)}
+    previous: TurnPrompt | None = None
+    episode_length = 0  # len(episode_ids(turns)), kept as the turns are read
+    for t in rows:
+        for name, value in (("prompt.from_previous", t["prompt"]["from_previous"]),
+                            ("request_seed", t["request_seed"])):
+            if not _is_a(value, int):
+                raise _BadField(f"turns[{len(turns)}].{name}: expected int, got {_short(value)}")
+        try:
+            previous = TurnPrompt(previous, t["prompt"]["from_previous"], list(t["prompt"]["messages"]))
+        except ValueError as exc:
+            raise ValueError(f"turn {len(turns)}: {exc}") from None
+        messages.append(previous)
+        seeds.append(t["request_seed"])
+        ids = _token_fields(t, len(turns), episode_length)
+        start, prompt_ids, response_ids = ids["prompt_start"], ids["prompt_ids"], ids["response_ids"]
+        episode_length = min(start, episode_length) + len(prompt_ids) + len(response_ids)
+        turns.append(Turn(**{**{k: v for k, v in t.items() if k in turn_fields},
+                             "response": answer(t.get("response")),
+                             "steps": tuple(Step(**s) for s in t["steps"]), **ids}))
+    return turns, messages, seeds
+
+
+def _check_types(spec: EnvSpec, loop: LoopConfig, traj: Trajectory, messages: list[TurnPrompt]) -> None:
+    """``_BadField`` naming the first field whose value is not of its annotation's type, or a prompt message
+    that is not a role and a content."""
+    _check_fields(spec, "spec")
+    _check_fields(loop, "loop")
+    _check_fields(loop.context, "loop.context")
+    _check_fields(loop.sampling, "loop.sampling")
+    _check_fields(traj, "")
+    for i, turn in enumerate(traj.turns):
+        _check_fields(turn, f"turns[{i}]")
+        for j, step in enumerate(turn.steps):
+            _check_fields(step, f"turns[{i}].steps[{j}]")
+        for m, message in enumerate(messages[i].new, messages[i].kept):  # the kept ones: checked before
+            if not (isinstance(message, dict) and isinstance(message.get("role"), str)
+                    and isinstance(message.get("content"), str)):
+                raise _BadField(f"turns[{i}].prompt.messages: message {m} is {_short(message)}; expected "
+                                '{"role": str, "content": str}')
 
 
 def _token_fields(t: dict, i: int, episode_length: int) -> dict[str, Any]:

@@ -31,8 +31,7 @@ from ragen.config_reader import to_plain
 from ragen.llm.types import Engine, SamplingParams
 from ragen.rollout.backends import make_backend
 from ragen.rollout.config import (AgentProxyConfig, CtxManagerConfig, EsManagerConfig, LlmServerConfig, SeedConfig,
-                                  read_rollout_sections)
-from ragen.rollout.context import ContextConfig
+                                  context_config, read_rollout_sections)
 from ragen.rollout.envs import EnvSpecMaker
 from ragen.rollout.loop_config import LoopConfig
 from ragen.rollout.progress import RolloutProgress
@@ -66,19 +65,7 @@ class AgentSetup:
         gen = sections["ctx_manager"].generation
         seed: SeedConfig = sections["seed"]
         es_cfg: EsManagerConfig = sections["es_manager"]
-        context = ContextConfig(
-            action_sep=ap.action_sep,
-            max_actions_per_turn=ap.max_actions_per_turn,
-            enable_think=ap.enable_think,
-            context_window_mode=ap.context_window_mode,
-            max_context_window=ap.max_context_window,
-            use_turn_scores=ap.use_turn_scores,
-            reward_grouping=ap.reward_normalization.grouping,
-            reward_method=ap.reward_normalization.method,
-            response_length=gen.response_length,
-            token_history=sections["ctx_manager"].token_history,
-            train_end_after_cut=sections["ctx_manager"].train_end_after_cut,
-        )
+        context = context_config(sections)
 
         def loop_config(sampling_seed: int) -> LoopConfig:
             sampling = SamplingParams(temperature=gen.temperature, top_p=gen.top_p, top_k=gen.top_k,

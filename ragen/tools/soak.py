@@ -156,16 +156,7 @@ def run_soak(cfg: Mapping[str, Any], rollouts: int, split: str = "train", envs: 
 
     if rollouts < 1:
         raise ValueError(f"--rollouts must be >= 1, got {rollouts}")
-    if split not in ("train", "val"):
-        raise ValueError(f"--split must be train or val, got {split!r}")
-    cfg = json.loads(json.dumps(cfg))  # a private plain copy
-    cfg["agent_proxy"]["use_parallel_rollout"] = True
-    other = "val" if split == "train" else "train"
-    if envs is not None:
-        if envs < 1:
-            raise ValueError(f"--envs must be >= 1, got {envs}")
-        cfg["es_manager"][split] = validation_layout(envs, tags)
-        cfg["es_manager"][other] = validation_layout(len(tags), tags)  # the warm-up: one env per tag
+    cfg, other = _soak_config(cfg, split, envs, tags)
     check_top_level(cfg)  # a misspelt section name is an error, not a section nobody reads
     setup = AgentSetup.from_config(cfg)  # config errors before the engine is built
     n_envs = setup.es[split].num_envs
@@ -184,14 +175,7 @@ def run_soak(cfg: Mapping[str, Any], rollouts: int, split: str = "train", envs: 
                 t0 = time.perf_counter()
                 result = proxy.rollout(split)
                 wall = time.perf_counter() - t0
-                m = result.metrics
-                row = {"rollout": i + 1, "wall_s": wall, **sample(),
-                       "trajectories": len(result.trajectories),
-                       "fallbacks": int(m.get("parallel/fallbacks", 0)),
-                       "retried_tasks": int(m.get("parallel/retried_tasks", 0)),
-                       "envs_created": int(m.get("parallel/envs_created", -1)),  # -1: not reported
-                       "errors": int(m.get("rollout/stop/error", 0) + m.get("rollout/stop/timeout", 0)),
-                       "success": m.get("rollout/success", 0.0)}
+                row = {"rollout": i + 1, "wall_s": wall, **sample(), **_rollout_counts(result)}
                 del result
                 samples.append(row)
                 logger.info("rollout %d: %.3f s, driver %.1f MB, workers %.1f MB, fds %d, workers %s",
@@ -217,6 +201,35 @@ def run_soak(cfg: Mapping[str, Any], rollouts: int, split: str = "train", envs: 
         report["memory_per_env"] = memory_per_env(baseline, samples, n_envs)
     report["ok"] = all(c["ok"] for c in report["checks"])
     return report
+
+
+def _soak_config(cfg: Mapping[str, Any], split: str, envs: int | None,
+                 tags: Sequence[str]) -> tuple[dict[str, Any], str]:
+    """A plain copy of ``cfg`` that plays ``split`` in parallel (``envs`` envs of ``tags`` when given, and
+    the other split as a warm-up of one env per tag), and the other split's name."""
+    if split not in ("train", "val"):
+        raise ValueError(f"--split must be train or val, got {split!r}")
+    cfg = json.loads(json.dumps(cfg))  # a private plain copy
+    cfg["agent_proxy"]["use_parallel_rollout"] = True
+    other = "val" if split == "train" else "train"
+    if envs is not None:
+        if envs < 1:
+            raise ValueError(f"--envs must be >= 1, got {envs}")
+        cfg["es_manager"][split] = validation_layout(envs, tags)
+        cfg["es_manager"][other] = validation_layout(len(tags), tags)  # the warm-up: one env per tag
+    return cfg, other
+
+
+def _rollout_counts(result: Any) -> dict[str, Any]:
+    """What a report row counts of one rollout: its trajectories, fallbacks, retries, envs made, errors and
+    success rate."""
+    m = result.metrics
+    return {"trajectories": len(result.trajectories),
+            "fallbacks": int(m.get("parallel/fallbacks", 0)),
+            "retried_tasks": int(m.get("parallel/retried_tasks", 0)),
+            "envs_created": int(m.get("parallel/envs_created", -1)),  # -1: not reported
+            "errors": int(m.get("rollout/stop/error", 0) + m.get("rollout/stop/timeout", 0)),
+            "success": m.get("rollout/success", 0.0)}
 
 
 def growth_checks(samples: list[dict[str, Any]], ref: int, rss_tolerance_mb: float, fd_tolerance: int,

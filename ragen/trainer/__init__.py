@@ -6,7 +6,10 @@
 - ``core``: ``Sample`` (one episode as tokens + loss mask + advantage), group
   filtering, RAGEN's reward normalization, advantage estimators, token log-probs with shared prompt
   prefixes, the clipped policy loss and the KL estimators.
+- ``samples``: a rollout made into ``Sample``s with advantages, and the batch's metrics.
 - ``actor``: ``PPOActor``, the update over mini- and micro-batches.
+- ``policy``: the trained model (the engine's own, or a copy), its LoRA adapter, and its
+  weights as an engine and a checkpoint take them.
 - ``trainer``: ``AgentTrainer``, the loop: rollout -> samples -> update ->
   weight sync, validation, checkpoints, resume.
 - ``checkpoint``: atomic checkpoints and finding the latest.

@@ -149,16 +149,11 @@ class PPOActor:
                     self._micro_step([samples[i] for i in idx], None if old is None else [old[i] for i in idx],
                                      None if ref is None else [ref[i] for i in idx], denom, sums,
                                      weights if epoch == 0 else None)
-                max_norm = cfg.grad_clip if cfg.grad_clip > 0 else float("inf")
-                norm = float(torch.nn.utils.clip_grad_norm_(self.params, max_norm))
-                if math.isfinite(norm):
-                    with self.weights_lock():
-                        self.optimizer.step()
-                    grad_norms.append(norm)
-                else:  # one bad batch must not poison the weights
+                norm = self._optimizer_step(step)
+                if norm is None:
                     skipped += 1
-                    logger.warning("step %d: gradient norm is %s; this optimizer step is skipped", step, norm)
-                self.optimizer.zero_grad(set_to_none=True)
+                else:
+                    grad_norms.append(norm)
         tokens = max(sums["tokens"], 1.0)
         metrics = {
             "actor/pg_loss": sums["pg"] / tokens,
@@ -176,6 +171,20 @@ class PPOActor:
             metrics["actor/kl"] = sums["kl"] / tokens
         metrics.update(self._weight_metrics(weights, metrics["actor/n_tokens"]))
         return metrics
+
+    def _optimizer_step(self, step: int) -> float | None:
+        """Clip the gradient and step; the gradient norm, or None where it is not finite and the step
+        is skipped (one bad batch must not poison the weights)."""
+        max_norm = self.config.actor.grad_clip if self.config.actor.grad_clip > 0 else float("inf")
+        norm = float(torch.nn.utils.clip_grad_norm_(self.params, max_norm))
+        stepped = math.isfinite(norm)
+        if stepped:
+            with self.weights_lock():
+                self.optimizer.step()
+        else:
+            logger.warning("step %d: gradient norm is %s; this optimizer step is skipped", step, norm)
+        self.optimizer.zero_grad(set_to_none=True)
+        return norm if stepped else None
 
     def _weight_metrics(self, w: WeightStats, n_tokens: float) -> dict[str, float]:
         """The off-policy correction's statistics over the batch's tokens with a behaviour log-prob."""

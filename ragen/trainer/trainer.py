@@ -1,56 +1,22 @@
 """AgentTrainer: the RL loop around the rollout engine.
 
-One training step::
-
-    rollout (LLMAgentProxy, sequential or parallel)      -> trajectories
-    group filtering (rollout_filter_ratio)               -> kept groups
-    advantages (algorithm.adv_estimator)                 -> one per episode
-    ContextManager.formulate_rollouts                    -> token ids + loss masks
-    PPOActor.update (clipped PG, micro-batches, clip)    -> new weights
-    weight sync                                          -> policy version + 1
-
-*One policy*: with the ``hf`` engine the trainer trains ``engine.model``
-itself (LoRA layers, when asked for, are injected into that same object), so
-the next rollout samples from the new weights with no copy; the optimizer
-steps under the proxy's engine lock and the engine's policy version is then
-bumped. With ``vllm`` the trainer keeps its own transformers model and pushes
-its (LoRA-merged) weights with ``engine.load_weights`` after each step. Every
-turn records the policy version that answered it and the log-prob of each
-token it sampled; the step logs how many versions old each sample is, and the
-actor corrects for the policy that sampled (``off_policy_correction``).
-
-*Validation* runs the ``val`` env set through the same proxy (so it shares
-``max_concurrent_rollouts``) before training (``val_before_train``) and every
-``test_freq`` steps (and at the last step).
-
-*Dumps* (``trainer.rollout_data_dir``): every training and validation rollout
-written down by the driver after it ran (``ragen.rollout.dump``), for
-``python -m ragen.tools.viewer`` and ``python -m ragen.tools.replay``.
-
-*The run folder* (``trainer.default_local_dir``) holds the run's config,
-metrics, checkpoints and learning curve; ``config/trainer_defaults.yaml`` names
-a fresh one per run, and ``latest`` beside it links the newest. A folder that
-already holds checkpoints is refused unless the run resumes it; a resume whose
-folder does not exist yet (the default's fresh one) continues the newest run.
-
-*Checkpoints* (``save_freq`` and the last step) and *resume*: see
-``ragen.trainer.checkpoint``. On resume the metrics log is cut back to the
-checkpoint's step, so the steps redone are logged once.
-
-Start-up checks run before any model loads where they can: every trainer key
-(``TrainerConfig``), every rollout key (``AgentSetup``), batch sizes against
-the train env count, the engine kind, ``model_path`` and the run folder.
+One step rolls out (``LLMAgentProxy``: synchronous, generated ahead or fully async), makes the batch
+of the kept groups with their advantages (``ragen.trainer.samples``), updates the policy
+(``PPOActor``) and makes the engine answer with the new weights (``ragen.trainer.policy``, policy
+version + 1). Around it: validation on the ``val`` env set (``val_before_train``, ``test_freq``),
+rollout dumps (``trainer.rollout_data_dir``), checkpoints and resume in the run folder
+(``ragen.trainer.checkpoint``; on resume the metrics log is cut back to the checkpoint's step). Every
+trainer and rollout key, the batch sizes against the train env count, the engine kind,
+``model_path`` and the run folder are checked before any model loads.
 """
 
 from __future__ import annotations
 
 import logging
-import math
 import time
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
-import numpy as np
 import torch
 
 from ragen.config_reader import to_plain
@@ -67,25 +33,13 @@ from ragen.rollout.types import RolloutResult
 from ragen.trainer import checkpoint as ckpt
 from ragen.trainer.actor import PPOActor, adapter_off_reference, frozen_copy_reference
 from ragen.trainer.config import TrainerConfig, check_top_level
-from ragen.trainer.core import Sample, compute_advantages, filter_groups, loss_positions
+from ragen.trainer.core import Sample
+from ragen.trainer.policy import apply_lora, load_trainable_state, merged_weights, trainable_state, transformers_copy
+from ragen.trainer.samples import make_samples, rename_rollout_metrics
 from ragen.trainer.tracking import CURVE_FILE, METRICS_FILE, Tracking, plot_learning_curve, summary_line, \
     truncate_metrics
 
 logger = logging.getLogger(__name__)
-
-
-def rename_rollout_metrics(metrics: Mapping[str, float], split: str) -> dict[str, float]:
-    """``rollout/...`` -> ``train/...`` or ``val/...``; the other names (timing, engine) are kept,
-    prefixed with ``val/`` for validation so they never overwrite the training step's."""
-    out = {}
-    for key, value in metrics.items():
-        if key.startswith("rollout/"):
-            out[f"{split}/{key[len('rollout/'):]}"] = value
-        elif split == "train":
-            out[key] = value
-        else:
-            out[f"val/{key}"] = value
-    return out
 
 
 class AgentTrainer:
@@ -137,7 +91,7 @@ class AgentTrainer:
         self.model, self.tokenizer = self._policy_model(engine)
         self.peft_model = None
         if self.config.use_lora:
-            self.peft_model = self._apply_lora(self.model)
+            self.peft_model = apply_lora(self.model, self.config.model)
         self.policy = self.peft_model if self.peft_model is not None else self.model
         pad = self.tokenizer.pad_token_id
         pad = pad if pad is not None else (self.tokenizer.eos_token_id or 0)
@@ -204,29 +158,7 @@ class AgentTrainer:
         if self.engine_name == "hf":
             return engine.model, engine.tokenizer
         # vllm: the engine's weights live in its own runtime; train a transformers copy and push weights.
-        from transformers import AutoModelForCausalLM, AutoTokenizer
-
-        path = self.model_path or resolve_model_path(getattr(engine, "model_path", "default"))
-        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, local_files_only=True).to(device)
-        return model, AutoTokenizer.from_pretrained(path, local_files_only=True)
-
-    def _apply_lora(self, model: Any) -> Any:
-        from peft import LoraConfig, get_peft_model
-
-        cfg = self.config.model
-        lora = LoraConfig(r=cfg.lora_rank, lora_alpha=cfg.lora_alpha, target_modules=cfg.target_modules,
-                          lora_dropout=0.0, bias="none", task_type="CAUSAL_LM")
-        try:
-            # Injects LoRA layers into `model` in place: the engine's model object is the one trained.
-            peft_model = get_peft_model(model, lora)
-        except ValueError as exc:
-            raise ValueError(f"actor_rollout_ref.model.target_modules={cfg.target_modules!r}: {exc}") from exc
-        n = sum(p.numel() for p in peft_model.parameters() if p.requires_grad)
-        if n == 0:
-            raise ValueError(f"actor_rollout_ref.model.target_modules={cfg.target_modules!r} gives no trainable "
-                             "parameters")
-        return peft_model
+        return transformers_copy(self.model_path or resolve_model_path(getattr(engine, "model_path", "default")))
 
     def _save_config(self, plain: Mapping[str, Any]) -> None:
         try:
@@ -321,48 +253,7 @@ class AgentTrainer:
 
     def make_samples(self, result: RolloutResult) -> tuple[list[Sample], dict[str, float]]:
         """Training samples of the kept groups, with their advantages, and batch metrics."""
-        cfg = self.config
-        trajs = [(t, s) for t, s in zip(result.trajectories, result.specs) if t.turns]
-        metrics: dict[str, float] = {}
-        if not trajs:
-            return [], {"batch/n_samples": 0.0}
-        rows = self.ctx.formulate_rollouts([(spec, t.turns) for t, spec in trajs], self.chat, cfg.rollout.max_model_len)
-        n_turns = sum(len(t.turns) for t, _ in trajs)
-        answer_tokens = [sum(r["loss_mask"]) for r in rows]
-        metrics["response_length/mean"] = sum(answer_tokens) / max(n_turns, 1)
-        metrics["response_length/max"] = float(max(answer_tokens))
-        metrics["response_length/clip_ratio"] = sum(
-            tn.finish_reason == "length" for t, _ in trajs for tn in t.turns) / max(n_turns, 1)
-        scores = [t.reward for t, _ in trajs]
-        group_ids = [t.group_id for t, _ in trajs]
-        kept = filter_groups(scores, group_ids, cfg.rollout.rollout_filter_ratio)
-        adv = compute_advantages([scores[i] for i in kept], [group_ids[i] for i in kept],
-                                 [trajs[i][0].tag for i in kept], self.setup.loop.context,
-                                 cfg.algorithm.adv_estimator, cfg.algorithm.norm_adv_by_std_in_grpo)
-        samples = []
-        for a, i in zip(adv, kept):
-            row = rows[i]
-            sample = Sample(
-                input_ids=row["input_ids"], loss_mask=row["loss_mask"], advantage=float(a),
-                group_key=group_ids[i], score=scores[i],
-                truncated=cfg.rollout.max_model_len is not None and len(row["input_ids"]) >= cfg.rollout.max_model_len,
-                policy_version=min(tn.policy_version for tn in trajs[i][0].turns),
-            )
-            behaviour = row["behaviour_logprobs"]
-            if behaviour is not None and any(not math.isnan(x) for x in behaviour):
-                sample.behaviour_logp = [behaviour[t] for t in loss_positions(sample)]
-            samples.append(sample)
-        n_groups = len(set(group_ids))
-        metrics.update({
-            "batch/n_groups": float(n_groups),
-            "batch/kept_groups": float(len({group_ids[i] for i in kept})),
-            "batch/n_samples": float(len(samples)),
-            "batch/truncated": float(sum(s.truncated for s in samples)),
-            "batch/seq_len_mean": float(np.mean([len(s.input_ids) for s in samples])) if samples else 0.0,
-            "batch/advantage_abs_mean": float(np.mean(np.abs(adv))) if len(adv) else 0.0,
-            "batch/zero_adv_frac": float(np.mean(np.abs(adv) < 1e-8)) if len(adv) else 0.0,
-        })
-        return samples, metrics
+        return make_samples(result, self.ctx, self.chat, self.config, self.setup.loop.context)
 
     # ------------------------------------------------------------ weights
 
@@ -382,25 +273,11 @@ class AgentTrainer:
         return self.engine.policy_version
 
     def _merged_weights(self) -> list[tuple[str, torch.Tensor]]:
-        """The policy's weights under the base model's names (LoRA merged in)."""
-        if self.peft_model is None:
-            return [(n, p.detach()) for n, p in self.model.named_parameters()]
-        self.peft_model.merge_adapter()
-        try:
-            out = []
-            for name, p in self.model.named_parameters():
-                if "lora_" in name:
-                    continue
-                out.append((name.replace(".base_layer.", "."), p.detach().clone()))
-            return out
-        finally:
-            self.peft_model.unmerge_adapter()
+        return merged_weights(self.model, self.peft_model)
 
     def trainable_state(self) -> dict[str, torch.Tensor]:
         """What a checkpoint stores of the model: all of it, or the LoRA adapter's tensors."""
-        if self.peft_model is None:
-            return {k: v.detach().clone() for k, v in self.model.state_dict().items()}
-        return {n: p.detach().clone() for n, p in self.peft_model.named_parameters() if p.requires_grad}
+        return trainable_state(self.model, self.peft_model)
 
     # ------------------------------------------------------------ checkpoints
 
@@ -433,20 +310,8 @@ class AgentTrainer:
                 f"the checkpoint of step {step} in {self.run_dir} was written "
                 f"{'with' if state.get('lora') else 'without'} LoRA; actor_rollout_ref.model.lora_rank must match"
             )
-        with torch.no_grad(), self.proxy.engine_lock:
-            if self.peft_model is None:
-                self.model.load_state_dict(state["model"])
-            else:
-                params = dict(self.peft_model.named_parameters())
-                for name, tensor in state["model"].items():
-                    if name not in params:
-                        raise ValueError(f"checkpoint tensor {name!r} has no place in this LoRA model "
-                                         "(actor_rollout_ref.model.lora_rank / target_modules changed?)")
-                    if params[name].shape != tensor.shape:  # a checkpoint whose meta.json does not say its rank
-                        raise ValueError(f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, this LoRA "
-                                         f"model's {tuple(params[name].shape)}: actor_rollout_ref.model.lora_rank "
-                                         "must be the checkpoint's")
-                    params[name].copy_(tensor)
+        with self.proxy.engine_lock:
+            load_trainable_state(self.model, self.peft_model, state["model"])
         self.actor.optimizer.load_state_dict(state["optimizer"])
         for split, es_state in state["es_manager"].items():
             self.setup.es[split].load_state_dict(es_state)

@@ -31,7 +31,7 @@ import os
 import socket
 import sys
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, Iterator
 
 from ragen.serving import SharedLLMClient
 
@@ -105,6 +105,16 @@ class Cluster:
         return client
 
 
+@contextlib.contextmanager
+def _needs(backend: str, package: str, install: str) -> Iterator[None]:
+    """Imports within: an ImportError says that ``agent_proxy.parallel_backend=<backend>`` needs ``package``,
+    and how to ``install`` it."""
+    try:
+        yield
+    except ImportError as exc:
+        raise ImportError(f"agent_proxy.parallel_backend={backend} needs {package}: {install}") from exc
+
+
 def open_cluster(backend: str, config: ClusterConfig | None = None, n_jobs: int = -1) -> Cluster | None:
     """Start or attach to the cluster of ``backend``; None for one-machine backends."""
     config = config or ClusterConfig()
@@ -125,12 +135,9 @@ class DaskCluster(Cluster):
 
     def __init__(self, config: ClusterConfig, n_jobs: int = -1) -> None:
         super().__init__(config)
-        try:
+        with _needs(self.backend, "dask.distributed", "pip install 'dask[distributed]' (or pip install -e '.[dask]')"):
             import dask
             from distributed import Client, LocalCluster
-        except ImportError as exc:
-            raise ImportError("agent_proxy.parallel_backend=dask needs dask.distributed: "
-                              "pip install 'dask[distributed]' (or pip install -e '.[dask]')") from exc
         self.address = config.dask_scheduler_address
         self._local = None
         if self.address:
@@ -215,13 +222,10 @@ class RayCluster(Cluster):
 
     def __init__(self, config: ClusterConfig, n_jobs: int = -1) -> None:
         super().__init__(config)
-        try:
+        with _needs(self.backend, "ray", "pip install ray (or pip install -e '.[ray]')"):
             import ray
             from joblib.pool import PicklingPool
             from ray.util.joblib import register_ray
-        except ImportError as exc:
-            raise ImportError("agent_proxy.parallel_backend=ray needs ray: pip install ray "
-                              "(or pip install -e '.[ray]')") from exc
         self._ray = ray
         self.address = config.ray_address
         self._started = False
