@@ -25,9 +25,9 @@ thread, as RAGEN's does:
   ``<tag>/num_actions``, the mean of each ``info`` value over the turns,
   ``<tag>/pass@<group_size>``); ``render()``; ``close()``.
 
-The rollouts of this package do not use it: their workers play ``EnvSpec``s
-(``ragen.rollout.envs.EnvSpecMaker``, whose seeds are the same), with the
-same reset and answer-applying code.
+Each env's episode is ``play_episode`` (``ragen.rollout.episode``), as in
+the rollouts of this package, driven here by RAGEN's env inputs: the same
+reset and answer-applying code, in the calling thread.
 """
 
 from __future__ import annotations
@@ -40,8 +40,11 @@ from typing import Any, Mapping
 from ragen.config_reader import to_plain
 from ragen.llm.types import Completion
 from ragen.rollout.config import read_rollout_sections
-from ragen.rollout.env_calls import EnvCaller, EnvSlot, apply_actions, reset_env
+from ragen.rollout.env_calls import EnvSlot, KeptEnvs, apply_actions, reset_env
 from ragen.rollout.envs import EnvSpecMaker
+from ragen.rollout.episode import EnvTurns, Playing
+from ragen.rollout.loop_config import LoopConfig
+from ragen.rollout.types import StopReason
 
 
 @dataclass
@@ -81,8 +84,9 @@ class EnvStateManager:
             self.envs.append({"tag": spec.tag, "group_id": spec.group_id, "env_id": spec.env_id, "env": env,
                               "config": getattr(env, "config", None), "status": EnvStatus(),
                               "max_actions_per_traj": spec.max_actions_per_traj})
-        self._slots: list[EnvSlot] = []  # each env's episode since the last reset
-        self._call = EnvCaller(None)  # in the calling thread, as RAGEN's
+        self._turns = _GivenActions(LoopConfig(format_penalty=self.format_penalty, env_timeout_s=None,
+                                               env_retries=0), KeptEnvs(), isolate=False)
+        self._episodes: list[Playing] = []  # each env's episode since the last reset
         self.rollout_cache: list[dict[str, Any]] | None = None
 
     def reset(self, seed: int | None = None) -> list[dict[str, Any]]:
@@ -94,13 +98,14 @@ class EnvStateManager:
                 seed = self.base_seed
         elif self.mode == "train":
             self.seed_counter = seed - self.base_seed + 1  # RAGEN's rule for an explicit seed
-        cache, self._slots = [], []
+        cache, self._episodes = [], []
         for spec, entry in zip(self._specs, self.envs):
             env_seed = seed + entry["group_id"]
             slot = EnvSlot(dataclasses.replace(spec, seed=env_seed, mode=self.mode))
             slot.env = entry["env"]
-            reset_env(slot, self._call)
-            self._slots.append(slot)
+            episode = Playing(slot, self._turns)
+            episode.advance()  # reset
+            self._episodes.append(episode)
             entry["status"] = EnvStatus(seed=env_seed)
             cache.append({"env_id": entry["env_id"], "history": [], "group_id": entry["group_id"],
                           "tag": entry["tag"], "penalty": 0})
@@ -119,15 +124,14 @@ class EnvStateManager:
     def _step_one(self, env_input: dict[str, Any]) -> bool:
         """One env's turn, recorded in its cache and status; whether the env is done."""
         env_id = env_input["env_id"]
-        entry, cache, slot = self.envs[env_id], self.rollout_cache[env_id], self._slots[env_id]
-        status = entry["status"]
-        answer = Completion(text=env_input.get("llm_response") or "", prompt_token_ids=[], response_token_ids=[],
-                            finish_reason="stop", policy_version=0, env_id=int(env_id))
-        done = apply_actions(slot, list(env_input.get("actions", [])), answer, self.format_penalty, self._call)
+        entry, cache, episode = self.envs[env_id], self.rollout_cache[env_id], self._episodes[env_id]
+        status, slot = entry["status"], episode.slot
+        episode.advance(env_input)
         turn = slot.traj.turns[-1]
         cache["penalty"] += turn.penalty
         status.num_actions += len(turn.executed_actions)
         status.rewards.append(turn.reward)
+        done = slot.traj.stop_reason == StopReason.DONE
         if done:
             status.terminated = True
             status.truncated = not turn.info.get("success", False)
@@ -138,7 +142,7 @@ class EnvStateManager:
                                      "llm_raw_response": env_input.get("llm_raw_response")})
         cache["history"].append({"state": entry["env"].render(),
                                  "actions_left": entry["max_actions_per_traj"] - status.num_actions})
-        if status.num_actions >= entry["max_actions_per_traj"] and not done:
+        if slot.traj.stop_reason == StopReason.ACTION_BUDGET:
             status.truncated = status.terminated = True
             done = True
         return done
@@ -181,3 +185,24 @@ class EnvStateManager:
     def close(self) -> None:
         for entry in self.envs:
             entry["env"].close()
+
+
+class _GivenActions(EnvTurns):
+    """The turns of an ``EnvStateManager``'s episodes: each env is the manager's own, reset
+    in the calling thread; an answer is RAGEN's env input, whose actions its caller parsed
+    (RAGEN's ``ContextManager`` builds the prompts, so the episode asks for none); an env's
+    exception reaches the caller, as in RAGEN's."""
+
+    def reset(self, slot: EnvSlot) -> None:
+        reset_env(slot, self.call)
+
+    def request(self, slot: EnvSlot) -> None:  # type: ignore[override]
+        return None
+
+    def apply(self, slot: EnvSlot, env_input: dict[str, Any]) -> None:  # type: ignore[override]
+        answer = Completion(text=env_input.get("llm_response") or "", prompt_token_ids=[], response_token_ids=[],
+                            finish_reason="stop", policy_version=0, env_id=int(env_input["env_id"]))
+        if apply_actions(slot, list(env_input.get("actions", [])), answer, self.config.format_penalty, self.call):
+            slot.finish(StopReason.DONE)
+        elif slot.actions_left <= 0:
+            slot.finish(StopReason.ACTION_BUDGET)
