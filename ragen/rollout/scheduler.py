@@ -66,7 +66,7 @@ def run_envs(
     try:
         scheduler.play(episodes, take)
         return [e.slot.traj for e in episodes], turns.stats
-    except BaseException:
+    except BaseException:  # any failure, an interrupt too: answers in flight would be stale
         client.reset()
         raise
     finally:

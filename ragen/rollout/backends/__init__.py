@@ -62,7 +62,7 @@ def make_backend(ap: AgentProxyConfig, engine: Engine, server: LlmServerConfig =
         if ap.async_generation_ratio > 0:
             return GenerateAhead(sync, ap.async_generation_ratio)
         return sync
-    except BaseException:
+    except BaseException:  # any failure, an interrupt too: the manager it started is closed, then re-raised
         if serving is not None:
             serving.close()
         raise

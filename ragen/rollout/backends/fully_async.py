@@ -129,7 +129,7 @@ class GroupsInFlight:
                     try:
                         result = future.result()
                         failure = result.error
-                    except Exception as exc:
+                    except Exception as exc:  # a lost worker, whatever killed it: the group restarts
                         result, failure = None, f"{type(exc).__name__}: {exc}"
                         if isinstance(exc, BrokenExecutor):  # a worker died and took its executor down
                             self._workers.replace(failed=executor)
@@ -153,7 +153,7 @@ class GroupsInFlight:
                             self.counts["restarted"] += 1
                             self.counts["tokens_restarted"] += tokens
                         self._cond.notify_all()
-        except BaseException as exc:
+        except BaseException as exc:  # whatever stopped it reaches the trainer's next get_batch
             logger.exception("the fully-async scheduler stopped")
             with self._cond:
                 self._error = exc

@@ -119,7 +119,7 @@ class ParallelRolloutManager(SyncBackend):
             with joblib.parallel_config(backend=self._joblib_backend()):
                 # auto: a pool of one process per core, of which each rollout uses as many as chosen
                 self.n_workers = 1 if backend == "sequential" else joblib.effective_n_jobs(-1 if auto else n_jobs)
-        except BaseException:
+        except BaseException:  # any failure, an interrupt too: what was started is closed, then re-raised
             self.close()
             raise
         self._auto = AutoSizer(self.n_workers) if auto else None
