@@ -25,7 +25,7 @@ starts with them, computes only the tokens after the start they share; rows
 with cached starts of different lengths are left-padded into one batch cache.
 It is bounded, least recently used out, cleared whenever the policy version
 changes, and freed by ``release_cache`` (the rollout calls it at its end). The engine counts the prompt tokens it computed and those it
-reused (``tokens_prefilled``, ``tokens_reused``); ``prefix_cache=False``
+reused (``stats()``: ``tokens_prefilled``, ``tokens_reused``); ``prefix_cache=False``
 computes every row's prompt in full, as before. Both reuses apply to models
 whose cache is plain full-attention layers (``DynamicLayer``); others (sliding
 window, linear attention) share identical prompts only.
@@ -60,6 +60,7 @@ import torch
 
 from ragen.llm.chat_tokens import ChatTokens, stop_token_ids
 from ragen.llm.default_model import resolve_model_path
+from ragen.llm.stats import EngineStats
 from ragen.llm.transformers_compat import dtype_kwarg
 from ragen.llm.turn_cache import Hit, TurnCache
 from ragen.llm.types import Completion, Engine, GenerationRequest, SamplingParams, request_seed, token_id_error
@@ -226,6 +227,13 @@ class HFEngine(Engine):
         self.release_cache()  # the old weights' keys and values
         return version
 
+    def stats(self) -> EngineStats:
+        """The engine's counts, with what its turn cache holds and the episodes it let go."""
+        stats = super().stats()
+        if self.turn_cache is not None:
+            stats.turn_cache_bytes, stats.turn_cache_evicted = self.turn_cache.bytes, self.turn_cache.evicted
+        return stats
+
     def release_cache(self) -> None:
         """Free the turn cache now, unless a call is running: that call, or the next, finds the
         version changed and clears it then (a rollout's end with a call running frees nothing)."""
@@ -375,7 +383,7 @@ class HFEngine(Engine):
         without one, computed once for all of them."""
         total = sum(len(p) for p in prompts)
         if not self.prefix_cache:
-            self.tokens_prefilled += total
+            self._stats.tokens_prefilled += total
             return self._forward(prompts, extra)
         where: dict[tuple[int, ...], int] = {}
         rows = [where.setdefault(tuple(p), len(where)) for p in prompts]
@@ -401,8 +409,8 @@ class HFEngine(Engine):
         past, past_mask = self._assemble_cache(starts)
         past, logits, mask = self._forward([p[n:] for p, n in zip(distinct, lengths)], extra, past, past_mask)
         computed = shared + sum(len(p) - n for p, n in zip(distinct, lengths))
-        self.tokens_prefilled += computed
-        self.tokens_reused += total - computed
+        self._stats.tokens_prefilled += computed
+        self._stats.tokens_reused += total - computed
         if len(distinct) < len(prompts):
             index = torch.tensor(rows, device=self.device)
             past.batch_select_indices(index)

@@ -65,7 +65,7 @@ completion is handed back as soon as its reply is in.
   server refused token prompts (an HTTP 4xx on ``/completions`` where the same
   request as messages is answered, or a reply without token ids), requests go
   to ``/chat/completions`` as messages. One warning per engine names the server
-  and why, and ``token_prompt_fallbacks`` counts each request sent so (the
+  and why, and ``stats().token_prompt_fallbacks`` counts each request sent so (the
   rollout metric ``engine/token_prompt_fallbacks``). A refusal is remembered:
   later requests go straight to the chat path. There, prompts are the server's
   render of the messages, not the ids sampled so far.
@@ -490,7 +490,7 @@ class OpenAIEngine(StreamingEngine):
     def _count_fallback(self) -> None:
         """Count a request sent as messages; the first one warns, naming the server and why."""
         with self._warn_lock:
-            self.token_prompt_fallbacks += 1
+            self._stats.token_prompt_fallbacks += 1
             if self._warned_messages:
                 return
             self._warned_messages = True

@@ -45,6 +45,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Sequence
 
 from ragen.config_reader import setting
+from ragen.llm.stats import EngineStats
 from ragen.llm.types import (CLOSED_BEFORE_ANSWER, Completion, Engine, EngineUnavailable, GenerationRequest,
                               SamplingParams, StreamingEngine, resolve)
 
@@ -99,14 +100,6 @@ class ReplicaStats:
     calls: int = 0  # engine calls (batch members)
     busy_s: float = 0.0  # time with a request in flight
     busy_since: float | None = None
-
-
-@dataclass(frozen=True)
-class TurnCaches:
-    """The replicas' turn caches summed: what they hold and the episodes they evicted."""
-
-    bytes: int
-    evicted: int
 
 
 def session_of(request: GenerationRequest) -> tuple[int, int]:
@@ -282,7 +275,7 @@ def _remember(homes: OrderedDict, key: Any, replica: int) -> None:
 
 class ReplicaSet:
     """What both replicated engines share: the members, the router, the policy version
-    and the counters summed over the members. The first replica is the primary: the
+    and the counts summed over the members (``stats()``). The first replica is the primary: the
     trainer trains the hf engine's model in place there."""
 
     def _setup(self, replicas: Sequence[Engine], names: Sequence[str] | None, routing: Routing) -> None:
@@ -331,25 +324,17 @@ class ReplicaSet:
     def tokenizer(self) -> Any:
         return self.primary.tokenizer
 
-    def _sum(self, attr: str) -> int:
-        return sum(getattr(replica, attr, 0) for replica in self.replicas)
-
-    tokens_prefilled = property(lambda self: self._sum("tokens_prefilled"), lambda self, value: None)
-    tokens_reused = property(lambda self: self._sum("tokens_reused"), lambda self, value: None)
-    history_divergences = property(lambda self: self._sum("history_divergences"), lambda self, value: None)
-    token_prompt_fallbacks = property(lambda self: self._sum("token_prompt_fallbacks"), lambda self, value: None)
-    # the scripted streaming engine's decode steps and the requests running summed over them
-    steps = property(lambda self: self._sum("steps"))
-    running_sum = property(lambda self: self._sum("running_sum"))
-
-    @property
-    def turn_cache(self) -> "TurnCaches | None":
-        """The members' turn caches together (hf), or None when they keep none."""
-        caches = [c for c in (getattr(r, "turn_cache", None) for r in self.replicas) if c is not None]
-        return TurnCaches(sum(c.bytes for c in caches), sum(c.evicted for c in caches)) if caches else None
+    def stats(self) -> EngineStats:
+        """The members' counts summed, with the router's (``Router.counts``)."""
+        return EngineStats.summed([replica.stats() for replica in self.replicas], self.router.counts())
 
     def replica_counts(self) -> dict[str, float]:
         return self.router.counts()
+
+    # the scripted streaming engine's decode steps and the requests running summed over them
+    # (0 for members that run no decode steps of their own)
+    steps = property(lambda self: sum(getattr(replica, "steps", 0) for replica in self.replicas))
+    running_sum = property(lambda self: sum(getattr(replica, "running_sum", 0) for replica in self.replicas))
 
     def release_cache(self) -> None:
         self.router.forget_sessions()
