@@ -117,7 +117,8 @@ from typing import Any, Mapping, Sequence
 
 from ragen.llm.chat_tokens import ChatTokens
 from ragen.llm.default_model import resolve_model_path
-from ragen.llm.types import (Completion, GenerationRequest, SamplingParams, StreamingEngine, request_seed, resolve,
+from ragen.llm.pending import PendingFutures
+from ragen.llm.types import (Completion, GenerationRequest, SamplingParams, StreamingEngine, request_seed,
                               token_id_error)
 
 logger = logging.getLogger(__name__)
@@ -231,9 +232,8 @@ class OpenAIEngine(StreamingEngine):
         self._pool = ThreadPoolExecutor(max_workers=self.max_concurrency, thread_name_prefix="openai-engine")
         self._model_lock = threading.Lock()
         # the futures handed out and not yet resolved; close() cancels them
-        self._lock = threading.Lock()
-        self._pending: set[Future] = set()
-        self._closed = threading.Event()
+        self._pending = PendingFutures("the OpenAIEngine is closed")
+        self._closed = threading.Event()  # ends a retry's back-off
 
     @classmethod
     def check_options(cls, options: dict[str, Any]) -> None:
@@ -296,10 +296,7 @@ class OpenAIEngine(StreamingEngine):
                 self._warn_failed(request, f"cannot find a model name at {self.base_url}/models: {exc}")
                 future.set_result(self._error(request, version))
             return futures
-        with self._lock:  # close() either sees these futures or comes after: none is left pending
-            if self._closed.is_set():
-                raise RuntimeError("the OpenAIEngine is closed")
-            self._pending.update(futures)
+        with self._pending.adding(futures):  # close() either sees these futures or comes after
             for future, request in zip(futures, requests):
                 self._pool.submit(self._answer, future, request, sampling, model, version)
         return futures
@@ -308,8 +305,7 @@ class OpenAIEngine(StreamingEngine):
                 version: int) -> None:
         """Resolve ``future`` with the request's completion, unless close() cancelled it."""
         if future.done():  # cancelled while queued
-            with self._lock:
-                self._pending.discard(future)
+            self._pending.discard(future)
             return
         completion: Completion | None = None
         error: ServerUnavailable | None = None
@@ -324,11 +320,7 @@ class OpenAIEngine(StreamingEngine):
         except Exception as exc:  # failure is data: this request's completion is an error, the others go on
             self._warn_failed(request, repr(exc))
             completion = self._error(request, version)
-        with self._lock:
-            if future not in self._pending:
-                return  # close() cancelled it
-            self._pending.discard(future)
-        resolve(future, completion, error)  # outside the lock: a callback may submit again
+        self._pending.settle(future, completion, error)  # unless close() cancelled it
 
     def _complete(self, request: GenerationRequest, sampling: SamplingParams, model: str, version: int) -> Completion:
         limit = request.token_limit(sampling)
@@ -589,9 +581,8 @@ class OpenAIEngine(StreamingEngine):
 
     def close(self) -> None:
         """Cancel every future not yet resolved and stop the pool, without waiting for the server."""
-        with self._lock:
-            self._closed.set()
-            pending, self._pending = self._pending, set()
+        self._closed.set()
+        pending = self._pending.close() or []
         self._pool.shutdown(wait=False, cancel_futures=True)
         for future in pending:
             future.cancel()

@@ -92,8 +92,9 @@ from typing import Any, Iterable, Mapping, Sequence
 
 from ragen.llm.chat_tokens import ChatTokens, stop_token_ids
 from ragen.llm.default_model import resolve_model_path
+from ragen.llm.pending import PendingFutures, fail_closed
 from ragen.llm.types import (CLOSED_BEFORE_ANSWER, Completion, Engine, GenerationRequest, SamplingParams,
-                              StreamingEngine, request_seed, resolve)
+                              StreamingEngine, request_seed)
 
 logger = logging.getLogger(__name__)
 
@@ -428,9 +429,8 @@ class VLLMStreamingEngine(VLLMEngine, StreamingEngine):
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
-        self._lock = threading.Lock()  # _pending, _closed and the in-flight count, shared with the loop
-        self._pending: set[Future] = set()  # futures not resolved yet
-        self._closed = False
+        # futures not resolved yet; its lock guards the in-flight count too, shared with the loop
+        self._pending = PendingFutures(on_count=self._count)
         self._request_ids = itertools.count()
         self._in_flight = 0
         self._request_s = 0.0
@@ -453,22 +453,18 @@ class VLLMStreamingEngine(VLLMEngine, StreamingEngine):
 
     @property
     def request_seconds(self) -> float:
-        with self._lock:
+        with self._pending.lock:
             return self._request_s + self._in_flight * (time.perf_counter() - self._since)
 
     def _count(self, change: int) -> None:
-        """Add ``change`` requests in flight (``self._lock`` held)."""
+        """Add ``change`` requests in flight (the pending futures' lock held)."""
         now = time.perf_counter()
         self._request_s += self._in_flight * (now - self._since)
         self._in_flight, self._since = self._in_flight + change, now
 
     def submit(self, requests: Sequence[GenerationRequest], sampling: SamplingParams) -> list[Future]:
         entries = [(Future(), request, sampling) for request in requests]
-        with self._lock:
-            if self._closed:
-                raise RuntimeError("the engine is closed")
-            self._pending.update(entry[0] for entry in entries)
-            self._count(len(entries))
+        self._pending.add(entry[0] for entry in entries)
         if entries:
             self._loop.call_soon_threadsafe(self._start_tasks, entries)  # one wake-up a submit
         return [entry[0] for entry in entries]
@@ -486,9 +482,8 @@ class VLLMStreamingEngine(VLLMEngine, StreamingEngine):
             except Exception as exc:
                 self._settle(future, error=exc)
                 continue
-            with self._lock:
-                if future not in self._pending:  # closed meanwhile
-                    continue
+            if future not in self._pending:  # closed meanwhile
+                continue
             # a task started after close() took the futures is cancelled by close()'s shutdown, on this loop
             task = self._loop.create_task(self._answer(future, request, prompt, params))
             # a caller that cancels its future aborts the request in vLLM
@@ -516,18 +511,12 @@ class VLLMStreamingEngine(VLLMEngine, StreamingEngine):
     def _settle(self, future: Future, completion: Completion | None = None,
                 error: BaseException | None = None) -> None:
         """Resolve ``future`` unless close() or its caller already did."""
-        with self._lock:
-            if future not in self._pending:
-                return
-            self._pending.discard(future)
-            self._count(-1)
-        resolve(future, completion, error)
+        self._pending.settle(future, completion, error)
 
     def _call(self, call: Any, what: str) -> Any:
         """Run the coroutine ``call(llm)`` on the engine's loop and wait for it, at most ``RPC_TIMEOUT_S``."""
-        with self._lock:
-            if self._closed:
-                raise RuntimeError("the engine is closed")
+        if self._pending.closed:
+            raise RuntimeError("the engine is closed")
         future = asyncio.run_coroutine_threadsafe(call(self.llm), self._loop)
         try:
             return future.result(timeout=RPC_TIMEOUT_S)
@@ -554,13 +543,9 @@ class VLLMStreamingEngine(VLLMEngine, StreamingEngine):
 
     def close(self) -> None:
         """Shut vLLM and the loop down; every future still pending fails. Bounded by ``CLOSE_WAIT_S`` a wait."""
-        with self._lock:
-            if self._closed:
-                return
-            self._closed = True
-            pending = list(self._pending)
-            self._pending.clear()
-            self._count(-len(pending))
+        pending = self._pending.close()
+        if pending is None:  # closed already
+            return
         llm, self.llm = self.llm, None
 
         async def shutdown() -> None:
@@ -577,8 +562,6 @@ class VLLMStreamingEngine(VLLMEngine, StreamingEngine):
             except Exception:  # best effort: the engine core may be gone already
                 logger.warning("vLLM's shutdown did not finish cleanly", exc_info=True)
         self._stop_loop()
-        for future in pending:
-            if not future.done():
-                resolve(future, error=RuntimeError(CLOSED_BEFORE_ANSWER))
+        fail_closed(pending)
         del llm
         _free_memory()
