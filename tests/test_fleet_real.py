@@ -284,7 +284,7 @@ def _kill_mid_rollout(fleet, base_url: str | list[str]) -> tuple[object, dict[st
 def test_a_server_killed_mid_rollout_loses_no_trajectory(fleet, caplog):
     if "trajectories" not in REFERENCE:
         pytest.skip("needs the fault-free rollout of the test before")
-    with caplog.at_level(logging.DEBUG, logger="ragen.llm.openai_engine"):
+    with caplog.at_level(logging.DEBUG, logger="ragen.llm.openai_http"):
         result, kill = _kill_mid_rollout(fleet, fleet.router)
     requests = _check(result)
     client_retries = sum("retry" in r.getMessage() for r in caplog.records)
