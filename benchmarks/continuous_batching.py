@@ -47,7 +47,7 @@ t = time.perf_counter()
 for reqs, sampling in calls:
     fresh.generate(reqs, sampling)
 hf_s = time.perf_counter() - t
-print(f"HFEngine: {hf_s:.1f} s, prompt tokens computed {fresh.tokens_prefilled} reused {fresh.tokens_reused}")
+print(f"HFEngine: {hf_s:.1f} s, prompt tokens computed {fresh.stats().tokens_prefilled} reused {fresh.stats().tokens_reused}")
 model = fresh.model
 prompts = [[fresh.encode_prompt(r.messages) for r in reqs] for reqs, _ in calls]
 gc = GenerationConfig(max_new_tokens=48, do_sample=True, temperature=1.0, top_p=1.0,

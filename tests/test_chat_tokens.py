@@ -188,7 +188,7 @@ def test_an_engine_counts_a_template_that_drops_thoughts_and_warns_once(tiny_mod
     sampling = SamplingParams(temperature=1.0, max_tokens=6, seed=1)
     first = [SYSTEM, FIRST]
     (opening,) = engine.generate([GenerationRequest(first, env_id=0, turn=0)], sampling)
-    assert engine.history_divergences == 0
+    assert engine.stats().history_divergences == 0
     # the episode's second and third turns, after answers that thought
     thought = encode(tokenizer, THOUGHT) + [end_id(tokenizer)]
     history = opening.prompt_token_ids + thought
@@ -200,7 +200,7 @@ def test_an_engine_counts_a_template_that_drops_thoughts_and_warns_once(tiny_mod
         messages = messages + [{"role": "assistant", "content": THOUGHT}, THIRD]
         (third,) = engine.generate([GenerationRequest(messages, env_id=0, turn=2, history_token_ids=history,
                                                       history_messages=5)], sampling)
-    assert engine.history_divergences == 2
+    assert engine.stats().history_divergences == 2
     warnings = [r for r in caplog.records if r.levelno == logging.WARNING and "rewrites earlier turns" in r.message]
     assert len(warnings) == 1
     assert tokenizer.name_or_path and tokenizer.name_or_path in warnings[0].getMessage()

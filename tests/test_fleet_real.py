@@ -284,7 +284,7 @@ def _kill_mid_rollout(fleet, base_url: str | list[str]) -> tuple[object, dict[st
 def test_a_server_killed_mid_rollout_loses_no_trajectory(fleet, caplog):
     if "trajectories" not in REFERENCE:
         pytest.skip("needs the fault-free rollout of the test before")
-    with caplog.at_level(logging.DEBUG, logger="ragen.llm.openai_engine"):
+    with caplog.at_level(logging.DEBUG, logger="ragen.llm.openai_http"):
         result, kill = _kill_mid_rollout(fleet, fleet.router)
     requests = _check(result)
     client_retries = sum("retry" in r.getMessage() for r in caplog.records)
@@ -310,7 +310,7 @@ def test_client_side_routing_keeps_episodes_on_a_server_and_fails_over(fleet, ca
     assert result.trajectories == REFERENCE["trajectories"]  # the router's rollout: the same requests, seeds
     assert sum(served) == requests and all(n > 0 for n in served)
     assert m["engine/replica_affinity"] >= 0.9 and m["engine/replica_failovers"] == 0
-    with caplog.at_level(logging.WARNING, logger="ragen.llm.replicas"):
+    with caplog.at_level(logging.WARNING, logger="ragen.llm.routing"):
         faulty, kill = _kill_mid_rollout(fleet, fleet.servers)
     requests = _check(faulty)
     named = [r.getMessage() for r in caplog.records if "failed" in r.getMessage()]

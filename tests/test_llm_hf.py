@@ -235,11 +235,11 @@ def test_shared_prefixes_give_the_tokens_of_full_prompts(tiny_model_path, sampli
     if not sampling.greedy:  # members of a group differ: one prompt computed, sampled per request
         assert len({tuple(c.response_token_ids) for c in a[:4]}) > 1
     total = sum(len(c.prompt_token_ids) for c in a)
-    assert full.tokens_prefilled == total and full.tokens_reused == 0
-    assert shared.tokens_prefilled + shared.tokens_reused == total
+    assert full.stats().tokens_prefilled == total and full.stats().tokens_reused == 0
+    assert shared.stats().tokens_prefilled + shared.stats().tokens_reused == total
     distinct = {tuple(c.prompt_token_ids) for c in a}
     # each group's prompt once, and their common start (the system message) once for all three
-    assert shared.tokens_prefilled < sum(len(p) for p in distinct) - 2 * 16
+    assert shared.stats().tokens_prefilled < sum(len(p) for p in distinct) - 2 * 16
     # alone, a request gets the same answer as in the shared batch
     alone = shared.generate([reqs[5]], sampling)
     assert ids(alone) == [a[5].response_token_ids]
@@ -274,7 +274,7 @@ def test_the_turn_cache_gives_the_tokens_of_full_prompts(tiny_model_path, sampli
     assert ids(first) == ids(full.generate(_conversations(), sampling))
     assert len(kept.turn_cache) == 4 and 0 < kept.turn_cache.bytes <= kept.turn_cache.max_bytes
     second_reqs = _conversations(first)
-    computed_before = kept.tokens_prefilled
+    computed_before = kept.stats().tokens_prefilled
     second = kept.generate(second_reqs, sampling)
     assert ids(second) == ids(full.generate(second_reqs, sampling))
     # each episode computed only what follows the start it shares with its first turn's
@@ -283,9 +283,9 @@ def test_the_turn_cache_gives_the_tokens_of_full_prompts(tiny_model_path, sampli
     kept_starts = [common_prefix_length([a.prompt_token_ids + a.response_token_ids[:-1], b.prompt_token_ids])
                    for a, b in zip(first, second)]
     assert all(n >= len(a.prompt_token_ids) for n, a in zip(kept_starts, first))
-    assert kept.tokens_prefilled - computed_before == sum(len(b.prompt_token_ids) - n
+    assert kept.stats().tokens_prefilled - computed_before == sum(len(b.prompt_token_ids) - n
                                                           for n, b in zip(kept_starts, second))
-    assert kept.tokens_prefilled + kept.tokens_reused == sum(len(c.prompt_token_ids) for c in first + second)
+    assert kept.stats().tokens_prefilled + kept.stats().tokens_reused == sum(len(c.prompt_token_ids) for c in first + second)
 
 
 def test_a_weight_update_drops_the_turn_cache(tiny_model_path, tiny_model_and_tokenizer):
@@ -302,10 +302,10 @@ def test_a_weight_update_drops_the_turn_cache(tiny_model_path, tiny_model_and_to
     with engine._lock:
         engine.bump_policy_version()
     assert len(engine.turn_cache) == 4  # not freed under a running call ...
-    reused = engine.tokens_reused
+    reused = engine.stats().tokens_reused
     engine.generate(_conversations(first), GREEDY)
     # ... and not used: only the common system message of the four prompts is reused
-    assert engine.tokens_reused - reused < sum(len(c.prompt_token_ids) for c in first)
+    assert engine.stats().tokens_reused - reused < sum(len(c.prompt_token_ids) for c in first)
 
 
 def test_an_episodes_last_turn_is_not_kept_in_the_turn_cache(tiny_model_path):
@@ -317,10 +317,10 @@ def test_an_episodes_last_turn_is_not_kept_in_the_turn_cache(tiny_model_path):
     assert len(engine.turn_cache) == 0 and engine.turn_cache.bytes == 0
     first = engine.generate(_conversations(), GREEDY)  # a turn with one after it: kept
     assert len(engine.turn_cache) == 4 and engine.turn_cache.bytes > 0
-    reused = engine.tokens_reused
+    reused = engine.stats().tokens_reused
     last = [replace(r, last_turn=True) for r in _conversations(first)]
     engine.generate(last[:3] + _conversations(first)[3:], GREEDY)
-    assert engine.tokens_reused - reused >= sum(len(c.prompt_token_ids) for c in first)  # the first turns' starts
+    assert engine.stats().tokens_reused - reused >= sum(len(c.prompt_token_ids) for c in first)  # the first turns' starts
     assert len(engine.turn_cache) == 1 and engine.turn_cache.bytes > 0  # only the episode with a turn to come
 
 
@@ -344,8 +344,8 @@ def test_a_single_turn_rollout_leaves_the_turn_cache_empty_and_a_multi_turn_one_
     assert trajectories == sequential(specs, config, within_calls)
     assert max(len(t.turns) for t in trajectories) == 3
     # earlier turns come from the cache, not from another prefill
-    assert engine.tokens_reused > within_calls.tokens_reused
-    assert engine.tokens_prefilled < 0.8 * within_calls.tokens_prefilled
+    assert engine.stats().tokens_reused > within_calls.stats().tokens_reused
+    assert engine.stats().tokens_prefilled < 0.8 * within_calls.stats().tokens_prefilled
     assert len(engine.turn_cache) == sum(len(t.turns) < 3 for t in trajectories)
 
 
@@ -453,9 +453,9 @@ def test_the_turn_cache_reuses_a_prefixed_turn(tiny_model_path):
     assert ids(first) == ids(full.generate(first_reqs, GREEDY))
     answered = [replace(c, text="<think>" + c.text) for c in first]
     second_reqs = [replace(r, answer_prefix="<think>") for r in _conversations(answered)]
-    reused = kept.tokens_reused
+    reused = kept.stats().tokens_reused
     second = kept.generate(second_reqs, GREEDY)
     assert ids(second) == ids(full.generate(second_reqs, GREEDY))
     for a, b in zip(first, second):
         assert b.prompt_token_ids[:len(a.prompt_token_ids)] == a.prompt_token_ids
-    assert kept.tokens_reused - reused >= sum(len(c.prompt_token_ids) for c in first)
+    assert kept.stats().tokens_reused - reused >= sum(len(c.prompt_token_ids) for c in first)

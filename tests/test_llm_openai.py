@@ -573,7 +573,7 @@ def test_a_malformed_reply_to_a_token_prompt_is_an_error_not_a_switch_to_message
     assert completion.finish_reason == "error" and completion.response_token_ids == []
     (warning,) = failure_warnings(caplog)
     assert f"malformed reply from {server.base_url}/completions" in warning and why in warning, warning
-    assert len(server.token_bodies) == 1 and not server.bodies and engine.token_prompt_fallbacks == 0
+    assert len(server.token_bodies) == 1 and not server.bodies and engine.stats().token_prompt_fallbacks == 0
     assert engine.vocab_size == len(tiny_tokenizer)  # the tiny model's config says the same
 
 
@@ -785,7 +785,7 @@ def test_token_prompts_go_to_completions_and_a_second_turn_appends(tiny_model_pa
         assert sent == engine.chat.append(history, messages, 3, "<think>")[0]
         assert tiny_tokenizer.decode(sent[len(history):]).endswith("<|im_start|>user\nState 2<|im_end|>\n"
                                                                    "<|im_start|>assistant\n<think>")
-        assert not server.bodies and engine.token_prompt_fallbacks == 0  # no chat request, nothing counted
+        assert not server.bodies and engine.stats().token_prompt_fallbacks == 0  # no chat request, nothing counted
         assert not caplog.records
     finally:
         engine.close()
@@ -811,7 +811,7 @@ def test_without_a_tokenizer_requests_go_as_messages_warned_once_and_counted(ser
         engine.generate([req(f"q{i}", env_id=i) for i in range(3)], SamplingParams())
         engine.generate([req("q", max_tokens=0)], SamplingParams())  # nothing sent: not counted
         engine.generate([req("again")], SamplingParams())
-    assert engine.token_prompt_fallbacks == 4 and not server.token_bodies
+    assert engine.stats().token_prompt_fallbacks == 4 and not server.token_bodies
     (warning,) = fallback_warnings(caplog)
     assert server.base_url in warning and "engine.tokenizer is not set" in warning
     engine.close()
@@ -832,7 +832,7 @@ def test_a_server_that_refuses_token_prompts_switches_to_messages_once(mode, why
         assert [c.finish_reason for c in first + later] == ["stop"] * 5
         assert first[0].text == f"<answer>q0|{request_seed(0, (0, 0, 0))}</answer>"
         assert first[0].prompt_token_ids == [7, 8]  # the server's prompt ids on the chat path
-        assert engine.token_prompt_fallbacks == 5
+        assert engine.stats().token_prompt_fallbacks == 5
         (warning,) = fallback_warnings(caplog)
         assert server.base_url in warning and "refused a token prompt" in warning and why in warning
     finally:
@@ -846,9 +846,9 @@ def test_a_request_refused_as_messages_too_is_an_error_not_a_switch(tiny_model_p
     engine = OpenAIEngine(server.base_url, model="m", tokenizer=tiny_model_path)
     try:
         assert engine.generate([req("BAD")], SamplingParams())[0].finish_reason == "error"
-        assert engine.token_prompt_fallbacks == 0
+        assert engine.stats().token_prompt_fallbacks == 0
         engine.generate([req("q")], SamplingParams())  # still tried as ids first, then refused for good
-        assert len(server.token_bodies) == 2 and engine.token_prompt_fallbacks == 1
+        assert len(server.token_bodies) == 2 and engine.stats().token_prompt_fallbacks == 1
     finally:
         engine.close()
         server.stop()
@@ -940,7 +940,7 @@ def test_a_real_vllm_server_takes_token_prompts_as_it_answers_messages(caplog):
             assert not caplog.records
         assert c.prompt_token_ids[:len(history)] == history and c.response_token_ids and c.finish_reason != "error"
         assert len(c.logprobs) == len(c.response_token_ids)
-        assert ids_engine.token_prompt_fallbacks == 0
+        assert ids_engine.stats().token_prompt_fallbacks == 0
     finally:
         ids_engine.close()
         chat_engine.close()

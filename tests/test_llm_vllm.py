@@ -355,14 +355,14 @@ def test_load_weights_refuses_part_of_a_fused_layer(fake_vllm, tiny_model_path):
 
 
 def test_weight_payload_round_trip():
-    from ragen.llm.vllm_engine import _deserialize_weights, _serialize_weights
+    from ragen.llm.vllm_weights import deserialize_weights, serialize_weights
 
     big = torch.arange(10_000, dtype=torch.float32)
     weights = [("b", torch.randn(3, 4, dtype=torch.bfloat16)), ("t", torch.randn(4, 5).t()),
                ("view", big[:4]), ("a", torch.tensor([1, 2], dtype=torch.int64))]
-    payload = _serialize_weights(weights)
+    payload = serialize_weights(weights)
     assert isinstance(payload, bytes) and len(payload) < 20_000  # the view does not drag its storage along
-    back = _deserialize_weights(payload)
+    back = deserialize_weights(payload)
     assert [n for n, _ in back] == ["b", "t", "view", "a"]
     for (_, x), (_, y) in zip(weights, back):
         assert y.dtype == x.dtype and torch.equal(x, y)
@@ -371,7 +371,7 @@ def test_weight_payload_round_trip():
 def test_worker_prefers_reload_weights_with_an_iterator():
     """Recent vLLM: reload_weights(weights_iterator=...) re-runs the weight processing
     (on CPU the linear weights are repacked and model.load_weights would fail)."""
-    from ragen.llm.vllm_engine import _apply_weights
+    from ragen.llm.vllm_weights import apply_weights
 
     class Runner:
         def __init__(self):
@@ -389,7 +389,7 @@ def test_worker_prefers_reload_weights_with_an_iterator():
             self.model_runner.reload_weights(*args, **kwargs)
 
     worker = Worker()
-    assert _apply_weights(worker, [("x.weight", torch.ones(1))]) == 1
+    assert apply_weights(worker, [("x.weight", torch.ones(1))]) == 1
     assert worker.via_worker == 1 and [n for n, _ in worker.model_runner.got] == ["x.weight"]
     assert worker.model_runner.model.loaded == []
 
@@ -401,7 +401,7 @@ def test_worker_prefers_reload_weights_with_an_iterator():
             raise AssertionError("must not be used")
 
     old = SimpleNamespace(model_runner=OldRunner())
-    assert _apply_weights(old, [("x.weight", torch.ones(1))]) == 1
+    assert apply_weights(old, [("x.weight", torch.ones(1))]) == 1
     assert old.model_runner.model.loaded == ["x.weight"]
 
 

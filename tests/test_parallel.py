@@ -319,10 +319,10 @@ def test_hf_turn_cache_keeps_multi_turn_trajectories(tiny_model_path, temperatur
         assert_same_until_a_near_tie(trajectories, recomputed)
     assert max(len(t.turns) for t in trajectories) == 3
     if trajectories == recomputed:
-        assert kept.tokens_prefilled + kept.tokens_reused == full.tokens_prefilled
+        assert kept.stats().tokens_prefilled + kept.stats().tokens_reused == full.stats().tokens_prefilled
     # each turn after the first computes what is new since the episode's last call (a random
     # model's answers come back as other tokens now and then, which are computed again)
-    assert kept.tokens_prefilled < 0.6 * within_calls.tokens_prefilled < 0.6 * full.tokens_prefilled
+    assert kept.stats().tokens_prefilled < 0.6 * within_calls.stats().tokens_prefilled < 0.6 * full.stats().tokens_prefilled
 
 
 def test_engine_idle_splits_a_rollout_around_its_engine_calls():

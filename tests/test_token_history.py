@@ -129,7 +129,7 @@ def test_hf_multi_turn_prompts_are_the_ids_the_model_was_fed(tiny_model_path, ta
     tokenizer = engine.tokenizer
     assert any(tokenizer(tokenizer.decode(t.response_ids), add_special_tokens=False)["input_ids"]
                != list(t.response_ids) for t in turns)
-    assert engine.history_divergences == 0
+    assert engine.stats().history_divergences == 0
 
 
 def test_scripted_multi_turn_prompts_are_the_ids_the_engine_saw():
@@ -155,7 +155,7 @@ def test_scripted_multi_turn_prompts_are_the_ids_the_engine_saw():
     assert any(t.finish_reason == "length" for t in turns)
     # answers whose ids are not what their text encodes to: a re-rendered prompt would have changed them
     assert any(merging_encode(bytes(t.response_ids).decode()) != list(t.response_ids) for t in turns)
-    assert engine.history_divergences == 0
+    assert engine.stats().history_divergences == 0
 
 
 @pytest.mark.timeout(300)

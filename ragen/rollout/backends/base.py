@@ -14,6 +14,7 @@ import threading
 from abc import ABC, abstractmethod
 from typing import Any, Iterator, Sequence
 
+from ragen.llm.stats import EngineStats
 from ragen.llm.types import Engine
 from ragen.rollout.envs import EnvSpecMaker
 from ragen.rollout.loop_config import LoopConfig
@@ -111,13 +112,12 @@ class SyncBackend(RolloutBackend):
                 self._running += 1
             try:
                 # the engine's counts over this rollout (rollouts at once, or generating ahead, add theirs)
-                before = _engine_counts(self.engine)
+                before = self.engine.stats()
                 with progress if progress is not None else RolloutProgress(len(specs), label) as shown:
                     result = self._play(specs, loop, shown, fault)
-                after = _engine_counts(self.engine)
-                counts = {key: after[key] - before.get(key, 0.0) for key in after}
-                turn_cache = getattr(self.engine, "turn_cache", None)
-                cache_mb = turn_cache.bytes / 2**20 if turn_cache is not None else None
+                after = self.engine.stats()
+                counts = _engine_counts(before, after)
+                cache_mb = after.turn_cache_bytes / 2**20 if after.turn_cache_bytes is not None else None
             finally:
                 with self._running_lock:
                     self._running -= 1
@@ -177,22 +177,14 @@ class AsyncBackend(RolloutBackend):
         self.inner.close()
 
 
-def _engine_counts(engine: Engine) -> dict[str, float]:
-    """The engine's counts so far: prompt tokens computed and reused, the episodes its turn
-    cache evicted, the appended prompts whose template rewrote history, the requests sent as
-    messages where token ids were meant (0 for what an engine does not count), and with
-    replicas, each one's requests, tokens, calls and busy time, the failovers and the later
-    turns routed back to their episode's replica (``Router.counts``)."""
-    turn_cache = getattr(engine, "turn_cache", None)
-    counts = {"engine/prefill_tokens": float(getattr(engine, "tokens_prefilled", 0)),
-              "engine/reused_tokens": float(getattr(engine, "tokens_reused", 0)),
-              "engine/turn_cache_evicted": float(turn_cache.evicted if turn_cache is not None else 0),
-              "engine/history_divergences": float(getattr(engine, "history_divergences", 0)),
-              "engine/token_prompt_fallbacks": float(getattr(engine, "token_prompt_fallbacks", 0))}
-    replica_counts = getattr(engine, "replica_counts", None)
-    if replica_counts is not None:
-        counts.update(replica_counts())
-    return counts
+def _engine_counts(before: EngineStats, after: EngineStats) -> dict[str, float]:
+    """The engine's counts over a rollout, under their metric names (``EngineStats.counts``): prompt
+    tokens computed and reused, the episodes its turn cache evicted, the appended prompts whose
+    template rewrote history, the requests sent as messages where token ids were meant, and with
+    replicas, each one's requests, tokens, calls and busy time, the failovers and the later turns
+    routed back to their episode's replica (``Router.counts``)."""
+    earlier = before.counts()
+    return {key: value - earlier.get(key, 0.0) for key, value in after.counts().items()}
 
 
 def _replica_part(m: dict[str, float]) -> str:
