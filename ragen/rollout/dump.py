@@ -32,20 +32,18 @@ training rollout of step 12 and ``val_step_000012`` for the validation after it.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import gzip
 import json
 import os
-import types
-import typing
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
 from collections.abc import Sequence
-from typing import Any, Callable, Union
+from typing import Any, Callable
 
 from ragen.llm.types import SamplingParams, request_seed
 from ragen.rollout.context import ContextConfig, ContextManager
+from ragen.rollout.json_types import BadField, check_fields, is_a, short
 from ragen.rollout.loop_config import LoopConfig
 from ragen.rollout.types import EnvSpec, RolloutResult, Step, StopReason, Trajectory, Turn
 from ragen.utils import common_prefix_length
@@ -56,17 +54,10 @@ FORMAT = "ragen.rollout_dump"
 # 3: a turn's prompt ids as the engine saw them (prompt_ids, prompt_start)
 VERSION = 3
 COMPRESS_ABOVE_BYTES = 4 << 20  # a dump larger than this is written gzipped
-# free-form values (an env's info and config) nest at most this deep: deeper ones would overflow the
-# recursion of the code that renders or builds from them
-MAX_NESTING = 64
 
 
 class DumpError(ValueError):
     """A file that is not a readable ragen rollout dump; the message names the file and line."""
-
-
-class _BadField(ValueError):
-    """A field of a line that has the wrong type; the message names the field."""
 
 
 class TurnPrompt(Sequence):
@@ -272,11 +263,11 @@ def _record(row: Any, where: str, number: int) -> DumpRecord:
                              "failed_response": answer(row.get("failed_response"))})
         _check_types(spec, loop, traj, messages)
         for name, value in (("split", row["split"]), ("step", row["step"])):
-            if not _is_a(value, str if name == "split" else int):
-                raise _BadField(f"{name}: expected {'str' if name == 'split' else 'int'}, got {_short(value)}")
+            if not is_a(value, str if name == "split" else int):
+                raise BadField(f"{name}: expected {'str' if name == 'split' else 'int'}, got {short(value)}")
         if traj.env_id != spec.env_id:
-            raise _BadField(f"env_id {traj.env_id} but spec.env_id {spec.env_id}")
-    except _BadField as exc:
+            raise BadField(f"env_id {traj.env_id} but spec.env_id {spec.env_id}")
+    except BadField as exc:
         raise DumpError(f"{where}: {exc}") from None
     except (TypeError, ValueError, KeyError, AttributeError) as exc:
         raise DumpError(f"{where}: a field is missing or malformed ({type(exc).__name__}: {exc})") from None
@@ -323,8 +314,8 @@ def _read_turns(rows: list, answer: Callable[[Any], Any]) -> tuple[list[Turn], l
     for t in rows:
         for name, value in (("prompt.from_previous", t["prompt"]["from_previous"]),
                             ("request_seed", t["request_seed"])):
-            if not _is_a(value, int):
-                raise _BadField(f"turns[{len(turns)}].{name}: expected int, got {_short(value)}")
+            if not is_a(value, int):
+                raise BadField(f"turns[{len(turns)}].{name}: expected int, got {short(value)}")
         try:
             previous = TurnPrompt(previous, t["prompt"]["from_previous"], list(t["prompt"]["messages"]))
         except ValueError as exc:
@@ -341,122 +332,40 @@ def _read_turns(rows: list, answer: Callable[[Any], Any]) -> tuple[list[Turn], l
 
 
 def _check_types(spec: EnvSpec, loop: LoopConfig, traj: Trajectory, messages: list[TurnPrompt]) -> None:
-    """``_BadField`` naming the first field whose value is not of its annotation's type, or a prompt message
+    """``BadField`` naming the first field whose value is not of its annotation's type, or a prompt message
     that is not a role and a content."""
-    _check_fields(spec, "spec")
-    _check_fields(loop, "loop")
-    _check_fields(loop.context, "loop.context")
-    _check_fields(loop.sampling, "loop.sampling")
-    _check_fields(traj, "")
+    check_fields(spec, "spec")
+    check_fields(loop, "loop")
+    check_fields(loop.context, "loop.context")
+    check_fields(loop.sampling, "loop.sampling")
+    check_fields(traj, "")
     for i, turn in enumerate(traj.turns):
-        _check_fields(turn, f"turns[{i}]")
+        check_fields(turn, f"turns[{i}]")
         for j, step in enumerate(turn.steps):
-            _check_fields(step, f"turns[{i}].steps[{j}]")
+            check_fields(step, f"turns[{i}].steps[{j}]")
         for m, message in enumerate(messages[i].new, messages[i].kept):  # the kept ones: checked before
             if not (isinstance(message, dict) and isinstance(message.get("role"), str)
                     and isinstance(message.get("content"), str)):
-                raise _BadField(f"turns[{i}].prompt.messages: message {m} is {_short(message)}; expected "
+                raise BadField(f"turns[{i}].prompt.messages: message {m} is {short(message)}; expected "
                                 '{"role": str, "content": str}')
 
 
 def _token_fields(t: dict, i: int, episode_length: int) -> dict[str, Any]:
     """Turn ``i``'s ``prompt_ids``, ``prompt_start``, ``response_ids`` and ``logprobs``
     as ``Turn`` holds them (absent, as before version 3: no prompt ids); raise
-    ``_BadField`` naming the one of the wrong type, or a start past the ids of the
+    ``BadField`` naming the one of the wrong type, or a start past the ids of the
     turns before (``episode_length`` of them)."""
     out: dict[str, Any] = {}
     for name, hint, kind in (("prompt_ids", list[int], "a list of int"), ("response_ids", list[int], "a list of int"),
                              ("logprobs", list[float] | None, "a list of float or null")):
         value = t.get(name, [] if name != "logprobs" else None)
-        if not _is_a(value, hint):
-            raise _BadField(f"turns[{i}].{name}: expected {kind}, got {_short(value)}")
+        if not is_a(value, hint):
+            raise BadField(f"turns[{i}].{name}: expected {kind}, got {short(value)}")
         out[name] = None if value is None else tuple(value)
     start = t.get("prompt_start", 0)
-    if not _is_a(start, int):
-        raise _BadField(f"turns[{i}].prompt_start: expected int, got {_short(start)}")
+    if not is_a(start, int):
+        raise BadField(f"turns[{i}].prompt_start: expected int, got {short(start)}")
     if not 0 <= start <= episode_length:
-        raise _BadField(f"turns[{i}].prompt_start: {start}, but the turns before it hold {episode_length} token ids")
+        raise BadField(f"turns[{i}].prompt_start: {start}, but the turns before it hold {episode_length} token ids")
     out["prompt_start"] = start
     return out
-
-
-def _short(value: Any, limit: int = 80) -> str:
-    text = repr(value)
-    return f"{type(value).__name__} {text if len(text) <= limit else text[:limit] + '...'}"
-
-
-@functools.lru_cache(maxsize=None)
-def _hints(cls: type) -> dict[str, Any]:
-    return typing.get_type_hints(cls)
-
-
-def _check_fields(obj: Any, prefix: str) -> None:
-    """Raise ``_BadField`` naming the first field of dataclass ``obj`` whose
-    value does not have its annotated type."""
-    hints = _hints(type(obj))
-    for f in dataclasses.fields(obj):
-        value = getattr(obj, f.name)
-        if not _is_a(value, hints[f.name]):
-            name = f"{prefix}.{f.name}" if prefix else f.name
-            if _depth(value) > MAX_NESTING:
-                raise _BadField(f"{name}: lists and dicts nested more than {MAX_NESTING} deep")
-            raise _BadField(f"{name}: expected {_type_name(hints[f.name])}, got {_short(value)}")
-
-
-_SCALARS = {str: {str}, int: {int}, float: {int, float}, bool: {bool}}  # the JSON types each one reads from
-
-
-def _is_a(value: Any, hint: Any) -> bool:
-    """Whether ``value`` (read from JSON) has type ``hint``: str, int, float
-    (an int too), bool, None, unions, list/tuple/dict of those, classes."""
-    return _checker(hint)(value)
-
-
-@functools.lru_cache(maxsize=None)
-def _checker(hint: Any) -> Callable[[Any], bool]:
-    """``_is_a`` for one hint, worked out once: a dump checks the same few hints on every line."""
-    origin, args = typing.get_origin(hint), typing.get_args(hint)
-    if hint is Any:
-        return lambda v: _depth(v) <= MAX_NESTING
-    if hint in _SCALARS:
-        types_ = _SCALARS[hint]
-        return lambda v: type(v) in types_
-    if origin is Union or origin is types.UnionType:
-        checks = [_checker(a) for a in args]
-        return lambda v: any(c(v) for c in checks)
-    if hint is type(None) or hint is None:
-        return lambda v: v is None
-    if origin in (list, tuple):
-        if not args:
-            return lambda v: isinstance(v, origin)
-        if origin is list or (len(args) == 2 and args[1] is Ellipsis):
-            if args[0] in _SCALARS:  # token ids, log-probs: thousands per turn, checked by their types at once
-                types_ = _SCALARS[args[0]]
-                return lambda v: isinstance(v, origin) and {type(x) for x in v} <= types_
-            each = _checker(args[0])
-            return lambda v: isinstance(v, origin) and all(each(x) for x in v)
-        checks = [_checker(a) for a in args]
-        return lambda v: isinstance(v, origin) and len(v) == len(checks) and all(c(x) for c, x in zip(checks, v))
-    if origin is dict:
-        key, val = _checker(args[0]), _checker(args[1])
-        return lambda v: isinstance(v, dict) and all(key(k) and val(x) for k, x in v.items())
-    if isinstance(hint, type):
-        return lambda v: isinstance(v, hint)
-    return lambda v: True  # an annotation this reader does not know: not refused
-
-
-def _depth(value: Any) -> int:
-    """How deep lists and dicts nest in ``value`` (0 for a scalar), without recursion."""
-    deepest, stack = 0, [(value, 0)]
-    while stack:
-        v, d = stack.pop()
-        if isinstance(v, (list, dict)):
-            if d >= MAX_NESTING:  # deep enough to refuse: stop walking
-                return d + 1
-            deepest = max(deepest, d + 1)
-            stack.extend((c, d + 1) for c in (v.values() if isinstance(v, dict) else v))
-    return deepest
-
-
-def _type_name(hint: Any) -> str:
-    return hint.__name__ if isinstance(hint, type) and not typing.get_args(hint) else str(hint).replace("typing.", "")
