@@ -137,3 +137,26 @@ def test_a_mode_needs_only_its_own_split(mode):
     cfg["es_manager"]["trian"] = {}
     with pytest.raises(ValueError, match="es_manager.trian is not a known key"):  # still strict
         EnvStateManager(cfg, mode=mode)
+
+
+@pytest.mark.timeout(60)
+def test_an_env_that_ended_is_not_stepped_again_before_a_reset():
+    cfg = config()
+    cfg["es_manager"]["train"] = {"env_groups": 1, "group_size": 2,
+                                  "env_configs": {"tags": ["FrozenLake"], "n_groups": [1]}}
+    es = EnvStateManager(cfg, mode="train")
+    try:
+        es.reset()
+        budget = es.envs[0]["max_actions_per_traj"]
+        out = es.step([{"env_id": 0, "actions": ["Left"] * budget, "llm_response": "", "llm_raw_response": ""}])
+        assert es.envs[0]["status"].terminated and out == []
+        actions = es.envs[0]["status"].num_actions
+        with pytest.raises(ValueError, match="^env_id 0 has ended since the last reset"):
+            es.step([{"env_id": 1, "actions": ["Up"], "llm_response": "", "llm_raw_response": ""},
+                     {"env_id": 0, "actions": ["Up"], "llm_response": "", "llm_raw_response": ""}])
+        assert es.envs[0]["status"].num_actions == actions and es.envs[1]["status"].num_actions == 0  # none stepped
+        es.reset()
+        es.step([{"env_id": 0, "actions": ["Up"], "llm_response": "", "llm_raw_response": ""}])
+        assert es.envs[0]["status"].num_actions == 1
+    finally:
+        es.close()

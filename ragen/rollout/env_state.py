@@ -15,8 +15,8 @@ thread, as RAGEN's does:
   env ``{"env_id", "group_id", "tag", "penalty", "history"}``, the history a
   list of ``{"state", "actions_left", ...}``.
 - ``step(inputs)``: ``inputs`` are ``{"env_id", "actions", "llm_response",
-  "llm_raw_response"}`` (an env_id not in ``envs`` is a ValueError naming it,
-  and then no env steps); the actions are applied as the rollout applies an
+  "llm_raw_response"}`` (an env_id not in ``envs``, or of an env that ended
+  since the last reset, is a ValueError naming it, and then no env steps); the actions are applied as the rollout applies an
   answer's (``env_calls.apply_actions``): those the env's lookup names (any
   case) run, within the env's action budget; an answer with no valid action,
   or with invalid ones, adds ``es_manager.format_penalty``. Returns the
@@ -119,6 +119,9 @@ class EnvStateManager:
             raise RuntimeError("EnvStateManager.step before reset()")
         for env_input in all_env_inputs:  # every id first: a bad one steps no env
             self._check_env_id(env_input["env_id"])
+            if self._episodes[env_input["env_id"]].ended:
+                raise ValueError(f"env_id {env_input['env_id']} has ended since the last reset (done, out of "
+                                 "actions, or its env raised): reset before stepping it again")
         return [self.rollout_cache[i["env_id"]] for i in all_env_inputs if not self._step_one(i)]
 
     def _step_one(self, env_input: dict[str, Any]) -> bool:

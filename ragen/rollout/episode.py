@@ -110,6 +110,11 @@ class Playing:
         except StopIteration:
             self.request = None
 
+    @property
+    def ended(self) -> bool:
+        """Whether the episode has ended: returned, closed, or stopped by an exception."""
+        return self.run.gi_frame is None
+
     def job(self, completion: Completion | None = None) -> Callable[[], None]:
         """``advance`` as a job for ``EnvThreads``."""
         return functools.partial(self.advance, completion)
