@@ -28,6 +28,14 @@ def config(train_groups=(2, 1), group_size=2, seed_train=10, seed_val=123):
     }
 
 
+def two_frozen_lakes() -> dict:
+    """The config of one FrozenLake group of two envs to train on."""
+    cfg = config()
+    cfg["es_manager"]["train"] = {"env_groups": 1, "group_size": 2,
+                                  "env_configs": {"tags": ["FrozenLake"], "n_groups": [1]}}
+    return cfg
+
+
 def test_envs_are_built_per_group_and_seeds_iterate_as_ragens():
     es = EnvStateManager(config(), mode="train")
     try:
@@ -71,10 +79,7 @@ def test_the_same_seed_gives_the_rollouts_initial_state():
 
 
 def test_step_maps_action_names_charges_the_format_penalty_and_drops_done_envs():
-    cfg = config()
-    cfg["es_manager"]["train"] = {"env_groups": 1, "group_size": 2,
-                                  "env_configs": {"tags": ["FrozenLake"], "n_groups": [1]}}
-    es = EnvStateManager(cfg, mode="train")
+    es = EnvStateManager(two_frozen_lakes(), mode="train")
     try:
         es.reset()
         out = es.step([{"env_id": 0, "actions": ["LEFT", "jump"], "llm_response": "r", "llm_raw_response": "raw"},
@@ -141,10 +146,7 @@ def test_a_mode_needs_only_its_own_split(mode):
 
 @pytest.mark.timeout(60)
 def test_an_env_that_ended_is_not_stepped_again_before_a_reset():
-    cfg = config()
-    cfg["es_manager"]["train"] = {"env_groups": 1, "group_size": 2,
-                                  "env_configs": {"tags": ["FrozenLake"], "n_groups": [1]}}
-    es = EnvStateManager(cfg, mode="train")
+    es = EnvStateManager(two_frozen_lakes(), mode="train")
     try:
         es.reset()
         budget = es.envs[0]["max_actions_per_traj"]

@@ -323,23 +323,18 @@ def action_lookup(env: Any) -> dict[Any, Any] | None:
 
 
 def apply_answer(slot: EnvSlot, completion: Completion, ctx: ContextManager, config: LoopConfig, call: EnvCaller) -> None:
-    """The answer parsed into actions and applied (``apply_actions``); the env ends when it is done,
-    its action budget is spent, or it played ``config.max_turn`` turns."""
-    done = apply_actions(slot, ctx.parse_response(completion.text), completion, config.format_penalty, call)
-    if done:
-        slot.finish(StopReason.DONE)
-    elif slot.actions_left <= 0:
-        slot.finish(StopReason.ACTION_BUDGET)
-    elif len(slot.traj.turns) >= config.max_turn:
-        slot.finish(StopReason.MAX_TURNS)
+    """The answer parsed into actions and applied (``apply_actions``), within ``config.max_turn`` turns."""
+    apply_actions(slot, ctx.parse_response(completion.text), completion, config.format_penalty, call,
+                  config.max_turn)
 
 
 def apply_actions(slot: EnvSlot, actions: list[str], completion: Completion, format_penalty: float,
-                  call: EnvCaller) -> bool:
+                  call: EnvCaller, max_turn: int | None) -> None:
     """One turn: the actions the env knows (its lookup, any case; the others dropped) stepped
     within the action budget until one ends the env, recorded as a ``Turn`` of ``completion``'s
-    answer, with ``format_penalty`` when an action was dropped or none was given; whether
-    the env is done."""
+    answer, with ``format_penalty`` when an action was dropped or none was given. The env
+    ends when it is done, its action budget is spent, or it played ``max_turn`` turns (None:
+    no limit)."""
     if slot.lookup is not None:
         valid = [(a, slot.lookup[a.lower()]) for a in actions if isinstance(a, str) and a.lower() in slot.lookup]
     else:
@@ -385,7 +380,12 @@ def apply_actions(slot: EnvSlot, actions: list[str], completion: Completion, for
     )
     if info.get("success"):
         slot.traj.success = True
-    return bool(done)
+    if done:
+        slot.finish(StopReason.DONE)
+    elif slot.actions_left <= 0:
+        slot.finish(StopReason.ACTION_BUDGET)
+    elif max_turn is not None and len(slot.traj.turns) >= max_turn:
+        slot.finish(StopReason.MAX_TURNS)
 
 
 def _prompt_ids(slot: EnvSlot, completion: Completion) -> tuple[int, tuple[int, ...]]:

@@ -16,11 +16,12 @@ thread, as RAGEN's does:
   list of ``{"state", "actions_left", ...}``.
 - ``step(inputs)``: ``inputs`` are ``{"env_id", "actions", "llm_response",
   "llm_raw_response"}`` (an env_id not in ``envs``, or of an env that ended
-  since the last reset, is a ValueError naming it, and then no env steps); the actions are applied as the rollout applies an
-  answer's (``env_calls.apply_actions``): those the env's lookup names (any
-  case) run, within the env's action budget; an answer with no valid action,
-  or with invalid ones, adds ``es_manager.format_penalty``. Returns the
-  caches of the envs that play on.
+  since the last reset, is a ValueError naming it, and then no env steps);
+  the actions are applied as the rollout applies an answer's
+  (``env_calls.apply_actions``): those the env's lookup names (any case) run,
+  within the env's action budget; an answer with no valid action, or with
+  invalid ones, adds ``es_manager.format_penalty``. Returns the caches of the
+  envs that play on.
 - ``get_rollout_states()``: the caches with per-env ``metrics`` (``<tag>/success``,
   ``<tag>/num_actions``, the mean of each ``info`` value over the turns,
   ``<tag>/pass@<group_size>``); ``render()``; ``close()``.
@@ -101,7 +102,7 @@ class EnvStateManager:
         cache, self._episodes = [], []
         for spec, entry in zip(self._specs, self.envs):
             env_seed = seed + entry["group_id"]
-            slot = EnvSlot(dataclasses.replace(spec, seed=env_seed, mode=self.mode))
+            slot = EnvSlot(dataclasses.replace(spec, seed=env_seed))  # the spec's mode is self.mode
             slot.env = entry["env"]
             episode = Playing(slot, self._turns)
             episode.advance()  # reset
@@ -125,7 +126,8 @@ class EnvStateManager:
         return [self.rollout_cache[i["env_id"]] for i in all_env_inputs if not self._step_one(i)]
 
     def _step_one(self, env_input: dict[str, Any]) -> bool:
-        """One env's turn, recorded in its cache and status; whether the env is done."""
+        """One env's turn, recorded in its cache and status; whether the env ended (done, or out of
+        actions)."""
         env_id = env_input["env_id"]
         entry, cache, episode = self.envs[env_id], self.rollout_cache[env_id], self._episodes[env_id]
         status, slot = entry["status"], episode.slot
@@ -134,10 +136,9 @@ class EnvStateManager:
         cache["penalty"] += turn.penalty
         status.num_actions += len(turn.executed_actions)
         status.rewards.append(turn.reward)
-        done = slot.traj.stop_reason == StopReason.DONE
-        if done:
+        if not slot.active:  # done (truncated unless a success), or out of actions (truncated)
             status.terminated = True
-            status.truncated = not turn.info.get("success", False)
+            status.truncated = slot.traj.stop_reason != StopReason.DONE or not turn.info.get("success", False)
         executed = [slot.lookup[a.lower()] for a in turn.executed_actions] if slot.lookup is not None \
             else list(turn.executed_actions)  # RAGEN's history holds the ids stepped
         cache["history"][-1].update({"actions": executed, "reward": turn.reward, "info": turn.info,
@@ -145,10 +146,7 @@ class EnvStateManager:
                                      "llm_raw_response": env_input.get("llm_raw_response")})
         cache["history"].append({"state": entry["env"].render(),
                                  "actions_left": entry["max_actions_per_traj"] - status.num_actions})
-        if slot.traj.stop_reason == StopReason.ACTION_BUDGET:
-            status.truncated = status.terminated = True
-            done = True
-        return done
+        return not slot.active
 
     def _check_env_id(self, env_id: Any) -> None:
         """ValueError naming ``env_id`` unless it is one of the envs' ids (their index in ``envs``;
@@ -205,7 +203,6 @@ class _GivenActions(EnvTurns):
     def apply(self, slot: EnvSlot, env_input: dict[str, Any]) -> None:  # type: ignore[override]
         answer = Completion(text=env_input.get("llm_response") or "", prompt_token_ids=[], response_token_ids=[],
                             finish_reason="stop", policy_version=0, env_id=int(env_input["env_id"]))
-        if apply_actions(slot, list(env_input.get("actions", [])), answer, self.config.format_penalty, self.call):
-            slot.finish(StopReason.DONE)
-        elif slot.actions_left <= 0:
-            slot.finish(StopReason.ACTION_BUDGET)
+        # no turn limit: RAGEN's proxy decides how many turns it asks for
+        apply_actions(slot, list(env_input.get("actions", [])), answer, self.config.format_penalty, self.call,
+                      max_turn=None)
