@@ -39,7 +39,7 @@ from ragen.rollout.context import ContextConfig
 from ragen.rollout.envs import EnvSpecMaker
 from ragen.rollout.batching import EnvLevel, Lockstep
 from ragen.rollout.scheduler import KeptEnvs, LoopConfig, run_envs
-from ragen.serving.client import DirectClient, StreamingDirectClient
+from ragen.serving.transport import DirectClient, StreamingDirectClient
 
 
 class ForcedLengths:

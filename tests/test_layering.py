@@ -167,7 +167,7 @@ EPISODE_DOES_NOT_IMPORT = {
                               "ragen.rollout.backends", "ragen.rollout.workers"),
     "ragen.rollout.env_calls": ("ragen.serving", "ragen.rollout.scheduler", "ragen.rollout.batching",
                                 "ragen.rollout.episode", "ragen.rollout.backends"),
-    "ragen.rollout.batching": ("ragen.serving.client", "ragen.rollout.scheduler", "ragen.rollout.episode",
+    "ragen.rollout.batching": ("ragen.serving.client", "ragen.serving.transport", "ragen.rollout.scheduler", "ragen.rollout.episode",
                                "ragen.rollout.backends"),
 }
 

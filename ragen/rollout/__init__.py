@@ -1,11 +1,14 @@
-"""A rollout: env specs played to trajectories by the turn loop, on one of several backends.
+"""A rollout: env specs played to trajectories by the scheduler, on one of several backends.
 
 - ``types``: the data that crosses processes (``EnvSpec``, ``Trajectory``,
   ``Turn``, ``StopReason``, ``RolloutResult``).
 - ``config``: the rollout sections of the config, read and checked once.
 - ``envs``: the env set of a split (groups, seeds, specs); ``context``: prompts
   from env state, answers parsed to actions, trajectories to training data.
-- ``loop``: the turn loop that plays env specs through an ``LLMClient``.
+- ``episode``: one env's episode as one generator (``play_episode``);
+  ``scheduler``: many episodes through an ``LLMClient``'s streams, formed by
+  ``batching``'s policies (lockstep, env-level); ``env_calls``: the env
+  calls, their time limits and retries.
 - ``backends``: ``RolloutBackend`` and its siblings (sequential, parallel,
   generate-ahead, fully-async), built by ``make_backend`` from the config.
 - ``workers``: executors, clusters, worker sizing and the group queue of the

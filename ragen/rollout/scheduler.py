@@ -1,7 +1,7 @@
 """One scheduler drives many episodes: ``run_envs(specs, client, config)``.
 
 Each spec is played by ``play_episode`` (``ragen.rollout.episode``); the
-``Scheduler`` sends the episodes' requests to an ``LLMClient`` in streams,
+``Scheduler`` sends the episodes' requests through an ``LLMClient``'s streams,
 formed by a batching policy (``ragen.rollout.batching``: RAGEN's lockstep
 turns, pipelined streams, env-level turns), hands each answer back to its
 episode, and ends an episode whose request the engine could not answer.
@@ -25,8 +25,9 @@ from ragen.rollout.env_calls import EnvError, EnvSlot, EnvThreads, KeptEnvs
 from ragen.rollout.episode import EnvTurns, Playing
 from ragen.rollout.loop_config import LoopConfig, LoopStats
 from ragen.rollout.types import EnvSpec, StopReason, Trajectory
-from ragen.serving.client import LLMClient
 from ragen.llm.types import EngineError
+from ragen.serving.client import LLMClient, Stream
+from ragen.serving.transport import Transport
 from ragen.serving.wire import MessageTooLarge
 
 __all__ = ["EnvError", "KeptEnvs", "LoopConfig", "LoopStats", "Scheduler", "run_envs"]
@@ -36,7 +37,7 @@ logger = logging.getLogger(__name__)
 
 def run_envs(
     specs: Sequence[EnvSpec],
-    client: LLMClient,
+    transport: Transport,
     config: LoopConfig,
     kept_envs: KeptEnvs | None = None,
     isolate_errors: bool = True,
@@ -46,20 +47,22 @@ def run_envs(
     on_finished: Callable[[int], None] | None = None,
     fault: dict[str, int] | None = None,
 ) -> tuple[list[Trajectory], LoopStats]:
-    """Play every spec to the end; one trajectory per spec, in spec order.
+    """Play every spec to the end over ``LLMClient(transport)``; one trajectory per
+    spec, in spec order.
 
     ``isolate_errors``: an env that raises (or times out) ends its own
     trajectory with stop reason ``error`` (``timeout``) and the others go on;
     otherwise the first failure raises ``EnvError`` (workers do this, so the
     fallback re-runs what the worker played). ``batching``: the policy that
     forms the streams (None: ``choose_batching`` from the config and
-    ``client.streams``). ``take``: pull-based work: each call returns the
+    ``transport.streams``). ``take``: pull-based work: each call returns the
     specs of one more chunk of whole groups, a stream of its own already
     opened by the manager, until it returns none; their trajectories follow
     the specs'. ``on_finished(n)``: ``n`` more envs ended (for progress); it
     must not raise. ``fault``: ``{"exit_at_turn": k}`` makes the calling
     process exit at turn k (fault injection for benchmarks and tests).
     """
+    client = LLMClient(transport)
     turns = EnvTurns(config, kept_envs if kept_envs is not None else KeptEnvs(), isolate_errors)
     scheduler = Scheduler(client, turns, batching or choose_batching(config, client.streams), on_finished, fault)
     episodes = [Playing(EnvSlot(s), turns) for s in specs]
@@ -75,22 +78,21 @@ def run_envs(
 
 @dataclass(eq=False)
 class Scheduler:
-    """The episodes of one ``run_envs`` call, played in streams: a stream is a list of
-    episodes with one request in flight (``inflight``, by the client's ticket). A stream
-    asks for its first answers as soon as its own envs are reset, and answers that
-    arrive while later envs reset are handled between two resets. Streams that ride
-    along (``riders``) join the next request of another stream answered in the same
-    engine call, so that a worker's chunk streams merge back into its first ones."""
+    """The episodes of one ``run_envs`` call, played in the client's streams: a stream is
+    a list of episodes with one request in flight (``inflight``). A stream asks for its
+    first answers as soon as its own envs are reset, and answers that arrive while later
+    envs reset are handled between two resets. Streams that ride along (``riders``) join
+    the next request of another stream answered in the same engine call, so that a
+    worker's chunk streams merge back into its first ones."""
 
     client: LLMClient
     turns: EnvTurns
     batching: Batching
     on_finished: Callable[[int], None] | None = None
     fault: dict[str, int] | None = None
-    inflight: dict[int, list[Playing]] = field(default_factory=dict)
-    deadlines: dict[int, float] = field(default_factory=dict)  # bounded waits: by ticket, when its wait ends
-    riders: set[int] = field(default_factory=set)
-    open_streams: int = 0
+    inflight: dict[Stream, list[Playing]] = field(default_factory=dict)
+    deadlines: dict[Stream, float] = field(default_factory=dict)  # bounded waits: when each stream's ends
+    riders: set[Stream] = field(default_factory=set)
 
     def __post_init__(self) -> None:
         self.stats = self.turns.stats
@@ -99,22 +101,17 @@ class Scheduler:
     def play(self, episodes: list[Playing], take: Callable[[], list[EnvSpec]] | None) -> None:
         """Every episode, and those of the chunks ``take`` gives (added to ``episodes``), to its end."""
         created = self.turns.kept_envs.created
-        streams = self.batching.streams(episodes)
-        if streams:
-            self.client.open_streams(len(streams))
-        self.open_streams = len(streams)
+        batches = self.batching.streams(episodes)
         try:
-            for stream in streams:
-                self.start(stream)
+            for stream, batch in zip(self.client.open(len(batches)), batches):
+                self.start(stream, batch)
             if take is not None:
                 self.take_chunks(episodes, take)
             self.stats.envs_created = self.turns.kept_envs.created - created
             while self.inflight:
                 self.wait_some()
         finally:
-            for _ in range(self.open_streams):
-                self.client.close_stream()
-            self.client.flush()  # held closes and cancels
+            self.client.close()  # the streams left open, and held closes and cancels
         self.release_ended(episodes)
 
     def take_chunks(self, episodes: list[Playing], take: Callable[[], list[EnvSpec]]) -> None:
@@ -128,82 +125,76 @@ class Scheduler:
                 return
             self.stats.chunks += 1
             episodes += taken
-            streams = self.batching.chunk_streams(taken, self.open_streams)
-            if len(streams) > 1:  # the manager opened the chunk's own
-                self.client.open_streams(len(streams) - 1)
-            self.open_streams += len(streams)
-            for stream, rider in streams:
-                self.start(stream, rider)
+            batches = self.batching.chunk_streams(taken, self.client.open_streams)
+            for stream, (batch, rider) in zip(self.client.open(len(batches), opened=1), batches):
+                self.start(stream, batch, rider)
 
-    def start(self, stream: list[Playing], rider: bool = False) -> None:
-        """The stream's envs reset and its first request sent; answers that
+    def start(self, stream: Stream, batch: list[Playing], rider: bool = False) -> None:
+        """The batch's envs reset and its first request sent; answers that
         arrive meanwhile are handled between two resets."""
-        for chunk in _reset_chunks(stream):
+        for chunk in _reset_chunks(batch):
             t0 = time.perf_counter()
             self.threads.run([(e.slot, e.job()) for e in chunk])
             self.stats.env_reset_s += time.perf_counter() - t0
-            while self.inflight and self.client.ready():  # keep the model busy while later envs reset
-                self.handle(self.gather())
-        self.ended(stream)
-        self.submit(stream, rider)
+            while self.inflight and (answered := self.client.wait(block=False)):
+                self.handle(self.answers(answered))  # keep the model busy while later envs reset
+        self.ended(batch)
+        self.submit(stream, batch, rider)
 
     def wait_some(self) -> None:
-        """The next answers waited for and handled."""
+        """The next answers waited for and handled; when a bounded wait runs out first,
+        the envs whose wait ended end in ``timeout``."""
         t0 = time.perf_counter()
-        got = self.gather()
+        limit = None if not self.deadlines else max(0.0, min(self.deadlines.values()) - time.monotonic())
+        answered = self.client.wait(limit)
         self.stats.wait_s += time.perf_counter() - t0
-        self.handle(got)
+        if not answered:
+            self.expire()
+        self.handle(self.answers(answered))
 
-    def gather(self) -> list[tuple[int, list[Completion]]]:
-        """The next answer and every other one already here; none when a bounded
-        wait ran out (its envs ended in ``timeout``). An engine's error for one
-        ticket ends its envs alone where the policy says the engine, not the
-        worker, is at fault; otherwise, and when the engine can answer no
-        request at all (every replica down), it is raised."""
-        got: list[tuple[int, list[Completion]]] = []
-        while self.inflight and (not got or self.client.ready()):
-            limit = None if got or not self.deadlines else max(0.0, min(self.deadlines.values()) - time.monotonic())
-            try:
-                answer = self.client.wait_any(timeout=limit)
-            except EngineError as exc:
-                if exc.ticket not in self.inflight or exc.unavailable or not self.batching.ends_alone(exc):
-                    raise
-                if exc.timed_out:  # the manager's own engine_timeout_s ran out first
-                    self.end_waiting(exc.ticket, StopReason.TIMEOUT, str(exc))
-                else:
-                    self.end_waiting(exc.ticket, StopReason.ERROR, f"the engine failed on its request: {exc}")
-                continue
-            if answer is None:
-                self.expire()
-                return got
-            self.deadlines.pop(answer[0], None)
-            got.append(answer)
+    def answers(self, answered: list[Stream]) -> list[tuple[Stream, list[Completion]]]:
+        """The answered streams with their completions. An engine's error for one stream's
+        request ends its envs alone where the policy says the engine, not the worker, is
+        at fault; otherwise, and when the engine can answer no request at all (every
+        replica down), it is raised."""
+        got = []
+        for stream in answered:
+            self.deadlines.pop(stream, None)
+            exc = stream.error()
+            if exc is None:
+                got.append((stream, stream.results()))
+            elif not isinstance(exc, EngineError) or exc.unavailable or not self.batching.ends_alone(exc):
+                raise exc
+            elif exc.timed_out:  # the manager's own engine_timeout_s ran out first
+                self.end_waiting(stream, StopReason.TIMEOUT, str(exc))
+            else:
+                self.end_waiting(stream, StopReason.ERROR, f"the engine failed on its request: {exc}")
         return got
 
     def expire(self) -> None:
         """The envs whose request's wait ran past ``engine_timeout_s`` end in ``timeout``."""
         now = time.monotonic()
-        for ticket in [t for t, d in self.deadlines.items() if d <= now]:
-            self.client.abandon(ticket)
-            self.end_waiting(ticket, StopReason.TIMEOUT, f"no answer from the engine within "
+        for stream in [s for s, d in self.deadlines.items() if d <= now]:
+            stream.cancel()
+            self.end_waiting(stream, StopReason.TIMEOUT, f"no answer from the engine within "
                              f"agent_proxy.engine_timeout_s={self.turns.config.engine_timeout_s:g} s")
 
-    def end_waiting(self, ticket: int, reason: StopReason, message: str) -> None:
-        """The envs waiting for ``ticket`` end in ``reason``, and their stream closes."""
-        self.deadlines.pop(ticket, None)
-        self.riders.discard(ticket)
-        batch = self.inflight.pop(ticket)
+    def end_waiting(self, stream: Stream, reason: StopReason, message: str) -> None:
+        """The envs waiting for the stream's answer end in ``reason``, and the stream closes."""
+        self.deadlines.pop(stream, None)
+        self.riders.discard(stream)
+        batch = self.inflight.pop(stream)
         for episode in batch:
             self.end(episode, reason, message)
         self.ended(batch)
-        self.close_stream()
+        stream.close()
 
     def end(self, episode: Playing, reason: StopReason, message: str) -> None:
         """The episode ended from outside, the engine at fault (``EnvTurns.end``)."""
         self.turns.end(episode.slot, reason, message)
         episode.close()
 
-    def handle(self, answers: list[tuple[int, list[Completion]]]) -> None:
+    def handle(self, answers: list[tuple[Stream, list[Completion]]]) -> None:
         """Answers that arrived together (one engine call's): the riders among them are
         stepped first and join the next request of the first other stream answered with
         them, closing their own, so the streams a worker opened chunk by chunk merge back
@@ -211,24 +202,22 @@ class Scheduler:
         The policy's own streams never merge: they overlap env steps with the engine
         when the coalescer does not wait for them all."""
         answers = sorted(answers, key=lambda a: a[0] not in self.riders)  # stable: riders first
-        hosts = sum(t not in self.riders for t, _ in answers)
+        hosts = sum(s not in self.riders for s, _ in answers)
         joined: list[Playing] = []
-        for i, (ticket, completions) in enumerate(answers):
-            rider = ticket in self.riders
-            self.riders.discard(ticket)
-            batch = self.step(ticket, completions)
+        for i, (stream, completions) in enumerate(answers):
+            rider = stream in self.riders
+            self.riders.discard(stream)
+            batch = self.step(stream, completions)
             if rider and (hosts or (i + 1 < len(answers))):
                 joined += batch  # into the next answered stream's request
-                self.close_stream()
+                stream.close()
             else:
-                self.submit(batch + joined, rider)
+                self.submit(stream, batch + joined, rider)
                 joined = []
 
-    def step(self, ticket: int, completions: list[Completion]) -> list[Playing]:
-        """The answered stream's episodes played to their next request; returns the stream."""
-        batch = self.inflight.pop(ticket)
-        if len(completions) != len(batch):
-            raise RuntimeError(f"engine answered {len(completions)} completions for {len(batch)} requests")
+    def step(self, stream: Stream, completions: list[Completion]) -> list[Playing]:
+        """The answered stream's episodes played to their next request; returns them."""
+        batch = self.inflight.pop(stream)
         if self.fault and batch and len(batch[0].slot.traj.turns) + 1 >= self.fault.get("exit_at_turn", 1 << 30):
             logger.warning("fault injection: process %d exits now", os.getpid())
             os._exit(3)
@@ -246,24 +235,15 @@ class Scheduler:
         self.ended(batch)
         return batch
 
-    def submit(self, batch: list[Playing], rider: bool) -> None:
-        """The stream's next request; the stream closes when none of its episodes plays on."""
-        ticket = self.send(batch)
-        self.ended(batch)  # episodes whose request was too large for the manager
-        if ticket is None:
-            self.close_stream()
-        elif rider:
-            self.riders.add(ticket)
-
-    def send(self, stream: list[Playing]) -> int | None:
-        """The next requests of the stream's playing episodes: their ticket; None when none plays.
-        An episode whose request would take the message past the manager's limit ends
-        in ``error`` (the largest first, until the rest fit); the others are sent."""
-        active = [e for e in stream if e.request is not None]
+    def submit(self, stream: Stream, batch: list[Playing], rider: bool) -> None:
+        """The next requests of the batch's playing episodes, on ``stream``; the stream closes
+        when none of them plays on. An episode whose request would take the message past the
+        manager's limit ends in ``error`` (the largest first, until the rest fit)."""
+        active = [e for e in batch if e.request is not None]
         while active:
             try:
-                ticket = self.client.submit([e.request for e in active], self.turns.config.sampling,
-                                            hold=self.batching.hold)
+                stream.submit([e.request for e in active], self.turns.config.sampling, hold=self.batching.hold)
+                break
             except MessageTooLarge as exc:
                 for i in exc.refused:
                     self.turns.refuse(active[i].slot, (
@@ -272,18 +252,17 @@ class Scheduler:
                         f"agent_proxy.max_message_bytes or make the env's observations shorter"))
                     active[i].close()
                 active = [e for e in active if e.request is not None]
-                continue
-            self.inflight[ticket] = active
-            if self.batching.bounded_wait and self.turns.config.engine_timeout_s is not None:
-                self.deadlines[ticket] = time.monotonic() + self.turns.config.engine_timeout_s
-            self.stats.requests += len(active)
-            self.stats.submits += 1
-            return ticket
-        return None
-
-    def close_stream(self) -> None:
-        self.client.close_stream()
-        self.open_streams -= 1
+        self.ended(batch)  # episodes whose request was too large for the manager
+        if not active:
+            stream.close()
+            return
+        self.inflight[stream] = active
+        if self.batching.bounded_wait and self.turns.config.engine_timeout_s is not None:
+            self.deadlines[stream] = time.monotonic() + self.turns.config.engine_timeout_s
+        self.stats.requests += len(active)
+        self.stats.submits += 1
+        if rider:
+            self.riders.add(stream)
 
     def ended(self, batch: list[Playing]) -> None:
         """The batch's episodes that ended since last looked at: told to ``on_finished``

@@ -10,16 +10,18 @@
   listen; ``stats``: its counters (``ManagerStats``).
 - ``hooks``: what the work the manager is told of (``announce``) brings: its
   calls, notes and observer (``Hooks``).
-- ``client``: the ``LLMClient`` protocol the turn loop talks to, with
-  ``DirectClient`` and ``StreamingDirectClient`` (an engine in the caller's
-  process); ``inflight``: a streaming engine's requests from their submit
+- ``client``: the ``LLMClient`` the scheduler talks to: streams that submit
+  requests for futures, over a ``transport``: the ``Transport`` protocol
+  (request lists by ticket), with ``DirectClient`` and
+  ``StreamingDirectClient`` (an engine in the caller's process); ``inflight``: a streaming engine's requests from their submit
   until they are done, for that client and the manager's ``streamer``;
   ``shared_client``: ``SharedLLMClient`` (a worker's handle on the manager).
 """
 
 from ragen.llm.types import EngineError
 from ragen.serving.address import check_listen_address
-from ragen.serving.client import DirectClient, LLMClient, StreamingDirectClient, direct_client
+from ragen.serving.client import LLMClient, Stream
+from ragen.serving.transport import DirectClient, StreamingDirectClient, Transport, direct_client
 from ragen.serving.coalescer import CallCostModel, Coalescer, Decision, Pending, StreamClock
 from ragen.serving.hooks import Hooks, Observer, Reply
 from ragen.serving.server import SharedLLMInferenceManager
@@ -30,5 +32,5 @@ from ragen.serving.wire import AuthenticationError, ProtocolError
 __all__ = [
     "AuthenticationError", "CallCostModel", "Coalescer", "Decision", "DirectClient", "EngineError", "Hooks",
     "LLMClient", "ManagerStats", "Observer", "Pending", "ProtocolError", "Reply", "SharedLLMClient",
-    "SharedLLMInferenceManager", "StreamingDirectClient", "StreamClock", "check_listen_address", "direct_client",
+    "SharedLLMInferenceManager", "Stream", "StreamingDirectClient", "StreamClock", "Transport", "check_listen_address", "direct_client",
 ]

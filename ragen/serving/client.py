@@ -1,188 +1,141 @@
-"""What the turn loop talks to for generations: the ``LLMClient`` protocol and the in-process clients.
+"""What the scheduler talks to for generations: ``LLMClient`` and its ``Stream``s.
 
-``LLMClient``: ``submit`` a list of requests and get a ticket, ``wait_any``
-for the next finished ticket, and tell the coalescer how many streams (a
-micro-batch with its own request in flight) are open. ``DirectClient`` calls
-an engine in the caller's thread (the sequential rollout: one engine call per
-turn over all active envs, RAGEN's loop); ``StreamingDirectClient`` hands each
-request to an engine that batches continuously and answers tickets as they
-finish (``direct_client`` picks the one an engine needs). A worker process
-reaches the driver's engine through ``shared_client.SharedLLMClient``.
+A stream is a micro-batch of episodes with one request list in flight. The
+scheduler ``open``s the streams it plays; each ``Stream`` has only
+``submit(requests) -> futures`` (one future per request), ``cancel`` (what it
+has in flight) and ``close`` (it sends no more). ``LLMClient.wait`` resolves
+the futures as their answers arrive and names the streams answered, in that
+order. The client counts the open streams for the coalescer behind its
+``transport.Transport`` (a worker's ``SharedLLMClient``, or an engine in the
+caller's process), and ``close`` closes those its user left open.
 """
 
 from __future__ import annotations
 
-import concurrent.futures
-import time
-from collections import deque
-from typing import Protocol
+from concurrent.futures import Future
 
-from ragen.llm.types import Completion, Engine, EngineError, EngineUnavailable, GenerationRequest, SamplingParams
-from ragen.serving.gate import EngineGate
-from ragen.serving.inflight import InFlight
+from ragen.llm.types import Completion, EngineError, GenerationRequest, SamplingParams
+from ragen.serving.transport import Transport
 
 
-class LLMClient(Protocol):
-    """What the turn loop talks to: requests submitted for a ticket, answers waited for by ticket,
-    and the streams a worker opens and closes. ``streams``: its engine answers each request as
-    soon as it is done (so the loop runs env-level turns)."""
+class Stream:
+    """One micro-batch's requests through an ``LLMClient``: at most one request list in flight."""
 
-    streams: bool
+    __slots__ = ("_client", "ticket", "futures", "closed")
 
-    def submit(self, requests: list[GenerationRequest], sampling: SamplingParams, hold: bool = False) -> int:
-        """A ticket for the requests' answers; ``wire.MessageTooLarge``, with
-        nothing sent, when a client with a message limit cannot carry them.
-        ``hold``: the message may wait (briefly) for others to share its
-        frame; ``flush``, ``ready`` and ``wait_any`` send what waits."""
+    def __init__(self, client: LLMClient) -> None:
+        self._client = client
+        self.ticket: int | None = None  # of the request list in flight
+        self.futures: list[Future] = []  # its answers, one per request
+        self.closed = False
 
-    def wait_any(self, timeout: float | None = None) -> tuple[int, list[Completion]] | None:
-        """The next finished ticket and its completions; None when ``timeout``
-        seconds passed first (None: no limit). ``EngineError`` naming
-        the ticket when the engine failed on it."""
+    def submit(self, requests: list[GenerationRequest], sampling: SamplingParams,
+               hold: bool = False) -> list[Future]:
+        """A future for each request's ``Completion``. ``wire.MessageTooLarge``, with nothing
+        sent, when the transport cannot carry them. ``hold``: the message may wait (briefly)
+        to share a frame with others."""
+        return self._client._submit(self, requests, sampling, hold)
 
-    def abandon(self, ticket: int) -> None:
-        """Stop waiting for ``ticket`` (its answer, if it comes, is dropped)."""
+    def cancel(self) -> None:
+        """Stop waiting for the request list in flight (the engine drops what it has not answered)."""
+        self._client._cancel(self)
 
-    def flush(self) -> None:
-        """Send what ``hold`` kept back."""
+    def close(self, hold: bool = False) -> None:
+        """The stream sends no more requests (once; a closed stream stays closed)."""
+        self._client._close(self, hold)
 
-    def open_streams(self, n: int) -> None: ...
+    def results(self) -> list[Completion]:
+        """The answered request list's completions; its ``EngineError`` when the engine failed on it."""
+        return [f.result() for f in self.futures]
 
-    def close_stream(self, hold: bool = False) -> None: ...
-
-    def ready(self) -> bool:
-        """Whether an answer has arrived, so that ``wait_any`` will not block."""
-
-    def reset(self) -> None:
-        """Forget requests in flight (after a failure)."""
-
-
-class _InProcess:
-    """A client in the engine's own process: nothing to send, no streams for a coalescer to count;
-    the engine's calls (request lists), their sizes and its busy time counted."""
-
-    def __init__(self, engine: Engine) -> None:
-        self.engine = engine
-        self._next = 0  # the last ticket
-        self.engine_time_s = 0.0
-        self.engine_calls = 0
-        self.batch_sizes: list[int] = []
-
-    def flush(self) -> None:
-        pass
-
-    def open_streams(self, n: int) -> None:
-        pass
-
-    def close_stream(self, hold: bool = False) -> None:
-        pass
+    def error(self) -> BaseException | None:
+        """What the engine raised for the answered request list; None when it answered."""
+        return next((e for e in (f.exception() for f in self.futures) if e is not None), None)
 
 
-class DirectClient(_InProcess):
-    """An engine called in the caller's thread; tickets answered in order."""
+class LLMClient:
+    """Streams and futures over a ``Transport``. ``streams``: its engine answers each
+    request as soon as it is done."""
 
-    streams = False
+    def __init__(self, transport: Transport) -> None:
+        self.transport = transport
+        self.streams = transport.streams
+        self.open_streams = 0  # opened and not closed yet
+        self._flight: dict[int, Stream] = {}  # by ticket
 
-    def __init__(self, engine: Engine) -> None:
-        super().__init__(engine)
-        self._queue: deque[tuple[int, list[GenerationRequest], SamplingParams]] = deque()
+    def open(self, n: int, opened: int = 0) -> list[Stream]:
+        """``n`` new streams, the first ``opened`` of them already counted by the manager
+        (a chunk of the rollout's queue opens its first stream as it is handed out)."""
+        if n > opened:
+            self.transport.open_streams(n - opened)
+        self.open_streams += n
+        return [Stream(self) for _ in range(n)]
 
-    def submit(self, requests: list[GenerationRequest], sampling: SamplingParams, hold: bool = False) -> int:
-        self._next += 1
-        self._queue.append((self._next, requests, sampling))
-        return self._next
+    def _submit(self, stream: Stream, requests: list[GenerationRequest], sampling: SamplingParams,
+                hold: bool) -> list[Future]:
+        if stream.closed or stream.ticket is not None:
+            raise RuntimeError("a stream submits one request list at a time, and none once closed")
+        ticket = self.transport.submit(requests, sampling, hold=hold)
+        stream.ticket, stream.futures = ticket, [Future() for _ in requests]
+        self._flight[ticket] = stream
+        return stream.futures
 
-    def wait_any(self, timeout: float | None = None) -> tuple[int, list[Completion]]:
-        # ``timeout`` is not applied: the engine runs in this thread, and its call ends when the
-        # engine's does (each engine bounds its own calls: its server's timeout, or a local model's steps)
-        ticket, requests, sampling = self._queue.popleft()
-        t0 = time.perf_counter()
-        completions = self.engine.generate(requests, sampling)
-        self.engine_time_s += time.perf_counter() - t0
-        self.engine_calls += 1
-        self.batch_sizes.append(len(requests))
-        return ticket, completions
+    def _cancel(self, stream: Stream) -> None:
+        if stream.ticket is not None and self._flight.pop(stream.ticket, None) is stream:
+            self.transport.abandon(stream.ticket)
+            for f in stream.futures:
+                f.cancel()
+        stream.ticket = None
 
-    def abandon(self, ticket: int) -> None:
-        self._queue = deque(q for q in self._queue if q[0] != ticket)
+    def _close(self, stream: Stream, hold: bool) -> None:
+        if stream.closed:
+            return
+        self._cancel(stream)
+        stream.closed = True
+        self.open_streams -= 1
+        self.transport.close_stream(hold)
 
-    def ready(self) -> bool:
-        return False  # answers are made on demand, in wait_any
+    def wait(self, timeout: float | None = None, block: bool = True) -> list[Stream]:
+        """The streams whose answers arrived, in the order they came: the next one, waited
+        for up to ``timeout`` seconds (None: no limit; a transport that answers in the
+        caller's thread makes its answer whatever the limit), and every other one already
+        here. ``block=False``: only those already here. Empty when the wait ran out, or
+        nothing is in flight. An ``EngineError`` the engine raised for a stream's request
+        is set on its futures; any other (the transport failed) is raised."""
+        got: list[Stream] = []
+        while self._flight and ((block and not got) or self.transport.ready()):
+            try:
+                answer = self.transport.wait_any(timeout=None if got else timeout)
+            except EngineError as exc:
+                stream = self._flight.pop(exc.ticket, None) if exc.ticket is not None else None
+                if stream is None:
+                    raise
+                stream.ticket = None
+                for f in stream.futures:
+                    f.set_exception(exc)
+                got.append(stream)
+                continue
+            if answer is None:
+                break
+            ticket, completions = answer
+            stream = self._flight.pop(ticket)
+            if len(completions) != len(stream.futures):
+                raise RuntimeError(f"engine answered {len(completions)} completions for "
+                                   f"{len(stream.futures)} requests")
+            stream.ticket = None
+            for f, c in zip(stream.futures, completions):
+                f.set_result(c)
+            got.append(stream)
+        return got
 
-    def reset(self) -> None:
-        self._queue.clear()
-
-
-class StreamingDirectClient(_InProcess):
-    """A ``StreamingEngine`` reached from the caller's thread: each submit goes
-    to the engine at once, and a ticket is answered as soon as all of its
-    requests are done, in whatever order tickets finish. ``engine_time_s`` is
-    the time the engine had requests in flight. ``gate``: the engine lock,
-    held shared by each request from its submit to its answer, or until its
-    ticket is abandoned (even where the engine cannot drop it: a future that
-    runs)."""
-
-    streams = True
-
-    def __init__(self, engine: Engine, gate: EngineGate | None = None) -> None:
-        if not getattr(engine, "streams", False):
-            raise TypeError(f"{type(engine).__name__} does not stream completions: use DirectClient")
-        super().__init__(engine)
-        self.gate = gate
-        self._pending: dict[int, list[concurrent.futures.Future]] = {}
-        self._flight = InFlight(engine, gate, self._busy)  # by ticket
-
-    def _busy(self, start: float, end: float) -> None:
-        self.engine_time_s += end - start
-
-    def submit(self, requests: list[GenerationRequest], sampling: SamplingParams, hold: bool = False) -> int:
-        self._next += 1
-        ticket, n = self._next, len(requests)
-        self._flight.enter(ticket, n)
-        futures = self._flight.submit(ticket, requests, sampling)
-        for i, f in enumerate(futures):
-            f.add_done_callback(lambda _, i=i: self._flight.leave(ticket, i))
-        self._pending[ticket] = futures
-        self.engine_calls += 1
-        self.batch_sizes.append(n)
-        return ticket
-
-    def _finished(self) -> int | None:
-        return next((t for t, fs in self._pending.items() if all(f.done() for f in fs)), None)
-
-    def wait_any(self, timeout: float | None = None) -> tuple[int, list[Completion]] | None:
-        if not self._pending:
-            raise RuntimeError("no request in flight to wait for")
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while (ticket := self._finished()) is None:
-            waiting = [f for fs in self._pending.values() for f in fs if not f.done()]
-            left = None if deadline is None else deadline - time.monotonic()
-            if left is not None and left <= 0:
-                return None
-            # None (no timeout) is unbounded: the engine resolves every future it hands out (an
-            # answer, an error, or its close() failing the rest); a ticket's last future done
-            # makes it finished.
-            concurrent.futures.wait(waiting, timeout=left, return_when=concurrent.futures.FIRST_COMPLETED)
-        futures = self._pending.pop(ticket)
-        failed = next((f.exception() for f in futures if f.exception() is not None), None)
-        if failed is not None:
-            raise EngineError(f"{type(failed).__name__}: {failed}", ticket,
-                                   unavailable=isinstance(failed, EngineUnavailable)) from failed
-        return ticket, [f.result() for f in futures]
-
-    def abandon(self, ticket: int) -> None:
-        self._flight.leave(ticket)
-        for f in self._pending.pop(ticket, ()):
-            f.cancel()  # the engine drops a request it has not answered yet
-
-    def ready(self) -> bool:
-        return self._finished() is not None
+    def close(self) -> None:
+        """Every stream left open closes, and what was held back is sent."""
+        for _ in range(self.open_streams):
+            self.transport.close_stream()
+        self.open_streams = 0
+        self.transport.flush()
 
     def reset(self) -> None:
-        for ticket in list(self._pending):
-            self.abandon(ticket)
-
-
-def direct_client(engine: Engine) -> DirectClient | StreamingDirectClient:
-    """The client that calls ``engine`` from the caller's thread: streaming when the engine streams."""
-    return StreamingDirectClient(engine) if getattr(engine, "streams", False) else DirectClient(engine)
+        """Forget the requests in flight (after a failure: their answers would be stale)."""
+        self._flight.clear()
+        self.transport.reset()

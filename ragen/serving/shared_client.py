@@ -2,7 +2,7 @@
 
 It is small and picklable (address, key and the tag it works under), and each
 process and thread opens its own connection on first use. Besides generating
-(the ``LLMClient`` protocol), it makes ``call``s that the hooks announced with
+(the ``Transport`` protocol), it makes ``call``s that the hooks announced with
 its tag answer, and gathers ``note`` counts that ride on its next message
 (``server.Hooks``). Held messages (env-level turns) share frames.
 """
