@@ -1,4 +1,4 @@
-"""The scheduler's client: streams that submit request lists for futures, over a transport that counts them."""
+"""The scheduler's client: streams that submit request lists for a future, over a transport that counts them."""
 
 from __future__ import annotations
 
@@ -41,13 +41,13 @@ def test_streams_submit_for_futures_answered_in_order():
     client = LLMClient(transport)
     first, second = client.open(2)
     assert transport.opened == 2 and client.open_streams == 2
-    futures = first.submit([_request(0), _request(1)], SAMPLING)
+    future = first.submit([_request(0), _request(1)], SAMPLING)
     other = second.submit([_request(2)], SAMPLING)
-    assert not any(f.done() for f in futures + other)
+    assert not future.done() and not other.done()
     assert client.wait(block=False) == []  # a direct transport answers only when waited for
     assert client.wait() == [first]
-    assert [f.result().text for f in futures] == [c.text for c in first.results()] and first.error() is None
-    assert client.wait() == [second] and other[0].done()
+    assert [c.text for c in future.result()] and len(future.result()) == 2 and first.error() is None
+    assert client.wait() == [second] and len(other.result()) == 1
     assert client.wait() == []  # nothing in flight: no endless wait
 
 
@@ -77,19 +77,19 @@ def test_the_client_counts_streams_and_closes_those_left_open():
     assert chunk[1].closed is False  # the handles are the user's; the transport's count is what closed
 
 
-def test_cancel_drops_the_request_and_cancels_its_futures():
+def test_cancel_drops_the_request_and_cancels_its_future():
     transport = CountingTransport()
     client = LLMClient(transport)
     (stream,) = client.open(1)
-    futures = stream.submit([_request(), _request()], SAMPLING)
+    future = stream.submit([_request(), _request()], SAMPLING)
     stream.cancel()
-    assert all(f.cancelled() for f in futures) and not transport._queue
+    assert future.cancelled() and not transport._queue
     assert client.wait() == []
     stream.submit([_request()], SAMPLING)  # the stream goes on with a new request list
     assert client.wait() == [stream]
 
 
-def test_an_engine_error_for_a_request_is_set_on_its_stream_futures():
+def test_an_engine_error_for_a_request_is_set_on_its_stream_future():
     class FailingStreaming(ScriptedStreamingEngine):
         def submit(self, requests, sampling):
             if requests[0].env_id != 1:
@@ -103,14 +103,14 @@ def test_an_engine_error_for_a_request_is_set_on_its_stream_futures():
         client = LLMClient(StreamingDirectClient(engine))
         good, bad = client.open(2)
         good.submit([_request(0)], SAMPLING)
-        bad_futures = bad.submit([_request(1)], SAMPLING)
+        bad_future = bad.submit([_request(1)], SAMPLING)
         answered = []
         while len(answered) < 2:
             answered += client.wait(timeout=10)
         assert set(answered) == {good, bad}
         assert isinstance(bad.error(), EngineError) and "env 1" in str(bad.error())
         with pytest.raises(EngineError):
-            bad_futures[0].result()
-        assert good.error() is None and good.results()[0].text
+            bad_future.result()
+        assert good.error() is None and good.future.result()[0].text
     finally:
         engine.close()

@@ -162,8 +162,8 @@ class Scheduler:
             self.deadlines.pop(stream, None)
             exc = stream.error()
             if exc is None:
-                got.append((stream, stream.results()))
-            elif not isinstance(exc, EngineError) or exc.unavailable or not self.batching.ends_alone(exc):
+                got.append((stream, stream.future.result()))
+            elif exc.unavailable or not self.batching.ends_alone(exc):
                 raise exc
             elif exc.timed_out:  # the manager's own engine_timeout_s ran out first
                 self.end_waiting(stream, StopReason.TIMEOUT, str(exc))

@@ -2,10 +2,10 @@
 
 A stream is a micro-batch of episodes with one request list in flight. The
 scheduler ``open``s the streams it plays; each ``Stream`` has only
-``submit(requests) -> futures`` (one future per request), ``cancel`` (what it
-has in flight) and ``close`` (it sends no more). ``LLMClient.wait`` resolves
-the futures as their answers arrive and names the streams answered, in that
-order. The client counts the open streams for the coalescer behind its
+``submit(requests) -> future`` (of the requests' completions), ``cancel``
+(what it has in flight) and ``close`` (it sends no more). ``LLMClient.wait``
+resolves the futures as their answers arrive and names the streams answered,
+in that order. The client counts the open streams for the coalescer behind its
 ``transport.Transport`` (a worker's ``SharedLLMClient``, or an engine in the
 caller's process), and ``close`` closes those its user left open.
 """
@@ -21,17 +21,18 @@ from ragen.serving.transport import Transport
 class Stream:
     """One micro-batch's requests through an ``LLMClient``: at most one request list in flight."""
 
-    __slots__ = ("_client", "ticket", "futures", "closed")
+    __slots__ = ("_client", "ticket", "future", "size", "closed")
 
     def __init__(self, client: LLMClient) -> None:
         self._client = client
         self.ticket: int | None = None  # of the request list in flight
-        self.futures: list[Future] = []  # its answers, one per request
+        self.future: Future | None = None  # of the last request list's completions
+        self.size = 0  # requests in the last request list
         self.closed = False
 
     def submit(self, requests: list[GenerationRequest], sampling: SamplingParams,
-               hold: bool = False) -> list[Future]:
-        """A future for each request's ``Completion``. ``wire.MessageTooLarge``, with nothing
+               hold: bool = False) -> Future:
+        """A future of the requests' ``Completion``s, in order. ``wire.MessageTooLarge``, with nothing
         sent, when the transport cannot carry them. ``hold``: the message may wait (briefly)
         to share a frame with others."""
         return self._client._submit(self, requests, sampling, hold)
@@ -44,13 +45,11 @@ class Stream:
         """The stream sends no more requests (once; a closed stream stays closed)."""
         self._client._close(self, hold)
 
-    def results(self) -> list[Completion]:
-        """The answered request list's completions; its ``EngineError`` when the engine failed on it."""
-        return [f.result() for f in self.futures]
-
     def error(self) -> BaseException | None:
-        """What the engine raised for the answered request list; None when it answered."""
-        return next((e for e in (f.exception() for f in self.futures) if e is not None), None)
+        """What the engine raised for the answered request list (an ``EngineError``); None when it answered."""
+        if self.future is None or not self.future.done():
+            raise RuntimeError("the stream has no answered request list")
+        return self.future.exception()
 
 
 class LLMClient:
@@ -72,19 +71,18 @@ class LLMClient:
         return [Stream(self) for _ in range(n)]
 
     def _submit(self, stream: Stream, requests: list[GenerationRequest], sampling: SamplingParams,
-                hold: bool) -> list[Future]:
+                hold: bool) -> Future:
         if stream.closed or stream.ticket is not None:
             raise RuntimeError("a stream submits one request list at a time, and none once closed")
         ticket = self.transport.submit(requests, sampling, hold=hold)
-        stream.ticket, stream.futures = ticket, [Future() for _ in requests]
+        stream.ticket, stream.future, stream.size = ticket, Future(), len(requests)
         self._flight[ticket] = stream
-        return stream.futures
+        return stream.future
 
     def _cancel(self, stream: Stream) -> None:
         if stream.ticket is not None and self._flight.pop(stream.ticket, None) is stream:
             self.transport.abandon(stream.ticket)
-            for f in stream.futures:
-                f.cancel()
+            stream.future.cancel()
         stream.ticket = None
 
     def _close(self, stream: Stream, hold: bool) -> None:
@@ -101,7 +99,7 @@ class LLMClient:
         caller's thread makes its answer whatever the limit), and every other one already
         here. ``block=False``: only those already here. Empty when the wait ran out, or
         nothing is in flight. An ``EngineError`` the engine raised for a stream's request
-        is set on its futures; any other (the transport failed) is raised."""
+        list is set on its future; any other (the transport failed) is raised."""
         got: list[Stream] = []
         while self._flight and ((block and not got) or self.transport.ready()):
             try:
@@ -111,20 +109,17 @@ class LLMClient:
                 if stream is None:
                     raise
                 stream.ticket = None
-                for f in stream.futures:
-                    f.set_exception(exc)
+                stream.future.set_exception(exc)
                 got.append(stream)
                 continue
             if answer is None:
                 break
             ticket, completions = answer
             stream = self._flight.pop(ticket)
-            if len(completions) != len(stream.futures):
-                raise RuntimeError(f"engine answered {len(completions)} completions for "
-                                   f"{len(stream.futures)} requests")
+            if len(completions) != stream.size:
+                raise RuntimeError(f"engine answered {len(completions)} completions for {stream.size} requests")
             stream.ticket = None
-            for f, c in zip(stream.futures, completions):
-                f.set_result(c)
+            stream.future.set_result(completions)
             got.append(stream)
         return got
 
