@@ -87,18 +87,14 @@ class PPOActor:
 
     def _forward(self, samples: Sequence[Sample], entropy_grad: bool = False):
         return sequence_logprobs(self.model, samples, self.pad_token_id, with_entropy_grad=entropy_grad,
-                                 share_prefix=self.config.model.share_prefix, temperature=self.temperature)
+                                 share_prefix=self.config.model.share_prefix, temperature=self.temperature,
+                                 chunk_size=self.config.actor.logprob_chunk_size)
 
     @torch.no_grad()
     def compute_log_probs(self, samples: Sequence[Sample]) -> list[torch.Tensor]:
         """Per sample: log-probs of its answer tokens under the current weights."""
         self.model.eval()
-        out: list[torch.Tensor] = []
-        micro = self.config.actor.ppo_micro_batch_size_per_gpu
-        for start in range(0, len(samples), micro):
-            stats = self._forward(samples[start: start + micro])
-            out += list(torch.split(stats.logp.detach(), stats.counts))
-        return out
+        return logprobs_by_micro_batch(self.model, samples, self.pad_token_id, self.config, self.temperature)
 
     # ------------------------------------------------------------ update
 
@@ -242,19 +238,27 @@ class PPOActor:
 # ---------------------------------------------------------------- reference policies
 
 
+def logprobs_by_micro_batch(model: Any, samples: Sequence[Sample], pad_token_id: int, config: TrainerConfig,
+                            temperature: float) -> list[torch.Tensor]:
+    """Per sample, its answer tokens' log-probs under ``model``, ``ppo_micro_batch_size_per_gpu``
+    samples a pass (no gradient: the caller turns it off)."""
+    out: list[torch.Tensor] = []
+    micro = config.actor.ppo_micro_batch_size_per_gpu
+    for start in range(0, len(samples), micro):
+        stats = sequence_logprobs(model, samples[start: start + micro], pad_token_id,
+                                  share_prefix=config.model.share_prefix, temperature=temperature,
+                                  chunk_size=config.actor.logprob_chunk_size)
+        out += list(torch.split(stats.logp.detach(), stats.counts))
+    return out
+
+
 def adapter_off_reference(peft_model: Any, pad_token_id: int, config: TrainerConfig, temperature: float = 1.0):
     """The reference of a LoRA run: the same model with its adapter switched off (no copy)."""
 
     @torch.no_grad()
     def ref(samples: Sequence[Sample]) -> list[torch.Tensor]:
-        out: list[torch.Tensor] = []
-        micro = config.actor.ppo_micro_batch_size_per_gpu
         with peft_model.disable_adapter():
-            for start in range(0, len(samples), micro):
-                stats = sequence_logprobs(peft_model, samples[start: start + micro], pad_token_id,
-                                          share_prefix=config.model.share_prefix, temperature=temperature)
-                out += list(torch.split(stats.logp, stats.counts))
-        return out
+            return logprobs_by_micro_batch(peft_model, samples, pad_token_id, config, temperature)
 
     return ref
 
@@ -269,13 +273,7 @@ def frozen_copy_reference(model: Any, pad_token_id: int, config: TrainerConfig, 
 
     @torch.no_grad()
     def ref(samples: Sequence[Sample]) -> list[torch.Tensor]:
-        out: list[torch.Tensor] = []
-        micro = config.actor.ppo_micro_batch_size_per_gpu
-        for start in range(0, len(samples), micro):
-            stats = sequence_logprobs(frozen, samples[start: start + micro], pad_token_id,
-                                      share_prefix=config.model.share_prefix, temperature=temperature)
-            out += list(torch.split(stats.logp, stats.counts))
-        return out
+        return logprobs_by_micro_batch(frozen, samples, pad_token_id, config, temperature)
 
     ref.model = frozen  # type: ignore[attr-defined]
     return ref

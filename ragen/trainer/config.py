@@ -35,7 +35,7 @@ from typing import Mapping
 
 from ragen.config_reader import check_keys, read, setting, to_plain
 from ragen.rollout.config import ROLLOUT_SECTIONS, SeedConfig
-from ragen.trainer.core import ADV_ESTIMATORS, CORRECTIONS, KL_TYPES
+from ragen.trainer.core import ADV_ESTIMATORS, CORRECTIONS, DEFAULT_CHUNK_SIZE, KL_TYPES
 
 LOGGERS = ("console", "jsonl", "tensorboard", "wandb")
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean")
@@ -99,6 +99,7 @@ class ActorSection:
     clip_ratio_high: float | None = setting(None, minimum=0.0)  # None: clip_ratio
     grad_clip: float = setting(1.0, minimum=0.0)
     entropy_coeff: float = 0.0
+    logprob_chunk_size: int = setting(DEFAULT_CHUNK_SIZE, minimum=1)  # loss positions whose logits are made at once
     use_kl_loss: bool = False
     kl_loss_coef: float = setting(0.001, minimum=0.0)
     kl_loss_type: str = setting("low_var_kl", choices=KL_TYPES)

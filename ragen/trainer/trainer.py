@@ -34,6 +34,7 @@ from ragen.trainer import checkpoint as ckpt
 from ragen.trainer.actor import PPOActor, adapter_off_reference, frozen_copy_reference
 from ragen.trainer.config import TrainerConfig, check_top_level
 from ragen.trainer.core import Sample
+from ragen.trainer.memory import StepMemory
 from ragen.trainer.policy import apply_lora, load_trainable_state, merged_weights, trainable_state, transformers_copy
 from ragen.trainer.samples import make_samples, rename_rollout_metrics
 from ragen.trainer.tracking import CURVE_FILE, METRICS_FILE, Tracking, plot_learning_curve, summary_line, \
@@ -52,6 +53,7 @@ class AgentTrainer:
         check_top_level(plain)
         self.config = TrainerConfig.from_config(plain)
         self.setup = AgentSetup.from_config(plain)
+        self.memory = StepMemory()
         engine_cfg = dict(plain.get("engine") or {})
         if engine is None:
             check_engine_config(engine_cfg)
@@ -203,6 +205,7 @@ class AgentTrainer:
 
     def train_step(self, step: int) -> dict[str, float]:
         version = self.engine.policy_version
+        self.memory.start()
         t0 = time.perf_counter()
         # synchronous, generated ahead (async_generation_ratio) or fully async, as configured
         result = self.proxy.next_train_batch(version)
@@ -228,6 +231,7 @@ class AgentTrainer:
         self.sync_weights()
         metrics["timing/update_s"] = time.perf_counter() - t1
         metrics["policy_version"] = self.engine.policy_version
+        metrics.update(self.memory.metrics())
         return metrics
 
     def validate(self, step: int | None = None) -> dict[str, float]:

@@ -1,0 +1,175 @@
+"""Token log-probs in chunks at the loss positions alone: equal to the full-vocabulary computation
+(log-probs, entropies, the loss and its gradients), and no full-vocabulary tensor kept for backward."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from ragen.trainer.core import Sample, sequence_logprobs
+from ragen.utils import common_prefix_length
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def _samples(tokenizer) -> list[Sample]:
+    """Two groups of multi-turn-like episodes (prompt, answer, more prompt, answer) and a lone one."""
+    enc = lambda text: tokenizer.encode(text, add_special_tokens=False)  # noqa: E731
+    eos = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else 0
+    out = []
+    for group, prompt in enumerate(["You are on a frozen lake. Which way do you go next? Think first.",
+                                    "Push the box onto the target; the grid is below. Which move?"]):
+        for i, (first, second) in enumerate([("<answer> Up </answer>", "<answer> Left </answer>"),
+                                             ("I go <answer> Down </answer>", "<answer> Right || Up </answer>"),
+                                             ("<think> far </think><answer> Left </answer>", "no")]):
+            ids, mask = enc(prompt), [0] * len(enc(prompt))
+            for answer, more in ((first, " The lake now looks different. Go on."), (second, None)):
+                a = enc(answer) + [eos]
+                ids, mask = ids + a, mask + [1] * len(a)
+                if more:
+                    ids, mask = ids + enc(more), mask + [0] * len(enc(more))
+            out.append(Sample(ids, mask, advantage=(-1.0) ** i, group_key=group))
+    lone = enc("A different question entirely. <answer> Up </answer>")
+    out.append(Sample(lone, [0] * 6 + [1] * (len(lone) - 6), advantage=0.5, group_key=7))
+    return out
+
+
+def _full_vocabulary(logits, samples, shifts, temperature):
+    """Log-probs and entropies from full-vocabulary logits, in float32 (the state before the chunks).
+    The logits that predict position ``p`` of ``samples[row]`` are ``logits[row, p - 1 + shifts[row]]``."""
+    logps, entropies = [], []
+    for row, s in enumerate(samples):
+        pos = [t for t, m in enumerate(s.loss_mask) if m and t >= 1]
+        rows = logits[row, [p - 1 + shifts[row] for p in pos]].float() / temperature
+        logz = torch.logsumexp(rows, -1)
+        logps.append(rows.gather(-1, torch.tensor([s.input_ids[p] for p in pos])[:, None])[:, 0] - logz)
+        entropies.append(logz - (torch.softmax(rows, -1) * rows).sum(-1))
+    return logps, entropies
+
+
+def _reference(model, samples, temperature, share_prefix):
+    """The same batches through the model's own forward: its logits over the whole vocabulary
+    at every position, a prefix pass shared by each group (``share_prefix``) or one left-padded
+    batch."""
+    if not share_prefix:
+        width = max(len(s.input_ids) for s in samples)
+        ids = torch.zeros((len(samples), width), dtype=torch.long)
+        mask = torch.zeros((len(samples), width), dtype=torch.long)
+        for row, s in enumerate(samples):
+            ids[row, width - len(s.input_ids):] = torch.tensor(s.input_ids)
+            mask[row, width - len(s.input_ids):] = 1
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        logits = model(input_ids=ids, attention_mask=mask, position_ids=positions).logits
+        logps, entropies = _full_vocabulary(logits, samples, [width - len(s.input_ids) for s in samples], temperature)
+        return torch.cat(logps), torch.cat(entropies)
+    logps, entropies = [], []
+    for group in dict.fromkeys(s.group_key for s in samples):
+        members = [s for s in samples if s.group_key == group]
+        shared = min(common_prefix_length([s.input_ids for s in members]),
+                     min(s.loss_mask.index(1) for s in members) - 1)
+        cache = model(input_ids=torch.tensor([members[0].input_ids[:shared]]), use_cache=True).past_key_values
+        cache.batch_repeat_interleave(len(members))
+        width = max(len(s.input_ids) for s in members) - shared
+        ids = torch.zeros((len(members), width), dtype=torch.long)
+        for row, s in enumerate(members):
+            ids[row, : len(s.input_ids) - shared] = torch.tensor(s.input_ids[shared:])
+        positions = (shared + torch.arange(width)).unsqueeze(0).expand(len(members), -1)
+        logits = model(input_ids=ids, attention_mask=torch.ones((len(members), shared + width), dtype=torch.long),
+                       position_ids=positions, past_key_values=cache).logits
+        got = _full_vocabulary(logits, members, [-shared] * len(members), temperature)
+        logps += got[0]
+        entropies += got[1]
+    return torch.cat(logps), torch.cat(entropies)
+
+
+def _loss(logp, entropy, samples, counts):
+    adv = torch.cat([torch.full((c,), s.advantage) for s, c in zip(samples, counts)])
+    return (-(adv * logp) - 0.01 * entropy).sum() / len(logp)
+
+
+def _grads(model, loss) -> torch.Tensor:
+    model.zero_grad()
+    loss.backward()
+    return torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
+
+
+def _check_equal(model, tokenizer, settings):
+    model.eval()
+    samples = _samples(tokenizer)
+    counts = [s.num_loss_tokens for s in samples]
+    for temperature in (1.0, 0.7):
+        for share_prefix, chunk_size in settings:
+            ref_logp, ref_entropy = _reference(model, samples, temperature, share_prefix)
+            ref_grads = _grads(model, _loss(ref_logp, ref_entropy, samples, counts))
+            stats = sequence_logprobs(model, samples, tokenizer.pad_token_id or 0, with_entropy_grad=True,
+                                      share_prefix=share_prefix, temperature=temperature, chunk_size=chunk_size)
+            where = f"share_prefix={share_prefix} chunk_size={chunk_size} temperature={temperature}"
+            assert stats.counts == counts, where
+            torch.testing.assert_close(stats.logp, ref_logp, atol=1e-5, rtol=1e-5, msg=where)
+            torch.testing.assert_close(stats.entropy, ref_entropy, atol=1e-5, rtol=1e-5, msg=where)
+            loss = _loss(stats.logp, stats.entropy, samples, counts)
+            torch.testing.assert_close(loss, _loss(ref_logp, ref_entropy, samples, counts), atol=1e-5, rtol=1e-5)
+            grads = _grads(model, loss)
+            assert float((grads - ref_grads).norm() / ref_grads.norm()) < 1e-4, where
+
+
+def test_chunked_log_probs_equal_the_full_vocabulary_ones_on_the_tiny_model(tiny_model_and_tokenizer):
+    model, tok = tiny_model_and_tokenizer
+    _check_equal(model, tok, [(True, 5), (False, 5), (True, 256), (False, 256)])
+
+
+def test_chunked_log_probs_equal_the_full_vocabulary_ones_on_the_default_model():
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from ragen.llm.default_model import resolve_model_path
+
+    torch.manual_seed(0)
+    path = resolve_model_path("default")
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, local_files_only=True)
+    _check_equal(model, AutoTokenizer.from_pretrained(path, local_files_only=True), [(True, 16), (False, 256)])
+
+
+def test_no_full_vocabulary_tensor_is_kept_for_backward(tiny_model_and_tokenizer):
+    model, tok = tiny_model_and_tokenizer
+    vocab = model.get_output_embeddings().weight.shape[0]
+    samples = _samples(tok)
+    kept = []
+
+    def pack(t):
+        if t.dim() >= 2 and t.shape[-1] == vocab:
+            kept.append(tuple(t.shape))
+        return t
+
+    for share_prefix in (True, False):
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            stats = sequence_logprobs(model, samples, tok.pad_token_id or 0, with_entropy_grad=True,
+                                      share_prefix=share_prefix, chunk_size=4)
+        assert kept == [], f"share_prefix={share_prefix}: tensors of the vocabulary's width kept: {kept}"
+        stats.logp.sum().backward()  # the chunks' logits are made again here
+        # the check itself can fail: the textbook computation keeps its logits
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            _reference(model, samples, 1.0, share_prefix)
+        assert kept, "the check saw no full-vocabulary tensor in the textbook computation"
+        kept.clear()
+
+
+def test_step_memory_reports_the_peak_since_the_step_started():
+    # in a fresh process: memory that this one freed and kept would be reused unseen
+    script = """
+import torch
+from ragen.trainer.memory import StepMemory
+memory = StepMemory()
+memory.start()
+big = torch.ones(64 * 1024 * 1024 // 4)  # 64 MiB, touched
+with_big = memory.metrics()
+del big
+memory.start()
+after = memory.metrics()
+print(with_big["memory/peak_rss_gb"] - after["memory/peak_rss_gb"], after["memory/peak_rss_since_start"])
+"""
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=True)
+    forgotten, since_start = map(float, out.stdout.split())
+    assert since_start == 0.0 and forgotten > 0.04  # the reset forgot the 64 MiB
