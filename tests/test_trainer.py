@@ -21,7 +21,8 @@ from ragen.rollout.context import ContextConfig
 from ragen.trainer import AgentTrainer, PPOActor, Sample, TrainerConfig, compute_advantages, filter_groups
 from ragen.trainer import checkpoint as ckpt
 from ragen.trainer.config import ActorSection, OptimSection
-from ragen.trainer.core import kl_penalty, normalize_rewards, policy_loss, sequence_logprobs
+from ragen.trainer.core import kl_penalty, normalize_rewards, policy_loss
+from ragen.trainer.logprobs import sequence_logprobs
 from ragen.trainer.tracking import read_metrics
 from tests.rollout_helpers import ROOT
 

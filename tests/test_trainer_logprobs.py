@@ -9,7 +9,8 @@ import sys
 import pytest
 import torch
 
-from ragen.trainer.core import Sample, sequence_logprobs
+from ragen.trainer.core import Sample
+from ragen.trainer.logprobs import sequence_logprobs
 from ragen.utils import common_prefix_length
 
 pytestmark = pytest.mark.timeout(300)
@@ -101,12 +102,14 @@ def _check_equal(model, tokenizer, settings):
     samples = _samples(tokenizer)
     counts = [s.num_loss_tokens for s in samples]
     for temperature in (1.0, 0.7):
-        for share_prefix, chunk_size in settings:
+        for share_prefix, chunk_size, checkpoint_layers in settings:
             ref_logp, ref_entropy = _reference(model, samples, temperature, share_prefix)
             ref_grads = _grads(model, _loss(ref_logp, ref_entropy, samples, counts))
             stats = sequence_logprobs(model, samples, tokenizer.pad_token_id or 0, with_entropy_grad=True,
-                                      share_prefix=share_prefix, temperature=temperature, chunk_size=chunk_size)
-            where = f"share_prefix={share_prefix} chunk_size={chunk_size} temperature={temperature}"
+                                      share_prefix=share_prefix, temperature=temperature, chunk_size=chunk_size,
+                                      checkpoint_layers=checkpoint_layers)
+            where = (f"share_prefix={share_prefix} chunk_size={chunk_size} checkpoint_layers={checkpoint_layers} "
+                     f"temperature={temperature}")
             assert stats.counts == counts, where
             torch.testing.assert_close(stats.logp, ref_logp, atol=1e-5, rtol=1e-5, msg=where)
             torch.testing.assert_close(stats.entropy, ref_entropy, atol=1e-5, rtol=1e-5, msg=where)
@@ -118,7 +121,8 @@ def _check_equal(model, tokenizer, settings):
 
 def test_chunked_log_probs_equal_the_full_vocabulary_ones_on_the_tiny_model(tiny_model_and_tokenizer):
     model, tok = tiny_model_and_tokenizer
-    _check_equal(model, tok, [(True, 5), (False, 5), (True, 256), (False, 256)])
+    _check_equal(model, tok, [(True, 5, False), (False, 5, False), (True, 256, False), (False, 256, False),
+                              (True, 256, True), (False, 5, True)])
 
 
 def test_chunked_log_probs_equal_the_full_vocabulary_ones_on_the_default_model():
@@ -129,7 +133,8 @@ def test_chunked_log_probs_equal_the_full_vocabulary_ones_on_the_default_model()
     torch.manual_seed(0)
     path = resolve_model_path("default")
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, local_files_only=True)
-    _check_equal(model, AutoTokenizer.from_pretrained(path, local_files_only=True), [(True, 16), (False, 256)])
+    _check_equal(model, AutoTokenizer.from_pretrained(path, local_files_only=True),
+                 [(True, 16, False), (False, 256, False), (True, 256, True)])
 
 
 def test_no_full_vocabulary_tensor_is_kept_for_backward(tiny_model_and_tokenizer):
@@ -173,3 +178,39 @@ print(with_big["memory/peak_rss_gb"] - after["memory/peak_rss_gb"], after["memor
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=True)
     forgotten, since_start = map(float, out.stdout.split())
     assert since_start == 0.0 and forgotten > 0.04  # the reset forgot the 64 MiB
+
+
+def test_checkpointed_layers_keep_only_their_inputs_and_are_restored(tiny_model_and_tokenizer):
+    model, tok = tiny_model_and_tokenizer
+    model.eval()
+    samples = _samples(tok)
+    layers = model.get_decoder().layers
+    saved = {}
+    for checkpoint_layers in (False, True):
+        sizes = []
+
+        def pack(t):
+            sizes.append(t.numel())
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            stats = sequence_logprobs(model, samples, tok.pad_token_id or 0, checkpoint_layers=checkpoint_layers)
+        saved[checkpoint_layers] = sum(sizes)
+        stats.logp.sum().backward()
+        assert not any(layer.training for layer in layers)  # eval mode again, as the actor keeps it
+    assert saved[True] < saved[False] / 2, saved
+
+
+def test_the_prefix_caches_give_a_layer_run_again_what_its_first_run_got():
+    from ragen.trainer.logprobs import _ReadOnlyCache, _RecordOnce
+
+    prefix, again, suffix = (torch.randn(1, 3, n, 4) for n in (5, 5, 2))
+    recorded = _RecordOnce()
+    assert torch.equal(recorded.update(prefix, prefix, 0)[0], prefix)
+    assert recorded.update(again, again, 0)[0] is again  # run again for backward: the empty cache it first saw
+    assert torch.equal(recorded.layers[0].keys, prefix)  # kept once
+    read_only = _ReadOnlyCache([(recorded.layers[0].keys, recorded.layers[0].values)])
+    first = read_only.update(suffix, suffix, 0)
+    second = read_only.update(suffix, suffix, 0)
+    assert first[0].shape[-2] == second[0].shape[-2] == 7 and torch.equal(first[0], second[0])
+    assert read_only.layers[0].keys.shape[-2] == 5  # nothing added

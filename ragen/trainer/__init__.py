@@ -4,8 +4,10 @@
   ``algorithm.*`` sections, read and checked once at start-up and held whole
   (``config.run``, ``config.actor``, ``config.model``, ...).
 - ``core``: ``Sample`` (one episode as tokens + loss mask + advantage), group
-  filtering, RAGEN's reward normalization, advantage estimators, token log-probs with shared prompt
-  prefixes, the clipped policy loss and the KL estimators.
+  filtering, RAGEN's reward normalization, advantage estimators, the clipped policy loss and the
+  KL estimators.
+- ``logprobs``: token log-probs and entropies at the loss positions, in chunks, with shared
+  prompt prefixes; ``memory``: a training step's peak memory.
 - ``samples``: a rollout made into ``Sample``s with advantages, and the batch's metrics.
 - ``actor``: ``PPOActor``, the update over mini- and micro-batches.
 - ``policy``: the trained model (the engine's own, or a copy), its LoRA adapter, and its
@@ -21,8 +23,8 @@
 
 from ragen.trainer.actor import PPOActor
 from ragen.trainer.config import TrainerConfig
-from ragen.trainer.core import (ADV_ESTIMATORS, Sample, compute_advantages, filter_groups, normalize_rewards,
-                               sequence_logprobs)
+from ragen.trainer.core import ADV_ESTIMATORS, Sample, compute_advantages, filter_groups, normalize_rewards
+from ragen.trainer.logprobs import sequence_logprobs
 from ragen.trainer.trainer import AgentTrainer
 
 __all__ = ["ADV_ESTIMATORS", "AgentTrainer", "PPOActor", "Sample", "TrainerConfig", "compute_advantages",

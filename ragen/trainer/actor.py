@@ -42,8 +42,8 @@ from typing import Any, Callable, Sequence
 import torch
 
 from ragen.trainer.config import TrainerConfig
-from ragen.trainer.core import (Sample, WeightStats, group_indices, importance_weights, kl_penalty, policy_loss,
-                                sequence_logprobs)
+from ragen.trainer.core import Sample, WeightStats, group_indices, importance_weights, kl_penalty, policy_loss
+from ragen.trainer.logprobs import sequence_logprobs
 
 logger = logging.getLogger(__name__)
 
@@ -88,7 +88,8 @@ class PPOActor:
     def _forward(self, samples: Sequence[Sample], entropy_grad: bool = False):
         return sequence_logprobs(self.model, samples, self.pad_token_id, with_entropy_grad=entropy_grad,
                                  share_prefix=self.config.model.share_prefix, temperature=self.temperature,
-                                 chunk_size=self.config.actor.logprob_chunk_size)
+                                 chunk_size=self.config.actor.logprob_chunk_size,
+                                 checkpoint_layers=self.config.model.enable_gradient_checkpointing)
 
     @torch.no_grad()
     def compute_log_probs(self, samples: Sequence[Sample]) -> list[torch.Tensor]:

@@ -35,7 +35,8 @@ from typing import Mapping
 
 from ragen.config_reader import check_keys, read, setting, to_plain
 from ragen.rollout.config import ROLLOUT_SECTIONS, SeedConfig
-from ragen.trainer.core import ADV_ESTIMATORS, CORRECTIONS, DEFAULT_CHUNK_SIZE, KL_TYPES
+from ragen.trainer.core import ADV_ESTIMATORS, CORRECTIONS, KL_TYPES
+from ragen.trainer.logprobs import DEFAULT_CHUNK_SIZE, checkpointable_layer
 
 LOGGERS = ("console", "jsonl", "tensorboard", "wandb")
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean")
@@ -143,8 +144,12 @@ class ModelSection:
     lora_alpha: float = setting(16.0, minimum=0.0)
     target_modules: str | list[str] = "all-linear"
     share_prefix: bool = True
+    # each decoder layer keeps only its input for the backward pass and runs again there
+    enable_gradient_checkpointing: bool = False
 
     def __post_init__(self) -> None:
+        if self.enable_gradient_checkpointing:
+            checkpointable_layer()
         if isinstance(self.target_modules, list) and not self.target_modules:
             raise ValueError("actor_rollout_ref.model.target_modules must be 'all-linear' or a list of module "
                              "names, got []")

@@ -14,18 +14,7 @@
     (``agent_proxy.reward_normalization.grouping`` / ``.method``); with the
     default ``identity`` that is the raw episode reward.
 
-- *Token log-probs* (``sequence_logprobs``): log pi(token | prefix) of the
-  model's own tokens, with the entropy of the next-token distribution there.
-  The output layer runs only at the positions that predict a loss token, a
-  chunk of them at a time (``token_stats``), and each chunk's
-  full-vocabulary logits are made again in the backward pass instead of
-  being kept for it.
-  Sequences of one group start with the same prompt; that *shared prefix* is
-  run once (its key/value cache repeated for the members, which keeps gradients
-  exact) instead of once per member. On a CPU most tokens of an agent episode
-  are prompt, so this is the largest saving of the update.
-  Logits are divided by the rollout's sampling temperature first (1 for greedy
-  decoding), so the policy scored is the distribution the engine sampled from.
+- *Token log-probs*: ``ragen.trainer.logprobs``.
 - *Off-policy correction* (``importance_weights``, ``CORRECTIONS``): the
   engine's log-prob of each sampled token (the *behaviour* policy, which may be
   versions older than the trainer, or numerically different) against the
@@ -43,25 +32,17 @@
 
 from __future__ import annotations
 
-import contextlib
 import math
 from dataclasses import dataclass
 from typing import Any, Sequence
 
 import numpy as np
 import torch
-from torch.utils.checkpoint import checkpoint
 
 from ragen.rollout.context import GROUPINGS, METHODS, ContextConfig
-from ragen.utils import common_prefix_length
 
 ADV_ESTIMATORS = ("grpo", "reinforce")
 CORRECTIONS = ("none", "tis", "decoupled")
-# Below this many shared tokens a separate prefix pass costs more than it saves.
-MIN_SHARED_PREFIX = 8
-# Loss positions whose logits are made at once: a chunk's full-vocabulary logits in float32
-# (positions x vocabulary x 4 bytes: 50 MB at 256 x 49,152) are the largest tensor of the update.
-DEFAULT_CHUNK_SIZE = 256
 
 
 @dataclass
@@ -81,6 +62,11 @@ class Sample:
     @property
     def num_loss_tokens(self) -> int:
         return int(sum(self.loss_mask))
+
+
+def loss_positions(sample: Sample) -> list[int]:
+    """Positions t (t >= 1) whose token is the model's; its log-prob comes from logits at t - 1."""
+    return [t for t, m in enumerate(sample.loss_mask) if m and t >= 1]
 
 
 # ---------------------------------------------------------------- groups & advantages
@@ -164,177 +150,6 @@ def _normalize(x: np.ndarray, method: str) -> np.ndarray:
     if method == "mean_std":
         return z
     return np.clip(z, -1.0, 3.0)  # asym_clip: keep rare large successes, bound failures
-
-
-# ---------------------------------------------------------------- log-probs
-
-
-@dataclass
-class TokenStats:
-    """Per micro-batch: values at the loss tokens, flattened in sample order."""
-
-    logp: torch.Tensor  # (n_tokens,)
-    entropy: torch.Tensor  # (n_tokens,)
-    counts: list[int]  # loss tokens per sample
-
-
-def _chunk_stats(hidden: torch.Tensor, targets: torch.Tensor, head: Any, temperature: float,
-                 with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """log p(targets) and the entropy at the rows of ``hidden`` (positions, model width), from the
-    output layer's logits divided by ``temperature``, in float32; the entropy has a gradient only
-    ``with_entropy``."""
-    logits = head(hidden).float()
-    if temperature != 1.0:
-        logits = logits / temperature
-    logz = torch.logsumexp(logits, dim=-1)
-    logp = logits.gather(-1, targets[:, None])[:, 0] - logz
-    with contextlib.nullcontext() if with_entropy else torch.no_grad():
-        entropy = logz - (torch.softmax(logits, dim=-1) * logits).sum(-1)
-    return logp, entropy
-
-
-def token_stats(hidden: torch.Tensor, targets: torch.Tensor, head: Any, temperature: float = 1.0,
-                with_entropy_grad: bool = False, chunk_size: int = DEFAULT_CHUNK_SIZE,
-                ) -> tuple[torch.Tensor, torch.Tensor]:
-    """log p(targets) and the entropy at each row of ``hidden`` (the last layer's states at the
-    positions that predict ``targets``), ``chunk_size`` rows at a time. With gradients on, each
-    chunk's logits are made again in the backward pass rather than kept (activation
-    checkpointing), so no full-vocabulary tensor outlives its chunk."""
-    logps, entropies = [], []
-    for start in range(0, hidden.shape[0], chunk_size):
-        args = (hidden[start: start + chunk_size], targets[start: start + chunk_size], head, temperature,
-                with_entropy_grad)
-        if torch.is_grad_enabled():
-            logp, entropy = checkpoint(_chunk_stats, *args, use_reentrant=False)
-        else:
-            logp, entropy = _chunk_stats(*args)
-        logps.append(logp)
-        entropies.append(entropy if with_entropy_grad else entropy.detach())
-    if not logps:
-        empty = hidden.new_zeros(0, dtype=torch.float32)
-        return empty, empty
-    return torch.cat(logps), torch.cat(entropies)
-
-
-def loss_positions(sample: Sample) -> list[int]:
-    """Positions t (t >= 1) whose token is the model's; its log-prob comes from logits at t - 1."""
-    return [t for t, m in enumerate(sample.loss_mask) if m and t >= 1]
-
-
-def _model_device(model: Any) -> torch.device:
-    return next(model.parameters()).device
-
-
-def sequence_logprobs(
-    model: Any,
-    samples: Sequence[Sample],
-    pad_token_id: int = 0,
-    with_entropy_grad: bool = False,
-    share_prefix: bool = True,
-    temperature: float = 1.0,
-    chunk_size: int = DEFAULT_CHUNK_SIZE,
-) -> TokenStats:
-    """Log-probs (and entropies) of each sample's loss tokens under ``model`` with its logits
-    divided by ``temperature`` (the sampling temperature; 1 for greedy decoding).
-
-    The model's decoder runs over the tokens; its output layer only at the positions that
-    predict a loss token, ``chunk_size`` of them at a time (``token_stats``). Samples with
-    the same ``group_key`` whose token lists share at least ``MIN_SHARED_PREFIX`` leading
-    tokens are run as one prefix pass plus a batch of suffixes; the rest as one left-padded
-    batch. Gradients flow when the caller has them enabled; results are in sample order
-    either way.
-    """
-    device = _model_device(model)
-    run = _Passes(model.get_decoder(), model.get_output_embeddings(), device, pad_token_id, with_entropy_grad,
-                  temperature, chunk_size)
-    per_sample: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * len(samples)
-    rest: list[int] = []
-    clusters = group_indices([s.group_key for s in samples]) if share_prefix else {}
-    if not share_prefix:
-        rest = list(range(len(samples)))
-    for members in clusters.values():
-        if len(members) < 2:
-            rest += members
-            continue
-        seqs = [samples[i].input_ids for i in members]
-        first_loss = min(loss_positions(samples[i])[0] for i in members if loss_positions(samples[i]))
-        # The token before the first answer token stays in the suffix: its logits score that answer token.
-        shared = min(common_prefix_length(seqs), first_loss - 1)
-        if shared < MIN_SHARED_PREFIX:
-            rest += members
-            continue
-        for i, out in zip(members, run.shared_prefix([samples[i] for i in members], shared)):
-            per_sample[i] = out
-    if rest:
-        rest.sort()
-        for i, out in zip(rest, run.padded([samples[i] for i in rest])):
-            per_sample[i] = out
-    logps = [p[0] for p in per_sample]  # type: ignore[index]
-    ents = [p[1] for p in per_sample]  # type: ignore[index]
-    return TokenStats(logp=torch.cat(logps), entropy=torch.cat(ents), counts=[len(x) for x in logps])
-
-
-@dataclass(frozen=True)
-class _Passes:
-    """The forward passes of ``sequence_logprobs``: the model's decoder (its last layer's states,
-    normalized) and its output layer (``head``), applied at the loss positions alone."""
-
-    decoder: Any
-    head: Any
-    device: torch.device
-    pad_token_id: int
-    with_entropy_grad: bool
-    temperature: float
-    chunk_size: int
-
-    def shared_prefix(self, samples: Sequence[Sample], shared: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        n = len(samples)
-        prefix = torch.tensor([samples[0].input_ids[:shared]], dtype=torch.long, device=self.device)
-        cache = self.decoder(input_ids=prefix, use_cache=True).past_key_values
-        # Every member attends to the same prefix keys/values; repeat_interleave is differentiable,
-        # so the prefix's gradient is the sum over members, as in n separate passes.
-        cache.batch_repeat_interleave(n)
-        suffixes = [s.input_ids[shared:] for s in samples]
-        width = max(len(s) for s in suffixes)
-        ids = torch.full((n, width), self.pad_token_id, dtype=torch.long, device=self.device)
-        for row, suffix in enumerate(suffixes):  # right padding: pads come after every real token
-            ids[row, : len(suffix)] = torch.tensor(suffix, dtype=torch.long)
-        mask = torch.ones((n, shared + width), dtype=torch.long, device=self.device)
-        positions = (shared + torch.arange(width, device=self.device)).unsqueeze(0).expand(n, -1)
-        hidden = self.decoder(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache,
-                              use_cache=True).last_hidden_state
-        return self.at_loss_positions(hidden, samples, [-shared] * n)
-
-    def padded(self, samples: Sequence[Sample]) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        n = len(samples)
-        width = max(len(s.input_ids) for s in samples)
-        ids = torch.full((n, width), self.pad_token_id, dtype=torch.long, device=self.device)
-        mask = torch.zeros((n, width), dtype=torch.long, device=self.device)
-        offsets = []
-        for row, s in enumerate(samples):  # left padding, as in generation
-            off = width - len(s.input_ids)
-            ids[row, off:] = torch.tensor(s.input_ids, dtype=torch.long)
-            mask[row, off:] = 1
-            offsets.append(off)
-        positions = (mask.cumsum(-1) - 1).clamp(min=0)
-        hidden = self.decoder(input_ids=ids, attention_mask=mask, position_ids=positions,
-                              use_cache=False).last_hidden_state
-        return self.at_loss_positions(hidden, samples, offsets)
-
-    def at_loss_positions(self, hidden: torch.Tensor, samples: Sequence[Sample],
-                          shifts: Sequence[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Per sample, its loss tokens' log-probs and entropies. The state that predicts the
-        token at position ``p`` of ``samples[row]`` is ``hidden[row, p - 1 + shifts[row]]``
-        (``shifts``: where the row's states start against the sample's positions)."""
-        rows, targets, counts = [], [], []
-        for row, sample in enumerate(samples):
-            pos = loss_positions(sample)
-            rows.append(hidden[row, torch.tensor(pos, dtype=torch.long, device=self.device) - 1 + shifts[row]])
-            targets.append(torch.tensor([sample.input_ids[p] for p in pos], dtype=torch.long, device=self.device))
-            counts.append(len(pos))
-        logp, entropy = token_stats(torch.cat(rows), torch.cat(targets), self.head, self.temperature,
-                                    self.with_entropy_grad, self.chunk_size)
-        return list(zip(torch.split(logp, counts), torch.split(entropy, counts)))
 
 
 # ---------------------------------------------------------------- losses

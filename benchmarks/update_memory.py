@@ -1,0 +1,73 @@
+"""Peak RSS and wall time of one actor update, on a batch the size of a SimpleSokoban training step.
+
+16 episodes (4 groups of 4 sharing a 300-token prompt), each turn a 48-token answer and 180 tokens of
+the next prompt, random token ids; the default model (SmolLM2-135M, float32) with the default LoRA
+(rank 16, alpha 32, all linear layers), micro batch 8, mini batch 16, two torch threads.
+
+    python benchmarks/update_memory.py --turns 3 [--checkpoint-layers] [--mmap-threshold-kb 128]
+
+``--mmap-threshold-kb`` fixes glibc's mmap threshold (``mallopt``), so that memory the update
+frees goes back to the system at once instead of staying in the heap.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import time
+
+import torch
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--turns", type=int, default=3)
+    parser.add_argument("--checkpoint-layers", action="store_true")
+    parser.add_argument("--mmap-threshold-kb", type=int, default=None)
+    args = parser.parse_args()
+    torch.set_num_threads(2)
+    if args.mmap_threshold_kb is not None:
+        ctypes.CDLL("libc.so.6").mallopt(-3, args.mmap_threshold_kb * 1024)  # M_MMAP_THRESHOLD
+    from transformers import AutoModelForCausalLM
+
+    from ragen.llm.default_model import resolve_model_path
+    from ragen.trainer.actor import PPOActor
+    from ragen.trainer.config import ActorSection, ModelSection, OptimSection, TrainerConfig
+    from ragen.trainer.core import Sample
+    from ragen.trainer.policy import apply_lora
+
+    cfg = TrainerConfig(
+        actor=ActorSection(ppo_mini_batch_size=16, ppo_micro_batch_size_per_gpu=8, shuffle=False,
+                           optim=OptimSection(lr=1e-5)),
+        model=ModelSection(lora_rank=16, lora_alpha=32, enable_gradient_checkpointing=args.checkpoint_layers))
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_pretrained(resolve_model_path("default"), dtype=torch.float32,
+                                                 local_files_only=True)
+    model = apply_lora(model, cfg.model)
+    gen = torch.Generator().manual_seed(1)
+    tokens = lambda n: torch.randint(100, 40000, (n,), generator=gen).tolist()  # noqa: E731
+    samples = []
+    for group in range(4):
+        prompt = tokens(300)
+        for member in range(4):
+            ids, mask = list(prompt), [0] * len(prompt)
+            for turn in range(args.turns):
+                ids, mask = ids + tokens(48), mask + [1] * 48
+                if turn + 1 < args.turns:
+                    ids, mask = ids + tokens(180), mask + [0] * 180
+            samples.append(Sample(ids, mask, advantage=float(member % 2) - 0.5, group_key=group))
+    actor = PPOActor(model, cfg, pad_token_id=0)
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # the peak resident set from here
+    t0 = time.perf_counter()
+    metrics = actor.update(samples, 1)
+    seconds = time.perf_counter() - t0
+    with open("/proc/self/status") as f:
+        peak_kb = int(next(line for line in f if line.startswith("VmHWM")).split()[1])
+    print(f"turns={args.turns} tokens/episode={len(samples[0].input_ids)} checkpoint_layers={args.checkpoint_layers} "
+          f"mmap_threshold_kb={args.mmap_threshold_kb}: update {seconds:.1f} s, peak RSS {peak_kb / 1024**2:.2f} GB, "
+          f"grad_norm {metrics['actor/grad_norm']:.6f}")
+
+
+if __name__ == "__main__":
+    main()
