@@ -39,7 +39,9 @@ def main() -> None:
     cfg = TrainerConfig(
         actor=ActorSection(ppo_mini_batch_size=16, ppo_micro_batch_size_per_gpu=8, shuffle=False,
                            optim=OptimSection(lr=1e-5)),
-        model=ModelSection(lora_rank=16, lora_alpha=32, enable_gradient_checkpointing=args.checkpoint_layers))
+        # the key only when asked for, so that the script also runs on trees from before it
+        model=ModelSection(lora_rank=16, lora_alpha=32,
+                           **({"enable_gradient_checkpointing": True} if args.checkpoint_layers else {})))
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_pretrained(resolve_model_path("default"), dtype=torch.float32,
                                                  local_files_only=True)
