@@ -25,7 +25,6 @@ from ragen.rollout.env_calls import EnvError, EnvSlot, EnvThreads, KeptEnvs
 from ragen.rollout.episode import EnvTurns, Playing
 from ragen.rollout.loop_config import LoopConfig, LoopStats
 from ragen.rollout.types import EnvSpec, StopReason, Trajectory
-from ragen.llm.types import EngineError
 from ragen.serving.client import LLMClient, Stream
 from ragen.serving.transport import Transport
 from ragen.serving.wire import MessageTooLarge

@@ -45,11 +45,11 @@ class Stream:
         """The stream sends no more requests (once; a closed stream stays closed)."""
         self._client._close(self, hold)
 
-    def error(self) -> BaseException | None:
-        """What the engine raised for the answered request list (an ``EngineError``); None when it answered."""
+    def error(self) -> EngineError | None:
+        """What the engine raised for the answered request list; None when it answered."""
         if self.future is None or not self.future.done():
             raise RuntimeError("the stream has no answered request list")
-        return self.future.exception()
+        return self.future.exception()  # type: ignore[return-value]  # wait() sets only EngineErrors
 
 
 class LLMClient:

@@ -76,7 +76,7 @@ def token_stats(hidden: torch.Tensor, targets: torch.Tensor, head: Any, temperat
         else:
             logp, entropy = _chunk_stats(*args)
         logps.append(logp)
-        entropies.append(entropy if with_entropy_grad else entropy.detach())
+        entropies.append(entropy)  # without a gradient unless with_entropy_grad (made under no_grad)
     if not logps:
         empty = hidden.new_zeros(0, dtype=torch.float32)
         return empty, empty
