@@ -5,6 +5,7 @@ Every test runs on CPU with the tiny random model from ``build_tiny_model``.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import shutil
@@ -221,6 +222,36 @@ def test_update_is_deterministic_and_independent_of_the_micro_batch_split(tiny_m
         # Adam divides by sqrt(v): near-zero gradients turn float noise into up to ~1% of a step (lr 3e-3)
         torch.testing.assert_close(w, weights[0], atol=5e-5, rtol=1e-4)
     assert max(losses) - min(losses) < 1e-6
+
+
+def test_update_with_a_prompt_root_equals_the_update_without_prompt_sharing(tiny_model_path):
+    """Two groups behind one system prompt, micro-batches that split them: the prompt root (run
+    once a mini-batch, its gradient summed over micro-batches) gives the gradient of plain passes."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_model_path)
+    samples = _episode_samples(tok, ["<answer> dragon </answer>", "no", "<answer> phoenix </answer> ok"],
+                               [1.0, -1.0, 0.5])
+    samples += _episode_samples(tok, ["<answer> Up </answer>", "<answer> Left </answer>", "x"], [1.0, -0.5, -0.5],
+                                prompt="Another, longer question here?", group=1)
+    grads, metrics = [], []
+    for share in (True, False):
+        model = AutoModelForCausalLM.from_pretrained(tiny_model_path).eval()
+        cfg = _trainer_config(lr=3e-3, weight_decay=0.0, ppo_mini_batch_size=8, ppo_micro_batch_size_per_gpu=2,
+                              shuffle=False)
+        actor = PPOActor(model, dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, share_prefix=share)))
+        seen = []
+        step = actor._optimizer_step
+
+        def record(step_no, step=step, seen=seen):
+            seen.append(torch.cat([p.grad.flatten() for p in actor.params]))
+            return step(step_no)
+
+        actor._optimizer_step = record
+        metrics.append(actor.update(samples, 0))
+        grads.append(seen[0])
+    assert float((grads[0] - grads[1]).norm() / grads[1].norm()) < 1e-4
+    assert abs(metrics[0]["actor/pg_loss"] - metrics[1]["actor/pg_loss"]) < 1e-6
 
 
 def test_several_minibatches_and_epochs_use_precomputed_old_log_probs(tiny_model_and_tokenizer):

@@ -214,3 +214,57 @@ def test_the_prefix_caches_give_a_layer_run_again_what_its_first_run_got():
     second = read_only.update(suffix, suffix, 0)
     assert first[0].shape[-2] == second[0].shape[-2] == 7 and torch.equal(first[0], second[0])
     assert read_only.layers[0].keys.shape[-2] == 5  # nothing added
+
+
+def _with_system_prompt(tokenizer, samples: list[Sample]) -> list[Sample]:
+    """The samples behind one system prompt that every one of them starts with (a prompt root)."""
+    system = tokenizer.encode("You are a careful agent. Answer in the format asked for, and think first.",
+                              add_special_tokens=False)
+    return [Sample(system + s.input_ids, [0] * len(system) + s.loss_mask, advantage=s.advantage,
+                   group_key=s.group_key) for s in samples]
+
+
+@pytest.mark.parametrize("checkpoint_layers", [False, True])
+def test_a_prompt_root_run_once_gives_the_log_probs_and_gradients_of_separate_passes(tiny_model_and_tokenizer,
+                                                                                    checkpoint_layers):
+    from ragen.trainer.logprobs import prompt_root
+
+    model, tok = tiny_model_and_tokenizer
+    model.eval()
+    samples = _with_system_prompt(tok, _samples(tok))
+    counts = [s.num_loss_tokens for s in samples]
+    ref_logp, ref_entropy = _reference(model, samples, 1.0, share_prefix=False)
+    ref_grads = _grads(model, _loss(ref_logp, ref_entropy, samples, counts))
+    model.zero_grad()
+    root = prompt_root(model, samples, checkpoint_layers=checkpoint_layers)
+    assert root is not None and root.length == common_prefix_length([s.input_ids for s in samples])
+    logps = []
+    for batch in (samples[:2], samples[2:5], samples[5:]):  # micro-batches that split groups
+        stats = sequence_logprobs(model, batch, tok.pad_token_id or 0, with_entropy_grad=True, root=root,
+                                  checkpoint_layers=checkpoint_layers)
+        _loss(stats.logp, stats.entropy, batch, stats.counts).mul(len(stats.logp) / len(ref_logp)).backward()
+        logps.append(stats.logp.detach())
+    def grads():
+        return torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
+
+    before = grads()
+    root.backward()
+    after = grads()
+    # the root's share of the gradient arrives through root.backward(), not before
+    assert float((after - before).norm()) > 1e-3 * float(after.norm())
+    torch.testing.assert_close(torch.cat(logps), ref_logp.detach(), atol=1e-5, rtol=1e-5)
+    assert float((after - ref_grads).norm() / ref_grads.norm()) < 1e-4
+
+
+def test_a_prompt_root_needs_a_long_enough_common_start(tiny_model_and_tokenizer):
+    from ragen.trainer.logprobs import prompt_root
+
+    model, tok = tiny_model_and_tokenizer
+    samples = _samples(tok)
+    with torch.no_grad():
+        assert prompt_root(model, samples) is None  # the two groups' prompts differ from the start
+        rooted = _with_system_prompt(tok, samples)
+        assert prompt_root(model, rooted[:1]) is None
+        root = prompt_root(model, rooted)
+        with pytest.raises(ValueError, match="prompt root"):
+            sequence_logprobs(model, samples, root=root)

@@ -13,7 +13,9 @@ One ``update(samples, step)``:
 3. For each of ``ppo_epochs``: the samples (whole groups kept together, their
    order shuffled by a generator seeded from (seed, step, epoch)) are cut into
    mini-batches of ``ppo_mini_batch_size``; each mini-batch into micro-batches
-   of ``ppo_micro_batch_size_per_gpu`` whose gradients accumulate; then the
+   of ``ppo_micro_batch_size_per_gpu`` whose gradients accumulate (with
+   ``share_prefix``, the prompt that every sample of the mini-batch starts with
+   runs once, its gradient summed over the micro-batches); then the
    gradient is clipped to ``grad_clip`` and the optimizer steps, under the
    engine's lock when the engine shares these weights.
 
@@ -43,7 +45,7 @@ import torch
 
 from ragen.trainer.config import TrainerConfig
 from ragen.trainer.core import Sample, WeightStats, group_indices, importance_weights, kl_penalty, policy_loss
-from ragen.trainer.logprobs import sequence_logprobs
+from ragen.trainer.logprobs import PromptRoot, prompt_root, sequence_logprobs
 
 logger = logging.getLogger(__name__)
 
@@ -85,11 +87,15 @@ class PPOActor:
 
     # ------------------------------------------------------------ log-probs
 
-    def _forward(self, samples: Sequence[Sample], entropy_grad: bool = False):
+    def _root(self, samples: Sequence[Sample]) -> PromptRoot | None:
+        if not self.config.model.share_prefix:
+            return None
+        return prompt_root(self.model, samples, self.config.model.enable_gradient_checkpointing)
+
+    def _forward(self, samples: Sequence[Sample], root: PromptRoot | None, entropy_grad: bool = False):
         return sequence_logprobs(self.model, samples, self.pad_token_id, with_entropy_grad=entropy_grad,
-                                 share_prefix=self.config.model.share_prefix, temperature=self.temperature,
-                                 chunk_size=self.config.actor.logprob_chunk_size,
-                                 checkpoint_layers=self.config.model.enable_gradient_checkpointing)
+                                 checkpoint_layers=self.config.model.enable_gradient_checkpointing, root=root,
+                                 **_options(self.config, self.temperature))
 
     @torch.no_grad()
     def compute_log_probs(self, samples: Sequence[Sample]) -> list[torch.Tensor]:
@@ -141,11 +147,15 @@ class PPOActor:
                     denom = float(sum(samples[i].num_loss_tokens for i in mb))
                 else:
                     denom = float(len(mb))
+                # the prompt every sample of the mini-batch starts with: run once, its gradient summed
+                root = self._root([samples[i] for i in mb])
                 for mc_start in range(0, len(mb), micro):
                     idx = mb[mc_start: mc_start + micro]
-                    self._micro_step([samples[i] for i in idx], None if old is None else [old[i] for i in idx],
+                    self._micro_step([samples[i] for i in idx], root, None if old is None else [old[i] for i in idx],
                                      None if ref is None else [ref[i] for i in idx], denom, sums,
                                      weights if epoch == 0 else None)
+                if root is not None:
+                    root.backward()
                 norm = self._optimizer_step(step)
                 if norm is None:
                     skipped += 1
@@ -196,11 +206,11 @@ class PPOActor:
             })
         return out
 
-    def _micro_step(self, samples: Sequence[Sample], old: list[torch.Tensor] | None,
+    def _micro_step(self, samples: Sequence[Sample], root: PromptRoot | None, old: list[torch.Tensor] | None,
                     ref: list[torch.Tensor] | None, denom: float, sums: dict[str, float],
                     weights: WeightStats | None) -> None:
         cfg = self.config.actor
-        stats = self._forward(samples, entropy_grad=cfg.entropy_coeff != 0.0)
+        stats = self._forward(samples, root, entropy_grad=cfg.entropy_coeff != 0.0)
         logp = stats.logp
         device = logp.device
         # the proximal policy: the weights at the start of the update
@@ -245,12 +255,18 @@ def logprobs_by_micro_batch(model: Any, samples: Sequence[Sample], pad_token_id:
     samples a pass (no gradient: the caller turns it off)."""
     out: list[torch.Tensor] = []
     micro = config.actor.ppo_micro_batch_size_per_gpu
+    root = prompt_root(model, samples) if config.model.share_prefix else None
     for start in range(0, len(samples), micro):
-        stats = sequence_logprobs(model, samples[start: start + micro], pad_token_id,
-                                  share_prefix=config.model.share_prefix, temperature=temperature,
-                                  chunk_size=config.actor.logprob_chunk_size)
+        stats = sequence_logprobs(model, samples[start: start + micro], pad_token_id, root=root,
+                                  **_options(config, temperature))
         out += list(torch.split(stats.logp.detach(), stats.counts))
     return out
+
+
+def _options(config: TrainerConfig, temperature: float) -> dict[str, Any]:
+    """``sequence_logprobs``'s settings from the config, the same for the actor and its references."""
+    return {"share_prefix": config.model.share_prefix, "temperature": temperature,
+            "chunk_size": config.actor.logprob_chunk_size}
 
 
 def adapter_off_reference(peft_model: Any, pad_token_id: int, config: TrainerConfig, temperature: float = 1.0):

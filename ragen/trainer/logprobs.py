@@ -8,8 +8,11 @@ full-vocabulary logits are made again in the backward pass instead of
 being kept for it.
 Sequences of one group start with the same prompt; that *shared prefix* is
 run once (its key/value cache repeated for the members, which keeps gradients
-exact) instead of once per member. On a CPU most tokens of an agent episode
-are prompt, so this is the largest saving of the update.
+exact) instead of once per member. The tokens that every sequence of a batch
+starts with (a system prompt, a worked example) are run once for the whole
+batch, across its micro-batches: the *prompt root* (``prompt_root``), whose
+gradient is carried through it once, summed. On a CPU most tokens of an agent
+episode are prompt, so this is the largest saving of the update.
 Logits are divided by the rollout's sampling temperature first (1 for greedy
 decoding), so the policy scored is the distribution the engine sampled from.
 """
@@ -96,6 +99,7 @@ def sequence_logprobs(
     temperature: float = 1.0,
     chunk_size: int = DEFAULT_CHUNK_SIZE,
     checkpoint_layers: bool = False,
+    root: PromptRoot | None = None,
 ) -> TokenStats:
     """Log-probs (and entropies) of each sample's loss tokens under ``model`` with its logits
     divided by ``temperature`` (the sampling temperature; 1 for greedy decoding).
@@ -106,15 +110,83 @@ def sequence_logprobs(
     tokens are run as one prefix pass plus a batch of suffixes; the rest as one left-padded
     batch. Gradients flow when the caller has them enabled; results are in sample order
     either way. ``checkpoint_layers`` (with gradients on): each decoder layer keeps only its
-    input for the backward pass and runs again there (``layers_checkpointed``).
+    input for the backward pass and runs again there (``layers_checkpointed``). ``root``: the
+    prompt every sample starts with, already run (``prompt_root``); the passes start after it.
     """
     device = _model_device(model)
     decoder = model.get_decoder()
     checkpoint_layers = checkpoint_layers and torch.is_grad_enabled()
+    if root is not None:
+        root.check(samples)
     run = _Passes(decoder, model.get_output_embeddings(), device, pad_token_id, with_entropy_grad,
-                  temperature, chunk_size, read_only_prefix=checkpoint_layers)
+                  temperature, chunk_size, read_only_prefix=checkpoint_layers, root=root)
     with layers_checkpointed(decoder) if checkpoint_layers else contextlib.nullcontext():
         return run.all(samples, share_prefix)
+
+
+@dataclass
+class PromptRoot:
+    """The tokens every sample of a batch starts with, run once for the batch: the keys and
+    values of each layer there (``kv``), which the passes of ``sequence_logprobs`` read.
+
+    With gradients on, ``kv`` are detached copies of the root pass's outputs: each micro-batch's
+    backward pass adds its gradient to them, and ``backward()`` carries the sum through the
+    root's own pass once (the same gradient as a root pass per micro-batch, summed)."""
+
+    ids: list[int]
+    kv: list[tuple[torch.Tensor, torch.Tensor]]
+    made: list[tuple[torch.Tensor, torch.Tensor]] | None = None  # with the root pass's graph
+
+    @property
+    def length(self) -> int:
+        return len(self.ids)
+
+    def check(self, samples: Sequence[Sample]) -> None:
+        for s in samples:
+            if s.input_ids[: self.length] != self.ids:
+                raise ValueError("a sample does not start with the prompt root it was given")
+
+    def backward(self) -> None:
+        """Carry the gradient the micro-batches left on ``kv`` through the root pass (once)."""
+        if self.made is None:
+            return
+        outputs, grads = [], []
+        for made, read in zip(self.made, self.kv):
+            for out, leaf in zip(made, read):
+                if leaf.grad is not None:
+                    outputs.append(out)
+                    grads.append(leaf.grad)
+        self.made = None
+        if outputs:
+            torch.autograd.backward(outputs, grads)
+
+
+def prompt_root(model: Any, samples: Sequence[Sample], checkpoint_layers: bool = False) -> PromptRoot | None:
+    """The tokens every sample starts with, up to the token before the first answer token, run
+    through the model's decoder once; None where they are fewer than ``MIN_SHARED_PREFIX`` or
+    there is one sample. Gradients flow when the caller has them enabled: then the caller calls
+    ``backward()`` after the backward passes of the batches that read the root."""
+    firsts = [loss_positions(s)[0] for s in samples if loss_positions(s)]
+    if len(samples) < 2 or not firsts:
+        return None
+    length = min(common_prefix_length([s.input_ids for s in samples]), min(firsts) - 1)
+    if length < MIN_SHARED_PREFIX:
+        return None
+    ids = list(samples[0].input_ids[:length])
+    decoder = model.get_decoder()
+    tokens = torch.tensor([ids], dtype=torch.long, device=_model_device(model))
+    if not torch.is_grad_enabled():
+        cache = decoder(input_ids=tokens, use_cache=True).past_key_values
+        return PromptRoot(ids, [(layer.keys, layer.values) for layer in cache.layers])
+    if checkpoint_layers:
+        cache = _RecordOnce()
+        with layers_checkpointed(decoder):
+            decoder(input_ids=tokens, past_key_values=cache, use_cache=True)
+    else:
+        cache = decoder(input_ids=tokens, use_cache=True).past_key_values
+    made = [(layer.keys, layer.values) for layer in cache.layers]
+    kv = [(k.detach().requires_grad_(), v.detach().requires_grad_()) for k, v in made]
+    return PromptRoot(ids, kv, made)
 
 
 def checkpointable_layer() -> type:
@@ -170,16 +242,20 @@ class _Checkpointed:
 class _RecordOnce(DynamicCache):
     """The prefix pass's cache under layer checkpointing: each layer's keys and values are kept
     when the layer first runs, not again when it runs again for the backward pass (which then
-    sees the empty cache its first run saw)."""
+    sees the cache its first run saw: ``base``, the prompt root's, or empty)."""
 
-    def __init__(self) -> None:
-        super().__init__()
+    def __init__(self, base: list[tuple[torch.Tensor, torch.Tensor]] | None = None) -> None:
+        super().__init__(base) if base else super().__init__()
+        self.base = base
         self.recorded: set[int] = set()
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any,
                **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
         if layer_idx in self.recorded:
-            return key_states, value_states
+            if not self.base:
+                return key_states, value_states
+            keys, values = self.base[layer_idx]
+            return torch.cat([keys, key_states], dim=-2), torch.cat([values, value_states], dim=-2)
         self.recorded.add(layer_idx)
         return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 
@@ -208,10 +284,13 @@ class _Passes:
     temperature: float
     chunk_size: int
     read_only_prefix: bool = False  # the suffix pass reads the prefix's cache without adding to it
+    root: PromptRoot | None = None  # the prompt every sample starts with, already run
 
     def all(self, samples: Sequence[Sample], share_prefix: bool) -> TokenStats:
-        """Every sample: those of a group sharing a long enough prefix in one prefix pass, the rest padded."""
+        """Every sample: those of a group sharing a long enough prefix in one prefix pass, the rest
+        padded (or, after a prompt root, in one batch that starts there)."""
         per_sample: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * len(samples)
+        start = self.root.length if self.root is not None else 0
         rest: list[int] = []
         clusters = group_indices([s.group_key for s in samples]) if share_prefix else {}
         if not share_prefix:
@@ -224,28 +303,41 @@ class _Passes:
             first_loss = min(loss_positions(samples[i])[0] for i in members if loss_positions(samples[i]))
             # The token before the first answer token stays in the suffix: its logits score that answer token.
             shared = min(common_prefix_length(seqs), first_loss - 1)
-            if shared < MIN_SHARED_PREFIX:
+            if shared - start < MIN_SHARED_PREFIX:
                 rest += members
                 continue
             for i, out in zip(members, self.shared_prefix([samples[i] for i in members], shared)):
                 per_sample[i] = out
         if rest:
             rest.sort()
-            for i, out in zip(rest, self.padded([samples[i] for i in rest])):
+            together = [samples[i] for i in rest]
+            outs = self.padded(together) if self.root is None else self.shared_prefix(together, start)
+            for i, out in zip(rest, outs):
                 per_sample[i] = out
         logps = [p[0] for p in per_sample]  # type: ignore[index]
         ents = [p[1] for p in per_sample]  # type: ignore[index]
         return TokenStats(logp=torch.cat(logps), entropy=torch.cat(ents), counts=[len(x) for x in logps])
 
     def shared_prefix(self, samples: Sequence[Sample], shared: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """``samples`` share their first ``shared`` tokens: those run once (after the prompt root,
+        when there is one), then the rest of each sample, right-padded, reading their cache."""
         n = len(samples)
-        prefix = torch.tensor([samples[0].input_ids[:shared]], dtype=torch.long, device=self.device)
-        if self.read_only_prefix:
-            recorded = _RecordOnce()
-            self.decoder(input_ids=prefix, past_key_values=recorded, use_cache=True)
-            cache = _ReadOnlyCache([(layer.keys, layer.values) for layer in recorded.layers])
-        else:
-            cache = self.decoder(input_ids=prefix, use_cache=True).past_key_values
+        base = self.root.kv if self.root is not None else None
+        start = self.root.length if self.root is not None else 0
+        if shared > start:
+            prefix = torch.tensor([samples[0].input_ids[start:shared]], dtype=torch.long, device=self.device)
+            after_root = {} if base is None else {  # the root's keys come first
+                "attention_mask": torch.ones((1, shared), dtype=torch.long, device=self.device),
+                "position_ids": torch.arange(start, shared, device=self.device).unsqueeze(0)}
+            if self.read_only_prefix:
+                recorded = _RecordOnce(base)
+                self.decoder(input_ids=prefix, past_key_values=recorded, use_cache=True, **after_root)
+                cache = _ReadOnlyCache([(layer.keys, layer.values) for layer in recorded.layers])
+            else:
+                cache = self.decoder(input_ids=prefix, past_key_values=DynamicCache(base) if base else None,
+                                     use_cache=True, **after_root).past_key_values
+        else:  # the prompt root is the whole shared prefix
+            cache = _ReadOnlyCache(base) if self.read_only_prefix else DynamicCache(base)
         # Every member attends to the same prefix keys/values; repeat_interleave is differentiable,
         # so the prefix's gradient is the sum over members, as in n separate passes.
         cache.batch_repeat_interleave(n)
