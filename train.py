@@ -58,7 +58,14 @@ def run(cfg: DictConfig) -> dict:
 
 @hydra.main(config_path="config", config_name="base", version_base=None)
 def main(cfg: DictConfig) -> None:
+    from ragen.allocator import relaunch_with
     from ragen.rollout.workers.executors import interrupt_on_sigterm
+
+    try:  # the allocator first: the command runs again with it preloaded, before anything is built
+        relaunch_with(cfg.get("trainer", {}).get("allocator", "auto"))
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        sys.exit(2)
 
     interrupt_on_sigterm()  # a terminated run shuts down as an interrupted one: workers stopped, none left
     run(cfg)

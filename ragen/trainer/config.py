@@ -33,6 +33,7 @@ import importlib.util
 from dataclasses import dataclass, field
 from typing import Mapping
 
+from ragen.allocator import CHOICES as ALLOCATORS
 from ragen.config_reader import check_keys, read, setting, to_plain
 from ragen.rollout.config import ROLLOUT_SECTIONS, SeedConfig
 from ragen.trainer.core import ADV_ESTIMATORS, CORRECTIONS, KL_TYPES
@@ -58,6 +59,7 @@ class TrainerSection:
     logger: str | list[str] = setting(default_factory=lambda: ["console", "jsonl"])
     max_actor_ckpt_to_keep: int | None = setting(None, minimum=1)
     seed: int | None = None  # None: seed.train
+    allocator: str = setting("auto", choices=ALLOCATORS)  # train.py's malloc (ragen.allocator)
     rollout_data_dir: str | None = None  # verl's key: dump every rollout here (ragen.rollout.dump); None: off
 
     def __post_init__(self) -> None:
