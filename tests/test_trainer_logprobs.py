@@ -97,9 +97,26 @@ def _grads(model, loss) -> torch.Tensor:
     return torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
 
 
-def _check_equal(model, tokenizer, settings):
+def _single_turn_samples(tokenizer) -> list[Sample]:
+    """Short answers after a long prompt, two groups and a lone one: the answers are packed in one
+    row after their group's prompt."""
+    enc = lambda text: tokenizer.encode(text, add_special_tokens=False)  # noqa: E731
+    rules = enc("You are playing a bandit game. Two arms, owl and wolf; each has its own reward distribution, "
+                "related to its name. Guess which arm gives more on average and answer in the format asked.")
+    out = []
+    for group, question in enumerate([" Which arm now?", " And which arm this time? Think first."]):
+        prompt = rules + enc(question)
+        for i, answer in enumerate(["<answer> owl </answer>", "<answer> wolf </answer>", "owl"]):
+            a = enc(answer)
+            out.append(Sample(prompt + a, [0] * len(prompt) + [1] * len(a), advantage=(-1.0) ** i, group_key=group))
+    lone = rules + enc(" <answer> owl </answer>")
+    out.append(Sample(lone, [0] * len(rules) + [1] * (len(lone) - len(rules)), advantage=0.5, group_key=9))
+    return out
+
+
+def _check_equal(model, tokenizer, settings, make_samples=_samples):
     model.eval()
-    samples = _samples(tokenizer)
+    samples = make_samples(tokenizer)
     counts = [s.num_loss_tokens for s in samples]
     for temperature in (1.0, 0.7):
         for share_prefix, chunk_size, checkpoint_layers in settings:
@@ -123,6 +140,33 @@ def test_chunked_log_probs_equal_the_full_vocabulary_ones_on_the_tiny_model(tiny
     model, tok = tiny_model_and_tokenizer
     _check_equal(model, tok, [(True, 5, False), (False, 5, False), (True, 256, False), (False, 256, False),
                               (True, 256, True), (False, 5, True)])
+
+
+def test_packed_answers_after_a_shared_prompt_equal_the_full_vocabulary_ones(tiny_model_and_tokenizer):
+    from ragen.trainer.logprobs import _Passes
+
+    model, tok = tiny_model_and_tokenizer
+    samples = _single_turn_samples(tok)
+    packed = []
+    real = _Passes.packed
+
+    def spy(self, batch, shared, cache):
+        packed.append(len(batch))
+        return real(self, batch, shared, cache)
+
+    _Passes.packed = spy
+    try:
+        _check_equal(model, tok, [(True, 5, False), (True, 256, True)], make_samples=_single_turn_samples)
+        with torch.no_grad():  # after a prompt root, the lone sample too
+            from ragen.trainer.logprobs import prompt_root
+            root = prompt_root(model, samples)
+            assert root is not None
+            torch.testing.assert_close(sequence_logprobs(model, samples, root=root).logp,
+                                       sequence_logprobs(model, samples, share_prefix=False).logp,
+                                       atol=1e-5, rtol=1e-5)
+    finally:
+        _Passes.packed = real
+    assert 3 in packed and 1 in packed, packed  # both groups' answers packed, and the lone one after the root
 
 
 def test_chunked_log_probs_equal_the_full_vocabulary_ones_on_the_default_model():

@@ -320,7 +320,8 @@ class _Passes:
 
     def shared_prefix(self, samples: Sequence[Sample], shared: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """``samples`` share their first ``shared`` tokens: those run once (after the prompt root,
-        when there is one), then the rest of each sample, right-padded, reading their cache."""
+        when there is one), then the rest of each sample, reading their cache: in one row
+        (``packed``) where the rests are no longer in all than the prefix, else right-padded."""
         n = len(samples)
         base = self.root.kv if self.root is not None else None
         start = self.root.length if self.root is not None else 0
@@ -338,11 +339,13 @@ class _Passes:
                                      use_cache=True, **after_root).past_key_values
         else:  # the prompt root is the whole shared prefix
             cache = _ReadOnlyCache(base) if self.read_only_prefix else DynamicCache(base)
+        suffixes = [s.input_ids[shared:] for s in samples]
+        total, width = sum(map(len, suffixes)), max(map(len, suffixes))
+        if total <= shared:
+            return self.packed(samples, shared, cache)
         # Every member attends to the same prefix keys/values; repeat_interleave is differentiable,
         # so the prefix's gradient is the sum over members, as in n separate passes.
         cache.batch_repeat_interleave(n)
-        suffixes = [s.input_ids[shared:] for s in samples]
-        width = max(len(s) for s in suffixes)
         ids = torch.full((n, width), self.pad_token_id, dtype=torch.long, device=self.device)
         for row, suffix in enumerate(suffixes):  # right padding: pads come after every real token
             ids[row, : len(suffix)] = torch.tensor(suffix, dtype=torch.long)
@@ -350,7 +353,26 @@ class _Passes:
         positions = (shared + torch.arange(width, device=self.device)).unsqueeze(0).expand(n, -1)
         hidden = self.decoder(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache,
                               use_cache=True).last_hidden_state
-        return self.at_loss_positions(hidden, samples, [-shared] * n)
+        return self.at_loss_positions(hidden, samples, [row * width - shared for row in range(n)])
+
+    def packed(self, samples: Sequence[Sample], shared: int, cache: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """The samples' suffixes after their ``shared`` tokens (whose keys and values ``cache``
+        holds, once) in one row, each attending to the prefix and to its own earlier tokens: no
+        copy of the prefix per sample, no padding. For suffixes no longer in all than the prefix
+        (a single-turn task's answers), where the row's attention over the other suffixes costs
+        less than the copies."""
+        lengths = [len(s.input_ids) - shared for s in samples]
+        sample_of = torch.repeat_interleave(torch.arange(len(samples), device=self.device),
+                                            torch.tensor(lengths, device=self.device))
+        within = torch.cat([torch.arange(n, device=self.device) for n in lengths])
+        own = (sample_of[:, None] == sample_of[None, :]) & (within[None, :] <= within[:, None])
+        mask = torch.cat([torch.ones((len(within), shared), dtype=torch.bool, device=self.device), own], dim=1)
+        ids = torch.tensor([[t for s in samples for t in s.input_ids[shared:]]], dtype=torch.long, device=self.device)
+        # a 4D mask is used as given: True where a token attends
+        hidden = self.decoder(input_ids=ids, attention_mask=mask[None, None], position_ids=(shared + within)[None],
+                              past_key_values=cache, use_cache=True).last_hidden_state
+        starts = [sum(lengths[:i]) - shared for i in range(len(samples))]
+        return self.at_loss_positions(hidden, samples, starts)
 
     def padded(self, samples: Sequence[Sample]) -> list[tuple[torch.Tensor, torch.Tensor]]:
         n = len(samples)
@@ -362,23 +384,24 @@ class _Passes:
             off = width - len(s.input_ids)
             ids[row, off:] = torch.tensor(s.input_ids, dtype=torch.long)
             mask[row, off:] = 1
-            offsets.append(off)
+            offsets.append(row * width + off)
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
         hidden = self.decoder(input_ids=ids, attention_mask=mask, position_ids=positions,
                               use_cache=False).last_hidden_state
         return self.at_loss_positions(hidden, samples, offsets)
 
     def at_loss_positions(self, hidden: torch.Tensor, samples: Sequence[Sample],
-                          shifts: Sequence[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Per sample, its loss tokens' log-probs and entropies. The state that predicts the
-        token at position ``p`` of ``samples[row]`` is ``hidden[row, p - 1 + shifts[row]]``
-        (``shifts``: where the row's states start against the sample's positions)."""
+                          starts: Sequence[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per sample, its loss tokens' log-probs and entropies. With the pass's states in one
+        list (``hidden`` flattened over its rows), the state that predicts the token at
+        position ``p`` of ``samples[i]`` is state ``starts[i] + p - 1``."""
+        states = hidden.reshape(-1, hidden.shape[-1])
         rows, targets, counts = [], [], []
-        for row, sample in enumerate(samples):
+        for sample, start in zip(samples, starts):
             pos = loss_positions(sample)
-            rows.append(hidden[row, torch.tensor(pos, dtype=torch.long, device=self.device) - 1 + shifts[row]])
+            rows.append(torch.tensor(pos, dtype=torch.long, device=self.device) - 1 + start)
             targets.append(torch.tensor([sample.input_ids[p] for p in pos], dtype=torch.long, device=self.device))
             counts.append(len(pos))
-        logp, entropy = token_stats(torch.cat(rows), torch.cat(targets), self.head, self.temperature,
+        logp, entropy = token_stats(states[torch.cat(rows)], torch.cat(targets), self.head, self.temperature,
                                     self.with_entropy_grad, self.chunk_size)
         return list(zip(torch.split(logp, counts), torch.split(entropy, counts)))
