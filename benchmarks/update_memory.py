@@ -1,13 +1,18 @@
-"""Peak RSS and wall time of one actor update, on a batch the size of a SimpleSokoban training step.
+"""Peak RSS and wall time of one actor update, on a batch the shape of a training step.
 
-16 episodes (4 groups of 4 sharing a 300-token prompt), each turn a 48-token answer and 180 tokens of
-the next prompt, random token ids; the default model (SmolLM2-135M, float32) with the default LoRA
-(rank 16, alpha 32, all linear layers), micro batch 8, mini batch 16, two torch threads.
+``--task sokoban``: 16 episodes (4 groups of 4 sharing a 300-token prompt), each turn a 48-token
+answer and 180 tokens of the next prompt (``--turns``), micro batch 8, mini batch 16.
+``--task bandit``: the default job's step, 32 single-turn episodes (4 groups of 8) behind one
+264-token worked example, a 150-token question a group and 5-10 answer tokens, micro batch 8,
+mini batch 32. Random token ids; the default model (SmolLM2-135M, float32) with the default LoRA
+(rank 16, alpha 32, all linear layers), two torch threads; ``--updates N`` runs N updates and
+reports each (the first pays for warm-up).
 
-    python benchmarks/update_memory.py --turns 3 [--checkpoint-layers] [--mmap-threshold-kb 128]
+    python benchmarks/update_memory.py --task sokoban --turns 3 [--checkpoint-layers] [--allocator tcmalloc]
 
-``--mmap-threshold-kb`` fixes glibc's mmap threshold (``mallopt``), so that memory the update
-frees goes back to the system at once instead of staying in the heap.
+``--allocator tcmalloc`` runs the script again with tcmalloc preloaded (``ragen.allocator``);
+``--mmap-threshold-kb`` fixes glibc's mmap threshold (``mallopt``) instead, so that memory the
+update frees goes back to the system at once instead of staying in the heap.
 """
 
 from __future__ import annotations
@@ -24,7 +29,14 @@ def main() -> None:
     parser.add_argument("--turns", type=int, default=3)
     parser.add_argument("--checkpoint-layers", action="store_true")
     parser.add_argument("--mmap-threshold-kb", type=int, default=None)
+    parser.add_argument("--task", choices=("sokoban", "bandit"), default="sokoban")
+    parser.add_argument("--updates", type=int, default=1)
+    parser.add_argument("--allocator", choices=("system", "tcmalloc"), default="system")
     args = parser.parse_args()
+    if args.allocator == "tcmalloc":  # only then: trees from before ragen.allocator run with the system's
+        from ragen.allocator import relaunch_with
+
+        relaunch_with("tcmalloc")
     torch.set_num_threads(2)
     if args.mmap_threshold_kb is not None:
         ctypes.CDLL("libc.so.6").mallopt(-3, args.mmap_threshold_kb * 1024)  # M_MMAP_THRESHOLD
@@ -36,8 +48,9 @@ def main() -> None:
     from ragen.trainer.core import Sample
     from ragen.trainer.policy import apply_lora
 
+    mini = 32 if args.task == "bandit" else 16
     cfg = TrainerConfig(
-        actor=ActorSection(ppo_mini_batch_size=16, ppo_micro_batch_size_per_gpu=8, shuffle=False,
+        actor=ActorSection(ppo_mini_batch_size=mini, ppo_micro_batch_size_per_gpu=8, shuffle=False,
                            optim=OptimSection(lr=1e-5)),
         # the key only when asked for, so that the script also runs on trees from before it
         model=ModelSection(lora_rank=16, lora_alpha=32,
@@ -49,7 +62,15 @@ def main() -> None:
     gen = torch.Generator().manual_seed(1)
     tokens = lambda n: torch.randint(100, 40000, (n,), generator=gen).tolist()  # noqa: E731
     samples = []
-    for group in range(4):
+    if args.task == "bandit":
+        example = tokens(264)
+        for group in range(4):
+            prompt = example + tokens(150)
+            for member in range(8):
+                answer = tokens(5 + (member + group) % 6)
+                samples.append(Sample(prompt + answer, [0] * len(prompt) + [1] * len(answer),
+                                      advantage=float(member % 2) - 0.5, group_key=group))
+    for group in range(4 if args.task == "sokoban" else 0):
         prompt = tokens(300)
         for member in range(4):
             ids, mask = list(prompt), [0] * len(prompt)
@@ -59,16 +80,18 @@ def main() -> None:
                     ids, mask = ids + tokens(180), mask + [0] * 180
             samples.append(Sample(ids, mask, advantage=float(member % 2) - 0.5, group_key=group))
     actor = PPOActor(model, cfg, pad_token_id=0)
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")  # the peak resident set from here
-    t0 = time.perf_counter()
-    metrics = actor.update(samples, 1)
-    seconds = time.perf_counter() - t0
-    with open("/proc/self/status") as f:
-        peak_kb = int(next(line for line in f if line.startswith("VmHWM")).split()[1])
-    print(f"turns={args.turns} tokens/episode={len(samples[0].input_ids)} checkpoint_layers={args.checkpoint_layers} "
-          f"mmap_threshold_kb={args.mmap_threshold_kb}: update {seconds:.1f} s, peak RSS {peak_kb / 1024**2:.2f} GB, "
-          f"grad_norm {metrics['actor/grad_norm']:.6f}")
+    for update in range(1, args.updates + 1):
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # the peak resident set from here
+        t0 = time.perf_counter()
+        metrics = actor.update(samples, 1)
+        seconds = time.perf_counter() - t0
+        with open("/proc/self/status") as f:
+            peak_kb = int(next(line for line in f if line.startswith("VmHWM")).split()[1])
+        print(f"task={args.task} turns={args.turns} tokens/episode={len(samples[0].input_ids)} "
+              f"checkpoint_layers={args.checkpoint_layers} allocator={args.allocator} "
+              f"mmap_threshold_kb={args.mmap_threshold_kb} update {update}: {seconds:.1f} s, "
+              f"peak RSS {peak_kb / 1024**2:.2f} GB, grad_norm {metrics['actor/grad_norm']:.6f}", flush=True)
 
 
 if __name__ == "__main__":
