@@ -150,9 +150,9 @@ def test_packed_answers_after_a_shared_prompt_equal_the_full_vocabulary_ones(tin
     packed = []
     real = _Passes.packed
 
-    def spy(self, batch, shared, cache):
+    def spy(self, batch, start, shared):
         packed.append(len(batch))
-        return real(self, batch, shared, cache)
+        return real(self, batch, start, shared)
 
     _Passes.packed = spy
     try:
@@ -269,19 +269,22 @@ def _with_system_prompt(tokenizer, samples: list[Sample]) -> list[Sample]:
 
 
 @pytest.mark.parametrize("checkpoint_layers", [False, True])
+@pytest.mark.parametrize("make_samples", [_samples, _single_turn_samples])  # batched rests; packed ones
 def test_a_prompt_root_run_once_gives_the_log_probs_and_gradients_of_separate_passes(tiny_model_and_tokenizer,
-                                                                                    checkpoint_layers):
+                                                                                    checkpoint_layers, make_samples):
     from ragen.trainer.logprobs import prompt_root
 
     model, tok = tiny_model_and_tokenizer
     model.eval()
-    samples = _with_system_prompt(tok, _samples(tok))
+    samples = _with_system_prompt(tok, make_samples(tok))
     counts = [s.num_loss_tokens for s in samples]
     ref_logp, ref_entropy = _reference(model, samples, 1.0, share_prefix=False)
     ref_grads = _grads(model, _loss(ref_logp, ref_entropy, samples, counts))
     model.zero_grad()
     root = prompt_root(model, samples, checkpoint_layers=checkpoint_layers)
-    assert root is not None and root.length == common_prefix_length([s.input_ids for s in samples])
+    # the common start, less the token before the first answer token (its state scores that token)
+    assert root is not None and root.length == min(common_prefix_length([s.input_ids for s in samples]),
+                                                   min(s.loss_mask.index(1) for s in samples) - 1)
     logps = []
     for batch in (samples[:2], samples[2:5], samples[5:]):  # micro-batches that split groups
         stats = sequence_logprobs(model, batch, tok.pad_token_id or 0, with_entropy_grad=True, root=root,

@@ -7,8 +7,11 @@ chunk of them at a time (``token_stats``), and each chunk's
 full-vocabulary logits are made again in the backward pass instead of
 being kept for it.
 Sequences of one group start with the same prompt; that *shared prefix* is
-run once (its key/value cache repeated for the members, which keeps gradients
-exact) instead of once per member. The tokens that every sequence of a batch
+run once instead of once per member: with short rests (a single-turn task's
+answers) in one packed row after it, each rest attending to the prompt and
+to itself; with long ones (multi-turn episodes) as a batch that reads the
+prompt's key/value cache, repeated for the members (which keeps gradients
+exact). The tokens that every sequence of a batch
 starts with (a system prompt, a worked example) are run once for the whole
 batch, across its micro-batches: the *prompt root* (``prompt_root``), whose
 gradient is carried through it once, summed. On a CPU most tokens of an agent
@@ -325,6 +328,10 @@ class _Passes:
         n = len(samples)
         base = self.root.kv if self.root is not None else None
         start = self.root.length if self.root is not None else 0
+        suffixes = [s.input_ids[shared:] for s in samples]
+        total, width = sum(map(len, suffixes)), max(map(len, suffixes))
+        if total <= shared:
+            return self.packed(samples, start, shared)
         if shared > start:
             prefix = torch.tensor([samples[0].input_ids[start:shared]], dtype=torch.long, device=self.device)
             after_root = {} if base is None else {  # the root's keys come first
@@ -339,10 +346,6 @@ class _Passes:
                                      use_cache=True, **after_root).past_key_values
         else:  # the prompt root is the whole shared prefix
             cache = _ReadOnlyCache(base) if self.read_only_prefix else DynamicCache(base)
-        suffixes = [s.input_ids[shared:] for s in samples]
-        total, width = sum(map(len, suffixes)), max(map(len, suffixes))
-        if total <= shared:
-            return self.packed(samples, shared, cache)
         # Every member attends to the same prefix keys/values; repeat_interleave is differentiable,
         # so the prefix's gradient is the sum over members, as in n separate passes.
         cache.batch_repeat_interleave(n)
@@ -355,24 +358,30 @@ class _Passes:
                               use_cache=True).last_hidden_state
         return self.at_loss_positions(hidden, samples, [row * width - shared for row in range(n)])
 
-    def packed(self, samples: Sequence[Sample], shared: int, cache: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """The samples' suffixes after their ``shared`` tokens (whose keys and values ``cache``
-        holds, once) in one row, each attending to the prefix and to its own earlier tokens: no
-        copy of the prefix per sample, no padding. For suffixes no longer in all than the prefix
-        (a single-turn task's answers), where the row's attention over the other suffixes costs
-        less than the copies."""
-        lengths = [len(s.input_ids) - shared for s in samples]
-        sample_of = torch.repeat_interleave(torch.arange(len(samples), device=self.device),
-                                            torch.tensor(lengths, device=self.device))
+    def packed(self, samples: Sequence[Sample], start: int, shared: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """One row: the samples' common tokens from ``start`` (after the prompt root) to
+        ``shared``, then each sample's rest, which attends to the prompt and to its own earlier
+        tokens: one pass, no copy of the prompt per sample, no padding. For rests no longer in
+        all than the prompt (a single-turn task's answers), where the row's attention over the
+        other rests costs less than the copies."""
+        lengths = [shared - start] + [len(s.input_ids) - shared for s in samples]
+        part = torch.repeat_interleave(torch.arange(len(lengths), device=self.device),
+                                       torch.tensor(lengths, device=self.device))  # 0: the prompt
         within = torch.cat([torch.arange(n, device=self.device) for n in lengths])
-        own = (sample_of[:, None] == sample_of[None, :]) & (within[None, :] <= within[:, None])
-        mask = torch.cat([torch.ones((len(within), shared), dtype=torch.bool, device=self.device), own], dim=1)
-        ids = torch.tensor([[t for s in samples for t in s.input_ids[shared:]]], dtype=torch.long, device=self.device)
+        own = (part[:, None] == part[None, :]) & (within[None, :] <= within[:, None])
+        mask = torch.cat([torch.ones((len(part), start), dtype=torch.bool, device=self.device),
+                          own | ((part[:, None] > 0) & (part[None, :] == 0))], dim=1)  # a rest sees the prompt
+        positions = torch.where(part == 0, start + within, shared + within)
+        ids = torch.tensor([samples[0].input_ids[start:shared] + [t for s in samples for t in s.input_ids[shared:]]],
+                           dtype=torch.long, device=self.device)
+        cache = None
+        if self.root is not None:
+            cache = _ReadOnlyCache(self.root.kv) if self.read_only_prefix else DynamicCache(self.root.kv)
         # a 4D mask is used as given: True where a token attends
-        hidden = self.decoder(input_ids=ids, attention_mask=mask[None, None], position_ids=(shared + within)[None],
-                              past_key_values=cache, use_cache=True).last_hidden_state
-        starts = [sum(lengths[:i]) - shared for i in range(len(samples))]
-        return self.at_loss_positions(hidden, samples, starts)
+        hidden = self.decoder(input_ids=ids, attention_mask=mask[None, None], position_ids=positions[None],
+                              past_key_values=cache, use_cache=cache is not None).last_hidden_state
+        offsets = [sum(lengths[: i + 1]) for i in range(len(samples))]  # where each rest starts in the row
+        return self.at_loss_positions(hidden, samples, [o - shared for o in offsets])
 
     def padded(self, samples: Sequence[Sample]) -> list[tuple[torch.Tensor, torch.Tensor]]:
         n = len(samples)
