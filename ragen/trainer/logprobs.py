@@ -110,8 +110,9 @@ def sequence_logprobs(
     The model's decoder runs over the tokens; its output layer only at the positions that
     predict a loss token, ``chunk_size`` of them at a time (``token_stats``). Samples with
     the same ``group_key`` whose token lists share at least ``MIN_SHARED_PREFIX`` leading
-    tokens are run as one prefix pass plus a batch of suffixes; the rest as one left-padded
-    batch. Gradients flow when the caller has them enabled; results are in sample order
+    tokens are run as one packed row (short suffixes) or as one prefix pass plus a batch of
+    suffixes (``_Passes.shared_prefix``); the rest as one left-padded batch (after a ``root``:
+    as one more group whose prefix is the root). Gradients flow when the caller has them enabled; results are in sample order
     either way. ``checkpoint_layers`` (with gradients on): each decoder layer keeps only its
     input for the backward pass and runs again there (``layers_checkpointed``). ``root``: the
     prompt every sample starts with, already run (``prompt_root``); the passes start after it.
