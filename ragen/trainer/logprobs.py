@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import itertools
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -170,7 +171,7 @@ def prompt_root(model: Any, samples: Sequence[Sample], checkpoint_layers: bool =
     through the model's decoder once; None where they are fewer than ``MIN_SHARED_PREFIX`` or
     there is one sample. Gradients flow when the caller has them enabled: then the caller calls
     ``backward()`` after the backward passes of the batches that read the root."""
-    firsts = [loss_positions(s)[0] for s in samples if loss_positions(s)]
+    firsts = [pos[0] for pos in map(loss_positions, samples) if pos]
     if len(samples) < 2 or not firsts:
         return None
     length = min(common_prefix_length([s.input_ids for s in samples]), min(firsts) - 1)
@@ -290,11 +291,23 @@ class _Passes:
     read_only_prefix: bool = False  # the suffix pass reads the prefix's cache without adding to it
     root: PromptRoot | None = None  # the prompt every sample starts with, already run
 
+    @property
+    def start(self) -> int:
+        """Where the passes start: after the prompt root, or at the first token."""
+        return self.root.length if self.root is not None else 0
+
+    def root_cache(self) -> DynamicCache | None:
+        """A fresh cache holding the prompt root's keys and values (None without a root): read-only
+        under layer checkpointing, so that a layer run again sees what its first run saw."""
+        if self.root is None:
+            return None
+        return _ReadOnlyCache(self.root.kv) if self.read_only_prefix else DynamicCache(self.root.kv)
+
     def all(self, samples: Sequence[Sample], share_prefix: bool) -> TokenStats:
         """Every sample: those of a group sharing a long enough prefix in one prefix pass, the rest
         padded (or, after a prompt root, in one batch that starts there)."""
         per_sample: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * len(samples)
-        start = self.root.length if self.root is not None else 0
+        start = self.start
         rest: list[int] = []
         clusters = group_indices([s.group_key for s in samples]) if share_prefix else {}
         if not share_prefix:
@@ -304,7 +317,7 @@ class _Passes:
                 rest += members
                 continue
             seqs = [samples[i].input_ids for i in members]
-            first_loss = min(loss_positions(samples[i])[0] for i in members if loss_positions(samples[i]))
+            first_loss = min(pos[0] for pos in (loss_positions(samples[i]) for i in members) if pos)
             # The token before the first answer token stays in the suffix: its logits score that answer token.
             shared = min(common_prefix_length(seqs), first_loss - 1)
             if shared - start < MIN_SHARED_PREFIX:
@@ -328,7 +341,7 @@ class _Passes:
         (``packed``) where the rests are no longer in all than the prefix, else right-padded."""
         n = len(samples)
         base = self.root.kv if self.root is not None else None
-        start = self.root.length if self.root is not None else 0
+        start = self.start
         suffixes = [s.input_ids[shared:] for s in samples]
         total, width = sum(map(len, suffixes)), max(map(len, suffixes))
         if total <= shared:
@@ -346,7 +359,7 @@ class _Passes:
                 cache = self.decoder(input_ids=prefix, past_key_values=DynamicCache(base) if base else None,
                                      use_cache=True, **after_root).past_key_values
         else:  # the prompt root is the whole shared prefix
-            cache = _ReadOnlyCache(base) if self.read_only_prefix else DynamicCache(base)
+            cache = self.root_cache()
         # Every member attends to the same prefix keys/values; repeat_interleave is differentiable,
         # so the prefix's gradient is the sum over members, as in n separate passes.
         cache.batch_repeat_interleave(n)
@@ -375,13 +388,11 @@ class _Passes:
         positions = torch.where(part == 0, start + within, shared + within)
         ids = torch.tensor([samples[0].input_ids[start:shared] + [t for s in samples for t in s.input_ids[shared:]]],
                            dtype=torch.long, device=self.device)
-        cache = None
-        if self.root is not None:
-            cache = _ReadOnlyCache(self.root.kv) if self.read_only_prefix else DynamicCache(self.root.kv)
+        cache = self.root_cache()
         # a 4D mask is used as given: True where a token attends
         hidden = self.decoder(input_ids=ids, attention_mask=mask[None, None], position_ids=positions[None],
                               past_key_values=cache, use_cache=cache is not None).last_hidden_state
-        offsets = [sum(lengths[: i + 1]) for i in range(len(samples))]  # where each rest starts in the row
+        offsets = itertools.accumulate(lengths[:-1])  # where each rest starts in the row
         return self.at_loss_positions(hidden, samples, [o - shared for o in offsets])
 
     def padded(self, samples: Sequence[Sample]) -> list[tuple[torch.Tensor, torch.Tensor]]:
