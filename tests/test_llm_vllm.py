@@ -149,7 +149,7 @@ class FakeAsyncLLM:
         yield SimpleNamespace(prompt_token_ids=prompt["prompt_token_ids"], outputs=[sample])
 
     async def collective_rpc(self, method, timeout=None, args=(), kwargs=None):
-        assert all(isinstance(a, bytes) for a in args)  # msgpack-native only
+        assert all(isinstance(a, (bytes, str)) for a in args)  # msgpack-native only
         return [method(self.worker, *args)]
 
     async def reset_prefix_cache(self, reset_running_requests=False):
@@ -366,6 +366,77 @@ def test_weight_payload_round_trip():
     assert [n for n, _ in back] == ["b", "t", "view", "a"]
     for (_, x), (_, y) in zip(weights, back):
         assert y.dtype == x.dtype and torch.equal(x, y)
+
+
+def test_weight_file_round_trip_keeps_order_and_dtypes():
+    from ragen.llm.vllm_weights import read_weights_file, write_weights_file
+
+    big = torch.arange(10_000, dtype=torch.float32)
+    tied = torch.randn(2, 3)
+    weights = [("z", torch.randn(3, 4, dtype=torch.bfloat16)), ("t", torch.randn(4, 5).t()),
+               ("view", big[:4]), ("a", torch.tensor([1, 2], dtype=torch.int64)), ("tied1", tied), ("tied2", tied)]
+    path = write_weights_file(weights)
+    try:
+        assert os.path.getsize(path) < 20_000  # the view does not drag its storage along
+        back = read_weights_file(path)
+    finally:
+        os.unlink(path)
+    assert [n for n, _ in back] == ["z", "t", "view", "a", "tied1", "tied2"]
+    for (_, x), (_, y) in zip(weights, back):
+        assert y.dtype == x.dtype and torch.equal(x, y)
+    with pytest.raises(ValueError, match="'a' twice"):
+        write_weights_file([("a", torch.zeros(1)), ("a", torch.ones(1))])
+
+
+def test_weights_go_as_a_file_and_through_the_rpc_where_a_worker_cannot_see_it(monkeypatch):
+    from ragen.llm import vllm_weights
+
+    class Model:
+        def __init__(self):
+            self.loaded = []
+
+        def parameters(self):
+            return iter([torch.zeros(1)])
+
+        def load_weights(self, weights):
+            self.loaded.append([(n, t.clone()) for n, t in weights])
+
+    def rpc_to(workers, calls):
+        def rpc(fn, arg):
+            calls.append((fn.__name__, type(arg).__name__))
+            return [fn(w, arg) for w in workers]
+        return rpc
+
+    weights = [("b", torch.randn(2, 2)), ("a", torch.arange(3.0))]
+    here = SimpleNamespace(model_runner=SimpleNamespace(model=Model()))
+    calls, made = [], []
+    real_write = vllm_weights.write_weights_file
+    monkeypatch.setattr(vllm_weights, "write_weights_file", lambda w: made.append(real_write(w)) or made[-1])
+    vllm_weights.push_weights_by_rpc(rpc_to([here], calls), weights)
+    assert calls == [("load_weights_file_on_worker", "str")]  # only the path went through the RPC
+    assert not os.path.exists(made[0])  # removed once the workers read it
+    assert [n for n, _ in here.model_runner.model.loaded[0]] == ["b", "a"]
+    assert all(torch.equal(x, y) for (_, x), (_, y) in zip(weights, here.model_runner.model.loaded[0]))
+
+    class Elsewhere:  # a worker on another host: the file is not there
+        model_runner = SimpleNamespace(model=Model())
+
+    monkeypatch.setattr(vllm_weights, "load_weights_file_on_worker",
+                        lambda worker, path: None if isinstance(worker, Elsewhere) else
+                        vllm_weights.apply_weights(worker, vllm_weights.read_weights_file(path)))
+    calls.clear()
+    far = Elsewhere()
+    vllm_weights.push_weights_by_rpc(rpc_to([here, far], calls), weights)
+    assert calls == [("<lambda>", "str"), ("load_weights_on_worker", "bytes")]
+    assert [n for n, _ in far.model_runner.model.loaded[0]] == ["b", "a"]
+
+    def failing(fn, arg):
+        raise TimeoutError("vLLM's collective_rpc took too long")
+
+    made.clear()
+    with pytest.raises(TimeoutError):
+        vllm_weights.push_weights_by_rpc(failing, weights)
+    assert not os.path.exists(made[0])  # removed on failure too
 
 
 def test_worker_prefers_reload_weights_with_an_iterator():

@@ -559,6 +559,7 @@ def no_model_loading(monkeypatch):
         ("actor_rollout_ref.actor.kl_loss_type=bogus", "actor_rollout_ref.actor.kl_loss_type"),
         ("actor_rollout_ref.actor.logprob_chunk_size=0", "actor_rollout_ref.actor.logprob_chunk_size"),
         ("actor_rollout_ref.actor.logprob_chunk_size=-8", "actor_rollout_ref.actor.logprob_chunk_size"),
+        ("actor_rollout_ref.actor.autocast=fp16", "actor_rollout_ref.actor.autocast"),
         ("trainer.logger=[console,mlflow]", "trainer.logger"),
         ("trainer.total_training_steps=0", "trainer.total_training_steps"),
         ("actor_rollout_ref.model.lora_rank=-1", "actor_rollout_ref.model.lora_rank"),
@@ -641,10 +642,13 @@ def test_metrics_log_has_the_stable_names(tiny_model_path, tmp_path):
     names = {"step", "policy_version", "train/reward", "train/success", "train/BanditHinted/success", "val/success",
              "val/reward", "val/BanditHintedTest/success", "actor/pg_loss", "actor/entropy", "actor/grad_norm",
              "actor/clip_frac", "timing/rollout_s", "timing/update_s", "timing/step_s", "response_length/mean",
+             "timing/samples_s", "timing/actor_s", "timing/sync_weights_s",
              "off_policy/mismatch_kl", "off_policy/is_weight_mean", "off_policy/is_weight_max",
              "off_policy/over_cap_frac", "off_policy/version_lag_mean", "off_policy/version_lag_max",
              "memory/peak_rss_gb", "memory/peak_rss_since_start"}
     assert names <= set(rows[1]), names - set(rows[1])
+    parts = rows[1]["timing/samples_s"] + rows[1]["timing/actor_s"] + rows[1]["timing/sync_weights_s"]
+    assert parts == pytest.approx(rows[1]["timing/update_s"], abs=1e-6)  # the update's time, in its parts
     # the step's own peak (Linux resets it at the step's start): the model is resident, and far from a GiB
     assert rows[1]["memory/peak_rss_since_start"] == 0.0 and 0.05 < rows[1]["memory/peak_rss_gb"] < 8
     assert (run / "learning_curve.png").stat().st_size > 0

@@ -56,7 +56,7 @@ from ragen.llm.pending import PendingFutures, fail_closed
 from ragen.llm.types import (CLOSED_BEFORE_ANSWER, Completion, Engine, GenerationRequest, SamplingParams,
                               StreamingEngine, request_seed)
 from ragen.llm.vllm_logprobs import logprobs_mode_kwargs, sampled_logprobs
-from ragen.llm.vllm_weights import apply_weights, check_fused_parts, load_weights_on_worker, serialize_weights
+from ragen.llm.vllm_weights import apply_weights, check_fused_parts, push_weights_by_rpc
 
 logger = logging.getLogger(__name__)
 
@@ -213,7 +213,7 @@ class VLLMEngine(Engine):
         if worker is not None:
             apply_weights(worker, [(name, tensor.detach()) for name, tensor in weights])
         elif hasattr(self.llm, "collective_rpc"):
-            self.llm.collective_rpc(load_weights_on_worker, args=(serialize_weights(weights),))
+            push_weights_by_rpc(lambda fn, arg: self.llm.collective_rpc(fn, args=(arg,)), weights)
         else:
             raise RuntimeError(
                 "this vLLM version exposes neither an in-process driver worker nor LLM.collective_rpc; "
@@ -382,8 +382,8 @@ class VLLMStreamingEngine(VLLMEngine, StreamingEngine):
 
     def _push_weights(self, weights: list[tuple[str, Any]]) -> None:
         # AsyncLLM's engine core is always a process of its own: weights go by collective_rpc
-        payload = serialize_weights(weights)
-        self._call(lambda llm: llm.collective_rpc(load_weights_on_worker, args=(payload,)), "collective_rpc")
+        push_weights_by_rpc(lambda fn, arg: self._call(lambda llm: llm.collective_rpc(fn, args=(arg,)),
+                                                       "collective_rpc"), weights)
 
     def reset_prefix_cache(self) -> None:
         """Drop vLLM's cached KV blocks; requests in flight are preempted and recomputed

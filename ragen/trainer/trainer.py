@@ -227,9 +227,15 @@ class AgentTrainer:
             lags = [version - s.policy_version for s in samples]
             metrics["off_policy/version_lag_mean"] = sum(lags) / len(lags)
             metrics["off_policy/version_lag_max"] = float(max(lags))
+        t2 = time.perf_counter()
         metrics.update(self.actor.update(samples, step))
+        t3 = time.perf_counter()
         self.sync_weights()
-        metrics["timing/update_s"] = time.perf_counter() - t1
+        t4 = time.perf_counter()
+        # the update's parts: samples (and their reference/old log-probs), the actor's steps, the weight push
+        metrics["timing/samples_s"], metrics["timing/actor_s"], metrics["timing/sync_weights_s"] = \
+            t2 - t1, t3 - t2, t4 - t3
+        metrics["timing/update_s"] = t4 - t1
         metrics["policy_version"] = self.engine.policy_version
         metrics.update(self.memory.metrics())
         return metrics
