@@ -10,6 +10,8 @@ reports each (the first pays for warm-up).
 
     python benchmarks/update_memory.py --task sokoban --turns 3 [--checkpoint-layers] [--allocator tcmalloc]
 
+``--autocast bf16`` asks for the bfloat16 decoder (``ragen.trainer.precision``: float32 with a
+warning on a CPU without native bf16); ``--emulated-bf16`` runs it there all the same, to measure it.
 ``--allocator tcmalloc`` runs the script again with tcmalloc preloaded (``ragen.allocator``);
 ``--mmap-threshold-kb`` fixes glibc's mmap threshold (``mallopt``) instead, so that memory the
 update frees goes back to the system at once instead of staying in the heap.
@@ -32,6 +34,14 @@ def main() -> None:
     parser.add_argument("--task", choices=("sokoban", "bandit"), default="sokoban")
     parser.add_argument("--updates", type=int, default=1)
     parser.add_argument("--allocator", choices=("system", "tcmalloc"), default="system")
+    parser.add_argument("--autocast", choices=("none", "bf16"), default="none")
+    parser.add_argument("--device", default="cpu", help="cpu, or cuda: the update on a GPU (peak GPU memory too)")
+    parser.add_argument("--model", default="default",
+                        help="a model folder (default: the embedded model); with --random-weights only its config.json")
+    parser.add_argument("--random-weights", action="store_true",
+                        help="the model's architecture with random weights (timing and memory do not depend on them)")
+    parser.add_argument("--emulated-bf16", action="store_true",
+                        help="with --autocast bf16: run bfloat16 even on a CPU without native bf16 (to measure it)")
     args = parser.parse_args()
     if args.allocator == "tcmalloc":  # only then: trees from before ragen.allocator run with the system's
         from ragen.allocator import relaunch_with
@@ -49,15 +59,28 @@ def main() -> None:
     from ragen.trainer.policy import apply_lora
 
     mini = 32 if args.task == "bandit" else 16
+    if args.emulated_bf16:  # as if the CPU listed a native bf16 flag (ragen.trainer.precision)
+        from ragen.trainer import precision
+
+        precision.cpu_flags = lambda: {"avx512_bf16"}
     cfg = TrainerConfig(
         actor=ActorSection(ppo_mini_batch_size=mini, ppo_micro_batch_size_per_gpu=8, shuffle=False,
-                           optim=OptimSection(lr=1e-5)),
+                           optim=OptimSection(lr=1e-5),
+                           **({"autocast": args.autocast} if args.autocast != "none" else {})),
         # the key only when asked for, so that the script also runs on trees from before it
         model=ModelSection(lora_rank=16, lora_alpha=32,
                            **({"enable_gradient_checkpointing": True} if args.checkpoint_layers else {})))
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_pretrained(resolve_model_path("default"), dtype=torch.float32,
-                                                 local_files_only=True)
+    if args.random_weights:
+        from transformers import AutoConfig
+
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(args.model, local_files_only=True),
+                                                 dtype=torch.float32)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(resolve_model_path(args.model), dtype=torch.float32,
+                                                     local_files_only=True)
+    model = model.to(args.device)
+    cuda = torch.device(args.device).type == "cuda"
     model = apply_lora(model, cfg.model)
     gen = torch.Generator().manual_seed(1)
     tokens = lambda n: torch.randint(100, 40000, (n,), generator=gen).tolist()  # noqa: E731
@@ -83,15 +106,21 @@ def main() -> None:
     for update in range(1, args.updates + 1):
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")  # the peak resident set from here
+        if cuda:
+            torch.cuda.reset_peak_memory_stats()
         t0 = time.perf_counter()
         metrics = actor.update(samples, 1)
+        if cuda:
+            torch.cuda.synchronize()
         seconds = time.perf_counter() - t0
         with open("/proc/self/status") as f:
             peak_kb = int(next(line for line in f if line.startswith("VmHWM")).split()[1])
+        gpu = f", peak GPU memory {torch.cuda.max_memory_allocated() / 1024**3:.2f} GB" if cuda else ""
         print(f"task={args.task} turns={args.turns} tokens/episode={len(samples[0].input_ids)} "
               f"checkpoint_layers={args.checkpoint_layers} allocator={args.allocator} "
-              f"mmap_threshold_kb={args.mmap_threshold_kb} update {update}: {seconds:.1f} s, "
-              f"peak RSS {peak_kb / 1024**2:.2f} GB, grad_norm {metrics['actor/grad_norm']:.6f}", flush=True)
+              f"mmap_threshold_kb={args.mmap_threshold_kb} autocast={args.autocast}{' (emulated)' if args.emulated_bf16 else ''} "
+              f"device={args.device} update {update}: {seconds:.2f} s, "
+              f"peak RSS {peak_kb / 1024**2:.2f} GB{gpu}, grad_norm {metrics['actor/grad_norm']:.6f}", flush=True)
 
 
 if __name__ == "__main__":

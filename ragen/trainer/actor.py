@@ -46,6 +46,7 @@ import torch
 from ragen.trainer.config import TrainerConfig
 from ragen.trainer.core import Sample, WeightStats, group_indices, importance_weights, kl_penalty, policy_loss
 from ragen.trainer.logprobs import PromptRoot, prompt_root, sequence_logprobs
+from ragen.trainer.precision import autocast_dtype
 
 logger = logging.getLogger(__name__)
 
@@ -77,6 +78,8 @@ class PPOActor:
             raise ValueError(f"the model has no trainable parameters (check {key})")
         if config.actor.use_kl_loss and reference is None:
             raise ValueError("actor_rollout_ref.actor.use_kl_loss is true but no reference policy was given")
+        # resolved (and warned about, where the hardware has no native bf16) at start, not at the first update
+        autocast_dtype(config.actor.autocast, next(model.parameters()).device.type)
         optim = config.actor.optim
         self.optimizer = torch.optim.AdamW(self.params, lr=optim.lr, betas=optim.betas,
                                            weight_decay=optim.weight_decay)
@@ -90,12 +93,13 @@ class PPOActor:
     def _root(self, samples: Sequence[Sample]) -> PromptRoot | None:
         if not self.config.model.share_prefix:
             return None
-        return prompt_root(self.model, samples, self.config.model.enable_gradient_checkpointing)
+        return prompt_root(self.model, samples, self.config.model.enable_gradient_checkpointing,
+                           _options(self.config, self.temperature, self.model)["autocast"])
 
     def _forward(self, samples: Sequence[Sample], root: PromptRoot | None, entropy_grad: bool = False):
         return sequence_logprobs(self.model, samples, self.pad_token_id, with_entropy_grad=entropy_grad,
                                  checkpoint_layers=self.config.model.enable_gradient_checkpointing, root=root,
-                                 **_options(self.config, self.temperature))
+                                 **_options(self.config, self.temperature, self.model))
 
     @torch.no_grad()
     def compute_log_probs(self, samples: Sequence[Sample]) -> list[torch.Tensor]:
@@ -255,18 +259,20 @@ def logprobs_by_micro_batch(model: Any, samples: Sequence[Sample], pad_token_id:
     samples a pass (no gradient: the caller turns it off)."""
     out: list[torch.Tensor] = []
     micro = config.actor.ppo_micro_batch_size_per_gpu
-    root = prompt_root(model, samples) if config.model.share_prefix else None
+    options = _options(config, temperature, model)
+    root = prompt_root(model, samples, autocast=options["autocast"]) if config.model.share_prefix else None
     for start in range(0, len(samples), micro):
-        stats = sequence_logprobs(model, samples[start: start + micro], pad_token_id, root=root,
-                                  **_options(config, temperature))
+        stats = sequence_logprobs(model, samples[start: start + micro], pad_token_id, root=root, **options)
         out += list(torch.split(stats.logp.detach(), stats.counts))
     return out
 
 
-def _options(config: TrainerConfig, temperature: float) -> dict[str, Any]:
+def _options(config: TrainerConfig, temperature: float, model: Any) -> dict[str, Any]:
     """``sequence_logprobs``'s settings from the config, the same for the actor and its references."""
+    device = next(model.parameters()).device
     return {"share_prefix": config.model.share_prefix, "temperature": temperature,
-            "chunk_size": config.actor.logprob_chunk_size}
+            "chunk_size": config.actor.logprob_chunk_size,
+            "autocast": autocast_dtype(config.actor.autocast, device.type)}
 
 
 def adapter_off_reference(peft_model: Any, pad_token_id: int, config: TrainerConfig, temperature: float = 1.0):

@@ -38,6 +38,7 @@ from ragen.config_reader import check_keys, read, setting, to_plain
 from ragen.rollout.config import ROLLOUT_SECTIONS, SeedConfig
 from ragen.trainer.core import ADV_ESTIMATORS, CORRECTIONS, KL_TYPES
 from ragen.trainer.logprobs import DEFAULT_CHUNK_SIZE, checkpointable_layer
+from ragen.trainer.precision import AUTOCAST_CHOICES
 
 LOGGERS = ("console", "jsonl", "tensorboard", "wandb")
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean")
@@ -103,6 +104,7 @@ class ActorSection:
     grad_clip: float = setting(1.0, minimum=0.0)
     entropy_coeff: float = 0.0
     logprob_chunk_size: int = setting(DEFAULT_CHUNK_SIZE, minimum=1)  # loss positions whose logits are made at once
+    autocast: str = setting("none", choices=AUTOCAST_CHOICES)  # the decoder's compute dtype (ragen.trainer.precision)
     use_kl_loss: bool = False
     kl_loss_coef: float = setting(0.001, minimum=0.0)
     kl_loss_type: str = setting("low_var_kl", choices=KL_TYPES)

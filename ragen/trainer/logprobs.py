@@ -32,6 +32,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 from transformers.cache_utils import DynamicCache
 
+from ragen.trainer import precision
 from ragen.trainer.core import Sample, group_indices, loss_positions
 from ragen.utils import common_prefix_length
 
@@ -57,7 +58,8 @@ def _chunk_stats(hidden: torch.Tensor, targets: torch.Tensor, head: Any, tempera
     """log p(targets) and the entropy at the rows of ``hidden`` (positions, model width), from the
     output layer's logits divided by ``temperature``, in float32; the entropy has a gradient only
     ``with_entropy``."""
-    logits = head(hidden).float()
+    with torch.autocast(hidden.device.type, enabled=False):  # float32 logits under a bf16 autocast too
+        logits = head(hidden.float()).float()
     if temperature != 1.0:
         logits = logits / temperature
     logz = torch.logsumexp(logits, dim=-1)
@@ -104,6 +106,7 @@ def sequence_logprobs(
     chunk_size: int = DEFAULT_CHUNK_SIZE,
     checkpoint_layers: bool = False,
     root: PromptRoot | None = None,
+    autocast: torch.dtype | None = None,
 ) -> TokenStats:
     """Log-probs (and entropies) of each sample's loss tokens under ``model`` with its logits
     divided by ``temperature`` (the sampling temperature; 1 for greedy decoding).
@@ -117,6 +120,8 @@ def sequence_logprobs(
     either way. ``checkpoint_layers`` (with gradients on): each decoder layer keeps only its
     input for the backward pass and runs again there (``layers_checkpointed``). ``root``: the
     prompt every sample starts with, already run (``prompt_root``); the passes start after it.
+    ``autocast``: the decoder's compute dtype (``ragen.trainer.precision``); the output layer
+    stays in float32.
     """
     device = _model_device(model)
     decoder = model.get_decoder()
@@ -125,7 +130,8 @@ def sequence_logprobs(
         root.check(samples)
     run = _Passes(decoder, model.get_output_embeddings(), device, pad_token_id, with_entropy_grad,
                   temperature, chunk_size, read_only_prefix=checkpoint_layers, root=root)
-    with layers_checkpointed(decoder) if checkpoint_layers else contextlib.nullcontext():
+    with layers_checkpointed(decoder) if checkpoint_layers else contextlib.nullcontext(), \
+            precision.autocast(device, autocast):
         return run.all(samples, share_prefix)
 
 
@@ -166,11 +172,13 @@ class PromptRoot:
             torch.autograd.backward(outputs, grads)
 
 
-def prompt_root(model: Any, samples: Sequence[Sample], checkpoint_layers: bool = False) -> PromptRoot | None:
+def prompt_root(model: Any, samples: Sequence[Sample], checkpoint_layers: bool = False,
+                autocast: torch.dtype | None = None) -> PromptRoot | None:
     """The tokens every sample starts with, up to the token before the first answer token, run
     through the model's decoder once; None where they are fewer than ``MIN_SHARED_PREFIX`` or
     there is one sample. Gradients flow when the caller has them enabled: then the caller calls
-    ``backward()`` after the backward passes of the batches that read the root."""
+    ``backward()`` after the backward passes of the batches that read the root. ``autocast``: as
+    ``sequence_logprobs``'s."""
     firsts = [pos[0] for pos in map(loss_positions, samples) if pos]
     if len(samples) < 2 or not firsts:
         return None
@@ -178,8 +186,13 @@ def prompt_root(model: Any, samples: Sequence[Sample], checkpoint_layers: bool =
     if length < MIN_SHARED_PREFIX:
         return None
     ids = list(samples[0].input_ids[:length])
-    decoder = model.get_decoder()
-    tokens = torch.tensor([ids], dtype=torch.long, device=_model_device(model))
+    device = _model_device(model)
+    with precision.autocast(device, autocast):
+        return _run_root(model.get_decoder(), ids, device, checkpoint_layers)
+
+
+def _run_root(decoder: Any, ids: list[int], device: torch.device, checkpoint_layers: bool) -> PromptRoot:
+    tokens = torch.tensor([ids], dtype=torch.long, device=device)
     if not torch.is_grad_enabled():
         cache = decoder(input_ids=tokens, use_cache=True).past_key_values
         return PromptRoot(ids, [(layer.keys, layer.values) for layer in cache.layers])
