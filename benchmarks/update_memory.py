@@ -37,7 +37,8 @@ def main() -> None:
     parser.add_argument("--autocast", choices=("none", "bf16"), default="none")
     parser.add_argument("--device", default="cpu", help="cpu, or cuda: the update on a GPU (peak GPU memory too)")
     parser.add_argument("--model", default="default",
-                        help="a model folder (default: the embedded model); with --random-weights only its config.json")
+                        help="a model folder (default: the embedded model); with --random-weights only its config.json "
+                             "(benchmarks/model_configs holds the default model's and Qwen2.5-1.5B's)")
     parser.add_argument("--random-weights", action="store_true",
                         help="the model's architecture with random weights (timing and memory do not depend on them)")
     parser.add_argument("--emulated-bf16", action="store_true",
@@ -74,7 +75,8 @@ def main() -> None:
     if args.random_weights:
         from transformers import AutoConfig
 
-        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(args.model, local_files_only=True),
+        folder = resolve_model_path(args.model) if args.model == "default" else args.model
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(folder, local_files_only=True),
                                                  dtype=torch.float32)
     else:
         model = AutoModelForCausalLM.from_pretrained(resolve_model_path(args.model), dtype=torch.float32,
