@@ -91,10 +91,7 @@ class PPOActor:
     # ------------------------------------------------------------ log-probs
 
     def _root(self, samples: Sequence[Sample]) -> PromptRoot | None:
-        if not self.config.model.share_prefix:
-            return None
-        return prompt_root(self.model, samples, self.config.model.enable_gradient_checkpointing,
-                           _options(self.config, self.temperature, self.model)["autocast"])
+        return _prompt_root(self.model, samples, self.config, self.config.model.enable_gradient_checkpointing)
 
     def _forward(self, samples: Sequence[Sample], root: PromptRoot | None, entropy_grad: bool = False):
         return sequence_logprobs(self.model, samples, self.pad_token_id, with_entropy_grad=entropy_grad,
@@ -259,12 +256,21 @@ def logprobs_by_micro_batch(model: Any, samples: Sequence[Sample], pad_token_id:
     samples a pass (no gradient: the caller turns it off)."""
     out: list[torch.Tensor] = []
     micro = config.actor.ppo_micro_batch_size_per_gpu
-    options = _options(config, temperature, model)
-    root = prompt_root(model, samples, autocast=options["autocast"]) if config.model.share_prefix else None
+    root = _prompt_root(model, samples, config)
     for start in range(0, len(samples), micro):
-        stats = sequence_logprobs(model, samples[start: start + micro], pad_token_id, root=root, **options)
+        stats = sequence_logprobs(model, samples[start: start + micro], pad_token_id, root=root,
+                                  **_options(config, temperature, model))
         out += list(torch.split(stats.logp.detach(), stats.counts))
     return out
+
+
+def _prompt_root(model: Any, samples: Sequence[Sample], config: TrainerConfig,
+                 checkpoint_layers: bool = False) -> PromptRoot | None:
+    """The samples' prompt root where prefixes are shared (``model.share_prefix``), else None."""
+    if not config.model.share_prefix:
+        return None
+    return prompt_root(model, samples, checkpoint_layers,
+                       autocast_dtype(config.actor.autocast, next(model.parameters()).device.type))
 
 
 def _options(config: TrainerConfig, temperature: float, model: Any) -> dict[str, Any]:
