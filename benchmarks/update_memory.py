@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import dataclasses
 import time
 
 import torch
@@ -68,9 +69,11 @@ def main() -> None:
         actor=ActorSection(ppo_mini_batch_size=mini, ppo_micro_batch_size_per_gpu=8, shuffle=False,
                            optim=OptimSection(lr=1e-5),
                            **({"autocast": args.autocast} if args.autocast != "none" else {})),
-        # the key only when asked for, so that the script also runs on trees from before it
+        # the key where the tree has it, so that the script also runs on trees from before it
         model=ModelSection(lora_rank=16, lora_alpha=32,
-                           **({"enable_gradient_checkpointing": True} if args.checkpoint_layers else {})))
+                           **({"enable_gradient_checkpointing": args.checkpoint_layers}
+                              if "enable_gradient_checkpointing" in {f.name for f in dataclasses.fields(ModelSection)}
+                              else {})))
     torch.manual_seed(0)
     if args.random_weights:
         from transformers import AutoConfig

@@ -254,6 +254,49 @@ def test_update_with_a_prompt_root_equals_the_update_without_prompt_sharing(tiny
     assert abs(metrics[0]["actor/pg_loss"] - metrics[1]["actor/pg_loss"]) < 1e-6
 
 
+@pytest.mark.parametrize("setting, threshold, expected", [
+    ("auto", 10**6, False),  # micro-batches shorter than AUTO_CHECKPOINT_TOKENS: plain layers
+    ("auto", 1, True),  # longer: checkpointed
+    (True, 10**6, True),
+    (False, 1, False),
+])
+def test_layers_are_checkpointed_as_set_and_by_tokens_under_auto(tiny_model_and_tokenizer, monkeypatch, setting,
+                                                                  threshold, expected):
+    import ragen.trainer.actor as actor_module
+
+    model, tok = tiny_model_and_tokenizer
+    monkeypatch.setattr(actor_module, "AUTO_CHECKPOINT_TOKENS", threshold)
+    samples = _episode_samples(tok, ["<answer> dragon </answer>", "<answer> phoenix </answer>"] * 2, [1.0, -1.0] * 2)
+    cfg = _trainer_config(lr=1e-3, ppo_mini_batch_size=4, ppo_micro_batch_size_per_gpu=2)
+    actor = PPOActor(model, dataclasses.replace(
+        cfg, model=dataclasses.replace(cfg.model, enable_gradient_checkpointing=setting)))
+    layer = model.get_decoder().layers[0]
+    seen = set()
+    hook = layer.register_forward_pre_hook(
+        lambda module, args: seen.add(bool(torch.is_grad_enabled() and module.__dict__.get("gradient_checkpointing"))))
+    try:
+        metrics = actor.update(samples, 0)
+    finally:
+        hook.remove()
+    assert seen == {expected}
+    assert metrics["actor/checkpointed_steps"] == float(expected)
+
+
+def test_auto_checkpointing_leaves_a_model_without_checkpointable_layers_alone(tiny_model_and_tokenizer, monkeypatch):
+    import ragen.trainer.logprobs as logprobs
+
+    def missing():
+        raise ValueError("no GradientCheckpointingLayer in this transformers")
+
+    monkeypatch.setattr(logprobs, "checkpointable_layer", missing)
+    model, tok = tiny_model_and_tokenizer
+    samples = _episode_samples(tok, ["<answer> dragon </answer>", "<answer> phoenix </answer>"], [1.0, -1.0])
+    actor = PPOActor(model, _trainer_config(lr=1e-3, ppo_mini_batch_size=2, ppo_micro_batch_size_per_gpu=2))
+    assert actor.config.model.enable_gradient_checkpointing == "auto"
+    assert actor._checkpoint_layers([[s] * 1000 for s in samples]) is False
+    assert actor.update(samples, 0)["actor/n_optimizer_steps"] == 1.0
+
+
 def test_several_minibatches_and_epochs_use_precomputed_old_log_probs(tiny_model_and_tokenizer):
     model, tok = tiny_model_and_tokenizer
     samples = _episode_samples(tok, ["<answer> dragon </answer>", "<answer> phoenix </answer>"] * 4, [1.0, -1.0] * 4)
@@ -560,6 +603,8 @@ def no_model_loading(monkeypatch):
         ("actor_rollout_ref.actor.logprob_chunk_size=0", "actor_rollout_ref.actor.logprob_chunk_size"),
         ("actor_rollout_ref.actor.logprob_chunk_size=-8", "actor_rollout_ref.actor.logprob_chunk_size"),
         ("actor_rollout_ref.actor.autocast=fp16", "actor_rollout_ref.actor.autocast"),
+        ("actor_rollout_ref.model.enable_gradient_checkpointing=sometimes",
+         "actor_rollout_ref.model.enable_gradient_checkpointing"),
         ("trainer.logger=[console,mlflow]", "trainer.logger"),
         ("trainer.total_training_steps=0", "trainer.total_training_steps"),
         ("actor_rollout_ref.model.lora_rank=-1", "actor_rollout_ref.model.lora_rank"),

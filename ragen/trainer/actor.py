@@ -45,7 +45,8 @@ import torch
 
 from ragen.trainer.config import TrainerConfig
 from ragen.trainer.core import Sample, WeightStats, group_indices, importance_weights, kl_penalty, policy_loss
-from ragen.trainer.logprobs import PromptRoot, prompt_root, sequence_logprobs
+from ragen.trainer.logprobs import (AUTO_CHECKPOINT_TOKENS, PromptRoot, can_checkpoint_layers, prompt_root,
+                                    sequence_logprobs)
 from ragen.trainer.precision import autocast_dtype
 
 logger = logging.getLogger(__name__)
@@ -78,6 +79,7 @@ class PPOActor:
             raise ValueError(f"the model has no trainable parameters (check {key})")
         if config.actor.use_kl_loss and reference is None:
             raise ValueError("actor_rollout_ref.actor.use_kl_loss is true but no reference policy was given")
+        self._can_checkpoint = can_checkpoint_layers(model.get_decoder())
         # resolved (and warned about, where the hardware has no native bf16) at start, not at the first update
         autocast_dtype(config.actor.autocast, next(model.parameters()).device.type)
         optim = config.actor.optim
@@ -90,12 +92,19 @@ class PPOActor:
 
     # ------------------------------------------------------------ log-probs
 
-    def _root(self, samples: Sequence[Sample]) -> PromptRoot | None:
-        return _prompt_root(self.model, samples, self.config, self.config.model.enable_gradient_checkpointing)
+    def _checkpoint_layers(self, micro_batches: Sequence[Sequence[Sample]]) -> bool:
+        """Whether a mini-batch's passes checkpoint their layers (``model.enable_gradient_checkpointing``;
+        ``auto``: where a micro-batch holds ``AUTO_CHECKPOINT_TOKENS`` tokens or more and the model can)."""
+        setting = self.config.model.enable_gradient_checkpointing
+        if setting != "auto":
+            return bool(setting)
+        longest = max((sum(len(s.input_ids) for s in batch) for batch in micro_batches), default=0)
+        return longest >= AUTO_CHECKPOINT_TOKENS and self._can_checkpoint
 
-    def _forward(self, samples: Sequence[Sample], root: PromptRoot | None, entropy_grad: bool = False):
+    def _forward(self, samples: Sequence[Sample], root: PromptRoot | None, entropy_grad: bool,
+                 checkpoint_layers: bool):
         return sequence_logprobs(self.model, samples, self.pad_token_id, with_entropy_grad=entropy_grad,
-                                 checkpoint_layers=self.config.model.enable_gradient_checkpointing, root=root,
+                                 checkpoint_layers=checkpoint_layers, root=root,
                                  **_options(self.config, self.temperature, self.model))
 
     @torch.no_grad()
@@ -139,7 +148,7 @@ class PPOActor:
         sums: dict[str, float] = {"pg": 0.0, "entropy": 0.0, "kl": 0.0, "ppo_kl": 0.0, "clip": 0.0, "tokens": 0.0}
         weights = WeightStats()
         grad_norms: list[float] = []
-        skipped = 0
+        skipped = checkpointed = 0
         for epoch in range(cfg.ppo_epochs):
             order = self._order(samples, step, epoch)
             for mb_start in range(0, n, mini):
@@ -148,13 +157,15 @@ class PPOActor:
                     denom = float(sum(samples[i].num_loss_tokens for i in mb))
                 else:
                     denom = float(len(mb))
+                micro_batches = [mb[mc_start: mc_start + micro] for mc_start in range(0, len(mb), micro)]
+                checkpoint_layers = self._checkpoint_layers([[samples[i] for i in idx] for idx in micro_batches])
+                checkpointed += checkpoint_layers
                 # the prompt every sample of the mini-batch starts with: run once, its gradient summed
-                root = self._root([samples[i] for i in mb])
-                for mc_start in range(0, len(mb), micro):
-                    idx = mb[mc_start: mc_start + micro]
+                root = _prompt_root(self.model, [samples[i] for i in mb], self.config, checkpoint_layers)
+                for idx in micro_batches:
                     self._micro_step([samples[i] for i in idx], root, None if old is None else [old[i] for i in idx],
                                      None if ref is None else [ref[i] for i in idx], denom, sums,
-                                     weights if epoch == 0 else None)
+                                     weights if epoch == 0 else None, checkpoint_layers)
                 if root is not None:
                     root.backward()
                 norm = self._optimizer_step(step)
@@ -172,6 +183,7 @@ class PPOActor:
             "actor/lr": self.optimizer.param_groups[0]["lr"],
             "actor/n_optimizer_steps": float(len(grad_norms)),
             "actor/skipped_steps": float(skipped),
+            "actor/checkpointed_steps": float(checkpointed),  # optimizer steps whose layers were checkpointed
             "actor/n_samples": float(n),
             "actor/n_tokens": float(sum(s.num_loss_tokens for s in samples)),
         }
@@ -209,9 +221,9 @@ class PPOActor:
 
     def _micro_step(self, samples: Sequence[Sample], root: PromptRoot | None, old: list[torch.Tensor] | None,
                     ref: list[torch.Tensor] | None, denom: float, sums: dict[str, float],
-                    weights: WeightStats | None) -> None:
+                    weights: WeightStats | None, checkpoint_layers: bool) -> None:
         cfg = self.config.actor
-        stats = self._forward(samples, root, entropy_grad=cfg.entropy_coeff != 0.0)
+        stats = self._forward(samples, root, cfg.entropy_coeff != 0.0, checkpoint_layers)
         logp = stats.logp
         device = logp.device
         # the proximal policy: the weights at the start of the update

@@ -148,11 +148,15 @@ class ModelSection:
     lora_alpha: float = setting(16.0, minimum=0.0)
     target_modules: str | list[str] = "all-linear"
     share_prefix: bool = True
-    # each decoder layer keeps only its input for the backward pass and runs again there
-    enable_gradient_checkpointing: bool = False
+    # true: each decoder layer keeps only its input for the backward pass and runs again there; auto: for
+    # mini-batches whose micro-batches hold AUTO_CHECKPOINT_TOKENS tokens or more, where the model can
+    enable_gradient_checkpointing: bool | str = setting("auto", choices=("auto",))
 
     def __post_init__(self) -> None:
-        if self.enable_gradient_checkpointing:
+        if self.enable_gradient_checkpointing not in (True, False, "auto"):
+            raise ValueError("actor_rollout_ref.model.enable_gradient_checkpointing must be true, false or auto, "
+                             f"got {self.enable_gradient_checkpointing!r}")
+        if self.enable_gradient_checkpointing is True:
             checkpointable_layer()
         if isinstance(self.target_modules, list) and not self.target_modules:
             raise ValueError("actor_rollout_ref.model.target_modules must be 'all-linear' or a list of module "

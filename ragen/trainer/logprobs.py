@@ -43,6 +43,11 @@ DEFAULT_CHUNK_SIZE = 256
 # Below this many shared tokens a separate prefix pass costs more than it saves.
 MIN_SHARED_PREFIX = 8
 
+# enable_gradient_checkpointing: auto checkpoints the layers of a mini-batch whose micro-batches hold this
+# many tokens or more (the default job's hold about 3,400; 3-turn Sokoban's 6,400, whose activations at
+# micro batch 8 would take several GB)
+AUTO_CHECKPOINT_TOKENS = 4096
+
 
 @dataclass
 class TokenStats:
@@ -215,6 +220,15 @@ def checkpointable_layer() -> type:
         raise ValueError("actor_rollout_ref.model.enable_gradient_checkpointing needs a transformers with "
                          "transformers.modeling_layers.GradientCheckpointingLayer (>= 4.53)") from exc
     return GradientCheckpointingLayer
+
+
+def can_checkpoint_layers(decoder: Any) -> bool:
+    """Whether ``layers_checkpointed`` works on ``decoder`` (a transformers with the switch, layers that have it)."""
+    try:
+        layer_type = checkpointable_layer()
+    except ValueError:
+        return False
+    return any(isinstance(m, layer_type) for m in decoder.modules())
 
 
 def layers_checkpointed(decoder: Any) -> contextlib.AbstractContextManager:
