@@ -72,9 +72,14 @@ def test_the_client_counts_streams_and_closes_those_left_open():
     streams[0].close()
     streams[0].close()  # closing twice closes once
     assert transport.closed == 1 and client.open_streams == 4
+    in_flight = chunk[1].submit([_request()], SAMPLING)
     client.close()
     assert transport.closed == 5 and client.open_streams == 0 and transport.flushes == 1
-    assert chunk[1].closed is False  # the handles are the user's; the transport's count is what closed
+    assert all(s.closed for s in streams + chunk) and in_flight.cancelled()
+    chunk[1].close()  # a handle closed by the client: closing it again sends nothing
+    assert transport.closed == 5 and client.open_streams == 0
+    with pytest.raises(RuntimeError, match="none once closed"):
+        chunk[1].submit([_request()], SAMPLING)
 
 
 def test_cancel_drops_the_request_and_cancels_its_future():

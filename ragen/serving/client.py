@@ -59,16 +59,22 @@ class LLMClient:
     def __init__(self, transport: Transport) -> None:
         self.transport = transport
         self.streams = transport.streams
-        self.open_streams = 0  # opened and not closed yet
+        self._open: dict[Stream, None] = {}  # opened and not closed yet, in order
         self._flight: dict[int, Stream] = {}  # by ticket
+
+    @property
+    def open_streams(self) -> int:
+        """Streams opened and not closed yet."""
+        return len(self._open)
 
     def open(self, n: int, opened: int = 0) -> list[Stream]:
         """``n`` new streams, the first ``opened`` of them already counted by the manager
         (a chunk of the rollout's queue opens its first stream as it is handed out)."""
         if n > opened:
             self.transport.open_streams(n - opened)
-        self.open_streams += n
-        return [Stream(self) for _ in range(n)]
+        streams = [Stream(self) for _ in range(n)]
+        self._open.update(dict.fromkeys(streams))
+        return streams
 
     def _submit(self, stream: Stream, requests: list[GenerationRequest], sampling: SamplingParams,
                 hold: bool) -> Future:
@@ -90,7 +96,7 @@ class LLMClient:
             return
         self._cancel(stream)
         stream.closed = True
-        self.open_streams -= 1
+        del self._open[stream]
         self.transport.close_stream(hold)
 
     def wait(self, timeout: float | None = None, block: bool = True) -> list[Stream]:
@@ -124,10 +130,9 @@ class LLMClient:
         return got
 
     def close(self) -> None:
-        """Every stream left open closes, and what was held back is sent."""
-        for _ in range(self.open_streams):
-            self.transport.close_stream()
-        self.open_streams = 0
+        """Every stream left open closes (what it has in flight cancelled), and what was held back is sent."""
+        for stream in list(self._open):
+            self._close(stream, hold=True)
         self.transport.flush()
 
     def reset(self) -> None:
