@@ -297,6 +297,24 @@ def test_auto_checkpointing_leaves_a_model_without_checkpointable_layers_alone(t
     assert actor.update(samples, 0)["actor/n_optimizer_steps"] == 1.0
 
 
+def test_checkpointing_needs_a_transformers_that_keeps_the_cache_in_checkpointed_layers(tiny_model_and_tokenizer,
+                                                                                       monkeypatch):
+    """Older transformers drop past_key_values in a checkpointed layer, which would make the prefix
+    passes' log-probs wrong without a word: true is refused naming the key, auto stays off."""
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    from ragen.trainer.config import ModelSection
+    from ragen.trainer.logprobs import can_checkpoint_layers
+
+    model, _ = tiny_model_and_tokenizer
+    assert can_checkpoint_layers(model.get_decoder())
+    monkeypatch.delattr(GradientCheckpointingLayer, "_can_checkpoint_with_cache")
+    assert not can_checkpoint_layers(model.get_decoder())
+    with pytest.raises(ValueError, match="enable_gradient_checkpointing.*keep the key/value cache"):
+        ModelSection(enable_gradient_checkpointing=True)
+    assert ModelSection().enable_gradient_checkpointing == "auto"
+
+
 def test_several_minibatches_and_epochs_use_precomputed_old_log_probs(tiny_model_and_tokenizer):
     model, tok = tiny_model_and_tokenizer
     samples = _episode_samples(tok, ["<answer> dragon </answer>", "<answer> phoenix </answer>"] * 4, [1.0, -1.0] * 4)

@@ -213,12 +213,18 @@ def _run_root(decoder: Any, ids: list[int], device: torch.device, checkpoint_lay
 
 
 def checkpointable_layer() -> type:
-    """transformers' ``GradientCheckpointingLayer``; ValueError naming the key where it has none."""
+    """transformers' ``GradientCheckpointingLayer``; ValueError naming the key where it has none, or
+    where it drops the key/value cache of a checkpointed layer (the prefix passes read one)."""
     try:
         from transformers.modeling_layers import GradientCheckpointingLayer
     except ImportError as exc:
         raise ValueError("actor_rollout_ref.model.enable_gradient_checkpointing needs a transformers with "
                          "transformers.modeling_layers.GradientCheckpointingLayer (>= 4.53)") from exc
+    if not hasattr(GradientCheckpointingLayer, "_can_checkpoint_with_cache"):
+        # older ones set past_key_values=None in a checkpointed layer: the log-probs would be wrong
+        raise ValueError("actor_rollout_ref.model.enable_gradient_checkpointing needs a transformers whose "
+                         "GradientCheckpointingLayer can keep the key/value cache (_can_checkpoint_with_cache: "
+                         "5.23 has it, 5.10 does not)")
     return GradientCheckpointingLayer
 
 
