@@ -75,15 +75,14 @@ def main() -> None:
                               if "enable_gradient_checkpointing" in {f.name for f in dataclasses.fields(ModelSection)}
                               else {})))
     torch.manual_seed(0)
+    folder = resolve_model_path(args.model)
     if args.random_weights:
         from transformers import AutoConfig
 
-        folder = resolve_model_path(args.model) if args.model == "default" else args.model
         model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(folder, local_files_only=True),
                                                  dtype=torch.float32)
     else:
-        model = AutoModelForCausalLM.from_pretrained(resolve_model_path(args.model), dtype=torch.float32,
-                                                     local_files_only=True)
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, local_files_only=True)
     model = model.to(args.device)
     cuda = torch.device(args.device).type == "cuda"
     model = apply_lora(model, cfg.model)

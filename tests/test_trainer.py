@@ -293,7 +293,8 @@ def test_auto_checkpointing_leaves_a_model_without_checkpointable_layers_alone(t
     samples = _episode_samples(tok, ["<answer> dragon </answer>", "<answer> phoenix </answer>"], [1.0, -1.0])
     actor = PPOActor(model, _trainer_config(lr=1e-3, ppo_mini_batch_size=2, ppo_micro_batch_size_per_gpu=2))
     assert actor.config.model.enable_gradient_checkpointing == "auto"
-    assert actor._checkpoint_layers([[s] * 1000 for s in samples]) is False
+    long = samples * 1000  # a micro-batch far past AUTO_CHECKPOINT_TOKENS
+    assert actor._checkpoint_layers(long, [list(range(len(long)))]) is False
     assert actor.update(samples, 0)["actor/n_optimizer_steps"] == 1.0
 
 

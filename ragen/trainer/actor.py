@@ -81,7 +81,7 @@ class PPOActor:
             raise ValueError("actor_rollout_ref.actor.use_kl_loss is true but no reference policy was given")
         self._can_checkpoint = can_checkpoint_layers(model.get_decoder())
         # resolved (and warned about, where the hardware has no native bf16) at start, not at the first update
-        autocast_dtype(config.actor.autocast, next(model.parameters()).device.type)
+        _compute_dtype(config, model)
         optim = config.actor.optim
         self.optimizer = torch.optim.AdamW(self.params, lr=optim.lr, betas=optim.betas,
                                            weight_decay=optim.weight_decay)
@@ -92,13 +92,14 @@ class PPOActor:
 
     # ------------------------------------------------------------ log-probs
 
-    def _checkpoint_layers(self, micro_batches: Sequence[Sequence[Sample]]) -> bool:
+    def _checkpoint_layers(self, samples: Sequence[Sample], micro_batches: Sequence[Sequence[int]]) -> bool:
         """Whether a mini-batch's passes checkpoint their layers (``model.enable_gradient_checkpointing``;
-        ``auto``: where a micro-batch holds ``AUTO_CHECKPOINT_TOKENS`` tokens or more and the model can)."""
+        ``auto``: where a micro-batch (positions in ``samples``) holds ``AUTO_CHECKPOINT_TOKENS`` tokens or
+        more and the model can)."""
         setting = self.config.model.enable_gradient_checkpointing
         if setting != "auto":
             return bool(setting)
-        longest = max((sum(len(s.input_ids) for s in batch) for batch in micro_batches), default=0)
+        longest = max((sum(len(samples[i].input_ids) for i in idx) for idx in micro_batches), default=0)
         return longest >= AUTO_CHECKPOINT_TOKENS and self._can_checkpoint
 
     def _forward(self, samples: Sequence[Sample], root: PromptRoot | None, entropy_grad: bool,
@@ -158,7 +159,7 @@ class PPOActor:
                 else:
                     denom = float(len(mb))
                 micro_batches = [mb[mc_start: mc_start + micro] for mc_start in range(0, len(mb), micro)]
-                checkpoint_layers = self._checkpoint_layers([[samples[i] for i in idx] for idx in micro_batches])
+                checkpoint_layers = self._checkpoint_layers(samples, micro_batches)
                 checkpointed += checkpoint_layers
                 # the prompt every sample of the mini-batch starts with: run once, its gradient summed
                 root = _prompt_root(self.model, [samples[i] for i in mb], self.config, checkpoint_layers)
@@ -281,16 +282,18 @@ def _prompt_root(model: Any, samples: Sequence[Sample], config: TrainerConfig,
     """The samples' prompt root where prefixes are shared (``model.share_prefix``), else None."""
     if not config.model.share_prefix:
         return None
-    return prompt_root(model, samples, checkpoint_layers,
-                       autocast_dtype(config.actor.autocast, next(model.parameters()).device.type))
+    return prompt_root(model, samples, checkpoint_layers, _compute_dtype(config, model))
 
 
 def _options(config: TrainerConfig, temperature: float, model: Any) -> dict[str, Any]:
     """``sequence_logprobs``'s settings from the config, the same for the actor and its references."""
-    device = next(model.parameters()).device
     return {"share_prefix": config.model.share_prefix, "temperature": temperature,
-            "chunk_size": config.actor.logprob_chunk_size,
-            "autocast": autocast_dtype(config.actor.autocast, device.type)}
+            "chunk_size": config.actor.logprob_chunk_size, "autocast": _compute_dtype(config, model)}
+
+
+def _compute_dtype(config: TrainerConfig, model: Any) -> torch.dtype | None:
+    """The decoder's autocast dtype on ``model``'s device (``actor.autocast``; None: float32)."""
+    return autocast_dtype(config.actor.autocast, next(model.parameters()).device.type)
 
 
 def adapter_off_reference(peft_model: Any, pad_token_id: int, config: TrainerConfig, temperature: float = 1.0):

@@ -231,10 +231,15 @@ def checkpointable_layer() -> type:
 def can_checkpoint_layers(decoder: Any) -> bool:
     """Whether ``layers_checkpointed`` works on ``decoder`` (a transformers with the switch, layers that have it)."""
     try:
-        layer_type = checkpointable_layer()
+        return bool(_checkpointable_layers(decoder))
     except ValueError:
         return False
-    return any(isinstance(m, layer_type) for m in decoder.modules())
+
+
+def _checkpointable_layers(decoder: Any) -> list[Any]:
+    """The decoder's layers that transformers' switch checkpoints; ValueError where it has no switch."""
+    layer_type = checkpointable_layer()
+    return [m for m in decoder.modules() if isinstance(m, layer_type)]
 
 
 def layers_checkpointed(decoder: Any) -> contextlib.AbstractContextManager:
@@ -243,7 +248,7 @@ def layers_checkpointed(decoder: Any) -> contextlib.AbstractContextManager:
     (``GradientCheckpointingLayer``), on for these layers alone: in training mode for its
     check, their sub-modules (dropout) left as they are, and the prefix cache kept, which is
     safe because the suffix pass reads it without writing (``_ReadOnlyCache``)."""
-    layers = [m for m in decoder.modules() if isinstance(m, checkpointable_layer())]
+    layers = _checkpointable_layers(decoder)
     if not layers:
         raise ValueError(f"actor_rollout_ref.model.enable_gradient_checkpointing: {type(decoder).__name__} has no "
                          "layers transformers can checkpoint")

@@ -232,7 +232,8 @@ class AgentTrainer:
         t3 = time.perf_counter()
         self.sync_weights()
         t4 = time.perf_counter()
-        # the update's parts: samples (and their reference/old log-probs), the actor's steps, the weight push
+        # the update's parts: the samples and their advantages, the actor's update (its old-policy and
+        # reference log-probs included), the weight push
         metrics["timing/samples_s"], metrics["timing/actor_s"], metrics["timing/sync_weights_s"] = \
             t2 - t1, t3 - t2, t4 - t3
         metrics["timing/update_s"] = t4 - t1
