@@ -548,3 +548,21 @@ def test_cheap_groups_are_handed_out_in_fewer_chunks_once_their_cost_is_measured
     assert min_chunk_groups(cheap_s) == 10
     assert second.metrics["parallel/chunks"] == len(chunk_sizes(16, 2, 2, min_groups=10)) == 4  # [4, 4, 4, 4]
     assert second.trajectories == first.trajectories == sequential(specs, config, engine)
+
+
+def test_an_injected_fault_follows_its_chunk_not_a_task(mixed_specs):
+    """Which task takes which chunk is a race (a late worker may take none): the
+    fault names the group that opens chunk i, and every task carries it."""
+    from ragen.rollout.backends.parallel import _task_fault
+    from ragen.rollout.workers.schedule import GroupQueue, groups_of
+
+    groups = groups_of(mixed_specs)
+    queue = GroupQueue(len(groups), 2)
+    assert queue.sizes == [4, 2, 1]
+    assert _task_fault({"worker": 0, "exit_at_turn": 2}, queue, groups) == {
+        "exit_at_turn": 2, "group_id": groups[0][0].group_id}
+    assert _task_fault({"worker": 1, "exit_at_turn": 1}, queue, groups) == {
+        "exit_at_turn": 1, "group_id": groups[4][0].group_id}
+    assert _task_fault({"worker": 2, "exit_at_turn": 1}, queue, groups)["group_id"] == groups[6][0].group_id
+    assert _task_fault({"worker": 3, "exit_at_turn": 1}, queue, groups) is None  # no fourth chunk
+    assert _task_fault(None, queue, groups) is None

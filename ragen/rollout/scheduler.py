@@ -59,7 +59,8 @@ def run_envs(
     opened by the manager, until it returns none; their trajectories follow
     the specs'. ``on_finished(n)``: ``n`` more envs ended (for progress); it
     must not raise. ``fault``: ``{"exit_at_turn": k}`` makes the calling
-    process exit at turn k (fault injection for benchmarks and tests).
+    process exit at turn k, with ``"group_id": g`` only when it plays group g
+    (fault injection for benchmarks and tests).
     """
     client = LLMClient(transport)
     turns = EnvTurns(config, kept_envs if kept_envs is not None else KeptEnvs(), isolate_errors)
@@ -217,7 +218,8 @@ class Scheduler:
     def step(self, stream: Stream, completions: list[Completion]) -> list[Playing]:
         """The answered stream's episodes played to their next request; returns them."""
         batch = self.inflight.pop(stream)
-        if self.fault and batch and len(batch[0].slot.traj.turns) + 1 >= self.fault.get("exit_at_turn", 1 << 30):
+        if self.fault and batch and len(batch[0].slot.traj.turns) + 1 >= self.fault.get("exit_at_turn", 1 << 30) \
+                and self.fault.get("group_id", batch[0].slot.traj.group_id) in {e.slot.traj.group_id for e in batch}:
             logger.warning("fault injection: process %d exits now", os.getpid())
             os._exit(3)
         answered = []

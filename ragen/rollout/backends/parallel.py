@@ -178,8 +178,9 @@ class ParallelRolloutManager(SyncBackend):
     # ----- rollout ---------------------------------------------------------------
     def _play(self, specs: Sequence[EnvSpec], config: LoopConfig, progress: RolloutProgress | None,
               fault: dict[str, Any] | None) -> RolloutResult:
-        """``fault``: ``{"worker": i, "exit_at_turn": k}`` kills worker i's
-        process at turn k (fault injection). ``progress``: told how far the
+        """``fault``: ``{"worker": i, "exit_at_turn": k}`` kills, at turn k, the
+        process of the worker that plays the rollout's i-th chunk (fault
+        injection; a chunk, not a task: which task takes which chunk is a race). ``progress``: told how far the
         rollout has got (the caller closes it)."""
         t_start = time.perf_counter()
         t_start_mono = time.monotonic()
@@ -313,9 +314,7 @@ class ParallelRolloutManager(SyncBackend):
             # Workers isolate env errors: a failing env is retried alone and, if it
             # keeps failing, ends its own trajectory; its worker goes on.
             calls = [WorkerTask(i, [], client, config, isolate_errors=True, groups=groups, max_live_envs=max_live,
-                                pipeline_depth=depth,
-                                fault={"exit_at_turn": fault["exit_at_turn"]} if fault and fault.get("worker") == i
-                                else None)
+                                pipeline_depth=depth, fault=_task_fault(fault, queue, groups))
                      for i in range(n_tasks)]
             try:
                 for res in self._results(lease, calls):
@@ -399,6 +398,17 @@ class ParallelRolloutManager(SyncBackend):
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+def _task_fault(fault: dict[str, Any] | None, queue: GroupQueue,
+                groups: list[list[EnvSpec]]) -> dict[str, int] | None:
+    """``fault`` (``{"worker": i, "exit_at_turn": k}``) as every task's: the process
+    that plays the first group of the queue's chunk i exits at turn k."""
+    chunk = (fault or {}).get("worker", 0)
+    if not fault or not 0 <= chunk < len(queue.sizes):
+        return None
+    first = groups[sum(queue.sizes[:chunk])][0]
+    return {"exit_at_turn": fault["exit_at_turn"], "group_id": first.group_id}
 
 
 def _mean(values: Sequence[float]) -> float:

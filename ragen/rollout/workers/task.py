@@ -67,7 +67,8 @@ class WorkerTask:
     once ``pipeline_depth`` streams play (``batching.Lockstep``); at most ``max_live_envs``
     envs at once (None: no limit). ``isolate_errors``: an env's failure ends its own
     trajectory (the fallback's), else the task's. ``fault``: ``{"exit_at_turn": k}`` kills
-    the worker's process at turn k (fault injection)."""
+    the worker's process at turn k, with ``"group_id": g`` only when it plays group g
+    (fault injection)."""
 
     task: int
     specs: list[EnvSpec]
