@@ -92,17 +92,35 @@ class EnvSpecMaker:
         return self._group(rollout_index, g, group_id=index)
 
     def _group(self, rollout_index: int, g: int, group_id: int) -> list[EnvSpec]:
-        ts = self.tag_specs[self.group_tags[g]]
+        tag = self.group_tags[g]
         seed = self.base_seed + rollout_index * self.env_groups + g
-        return [
-            EnvSpec(env_id=group_id * self.group_size + m, group_id=group_id, tag=self.group_tags[g], seed=seed,
-                    env_type=ts["env_type"], env_config=ts["env_config"], config_type=ts["config_type"],
-                    max_actions_per_traj=ts["max_actions_per_traj"], env_instruction=ts["env_instruction"],
-                    state_legend=ts["state_legend"], action_names=ts["action_names"],
-                    max_tokens=ts["max_tokens"], format_example=ts["format_example"],
-                    env_threads=ts["env_threads"], mode=self.split)
-            for m in range(self.group_size)
-        ]
+        return [spec_of(tag, self.tag_specs[tag], seed, env_id=group_id * self.group_size + m, group_id=group_id,
+                        mode=self.split)
+                for m in range(self.group_size)]
+
+    def group_seeds(self, rollout_index: int) -> list[tuple[str, int]]:
+        """(tag, seed) of each group of rollout number ``rollout_index``, in group order."""
+        return [(tag, self.base_seed + rollout_index * self.env_groups + g) for g, tag in enumerate(self.group_tags)]
+
+
+def tag_spec(tag: str, custom_envs: Mapping) -> dict[str, Any]:
+    """What every env of ``tag`` shares, read from ``custom_envs[tag]`` (ValueError naming
+    the tag when it is not there or its entry is bad)."""
+    custom_envs = to_plain(custom_envs) or {}
+    if tag not in custom_envs:
+        raise ValueError(f"tag {tag!r} is not in custom_envs (known: {sorted(custom_envs)})")
+    return _validate_tag(tag, custom_envs[tag])
+
+
+def spec_of(tag: str, ts: Mapping[str, Any], seed: int, env_id: int = 0, group_id: int = 0,
+            mode: str = "train") -> EnvSpec:
+    """The ``EnvSpec`` of one env of ``tag`` (its ``tag_spec`` ``ts``) with ``seed``."""
+    return EnvSpec(env_id=env_id, group_id=group_id, tag=tag, seed=seed,
+                   env_type=ts["env_type"], env_config=ts["env_config"], config_type=ts["config_type"],
+                   max_actions_per_traj=ts["max_actions_per_traj"], env_instruction=ts["env_instruction"],
+                   state_legend=ts["state_legend"], action_names=ts["action_names"],
+                   max_tokens=ts["max_tokens"], format_example=ts["format_example"],
+                   env_threads=ts["env_threads"], mode=mode)
 
     def state_dict(self) -> dict[str, int]:
         return {"rollouts": self._rollouts}

@@ -1,0 +1,134 @@
+"""Write verl's dataset for training on ragen's envs with the ``ragen_env`` agent loop.
+
+    python -m ragen.tools.verl_data --config-name verl_sokoban --out data/ragen_sokoban [overrides ...]
+
+From ``es_manager``'s env sets of the composed ragen config it writes, in ``--out``:
+
+- ``train.parquet``: one row per group of ``--steps`` training rollouts, with
+  RAGEN's seeds (group ``g`` of rollout ``r`` gets ``seed.train + r *
+  env_groups + g``) and its tag; verl repeats each row ``rollout.n`` times
+  under one uid, so ``rollout.n = group_size`` plays the group, one initial
+  state, as GRPO needs;
+- ``val.parquet``: the validation groups (the same every time, as in RAGEN);
+- ``ragen_config.yaml``: the resolved config the agent loop reads;
+- ``agent_loop.yaml``: verl's ``agent_loop_config_path`` file naming it;
+- ``verl_overrides.txt``: the verl keys these imply (data files, batch size,
+  ``rollout.n``, steps, the agent loop path), one per line.
+
+Rows are ``data_source``, ``prompt`` (a placeholder message: the agent loop
+builds RAGEN's prompts from the env), ``agent_name``, ``tag``, ``seed``,
+``split``, ``reward_model`` and ``extra_info.index``. Needs pandas and pyarrow
+(``pip install -e '.[verl]'``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+from ragen.config_files import config_dir
+from ragen.rollout.envs import EnvSpecMaker
+
+logger = logging.getLogger(__name__)
+
+AGENT_NAME = "ragen_env"  # ragen.verl.agent_loop.AGENT_NAME (that module imports verl)
+
+
+def group_rows(maker: EnvSpecMaker, rollouts: int, start_index: int = 0) -> list[dict[str, Any]]:
+    """One row per group of the split's first ``rollouts`` rollouts (validation: its one set)."""
+    rows = []
+    for r in range(rollouts):
+        for tag, seed in maker.group_seeds(r):
+            index = start_index + len(rows)
+            rows.append({
+                "data_source": f"ragen/{tag}",
+                "prompt": [{"role": "user", "content": f"ragen env {tag}, seed {seed}"}],
+                "agent_name": AGENT_NAME,
+                "tag": tag,
+                "seed": int(seed),
+                "split": maker.split,
+                "reward_model": {"style": "rule", "ground_truth": ""},
+                "extra_info": {"index": index, "split": maker.split},
+            })
+    return rows
+
+
+def build(cfg: Mapping[str, Any], out: Path, steps: int | None = None) -> dict[str, Any]:
+    """Writes the files of the module docstring into ``out``; returns what it wrote."""
+    from omegaconf import OmegaConf
+
+    from ragen.verl.setup import VerlEnvs
+
+    VerlEnvs(cfg, "the composed config")  # refused here, before verl starts, if the agent loop would refuse it
+    import pandas as pd
+
+    seed = cfg.get("seed") or {}
+    es = cfg["es_manager"]
+    makers = {split: EnvSpecMaker(split, es[split], cfg["custom_envs"], seed.get(split, 0))
+              for split in ("train", "val")}
+    if steps is None:
+        steps = int((cfg.get("trainer") or {}).get("total_training_steps") or 1)
+    if steps < 1:
+        raise ValueError(f"--steps={steps}: at least 1")
+    train = group_rows(makers["train"], steps)
+    val = group_rows(makers["val"], 1)
+    out.mkdir(parents=True, exist_ok=True)
+    pd.DataFrame(train).to_parquet(out / "train.parquet")
+    pd.DataFrame(val).to_parquet(out / "val.parquet")
+    config_path = (out / "ragen_config.yaml").resolve()
+    OmegaConf.save(OmegaConf.create(dict(cfg)), config_path)
+    loop_path = (out / "agent_loop.yaml").resolve()
+    loop_path.write_text(f"- name: {AGENT_NAME}\n  _target_: ragen.verl.agent_loop.RagenEnvAgentLoop\n"
+                         f"  ragen_config: {config_path}\n")
+    overrides = [
+        f"data.train_files={(out / 'train.parquet').resolve()}",
+        f"data.val_files={(out / 'val.parquet').resolve()}",
+        f"data.train_batch_size={makers['train'].env_groups}",
+        "data.shuffle=false",
+        f"actor_rollout_ref.rollout.n={makers['train'].group_size}",
+        f"actor_rollout_ref.rollout.val_kwargs.n={makers['val'].group_size}",
+        "actor_rollout_ref.rollout.mode=async",
+        f"actor_rollout_ref.rollout.agent.agent_loop_config_path={loop_path}",
+        f"trainer.total_training_steps={steps}",
+    ]
+    (out / "verl_overrides.txt").write_text("\n".join(overrides) + "\n")
+    return {"train_rows": len(train), "val_rows": len(val), "out": str(out), "overrides": overrides}
+
+
+def compose(config_name: str, overrides: Sequence[str], where: Path) -> dict[str, Any]:
+    from hydra import compose as hydra_compose, initialize_config_dir
+    from omegaconf import OmegaConf
+
+    with initialize_config_dir(str(where.resolve()), version_base=None):
+        cfg = hydra_compose(config_name, overrides=list(overrides))
+    return OmegaConf.to_container(cfg, resolve=True)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m ragen.tools.verl_data", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--config-name", default="verl_sokoban", help="a config in config/ (default: verl_sokoban)")
+    parser.add_argument("--config-dir", type=Path, default=None,
+                        help="where --config-name is looked up (default: the config/ shipped with ragen)")
+    parser.add_argument("--out", type=Path, required=True, help="the folder the files go to")
+    parser.add_argument("--steps", type=int, default=None,
+                        help="training rollouts to write (default: trainer.total_training_steps)")
+    parser.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. es_manager.train.env_groups=16")
+    args = parser.parse_args(argv)
+    try:
+        cfg = compose(args.config_name, args.overrides, args.config_dir or config_dir())
+        report = build(cfg, args.out, args.steps)
+    except Exception as exc:  # config errors, a missing pyarrow: one line, exit 2
+        logger.debug("verl_data failed", exc_info=True)
+        print(f"error: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 2
+    print(f"wrote {report['train_rows']} train and {report['val_rows']} val rows, ragen_config.yaml and "
+          f"agent_loop.yaml to {report['out']}\nverl overrides (also in verl_overrides.txt):")
+    print(" \\\n  ".join(report["overrides"]))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

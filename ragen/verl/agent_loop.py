@@ -1,0 +1,104 @@
+"""ragen's envs as a verl agent loop: ``RagenEnvAgentLoop``, named ``ragen_env``.
+
+verl (0.9.1, ``pip install -e '.[verl]'``) plays each dataset row with the
+agent loop its ``agent_name`` column names; ``python -m ragen.tools.verl_data``
+writes rows of ``(tag, seed, split, agent_name=ragen_env)`` and the
+``agent_loop_config_path`` file that registers this class:
+
+    - name: ragen_env
+      _target_: ragen.verl.agent_loop.RagenEnvAgentLoop
+      ragen_config: /abs/path/ragen_config.yaml   # or a config name of ragen's config/
+      ragen_overrides: []                          # Hydra overrides, with a config name
+
+One sample is one episode (``play_tokens``): RAGEN's prompts and rewards,
+token-exact (``token_history: append``), answers from verl's server manager,
+env resets and steps on the env processes of this agent-loop worker
+(``EnvSide``) so that verl's event loop only waits for them. The score is the
+trajectory's reward, put at the last response token by verl; the episode's
+metrics go to ``reward_extra_info``. See docs/verl.md.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Any
+from uuid import uuid4
+
+from verl.experimental.agent_loop.agent_loop import AgentLoopBase, AgentLoopMetrics, AgentLoopOutput, register
+from verl.utils.profiler import simple_timer
+
+from ragen.llm.chat_tokens import ChatTokens
+from ragen.verl.env_side import EnvSide
+from ragen.verl.episode_tokens import play_tokens
+from ragen.verl.setup import load_envs
+
+logger = logging.getLogger(__name__)
+
+AGENT_NAME = "ragen_env"
+
+# One EnvSide and one ChatTokens per agent-loop worker process (verl builds an agent
+# loop per sample): the env processes and the template's probe outlive the samples.
+_SHARED: dict[tuple, Any] = {}
+_LOCK = threading.Lock()
+
+
+def _shared(key: tuple, make) -> Any:
+    with _LOCK:
+        if key not in _SHARED:
+            _SHARED[key] = make()
+        return _SHARED[key]
+
+
+@register(AGENT_NAME)
+class RagenEnvAgentLoop(AgentLoopBase):
+    """One ragen env episode per verl sample (see the module docstring)."""
+
+    def __init__(self, *args: Any, ragen_config: str | None = None, ragen_overrides: Any = (),
+                 **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        if not ragen_config:
+            raise ValueError(f"agent loop {AGENT_NAME!r}: its entry in actor_rollout_ref.rollout.agent."
+                             "agent_loop_config_path has no ragen_config (a ragen config file, as "
+                             "python -m ragen.tools.verl_data writes it, or a config name of ragen's config/)")
+        agent_workers = int(self.rollout_config.agent.get("num_workers", 1) or 1)
+        overrides = tuple(str(o) for o in (ragen_overrides or ()))
+        self.envs = load_envs(str(ragen_config), overrides, agent_workers)
+        self.env_side: EnvSide = _shared(("env_side", str(ragen_config), overrides),
+                                         lambda: EnvSide(self.envs.env_workers))
+        tokenizer = self.tokenizer
+        self.chat: ChatTokens = _shared(("chat", id(tokenizer)), lambda: ChatTokens.of(tokenizer))
+        self.prompt_length = int(self.rollout_config.prompt_length)
+        self.response_length = int(self.rollout_config.response_length)
+        self.vocab_size = len(tokenizer)
+
+    async def run(self, sampling_params: dict[str, Any], **kwargs: Any) -> AgentLoopOutput:
+        spec, config = self.envs.spec(kwargs)
+        metrics: dict[str, Any] = {}
+
+        async def generate(prompt_ids: list[int], max_tokens: int):
+            output = await self.server_manager.generate(
+                request_id=uuid4().hex, prompt_ids=prompt_ids,
+                sampling_params={**sampling_params, "max_tokens": max_tokens})
+            return output.token_ids, output.log_probs
+
+        with simple_timer("generate_sequences", metrics):
+            record = await play_tokens(
+                spec, config, self.env_side, self.chat,
+                lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True), generate,
+                response_length=self.response_length, prompt_length=self.prompt_length,
+                vocab_size=self.vocab_size)
+        if record.failed:
+            logger.warning("ragen_env: tag %s seed %s ended in %s: %s", spec.tag, spec.seed,
+                           record.trajectory.stop_reason.value, record.trajectory.error)
+        logprobs = record.response_logprobs if sampling_params.get("logprobs") else None
+        return AgentLoopOutput(
+            prompt_ids=record.prompt_ids,
+            response_ids=record.response_ids,
+            response_mask=record.response_mask,
+            response_logprobs=logprobs,
+            reward_score=record.reward,
+            num_turns=2 * record.num_turns + 1,  # verl counts messages: the first prompt, then a pair a turn
+            metrics=AgentLoopMetrics(**metrics),
+            extra_fields={"reward_extra_info": record.metrics()},
+        )

@@ -1,0 +1,160 @@
+"""One episode as verl's token record: ``play_tokens``.
+
+The env side (``EnvSide``) plays the episode and asks for each turn's answer;
+this side turns each request into prompt ids (``ChatTokens``, the episode's ids
+so far and the template's tokens of the new message: ``token_history:
+append``), asks ``generate`` for the answer's ids and log-probs, and keeps the
+record verl trains on:
+
+- ``prompt_ids``: the first turn's prompt;
+- ``response_ids``: each answer's sampled ids (mask 1, their log-probs),
+  followed by what the next prompt adds (mask 0, log-prob 0);
+- the trajectory's reward (0 when it ended in error or timeout) and the
+  episode's metrics.
+
+``response_length`` bounds the whole record (verl pads every sample to it): an
+answer is capped to what is left, and the episode ends when nothing is.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Awaitable, Callable, Sequence
+
+from ragen.llm.chat_tokens import ChatTokens
+from ragen.llm.types import Completion, GenerationRequest, token_id_error
+from ragen.rollout.loop_config import LoopConfig
+from ragen.rollout.types import EnvSpec, StopReason, Trajectory
+from ragen.verl.env_side import EnvSide
+
+# generate(prompt_ids, max_tokens) -> (token ids, their log-probs or None)
+Generate = Callable[[list[int], int], Awaitable[tuple[Sequence[int], Sequence[float] | None]]]
+
+METRIC_KEYS = ("ragen/success", "ragen/error", "ragen/timeout", "ragen/truncated", "ragen/turns", "ragen/actions",
+               "ragen/env_reward")
+
+
+@dataclass
+class EpisodeTokens:
+    """One episode's record for verl, and its trajectory."""
+
+    prompt_ids: list[int]
+    response_ids: list[int] = field(default_factory=list)
+    response_mask: list[int] = field(default_factory=list)
+    response_logprobs: list[float] | None = field(default_factory=list)
+    trajectory: Trajectory | None = None
+    truncated: bool = False  # the record reached response_length before the env ended
+
+    @property
+    def failed(self) -> bool:
+        return self.trajectory.stop_reason in (StopReason.ERROR, StopReason.TIMEOUT)
+
+    @property
+    def reward(self) -> float:
+        """The trajectory's reward (RAGEN's: env rewards and format penalties); 0 for an episode in error."""
+        return 0.0 if self.failed else float(self.trajectory.reward)
+
+    @property
+    def num_turns(self) -> int:
+        return len(self.trajectory.turns)
+
+    def metrics(self) -> dict[str, float]:
+        """The episode's metrics, the same keys for every episode (``METRIC_KEYS``)."""
+        t = self.trajectory
+        return {
+            "ragen/success": float(bool(t.success)),
+            "ragen/error": float(t.stop_reason == StopReason.ERROR),
+            "ragen/timeout": float(t.stop_reason == StopReason.TIMEOUT),
+            "ragen/truncated": float(self.truncated),
+            "ragen/turns": float(len(t.turns)),
+            "ragen/actions": float(t.num_actions),
+            "ragen/env_reward": float(sum(turn.reward for turn in t.turns)),
+        }
+
+
+def prompt_ids(chat: ChatTokens, request: GenerationRequest) -> list[int]:
+    """The request's prompt ids: its history ids and the template's tokens of the rest
+    (``Engine.prompt_ids``), or all its messages rendered."""
+    if request.history_token_ids is None:
+        return chat.full(request.messages, request.answer_prefix)
+    ids, _ = chat.append(request.history_token_ids, request.messages, request.history_messages,
+                         request.answer_prefix)
+    return ids
+
+
+async def play_tokens(spec: EnvSpec, config: LoopConfig, env: EnvSide, chat: ChatTokens,
+                      decode: Callable[[list[int]], str], generate: Generate, *, response_length: int, prompt_length: int,
+                      vocab_size: int | None = None) -> EpisodeTokens:
+    """``spec``'s episode played on ``env`` with answers from ``generate``: its verl record.
+
+    ``decode(ids)`` is the answer's text (special tokens skipped). A first prompt
+    longer than ``prompt_length`` raises ValueError (a config error: every episode of
+    the tag has it); a reply with ids the model does not have ends this episode in
+    error."""
+    key = env.new_key()
+    step = await env.start(key, spec, config)
+    record: EpisodeTokens | None = None
+    ends = set(chat.end_texts)
+    so_far: list[int] = []  # the episode's ids: the last prompt and its answer
+    while step.request is not None:
+        request = step.request
+        ids = prompt_ids(chat, request)
+        if record is None:
+            if len(ids) > prompt_length:
+                await env.end(key, StopReason.ERROR, "prompt too long")
+                raise ValueError(f"tag {spec.tag!r} (seed {spec.seed}): the first prompt has {len(ids)} tokens, "
+                                 f"more than verl's data.max_prompt_length={prompt_length}: raise it")
+            record = EpisodeTokens(prompt_ids=list(ids))
+        else:
+            if ids[:len(so_far)] != so_far:  # token_history: append extends the ids so far
+                step = await env.end(key, StopReason.ERROR, "the next prompt does not extend the episode's ids")
+                break
+            added = ids[len(so_far):]
+            record.response_ids += added
+            record.response_mask += [0] * len(added)
+            if record.response_logprobs is not None:
+                record.response_logprobs += [0.0] * len(added)
+        room = response_length - len(record.response_ids)
+        if room <= 0:
+            record.truncated = True
+            step = await env.end(key, StopReason.MAX_TURNS)
+            break
+        limit = min(request.token_limit(config.sampling), room)
+        try:
+            answer, logprobs = await generate(list(ids), limit)
+        except Exception as exc:  # noqa: BLE001 - the server failed this request: this episode's error
+            step = await env.end(key, StopReason.ERROR, f"the server could not answer turn {request.turn}: "
+                                                        f"{type(exc).__name__}: {exc}")
+            break
+        answer = list(answer)
+        problem = token_id_error(answer, vocab_size)
+        if problem is None and logprobs is not None and len(logprobs) != len(answer):
+            problem = f"{len(logprobs)} log-probs for {len(answer)} token ids"
+        if problem is not None:
+            step = await env.end(key, StopReason.ERROR, f"the server's reply to turn {request.turn}: {problem}")
+            break
+        record.response_ids += answer
+        record.response_mask += [1] * len(answer)
+        if logprobs is None:
+            record.response_logprobs = None
+        elif record.response_logprobs is not None:
+            record.response_logprobs += [float(x) for x in logprobs]
+        so_far = list(ids) + answer
+        body = answer[:-1] if answer and answer[-1] in ends else answer
+        finish = "stop" if (answer and answer[-1] in ends) or len(answer) < limit else "length"
+        completion = Completion.answering(request, decode(body), list(ids), answer, finish, 0,
+                                          None if logprobs is None else [float(x) for x in logprobs])
+        step = await env.advance(key, completion)
+    if record is None:  # ended before its first prompt (its reset failed)
+        record = EpisodeTokens(prompt_ids=[])
+    _cut(record, response_length)
+    record.trajectory = step.trajectory
+    return record
+
+
+def _cut(record: EpisodeTokens, length: int) -> None:
+    if len(record.response_ids) > length:
+        record.truncated = True
+        del record.response_ids[length:], record.response_mask[length:]
+        if record.response_logprobs is not None:
+            del record.response_logprobs[length:]

@@ -1,0 +1,128 @@
+"""What verl's ``ragen_env`` agent loop reads from a ragen config, once per process.
+
+The agent loop's entry in verl's ``agent_loop_config_path`` names a ragen
+config (``ragen_config``: a YAML file, as ``python -m ragen.tools.verl_data``
+writes it, or the name of a config in ragen's ``config/``, composed with
+``ragen_overrides``). From it come the keys that carry over to verl: the
+turn loop (``agent_proxy.max_turn``, ``enable_think``, ``action_sep``, the
+context window, the format penalty), the env tags (``custom_envs``), the
+per-answer cap (``ctx_manager.generation.response_length``, or a tag's
+``max_tokens``) and where envs run (``use_parallel_rollout``,
+``parallel_n_jobs``). A dataset row names a tag and a seed (``spec``).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+from ragen.config_reader import to_plain
+from ragen.rollout.envs import spec_of, tag_spec
+from ragen.rollout.loop_config import LoopConfig
+from ragen.rollout.types import EnvSpec
+
+# keys a ragen config must set for the agent loop, beyond what has a default
+REQUIRED = ("agent_proxy.max_turn", "custom_envs")
+
+
+class VerlEnvs:
+    """The env side's settings for verl: loop configs per split and the tags' specs."""
+
+    def __init__(self, cfg: Mapping[str, Any], source: str = "the ragen config", agent_workers: int = 1) -> None:
+        from ragen.rollout.proxy import AgentSetup
+
+        cfg = to_plain(cfg)
+        for key in REQUIRED:
+            section, _, name = key.partition(".")
+            value = cfg.get(section)
+            if name:
+                value = value.get(name) if isinstance(value, Mapping) else None
+            if value is None or value == {}:
+                raise ValueError(f"{source}: {key} is not set; the ragen_env agent loop needs it "
+                                 "(write the config with python -m ragen.tools.verl_data)")
+        token_history = (cfg.get("ctx_manager") or {}).get("token_history", "append")
+        if token_history != "append":
+            raise ValueError(f"{source}: ctx_manager.token_history={token_history!r}: verl trains on one token "
+                             "sequence per episode, which needs append (each prompt extends the ids so far)")
+        setup = AgentSetup.from_config(cfg)
+        self.source = source
+        self.loops = {"train": setup.loop, "val": setup.val_loop}
+        self.custom_envs = cfg["custom_envs"]
+        self.env_workers = env_workers(setup.agent_proxy.use_parallel_rollout, setup.agent_proxy.parallel_n_jobs,
+                                       agent_workers)
+        self._tags: dict[str, dict[str, Any]] = {}
+
+    def spec(self, row: Mapping[str, Any]) -> tuple[EnvSpec, LoopConfig]:
+        """The env of a dataset row (``tag``, ``seed``, optional ``split``) and its loop
+        config; ValueError naming the row and the key at fault."""
+        name = f"dataset row {row.get('index', '?')}"
+        for key in ("tag", "seed"):
+            if row.get(key) is None:
+                raise ValueError(f"{name}: no {key!r} key (rows of python -m ragen.tools.verl_data have tag, seed "
+                                 f"and split); its keys: {sorted(row)}")
+        tag, seed = str(row["tag"]), row["seed"]
+        try:
+            seed = int(seed)
+        except (TypeError, ValueError):
+            raise ValueError(f"{name}: seed={seed!r} is not a whole number") from None
+        split = str(row.get("split") or "train")
+        if split not in self.loops:
+            raise ValueError(f"{name}: split={split!r}; it is train or val")
+        ts = self._tags.get(tag)
+        if ts is None:
+            try:
+                ts = self._tags[tag] = tag_spec(tag, self.custom_envs)
+            except ValueError as exc:
+                raise ValueError(f"{name}: tag: {exc} in {self.source}") from None
+        return spec_of(tag, ts, seed, mode=split), self.loops[split]
+
+
+def env_workers(parallel: bool, n_jobs: Any, agent_workers: int = 1) -> int:
+    """Env processes of one agent-loop worker: none (envs on its event loop) without
+    ``use_parallel_rollout``; else ``parallel_n_jobs``, and for -1 or auto this
+    machine's cores shared among its ``agent_workers``."""
+    if not parallel:
+        return 0
+    if isinstance(n_jobs, int) and n_jobs > 0:
+        return n_jobs
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, cores // max(1, agent_workers))
+
+
+_CACHE: dict[tuple, VerlEnvs] = {}
+_LOCK = threading.Lock()
+
+
+def load_envs(ragen_config: str, overrides: Sequence[str] = (), agent_workers: int = 1) -> VerlEnvs:
+    """The ``VerlEnvs`` of ``ragen_config`` (a YAML file, or a config name of ragen's
+    ``config/`` composed with ``overrides``), read once per process."""
+    key = (str(ragen_config), tuple(overrides), agent_workers)
+    with _LOCK:
+        found = _CACHE.get(key)
+        if found is None:
+            cfg, source = read_ragen_config(str(ragen_config), overrides)
+            found = _CACHE[key] = VerlEnvs(cfg, source, agent_workers)
+        return found
+
+
+def read_ragen_config(ragen_config: str, overrides: Sequence[str] = ()) -> tuple[dict[str, Any], str]:
+    """The config as plain data, and how to name it in errors."""
+    from omegaconf import OmegaConf
+
+    path = Path(ragen_config).expanduser()
+    if path.suffix in (".yaml", ".yml"):
+        if not path.is_file():
+            raise ValueError(f"ragen_config={ragen_config!r}: no such file")
+        if overrides:
+            raise ValueError(f"ragen_overrides apply to a config name of ragen's config/, not to the file "
+                             f"{ragen_config}: edit the file")
+        return OmegaConf.to_container(OmegaConf.load(path), resolve=True), str(path)
+    from hydra import compose, initialize_config_dir
+
+    from ragen.config_files import config_dir
+
+    with initialize_config_dir(str(config_dir().resolve()), version_base=None):
+        cfg = compose(ragen_config, overrides=list(overrides))
+    return OmegaConf.to_container(cfg, resolve=True), f"ragen config {ragen_config!r}"
