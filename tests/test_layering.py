@@ -132,8 +132,8 @@ def test_no_import_cycle_among_ragen_modules():
 
 
 # Each layer, bottom first, and the packages above it that it never imports.
-LAYERS = ["ragen.env", "ragen.llm", "ragen.serving", "ragen.rollout", "ragen.viewer", "ragen.trainer", "ragen.tools",
-          "ragen.llm_agent"]
+LAYERS = ["ragen.env", "ragen.llm", "ragen.serving", "ragen.rollout", "ragen.viewer", "ragen.trainer", "ragen.verl",
+          "ragen.tools", "ragen.llm_agent"]
 ABOVE = {
     "ragen.env": LAYERS[2:],
     "ragen.llm": LAYERS[2:],
@@ -141,7 +141,8 @@ ABOVE = {
     "ragen.rollout": LAYERS[4:],
     "ragen.viewer": LAYERS[5:],
     "ragen.trainer": LAYERS[6:],
-    "ragen.tools": LAYERS[7:],
+    "ragen.verl": LAYERS[7:],
+    "ragen.tools": LAYERS[8:],
 }
 
 

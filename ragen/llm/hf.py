@@ -47,11 +47,12 @@ flag afterwards.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import logging
 import threading
 import time
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any, Iterable, Iterator, Mapping, Sequence
 
 import torch
 
@@ -256,20 +257,14 @@ class HFEngine(Engine):
         # in a chunk); results do not depend on the grouping.
         order = sorted(range(len(requests)), key=lambda i: (len(prompts[i]), prompts[i]))
         results: list[tuple[list[int], str, list[float]] | None] = [None] * len(requests)
-        modes = {module: module.training for module in self.model.modules()}
-        self.model.eval()
-        try:
-            with torch.no_grad():
-                for first in range(0, len(order), self.max_batch_size):
-                    chunk = order[first : first + self.max_batch_size]
-                    outputs = self._generate_chunk([prompts[i] for i in chunk], [limits[i] for i in chunk],
-                                                   [seeds[i] for i in chunk], [episodes[i] for i in chunk],
-                                                   [last[i] for i in chunk], sampling)
-                    for i, output in zip(chunk, outputs):
-                        results[i] = output
-        finally:
-            for module, training in modes.items():
-                module.training = training
+        with self._inference():
+            for first in range(0, len(order), self.max_batch_size):
+                chunk = order[first : first + self.max_batch_size]
+                outputs = self._generate_chunk([prompts[i] for i in chunk], [limits[i] for i in chunk],
+                                               [seeds[i] for i in chunk], [episodes[i] for i in chunk],
+                                               [last[i] for i in chunk], sampling)
+                for i, output in zip(chunk, outputs):
+                    results[i] = output
         completions = []
         for request, prompt, (response_ids, finish_reason, logprobs) in zip(requests, prompts, results):
             text, finish_reason = self._response_text(response_ids, finish_reason, sampling.stop)
@@ -280,6 +275,34 @@ class HFEngine(Engine):
             len(requests), sum(len(c.response_token_ids) for c in completions), time.perf_counter() - began,
         )
         return completions
+
+    def complete_ids(self, prompt_ids: Sequence[int], max_tokens: int, sampling: SamplingParams,
+                     seed: int = 0) -> tuple[list[int], list[float], str]:
+        """One answer to ``prompt_ids`` as given, as a token-in, token-out server gives
+        it: (its ids, each one's log-prob, "stop" | "length"). No turn cache."""
+        problem = token_id_error(prompt_ids, self.vocab_size)
+        if problem is not None:
+            raise ValueError(f"HFEngine.complete_ids: prompt_ids: {problem}")
+        with self._lock, self._inference():
+            cache, self.turn_cache = self.turn_cache, None
+            try:
+                ((ids, reason, logprobs),) = self._generate_chunk([list(prompt_ids)], [max(0, max_tokens)], [seed],
+                                                                  [(0, 0)], [True], sampling)
+            finally:
+                self.turn_cache = cache
+        return ids, logprobs, reason
+
+    @contextlib.contextmanager
+    def _inference(self) -> Iterator[None]:
+        """The model in eval mode without gradients, each module's mode restored after."""
+        modes = {module: module.training for module in self.model.modules()}
+        self.model.eval()
+        try:
+            with torch.no_grad():
+                yield
+        finally:
+            for module, training in modes.items():
+                module.training = training
 
     def _generate_chunk(self, prompts: list[list[int]], limits: list[int], seeds: list[int],
                         episodes: list[tuple[int, int]], last: list[bool],

@@ -1,0 +1,49 @@
+"""verl's dataset of ragen's env sets (``python -m ragen.tools.verl_data``)."""
+
+from __future__ import annotations
+
+import pandas as pd
+import pytest
+import yaml
+
+from ragen.rollout.envs import EnvSpecMaker
+from ragen.tools.verl_data import main
+from ragen.verl.setup import load_envs
+
+pytestmark = pytest.mark.timeout(120)
+
+SMALL = ["es_manager.train.env_groups=3", "es_manager.train.group_size=4",
+         "es_manager.train.env_configs.tags=[SimpleSokoban,Bandit]", "es_manager.train.env_configs.n_groups=[2,1]",
+         "es_manager.val.env_groups=5", "es_manager.val.env_configs.n_groups=[5]"]
+
+
+def test_one_row_per_group_with_ragens_seeds_and_the_files_verl_reads(tmp_path, capsys):
+    assert main(["--out", str(tmp_path), "--steps", "2", *SMALL]) == 0
+    train = pd.read_parquet(tmp_path / "train.parquet")
+    val = pd.read_parquet(tmp_path / "val.parquet")
+    assert len(train) == 2 * 3 and len(val) == 5
+    cfg = yaml.safe_load((tmp_path / "ragen_config.yaml").read_text())
+    maker = EnvSpecMaker("train", cfg["es_manager"]["train"], cfg["custom_envs"], cfg["seed"]["train"])
+    want = [(s.tag, s.seed) for r in range(2) for s in maker.make_specs(r)[::4]]  # a group's first env
+    assert list(zip(train["tag"], train["seed"])) == want
+    assert list(train["agent_name"]) == ["ragen_env"] * 6 and set(train["split"]) == {"train"}
+    assert [e["index"] for e in train["extra_info"]] == list(range(6))
+    assert list(val["seed"]) == [cfg["seed"]["val"] + g for g in range(5)]
+    assert train["prompt"][0][0]["role"] == "user" and train["data_source"][0] == "ragen/SimpleSokoban"
+    overrides = (tmp_path / "verl_overrides.txt").read_text().split()
+    assert "actor_rollout_ref.rollout.n=4" in overrides and "data.train_batch_size=3" in overrides
+    assert f"actor_rollout_ref.rollout.agent.agent_loop_config_path={tmp_path / 'agent_loop.yaml'}" in overrides
+    (entry,) = yaml.safe_load((tmp_path / "agent_loop.yaml").read_text())
+    assert entry["name"] == "ragen_env" and entry["_target_"] == "ragen.verl.agent_loop.RagenEnvAgentLoop"
+    envs = load_envs(entry["ragen_config"])  # what the agent loop reads
+    spec, config = envs.spec(train.iloc[0].to_dict())
+    assert (spec.tag, spec.seed, config.max_turn) == ("SimpleSokoban", cfg["seed"]["train"], 5)
+    assert "wrote 6 train and 5 val rows" in capsys.readouterr().out
+
+
+def test_a_bad_config_is_refused_before_anything_is_written(tmp_path, capsys):
+    assert main(["--out", str(tmp_path / "out"), "ctx_manager.token_history=rerender"]) == 2
+    assert "ctx_manager.token_history='rerender'" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+    assert main(["--out", str(tmp_path / "out"), "es_manager.train.env_configs.tags=[Nope]"]) == 2
+    assert "Nope" in capsys.readouterr().err
