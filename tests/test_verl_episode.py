@@ -11,9 +11,9 @@ import pytest
 
 from ragen.llm.chat_tokens import ChatTokens
 from ragen.llm.types import SamplingParams
-from ragen.rollout.types import StopReason, episode_ids, rollout_digest
+from ragen.rollout.types import StopReason, rollout_digest
 from ragen.verl.env_side import EnvSide
-from ragen.verl.episode_tokens import METRIC_KEYS, play_tokens
+from ragen.verl.episode_tokens import METRIC_KEYS, play_tokens, record_of
 from ragen.verl.setup import VerlEnvs, env_workers
 from tests.rollout_helpers import custom_envs, fault_tag, loop_config, sequential, specs_for
 
@@ -61,28 +61,6 @@ def _play(specs, config, engine, workers=0, generate=None, response_length=4096,
         side.close()
 
 
-def _expected(traj):
-    """The record our own rollout's trajectory implies: the first prompt, then each answer
-    (mask 1) and what the next prompt adds (mask 0)."""
-    turns = traj.turns
-    prompt, response, mask, logprobs, so_far = None, [], [], [], []
-    for i, t in enumerate(turns):
-        whole = episode_ids(turns[:i] + [replace(t, response_ids=())])
-        if prompt is None:
-            prompt = whole
-        else:
-            assert whole[:len(so_far)] == so_far
-            added = whole[len(so_far):]
-            response += added
-            mask += [0] * len(added)
-            logprobs += [0.0] * len(added)
-        response += list(t.response_ids)
-        mask += [1] * len(t.response_ids)
-        logprobs += list(t.logprobs)
-        so_far = whole + list(t.response_ids)
-    return prompt, response, mask, logprobs
-
-
 @pytest.mark.parametrize("workers", [0, 2])
 def test_the_record_equals_our_rollout_of_the_same_seeds(hf, workers):
     """Token ids, masks and log-probs as our own rollout (token_history: append) gives them,
@@ -94,11 +72,11 @@ def test_the_record_equals_our_rollout_of_the_same_seeds(hf, workers):
     assert rollout_digest([r.trajectory for r in records]) == rollout_digest(ours)
     for record, traj in zip(records, ours):
         assert len(traj.turns) >= 1
-        prompt, response, mask, logprobs = _expected(traj)
-        assert record.prompt_ids == prompt
-        assert record.response_ids == response
-        assert record.response_mask == mask
-        assert record.response_logprobs == pytest.approx(logprobs, abs=1e-4)
+        want = record_of(traj)
+        assert record.prompt_ids == want.prompt_ids
+        assert record.response_ids == want.response_ids
+        assert record.response_mask == want.response_mask
+        assert record.response_logprobs == pytest.approx(want.response_logprobs, abs=1e-4)
         assert record.reward == pytest.approx(traj.reward)
         assert record.num_turns == len(traj.turns)
         assert sorted(record.metrics()) == sorted(METRIC_KEYS)

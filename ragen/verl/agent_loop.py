@@ -25,7 +25,7 @@ import threading
 from typing import Any
 from uuid import uuid4
 
-from verl.experimental.agent_loop.agent_loop import AgentLoopBase, AgentLoopMetrics, AgentLoopOutput, register
+from verl.experimental.agent_loop.agent_loop import AgentLoopBase, AgentLoopMetrics, AgentLoopOutput
 from verl.utils.profiler import simple_timer
 
 from ragen.llm.chat_tokens import ChatTokens
@@ -50,7 +50,9 @@ def _shared(key: tuple, make) -> Any:
         return _SHARED[key]
 
 
-@register(AGENT_NAME)
+# Registered by the agent_loop_config_path file alone, never by verl's @register: verl
+# imports this module on its first sample, and @register would then replace the file's
+# entry (with its ragen_config) by a bare one for every later sample.
 class RagenEnvAgentLoop(AgentLoopBase):
     """One ragen env episode per verl sample (see the module docstring)."""
 

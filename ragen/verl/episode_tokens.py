@@ -24,7 +24,7 @@ from typing import Any, Awaitable, Callable, Sequence
 from ragen.llm.chat_tokens import ChatTokens
 from ragen.llm.types import Completion, GenerationRequest, token_id_error
 from ragen.rollout.loop_config import LoopConfig
-from ragen.rollout.types import EnvSpec, StopReason, Trajectory
+from ragen.rollout.types import EnvSpec, StopReason, Trajectory, turn_prompts
 from ragen.verl.env_side import EnvSide
 
 # generate(prompt_ids, max_tokens) -> (token ids, their log-probs or None)
@@ -70,6 +70,38 @@ class EpisodeTokens:
             "ragen/actions": float(t.num_actions),
             "ragen/env_reward": float(sum(turn.reward for turn in t.turns)),
         }
+
+
+def record_of(trajectory: Trajectory) -> EpisodeTokens:
+    """The record a trajectory of our own rollout (``token_history: append``) implies:
+    its first prompt, then each answer and what the next prompt adds; what
+    ``play_tokens`` gives for the same episode. ValueError when a prompt does not
+    extend the ids before it (a prompt rendered whole)."""
+    record: EpisodeTokens | None = None
+    so_far: list[int] = []
+    for turn, whole in zip(trajectory.turns, turn_prompts(trajectory.turns)):
+        if whole is None:
+            raise ValueError(f"env {trajectory.env_id}: turn without prompt ids (the engine gave none)")
+        if record is None:
+            record = EpisodeTokens(prompt_ids=whole)
+        else:
+            if whole[:len(so_far)] != so_far:
+                raise ValueError(f"env {trajectory.env_id}: a prompt does not extend the episode's ids "
+                                 "(ctx_manager.token_history must be append)")
+            record.response_ids += whole[len(so_far):]
+            record.response_mask += [0] * (len(whole) - len(so_far))
+            if record.response_logprobs is not None:
+                record.response_logprobs += [0.0] * (len(whole) - len(so_far))
+        record.response_ids += turn.response_ids
+        record.response_mask += [1] * len(turn.response_ids)
+        if turn.logprobs is None:
+            record.response_logprobs = None
+        elif record.response_logprobs is not None:
+            record.response_logprobs += turn.logprobs
+        so_far = whole + list(turn.response_ids)
+    record = record or EpisodeTokens(prompt_ids=[])
+    record.trajectory = trajectory
+    return record
 
 
 def prompt_ids(chat: ChatTokens, request: GenerationRequest) -> list[int]:
@@ -133,6 +165,8 @@ async def play_tokens(spec: EnvSpec, config: LoopConfig, env: EnvSide, chat: Cha
         if problem is not None:
             step = await env.end(key, StopReason.ERROR, f"the server's reply to turn {request.turn}: {problem}")
             break
+        if len(answer) >= limit == room:  # cut by what was left of response_length
+            record.truncated = True
         record.response_ids += answer
         record.response_mask += [1] * len(answer)
         if logprobs is None:

@@ -1,0 +1,226 @@
+"""ragen's envs through verl's own ``AgentLoopWorker`` (opt-in: needs verl 0.9.1).
+
+verl pins transformers below ours, so this runs in a venv of its own
+(docs/verl.md):
+
+    /tmp/verl-venv/bin/python -m pytest tests/test_verl_agent_loop.py
+
+Ray runs locally; one server actor answers ``generate(prompt_ids, ...)`` with
+verl's ``TokenOutput`` from our hf engine on a tiny random model (greedy);
+verl's ``AgentLoopWorker``, built from verl's own config naming the
+``ragen_env`` agent loop, plays a batch of the dataset builder's rows. The
+``DataProto`` it returns is checked against our own rollout of the same seeds.
+Imports nothing from ``tests.``: verl installs a ``tests`` package of its own.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import sys
+import textwrap
+import uuid
+
+import pytest
+
+pytest.importorskip("verl.experimental.agent_loop", reason="needs verl 0.9.1 (docs/verl.md: a venv of its own)")
+
+import numpy as np  # noqa: E402
+import ray  # noqa: E402
+import torch  # noqa: E402
+
+pytestmark = pytest.mark.timeout(600)
+
+MAX_TURN = 2
+PROMPT_LENGTH, RESPONSE_LENGTH = 2048, 1536  # no episode reaches RESPONSE_LENGTH: our rollout has no such cap
+
+RAISING_ENV = textwrap.dedent('''
+    from ragen.env.base import BaseDiscreteActionEnv
+
+
+    class RaisingEnv(BaseDiscreteActionEnv):
+        """An env whose reset raises (what a broken user env does)."""
+
+        ACTION_LOOKUP = {1: "Up", 2: "Down"}
+
+        def __init__(self, config=None):
+            super().__init__()
+
+        def reset(self, seed=None, **kwargs):
+            raise RuntimeError("injected reset failure")
+
+        def step(self, action):
+            raise RuntimeError("never stepped")
+
+        def render(self, mode="text"):
+            return ""
+''')
+
+
+@ray.remote
+class HFServer:
+    """One server: our hf engine answering token ids, as verl's servers do."""
+
+    def __init__(self, model_path: str) -> None:
+        from ragen.llm.hf import HFEngine
+
+        self.engine = HFEngine(model_path, device="cpu", turn_cache_mb=0)
+
+    def generate(self, prompt_ids: list[int], max_tokens: int, temperature: float):
+        from ragen.llm.types import SamplingParams
+
+        ids, logprobs, _ = self.engine.complete_ids(prompt_ids, max_tokens, SamplingParams(temperature=temperature))
+        return ids, logprobs
+
+
+class ServerClient:
+    """verl's server manager interface over the actor: ``generate(request_id, *, prompt_ids, sampling_params)``."""
+
+    def __init__(self, server) -> None:
+        self.server = server
+        self.calls = 0
+
+    async def generate(self, request_id, *, prompt_ids, sampling_params, **kwargs):
+        from verl.workers.rollout.replica import TokenOutput
+
+        self.calls += 1
+        ids, logprobs = await self.server.generate.remote(list(prompt_ids), int(sampling_params["max_tokens"]),
+                                                          float(sampling_params["temperature"]))
+        return TokenOutput(token_ids=ids, log_probs=logprobs if sampling_params.get("logprobs") else None,
+                           stop_reason="completed")
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    from hydra import compose, initialize_config_dir
+    import verl
+
+    from ragen.llm.tiny_model import build_tiny_model
+    from ragen.tools.verl_data import main as verl_data
+
+    root = tmp_path_factory.mktemp("verl")
+    (root / "verl_fault_env.py").write_text(RAISING_ENV)
+    sys.path.insert(0, str(root))  # the env processes inherit PYTHONPATH
+    os.environ["PYTHONPATH"] = os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])
+    model = build_tiny_model(root / "model", seed=0)
+    data = root / "data"
+    assert verl_data(["--out", str(data), "--steps", "1",
+                      f"agent_proxy.max_turn={MAX_TURN}", "agent_proxy.parallel_n_jobs=2",
+                      "ctx_manager.generation.response_length=24",
+                      "+custom_envs.Raising.env_type=verl_fault_env:RaisingEnv",
+                      "es_manager.train.env_groups=3", "es_manager.train.group_size=2",
+                      "es_manager.train.env_configs.tags=[SimpleSokoban,Bandit,Raising]",
+                      "es_manager.train.env_configs.n_groups=[1,1,1]",
+                      "es_manager.val.env_groups=2", "es_manager.val.env_configs.n_groups=[2]"]) == 0
+    overrides = (data / "verl_overrides.txt").read_text().split()
+    with initialize_config_dir(os.path.join(os.path.dirname(verl.__file__), "trainer", "config"), version_base=None):
+        cfg = compose("ppo_trainer", overrides=[
+            f"actor_rollout_ref.model.path={model}", "actor_rollout_ref.rollout.name=vllm",
+            f"actor_rollout_ref.rollout.prompt_length={PROMPT_LENGTH}",
+            f"actor_rollout_ref.rollout.response_length={RESPONSE_LENGTH}",
+            f"data.max_prompt_length={PROMPT_LENGTH}", f"data.max_response_length={RESPONSE_LENGTH}",
+            "actor_rollout_ref.rollout.agent.num_workers=1", "actor_rollout_ref.rollout.calculate_log_probs=true",
+            "actor_rollout_ref.rollout.temperature=0", "actor_rollout_ref.rollout.top_k=-1", *overrides])
+    ray.init(address="local", num_cpus=2, include_dashboard=False, ignore_reinit_error=True,
+             runtime_env={"env_vars": {"PYTHONPATH": os.environ["PYTHONPATH"]}})
+    yield cfg, model, data
+    ray.shutdown()
+
+
+def _batch(cfg, worker):
+    from verl.protocol import DataProto
+    from verl.utils.dataset.rl_dataset import RLHFDataset, collate_fn
+
+    ds = RLHFDataset(data_files=cfg.data.train_files, tokenizer=worker.tokenizer, config=cfg.data, processor=None)
+    batch = DataProto.from_single_dict(collate_fn([ds[i] for i in range(len(ds))]))
+    batch.non_tensor_batch["uid"] = np.array([str(uuid.uuid4()) for _ in range(len(batch))], dtype=object)
+    return batch.repeat(repeat_times=cfg.actor_rollout_ref.rollout.n, interleave=True)  # as verl's trainer does
+
+
+def _our_rollout(model, cfg_file, rows):
+    """Our own rollout of the rows' envs (the hf engine, greedy, token_history: append)."""
+    from dataclasses import replace
+
+    from ragen.llm.hf import HFEngine
+    from ragen.llm.types import SamplingParams
+    from ragen.rollout.scheduler import KeptEnvs, run_envs
+    from ragen.serving import DirectClient
+    from ragen.verl.setup import load_envs
+
+    envs = load_envs(str(cfg_file))
+    specs, config = [], None
+    for i, row in enumerate(rows):
+        spec, config = envs.spec(row)
+        specs.append(replace(spec, env_id=i, group_id=i))
+    config = replace(config, sampling=replace(config.sampling, temperature=0.0))
+    engine = HFEngine(model, device="cpu", turn_cache_mb=0)
+    trajectories, _ = run_envs(specs, DirectClient(engine), config, kept_envs=KeptEnvs(), isolate_errors=True)
+    assert SamplingParams  # the engine's sampling is the config's, greedy
+    return trajectories
+
+
+def test_verls_agent_loop_worker_plays_our_envs_token_exact(setup):
+    from verl.experimental.agent_loop.agent_loop import AgentLoopWorker
+
+    from ragen.verl.episode_tokens import record_of
+
+    cfg, model, data = setup
+    client = ServerClient(HFServer.remote(str(model)))
+    worker = AgentLoopWorker(cfg, client)
+    batch = _batch(cfg, worker)
+    out = asyncio.run(worker.generate_sequences(batch))
+
+    # verl's real training batch, padded by verl's own postprocessing
+    n = len(batch)
+    assert n == 6
+    for key, width in (("prompts", PROMPT_LENGTH), ("responses", RESPONSE_LENGTH), ("response_mask", RESPONSE_LENGTH),
+                       ("input_ids", PROMPT_LENGTH + RESPONSE_LENGTH), ("attention_mask", PROMPT_LENGTH + RESPONSE_LENGTH),
+                       ("position_ids", PROMPT_LENGTH + RESPONSE_LENGTH), ("rollout_log_probs", RESPONSE_LENGTH),
+                       ("rm_scores", RESPONSE_LENGTH)):
+        assert tuple(out.batch[key].shape) == (n, width), key
+
+    rows = [{k: batch.non_tensor_batch[k][i] for k in ("tag", "seed", "split", "index")} for i in range(n)]
+    ours = _our_rollout(model, data / "ragen_config.yaml", rows)
+    for i, (row, traj) in enumerate(zip(rows, ours)):
+        prompt_mask = out.batch["attention_mask"][i, :PROMPT_LENGTH].bool()
+        response_len = int(out.batch["attention_mask"][i, PROMPT_LENGTH:].sum())
+        prompt = out.batch["prompts"][i][prompt_mask].tolist()
+        response = out.batch["responses"][i, :response_len].tolist()
+        mask = out.batch["response_mask"][i, :response_len].tolist()
+        logprobs = out.batch["rollout_log_probs"][i, :response_len].tolist()
+        scores = out.batch["rm_scores"][i]
+        error = out.non_tensor_batch["ragen/error"][i]
+        if row["tag"] == "Raising":  # its reset raised: zero reward, an error metric, the batch goes on
+            assert error == 1.0 and float(scores.sum()) == 0.0 and response_len == 0
+            continue
+        want = record_of(traj)
+        assert len(traj.turns) >= 1 and error == 0.0
+        assert prompt == want.prompt_ids, row
+        assert out.non_tensor_batch["ragen/truncated"][i] == 0.0
+        assert response == want.response_ids, row
+        assert mask == want.response_mask, row
+        assert logprobs == pytest.approx(want.response_logprobs, abs=1e-4)
+        # the score at the last response token, nowhere else
+        assert float(scores[response_len - 1]) == pytest.approx(traj.reward)
+        assert float(scores.abs().sum()) == pytest.approx(abs(traj.reward))
+        positions = out.batch["position_ids"][i][out.batch["attention_mask"][i].bool()]
+        assert positions.tolist() == list(range(len(prompt) + response_len))
+        assert out.non_tensor_batch["__num_turns__"][i] == 2 * len(traj.turns) + 1
+    # a group (one uid, rollout.n rows) gets one initial state
+    uids = batch.non_tensor_batch["uid"]
+    for i in range(0, n, 2):
+        assert uids[i] == uids[i + 1]
+        assert torch.equal(out.batch["prompts"][i], out.batch["prompts"][i + 1])
+    assert any(0 in out.batch["response_mask"][i][: int(out.batch["attention_mask"][i, PROMPT_LENGTH:].sum())]
+               for i in range(n))  # a next prompt's tokens, masked out of the loss
+
+
+def test_a_bad_row_names_the_row_and_the_key(setup):
+    from verl.experimental.agent_loop.agent_loop import AgentLoopWorker
+
+    cfg, model, _ = setup
+    worker = AgentLoopWorker(cfg, ServerClient(HFServer.remote(str(model))))
+    batch = _batch(cfg, worker)[:1]
+    batch.non_tensor_batch["tag"] = np.array(["NoSuchTag"], dtype=object)
+    with pytest.raises(Exception, match="dataset row 0: tag: tag 'NoSuchTag' is not in custom_envs"):
+        asyncio.run(worker.generate_sequences(batch))
