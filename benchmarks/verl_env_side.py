@@ -8,7 +8,9 @@ rooms, 4 boxes: tens of ms of CPU a reset) play at once on one asyncio loop,
 as verl's ``AgentLoopWorker`` runs its samples, through ``play_tokens``. The
 server answers each request after ``--latency-s`` (a GPU server's time for an
 answer) with the same valid answer's tokens, so the env side is what differs.
-Rounds alternate inline and processes; both must give the same trajectories.
+Rounds alternate inline and processes on the same seeds, new ones each round
+(a process keeps the rooms it generated: seeds seen before would cost nothing);
+both must give the same trajectories.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from ragen.verl.episode_tokens import play_tokens
 from ragen.verl.setup import VerlEnvs
 
 
-def run(envs: VerlEnvs, tokenizer, episodes: int, workers: int, latency_s: float) -> tuple[float, str]:
+def run(envs: VerlEnvs, tokenizer, episodes: int, workers: int, latency_s: float, first_seed: int) -> tuple[float, str]:
     chat = ChatTokens.of(tokenizer)
     answer = tokenizer("Up || Left || Down</answer>", add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
 
@@ -39,7 +41,7 @@ def run(envs: VerlEnvs, tokenizer, episodes: int, workers: int, latency_s: float
 
     specs = []
     for i in range(episodes):
-        spec, config = envs.spec({"tag": "HeavySokoban", "seed": 1000 + i})
+        spec, config = envs.spec({"tag": "HeavySokoban", "seed": first_seed + i})
         specs.append(replace(spec, env_id=i, group_id=i))
     side = EnvSide(workers)
 
@@ -83,14 +85,14 @@ def main() -> None:
     envs = VerlEnvs(cfg, "base + env_bound_heavy")
     tokenizer = AutoTokenizer.from_pretrained(resolve_model_path("default"))
     times = {"inline": [], "processes": []}
-    digests = set()
-    for _ in range(args.rounds):
+    for r in range(args.rounds):
+        digests = set()
         for mode, workers in (("inline", 0), ("processes", args.workers)):
-            wall, digest = run(envs, tokenizer, args.episodes, workers, args.latency_s)
+            wall, digest = run(envs, tokenizer, args.episodes, workers, args.latency_s, 1000 + r * args.episodes)
             times[mode].append(wall)
             digests.add(digest)
-            print(f"{mode:9s} {wall:6.2f} s", flush=True)
-    assert len(digests) == 1, "inline and processes played different trajectories"
+            print(f"round {r} {mode:9s} {wall:6.2f} s", flush=True)
+        assert len(digests) == 1, "inline and processes played different trajectories"
     inline, procs = statistics.median(times["inline"]), statistics.median(times["processes"])
     print(json.dumps({"episodes": args.episodes, "workers": args.workers, "latency_s": args.latency_s,
                       "inline_s": times["inline"], "processes_s": times["processes"],
