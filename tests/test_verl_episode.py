@@ -43,9 +43,10 @@ def _server(engine, sampling=GREEDY, calls=None):
     return generate
 
 
-def _play(specs, config, engine, workers=0, generate=None, response_length=4096, prompt_length=4096):
+def _play(specs, config, engine, workers=0, generate=None, response_length=4096, prompt_length=4096,
+          backend="loky"):
     chat = ChatTokens.of(engine.tokenizer)
-    side = EnvSide(workers)
+    side = EnvSide(workers, backend)
 
     def decode(ids):
         return engine.tokenizer.decode(ids, skip_special_tokens=True)
@@ -202,3 +203,42 @@ def test_env_workers_follow_the_parallel_keys():
     assert env_workers(True, 3, agent_workers=8) == 3
     assert env_workers(True, -1, agent_workers=1) >= 1
     assert VerlEnvs(_cfg(use_parallel_rollout=True, parallel_n_jobs=2)).env_workers == 2
+
+
+@pytest.mark.parametrize("backend", ["threading", "multiprocessing", "ray"])
+def test_every_env_backend_plays_the_same_record(hf, backend):
+    """Threads, spawned processes and Ray actors hold the env side as loky's processes do."""
+    if backend == "ray":
+        ray = pytest.importorskip("ray")
+        ray.init(address="local", num_cpus=2, include_dashboard=False, ignore_reinit_error=True)
+    try:
+        specs = specs_for(["SimpleSokoban", "Bandit"], [1, 1], 1, custom_envs())
+        want = _play(specs, _config(), hf, workers=0)
+        got = _play(specs, _config(), hf, workers=2, backend=backend)
+        assert [r.response_ids for r in got] == [r.response_ids for r in want]
+        assert rollout_digest([r.trajectory for r in got]) == rollout_digest([r.trajectory for r in want])
+    finally:
+        if backend == "ray":
+            ray.shutdown()
+
+
+def test_a_dead_ray_actor_ends_its_episodes_in_error_and_a_fresh_one_plays(hf):
+    ray = pytest.importorskip("ray")
+    ray.init(address="local", num_cpus=2, include_dashboard=False, ignore_reinit_error=True)
+    try:
+        envs = custom_envs(Exits=fault_tag("exit_step", fault_seed=7))
+        specs = specs_for(["Exits"], [2], 1, envs)
+        answer = _answering(hf, "go</think><answer>Down</answer>")
+        bad, _ = _play(specs, _config(), hf, workers=1, backend="ray", generate=answer)
+        assert bad.failed and "Actor" in bad.trajectory.error
+        (again,) = _play(specs[1:], _config(), hf, workers=1, backend="ray", generate=answer)
+        assert not again.failed and again.trajectory.num_actions >= 1
+    finally:
+        ray.shutdown()
+
+
+def test_config_backends_reach_the_env_side():
+    assert VerlEnvs(_cfg(use_parallel_rollout=True, parallel_n_jobs=2, parallel_backend="ray")).env_backend == "ray"
+    assert VerlEnvs(_cfg(use_parallel_rollout=True, parallel_backend="sequential")).env_workers == 0
+    with pytest.raises(ValueError, match="agent_proxy.parallel_backend='dask'"):
+        VerlEnvs(_cfg(use_parallel_rollout=True, parallel_n_jobs=2, parallel_backend="dask"))

@@ -102,6 +102,12 @@ class EnvSpecMaker:
         """(tag, seed) of each group of rollout number ``rollout_index``, in group order."""
         return [(tag, self.base_seed + rollout_index * self.env_groups + g) for g, tag in enumerate(self.group_tags)]
 
+    def state_dict(self) -> dict[str, int]:
+        return {"rollouts": self._rollouts}
+
+    def load_state_dict(self, state: Mapping[str, int]) -> None:
+        self._rollouts = int(state["rollouts"])
+
 
 def tag_spec(tag: str, custom_envs: Mapping) -> dict[str, Any]:
     """What every env of ``tag`` shares, read from ``custom_envs[tag]`` (ValueError naming
@@ -121,12 +127,6 @@ def spec_of(tag: str, ts: Mapping[str, Any], seed: int, env_id: int = 0, group_i
                    state_legend=ts["state_legend"], action_names=ts["action_names"],
                    max_tokens=ts["max_tokens"], format_example=ts["format_example"],
                    env_threads=ts["env_threads"], mode=mode)
-
-    def state_dict(self) -> dict[str, int]:
-        return {"rollouts": self._rollouts}
-
-    def load_state_dict(self, state: Mapping[str, int]) -> None:
-        self._rollouts = int(state["rollouts"])
 
 
 def _validate_tag(tag: str, spec: Any) -> dict[str, Any]:

@@ -67,7 +67,7 @@ class RagenEnvAgentLoop(AgentLoopBase):
         overrides = tuple(str(o) for o in (ragen_overrides or ()))
         self.envs = load_envs(str(ragen_config), overrides, agent_workers)
         self.env_side: EnvSide = _shared(("env_side", str(ragen_config), overrides),
-                                         lambda: EnvSide(self.envs.env_workers))
+                                         lambda: EnvSide(self.envs.env_workers, self.envs.env_backend))
         tokenizer = self.tokenizer
         self.chat: ChatTokens = _shared(("chat", id(tokenizer)), lambda: ChatTokens.of(tokenizer))
         self.prompt_length = int(self.rollout_config.prompt_length)

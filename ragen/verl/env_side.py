@@ -2,25 +2,29 @@
 
 An episode's env, its prompts and its trajectory live in one place: the
 episode function (``ragen.rollout.episode.play_episode``) on an
-``EpisodeRunner``. ``EnvSide`` holds the runners: ``workers`` processes, each
-a single-process loky executor with a runner of its own (an episode stays on
-the process that started it: its env is there), or, with ``workers=0``, one
-runner on the calling thread. Every call returns an ``EpisodeStep``: the
-episode's next ``GenerationRequest``, or its ``Trajectory`` once it ended.
+``EpisodeRunner``. ``EnvSide`` holds the runners: ``workers`` hosts of one
+backend (agent_proxy.parallel_backend): a single-worker loky or
+multiprocessing executor (a process), a thread, or a Ray actor, each with a
+runner of its own; an episode stays on the host that started it (its env is
+there). With ``workers=0`` one runner serves on the calling thread. Every call
+returns an ``EpisodeStep``: the episode's next ``GenerationRequest``, or its
+``Trajectory`` once it ended.
 
-With processes, a costly env reset or step runs beside the asyncio loop, which
-only awaits it; inline it holds every other episode of that loop. A process
-that dies ends the episodes it held in ``error``; a fresh one takes the next.
+On a host, a costly env reset or step runs beside the asyncio loop, which only
+awaits it; inline it holds every other episode of that loop. A host that dies
+ends the episodes it held in ``error``; a fresh one takes the next.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import itertools
 import logging
+import multiprocessing
 import os
-from concurrent.futures import Executor
-from concurrent.futures.process import BrokenProcessPool
+from abc import ABC, abstractmethod
+from concurrent.futures import BrokenExecutor, Executor, ProcessPoolExecutor, ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import partial
 from typing import Any, Callable
@@ -107,16 +111,134 @@ def _run(method: str, *args: Any) -> EpisodeStep:
     return getattr(_RUNNER, method)(*args)
 
 
-class EnvSide:
-    """Where episodes' envs run: ``workers`` processes (0: the calling thread)."""
+class _Host(ABC):
+    """One place episodes run, started on first use; ``lost`` says whether a failure
+    took the place down (then the next call starts a fresh one)."""
 
-    def __init__(self, workers: int, make_executor: Callable[[], Executor] | None = None) -> None:
+    @abstractmethod
+    async def call(self, method: str, *args: Any) -> EpisodeStep: ...
+
+    @abstractmethod
+    def lost(self, exc: BaseException) -> bool: ...
+
+    @abstractmethod
+    def close(self) -> None: ...
+
+
+class _ExecutorHost(_Host):
+    """A single-worker executor: a process (loky or multiprocessing, the runner a
+    process global) or a thread (the runner its own)."""
+
+    def __init__(self, make: Callable[[], Executor], runner: EpisodeRunner | None = None) -> None:
+        self._make = make
+        self._runner = runner
+        self._executor: Executor | None = None
+
+    async def call(self, method: str, *args: Any) -> EpisodeStep:
+        if self._executor is None:
+            self._executor = self._make()
+        job = partial(getattr(self._runner, method), *args) if self._runner else partial(_run, method, *args)
+        return await asyncio.get_running_loop().run_in_executor(self._executor, job)
+
+    def lost(self, exc: BaseException) -> bool:
+        if not isinstance(exc, BrokenExecutor):
+            return False
+        self.close()
+        return True
+
+    def close(self) -> None:
+        if self._executor is not None:
+            self._executor.shutdown(wait=False)
+            self._executor = None
+
+
+class _RayHost(_Host):
+    """A Ray actor holding a runner (on any node of the cluster)."""
+
+    def __init__(self) -> None:
+        self._actor: Any = None
+
+    async def call(self, method: str, *args: Any) -> EpisodeStep:
+        if self._actor is None:
+            self._actor = _ray_runner_class().remote()
+        return await self._actor.call.remote(method, *args)
+
+    def lost(self, exc: BaseException) -> bool:
+        import ray
+
+        if not isinstance(exc, ray.exceptions.RayActorError):
+            return False
+        self.close()
+        return True
+
+    def close(self) -> None:
+        if self._actor is not None:
+            import ray
+
+            ray.kill(self._actor, no_restart=True)
+            self._actor = None
+
+
+@functools.lru_cache(maxsize=None)
+def _ray_runner_class() -> Any:
+    import ray
+
+    # No CPU reserved: verl's cluster places its own workers by GPU and CPU, and an env actor
+    # waiting for a free CPU there would hold its episodes with it; its cost is the env's.
+    @ray.remote(num_cpus=0)
+    class RayEpisodeRunner:
+        def __init__(self) -> None:
+            self.runner = EpisodeRunner()
+
+        def call(self, method: str, *args: Any) -> EpisodeStep:
+            return getattr(self.runner, method)(*args)
+
+    return RayEpisodeRunner
+
+
+def _loky() -> Executor:
+    from loky import ProcessPoolExecutor
+
+    return ProcessPoolExecutor(max_workers=1)
+
+
+def _spawned() -> Executor:
+    return ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn"))
+
+
+def _thread() -> Executor:
+    return ThreadPoolExecutor(max_workers=1, thread_name_prefix="ragen-env")
+
+
+BACKENDS = ("loky", "multiprocessing", "threading", "ray")
+
+
+def _host(backend: str) -> _Host:
+    if backend == "loky":
+        return _ExecutorHost(_loky)
+    if backend == "multiprocessing":
+        return _ExecutorHost(_spawned)
+    if backend == "threading":
+        return _ExecutorHost(_thread, EpisodeRunner())
+    return _RayHost()
+
+
+class EnvSide:
+    """Where episodes' envs run: ``workers`` hosts of ``backend`` (0: the calling thread).
+
+    ``backend``: ``loky`` or ``multiprocessing`` (a process each), ``threading`` (a
+    thread each: for envs that wait, not compute), ``ray`` (an actor each, anywhere
+    in the Ray cluster the caller is connected to)."""
+
+    def __init__(self, workers: int, backend: str = "loky") -> None:
         if not isinstance(workers, int) or isinstance(workers, bool) or workers < 0:
             raise ValueError(f"EnvSide: workers must be a whole number >= 0, got {workers!r}")
+        if backend not in BACKENDS:
+            raise ValueError(f"EnvSide: backend {backend!r} is not one of {BACKENDS}")
         self.workers = workers
-        self._make = make_executor or _single_process
-        self._executors: list[Executor | None] = [None] * workers
-        self._home: dict[str, tuple[int, EnvSpec]] = {}  # episode key -> its worker, its spec
+        self.backend = backend
+        self._hosts = [_host(backend) for _ in range(workers)]
+        self._home: dict[str, tuple[int, EnvSpec]] = {}  # episode key -> its host, its spec
         self._load = [0] * workers
         self._inline = EpisodeRunner() if workers == 0 else None
         self._keys = itertools.count()
@@ -138,29 +260,23 @@ class EnvSide:
         return await self._call(key, "end", key, reason, message)
 
     async def _call(self, key: str, method: str, *args: Any) -> EpisodeStep:
-        """The runner's ``method``; a failure of the runner or its process ends this episode alone."""
+        """The runner's ``method``; a failure of the runner or its host ends this episode alone."""
         worker, spec = self._home[key]
-        executor = None
         try:
             if self._inline is not None:
                 step = getattr(self._inline, method)(*args)
             else:
-                executor = self._executors[worker]
-                if executor is None:
-                    executor = self._executors[worker] = self._make()
-                # Unbounded wait, for a reason: each env call in the process is bounded by
-                # agent_proxy.env_timeout_s where it is set (EnvCaller), and a process that
-                # dies fails this future (BrokenProcessPool).
-                step = await asyncio.get_running_loop().run_in_executor(executor, partial(_run, method, *args))
+                # Unbounded wait, for a reason: each env call on the host is bounded by
+                # agent_proxy.env_timeout_s where it is set (EnvCaller), and a host that
+                # dies fails this call (BrokenExecutor, RayActorError).
+                step = await self._hosts[worker].call(method, *args)
         except Exception as exc:  # noqa: BLE001 - the episode ends in error; the others go on
-            if isinstance(exc, BrokenProcessPool) and self._executors[worker] is executor:
-                logger.warning("env worker %d died (%s); its episodes end in error, a fresh process takes the "
-                               "next", worker, exc)
-                self._executors[worker] = None
-                executor.shutdown(wait=False)
+            if self._inline is None and self._hosts[worker].lost(exc):
+                logger.warning("env worker %d (%s) died (%s); its episodes end in error, a fresh one takes the "
+                               "next", worker, self.backend, exc)
             else:
                 logger.warning("episode %s (tag %s, seed %s) ends in error: %s: %s", key, spec.tag, spec.seed,
-                               type(exc).__name__, exc, exc_info=not isinstance(exc, BrokenProcessPool))
+                               type(exc).__name__, exc, exc_info=True)
             step = EpisodeStep(None, _lost(spec, exc))
         if step.request is None:
             self._home.pop(key, None)
@@ -169,19 +285,11 @@ class EnvSide:
         return step
 
     def close(self) -> None:
-        for executor in self._executors:
-            if executor is not None:
-                executor.shutdown(wait=False)
-        self._executors = [None] * self.workers
+        for host in self._hosts:
+            host.close()
 
 
 def _lost(spec: EnvSpec, exc: BaseException) -> Trajectory:
     """The trajectory of an episode whose runner failed: no turns, in error."""
     return Trajectory(env_id=spec.env_id, group_id=spec.group_id, tag=spec.tag, seed=spec.seed,
                       stop_reason=StopReason.ERROR, error=f"the episode's env side failed: {type(exc).__name__}: {exc}")
-
-
-def _single_process() -> Executor:
-    from loky import ProcessPoolExecutor
-
-    return ProcessPoolExecutor(max_workers=1)

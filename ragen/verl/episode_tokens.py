@@ -19,7 +19,7 @@ answer is capped to what is left, and the episode ends when nothing is.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Awaitable, Callable, Sequence
+from typing import Awaitable, Callable, Sequence
 
 from ragen.llm.chat_tokens import ChatTokens
 from ragen.llm.types import Completion, GenerationRequest, token_id_error

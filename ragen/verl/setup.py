@@ -8,7 +8,8 @@ turn loop (``agent_proxy.max_turn``, ``enable_think``, ``action_sep``, the
 context window, the format penalty), the env tags (``custom_envs``), the
 per-answer cap (``ctx_manager.generation.response_length``, or a tag's
 ``max_tokens``) and where envs run (``use_parallel_rollout``,
-``parallel_n_jobs``). A dataset row names a tag and a seed (``spec``).
+``parallel_n_jobs``, ``parallel_backend``: loky, multiprocessing, threading
+or ray; sequential: on verl's event loop). A dataset row names a tag and a seed (``spec``).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from ragen.config_reader import to_plain
 from ragen.rollout.envs import spec_of, tag_spec
 from ragen.rollout.loop_config import LoopConfig
 from ragen.rollout.types import EnvSpec
+from ragen.verl.env_side import BACKENDS as ENV_BACKENDS
 
 # keys a ragen config must set for the agent loop, beyond what has a default
 REQUIRED = ("agent_proxy.max_turn", "custom_envs")
@@ -50,8 +52,13 @@ class VerlEnvs:
         self.source = source
         self.loops = {"train": setup.loop, "val": setup.val_loop}
         self.custom_envs = cfg["custom_envs"]
-        self.env_workers = env_workers(setup.agent_proxy.use_parallel_rollout, setup.agent_proxy.parallel_n_jobs,
-                                       agent_workers)
+        ap = setup.agent_proxy
+        parallel = ap.use_parallel_rollout and ap.parallel_backend != "sequential"
+        self.env_workers = env_workers(parallel, ap.parallel_n_jobs, agent_workers)
+        self.env_backend = ap.parallel_backend if parallel else "loky"
+        if self.env_workers and self.env_backend not in ENV_BACKENDS:
+            raise ValueError(f"{source}: agent_proxy.parallel_backend={ap.parallel_backend!r}: the ragen_env agent "
+                             f"loop runs envs on one of {ENV_BACKENDS} (ray: actors in verl's own cluster)")
         self._tags: dict[str, dict[str, Any]] = {}
 
     def spec(self, row: Mapping[str, Any]) -> tuple[EnvSpec, LoopConfig]:
