@@ -1,0 +1,82 @@
+"""A reasoning-gym dataset as an env: the seed picks the question, the dataset scores the answer.
+
+Concepts:
+
+- **Item**: ``create_dataset(dataset, seed=<reset seed>, size=1, **options)[0]``.
+  reasoning-gym draws item ``i`` of a dataset seeded ``s`` from
+  ``Random(s + i)``, so the reset seed alone decides the question: same seed,
+  same question, in any process.
+- **Observation**: the item's question; after a wrong answer with attempts
+  left, its score and the question again.
+- **Action**: the answer text (what the model writes inside ``<answer>``).
+- **Reward**: the dataset's own ``score_answer(answer, item)`` (0..1) for the
+  answer that ends the episode; ``success`` is a score of 1. With
+  ``attempts: 1`` (the default) one answer ends it; with more, a wrong answer
+  scores 0 and the episode goes on until an answer scores 1 or none are left.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..base import BaseLanguageBasedEnv, make_rng, unchanged_step
+from .config import ReasoningGymEnvConfig
+
+__all__ = ["ReasoningGymEnv"]
+
+
+class ReasoningGymEnv(BaseLanguageBasedEnv):
+    """One reasoning-gym question per episode, scored by its dataset."""
+
+    config_cls = ReasoningGymEnvConfig
+
+    def __init__(self, config: ReasoningGymEnvConfig | None = None) -> None:
+        super().__init__(config if config is not None else ReasoningGymEnvConfig())
+        self.dataset: Any = None
+        self.item: dict[str, Any] | None = None
+        self.seed: int | None = None
+        self.attempts_left = 0
+        self.render_cache = ""
+        self._done = False
+        self._success = False
+
+    def reset(self, seed: int | None = None, **kwargs: Any) -> str:
+        import reasoning_gym
+
+        self.seed, _ = make_rng(seed)
+        cfg = self.config
+        self.dataset = reasoning_gym.create_dataset(cfg.dataset, seed=self.seed, size=1, **cfg.options)
+        self.item = self.dataset[0]
+        self.attempts_left = cfg.attempts
+        self.render_cache = self.item["question"]
+        self._done = False
+        self._success = False
+        return self.render_cache
+
+    def compute_reward(self, action: Any) -> float:
+        """The dataset's score of the answer, 0..1."""
+        return float(self.dataset.score_answer(answer=action.strip(), entry=self.item))
+
+    def step(self, action: Any) -> tuple[str, float, bool, dict]:
+        if self.item is None:
+            raise RuntimeError("ReasoningGymEnv.step() called before reset()")
+        valid = isinstance(action, str)
+        if not valid or self._done:
+            return unchanged_step(self.render_cache, valid, self._done, self._success, self.config.invalid_act_score)
+        score = self.compute_reward(action)
+        self.attempts_left -= 1
+        self._success = score >= 1.0
+        self._done = self._success or self.attempts_left == 0
+        if self._done:
+            self.render_cache = f"Your answer scored {score:g}."
+            reward = score
+        else:
+            left = self.attempts_left
+            self.render_cache = (f"Your answer scored {score:g}. {left} attempt{'s' if left > 1 else ''} left.\n"
+                                 f"{self.item['question']}")
+            reward = 0.0
+        info = {"action_is_effective": True, "action_is_valid": True, "success": self._success, "score": score}
+        return self.render_cache, reward, self._done, info
+
+    def render(self, mode: str | None = None) -> str:
+        return self.render_cache
