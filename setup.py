@@ -35,12 +35,12 @@ setup(
         # RAGEN's own modules are; gym-sokoban imports pkg_resources, which
         # setuptools 81 removed
         # pandas + pyarrow: the verl dataset builder (ragen.tools.verl_data) is tested there;
-        # reasoning-gym: its env type is (the envs extra below)
+        # reasoning-gym, textarena: their env types are (the envs extra below)
         "dev": ["pytest>=8", "pytest-timeout", "hypothesis>=6", "dask[distributed]", "ray",
                 "gymnasium>=1.0", "gym==0.26.2", "gym-sokoban==0.0.6", "setuptools<81", "pandas", "pyarrow",
-                "reasoning-gym==0.1.25"],
+                "reasoning-gym==0.1.25", "textarena==0.7.4"],
         # env libraries as env types (docs/envs.md); the tests skip theirs, naming the package, without
-        "envs": ["reasoning-gym==0.1.25"],
+        "envs": ["reasoning-gym==0.1.25", "textarena==0.7.4"],
         "vllm": ["vllm"],
         # verl's trainer on ragen's envs (docs/verl.md); it pins transformers < 5.11 and
         # its own torch: install it in a venv of its own
