@@ -86,3 +86,21 @@ def test_a_group_shares_its_question_and_parallel_equals_sequential():
     assert rollout_digest(result.trajectories) == rollout_digest(ref)
     assert result.metrics["parallel/fallbacks"] == 0
     assert all(t.error is None for t in result.trajectories)
+
+
+def test_the_checker_takes_a_dataset_by_name(capsys):
+    from ragen.tools.check import main
+
+    assert main(["reasoning_gym:chain_sum", "--seeds", "2"]) == 0
+    assert "OK: 0 failed" in capsys.readouterr().out
+    assert main(["reasoning_gym:chain_sun", "--seeds", "2"]) == 1
+    assert "close matches: ['chain_sum'" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("dataset", ["arc_1d", "pool_matrix", "prime_factorization", "tsumego"])
+def test_datasets_that_pickle_badly_use_the_global_generators_or_raise_in_scoring_pass_the_checker(dataset):
+    """arc_1d holds lambdas (not pickled: built again from the seed), pool_matrix draws from
+    np.random (seeded privately), prime_factorization's scorer raises on text (score 0), tsumego's
+    config has no validate."""
+    report = check_env("reasoning_gym", {"dataset": dataset}, seeds=3)
+    assert report.ok and not report.warnings(), report.format()

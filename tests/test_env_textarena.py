@@ -92,3 +92,10 @@ def test_parallel_equals_sequential():
         result = prm.rollout(specs, config)
     assert rollout_digest(result.trajectories) == rollout_digest(ref)
     assert all(t.error is None for t in result.trajectories)
+
+
+def test_the_checker_takes_a_game_by_id(capsys):
+    from ragen.tools.check import main
+
+    assert main(["textarena:Sudoku-v0", "--seeds", "2"]) == 0
+    assert "OK: 0 failed" in capsys.readouterr().out

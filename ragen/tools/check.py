@@ -75,13 +75,14 @@ def _tag_spec(name: str, envs_yaml: Path) -> dict[str, Any] | None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from ragen.env import REGISTERED_ENVS
+    from ragen.env import REGISTERED_ENV_CONFIGS, REGISTERED_ENVS
 
     parser = argparse.ArgumentParser(
         prog="python -m ragen.tools.check",
         description="Check that an env keeps the contract of the rollout engine.")
     parser.add_argument("env", help="a registered env name (e.g. sokoban), an import path 'package.module:EnvClass', "
-                                    "or a tag of custom_envs in config/envs.yaml (e.g. SimpleSokoban)")
+                                    "a tag of custom_envs in config/envs.yaml (e.g. SimpleSokoban), or an env "
+                                    "library's item: reasoning_gym:<dataset>, textarena:<game id>")
     parser.add_argument("--config-type", default=None, help="'package.module:ConfigClass' of the env config")
     parser.add_argument("--config", action="append", default=[], metavar="KEY=VALUE",
                         help="an env_config value (parsed as YAML: 6, 0.8, true, [a, b]); repeatable")
@@ -101,7 +102,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as exc:
         parser.error(str(exc))
     env_type, config_type, env_config = args.env, args.config_type, overrides
-    if env_type not in REGISTERED_ENVS and ":" not in env_type:
+    name, _, item = env_type.partition(":")
+    shorthand = getattr(REGISTERED_ENV_CONFIGS.get(name), "SHORTHAND_KEY", None)
+    if item and shorthand:  # reasoning_gym:chain_sum, textarena:Mastermind-v0
+        env_type, env_config = name, {shorthand: item, **overrides}
+    elif env_type not in REGISTERED_ENVS and ":" not in env_type:
         spec = _tag_spec(env_type, args.envs_yaml)
         if spec is not None:
             print(f"tag {env_type} of {args.envs_yaml}: env_type {spec.get('env_type')}")

@@ -5,24 +5,32 @@ Concepts:
 - **Item**: ``create_dataset(dataset, seed=<reset seed>, size=1, **options)[0]``.
   reasoning-gym draws item ``i`` of a dataset seeded ``s`` from
   ``Random(s + i)``, so the reset seed alone decides the question: same seed,
-  same question, in any process.
+  same question, in any process. A few datasets draw from the global
+  generators too: the env seeds them with the reset seed, privately
+  (``ragen.env.global_rng.own_rng``), so those are seeded as well and the
+  caller's generators are untouched.
 - **Observation**: the item's question; after a wrong answer with attempts
   left, its score and the question again.
 - **Action**: the answer text (what the model writes inside ``<answer>``).
 - **Reward**: the dataset's own ``score_answer(answer, item)`` (0..1) for the
-  answer that ends the episode; ``success`` is a score of 1. With
+  answer that ends the episode (0 where the scorer raises on text it cannot
+  read: a few do); ``success`` is a score of 1. With
   ``attempts: 1`` (the default) one answer ends it; with more, a wrong answer
   scores 0 and the episode goes on until an answer scores 1 or none are left.
 """
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from ..base import BaseLanguageBasedEnv, make_rng, unchanged_step
+from ..global_rng import GlobalRngState, own_rng
 from .config import ReasoningGymEnvConfig
 
 __all__ = ["ReasoningGymEnv"]
+
+logger = logging.getLogger(__name__)
 
 
 class ReasoningGymEnv(BaseLanguageBasedEnv):
@@ -33,6 +41,7 @@ class ReasoningGymEnv(BaseLanguageBasedEnv):
     def __init__(self, config: ReasoningGymEnvConfig | None = None) -> None:
         super().__init__(config if config is not None else ReasoningGymEnvConfig())
         self.dataset: Any = None
+        self._rng = GlobalRngState()
         self.item: dict[str, Any] | None = None
         self.seed: int | None = None
         self.attempts_left = 0
@@ -41,21 +50,41 @@ class ReasoningGymEnv(BaseLanguageBasedEnv):
         self._success = False
 
     def reset(self, seed: int | None = None, **kwargs: Any) -> str:
-        import reasoning_gym
-
+        self.dataset = None
         self.seed, _ = make_rng(seed)
-        cfg = self.config
-        self.dataset = reasoning_gym.create_dataset(cfg.dataset, seed=self.seed, size=1, **cfg.options)
-        self.item = self.dataset[0]
-        self.attempts_left = cfg.attempts
+        self._rng = GlobalRngState()
+        with own_rng(self._rng, seed=self.seed):
+            self.item = self._dataset()[0]
+        self.attempts_left = self.config.attempts
         self.render_cache = self.item["question"]
         self._done = False
         self._success = False
         return self.render_cache
 
+    def _dataset(self) -> Any:
+        """The dataset seeded with the reset seed (built again after unpickling)."""
+        if self.dataset is None:
+            import reasoning_gym
+
+            cfg = self.config
+            self.dataset = reasoning_gym.create_dataset(cfg.dataset, seed=self.seed, size=1, **cfg.options)
+        return self.dataset
+
     def compute_reward(self, action: Any) -> float:
         """The dataset's score of the answer, 0..1."""
-        return float(self.dataset.score_answer(answer=action.strip(), entry=self.item))
+        with own_rng(self._rng):
+            try:
+                return float(self._dataset().score_answer(answer=action.strip(), entry=self.item))
+            except Exception as exc:  # noqa: BLE001 - some scorers raise on text they cannot read
+                logger.debug("%s's score_answer raised on %r: %s: %s", self.config.dataset, action[:100],
+                             type(exc).__name__, exc)
+                return 0.0
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Pickled without its dataset object (some hold lambdas): it is built again from the seed."""
+        state = dict(self.__dict__)
+        state["dataset"] = None
+        return state
 
     def step(self, action: Any) -> tuple[str, float, bool, dict]:
         if self.item is None:

@@ -12,21 +12,16 @@ that need nltk's word lists fail their reset naming the list; see docs/envs.md).
 
 from __future__ import annotations
 
-import contextlib
 import difflib
 import logging
-import random
-import threading
-from typing import Any, Iterator
+from typing import Any
 
 from ..config_checks import EnvConfigError, check_str
+from ..global_rng import GlobalRngState, own_rng
 
-__all__ = ["TextArenaEnvConfig", "import_textarena", "own_random"]
+__all__ = ["TextArenaEnvConfig", "import_textarena"]
 
 logger = logging.getLogger(__name__)
-
-_RANDOM_LOCK = threading.RLock()
-
 
 def import_textarena() -> Any:
     """``textarena``, imported without letting it download anything: its games call
@@ -51,23 +46,6 @@ def import_textarena() -> Any:
     return textarena
 
 
-@contextlib.contextmanager
-def own_random(state: list) -> Iterator[None]:
-    """Python's global ``random`` set to ``state[0]`` (a ``getstate()``; None: as it
-    is) while the block runs, the result kept in ``state[0]`` and the caller's global
-    state restored: TextArena's games draw from the global generator, which other
-    envs of the process (and their threads) share."""
-    with _RANDOM_LOCK:
-        outer = random.getstate()
-        if state[0] is not None:
-            random.setstate(state[0])
-        try:
-            yield
-        finally:
-            state[0] = random.getstate()
-            random.setstate(outer)
-
-
 def _short(exc: BaseException) -> str:
     """An exception's text on one line (nltk's LookupError spans a framed paragraph)."""
     return " ".join(str(exc).replace("*", " ").split())[:300]
@@ -76,6 +54,8 @@ def _short(exc: BaseException) -> str:
 class TextArenaEnvConfig:
     """``env_id``: a TextArena game id (``Mastermind-v0``); ``options``: the game's
     own constructor options (the other keys)."""
+
+    SHORTHAND_KEY = "env_id"  # python -m ragen.tools.check textarena:<game id>
 
     def __init__(self, env_id: str = "Mastermind-v0", invalid_act: str = "", invalid_act_score: float = 0.0,
                  **options: Any) -> None:
@@ -90,8 +70,10 @@ class TextArenaEnvConfig:
             close = difflib.get_close_matches(self.env_id, list(ENV_REGISTRY), n=5, cutoff=0.5)
             hint = f"; close matches: {close}" if close else ""
             raise EnvConfigError("env_id", f"unknown TextArena game {self.env_id!r}{hint}")
+        probe = GlobalRngState()  # some games draw their puzzle when built (RushHour)
         try:
-            game = ta.make(env_id=self.env_id, **self.options)
+            with own_rng(probe):
+                game = ta.make(env_id=self.env_id, **self.options)
         except TypeError as exc:
             raise EnvConfigError(next(iter(self.options), "env_id"),
                                  f"not an option of TextArena's {self.env_id}: {exc}") from None
@@ -99,7 +81,7 @@ class TextArenaEnvConfig:
             raise EnvConfigError("env_id", f"TextArena cannot build {self.env_id!r}: {type(exc).__name__}: "
                                            f"{_short(exc)}") from None
         try:
-            with own_random([None]):
+            with own_rng(probe):
                 game.reset(num_players=1, seed=0)
         except AssertionError as exc:  # its player count check
             raise EnvConfigError("env_id", f"{self.env_id} is not a single-player game ({exc}); ragen plays "

@@ -4,9 +4,9 @@ Concepts:
 
 - **Game**: ``textarena.make(env_id, **options)``, reset with one player and the
   reset seed. TextArena's games draw from Python's global ``random``; each env
-  keeps its own generator state and swaps it in around the game's calls
-  (``own_random``), so episodes are deterministic in any interleaving and the
-  caller's global generator is untouched.
+  keeps its own generator states and swaps them in around the game's calls
+  (``ragen.env.global_rng.own_rng``), so episodes are deterministic in any
+  interleaving and the caller's global generators are untouched.
 - **Observation**: what the game shows the player: at reset its whole text,
   after a move the text the move added (the game's answer and, for board
   games, the board).
@@ -23,7 +23,8 @@ from __future__ import annotations
 from typing import Any
 
 from ..base import BaseLanguageBasedEnv, make_rng, unchanged_step
-from .config import TextArenaEnvConfig, import_textarena, own_random
+from ..global_rng import GlobalRngState, own_rng
+from .config import TextArenaEnvConfig, import_textarena
 
 __all__ = ["TextArenaEnv"]
 
@@ -37,7 +38,7 @@ class TextArenaEnv(BaseLanguageBasedEnv):
         super().__init__(config if config is not None else TextArenaEnvConfig())
         self.game: Any = None
         self.seed: int | None = None
-        self._random: list = [None]
+        self._rng = GlobalRngState()
         self._shown = ""
         self.render_cache = ""
         self._done = False
@@ -46,8 +47,8 @@ class TextArenaEnv(BaseLanguageBasedEnv):
     def reset(self, seed: int | None = None, **kwargs: Any) -> str:
         ta = import_textarena()
         self.seed, _ = make_rng(seed)
-        self._random = [None]
-        with own_random(self._random):
+        self._rng = GlobalRngState()
+        with own_rng(self._rng, seed=self.seed):  # seeded before the game is built: some draw then
             self.game = ta.make(env_id=self.config.env_id, **self.config.options)
             self.game.reset(num_players=1, seed=self.seed)
             _, text = self.game.get_observation()
@@ -70,13 +71,13 @@ class TextArenaEnv(BaseLanguageBasedEnv):
         valid = isinstance(action, str)
         if not valid or self._done:
             return unchanged_step(self.render_cache, valid, self._done, self._success, self.config.invalid_act_score)
-        with own_random(self._random):
+        with own_rng(self._rng):
             done, _ = self.game.step(action=action)
             _, text = self.game.get_observation()
             reward, info = 0.0, {}
             if done:
                 rewards, game_info = self.game.close()
-                reward = float(rewards.get(0, 0.0)) if isinstance(rewards, dict) else 0.0
+                reward = _number(rewards.get(0) if isinstance(rewards, dict) else None)
                 info = game_info.get(0, {}) if isinstance(game_info, dict) else {}
         self._done = bool(done)
         self._success = self._done and reward >= 1.0
@@ -94,3 +95,12 @@ class TextArenaEnv(BaseLanguageBasedEnv):
         state = dict(self.__dict__)
         state["game"] = None
         return state
+
+
+def _number(value: Any) -> float:
+    """The game's reward as a number: 0 for none, or for a text some games put there
+    (the reason an invalid move ended the game)."""
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        return 0.0
