@@ -71,5 +71,26 @@ def main(cfg: DictConfig) -> None:
     run(cfg)
 
 
+def exit_interrupted() -> None:
+    """Ends the process as an interrupted one, killed by SIGINT (what a shell and a
+    supervisor read as Ctrl-C), after the traceback and the atexit handlers. Python
+    does this itself for a KeyboardInterrupt that reaches the top, unless code run
+    while it finalizes resets its flag (then it exits with status 1)."""
+    import atexit
+    import os
+    import signal
+    import traceback
+
+    traceback.print_exc()
+    sys.stderr.flush()
+    atexit._run_exitfuncs()
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    os.kill(os.getpid(), signal.SIGINT)
+    sys.exit(128 + signal.SIGINT)  # only where SIGINT is blocked
+
+
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except KeyboardInterrupt:  # Ctrl-C, or SIGTERM (interrupt_on_sigterm): every finally block has run
+        exit_interrupted()
