@@ -184,10 +184,10 @@ def test_verls_agent_loop_worker_plays_our_envs_token_exact(setup):
     # verl's real training batch, padded by verl's own postprocessing
     n = len(batch)
     assert n == 6
+    whole = PROMPT_LENGTH + RESPONSE_LENGTH
     for key, width in (("prompts", PROMPT_LENGTH), ("responses", RESPONSE_LENGTH), ("response_mask", RESPONSE_LENGTH),
-                       ("input_ids", PROMPT_LENGTH + RESPONSE_LENGTH), ("attention_mask", PROMPT_LENGTH + RESPONSE_LENGTH),
-                       ("position_ids", PROMPT_LENGTH + RESPONSE_LENGTH), ("rollout_log_probs", RESPONSE_LENGTH),
-                       ("rm_scores", RESPONSE_LENGTH)):
+                       ("input_ids", whole), ("attention_mask", whole), ("position_ids", whole),
+                       ("rollout_log_probs", RESPONSE_LENGTH), ("rm_scores", RESPONSE_LENGTH)):
         assert tuple(out.batch[key].shape) == (n, width), key
 
     rows = [{k: batch.non_tensor_batch[k][i] for k in ("tag", "seed", "split", "index")} for i in range(n)]

@@ -115,8 +115,8 @@ def prompt_ids(chat: ChatTokens, request: GenerationRequest) -> list[int]:
 
 
 async def play_tokens(spec: EnvSpec, config: LoopConfig, env: EnvSide, chat: ChatTokens,
-                      decode: Callable[[list[int]], str], generate: Generate, *, response_length: int, prompt_length: int,
-                      vocab_size: int | None = None) -> EpisodeTokens:
+                      decode: Callable[[list[int]], str], generate: Generate, *, response_length: int,
+                      prompt_length: int, vocab_size: int | None = None) -> EpisodeTokens:
     """``spec``'s episode played on ``env`` with answers from ``generate``: its verl record.
 
     ``decode(ids)`` is the answer's text (special tokens skipped). A first prompt
