@@ -24,8 +24,7 @@ from dataclasses import replace
 
 from ragen.llm.chat_tokens import ChatTokens
 from ragen.rollout.types import StopReason, rollout_digest
-from ragen.config_files import config_dir
-from ragen.tools.verl_data import compose
+from ragen.config_files import compose
 from ragen.verl.env_side import EnvSide
 from ragen.verl.episode_tokens import play_tokens
 from ragen.verl.setup import VerlEnvs
@@ -81,7 +80,7 @@ def main() -> None:
 
     from ragen.llm.default_model import resolve_model_path
 
-    cfg = compose("base", ["benchmark=env_bound_heavy", "agent_proxy.max_turn=5"], config_dir())
+    cfg = compose("base", ["benchmark=env_bound_heavy", "agent_proxy.max_turn=5"])
     envs = VerlEnvs(cfg, "base + env_bound_heavy")
     tokenizer = AutoTokenizer.from_pretrained(resolve_model_path("default"))
     times = {"inline": [], "processes": []}

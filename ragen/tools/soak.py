@@ -124,15 +124,11 @@ def sample() -> dict[str, Any]:
 # ----- config --------------------------------------------------------------------
 
 def compose_config(config_name: str, overrides: Sequence[str], config_dir: Path = CONFIG_DIR) -> dict[str, Any]:
-    from hydra import compose, initialize_config_dir
-    from omegaconf import OmegaConf
-
+    """The config composed with the scripted engine, unless ``overrides`` name another."""
     overrides = list(overrides)
     if not any(o.lstrip("+~").startswith("engine=") for o in overrides):
         overrides.insert(0, "engine=scripted")
-    with initialize_config_dir(str(config_dir.resolve()), version_base=None):
-        cfg = compose(config_name, overrides=overrides)
-    return OmegaConf.to_container(cfg, resolve=True)
+    return config_files.compose(config_name, overrides, config_dir)
 
 
 def validation_layout(n_envs: int, tags: Sequence[str]) -> dict[str, Any]:

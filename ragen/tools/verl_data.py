@@ -29,7 +29,7 @@ import sys
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-from ragen.config_files import config_dir
+from ragen.config_files import compose
 from ragen.rollout.envs import EnvSpecMaker
 
 logger = logging.getLogger(__name__)
@@ -98,15 +98,6 @@ def build(cfg: Mapping[str, Any], out: Path, steps: int | None = None) -> dict[s
     return {"train_rows": len(train), "val_rows": len(val), "out": str(out), "overrides": overrides}
 
 
-def compose(config_name: str, overrides: Sequence[str], where: Path) -> dict[str, Any]:
-    from hydra import compose as hydra_compose, initialize_config_dir
-    from omegaconf import OmegaConf
-
-    with initialize_config_dir(str(where.resolve()), version_base=None):
-        cfg = hydra_compose(config_name, overrides=list(overrides))
-    return OmegaConf.to_container(cfg, resolve=True)
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m ragen.tools.verl_data", description=__doc__.split("\n\n")[0])
     parser.add_argument("--config-name", default="verl_sokoban", help="a config in config/ (default: verl_sokoban)")
@@ -118,7 +109,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. es_manager.train.env_groups=16")
     args = parser.parse_args(argv)
     try:
-        cfg = compose(args.config_name, args.overrides, args.config_dir or config_dir())
+        cfg = compose(args.config_name, args.overrides, args.config_dir)
         report = build(cfg, args.out, args.steps)
     except Exception as exc:  # config errors, a missing pyarrow: one line, exit 2
         logger.debug("verl_data failed", exc_info=True)

@@ -126,10 +126,6 @@ def read_ragen_config(ragen_config: str, overrides: Sequence[str] = ()) -> tuple
             raise ValueError(f"ragen_overrides apply to a config name of ragen's config/, not to the file "
                              f"{ragen_config}: edit the file")
         return OmegaConf.to_container(OmegaConf.load(path), resolve=True), str(path)
-    from hydra import compose, initialize_config_dir
+    from ragen.config_files import compose
 
-    from ragen.config_files import config_dir
-
-    with initialize_config_dir(str(config_dir().resolve()), version_base=None):
-        cfg = compose(ragen_config, overrides=list(overrides))
-    return OmegaConf.to_container(cfg, resolve=True), f"ragen config {ragen_config!r}"
+    return compose(ragen_config, overrides), f"ragen config {ragen_config!r}"
