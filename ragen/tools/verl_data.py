@@ -62,13 +62,10 @@ def build(cfg: Mapping[str, Any], out: Path, steps: int | None = None) -> dict[s
 
     from ragen.verl.setup import VerlEnvs
 
-    VerlEnvs(cfg, "the composed config")  # refused here, before verl starts, if the agent loop would refuse it
+    # refused here, before verl starts, if the agent loop would refuse it
+    makers = VerlEnvs(cfg, "the composed config").makers
     import pandas as pd
 
-    seed = cfg.get("seed") or {}
-    es = cfg["es_manager"]
-    makers = {split: EnvSpecMaker(split, es[split], cfg["custom_envs"], seed.get(split, 0))
-              for split in ("train", "val")}
     if steps is None:
         steps = int((cfg.get("trainer") or {}).get("total_training_steps") or 1)
     if steps < 1:

@@ -51,6 +51,7 @@ class VerlEnvs:
         setup = AgentSetup.from_config(cfg)
         self.source = source
         self.loops = {"train": setup.loop, "val": setup.val_loop}
+        self.makers = setup.es  # the env sets of es_manager, by split (the dataset builder's rows)
         self.custom_envs = cfg["custom_envs"]
         ap = setup.agent_proxy
         parallel = ap.use_parallel_rollout and ap.parallel_backend != "sequential"
