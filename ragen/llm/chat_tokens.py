@@ -96,6 +96,14 @@ class ChatTokens:
         diverged = whole != before + added
         return list(history_ids) + self.encode(close + added), diverged
 
+    def request_ids(self, request: Any) -> tuple[list[int], bool]:
+        """A ``GenerationRequest``'s prompt ids and whether the template diverged: its
+        messages ``full`` without history ids, else ``append``ed to them."""
+        if request.history_token_ids is None:
+            return self.full(request.messages, request.answer_prefix), False
+        return self.append(request.history_token_ids, request.messages, request.history_messages,
+                           request.answer_prefix)
+
     def closing(self) -> str:
         """The text the template puts after an answer's content (its end of turn); "" when
         the template cannot be read that way."""

@@ -219,10 +219,7 @@ class Engine(ABC):
         history is counted and named once in a warning; the ids sampled still lead."""
         if self.chat is None:
             raise RuntimeError(f"engine {self.name!r} has no chat template to build prompt ids with")
-        if request.history_token_ids is None:
-            return self.chat.full(request.messages, request.answer_prefix)
-        ids, diverged = self.chat.append(request.history_token_ids, request.messages, request.history_messages,
-                                         request.answer_prefix)
+        ids, diverged = self.chat.request_ids(request)
         if diverged:
             if not self._stats.history_divergences:
                 logger.warning(

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import Awaitable, Callable, Sequence
 
 from ragen.llm.chat_tokens import ChatTokens
-from ragen.llm.types import Completion, GenerationRequest, token_id_error
+from ragen.llm.types import Completion, token_id_error
 from ragen.rollout.loop_config import LoopConfig
 from ragen.rollout.types import EnvSpec, StopReason, Trajectory, turn_prompts
 from ragen.verl.env_side import EnvSide
@@ -104,16 +104,6 @@ def record_of(trajectory: Trajectory) -> EpisodeTokens:
     return record
 
 
-def prompt_ids(chat: ChatTokens, request: GenerationRequest) -> list[int]:
-    """The request's prompt ids: its history ids and the template's tokens of the rest
-    (``Engine.prompt_ids``), or all its messages rendered."""
-    if request.history_token_ids is None:
-        return chat.full(request.messages, request.answer_prefix)
-    ids, _ = chat.append(request.history_token_ids, request.messages, request.history_messages,
-                         request.answer_prefix)
-    return ids
-
-
 async def play_tokens(spec: EnvSpec, config: LoopConfig, env: EnvSide, chat: ChatTokens,
                       decode: Callable[[list[int]], str], generate: Generate, *, response_length: int,
                       prompt_length: int, vocab_size: int | None = None) -> EpisodeTokens:
@@ -130,7 +120,7 @@ async def play_tokens(spec: EnvSpec, config: LoopConfig, env: EnvSide, chat: Cha
     so_far: list[int] = []  # the episode's ids: the last prompt and its answer
     while step.request is not None:
         request = step.request
-        ids = prompt_ids(chat, request)
+        ids, _ = chat.request_ids(request)
         if record is None:
             if len(ids) > prompt_length:
                 await env.end(key, StopReason.ERROR, "prompt too long")
