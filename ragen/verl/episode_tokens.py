@@ -45,6 +45,29 @@ class EpisodeTokens:
     trajectory: Trajectory | None = None
     truncated: bool = False  # the record reached response_length before the env ended
 
+    def add_prompt(self, ids: Sequence[int]) -> bool:
+        """A later turn's prompt: what it adds after the episode's ids so far (the first
+        prompt and the response), masked out; False, and nothing added, when it does not
+        extend them (a prompt rendered whole)."""
+        start, end = len(self.prompt_ids), len(self.prompt_ids) + len(self.response_ids)
+        if list(ids[:start]) != self.prompt_ids or list(ids[start:end]) != self.response_ids:
+            return False
+        added = list(ids[end:])
+        self.response_ids += added
+        self.response_mask += [0] * len(added)
+        if self.response_logprobs is not None:
+            self.response_logprobs += [0.0] * len(added)
+        return True
+
+    def add_answer(self, ids: Sequence[int], logprobs: Sequence[float] | None) -> None:
+        """An answer's sampled ids, trained on, with their log-probs (None: the record has none)."""
+        self.response_ids += ids
+        self.response_mask += [1] * len(ids)
+        if logprobs is None:
+            self.response_logprobs = None
+        elif self.response_logprobs is not None:
+            self.response_logprobs += [float(x) for x in logprobs]
+
     @property
     def failed(self) -> bool:
         return self.trajectory.stop_reason in (StopReason.ERROR, StopReason.TIMEOUT)
@@ -78,27 +101,15 @@ def record_of(trajectory: Trajectory) -> EpisodeTokens:
     ``play_tokens`` gives for the same episode. ValueError when a prompt does not
     extend the ids before it (a prompt rendered whole)."""
     record: EpisodeTokens | None = None
-    so_far: list[int] = []
     for turn, whole in zip(trajectory.turns, turn_prompts(trajectory.turns)):
         if whole is None:
             raise ValueError(f"env {trajectory.env_id}: turn without prompt ids (the engine gave none)")
         if record is None:
             record = EpisodeTokens(prompt_ids=whole)
-        else:
-            if whole[:len(so_far)] != so_far:
-                raise ValueError(f"env {trajectory.env_id}: a prompt does not extend the episode's ids "
-                                 "(ctx_manager.token_history must be append)")
-            record.response_ids += whole[len(so_far):]
-            record.response_mask += [0] * (len(whole) - len(so_far))
-            if record.response_logprobs is not None:
-                record.response_logprobs += [0.0] * (len(whole) - len(so_far))
-        record.response_ids += turn.response_ids
-        record.response_mask += [1] * len(turn.response_ids)
-        if turn.logprobs is None:
-            record.response_logprobs = None
-        elif record.response_logprobs is not None:
-            record.response_logprobs += turn.logprobs
-        so_far = whole + list(turn.response_ids)
+        elif not record.add_prompt(whole):
+            raise ValueError(f"env {trajectory.env_id}: a prompt does not extend the episode's ids "
+                             "(ctx_manager.token_history must be append)")
+        record.add_answer(turn.response_ids, turn.logprobs)
     record = record or EpisodeTokens(prompt_ids=[])
     record.trajectory = trajectory
     return record
@@ -117,7 +128,6 @@ async def play_tokens(spec: EnvSpec, config: LoopConfig, env: EnvSide, chat: Cha
     step = await env.start(key, spec, config)
     record: EpisodeTokens | None = None
     ends = set(chat.end_texts)
-    so_far: list[int] = []  # the episode's ids: the last prompt and its answer
     while step.request is not None:
         request = step.request
         ids, _ = chat.request_ids(request)
@@ -127,15 +137,9 @@ async def play_tokens(spec: EnvSpec, config: LoopConfig, env: EnvSide, chat: Cha
                 raise ValueError(f"tag {spec.tag!r} (seed {spec.seed}): the first prompt has {len(ids)} tokens, "
                                  f"more than verl's data.max_prompt_length={prompt_length}: raise it")
             record = EpisodeTokens(prompt_ids=list(ids))
-        else:
-            if ids[:len(so_far)] != so_far:  # token_history: append extends the ids so far
-                step = await env.end(key, StopReason.ERROR, "the next prompt does not extend the episode's ids")
-                break
-            added = ids[len(so_far):]
-            record.response_ids += added
-            record.response_mask += [0] * len(added)
-            if record.response_logprobs is not None:
-                record.response_logprobs += [0.0] * len(added)
+        elif not record.add_prompt(ids):  # token_history: append extends the ids so far
+            step = await env.end(key, StopReason.ERROR, "the next prompt does not extend the episode's ids")
+            break
         room = response_length - len(record.response_ids)
         if room <= 0:
             record.truncated = True
@@ -157,13 +161,7 @@ async def play_tokens(spec: EnvSpec, config: LoopConfig, env: EnvSide, chat: Cha
             break
         if len(answer) >= limit == room:  # cut by what was left of response_length
             record.truncated = True
-        record.response_ids += answer
-        record.response_mask += [1] * len(answer)
-        if logprobs is None:
-            record.response_logprobs = None
-        elif record.response_logprobs is not None:
-            record.response_logprobs += [float(x) for x in logprobs]
-        so_far = list(ids) + answer
+        record.add_answer(answer, logprobs)
         body = answer[:-1] if answer and answer[-1] in ends else answer
         finish = "stop" if (answer and answer[-1] in ends) or len(answer) < limit else "length"
         completion = Completion.answering(request, decode(body), list(ids), answer, finish, 0,
