@@ -147,6 +147,8 @@ async def play_tokens(spec: EnvSpec, config: LoopConfig, env: EnvSide, chat: Cha
             break
         limit = min(request.token_limit(config.sampling), room)
         try:
+            # Unbounded here, for a reason: the server manager owns a request's lifetime (verl's
+            # servers abort and retry it); a failure it raises ends this episode below.
             answer, logprobs = await generate(list(ids), limit)
         except Exception as exc:  # noqa: BLE001 - the server failed this request: this episode's error
             step = await env.end(key, StopReason.ERROR, f"the server could not answer turn {request.turn}: "
