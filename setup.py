@@ -28,6 +28,7 @@ setup(
         "peft>=0.13",
         "tqdm>=4.60",  # tqdm(delay=): the rollout progress bar shows only past 2 s
         "matplotlib",
+        "websockets>=13",  # remote envs: OpenEnv's WebSocket session protocol, client and env server
     ],
     extras_require={
         # dask and ray too: their backends are tested in the default suite

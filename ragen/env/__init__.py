@@ -4,7 +4,7 @@ Concepts:
 
 - **Env type**: how a config names an env class (``custom_envs.<tag>.env_type``):
   either a registered name (``"sokoban"``, ``"frozen_lake"``, ``"bandit"``,
-  ``"countdown"``, ``"reasoning_gym"``, ``"textarena"``) or an import path ``"package.module:EnvClass"``, so users add
+  ``"countdown"``, ``"reasoning_gym"``, ``"textarena"``, ``"remote"``) or an import path ``"package.module:EnvClass"``, so users add
   envs without editing this package.
 - **Env config**: the dataclass an env is built from, as in RAGEN:
   ``EnvClass(ConfigClass(**env_config))``. For a registered name the config class
@@ -35,6 +35,7 @@ from .base import BaseDiscreteActionEnv, BaseEnv, BaseEnvConfig, BaseLanguageBas
 from .config_checks import EnvConfigError, to_plain
 from .countdown import CountdownEnv, CountdownEnvConfig
 from .reasoning_gym import ReasoningGymEnv, ReasoningGymEnvConfig
+from .remote import RemoteEnv, RemoteEnvConfig
 from .textarena import TextArenaEnv, TextArenaEnvConfig
 from .frozen_lake import FrozenLakeEnv, FrozenLakeEnvConfig
 from .sokoban import SokobanEnv, SokobanEnvConfig
@@ -212,6 +213,7 @@ register_env("bandit", BanditEnv, BanditEnvConfig)
 register_env("countdown", CountdownEnv, CountdownEnvConfig)
 register_env("reasoning_gym", ReasoningGymEnv, ReasoningGymEnvConfig)
 register_env("textarena", TextArenaEnv, TextArenaEnvConfig)
+register_env("remote", RemoteEnv, RemoteEnvConfig)
 
 
 def clear_caches() -> None:

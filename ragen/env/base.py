@@ -20,6 +20,8 @@ test of whether a step's action is an id of ``ACTION_LOOKUP``, and
 
 from __future__ import annotations
 
+import functools
+import inspect
 import numbers
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
@@ -117,3 +119,35 @@ def unchanged_step(observation: str, valid: bool, done: bool, success: bool,
 
 class BaseLanguageBasedEnv(BaseEnv):
     """An env whose action is the answer text itself."""
+
+
+def action_lookup(env: Any) -> dict[Any, Any] | None:
+    """The env's actions, id -> name: its ``ACTION_LOOKUP``, or else its config's ``action_lookup``
+    (RAGEN's); None when it has neither (the env steps the names as they are)."""
+    return getattr(env, "ACTION_LOOKUP", None) or getattr(getattr(env, "config", None), "action_lookup", None) or None
+
+
+def plain_info(info: Any) -> dict[str, Any]:
+    """The JSON-able scalars of a step's info (numpy scalars converted): what the rollout records."""
+    out: dict[str, Any] = {}
+    if not isinstance(info, dict):
+        return out
+    for k, v in info.items():
+        if hasattr(v, "item") and callable(v.item):
+            try:
+                v = v.item()
+            except (ValueError, TypeError):
+                continue
+        if isinstance(v, (bool, int, float, str)) or v is None:
+            out[str(k)] = v
+    return out
+
+
+@functools.lru_cache(maxsize=None)
+def reset_takes_mode(env_cls: type) -> bool:
+    """Whether ``env_cls.reset`` has a ``mode`` parameter (RAGEN's envs do;
+    ours and many users' take ``**kwargs`` and need not see it)."""
+    try:
+        return "mode" in inspect.signature(env_cls.reset).parameters
+    except (TypeError, ValueError):  # a builtin or C-implemented reset: no signature
+        return False

@@ -5,8 +5,6 @@ their outputs checked; an answer applied as actions (``apply_answer``)."""
 from __future__ import annotations
 
 import concurrent.futures
-import functools
-import inspect
 import logging
 import math
 import reprlib
@@ -16,6 +14,7 @@ import traceback
 from collections import defaultdict
 from typing import Any
 
+from ragen.env.base import action_lookup, plain_info, reset_takes_mode
 from ragen.llm.types import Completion
 from ragen.rollout.context import ContextManager
 from ragen.rollout.loop_config import LoopConfig, LoopStats
@@ -149,22 +148,6 @@ class EnvThreads:
             executor.shutdown(wait=False)  # every job has ended: run() waits for them
 
 
-def _plain_info(info: Any) -> dict[str, Any]:
-    """Keep the JSON-able scalars of an env's info (numpy scalars converted)."""
-    out: dict[str, Any] = {}
-    if not isinstance(info, dict):
-        return out
-    for k, v in info.items():
-        if hasattr(v, "item") and callable(v.item):
-            try:
-                v = v.item()
-            except (ValueError, TypeError):
-                continue
-        if isinstance(v, (bool, int, float, str)) or v is None:
-            out[str(k)] = v
-    return out
-
-
 class EnvSlot:
     """One env's live state during the loop."""
 
@@ -268,22 +251,12 @@ def reset(slot: EnvSlot, kept_envs: KeptEnvs, call: EnvCaller) -> None:
 def reset_env(slot: EnvSlot, call: EnvCaller) -> None:
     """The slot's env reset with its seed (and its mode, where ``reset`` takes one); its
     observation and action lookup read."""
-    kwargs = {"mode": slot.spec.mode} if _takes_mode(type(slot.env)) else {}
+    kwargs = {"mode": slot.spec.mode} if reset_takes_mode(type(slot.env)) else {}
     slot.observation = _observation(call(slot.env.reset, seed=slot.spec.seed, **kwargs), "reset")
     lookup = action_lookup(slot.env)
     if lookup:
         slot.traj.action_names = [str(v) for v in lookup.values()]
         slot.lookup = {str(v).lower(): k for k, v in lookup.items()}
-
-
-@functools.lru_cache(maxsize=None)
-def _takes_mode(env_cls: type) -> bool:
-    """Whether ``env_cls.reset`` has a ``mode`` parameter (RAGEN's envs do;
-    ours and many users' take ``**kwargs`` and need not see it)."""
-    try:
-        return "mode" in inspect.signature(env_cls.reset).parameters
-    except (TypeError, ValueError):  # a builtin or C-implemented reset: no signature
-        return False
 
 
 class EnvOutputError(Exception):
@@ -316,12 +289,6 @@ def _reward(r: Any) -> float:
     return r if type(r) in (int, float) else value
 
 
-def action_lookup(env: Any) -> dict[Any, Any] | None:
-    """The env's actions, id -> name: its ``ACTION_LOOKUP``, or else its config's ``action_lookup``
-    (RAGEN's); None when it has neither (the env steps the names as they are)."""
-    return getattr(env, "ACTION_LOOKUP", None) or getattr(getattr(env, "config", None), "action_lookup", None) or None
-
-
 def apply_answer(slot: EnvSlot, completion: Completion, ctx: ContextManager, config: LoopConfig, call: EnvCaller) -> None:
     """The answer parsed into actions and applied (``apply_actions``), within ``config.max_turn`` turns."""
     apply_actions(slot, ctx.parse_response(completion.text), completion, config.format_penalty, call,
@@ -349,7 +316,7 @@ def apply_actions(slot: EnvSlot, actions: list[str], completion: Completion, for
         r = _reward(r)
         slot.observation = _observation(obs, "step")
         reward += r
-        info.update(_plain_info(step_info))
+        info.update(plain_info(step_info))
         executed.append(name)
         steps.append(Step(action=name, observation=slot.observation, reward=r, done=bool(done)))
         slot.actions_left -= 1

@@ -64,7 +64,7 @@ class EnvSpecMaker:
                 raise ValueError(
                     f"{key}.env_configs.tags: tag {tag!r} is not in custom_envs (known: {sorted(custom_envs)})"
                 )
-            self.tag_specs[tag] = _validate_tag(tag, custom_envs[tag])
+            self.tag_specs[tag] = _validate_tag(tag, custom_envs[tag], custom_envs)
         self.group_tags = [tag for tag, n in zip(tags, n_groups) for _ in range(n)]
         self.base_seed = int(seed)
         self._rollouts = 0
@@ -115,7 +115,7 @@ def tag_spec(tag: str, custom_envs: Mapping) -> dict[str, Any]:
     custom_envs = to_plain(custom_envs) or {}
     if tag not in custom_envs:
         raise ValueError(f"tag {tag!r} is not in custom_envs (known: {sorted(custom_envs)})")
-    return _validate_tag(tag, custom_envs[tag])
+    return _validate_tag(tag, custom_envs[tag], custom_envs)
 
 
 def spec_of(tag: str, ts: Mapping[str, Any], seed: int, env_id: int = 0, group_id: int = 0,
@@ -129,15 +129,24 @@ def spec_of(tag: str, ts: Mapping[str, Any], seed: int, env_id: int = 0, group_i
                    env_threads=ts["env_threads"], mode=mode)
 
 
-def _validate_tag(tag: str, spec: Any) -> dict[str, Any]:
+def _validate_tag(tag: str, spec: Any, custom_envs: Mapping[str, Any]) -> dict[str, Any]:
     from ragen.env import make_env_config
 
     key = f"custom_envs.{tag}"
+    served = _served_tag(spec, custom_envs)
+    if served is not None:  # what the remote tag leaves out is the served tag's
+        spec = {**{k: v for k, v in served.items() if k not in ("env_type", "config_type", "env_config")}, **spec}
     cfg = read(EnvTagConfig, spec, key)
     env_config = cfg.env_config or {}
     # Builds (and so validates) the config now, before any model loads.
     built = make_env_config(cfg.env_type, env_config, config_type=cfg.config_type, tag=tag)
-    legend, action_names = _prompt_parts(cfg.env_type, cfg.config_type, tag, built)
+    if served is not None:
+        served_type, served_config_type = served.get("env_type"), served.get("config_type")
+        served_built = make_env_config(served_type, served.get("env_config") or {}, config_type=served_config_type,
+                                       tag=env_config["tag"])
+        legend, action_names = _prompt_parts(served_type, served_config_type, env_config["tag"], served_built)
+    else:
+        legend, action_names = _prompt_parts(cfg.env_type, cfg.config_type, tag, built)
     example = cfg.format_example
     if example is not None:
         if not isinstance(example, dict) or not isinstance(example.get("observation"), str) \
@@ -159,6 +168,22 @@ def _validate_tag(tag: str, spec: Any) -> dict[str, Any]:
         "max_tokens": cfg.max_tokens,
         "env_threads": cfg.max_workers if cfg.parallel_friendly else 1,
     }
+
+
+def _served_tag(spec: Any, custom_envs: Mapping[str, Any]) -> dict[str, Any] | None:
+    """The ``custom_envs`` entry of the tag a remote tag plays (``env_type: remote``,
+    ``env_config.tag``), when this config has it and it is not remote itself: the
+    remote tag takes its prompt (instruction, legend, action names) and the tag keys
+    it does not set (``max_actions_per_traj``, ``max_tokens``, ...) from it, so that
+    it plays what the local tag plays."""
+    if not isinstance(spec, Mapping) or spec.get("env_type") != "remote":
+        return None
+    env_config = spec.get("env_config")
+    name = env_config.get("tag") if isinstance(env_config, Mapping) else None
+    served = custom_envs.get(name) if isinstance(name, str) else None
+    if not isinstance(served, Mapping) or served.get("env_type") in (None, "remote"):
+        return None
+    return dict(served)
 
 
 COORD_HINT = ("\nStates are provided as coordinate lists using zero-based indexing with the format (row, col) for "

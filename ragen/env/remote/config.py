@@ -1,0 +1,103 @@
+"""Configuration of a remote env: which env servers, which of their envs, and the bounds.
+
+``env_config: {url: http://host:port, tag: SimpleSokoban}`` or
+``{urls: [http://a:8101, http://b:8101], tag: ...}``. URLs are refused here,
+when the config is read, unless they are ``http://`` or ``https://``, and,
+for a host beyond loopback, unless the shared key is set (the environment
+variable ``key_env`` names).
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+from dataclasses import dataclass, field
+from typing import Any
+from urllib.parse import urlsplit
+
+from ..config_checks import EnvConfigError, check_int, check_number, check_str
+
+__all__ = ["DEFAULT_KEY_ENV", "RemoteEnvConfig", "is_loopback_host"]
+
+DEFAULT_KEY_ENV = "RAGEN_ENV_KEY"
+
+
+def is_loopback_host(host: str) -> bool:
+    """Whether ``host`` (a name or an address) is this machine's loopback."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.split("%")[0]).is_loopback
+    except ValueError:
+        return False
+
+
+def _check_url(field_name: str, url: Any, key_env: str) -> str:
+    url = check_str(field_name, url)
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https"):
+        raise EnvConfigError(field_name, f"{url!r} is not an http:// or https:// URL of an env server")
+    if not parts.hostname:
+        raise EnvConfigError(field_name, f"{url!r} names no host")
+    try:
+        parts.port  # noqa: B018 - urlsplit checks the port only when it is read
+    except ValueError as exc:
+        raise EnvConfigError(field_name, f"{url!r}: {exc}") from None
+    if parts.query or parts.fragment:
+        raise EnvConfigError(field_name, f"{url!r}: an env server URL takes no query or fragment")
+    if not is_loopback_host(parts.hostname) and not os.environ.get(key_env):
+        raise EnvConfigError(field_name, f"{url!r} is beyond loopback: set the shared key in the environment "
+                                         f"variable {key_env} (the env server's --key-env), here and on the server")
+    return url.rstrip("/")
+
+
+@dataclass
+class RemoteEnvConfig:
+    """Where a remote env is played, and its bounds.
+
+    ``url`` / ``urls``: the env servers (one, or several: an env starts on the
+    next one in turn and a failed one is retried from its seed on another).
+    ``tag``: the env a ``python -m ragen.tools.env_server`` serves (one of its
+    ``--tags``); None for a server of one env, such as an OpenEnv server.
+    ``timeout_s``: the longest wait for one reply; ``connect_timeout_s``: for
+    a connection. ``max_message_bytes``: the largest reply taken.
+    ``action_field`` / ``observation_field``: where the action text goes in a
+    step and where the observation text is in a reply (OpenEnv servers name
+    theirs in their action and observation schemas).
+    """
+
+    SHORTHAND_KEY = "url"  # python -m ragen.tools.check remote:http://127.0.0.1:8101 --config tag=...
+
+    url: str | None = None
+    urls: list[str] | None = None
+    tag: str | None = None
+    key_env: str = DEFAULT_KEY_ENV
+    timeout_s: float = 60.0
+    connect_timeout_s: float = 10.0
+    max_message_bytes: int = 8 * 1024 * 1024
+    action_field: str = "message"
+    observation_field: str = "text"
+    servers: tuple[str, ...] = field(init=False, repr=False, default=())
+
+    def __post_init__(self) -> None:
+        self.key_env = check_str("key_env", self.key_env)
+        if (self.url is None) == (self.urls is None):
+            raise EnvConfigError("url", "give the env server as url, or several as urls (a list), not both")
+        if self.url is not None:
+            self.servers = (_check_url("url", self.url, self.key_env),)
+        else:
+            if not isinstance(self.urls, (list, tuple)) or not self.urls:
+                raise EnvConfigError("urls", f"expected a non-empty list of env server URLs, got {self.urls!r}")
+            self.servers = tuple(_check_url(f"urls[{i}]", u, self.key_env) for i, u in enumerate(self.urls))
+            if len(set(self.servers)) != len(self.servers):
+                raise EnvConfigError("urls", f"a server is listed twice: {list(self.servers)}")
+        if self.tag is not None:
+            self.tag = check_str("tag", self.tag)
+            if "/" in self.tag or self.tag != self.tag.strip():
+                raise EnvConfigError("tag", f"expected an env tag of the server, got {self.tag!r}")
+        self.timeout_s = check_number("timeout_s", self.timeout_s, minimum=0.001)
+        self.connect_timeout_s = check_number("connect_timeout_s", self.connect_timeout_s, minimum=0.001)
+        self.max_message_bytes = check_int("max_message_bytes", self.max_message_bytes, minimum=1024)
+        self.action_field = check_str("action_field", self.action_field)
+        self.observation_field = check_str("observation_field", self.observation_field)
+

@@ -1,0 +1,224 @@
+"""An env server: envs of several tags, one per session, over OpenEnv's
+WebSocket session protocol (``protocol.py``).
+
+A session is a WebSocket connection to ``/<tag>/ws`` (also ``/ws`` when the
+server has one tag, as an OpenEnv server); it makes its own env and keeps it
+until the connection closes. ``GET /health`` (and ``/<tag>/health``) answers
+``{"status": "healthy"}``. Bounds: at most ``max_sessions`` sessions (more are
+refused with HTTP 503), requests of at most ``max_message_bytes`` (a larger
+one closes its session), and a session idle for ``idle_timeout_s`` is closed.
+With a ``key``, a session needs ``Authorization: Bearer <key>`` (HTTP 401
+otherwise). Each session runs on its own thread; env calls are not time-bound
+here, the client bounds its wait for each answer.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import logging
+import numbers
+import threading
+from http import HTTPStatus
+from typing import Any, Callable, Mapping
+
+from ..base import action_lookup, plain_info, reset_takes_mode
+from .protocol import error_message, observation_message
+
+__all__ = ["EnvServer"]
+
+logger = logging.getLogger(__name__)
+
+
+class _BadRequest(Exception):
+    """A message the session cannot serve; answered with an error message, the session goes on."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+class EnvServer:
+    """Serves ``makers`` (tag -> a function making a new env of it) on ``host``:``port`` (0: a free port)."""
+
+    def __init__(self, makers: Mapping[str, Callable[[], Any]], host: str = "127.0.0.1", port: int = 0,
+                 key: str | None = None, max_sessions: int = 256, max_message_bytes: int = 1024 * 1024,
+                 idle_timeout_s: float = 300.0) -> None:
+        from websockets.sync.server import serve
+
+        if not makers:
+            raise ValueError("an env server needs at least one tag to serve")
+        self.makers = dict(makers)
+        self.key = key
+        self.max_sessions = max_sessions
+        self.idle_timeout_s = idle_timeout_s
+        self.sessions = 0
+        self.sessions_served = 0
+        self._lock = threading.Lock()
+        self._server = serve(self._session, host, port, process_request=self._route, max_size=max_message_bytes,
+                             compression=None, server_header=None)
+        self.host, self.port = self._server.socket.getsockname()[:2]
+        self._thread: threading.Thread | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def serve_forever(self) -> None:
+        self._server.serve_forever()
+
+    def start(self) -> "EnvServer":
+        """Serve on a daemon thread (tests, benchmarks); ``shutdown`` ends it."""
+        self._thread = threading.Thread(target=self.serve_forever, name="ragen-env-server", daemon=True)
+        self._thread.start()
+        return self
+
+    def shutdown(self) -> None:
+        self._server.shutdown()
+        if self._thread is not None:
+            self._thread.join(timeout=10)  # serve_forever returns within its polling interval after shutdown
+
+    def __enter__(self) -> "EnvServer":
+        return self.start()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.shutdown()
+
+    # HTTP: which path, health, key, capacity ----------------------------------------------------------------
+
+    def _tag_of(self, path: str) -> tuple[str | None, str]:
+        """(tag, endpoint) of a request path: ``/<tag>/ws`` -> (tag, "ws"); ``/ws`` -> (the only tag, "ws")."""
+        parts = path.split("?", 1)[0].strip("/").split("/")
+        if len(parts) == 1:
+            only = next(iter(self.makers)) if len(self.makers) == 1 else None
+            return only, parts[0]
+        if len(parts) == 2 and parts[0] in self.makers:
+            return parts[0], parts[1]
+        return None, ""
+
+    def _route(self, connection: Any, request: Any) -> Any:
+        tag, endpoint = self._tag_of(request.path)
+        if endpoint == "health":
+            response = connection.respond(HTTPStatus.OK, json.dumps({"status": "healthy", "tags": list(self.makers)}))
+            response.headers["Content-Type"] = "application/json"
+            return response
+        if endpoint != "ws" or tag is None:
+            return connection.respond(HTTPStatus.NOT_FOUND, f"no such endpoint {request.path!r}: sessions are at "
+                                      f"/<tag>/ws for the tags {list(self.makers)}\n")
+        if self.key is not None:
+            given = request.headers.get("Authorization", "")
+            if not hmac.compare_digest(given.encode(), f"Bearer {self.key}".encode()):
+                return connection.respond(HTTPStatus.UNAUTHORIZED, "this env server needs its key: "
+                                          "Authorization: Bearer <key>\n")
+        if self.sessions >= self.max_sessions:
+            return connection.respond(HTTPStatus.SERVICE_UNAVAILABLE,
+                                      f"this env server has its {self.max_sessions} sessions open\n")
+        return None
+
+    # a session ----------------------------------------------------------------------------------------------
+
+    def _session(self, ws: Any) -> None:
+        tag, _ = self._tag_of(ws.request.path)
+        with self._lock:
+            full = self.sessions >= self.max_sessions
+            if not full:
+                self.sessions += 1
+                self.sessions_served += 1
+        if full:  # another handshake took the last place after this one's was checked
+            ws.send(error_message("CAPACITY_REACHED", f"this env server has its {self.max_sessions} sessions open"))
+            ws.close()
+            return
+        env = None
+        try:
+            env = self.makers[tag]()
+            self._serve_session(ws, tag, env)
+        except Exception as exc:  # a session's own failure (the env could not be made, the connection broke)
+            logger.debug("session of %s ended: %s", tag, exc, exc_info=True)
+            try:
+                ws.send(error_message("FACTORY_ERROR" if env is None else "SESSION_ERROR",
+                                      f"{type(exc).__name__}: {exc}"))
+            except Exception:  # the connection is gone
+                pass
+        finally:
+            with self._lock:
+                self.sessions -= 1
+            if env is not None:
+                try:
+                    env.close()
+                except Exception:  # closing is best effort
+                    logger.debug("env close failed", exc_info=True)
+            ws.close()
+
+    def _serve_session(self, ws: Any, tag: str, env: Any) -> None:
+        from websockets.exceptions import ConnectionClosed
+
+        state = {"tag": tag, "seed": None, "step_count": 0, "reset": False}
+        while True:
+            try:
+                raw = ws.recv(timeout=self.idle_timeout_s)
+            except TimeoutError:
+                logger.info("closing an idle session of %s (no message in %s s)", tag, self.idle_timeout_s)
+                return
+            except ConnectionClosed:
+                return
+            try:
+                message = json.loads(raw)
+                if not isinstance(message, dict):
+                    raise _BadRequest("INVALID_JSON", "a message is a JSON object")
+                kind = message.get("type")
+                if kind == "close":
+                    return
+                ws.send(self._answer(env, kind, message.get("data"), state))
+            except ValueError as exc:  # json's JSONDecodeError included
+                ws.send(error_message("INVALID_JSON", f"Invalid JSON: {exc}"))
+            except _BadRequest as exc:
+                ws.send(error_message(exc.code, str(exc)))
+            except Exception as exc:  # the env's own code failed: this session's env is not reused
+                logger.warning("env %s (seed %s) failed: %s: %s", tag, state["seed"], type(exc).__name__, exc)
+                ws.send(error_message("EXECUTION_ERROR", f"{type(exc).__name__}: {exc}"))
+                env.close()
+                env = self.makers[tag]()
+                state["reset"] = False
+
+    def _answer(self, env: Any, kind: Any, data: Any, state: dict[str, Any]) -> str:
+        if kind == "state":
+            return json.dumps({"type": "state", "data": {k: state[k] for k in ("tag", "seed", "step_count")}})
+        if kind not in ("reset", "step"):
+            raise _BadRequest("UNKNOWN_TYPE", f"Unknown message type: {kind!r}")
+        if not isinstance(data, dict):
+            raise _BadRequest("VALIDATION_ERROR", f"a {kind} message's data is a JSON object, got {data!r}")
+        if kind == "reset":
+            seed = data.get("seed")
+            if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+                raise _BadRequest("VALIDATION_ERROR", f"seed must be an integer, got {seed!r}")
+            kwargs = {"mode": data["mode"]} if "mode" in data and reset_takes_mode(type(env)) else {}
+            obs = _text(env.reset(seed=seed, **kwargs), "reset")
+            state.update(seed=seed, step_count=0, reset=True)
+            lookup = action_lookup(env)
+            observation = {"text": obs}
+            if lookup:
+                observation["action_lookup"] = [[k, str(v)] for k, v in lookup.items()]
+            return observation_message(observation, None, False)
+        if not state["reset"]:
+            raise _BadRequest("SESSION_ERROR", "step before reset")
+        if "message" not in data:
+            raise _BadRequest("VALIDATION_ERROR", f"a step's data holds the action as 'message', got keys {sorted(data)}")
+        obs, reward, done, info = env.step(data["message"])
+        state["step_count"] += 1
+        return observation_message({"text": _text(obs, "step"), "info": plain_info(info)}, _number(reward),
+                                   bool(done))
+
+
+def _text(obs: Any, method: str) -> str:
+    if not isinstance(obs, str):
+        raise TypeError(f"the env's {method} returned {type(obs).__name__}, not the observation text")
+    return obs
+
+
+def _number(reward: Any) -> int | float:
+    """A reward as JSON keeps it: an int stays an int (a prompt shows RAGEN's ``0``), numpy scalars as Python's."""
+    if type(reward) in (int, float):
+        return reward
+    if isinstance(reward, numbers.Real) and not isinstance(reward, bool):
+        return reward.item() if hasattr(reward, "item") else float(reward)
+    raise TypeError(f"the env's step returned a reward of type {type(reward).__name__}, not a number")

@@ -1,0 +1,104 @@
+"""Serve envs over HTTP (``python -m ragen.tools.env_server``).
+
+    python -m ragen.tools.env_server --tags SimpleSokoban,LargerSokoban --port 8101
+    python -m ragen.tools.env_server --tags HeavySokoban --port 8101 \\
+        --config-name base-parallel benchmark=env_bound_heavy
+
+Serves the ``custom_envs`` tags of a config (Hydra's ``--config-name``, default
+``base``, with overrides), each as its own env per session at
+``http://host:port/<tag>/ws`` (OpenEnv's WebSocket protocol); a rollout plays
+them with ``env_type: remote`` (docs/envs.md). Listening beyond loopback needs
+a shared key, in the environment variable ``--key-env`` names; clients send
+the same. Prints ``serving <tags> at <url>`` once it listens; ends on SIGINT
+or SIGTERM.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import sys
+import threading
+from typing import Any, Sequence
+
+from ragen.config_files import compose
+from ragen.env import make_env
+from ragen.env.remote.config import DEFAULT_KEY_ENV, is_loopback_host
+from ragen.env.remote.server import EnvServer
+from ragen.rollout.envs import tag_spec
+
+__all__ = ["main", "makers_of"]
+
+
+def makers_of(tags: Sequence[str], custom_envs: Any) -> dict[str, Any]:
+    """tag -> a function making a new env of it, each tag's config checked now (ValueError naming it)."""
+    makers = {}
+    for tag in tags:
+        spec = tag_spec(tag, custom_envs)
+        if spec["env_type"] == "remote":
+            raise ValueError(f"custom_envs.{tag} is a remote env: an env server serves envs it makes itself")
+        makers[tag] = _Maker(tag, spec["env_type"], spec["env_config"], spec["config_type"])
+    return makers
+
+
+class _Maker:
+    """A new env of one tag per call."""
+
+    def __init__(self, tag: str, env_type: str, env_config: Any, config_type: str | None) -> None:
+        self.tag, self.env_type, self.env_config, self.config_type = tag, env_type, env_config, config_type
+
+    def __call__(self) -> Any:
+        return make_env(self.env_type, self.env_config, config_type=self.config_type, tag=self.tag)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m ragen.tools.env_server",
+                                     description="Serve the envs of custom_envs tags over HTTP (OpenEnv's protocol).")
+    parser.add_argument("--tags", required=True, help="the custom_envs tags to serve, comma separated")
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    parser.add_argument("--port", type=int, default=8101, help="port to listen on (0: a free one; default 8101)")
+    parser.add_argument("--config-name", default="base", help="a config in config/ (default: base)")
+    parser.add_argument("--key-env", default=DEFAULT_KEY_ENV,
+                        help=f"environment variable holding the shared key (default {DEFAULT_KEY_ENV}); "
+                             "required beyond loopback")
+    parser.add_argument("--max-sessions", type=int, default=256, help="sessions open at once (default 256)")
+    parser.add_argument("--max-message-bytes", type=int, default=1024 * 1024,
+                        help="largest request taken (default 1 MiB)")
+    parser.add_argument("--idle-timeout-s", type=float, default=300.0,
+                        help="a session without a message this long is closed (default 300)")
+    parser.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. custom_envs.SimpleSokoban.env_config.dim_x=8")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    tags = [t.strip() for t in args.tags.split(",") if t.strip()]
+    if not tags:
+        parser.error("--tags names no tag")
+    for flag, value in (("--max-sessions", args.max_sessions), ("--max-message-bytes", args.max_message_bytes),
+                        ("--idle-timeout-s", args.idle_timeout_s)):
+        if value <= 0:
+            parser.error(f"{flag} must be > 0, got {value}")
+    key = os.environ.get(args.key_env) or None
+    if key is None and not is_loopback_host(args.host):
+        parser.error(f"--host {args.host} is beyond loopback: set a shared key in the environment variable "
+                     f"{args.key_env} (clients set the same)")
+    try:
+        makers = makers_of(tags, compose(args.config_name, args.overrides).get("custom_envs") or {})
+        server = EnvServer(makers, args.host, args.port, key=key, max_sessions=args.max_sessions,
+                           max_message_bytes=args.max_message_bytes, idle_timeout_s=args.idle_timeout_s)
+    except (ValueError, OSError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    server.start()
+    print(f"serving {','.join(tags)} at {server.url}", flush=True)
+    stop.wait()  # serves until a signal says stop; nothing else ends an env server
+    server.shutdown()
+    print(f"stopped after {server.sessions_served} sessions", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
