@@ -198,8 +198,9 @@ def guard(slot: EnvSlot, stats: LoopStats, isolate: bool, config: LoopConfig, ca
             logger.debug("%s", traceback.format_exc())
             if fn is apply_answer:  # args: (slot, completion, ...); the turn is lost, its answer kept for a replay
                 slot.traj.failed_response = args[1].text
-            end_in_error(slot, StopReason.TIMEOUT if isinstance(exc, EnvTimeout) else StopReason.ERROR, stats,
-                          isolate, cause=exc, message=message)
+            timed_out = isinstance(exc, (EnvTimeout, TimeoutError))  # the loop's limit, or the env's own (a remote env's)
+            end_in_error(slot, StopReason.TIMEOUT if timed_out else StopReason.ERROR, stats, isolate, cause=exc,
+                         message=message)
             return
 
 

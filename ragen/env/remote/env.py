@@ -70,9 +70,12 @@ class RemoteEnv(BaseLanguageBasedEnv):
         key = os.environ.get(self.config.key_env)
         headers = {"Authorization": f"Bearer {key}"} if key else None
         try:
-            self._ws = connect(session_url(server, self.config.tag), additional_headers=headers,
-                               open_timeout=self.config.connect_timeout_s, close_timeout=_CLOSE_TIMEOUT_S,
-                               max_size=self.config.max_message_bytes, compression=None)
+            ws = connect(session_url(server, self.config.tag), additional_headers=headers,
+                         open_timeout=self.config.connect_timeout_s, close_timeout=_CLOSE_TIMEOUT_S,
+                         max_size=self.config.max_message_bytes, compression=None)
+            # entered as websockets asks of a connection (its context manager); the session outlives this call
+            # and ``_drop`` closes it
+            self._ws = ws.__enter__()
         except Exception as exc:  # refused, unreachable, a handshake refused (401, 404, 503): all end the call
             choice.mark_down(server)
             raise self._error(server, "cannot open a session", exc) from exc
@@ -103,10 +106,17 @@ class RemoteEnv(BaseLanguageBasedEnv):
             raise RemoteEnvTimeout(f"env server {server}: no answer to {what} within "
                                    f"env_config.timeout_s={self.config.timeout_s} s") from exc
         except ConnectionClosed as exc:
+            last_words = _last_words(self._ws)
             self._drop()
-            if exc.sent is not None and exc.sent.code == 1009:
+            if last_words:  # the server said why before it closed (OpenEnv's capacity error)
+                choice.mark_down(server)
+                raise RemoteEnvError(f"env server {server}: it closed the session at {what}: {last_words}") from exc
+            if _closed_for_size(exc, by_server=False):
                 raise RemoteEnvError(f"env server {server}: its answer to {what} is larger than "
                                      f"env_config.max_message_bytes={self.config.max_message_bytes}") from exc
+            if _closed_for_size(exc, by_server=True):
+                raise RemoteEnvError(f"env server {server}: it refused the {what} request as larger than its "
+                                     "--max-message-bytes") from exc
             if kept:
                 raise _SessionGone() from exc
             choice.mark_down(server)
@@ -178,6 +188,25 @@ class RemoteEnv(BaseLanguageBasedEnv):
         state = dict(self.__dict__)
         state["_ws"] = None  # a session does not travel: an unpickled env opens its own at reset
         return state
+
+
+def _closed_for_size(exc: Any, by_server: bool) -> bool:
+    """Whether a connection was closed as "message too big" (1009), by the server (our request) or by us (its reply)."""
+    first = exc.rcvd if exc.rcvd_then_sent or exc.sent is None else exc.sent
+    return first is not None and first.code == 1009 and (first is exc.rcvd) == by_server
+
+
+def _last_words(ws: Any) -> str | None:
+    """A message the server sent before it closed the connection, if one is left to read."""
+    try:
+        raw = ws.recv(timeout=0)
+    except Exception:  # nothing left: the usual case
+        return None
+    try:
+        parse_reply(raw)
+    except ProtocolError as exc:
+        return str(exc)
+    return None
 
 
 def _lookup(pairs: Any, server: str | None) -> dict[Any, str]:

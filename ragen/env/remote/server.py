@@ -56,7 +56,7 @@ class EnvServer:
         self.sessions_served = 0
         self._lock = threading.Lock()
         self._server = serve(self._session, host, port, process_request=self._route, max_size=max_message_bytes,
-                             compression=None, server_header=None)
+                             compression=None, server_header=None, close_timeout=2)
         self.host, self.port = self._server.socket.getsockname()[:2]
         self._thread: threading.Thread | None = None
 
