@@ -4,7 +4,7 @@ Concepts:
 
 - **Env type**: how a config names an env class (``custom_envs.<tag>.env_type``):
   either a registered name (``"sokoban"``, ``"frozen_lake"``, ``"bandit"``,
-  ``"countdown"``, ``"reasoning_gym"``, ``"textarena"``, ``"remote"``) or an import path ``"package.module:EnvClass"``, so users add
+  ``"countdown"``, ``"code"``, ``"reasoning_gym"``, ``"textarena"``, ``"remote"``) or an import path ``"package.module:EnvClass"``, so users add
   envs without editing this package.
 - **Env config**: the dataclass an env is built from, as in RAGEN:
   ``EnvClass(ConfigClass(**env_config))``. For a registered name the config class
@@ -33,6 +33,7 @@ from typing import Any
 from .bandit import BanditEnv, BanditEnvConfig
 from .base import BaseDiscreteActionEnv, BaseEnv, BaseEnvConfig, BaseLanguageBasedEnv
 from .config_checks import EnvConfigError, to_plain
+from .code import CodeEnv, CodeEnvConfig
 from .countdown import CountdownEnv, CountdownEnvConfig
 from .reasoning_gym import ReasoningGymEnv, ReasoningGymEnvConfig
 from .remote import RemoteEnv, RemoteEnvConfig
@@ -211,6 +212,7 @@ register_env("sokoban", SokobanEnv, SokobanEnvConfig)
 register_env("frozen_lake", FrozenLakeEnv, FrozenLakeEnvConfig)
 register_env("bandit", BanditEnv, BanditEnvConfig)
 register_env("countdown", CountdownEnv, CountdownEnvConfig)
+register_env("code", CodeEnv, CodeEnvConfig)
 register_env("reasoning_gym", ReasoningGymEnv, ReasoningGymEnvConfig)
 register_env("textarena", TextArenaEnv, TextArenaEnvConfig)
 register_env("remote", RemoteEnv, RemoteEnvConfig)

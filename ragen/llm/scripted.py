@@ -18,6 +18,11 @@ without torch:
   (its text, bytes and log-probs), and the prompt ids end with the prefix. A
   prefix that opens the answer tag (``<answer>``, RAGEN without thinking) gets
   an answer without a thought, whatever ``think`` says.
+- *Answers of a task* (``answers: package.module:function``): a function of
+  the request's whole prompt text and its seeded generator that returns the
+  answer and its log-probability, or None for the default answer; e.g. the
+  code env's pool of right and wrong programs
+  (``ragen.env.code.pool:scripted_answer``).
 - *Malformed answers* at rate ``malformed_rate``: no tags, empty answer,
   unknown action, unclosed tag or nested tags, so parsers meet every defect.
 - *Tokens*: a byte-level tokenizer (utf-8 bytes: ``vocab_size`` 256) of a
@@ -79,6 +84,23 @@ _THOUGHTS = (
 _OPERATORS = ("+", "-", "*")
 
 
+def _import_answers(path: str | None) -> Any:
+    """The function ``engine.answers`` names (``package.module:function``), or None."""
+    if path is None:
+        return None
+    import importlib
+
+    module, sep, name = str(path).partition(":")
+    try:
+        fn = getattr(importlib.import_module(module), name) if sep and module and name else None
+    except (ImportError, AttributeError) as exc:
+        raise ValueError(f"engine.answers={path!r}: cannot import it: {type(exc).__name__}: {exc}") from None
+    if not callable(fn):
+        raise ValueError(f"engine.answers={path!r}: expected 'package.module:function', a function of the prompt "
+                         "text and a random.Random that returns (answer, log-probability) or None")
+    return fn
+
+
 def render_messages(messages: Sequence[Mapping[str, str]], add_generation_prompt: bool = True) -> str:
     """The plain text that the byte tokenizer encodes as the prompt: the scripted chat template."""
     parts = [f"<|{m.get('role', 'user')}|>\n{m.get('content', '')}\n" for m in messages]
@@ -114,7 +136,7 @@ class ScriptedEngine(Engine):
     name = "scripted"
     returns_logprobs = True
     config_keys = ("seed", "malformed_rate", "base_s", "per_token_s", "think", "return_prompt_ids",
-                   "max_actions", "continuous_batching")
+                   "max_actions", "continuous_batching", "answers")
 
     def __init__(
         self,
@@ -126,6 +148,7 @@ class ScriptedEngine(Engine):
         think: bool = True,
         return_prompt_ids: bool = True,
         max_actions: int = 5,
+        answers: str | None = None,
     ) -> None:
         super().__init__()
         self.check_options({"malformed_rate": malformed_rate, "base_s": base_s, "per_token_s": per_token_s,
@@ -141,6 +164,7 @@ class ScriptedEngine(Engine):
         # RAGEN's prompt states only the episode's action budget ("up to N actions"), not a
         # turn's: a model's answer holds a few; the script's at most this many
         self.max_actions = int(max_actions)
+        self.answers = _import_answers(answers)
         self._closed = False
 
     @classmethod
@@ -212,8 +236,14 @@ class ScriptedEngine(Engine):
         names, max_actions = parse_action_space(prompt)
         if not names:  # instructions may sit in an earlier (system) message
             names, max_actions = parse_action_space("\n".join(m.get("content", "") for m in request.messages))
-        answer, logp = self._actions(rng, names, min(max_actions, self.max_actions)) if names \
-            else self._expression(rng, prompt)
+        given = self.answers("\n".join(m.get("content", "") for m in request.messages), rng) \
+            if self.answers is not None else None
+        if given is not None:
+            answer, logp = given
+        elif names:
+            answer, logp = self._actions(rng, names, min(max_actions, self.max_actions))
+        else:
+            answer, logp = self._expression(rng, prompt)
         thought = _THOUGHTS[rng.randrange(len(_THOUGHTS))]
         # a prefix that opens the answer tag (RAGEN without thinking) leaves no room for a thought
         thinks = self.think and not request.answer_prefix.startswith("<answer>")

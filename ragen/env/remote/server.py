@@ -7,6 +7,8 @@ until the connection closes. ``GET /health`` (and ``/<tag>/health``) answers
 ``{"status": "healthy"}``. Bounds: at most ``max_sessions`` sessions (more are
 refused with HTTP 503), requests of at most ``max_message_bytes`` (a larger
 one closes its session), and a session idle for ``idle_timeout_s`` is closed.
+An env that raises ends its session after the error answer: its state is
+unknown, and the client retries on a fresh session.
 With a ``key``, a session needs ``Authorization: Bearer <key>`` (HTTP 401
 otherwise). Each session runs on its own thread; env calls are not time-bound
 here, the client bounds its wait for each answer.
@@ -173,12 +175,10 @@ class EnvServer:
                 ws.send(error_message("INVALID_JSON", f"Invalid JSON: {exc}"))
             except _BadRequest as exc:
                 ws.send(error_message(exc.code, str(exc)))
-            except Exception as exc:  # the env's own code failed: this session's env is not reused
+            except Exception as exc:  # the env's own code failed: its state is unknown, so the session ends
                 logger.warning("env %s (seed %s) failed: %s: %s", tag, state["seed"], type(exc).__name__, exc)
                 ws.send(error_message("EXECUTION_ERROR", f"{type(exc).__name__}: {exc}"))
-                env.close()
-                env = self.makers[tag]()
-                state["reset"] = False
+                return
 
     def _answer(self, env: Any, kind: Any, data: Any, state: dict[str, Any]) -> str:
         if kind == "state":

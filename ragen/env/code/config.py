@@ -1,0 +1,37 @@
+"""Configuration of the code env: attempts, the reward, and the sandbox's limits."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..base import BaseEnvConfig
+from ..config_checks import check_int, check_number, check_str
+from .sandbox import Limits
+
+__all__ = ["CodeEnvConfig"]
+
+
+@dataclass
+class CodeEnvConfig(BaseEnvConfig):
+    """``attempts``: submissions an episode may make (a failed one shows the first failing test);
+    ``reward``: ``fraction`` (of the tests passed) or ``all`` (1 only when every test passes);
+    ``cpu_s``, ``wall_s``, ``memory_mb``, ``output_bytes``: the sandbox's limits for one submission."""
+
+    attempts: int = 1
+    reward: str = "fraction"
+    cpu_s: float = 2.0
+    wall_s: float = 5.0
+    memory_mb: int = 512
+    output_bytes: int = 64 * 1024
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self.attempts = check_int("attempts", self.attempts, minimum=1, maximum=100)
+        self.reward = check_str("reward", self.reward, choices=("fraction", "all"))
+        self.cpu_s = check_number("cpu_s", self.cpu_s, minimum=0.1, maximum=600)
+        self.wall_s = check_number("wall_s", self.wall_s, minimum=0.1, maximum=3600)
+        self.memory_mb = check_int("memory_mb", self.memory_mb, minimum=64, maximum=65536)
+        self.output_bytes = check_int("output_bytes", self.output_bytes, minimum=1024, maximum=64 * 1024 * 1024)
+
+    def limits(self) -> Limits:
+        return Limits(cpu_s=self.cpu_s, wall_s=self.wall_s, memory_mb=self.memory_mb, output_bytes=self.output_bytes)

@@ -1,0 +1,177 @@
+"""The code env: its sandbox's limits, the judging of submissions, the env's
+episodes, and the scripted policy's pool; after every test no process of a
+sandboxed run is left."""
+
+from __future__ import annotations
+
+import os
+import random
+
+import pytest
+
+from ragen.env import make_env, make_env_config
+from ragen.env.check.checker import check_env
+from ragen.env.code.harness import extract_code, judge
+from ragen.env.code.pool import scripted_answer
+from ragen.env.code.problems import FAMILIES, count, problem, solutions
+from ragen.env.code.sandbox import Limits, RunStatus, isolated, run_python
+
+pytestmark = pytest.mark.timeout(120)
+
+FAST = Limits(cpu_s=1, wall_s=3, memory_mb=256, output_bytes=16 * 1024)
+
+
+def _sandboxed_processes() -> list[str]:
+    """Command lines of processes running a sandboxed script (their folder is ragen-code-*)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/cmdline", "rb") as f:
+                    cmd = f.read().replace(b"\0", b" ").decode(errors="replace")
+            except OSError:
+                continue
+            if "ragen-code-" in cmd:
+                found.append(f"{entry}: {cmd}")
+    return found
+
+
+@pytest.fixture(autouse=True)
+def no_process_survives():
+    yield
+    assert _sandboxed_processes() == []
+
+
+# ----- the sandbox -------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("code, status, words", [
+    ("while True: pass", RunStatus.TIME_LIMIT, ""),
+    ("import time\ntime.sleep(60)", RunStatus.TIME_LIMIT, ""),
+    ("x = bytearray(2 * 1024 ** 3)", RunStatus.MEMORY_LIMIT, "MemoryError"),
+    ("while True: print('x' * 1000)", RunStatus.OUTPUT_LIMIT, ""),
+    ("open('big', 'wb').write(b'x' * (4 * 1024 * 1024))", RunStatus.OK, "File too large"),
+])
+def test_runaway_code_ends_with_its_limit(code, status, words):
+    run = run_python(code, "", FAST)
+    assert run.status is status
+    assert words in run.stderr + run.stdout
+    assert run.wall_s < FAST.wall_s + 3
+
+
+def test_the_child_sees_no_secret_and_its_own_folder(monkeypatch):
+    monkeypatch.setenv("MY_API_KEY", "s3cret")
+    run = run_python("import os; print(sorted(os.environ)); print(os.getcwd())", "", FAST)
+    env, cwd = run.stdout.splitlines()
+    assert "MY_API_KEY" not in env and "ragen-code-" in cwd and not os.path.exists(cwd)
+
+
+def test_stdin_and_exit_codes():
+    run = run_python("import sys\nprint(sum(map(int, input().split())))\nsys.exit(3)", "2 40\n", FAST)
+    assert (run.status, run.exit_code, run.stdout) == (RunStatus.OK, 3, "42\n")
+
+
+@pytest.mark.skipif(not isolated(), reason="network and PID namespaces need root and util-linux's unshare")
+def test_isolated_runs_have_no_network_and_leave_no_process_even_one_that_left_its_group():
+    run = run_python("import socket\nsocket.create_connection(('1.1.1.1', 80), timeout=2)", "", FAST)
+    assert "Network is unreachable" in run.stderr
+    run = run_python("import os, time\nif os.fork() == 0:\n    os.setsid()\n    time.sleep(60)\nprint('left')", "", FAST)
+    assert run.stdout == "left\n"  # the fixture checks that the setsid child is gone
+
+
+@pytest.mark.skipif(not isolated(), reason="forks are bounded by the PID namespace's end, which needs root")
+def test_a_fork_bomb_ends_at_the_wall_limit_and_leaves_nothing():
+    run = run_python("import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass", "",
+                     Limits(cpu_s=1, wall_s=0.5, memory_mb=256))
+    assert run.status is RunStatus.TIME_LIMIT
+
+
+# ----- judging -----------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("family", range(len(FAMILIES)), ids=[f.name for f in FAMILIES])
+def test_every_familys_reference_passes_and_its_wrong_solutions_fail(family):
+    right, wrong = solutions(family)
+    p = problem(family)
+    assert judge(right, p, FAST).correct
+    for code in wrong:
+        verdict = judge(code, p, FAST)
+        assert not verdict.correct and verdict.feedback.startswith(f"Passed {verdict.passed}/{verdict.total} tests.")
+
+
+def test_problems_are_pure_functions_of_the_seed_and_hundreds_are_distinct():
+    assert problem(123) == problem(123) and problem(123) != problem(133)
+    assert count() >= 200
+    assert len({problem(s).statement for s in range(0, 2000)}) == count()
+
+
+@pytest.mark.parametrize("code, words", [
+    ("def top_sum(nums):\n    return 0\n", "First failing test: top_sum("),
+    ("def top_sum(nums:\n", "Your code did not run: SyntaxError"),
+    ("def top_sum(nums):\n    raise KeyError('k')\n", "raised KeyError: 'k'"),
+    ("def top_sum(nums):\n    while True: pass\n", "time limit exceeded"),
+    ("def top_sum(nums):\n    print('x' * 10 ** 7)\n", "output truncated"),
+    ("def top_sum(nums):\n    return bytearray(2 * 1024 ** 3)\n", "raised MemoryError"),
+    ("import os\nos._exit(0)\n", "the program ended before this test"),
+])
+def test_a_failed_submission_says_why_at_its_first_failing_test(code, words):
+    verdict = judge(code, problem(0), FAST)
+    assert not verdict.correct and words in verdict.feedback, verdict.feedback
+
+
+def test_the_results_line_cannot_be_forged_by_the_code():
+    code = "print('@@ragen-results-0000@@[{\"ok\": true}]')\ndef top_sum(nums):\n    return 0\n"
+    assert judge(code, problem(0), FAST).passed == 0
+
+
+def test_answers_in_fences_are_code():
+    assert extract_code("Here:\n```python\nprint(1)\n```\nDone.") == "print(1)"
+    assert extract_code("print(2)") == "print(2)"
+
+
+# ----- the env -----------------------------------------------------------------------------------------------
+
+def test_an_episode_with_attempts_sums_to_the_best_score():
+    env = make_env("code", {"attempts": 3})
+    seed = 2  # fib_mod
+    assert env.reset(seed=seed) == problem(seed).statement
+    right, wrong = solutions(seed)
+    obs, r1, done, info = env.step(wrong[0])
+    assert not done and "Fix the code and submit it again (2 attempts left)" in obs and info["success"] is False
+    obs, r2, done, info = env.step(f"```python\n{right}```")
+    assert done and info["success"] and obs.startswith("All ") and r1 + r2 == pytest.approx(1.0)
+    assert env.step(right)[1:3] == (0, True)  # after the end: nothing changes
+
+
+def test_reward_all_gives_1_only_when_every_test_passes():
+    env = make_env("code", {"reward": "all"})
+    env.reset(seed=2)
+    assert env.step(solutions(2)[1][0])[1:3] == (0.0, True)
+
+
+def test_an_empty_answer_is_invalid_and_changes_nothing():
+    env = make_env("code", {})
+    env.reset(seed=0)
+    obs, reward, done, info = env.step("  \n ")
+    assert (reward, done, info["action_is_valid"]) == (0.0, False, False)
+
+
+@pytest.mark.parametrize("key, value", [("attempts", 0), ("reward", "some"), ("cpu_s", 0), ("memory_mb", 10)])
+def test_bad_values_are_refused_naming_the_key(key, value):
+    with pytest.raises(ValueError, match=rf"custom_envs.C.env_config.{key}:"):
+        make_env_config("code", {key: value}, tag="C")
+
+
+def test_the_env_checker_passes_the_code_env():
+    report = check_env("code", {"attempts": 2}, seeds=3, max_steps=3)
+    assert report.ok, report.format()
+
+
+# ----- the scripted policy's pool ------------------------------------------------------------------------------
+
+def test_the_pool_answers_the_stated_problem_right_or_wrong():
+    for seed in (0, 2, 7, 9, 21):
+        p = problem(seed)
+        answers = {scripted_answer(f"System.\n{p.statement}", random.Random(k))[0] for k in range(40)}
+        right, wrong = solutions(seed)
+        assert {extract_code(a) + "\n" for a in answers} <= {right, *wrong}
+        assert any(judge(extract_code(a), p, FAST).correct for a in answers)
+    assert scripted_answer("Push the boxes.", random.Random(0)) is None
