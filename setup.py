@@ -29,6 +29,7 @@ setup(
         "tqdm>=4.60",  # tqdm(delay=): the rollout progress bar shows only past 2 s
         "matplotlib",
         "websockets>=13",  # remote envs: OpenEnv's WebSocket session protocol, client and env server
+        "urllib3>=2",  # the search env's pooled connections to its retrieval server
     ],
     extras_require={
         # dask and ray too: their backends are tested in the default suite
@@ -39,9 +40,10 @@ setup(
         # reasoning-gym, textarena: their env types are (the envs extra below)
         "dev": ["pytest>=8", "pytest-timeout", "hypothesis>=6", "dask[distributed]", "ray",
                 "gymnasium>=1.0", "gym==0.26.2", "gym-sokoban==0.0.6", "setuptools<81", "pandas", "pyarrow",
-                "reasoning-gym==0.1.25", "textarena==0.7.4"],
-        # env libraries as env types (docs/envs.md); the tests skip theirs, naming the package, without
-        "envs": ["reasoning-gym==0.1.25", "textarena==0.7.4"],
+                "reasoning-gym==0.1.25", "textarena==0.7.4", "bm25s==0.3.16"],
+        # env libraries as env types, and the retrieval server's BM25 (docs/envs.md); the tests skip
+        # theirs, naming the package, without
+        "envs": ["reasoning-gym==0.1.25", "textarena==0.7.4", "bm25s==0.3.16"],
         "vllm": ["vllm"],
         # verl's trainer on ragen's envs (docs/verl.md); it pins transformers < 5.11 and
         # its own torch: install it in a venv of its own

@@ -4,7 +4,7 @@ Concepts:
 
 - **Env type**: how a config names an env class (``custom_envs.<tag>.env_type``):
   either a registered name (``"sokoban"``, ``"frozen_lake"``, ``"bandit"``,
-  ``"countdown"``, ``"code"``, ``"reasoning_gym"``, ``"textarena"``, ``"remote"``) or an import path ``"package.module:EnvClass"``, so users add
+  ``"countdown"``, ``"code"``, ``"search"``, ``"reasoning_gym"``, ``"textarena"``, ``"remote"``) or an import path ``"package.module:EnvClass"``, so users add
   envs without editing this package.
 - **Env config**: the dataclass an env is built from, as in RAGEN:
   ``EnvClass(ConfigClass(**env_config))``. For a registered name the config class
@@ -36,6 +36,7 @@ from .config_checks import EnvConfigError, to_plain
 from .code import CodeEnv, CodeEnvConfig
 from .countdown import CountdownEnv, CountdownEnvConfig
 from .reasoning_gym import ReasoningGymEnv, ReasoningGymEnvConfig
+from .search import SearchEnv, SearchEnvConfig
 from .remote import RemoteEnv, RemoteEnvConfig
 from .textarena import TextArenaEnv, TextArenaEnvConfig
 from .frozen_lake import FrozenLakeEnv, FrozenLakeEnvConfig
@@ -213,6 +214,7 @@ register_env("frozen_lake", FrozenLakeEnv, FrozenLakeEnvConfig)
 register_env("bandit", BanditEnv, BanditEnvConfig)
 register_env("countdown", CountdownEnv, CountdownEnvConfig)
 register_env("code", CodeEnv, CodeEnvConfig)
+register_env("search", SearchEnv, SearchEnvConfig)
 register_env("reasoning_gym", ReasoningGymEnv, ReasoningGymEnvConfig)
 register_env("textarena", TextArenaEnv, TextArenaEnvConfig)
 register_env("remote", RemoteEnv, RemoteEnvConfig)

@@ -22,6 +22,7 @@ from ragen.config_reader import to_plain
 __all__ = [
     "EnvConfigError",
     "check_bool",
+    "check_http_url",
     "check_int",
     "check_lookup",
     "check_number",
@@ -110,3 +111,22 @@ def check_lookup(
     if unique_values and len(set(out.values())) != len(out):
         raise EnvConfigError(field, f"entries must be distinct, got {out}")
     return out
+
+
+def check_http_url(field: str, value: Any) -> str:
+    """An ``http://`` or ``https://`` URL of a server (a host, a valid port, no query), without a trailing ``/``."""
+    from urllib.parse import urlsplit
+
+    url = check_str(field, value)
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https"):
+        raise EnvConfigError(field, f"{url!r} is not an http:// or https:// URL of a server")
+    if not parts.hostname:
+        raise EnvConfigError(field, f"{url!r} names no host")
+    try:
+        parts.port  # noqa: B018 - urlsplit checks the port only when it is read
+    except ValueError as exc:
+        raise EnvConfigError(field, f"{url!r}: {exc}") from None
+    if parts.query or parts.fragment:
+        raise EnvConfigError(field, f"{url!r}: a server URL takes no query or fragment")
+    return url.rstrip("/")

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
 
-from ..config_checks import EnvConfigError, check_int, check_number, check_str
+from ..config_checks import EnvConfigError, check_http_url, check_int, check_number, check_str
 
 __all__ = ["DEFAULT_KEY_ENV", "RemoteEnvConfig", "is_loopback_host"]
 
@@ -33,22 +33,12 @@ def is_loopback_host(host: str) -> bool:
 
 
 def _check_url(field_name: str, url: Any, key_env: str) -> str:
-    url = check_str(field_name, url)
-    parts = urlsplit(url)
-    if parts.scheme not in ("http", "https"):
-        raise EnvConfigError(field_name, f"{url!r} is not an http:// or https:// URL of an env server")
-    if not parts.hostname:
-        raise EnvConfigError(field_name, f"{url!r} names no host")
-    try:
-        parts.port  # noqa: B018 - urlsplit checks the port only when it is read
-    except ValueError as exc:
-        raise EnvConfigError(field_name, f"{url!r}: {exc}") from None
-    if parts.query or parts.fragment:
-        raise EnvConfigError(field_name, f"{url!r}: an env server URL takes no query or fragment")
-    if not is_loopback_host(parts.hostname) and not os.environ.get(key_env):
+    url = check_http_url(field_name, url)
+    host = urlsplit(url).hostname
+    if not is_loopback_host(host) and not os.environ.get(key_env):
         raise EnvConfigError(field_name, f"{url!r} is beyond loopback: set the shared key in the environment "
                                          f"variable {key_env} (the env server's --key-env), here and on the server")
-    return url.rstrip("/")
+    return url
 
 
 @dataclass

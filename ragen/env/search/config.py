@@ -1,0 +1,53 @@
+"""Configuration of the search env: the retrieval server, how results are shown, and the reward."""
+
+from __future__ import annotations
+
+import functools
+import logging
+from dataclasses import dataclass
+
+from ..base import BaseEnvConfig
+from ..config_checks import check_http_url, check_int, check_number, check_str
+
+__all__ = ["SearchEnvConfig"]
+
+logger = logging.getLogger(__name__)
+
+
+@functools.lru_cache(maxsize=None)
+def _warn_if_unreachable(url: str) -> None:
+    """A warning, once a process, when the server does not answer now (the envs end in error if it never does)."""
+    from .client import health
+
+    why = health(url)
+    if why is not None:
+        logger.warning("the retrieval server %s does not answer /health (%s): search envs will end in error until "
+                       "it does; start it with python -m ragen.tools.retrieval_server", url, why)
+
+
+@dataclass
+class SearchEnvConfig(BaseEnvConfig):
+    """``server_url``: the retrieval server (``python -m ragen.tools.retrieval_server``, or any server of
+    RAGEN's ``/retrieve`` API); ``top_k`` documents a search shows, each cut to ``max_doc_chars``;
+    ``max_steps``: actions an episode may take (searches and the answer); ``reward``: ``f1`` (the answer's
+    token F1 with the truth when at least ``f1_threshold``, 1 on an exact match) or ``em`` (1 on an exact
+    match); ``timeout_s``: the longest wait for one search."""
+
+    server_url: str = "http://127.0.0.1:8000"
+    top_k: int = 3
+    max_doc_chars: int = 800
+    max_steps: int = 5
+    reward: str = "f1"
+    f1_threshold: float = 0.3
+    timeout_s: float = 30.0
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self.server_url = check_http_url("server_url", self.server_url)
+        self.top_k = check_int("top_k", self.top_k, minimum=1, maximum=50)
+        self.max_doc_chars = check_int("max_doc_chars", self.max_doc_chars, minimum=20, maximum=100_000)
+        self.max_steps = check_int("max_steps", self.max_steps, minimum=1, maximum=100)
+        self.reward = check_str("reward", self.reward, choices=("f1", "em"))
+        self.f1_threshold = check_number("f1_threshold", self.f1_threshold, minimum=0.0, maximum=1.0)
+        self.timeout_s = check_number("timeout_s", self.timeout_s, minimum=0.001)
+        _warn_if_unreachable(self.server_url)

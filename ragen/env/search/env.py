@@ -1,0 +1,120 @@
+"""The search env: answer a question by searching a corpus over HTTP (RAGEN's SearchQA).
+
+Concepts:
+
+- **Question**: ``corpus.questions()[seed % len]``, made-up facts that only the
+  corpus knows (one search, or two for a region's largest town).
+- **Actions** (RAGEN's text form): ``search[<query>]`` asks the retrieval
+  server (``server_url``) and shows the ``top_k`` documents; ``finish[<answer>]``
+  answers and ends the episode. Anything else is invalid and changes nothing.
+- **Reward**: on ``finish``, 1 for an exact match with the answer (SQuAD's
+  normalisation: case, punctuation, articles), else with ``reward: f1`` the
+  token F1 when at least ``f1_threshold``; 0 for a search. ``success``: an
+  exact match. ``max_steps`` actions without an answer end the episode at 0.
+- **Server failures**: a search that fails raises ``RetrievalError`` naming
+  the server (``RetrievalTimeout`` past ``timeout_s``): the rollout retries
+  the env, then ends it in ``error`` or ``timeout``.
+"""
+
+from __future__ import annotations
+
+import re
+import string
+from collections import Counter
+from typing import Any
+
+from ..base import BaseLanguageBasedEnv, make_rng, unchanged_step
+from .client import retrieve
+from .config import SearchEnvConfig
+from .corpus import Question, questions
+
+__all__ = ["SearchEnv", "f1_score", "normalize_answer"]
+
+ACTIONS_LINE = "Available actions: search[<query>], finish[<answer>]"
+_ACTION = re.compile(r"^\s*(search|finish)\s*\[(.*)\]\s*$", re.IGNORECASE | re.DOTALL)
+
+
+def normalize_answer(text: str) -> str:
+    """SQuAD's normalisation: lower case, no punctuation, no articles, single spaces."""
+    text = "".join(c for c in text.lower() if c not in set(string.punctuation))
+    return " ".join(re.sub(r"\b(a|an|the)\b", " ", text).split())
+
+
+def f1_score(prediction: str, truth: str) -> float:
+    pred, gold = normalize_answer(prediction).split(), normalize_answer(truth).split()
+    common = sum((Counter(pred) & Counter(gold)).values())
+    if common == 0:
+        return 0.0
+    precision, recall = common / len(pred), common / len(gold)
+    return 2 * precision * recall / (precision + recall)
+
+
+class SearchEnv(BaseLanguageBasedEnv):
+    """One question per episode, answered by searching the retrieval server."""
+
+    config_cls = SearchEnvConfig
+
+    def __init__(self, config: SearchEnvConfig | None = None) -> None:
+        super().__init__(config if config is not None else SearchEnvConfig())
+        self.question: Question | None = None
+        self.steps = 0
+        self.render_cache = ""
+        self._done = False
+        self._success = False
+
+    def reset(self, seed: int | None = None, **kwargs: Any) -> str:
+        seed, _ = make_rng(seed)
+        table = questions()
+        self.question = table[seed % len(table)]
+        self.steps = 0
+        self._done = self._success = False
+        self.render_cache = f"Question: {self.question.question}\n{ACTIONS_LINE}"
+        return self.render_cache
+
+    def _results(self, query: str) -> str:
+        cfg = self.config
+        found = retrieve(cfg.server_url, query, cfg.top_k, cfg.timeout_s)
+        if not found:
+            return "No relevant documents found for the query."
+        shown = []
+        for i, doc in enumerate(found[:cfg.top_k], 1):
+            content = doc["content"]
+            if len(content) > cfg.max_doc_chars:
+                content = content[:cfg.max_doc_chars] + "..."
+            shown.append(f"[Document {i}] (ID: {doc.get('id')})\n{content}")
+        return "\n\n".join(shown)
+
+    def compute_reward(self, answer: str) -> float:
+        truth = self.question.answer
+        if normalize_answer(answer) == normalize_answer(truth):
+            return 1.0
+        if self.config.reward == "f1":
+            f1 = f1_score(answer, truth)
+            return f1 if f1 >= self.config.f1_threshold else 0.0
+        return 0.0
+
+    def step(self, action: Any) -> tuple[str, float, bool, dict]:
+        if self.question is None:
+            raise RuntimeError("SearchEnv.step() called before reset()")
+        match = _ACTION.match(action) if isinstance(action, str) else None
+        valid = match is not None and bool(match.group(2).strip())
+        if not valid or self._done:
+            return unchanged_step(self.render_cache, valid, self._done, self._success, self.config.invalid_act_score)
+        kind, arg = match.group(1).lower(), match.group(2).strip()
+        self.steps += 1
+        if kind == "finish":
+            reward = self.compute_reward(arg)
+            self._success = reward == 1.0
+            self._done = True
+            self.render_cache = f"Your answer: {arg}. Reward: {reward:.2f}"
+            return self.render_cache, reward, True, {"action_is_effective": True, "action_is_valid": True,
+                                                     "success": self._success, "action_type": "finish"}
+        results = self._results(arg)
+        self._done = self.steps >= self.config.max_steps
+        tail = "Maximum search steps reached. Episode ended without an answer." if self._done else ACTIONS_LINE
+        self.render_cache = f"Search results for '{arg}':\n{results}\n\n{tail}"
+        return self.render_cache, 0.0, self._done, {"action_is_effective": True, "action_is_valid": True,
+                                                    "success": False, "action_type": "search"}
+
+    def render(self, mode: str | None = None) -> str:
+        return self.render_cache
