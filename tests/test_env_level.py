@@ -212,3 +212,59 @@ def test_each_chunk_taken_plays_env_by_env():
     assert got == reference and stats.chunks == 1
     # env 3 asked for every one of its turns while env 2's first answer was still held
     assert [k for k in engine.asked_before(2, 1) if k[0] == 3] == [(3, t) for t in range(env3_turns)]
+
+
+class _Probe:
+    """Steps of the probe envs in progress at once: the most seen."""
+
+    lock = threading.Lock()
+    now = 0
+    most = 0
+
+
+class ProbeEnv:
+    """A language env whose step waits a little (an I/O wait, such as a search's) and
+    counts how many probe envs are stepping at that moment."""
+
+    def __init__(self, config=None):
+        self.config = config
+
+    def reset(self, seed=None, **kwargs):
+        return f"Say anything. seed {seed}"
+
+    def step(self, action):
+        import time
+
+        with _Probe.lock:
+            _Probe.now += 1
+            _Probe.most = max(_Probe.most, _Probe.now)
+        time.sleep(0.02)
+        with _Probe.lock:
+            _Probe.now -= 1
+        return "ok", 0.0, False, {}
+
+    def close(self):
+        pass
+
+
+@pytest.mark.timeout(120)
+def test_env_level_steps_a_parallel_friendly_tags_envs_on_threads_together():
+    """Env-level turns make each env a stream of its own; the answers an engine call
+    returns together still step on the tag's threads at once, not one after another."""
+    tag = {"env_type": "tests.test_env_level:ProbeEnv", "max_actions_per_traj": 4, "env_instruction": "Talk.",
+           "parallel_friendly": True, "max_workers": 8}
+    specs = specs_for(["Probe"], [16], 1, custom_envs(Probe=tag))
+    lockstep, _ = run_envs(specs, DirectClient(ScriptedEngine(malformed_rate=0.1)), loop_config(max_turn=3),
+                           kept_envs=KeptEnvs())
+    engine = streaming_engine(tokens_sigma=0.0, tokens_median=5)  # answers of one length: they end together
+    import importlib
+
+    probe = importlib.import_module("tests.test_env_level")._Probe  # the module the env type names
+    probe.most = 0
+    try:
+        got, _ = run_envs(specs, direct_client(engine), loop_config(max_turn=3), kept_envs=KeptEnvs(),
+                          batching=EnvLevel())
+    finally:
+        engine.close()
+    assert got == lockstep
+    assert probe.most >= 4

@@ -170,7 +170,7 @@ def test_bad_values_are_refused_naming_the_key(env_config, key):
 
 def test_a_server_that_is_down_at_start_up_is_a_warning(caplog):
     with caplog.at_level(logging.WARNING):
-        make_env_config("search", {"server_url": "http://127.0.0.1:7"}, tag="S")
+        make_env("search", {"server_url": "http://127.0.0.1:7"}, tag="S")
     assert "the retrieval server http://127.0.0.1:7 does not answer /health" in caplog.text
 
 

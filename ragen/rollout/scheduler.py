@@ -204,10 +204,13 @@ class Scheduler:
         answers = sorted(answers, key=lambda a: a[0] not in self.riders)  # stable: riders first
         hosts = sum(s not in self.riders for s, _ in answers)
         joined: list[Playing] = []
+        # envs on threads step together across streams; others each before its stream's next request
+        together = any(e.slot.spec.env_threads > 1 for s, _ in answers for e in self.inflight[s])
+        batches = self.step(answers) if together else None
         for i, (stream, completions) in enumerate(answers):
             rider = stream in self.riders
             self.riders.discard(stream)
-            batch = self.step(stream, completions)
+            batch = batches[i] if together else self.step([(stream, completions)])[0]
             if rider and (hosts or (i + 1 < len(answers))):
                 joined += batch  # into the next answered stream's request
                 stream.close()
@@ -215,26 +218,35 @@ class Scheduler:
                 self.submit(stream, batch + joined, rider)
                 joined = []
 
-    def step(self, stream: Stream, completions: list[Completion]) -> list[Playing]:
-        """The answered stream's episodes played to their next request; returns them."""
-        batch = self.inflight.pop(stream)
+    def step(self, answers: list[tuple[Stream, list[Completion]]]) -> list[list[Playing]]:
+        """The answered streams' episodes played to their next request, all of them in one
+        ``EnvThreads.run`` (so that the envs of a ``parallel_friendly`` tag step at once even
+        when each is a stream of its own, as with env-level turns); returns each stream's."""
+        batches, answered = [], []
+        for stream, completions in answers:
+            batch = self.inflight.pop(stream)
+            self.inject_fault(batch)
+            for episode, completion in zip(batch, completions):
+                if completion.finish_reason == "error":
+                    self.end(episode, StopReason.ERROR, (
+                        f"the engine could not answer its request of turn {len(episode.slot.traj.turns)}"
+                        + (f": {completion.text}" if completion.text else " (its warning above says why)")))
+                else:
+                    answered.append((episode.slot, episode.job(completion)))
+            batches.append(batch)
+        t0 = time.perf_counter()
+        self.threads.run(answered)
+        self.stats.env_step_s += time.perf_counter() - t0
+        for batch in batches:
+            self.ended(batch)
+        return batches
+
+    def inject_fault(self, batch: list[Playing]) -> None:
+        """With ``fault``, the process exits before the turn it names (in the group it names)."""
         if self.fault and batch and len(batch[0].slot.traj.turns) + 1 >= self.fault.get("exit_at_turn", 1 << 30) \
                 and self.fault.get("group_id", batch[0].slot.traj.group_id) in {e.slot.traj.group_id for e in batch}:
             logger.warning("fault injection: process %d exits now", os.getpid())
             os._exit(3)
-        answered = []
-        for episode, completion in zip(batch, completions):
-            if completion.finish_reason == "error":
-                self.end(episode, StopReason.ERROR, (
-                    f"the engine could not answer its request of turn {len(episode.slot.traj.turns)}"
-                    + (f": {completion.text}" if completion.text else " (its warning above says why)")))
-            else:
-                answered.append((episode.slot, episode.job(completion)))
-        t0 = time.perf_counter()
-        self.threads.run(answered)
-        self.stats.env_step_s += time.perf_counter() - t0
-        self.ended(batch)
-        return batch
 
     def submit(self, stream: Stream, batch: list[Playing], rider: bool) -> None:
         """The next requests of the batch's playing episodes, on ``stream``; the stream closes

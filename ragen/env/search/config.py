@@ -15,7 +15,7 @@ logger = logging.getLogger(__name__)
 
 
 @functools.lru_cache(maxsize=None)
-def _warn_if_unreachable(url: str) -> None:
+def warn_if_unreachable(url: str) -> None:
     """A warning, once a process, when the server does not answer now (the envs end in error if it never does)."""
     from .client import health
 
@@ -50,4 +50,3 @@ class SearchEnvConfig(BaseEnvConfig):
         self.reward = check_str("reward", self.reward, choices=("f1", "em"))
         self.f1_threshold = check_number("f1_threshold", self.f1_threshold, minimum=0.0, maximum=1.0)
         self.timeout_s = check_number("timeout_s", self.timeout_s, minimum=0.001)
-        _warn_if_unreachable(self.server_url)

@@ -25,7 +25,7 @@ from typing import Any
 
 from ..base import BaseLanguageBasedEnv, make_rng, unchanged_step
 from .client import retrieve
-from .config import SearchEnvConfig
+from .config import SearchEnvConfig, warn_if_unreachable
 from .corpus import Question, questions
 
 __all__ = ["SearchEnv", "f1_score", "normalize_answer"]
@@ -56,6 +56,7 @@ class SearchEnv(BaseLanguageBasedEnv):
 
     def __init__(self, config: SearchEnvConfig | None = None) -> None:
         super().__init__(config if config is not None else SearchEnvConfig())
+        warn_if_unreachable(self.config.server_url)  # once a process: the first env of a rollout's worker
         self.question: Question | None = None
         self.steps = 0
         self.render_cache = ""
