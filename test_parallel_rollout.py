@@ -34,6 +34,7 @@ import json
 import logging
 import os
 import statistics
+import subprocess
 import sys
 import time
 from dataclasses import dataclass
@@ -79,6 +80,8 @@ class BenchmarkConfig:
     plot: str | None = setting()  # PNG; null: none
     dump_dir: str | None = setting()  # every timed rollout dumped here (<mode>_<split>_<repeat>.jsonl); null: none
     replicas: list[int] | None = setting()  # engine.replicas counts run side by side in the one mode; null: none
+    env_threads: dict[str, int] | None = setting()  # mode -> every tag's env threads (parallel_friendly); null: the tags'
+    retrieval_server: dict[str, int] | None = setting()  # {filler: N}: a retrieval server for the search tags; null: none
 
 
 def validate(bench_cfg: Any) -> BenchmarkConfig:
@@ -112,12 +115,36 @@ def validate(bench_cfg: Any) -> BenchmarkConfig:
             fail(f"benchmark.{key}: cannot write {str(p)!r}: {exc.strerror or exc}")
         if not existed:
             p.unlink()
+    if bench.env_threads is not None:
+        bad = {m: n for m, n in bench.env_threads.items()
+               if m not in MODES or isinstance(n, bool) or not isinstance(n, int) or n < 1}
+        if bad:
+            fail(f"benchmark.env_threads maps modes ({list(MODES)}) to thread counts >= 1; wrong: {bad}")
+    if bench.retrieval_server is not None and set(bench.retrieval_server) - {"filler"}:
+        fail(f"benchmark.retrieval_server takes only 'filler', got {sorted(bench.retrieval_server)}")
     if bench.dump_dir:
         try:
             Path(bench.dump_dir).mkdir(parents=True, exist_ok=True)
         except OSError as exc:
             fail(f"benchmark.dump_dir: cannot create {bench.dump_dir!r}: {exc.strerror or exc}")
     return bench
+
+
+def start_retrieval_server(cfg: DictConfig, filler: int) -> subprocess.Popen:
+    """``python -m ragen.tools.retrieval_server`` on a free port, the search tags' ``server_url`` set to it."""
+    proc = subprocess.Popen([sys.executable, "-m", "ragen.tools.retrieval_server", "--port", "0", "--filler",
+                             str(filler)], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+                            env={**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), *sys.path])})
+    line = proc.stdout.readline()  # bounded: it prints its address, or exits (EOF), once its index is built
+    if not line.startswith("serving"):
+        proc.kill()
+        fail(f"benchmark.retrieval_server: the server did not start: {line!r}")
+    url = line.split(" at ")[1].strip()
+    for tag, spec in cfg.custom_envs.items():
+        if spec.get("env_type") == "search":
+            spec.env_config.server_url = url
+    logger.info("retrieval server %s (%d filler documents)", url, filler)
+    return proc
 
 
 def deterministic(cfg: DictConfig) -> bool:
@@ -156,6 +183,9 @@ def run_modes(cfg: DictConfig, variants: list[Variant], bench: BenchmarkConfig) 
                 plain["agent_proxy"]["use_parallel_rollout"] = v.mode == "parallel"
             else:
                 plain["agent_proxy"]["env_level_async"] = v.mode == "env_level"
+            threads = (bench.env_threads or {}).get(v.mode)
+            for tag in (plain["custom_envs"].values() if threads else ()):
+                tag.update(parallel_friendly=threads > 1, max_workers=threads)
             setups[v.label] = AgentSetup.from_config(plain)
             t0 = time.perf_counter()
             proxies[v.label] = stack.enter_context(LLMAgentProxy(setups[v.label], v.engine))
@@ -434,6 +464,7 @@ def main(cfg: DictConfig) -> None:
     except ValueError as exc:
         fail(str(exc))
     bench = validate(plain.get("benchmark"))
+    server = start_retrieval_server(cfg, bench.retrieval_server["filler"]) if bench.retrieval_server else None
     t0 = time.perf_counter()
     variants: list[Variant] = []
     try:
@@ -456,6 +487,9 @@ def main(cfg: DictConfig) -> None:
     finally:
         for engine in {id(v.engine): v.engine for v in variants}.values():
             engine.close()
+        if server is not None:
+            server.kill()
+            server.wait(timeout=10)  # SIGKILLed: it exits at once
     fault = next((r.pop("_fault") for r in runs if r.get("_fault")), None)
     for r in runs:
         r.pop("_fault", None)
