@@ -120,8 +120,11 @@ def validate(bench_cfg: Any) -> BenchmarkConfig:
                if m not in MODES or isinstance(n, bool) or not isinstance(n, int) or n < 1}
         if bad:
             fail(f"benchmark.env_threads maps modes ({list(MODES)}) to thread counts >= 1; wrong: {bad}")
-    if bench.retrieval_server is not None and set(bench.retrieval_server) - {"filler"}:
-        fail(f"benchmark.retrieval_server takes only 'filler', got {sorted(bench.retrieval_server)}")
+    if bench.retrieval_server is not None:
+        filler = bench.retrieval_server.get("filler", 0)
+        if set(bench.retrieval_server) - {"filler"} or isinstance(filler, bool) or not isinstance(filler, int) \
+                or filler < 0:
+            fail(f"benchmark.retrieval_server takes {{filler: N}}, N >= 0 documents, got {bench.retrieval_server}")
     if bench.dump_dir:
         try:
             Path(bench.dump_dir).mkdir(parents=True, exist_ok=True)
@@ -140,7 +143,7 @@ def start_retrieval_server(cfg: DictConfig, filler: int) -> subprocess.Popen:
         proc.kill()
         fail(f"benchmark.retrieval_server: the server did not start: {line!r}")
     url = line.split(" at ")[1].strip()
-    for tag, spec in cfg.custom_envs.items():
+    for spec in cfg.custom_envs.values():
         if spec.get("env_type") == "search":
             spec.env_config.server_url = url
     logger.info("retrieval server %s (%d filler documents)", url, filler)
@@ -464,7 +467,8 @@ def main(cfg: DictConfig) -> None:
     except ValueError as exc:
         fail(str(exc))
     bench = validate(plain.get("benchmark"))
-    server = start_retrieval_server(cfg, bench.retrieval_server["filler"]) if bench.retrieval_server else None
+    server = None if bench.retrieval_server is None else \
+        start_retrieval_server(cfg, bench.retrieval_server.get("filler", 0))
     t0 = time.perf_counter()
     variants: list[Variant] = []
     try:
