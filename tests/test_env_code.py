@@ -78,6 +78,13 @@ def test_isolated_runs_have_no_network_and_leave_no_process_even_one_that_left_i
     assert run.stdout == "left\n"  # the fixture checks that the setsid child is gone
 
 
+@pytest.mark.skipif(not isolated(), reason="a uid of its own needs root and util-linux's setpriv")
+def test_isolated_code_runs_as_its_own_user_and_cannot_write_outside_its_folder(tmp_path):
+    target = tmp_path / "written"
+    run = run_python(f"import os\nprint(os.getuid())\nopen({str(target)!r}, 'w').write('x')", "", FAST)
+    assert int(run.stdout.split()[0]) != 0 and "PermissionError" in run.stderr and not target.exists()
+
+
 @pytest.mark.skipif(not isolated(), reason="forks are bounded by the PID namespace's end, which needs root")
 def test_a_fork_bomb_ends_at_the_wall_limit_and_leaves_nothing():
     run = run_python("import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass", "",

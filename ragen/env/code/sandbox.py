@@ -11,18 +11,28 @@ directory, with an empty environment (no secrets inherited), under:
   is killed and the output marked truncated;
 - its own process group, killed (SIGKILL) when the run ends, whatever ended it.
 
-Run as root (containers, CI) with util-linux's ``unshare``, the child also
-runs in a network namespace of its own with no interface up (no network), and
-as the first process of a PID namespace of its own: when it ends, the kernel
-kills every process it made, even one that left its process group
-(``setsid``). Without them (``isolated()`` is False) the network is the
-machine's and such a process outlives the run. Forks are bounded by the wall
-limit, not counted (``RLIMIT_NPROC`` does not bind root).
+Run as root (containers, CI) with util-linux's ``unshare`` and ``setpriv``
+(``isolated()``), the child also:
+
+- runs as a uid of its own (one no account has, new for every run; no
+  capabilities), so it can write only its folder and what anyone may write,
+  and ``RLIMIT_NPROC`` (``processes``) bounds its forks and threads;
+- runs in a network namespace with no interface up: no network;
+- is the first process of a PID namespace of its own: when it ends, the
+  kernel kills every process it made, even one that left its process group.
+
+Its interpreter is then this Python when every user may run it, else the
+system's ``/usr/bin/python3``. Not isolated (another user, or the tools
+missing), the code runs as the calling user, on the machine's network, and a
+process that leaves its group outlives the run: that is a sandbox for honest
+mistakes only (docs/envs.md).
 """
 
 from __future__ import annotations
 
 import enum
+import functools
+import itertools
 import os
 import resource
 import selectors
@@ -31,19 +41,55 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass
 
 __all__ = ["Limits", "RunResult", "RunStatus", "isolated", "run_python"]
 
-_UNSHARE = shutil.which("unshare")
+_UNSHARE, _SETPRIV = shutil.which("unshare"), shutil.which("setpriv")
+_UID_BASE = 1_500_000_000  # far above any account's uid; a run's uid is this plus a counter
+_uids = itertools.count()
+_uid_lock = threading.Lock()
 # the namespace's processes are killed at once; the wait is for the kernel to reap thousands of a fork bomb
 _REAP_S = 30.0
 
 
 def isolated() -> bool:
-    """Whether runs get their own network and PID namespaces (root, with util-linux's ``unshare``)."""
-    return os.geteuid() == 0 and _UNSHARE is not None
+    """Whether runs get their own uid, network and PID namespace (root, with util-linux's tools, and an
+    interpreter every user may run)."""
+    return os.geteuid() == 0 and _UNSHARE is not None and _SETPRIV is not None and _interpreter() is not None
+
+
+@functools.lru_cache(maxsize=1)
+def _interpreter() -> str | None:
+    """The Python an isolated run uses: this one when every user may run it, else the system's."""
+    for candidate in (sys.executable, "/usr/bin/python3"):
+        path = os.path.realpath(candidate)
+        if os.path.isfile(path) and _others_may_run(path):
+            return candidate
+    return None
+
+
+def _others_may_run(path: str) -> bool:
+    import stat
+
+    mode = os.stat(path).st_mode
+    if not (mode & stat.S_IXOTH and mode & stat.S_IROTH):
+        return False
+    folder = os.path.dirname(path)
+    while True:
+        if not os.stat(folder).st_mode & stat.S_IXOTH:
+            return False
+        parent = os.path.dirname(folder)
+        if parent == folder:
+            return True
+        folder = parent
+
+
+def _next_uid() -> int:
+    with _uid_lock:
+        return _UID_BASE + (os.getpid() % 100_000) * 1000 + next(_uids) % 1000
 
 
 class RunStatus(str, enum.Enum):
@@ -64,6 +110,7 @@ class Limits:
     memory_mb: int = 512
     output_bytes: int = 64 * 1024
     file_bytes: int = 1024 * 1024
+    processes: int = 16
 
 
 @dataclass(frozen=True)
@@ -78,7 +125,7 @@ class RunResult:
     wall_s: float
 
 
-def _limit_child(limits: Limits) -> None:
+def _limit_child(limits: Limits, own_uid: bool) -> None:
     """In the child, before exec (a ``preexec_fn``: it calls only ``resource``, imported in the parent,
     and neither imports nor logs, so it takes no lock a parent thread may hold)."""
     cpu = max(1, int(limits.cpu_s + 0.999))
@@ -88,24 +135,34 @@ def _limit_child(limits: Limits) -> None:
     resource.setrlimit(resource.RLIMIT_AS, (memory, memory))
     resource.setrlimit(resource.RLIMIT_FSIZE, (limits.file_bytes, limits.file_bytes))
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+    if own_uid:  # counted for the run's own uid only: root's processes before it are exempt
+        resource.setrlimit(resource.RLIMIT_NPROC, (limits.processes, limits.processes))
 
 
 def run_python(script: str, stdin: str = "", limits: Limits = Limits()) -> RunResult:
     """``script`` run as described in the module docstring."""
-    prefix = [_UNSHARE, "--net", "--pid", "--fork", "--kill-child"] if isolated() else []
+    if isolated():
+        uid = _next_uid()
+        command = [_UNSHARE, "--net", "--pid", "--fork", "--kill-child", _SETPRIV, f"--reuid={uid}",
+                   f"--regid={uid}", "--clear-groups", _interpreter()]
+    else:
+        uid, command = None, [sys.executable]
     with tempfile.TemporaryDirectory(prefix="ragen-code-") as workdir:
         path = os.path.join(workdir, "main.py")
         with open(path, "w", encoding="utf-8") as f:
             f.write(script)
+        if uid is not None:
+            os.chown(workdir, uid, uid)
+            os.chown(path, uid, uid)
         t0 = time.monotonic()
         proc = subprocess.Popen(
-            [*prefix, sys.executable, "-I", "-B", path], cwd=workdir, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+            [*command, "-I", "-B", path], cwd=workdir, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
             stderr=subprocess.PIPE, env={"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", "HOME": workdir},
-            process_group=0, preexec_fn=lambda: _limit_child(limits), close_fds=True)
+            process_group=0, preexec_fn=lambda: _limit_child(limits, uid is not None), close_fds=True)
         try:
             out, err, status = _communicate(proc, stdin.encode("utf-8"), limits)
         finally:
-            usage = _kill_all(proc, bool(prefix))
+            usage = _kill_all(proc, uid is not None)
         wall = time.monotonic() - t0
     cpu = usage.ru_utime + usage.ru_stime
     code = proc.returncode
