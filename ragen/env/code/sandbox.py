@@ -1,7 +1,7 @@
 """Run untrusted Python in a subprocess with limits, and leave nothing behind.
 
-``run_python(script, stdin, limits)`` runs ``script`` with this Python
-(``-I``: no user site, no ``PYTHON*`` variables) in a fresh temporary
+``run_python(script, stdin, limits)`` runs ``script`` with Python (``-I``:
+no user site, no ``PYTHON*`` variables) in a fresh temporary
 directory, with an empty environment (no secrets inherited), under:
 
 - ``RLIMIT_CPU`` (``cpu_s``), ``RLIMIT_AS`` (``memory_mb``), ``RLIMIT_FSIZE``
