@@ -4,6 +4,7 @@ sandboxed run is left."""
 
 from __future__ import annotations
 
+import json
 import os
 import random
 
@@ -182,3 +183,52 @@ def test_the_pool_answers_the_stated_problem_right_or_wrong():
         assert {extract_code(a) + "\n" for a in answers} <= {right, *wrong}
         assert any(judge(extract_code(a), p, FAST).correct for a in answers)
     assert scripted_answer("Push the boxes.", random.Random(0)) is None
+
+
+# ----- DeepCoder files -----------------------------------------------------------------------------------------
+
+def _deepcoder_file(tmp_path, suffix):
+    rows = [
+        {"question": "Read two integers and print their sum.", "starter_code": "", "metadata": "{}", "uid": "p0",
+         "ground_truth": json.dumps([{"input": "1 2\n", "output": "3\n", "testtype": "stdin_stdout"},
+                                     {"input": "5 -7\n", "output": "-2\n", "testtype": "stdin_stdout"}])},
+        {"question": "Return a + b.", "uid": "p1", "metadata": json.dumps({"func_name": "add"}),
+         "starter_code": "class Solution:\n    def add(self, a: int, b: int) -> int:\n        ",
+         "ground_truth": json.dumps([{"input": "1\n2", "output": "3", "testtype": "functional"},
+                                     {"input": "[1, 2]\n[3]", "output": "[1, 2, 3]", "testtype": "functional"}])},
+        {"question": "No tests here.", "uid": "p2", "metadata": "{}", "starter_code": "", "ground_truth": "[]"},
+    ]
+    path = tmp_path / f"deepcoder{suffix}"
+    if suffix == ".parquet":
+        import pandas
+
+        pandas.DataFrame(rows).to_parquet(path)
+    else:
+        path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+@pytest.mark.parametrize("suffix", [".parquet", ".jsonl"])
+def test_a_deepcoder_files_problems_are_played(tmp_path, suffix):
+    if suffix == ".parquet":
+        pytest.importorskip("pyarrow", reason="Parquet needs pyarrow (pip install -e '.[dev]')")
+    path = str(_deepcoder_file(tmp_path, suffix))
+    env = make_env("code", {"dataset_path": path, "attempts": 2})
+    assert env.reset(seed=0) == "Read two integers and print their sum."
+    obs, reward, done, _ = env.step("a, b = map(int, input().split())\nprint(a - b)")
+    assert not done and "printed '-1\\n', expected '3\\n'" in obs
+    assert env.step("a, b = map(int, input().split())\nprint(a + b)")[1:3] == (1.0, True)
+    assert env.reset(seed=3).startswith("Return a + b.\n\nStarter code:\nclass Solution:")  # 2 usable: 3 % 2
+    solution = "class Solution:\n    def add(self, a, b):\n        return a + b\n"
+    assert env.step(solution)[3]["success"]
+    env.reset(seed=1)
+    assert env.step("def add(a, b):\n    return a + b\n")[3]["success"]  # a top-level function does too
+
+
+def test_a_bad_deepcoder_file_is_refused_naming_the_key(tmp_path):
+    with pytest.raises(ValueError, match=r"custom_envs.C.env_config.dataset_path: .* is not a file"):
+        make_env_config("code", {"dataset_path": str(tmp_path / "none.parquet")}, tag="C")
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text(json.dumps({"question": "x", "ground_truth": "[]"}) + "\n")
+    with pytest.raises(ValueError, match=r"dataset_path: .* has no problem with stdin/stdout or functional tests"):
+        make_env_config("code", {"dataset_path": str(empty)}, tag="C")

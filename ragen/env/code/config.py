@@ -15,7 +15,9 @@ __all__ = ["CodeEnvConfig"]
 class CodeEnvConfig(BaseEnvConfig):
     """``attempts``: submissions an episode may make (a failed one shows the first failing test);
     ``reward``: ``fraction`` (of the tests passed) or ``all`` (1 only when every test passes);
-    ``cpu_s``, ``wall_s``, ``memory_mb``, ``output_bytes``: the sandbox's limits for one submission."""
+    ``cpu_s``, ``wall_s``, ``memory_mb``, ``output_bytes``: the sandbox's limits for one submission;
+    ``dataset_path``: a DeepCoder file (Parquet or JSON lines, ``deepcoder.py``) whose problems the seeds
+    pick instead of the shipped ones."""
 
     attempts: int = 1
     reward: str = "fraction"
@@ -23,6 +25,7 @@ class CodeEnvConfig(BaseEnvConfig):
     wall_s: float = 5.0
     memory_mb: int = 512
     output_bytes: int = 64 * 1024
+    dataset_path: str | None = None
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -32,6 +35,10 @@ class CodeEnvConfig(BaseEnvConfig):
         self.wall_s = check_number("wall_s", self.wall_s, minimum=0.1, maximum=3600)
         self.memory_mb = check_int("memory_mb", self.memory_mb, minimum=64, maximum=65536)
         self.output_bytes = check_int("output_bytes", self.output_bytes, minimum=1024, maximum=64 * 1024 * 1024)
+        if self.dataset_path is not None:
+            from .deepcoder import load_problems
+
+            load_problems(check_str("dataset_path", self.dataset_path))  # read (and checked) once a process
 
     def limits(self) -> Limits:
         return Limits(cpu_s=self.cpu_s, wall_s=self.wall_s, memory_mb=self.memory_mb, output_bytes=self.output_bytes)

@@ -4,7 +4,8 @@ Concepts:
 
 - **Problem**: ``problems.problem(seed)``, a statement and its tests (calls of
   a function with expected return values, or stdin with the stdout expected);
-  the seed alone decides it.
+  the seed alone decides it. With ``dataset_path``, problem ``seed % N`` of a
+  DeepCoder file (``deepcoder.py``).
 - **Action**: the answer's code (the first fenced block of the answer, else
   the answer itself).
 - **Step**: the code run once against every test (``harness.judge``) in a
@@ -30,6 +31,7 @@ from typing import Any
 from ..base import BaseLanguageBasedEnv, make_rng, unchanged_step
 from .config import CodeEnvConfig
 from .harness import Verdict, extract_code, judge
+from .deepcoder import load_problems
 from .problems import Problem, problem
 
 __all__ = ["CodeEnv"]
@@ -51,7 +53,11 @@ class CodeEnv(BaseLanguageBasedEnv):
 
     def reset(self, seed: int | None = None, **kwargs: Any) -> str:
         seed, _ = make_rng(seed)
-        self.problem = problem(seed)
+        if self.config.dataset_path is None:
+            self.problem = problem(seed)
+        else:
+            problems = load_problems(self.config.dataset_path)
+            self.problem = problems[seed % len(problems)]
         self.attempts_left = self.config.attempts
         self.best = 0.0
         self._done = self._success = False

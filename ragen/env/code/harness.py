@@ -62,7 +62,7 @@ if _KIND == "call":
     _scope = {{"__name__": "solution"}}
     try:
         exec(_compiled, _scope)
-        _fn = _scope[_FUNC]
+        _fn = _scope[_FUNC] if _FUNC in _scope else getattr(_scope["Solution"](), _FUNC)
     except BaseException as exc:
         _results.append({{"error": type(exc).__name__ + ": " + str(exc)}})
         _report()
