@@ -19,7 +19,7 @@ import secrets
 from dataclasses import dataclass
 
 from .problems import Problem
-from .sandbox import Limits, RunStatus, run_python
+from .sandbox import Limits, RunResult, RunStatus, run_python
 
 __all__ = ["Verdict", "extract_code", "judge"]
 
@@ -124,20 +124,18 @@ def judge(code: str, problem: Problem, limits: Limits) -> Verdict:
                              output_bytes=limits.output_bytes)
     run = run_python(script, "", limits)
     results = []
-    head, sep, tail = run.stdout.rpartition(token)
+    _, sep, tail = run.stdout.rpartition(token)
     if sep:
         try:
             results = json.loads(tail.splitlines()[0])
         except (ValueError, IndexError):  # cut by the output limit
             results = []
-    total = len(problem.tests)
     passed = sum(1 for r in results if r.get("ok"))
-    return Verdict(passed, total, run.status, _feedback(problem, results, run, head if sep else run.stdout), run.cpu_s)
+    return Verdict(passed, len(problem.tests), run.status, _feedback(problem, results, passed, run), run.cpu_s)
 
 
-def _feedback(problem: Problem, results: list[dict], run, printed: str) -> str:
+def _feedback(problem: Problem, results: list[dict], passed: int, run: RunResult) -> str:
     total = len(problem.tests)
-    passed = sum(1 for r in results if r.get("ok"))
     if passed == total:
         return f"All {total} tests passed."
     words = f"Passed {passed}/{total} tests."
