@@ -8,6 +8,10 @@ soak's validation layout, so that tags laid out in blocks end up mixed.
 group's common prompt (the trainer's update, the hf engine's prefill) and a
 turn's prompt messages kept from the previous turn (dumps, the viewer).
 
+``is_loopback_host`` says whether a host name or address is this machine's
+loopback: a remote env's URL and an env server's address (a key is needed
+beyond it), and a cluster's driver address.
+
 ``all_seed`` exists for RAGEN compatibility: RAGEN's env modules seed the
 process-global ``random`` and ``numpy`` generators around room generation and
 import it from here. Our own envs never touch a global generator (each owns a
@@ -20,6 +24,7 @@ alone.
 
 from __future__ import annotations
 
+import ipaddress
 import random
 import threading
 from collections.abc import Iterator, Sequence
@@ -38,6 +43,16 @@ T = TypeVar("T")
 # wait this long.
 GLOBAL_RNG_WAIT_S = 120.0
 _GLOBAL_RNG_LOCK = threading.RLock()  # re-entrant: an env may nest all_seed blocks
+
+
+def is_loopback_host(host: str) -> bool:
+    """Whether ``host`` (``localhost`` or an IP address, an IPv6 zone included) is this machine's loopback."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def deal(items: Sequence[T], n: int) -> list[list[T]]:

@@ -18,14 +18,14 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import signal
 import sys
-import threading
 from typing import Any, Sequence
 
 from ragen.config_files import compose
 from ragen.env import make_env
-from ragen.env.remote.config import DEFAULT_KEY_ENV, is_loopback_host
+from ragen.env.remote.config import DEFAULT_KEY_ENV
+from ragen.env.background import wait_for_stop_signal
+from ragen.utils import is_loopback_host
 from ragen.env.remote.server import EnvServer
 from ragen.rollout.envs import tag_spec
 
@@ -89,12 +89,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ValueError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
     server.start()
     print(f"serving {','.join(tags)} at {server.url}", flush=True)
-    stop.wait()  # serves until a signal says stop; nothing else ends an env server
+    wait_for_stop_signal()
     server.shutdown()
     print(f"stopped after {server.sessions_served} sessions", flush=True)
     return 0

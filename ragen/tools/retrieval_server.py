@@ -13,15 +13,14 @@ from __future__ import annotations
 
 import argparse
 import logging
-import signal
 import sys
-import threading
 from pathlib import Path
 from typing import Sequence
 
-from ragen.env.remote.config import is_loopback_host
 from ragen.env.search.corpus import load_corpus, shipped_corpus
 from ragen.env.search.server import RetrievalServer
+from ragen.env.background import wait_for_stop_signal
+from ragen.utils import is_loopback_host
 
 __all__ = ["main"]
 
@@ -49,12 +48,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ValueError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
     server.start()
     print(f"serving {len(docs)} documents at {server.url}", flush=True)
-    stop.wait()  # serves until a signal says stop
+    wait_for_stop_signal()
     server.shutdown()
     print(f"stopped after {server.requests} searches", flush=True)
     return 0

@@ -9,27 +9,18 @@ variable ``key_env`` names).
 
 from __future__ import annotations
 
-import ipaddress
 import os
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
 
+from ragen.utils import is_loopback_host
+
 from ..config_checks import EnvConfigError, check_http_url, check_int, check_number, check_str
 
-__all__ = ["DEFAULT_KEY_ENV", "RemoteEnvConfig", "is_loopback_host"]
+__all__ = ["DEFAULT_KEY_ENV", "RemoteEnvConfig"]
 
 DEFAULT_KEY_ENV = "RAGEN_ENV_KEY"
-
-
-def is_loopback_host(host: str) -> bool:
-    """Whether ``host`` (a name or an address) is this machine's loopback."""
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host.split("%")[0]).is_loopback
-    except ValueError:
-        return False
 
 
 def _check_url(field_name: str, url: Any, key_env: str) -> str:

@@ -24,6 +24,7 @@ import threading
 from http import HTTPStatus
 from typing import Any, Callable, Mapping
 
+from ..background import BackgroundServer
 from ..base import action_lookup, plain_info, reset_takes_mode
 from .protocol import error_message, observation_message
 
@@ -40,8 +41,10 @@ class _BadRequest(Exception):
         self.code = code
 
 
-class EnvServer:
+class EnvServer(BackgroundServer):
     """Serves ``makers`` (tag -> a function making a new env of it) on ``host``:``port`` (0: a free port)."""
+
+    thread_name = "ragen-env-server"
 
     def __init__(self, makers: Mapping[str, Callable[[], Any]], host: str = "127.0.0.1", port: int = 0,
                  key: str | None = None, max_sessions: int = 256, max_message_bytes: int = 1024 * 1024,
@@ -60,31 +63,12 @@ class EnvServer:
         self._server = serve(self._session, host, port, process_request=self._route, max_size=max_message_bytes,
                              compression=None, server_header=None, close_timeout=2)
         self.host, self.port = self._server.socket.getsockname()[:2]
-        self._thread: threading.Thread | None = None
-
-    @property
-    def url(self) -> str:
-        return f"http://{self.host}:{self.port}"
 
     def serve_forever(self) -> None:
         self._server.serve_forever()
 
-    def start(self) -> "EnvServer":
-        """Serve on a daemon thread (tests, benchmarks); ``shutdown`` ends it."""
-        self._thread = threading.Thread(target=self.serve_forever, name="ragen-env-server", daemon=True)
-        self._thread.start()
-        return self
-
-    def shutdown(self) -> None:
-        self._server.shutdown()
-        if self._thread is not None:
-            self._thread.join(timeout=10)  # serve_forever returns within its polling interval after shutdown
-
-    def __enter__(self) -> "EnvServer":
-        return self.start()
-
-    def __exit__(self, *exc: Any) -> None:
-        self.shutdown()
+    def _stop(self) -> None:
+        self._server.shutdown()  # also closes the open sessions
 
     # HTTP: which path, health, key, capacity ----------------------------------------------------------------
 

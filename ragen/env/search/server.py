@@ -14,11 +14,11 @@ from __future__ import annotations
 
 import json
 import logging
-import threading
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Sequence
 
+from ..background import BackgroundServer
 from .corpus import Doc
 
 __all__ = ["MAX_TOP_K", "RetrievalServer"]
@@ -52,8 +52,10 @@ class _Index:
                 for i, s in zip(found[0], scores[0]) if s > 0]
 
 
-class RetrievalServer:
+class RetrievalServer(BackgroundServer):
     """Serves ``docs`` on ``host``:``port`` (0: a free port)."""
+
+    thread_name = "ragen-retrieval"
 
     def __init__(self, docs: Sequence[Doc], host: str = "127.0.0.1", port: int = 0) -> None:
         self.index = _Index(docs)
@@ -61,31 +63,13 @@ class RetrievalServer:
         self._httpd = ThreadingHTTPServer((host, port), self._handler())
         self._httpd.daemon_threads = True
         self.host, self.port = self._httpd.server_address[:2]
-        self._thread: threading.Thread | None = None
-
-    @property
-    def url(self) -> str:
-        return f"http://{self.host}:{self.port}"
 
     def serve_forever(self) -> None:
         self._httpd.serve_forever()
 
-    def start(self) -> "RetrievalServer":
-        self._thread = threading.Thread(target=self.serve_forever, name="ragen-retrieval", daemon=True)
-        self._thread.start()
-        return self
-
-    def shutdown(self) -> None:
+    def _stop(self) -> None:
         self._httpd.shutdown()
         self._httpd.server_close()
-        if self._thread is not None:
-            self._thread.join(timeout=10)  # serve_forever returns within its poll interval after shutdown
-
-    def __enter__(self) -> "RetrievalServer":
-        return self.start()
-
-    def __exit__(self, *exc: Any) -> None:
-        self.shutdown()
 
     def _answer(self, body: bytes) -> tuple[int, dict[str, Any]]:
         try:

@@ -25,7 +25,6 @@ outcome.
 from __future__ import annotations
 
 import contextlib
-import ipaddress
 import logging
 import os
 import socket
@@ -34,6 +33,7 @@ from dataclasses import dataclass, replace
 from typing import Any, Iterator
 
 from ragen.serving import SharedLLMClient
+from ragen.utils import is_loopback_host
 
 logger = logging.getLogger(__name__)
 
@@ -98,7 +98,7 @@ class Cluster:
             logger.info("shared LLM manager listens on %s:%d; %s workers reach it at %s:%d "
                         "(set llm_server.advertise_host to change this)", host, port, self.backend, reachable, port)
             return replace(client, address=(reachable, port))
-        if _is_loopback(host) and self.is_remote():
+        if is_loopback_host(host) and self.is_remote():
             logger.warning("llm_server.host is %s: %s workers on other machines cannot reach the shared LLM "
                            "manager; set llm_server.host=0.0.0.0 (and llm_server.advertise_host if this machine's "
                            "address as seen by the workers is not %s)", host, self.backend, self.worker_host())
@@ -163,10 +163,10 @@ class DaskCluster(Cluster):
 
     def worker_host(self) -> str:
         host = _host_of(self.address)
-        return "127.0.0.1" if _is_loopback(host) else _route_ip(host)
+        return "127.0.0.1" if is_loopback_host(host) else _route_ip(host)
 
     def is_remote(self) -> bool:
-        return self._local is None and not _is_loopback(_host_of(self.address))
+        return self._local is None and not is_loopback_host(_host_of(self.address))
 
     def close(self) -> None:
         with contextlib.suppress(Exception):
@@ -284,15 +284,6 @@ def _host_of(address: str) -> str:
     if rest.startswith("["):
         return rest[1:rest.index("]")]
     return rest.rsplit(":", 1)[0] if rest.count(":") == 1 else rest
-
-
-def _is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 def _route_ip(target: str) -> str:
