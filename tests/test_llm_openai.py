@@ -180,10 +180,18 @@ class FakeServer:
                 finish = "length" if body["max_tokens"] < 5 else "stop"
                 if server.policy is not None:
                     text = server.policy.answer_text(
-                        GenerationRequest(messages, seed=body["seed"], answer_prefix=prefix), SamplingParams())
+                        GenerationRequest(messages, seed=body["seed"], answer_prefix=prefix,
+                                          tools=body.get("tools")), SamplingParams())
                 else:
                     text = f"<answer>{prompt}|{body['seed']}</answer>"
                 choice = {"index": 0, "finish_reason": finish, "message": {"role": "assistant", "content": text}}
+                if body.get("tools") and "<tool_call>" in text:  # vLLM's hermes tool parser
+                    calls = re.findall(r"<tool_call>(.*?)</tool_call>", text, re.DOTALL)
+                    choice["message"] = {"role": "assistant", "content": text[:text.find("<tool_call>")],
+                                         "tool_calls": [{"id": f"call_{i}", "type": "function", "function": {
+                                             "name": json.loads(c)["name"],
+                                             "arguments": json.dumps(json.loads(c)["arguments"])}}
+                                             for i, c in enumerate(calls)]}
                 reply = {"id": "x", "object": "chat.completion", "model": body["model"], "choices": [choice]}
                 if body.get("return_token_ids"):
                     choice["token_ids"] = [1, 2, 3]

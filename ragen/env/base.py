@@ -108,6 +108,23 @@ def make_rng(seed: int | None) -> tuple[int, np.random.Generator]:
     return seed, np.random.default_rng(seed % 2**64 if seed < 0 else seed)
 
 
+def function_tool(name: str, description: str, **parameters: str) -> dict[str, Any]:
+    """An OpenAI function schema whose parameters are required strings (name -> description)."""
+    return {"type": "function", "function": {
+        "name": name, "description": description,
+        "parameters": {"type": "object", "required": list(parameters),
+                       "properties": {k: {"type": "string", "description": d} for k, d in parameters.items()}}}}
+
+
+def tool_argument(action: Any, tool: str, argument: str) -> str | None:
+    """The string ``argument`` of a tool env's action when it is a call of ``tool``
+    (``{"name", "arguments"}``, as the turn loop steps a tool call), else None."""
+    if not isinstance(action, dict) or action.get("name") != tool:
+        return None
+    value = (action.get("arguments") or {}).get(argument)
+    return value if isinstance(value, str) else None
+
+
 def unchanged_step(observation: str, valid: bool, done: bool, success: bool,
                    invalid_act_score: float) -> tuple[str, float, bool, dict]:
     """The step result of an action that changes nothing: an invalid one

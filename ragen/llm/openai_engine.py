@@ -53,6 +53,14 @@ completion is handed back as soon as its reply is in.
   rollout metric ``engine/token_prompt_fallbacks``). A refusal is remembered:
   later requests go straight to the chat path. There, prompts are the server's
   render of the messages, not the ids sampled so far.
+- *Tools*: a request's ``tools`` go with it to ``/chat/completions`` as
+  ``tools``, and the ``tool_calls`` of the reply's message (a server started
+  with a tool parser, e.g. ``vllm serve --enable-auto-tool-choice
+  --tool-call-parser hermes``) are the completion's (``ctx_manager.tool_parser:
+  server`` reads them). Tool results go back as ``tool`` messages with a
+  ``tool_call_id``, after an assistant message of the answer's text (no
+  ``tool_calls`` field: a server that checks the pairing, as OpenAI's own
+  does, refuses them). On ``/completions`` the tools are in the prompt ids.
 - *Token ids on the chat path*: the chat API does not return them, so they are
   empty lists, unless the server sends them (vLLM does when
   ``return_token_ids`` is set).
@@ -71,6 +79,7 @@ server's weights, so whoever updates them calls ``bump_policy_version()``.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import threading
@@ -301,6 +310,8 @@ class OpenAIEngine(StreamingEngine):
         if request.answer_prefix:
             messages.append({"role": "assistant", "content": request.answer_prefix})
         body = {**self._sampling_fields(request, sampling, limit, model), "messages": messages}
+        if request.tools:
+            body["tools"] = request.tools
         if self.return_token_ids:
             body["return_token_ids"] = True
         if self.returns_logprobs:
@@ -333,8 +344,15 @@ class OpenAIEngine(StreamingEngine):
         prompt_ids = replies.ids(reply.get("prompt_token_ids") or choice.get("prompt_token_ids") or [], route,
                                  "prompt_token_ids")
         logprobs = replies.chat_logprobs(choice, response_ids) if self.returns_logprobs else None
-        return Completion.answering(request, text, prompt_ids, response_ids, finish_reason(choice), version,
-                                    logprobs)
+        completion = Completion.answering(request, text, prompt_ids, response_ids, finish_reason(choice), version,
+                                          logprobs)
+        tool_calls = (message or {}).get("tool_calls")
+        if not request.tools or tool_calls is None:
+            return completion
+        if not isinstance(tool_calls, list) or not all(isinstance(c, dict) for c in tool_calls):
+            raise replies.malformed(route, f"choices[0].message.tool_calls is not a list of objects "
+                                           f"(got {tool_calls!r:.80})")
+        return dataclasses.replace(completion, tool_calls=tool_calls)
 
     def _count_fallback(self) -> None:
         """Count a request sent as messages; the first one warns, naming the server and why."""

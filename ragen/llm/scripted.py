@@ -22,7 +22,9 @@ without torch:
   the request's whole prompt text and its seeded generator that returns the
   answer and its log-probability, or None for the default answer; e.g. the
   code env's pool of right and wrong programs
-  (``ragen.env.code.pool:scripted_answer``).
+  (``ragen.env.code.pool:scripted_answer``). The text ends with the
+  request's tools as the Hermes block lists them, when it has tools; an
+  answer that starts with ``<tool_call>`` follows the thoughts as it is.
 - *Malformed answers* at rate ``malformed_rate``: no tags, empty answer,
   unknown action, unclosed tag or nested tags, so parsers meet every defect.
 - *Tokens*: a byte-level tokenizer (utf-8 bytes: ``vocab_size`` 256) of a
@@ -61,6 +63,7 @@ from typing import Any, Mapping, Sequence
 from ragen.config_reader import read, setting
 from ragen.llm.chat_tokens import ChatTokens
 from ragen.llm.pending import PendingFutures, fail_closed
+from ragen.llm.tool_calls import CALL_OPEN, tools_system_text
 from ragen.llm.types import (Completion, Engine, GenerationRequest, SamplingParams,
                               StreamingEngine, request_seed)
 
@@ -236,8 +239,7 @@ class ScriptedEngine(Engine):
         names, max_actions = parse_action_space(prompt)
         if not names:  # instructions may sit in an earlier (system) message
             names, max_actions = parse_action_space("\n".join(m.get("content", "") for m in request.messages))
-        given = self.answers("\n".join(m.get("content", "") for m in request.messages), rng) \
-            if self.answers is not None else None
+        given = self.answers(self._prompt_text(request), rng) if self.answers is not None else None
         if given is not None:
             answer, logp = given
         elif names:
@@ -253,6 +255,8 @@ class ScriptedEngine(Engine):
         # Always drawn, so the well-formed answers do not shift with the rate.
         malformed = rng.random() < self.malformed_rate
         kind = MALFORMED_KINDS[rng.randrange(len(MALFORMED_KINDS))]
+        if given is not None and answer.startswith(CALL_OPEN):  # tool calls stand after the thoughts as they are
+            return f"{think}{answer}", logp
         if not malformed:
             return f"{think}<answer>{answer}</answer>", logp + math.log1p(-self.malformed_rate)
         logp += math.log(self.malformed_rate) - math.log(len(MALFORMED_KINDS))
@@ -265,6 +269,13 @@ class ScriptedEngine(Engine):
         if kind == "unclosed_tag":
             return f"{think}<answer>{answer}", logp
         return f"{think}<answer><answer>{answer}</answer></answer>", logp
+
+    @staticmethod
+    def _prompt_text(request: GenerationRequest) -> str:
+        """What an ``answers`` function reads: the messages' contents, then the request's
+        tools as the Hermes block lists them."""
+        text = "\n".join(m.get("content", "") for m in request.messages)
+        return text + "\n" + tools_system_text(request.tools) if request.tools else text
 
     def _complete(self, request: GenerationRequest, sampling: SamplingParams) -> Completion:
         answer, logp = self._answer(request, sampling)

@@ -7,7 +7,8 @@
   generation prompt (the completion holds only what follows it);
   ``history_token_ids`` are the ids of the conversation so far, as the engine
   saw and sampled them: the prompt is those ids and the template's tokens of
-  the messages after ``history_messages`` (``ChatTokens.append``).
+  the messages after ``history_messages`` (``ChatTokens.append``); ``tools``
+  are the env's tools (OpenAI function schemas) for the template.
 - ``SamplingParams``: how to decode (``temperature == 0`` means greedy).
 - ``Completion``: the answer text, prompt and response token ids, the log-prob
   of each response token under the distribution it was sampled from, why it
@@ -128,6 +129,8 @@ class GenerationRequest(_PlainData):
     # (ChatTokens.append); None: every message rendered and tokenized
     history_token_ids: list[int] | None = None
     history_messages: int = 0
+    # the env's tools as OpenAI function schemas, passed to the chat template (None: no tools)
+    tools: list[dict[str, Any]] | None = None
 
     @property
     def key(self) -> tuple[int, int, int]:
@@ -172,6 +175,8 @@ class Completion(_PlainData):
     # ``prompt_token_ids`` (what crosses to a worker: it holds the history already)
     prompt_start: int = 0
     replica: int = 0  # which of the engine's replicas answered (ragen.llm.replicas); 0 for one engine
+    # the tool calls a server parsed from the answer (OpenAI's ``tool_calls``); None: not parsed by the engine
+    tool_calls: list[dict[str, Any]] | None = None
 
     @classmethod
     def answering(cls, request: GenerationRequest, text: str, prompt_token_ids: list[int],

@@ -258,6 +258,7 @@ class CtxManagerConfig:
     generation: GenerationConfig = field(default_factory=GenerationConfig)
     token_history: str = ContextConfig.token_history  # checked by ContextConfig
     train_end_after_cut: bool = ContextConfig.train_end_after_cut
+    tool_parser: str = ContextConfig.tool_parser  # checked by ContextConfig
 
 
 @dataclass(frozen=True)
@@ -334,4 +335,5 @@ def context_config(sections: Mapping[str, Any]) -> ContextConfig:
         response_length=ctx.generation.response_length,
         token_history=ctx.token_history,
         train_end_after_cut=ctx.train_end_after_cut,
+        tool_parser=ctx.tool_parser,
     )

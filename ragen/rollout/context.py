@@ -15,7 +15,9 @@ trajectories to training tensors.
 - ``parse_response``: the model's text after the answer prefix ->
   ``<think>...</think><answer>...</answer>`` (or ``<answer>`` only when
   ``enable_think`` is off) -> action strings split on ``action_sep``, at most
-  ``max_actions_per_turn``; ``normalize_response`` is the answer as later
+  ``max_actions_per_turn``; ``parse_calls``: a tool env's answer -> its tool
+  calls (``tool_parser``), whose results the next prompt shows as ``tool``
+  messages; ``normalize_response`` is the answer as later
   prompts show it (RAGEN's tidied ``<think>..</think><answer>..</answer>``).
   Never raises.
 - ``formulate_rollouts``: the token ids of each whole episode as the engine saw
@@ -35,12 +37,16 @@ from typing import Any, Sequence
 
 from ragen.config_reader import check_setting
 from ragen.llm.chat_tokens import ChatTokens
+from ragen.llm.tool_calls import CALL_FORMAT, FORMAT_TOOLS, PARSERS, BadCall, ToolCall, parse_hermes, read_server_calls
+from ragen.llm.types import Completion
 from ragen.rollout.types import EnvSpec, Turn, turn_prompts
 
 FORMAT_THINK = "<think> [Your thoughts] </think> <answer> [your answer] </answer>"
 FORMAT_ANSWER = "<answer> [your answer] </answer>"
 SYSTEM_START = "You're a helpful assistant. "
 INVALID_WARNING = "No valid action provided previously. Environment state remains the same. Please try again.\n"
+NO_TOOL_CALL = ("No valid tool call provided previously. Environment state remains the same. Please try again, "
+                f"calling a tool as\n{CALL_FORMAT}\n")
 # Removed from the think and answer text, in this order, each followed by a strip (RAGEN's list),
 # then tokens some servers leak into answers; none is ever part of an action.
 _SPECIAL_TOKENS = ("<think>", "</think>", "<answer>", "</answer>", "<|im_start|>", "<|im_end|>",
@@ -73,6 +79,9 @@ class ContextConfig:
     # train the end-of-turn token the template adds after an answer cut at its token limit
     # (loss mask 1, as if sampled; it has no behaviour log-prob); false: mask 0
     train_end_after_cut: bool = False
+    # how a tool env's calls are read: "hermes" (<tool_call>{json}</tool_call> in the answer's text),
+    # "server" (the tool_calls an OpenAI-compatible server parsed)
+    tool_parser: str = "hermes"
 
     def __post_init__(self) -> None:
         # the one check of these keys, wherever a ContextConfig is built (a config, a dump, code)
@@ -82,6 +91,7 @@ class ContextConfig:
         check_setting("agent_proxy.context_window_mode", self.context_window_mode, choices=WINDOW_MODES)
         check_setting("agent_proxy.max_context_window", self.max_context_window, minimum=-1)
         check_setting("ctx_manager.token_history", self.token_history, choices=TOKEN_HISTORIES)
+        check_setting("ctx_manager.tool_parser", self.tool_parser, choices=PARSERS)
         if self.token_history == "append" and self.context_window_mode != "full":
             raise ValueError(
                 f"ctx_manager.token_history=append keeps every earlier turn's tokens in the prompt, and "
@@ -134,6 +144,8 @@ class ContextManager:
         tidied (``normalize_response``) under ``token_history: rerender``, as
         RAGEN shows them; under ``append`` they are as written (their tokens
         lead the prompt)."""
+        if spec.tools:
+            return self._tool_conversation(spec, turns, current=(observation, actions_left))[0]
         entries = self._entries(turns, current=(observation, actions_left),
                                 as_written=self.config.token_history == "append")
         cfg = self.config
@@ -152,7 +164,33 @@ class ContextManager:
         the sampled ones; a later prompt showed it tidied
         (``normalize_response``), which differs where the model put spaces
         around its tags or more actions than a turn takes."""
-        return self._head(spec) + self._conversation(spec, self._entries(turns, as_written=True), 0)
+        return self._layout(spec, turns)[0]
+
+    def _layout(self, spec: EnvSpec, turns: Sequence[Turn]) -> tuple[list[dict[str, str]], list[int]]:
+        """``episode_messages`` and where each turn's answer is in them."""
+        if spec.tools:
+            return self._tool_conversation(spec, turns)
+        head = self._head(spec)
+        messages = head + self._conversation(spec, self._entries(turns, as_written=True), 0)
+        return messages, [len(head) + 2 * k + 1 for k in range(len(turns))]
+
+    def _tool_conversation(self, spec: EnvSpec, turns: Sequence[Turn], current: tuple[str, int] | None = None
+                           ) -> tuple[list[dict[str, str]], list[int]]:
+        """A tool env's episode (``full`` layout only): the first state, then each answer as
+        written and a ``tool`` message with the result of each of its calls (a user message
+        saying so when it made none); up to the last answer, or with what answers it when
+        ``current`` is given. And where each answer is."""
+        first = (turns[0].observation, turns[0].actions_left) if turns else current
+        messages = self._head(spec) + [{"role": "user", "content": self._state(spec, _Entry(*first, False), 1)}]
+        answers = []
+        for k, turn in enumerate(turns):
+            answers.append(len(messages))
+            messages.append({"role": "assistant", "content": self.answer_prefix + turn.response})
+            if k + 1 < len(turns) or current is not None:
+                messages += [{"role": "tool", "content": result, "tool_call_id": f"call_{k + 1}_{i + 1}"}
+                             for i, result in enumerate(turn.tool_results)] or \
+                            [{"role": "user", "content": NO_TOOL_CALL}]
+        return messages, answers
 
     def _entries(self, turns: Sequence[Turn], current: tuple[str, int] | None = None,
                  as_written: bool = False) -> list[_Entry]:
@@ -183,7 +221,7 @@ class ContextManager:
 
     def _state_body(self, spec: EnvSpec, entry: _Entry) -> str:
         """The state, the warning after a turn without a valid action, the actions left and the format."""
-        fmt = FORMAT_THINK if self.config.enable_think else FORMAT_ANSWER
+        fmt = FORMAT_TOOLS if spec.tools else FORMAT_THINK if self.config.enable_think else FORMAT_ANSWER
         max_tokens = spec.max_tokens if spec.max_tokens is not None else self.config.response_length
         warning = INVALID_WARNING if entry.warning else ""
         return (f"State:\n{entry.state}\n{warning}You have {entry.actions_left} actions left. "
@@ -222,6 +260,16 @@ class ContextManager:
         """Action strings of an answer (the model's text after ``answer_prefix``);
         [] when it does not follow the format."""
         return self._parse(text)[1]
+
+    def parse_calls(self, completion: Completion, tools: Sequence[Any]) -> list[ToolCall | BadCall]:
+        """A tool env's answer as its calls, in order, read as ``tool_parser`` says."""
+        if self.config.tool_parser == "server":
+            if completion.tool_calls is None:
+                return [BadCall("", "the engine's reply carries no tool calls parsed by a server "
+                                    "(ctx_manager.tool_parser=server reads those of the OpenAI engine's chat "
+                                    "path; set ctx_manager.tool_parser=hermes to read the answer's text)")]
+            return read_server_calls(completion.tool_calls, tools)
+        return parse_hermes(self.answer_prefix + completion.text, tools)
 
     def normalize_response(self, text: str) -> str:
         """The answer as later prompts show it: ``<think>{thoughts}</think><answer>{actions}</answer>``
@@ -277,7 +325,8 @@ class ContextManager:
         return out
 
     def _episode_tokens(self, spec: EnvSpec, turns: Sequence[Turn], chat: ChatTokens):
-        messages: list[dict[str, str]] = []  # the head, then a user message and an answer per turn (when needed)
+        messages: list[dict[str, str]] = []  # the episode's messages (when needed), its answers at answers[k]
+        answers: list[int] = []
         ids: list[int] = []
         mask: list[int] = []
         behaviour: list[float] = []
@@ -286,11 +335,11 @@ class ContextManager:
         for k, (turn, prompt) in enumerate(zip(turns, turn_prompts(turns))):  # prompts as the engine saw them
             exact = prompt is not None and prompt[:len(ids)] == ids
             if not exact:
-                messages = messages or self.episode_messages(spec, turns)
-                head = len(messages) - 2 * len(turns)
-                shown = messages[:head + 2 * k + 1]
-                prompt = chat.full(shown, self.answer_prefix) if k == 0 else \
-                    chat.append(ids, shown, head + 2 * k, self.answer_prefix)[0]
+                if not messages:
+                    messages, answers = self._layout(spec, turns)
+                shown = messages[:answers[k]]
+                prompt = chat.full(shown, self.answer_prefix, spec.tools) if k == 0 else \
+                    chat.append(ids, shown, answers[k - 1] + 1, self.answer_prefix, spec.tools)[0]
             added = len(prompt) - len(ids)
             ids = prompt
             mask += [0] * added

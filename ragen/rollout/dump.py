@@ -3,7 +3,9 @@
 A dump holds what a person needs to understand an episode and what
 ``ragen.tools.replay`` needs to play it again: the env's spec (tag, type, config,
 seed, group), the turn loop's settings (prompt format, sampling), and per turn
-the prompt messages, the raw answer, the actions parsed and executed, each
+the prompt messages, the raw answer, the actions parsed and executed (a tool
+env's: its calls, the tool messages that answered them, and the calls as a
+server parsed them), each
 ``env.step``'s observation, reward and done flag, the env's info, the policy
 version and the request's sampling seed, and the tokens as the engine saw and
 sampled them (``Turn.prompt_ids`` and ``prompt_start``: only the prompt's ids
@@ -325,7 +327,10 @@ def _read_turns(rows: list, answer: Callable[[Any], Any]) -> tuple[list[Turn], l
         ids = _token_fields(t, len(turns), episode_length)
         start, prompt_ids, response_ids = ids["prompt_start"], ids["prompt_ids"], ids["response_ids"]
         episode_length = min(start, episode_length) + len(prompt_ids) + len(response_ids)
-        turns.append(Turn(**{**{k: v for k, v in t.items() if k in turn_fields},
+        # JSON's lists as the turn's tuples (anything else is left for the type check to name)
+        tools = {k: tuple(v) if isinstance(v, list) else v
+                 for k, v in (("tool_results", t.get("tool_results", [])), ("tool_calls", t.get("tool_calls")))}
+        turns.append(Turn(**{**{k: v for k, v in t.items() if k in turn_fields}, **tools,
                              "response": answer(t.get("response")),
                              "steps": tuple(Step(**s) for s in t["steps"]), **ids}))
     return turns, messages, seeds

@@ -5,6 +5,8 @@ their outputs checked; an answer applied as actions (``apply_answer``)."""
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
+import json
 import logging
 import math
 import reprlib
@@ -15,6 +17,7 @@ from collections import defaultdict
 from typing import Any
 
 from ragen.env.base import action_lookup, plain_info, reset_takes_mode
+from ragen.llm.tool_calls import BadCall, ToolCall
 from ragen.llm.types import Completion
 from ragen.rollout.context import ContextManager
 from ragen.rollout.loop_config import LoopConfig, LoopStats
@@ -234,12 +237,20 @@ def _rebuild(slot: EnvSlot, call: EnvCaller, expect: str | None) -> None:
     reset_env(slot, call)
     for turn in slot.traj.turns:
         for name in turn.executed_actions:
-            action = slot.lookup[name.lower()] if slot.lookup is not None else name
+            action = stepped_action(slot, name)
             slot.observation = _observation(call(slot.env.step, action)[0], "step")
     if expect is not None and slot.observation != expect:
         raise RuntimeError("replaying the recorded actions on a fresh instance gave another state than the failed "
                            "one had: the env is not deterministic for its seed, so it cannot be retried "
                            "(set agent_proxy.env_retries=0 for it)")
+
+
+def stepped_action(slot: EnvSlot, name: str) -> Any:
+    """What the env's ``step`` got for an executed action recorded as ``name``: its id in the
+    env's lookup, a tool call's ``{"name", "arguments"}``, or the name itself."""
+    if slot.spec.tools:
+        return json.loads(name)
+    return slot.lookup[name.lower()] if slot.lookup is not None else name
 
 
 def reset(slot: EnvSlot, kept_envs: KeptEnvs, call: EnvCaller) -> None:
@@ -291,21 +302,46 @@ def _reward(r: Any) -> float:
 
 
 def apply_answer(slot: EnvSlot, completion: Completion, ctx: ContextManager, config: LoopConfig, call: EnvCaller) -> None:
-    """The answer parsed into actions and applied (``apply_actions``), within ``config.max_turn`` turns."""
+    """The answer parsed into actions (a tool env's: into tool calls) and applied
+    (``apply_actions``), within ``config.max_turn`` turns."""
+    if slot.spec.tools:
+        apply_tool_calls(slot, ctx.parse_calls(completion, slot.spec.tools), completion, config.format_penalty,
+                         call, config.max_turn)
+        return
     apply_actions(slot, ctx.parse_response(completion.text), completion, config.format_penalty, call,
                   config.max_turn)
 
 
+def apply_tool_calls(slot: EnvSlot, calls: list[ToolCall | BadCall], completion: Completion,
+                     format_penalty: float, call: EnvCaller, max_turn: int | None) -> None:
+    """A tool env's turn: each valid call stepped as an action (``{"name", "arguments"}``),
+    as ``apply_actions`` steps actions (a call that does not parse or match its tool is
+    dropped, with the format penalty); the turn's ``tool_results`` answer every call in
+    order: its step's observation, the parse error, or why it was not run."""
+    valid = [(c.text, c.action()) for c in calls if isinstance(c, ToolCall)]
+    apply_actions(slot, [c.text for c in calls], completion, format_penalty, call, max_turn, valid=valid)
+    turn = slot.traj.turns[-1]
+    observations = iter(s.observation for s in turn.steps)
+    results = []
+    for n, c in enumerate(calls, 1):
+        if isinstance(c, BadCall):
+            results.append(f"Error in tool call {n}: {c.error}")
+        else:
+            results.append(next(observations, "Not run: the episode ended before this call."))
+    server_calls = None if completion.tool_calls is None else tuple(completion.tool_calls)
+    slot.traj.turns[-1] = dataclasses.replace(turn, tool_results=tuple(results), tool_calls=server_calls)
+
+
 def apply_actions(slot: EnvSlot, actions: list[str], completion: Completion, format_penalty: float,
-                  call: EnvCaller, max_turn: int | None) -> None:
+                  call: EnvCaller, max_turn: int | None, valid: list[tuple[str, Any]] | None = None) -> None:
     """One turn: the actions the env knows (its lookup, any case; the others dropped) stepped
     within the action budget until one ends the env, recorded as a ``Turn`` of ``completion``'s
     answer, with ``format_penalty`` when an action was dropped or none was given. The env
     ends when it is done, its action budget is spent, or it played ``max_turn`` turns (None:
-    no limit)."""
-    if slot.lookup is not None:
+    no limit). ``valid``: the (name, action) pairs to step, where the caller read them."""
+    if valid is None and slot.lookup is not None:
         valid = [(a, slot.lookup[a.lower()]) for a in actions if isinstance(a, str) and a.lower() in slot.lookup]
-    else:
+    elif valid is None:
         valid = [(a, a) for a in actions]
     budget = slot.actions_left
     shown = slot.observation

@@ -23,7 +23,9 @@ from collections import Counter, defaultdict
 from typing import Any, Mapping, Sequence
 
 from ragen.config_reader import read, to_plain
+from ragen.llm.tool_calls import check_tools
 from ragen.rollout.config import EnvSplitConfig, EnvTagConfig
+from ragen.rollout.context import ContextConfig
 from ragen.rollout.types import EnvSpec, StopReason, Trajectory
 
 logger = logging.getLogger(__name__)
@@ -69,6 +71,15 @@ class EnvSpecMaker:
         self.base_seed = int(seed)
         self._rollouts = 0
         self._lock = threading.Lock()
+
+    def check_context(self, context: ContextConfig) -> None:
+        """ValueError naming the key when the prompt settings cannot play a tag: a tool env's
+        conversation (its tool messages) is shown whole."""
+        for tag, ts in self.tag_specs.items():
+            if ts["tools"] and context.context_window_mode != "full":
+                raise ValueError(f"custom_envs.{tag} declares tools, whose results are tool messages in the whole "
+                                 f"conversation: set agent_proxy.context_window_mode=full (it is "
+                                 f"{context.context_window_mode})")
 
     @property
     def num_envs(self) -> int:
@@ -126,7 +137,7 @@ def spec_of(tag: str, ts: Mapping[str, Any], seed: int, env_id: int = 0, group_i
                    max_actions_per_traj=ts["max_actions_per_traj"], env_instruction=ts["env_instruction"],
                    state_legend=ts["state_legend"], action_names=ts["action_names"],
                    max_tokens=ts["max_tokens"], format_example=ts["format_example"],
-                   env_threads=ts["env_threads"], mode=mode)
+                   env_threads=ts["env_threads"], mode=mode, tools=ts["tools"])
 
 
 def _validate_tag(tag: str, spec: Any, custom_envs: Mapping[str, Any]) -> dict[str, Any]:
@@ -145,8 +156,10 @@ def _validate_tag(tag: str, spec: Any, custom_envs: Mapping[str, Any]) -> dict[s
         served_built = make_env_config(served_type, served.get("env_config") or {}, config_type=served_config_type,
                                        tag=env_config["tag"])
         legend, action_names = _prompt_parts(served_type, served_config_type, env_config["tag"], served_built)
+        tools = _tools(served_built, key)
     else:
         legend, action_names = _prompt_parts(cfg.env_type, cfg.config_type, tag, built)
+        tools = _tools(built, key)
     example = cfg.format_example
     if example is not None:
         if not isinstance(example, dict) or not isinstance(example.get("observation"), str) \
@@ -167,7 +180,15 @@ def _validate_tag(tag: str, spec: Any, custom_envs: Mapping[str, Any]) -> dict[s
         "action_names": action_names,
         "max_tokens": cfg.max_tokens,
         "env_threads": cfg.max_workers if cfg.parallel_friendly else 1,
+        "tools": tools,
     }
+
+
+def _tools(built: Any, key: str) -> list[dict[str, Any]] | None:
+    """The tools an env's config declares (its ``tools``: OpenAI function schemas), checked;
+    None when it declares none."""
+    tools = built.get("tools") if isinstance(built, Mapping) else getattr(built, "tools", None)
+    return None if tools is None else check_tools(tools, key)
 
 
 def _served_tag(spec: Any, custom_envs: Mapping[str, Any]) -> dict[str, Any] | None:

@@ -79,17 +79,24 @@ class EnvTurns:
         return GenerationRequest(
             messages=messages,
             history_token_ids=history,
-            history_messages=len(messages) - 1 if history is not None else 0,
+            # the messages up to the last answer are the history's
+            history_messages=_after_last_answer(messages) if history is not None else 0,
             env_id=slot.spec.env_id,
             turn=len(turns),
             seed=slot.spec.seed,
             max_tokens=slot.spec.max_tokens,
             last_turn=len(turns) + 1 >= self.config.max_turn,
             answer_prefix=self.ctx.answer_prefix,
+            tools=slot.spec.tools,
         )
 
     def close(self) -> None:
         self.call.close()
+
+
+def _after_last_answer(messages: list[dict[str, str]]) -> int:
+    """The index after the last assistant message."""
+    return next(i + 1 for i in range(len(messages) - 1, -1, -1) if messages[i]["role"] == "assistant")
 
 
 class Playing:

@@ -80,6 +80,8 @@ class AgentSetup:
             raise ValueError("custom_envs is missing or empty: add config/envs.yaml to the defaults list")
         es = {split: EnvSpecMaker(split, es_cfg.split(split), custom_envs, getattr(seed, split))
               for split in ("train", "val")}
+        for maker in es.values():
+            maker.check_context(context)
         server: LlmServerConfig = sections["llm_server"]
         return cls(
             agent_proxy=ap,

@@ -64,6 +64,9 @@ class EnvSpec:
     # the split, passed to ``reset(seed=..., mode=...)`` when the env's reset
     # takes ``mode`` (RAGEN passes it: "train" or "val")
     mode: str = "train"
+    # the env's tools (OpenAI function schemas): its actions are tool calls, their results
+    # ``tool`` messages (None: RAGEN's text actions)
+    tools: list[dict[str, Any]] | None = None
 
     @property
     def reuse_key(self) -> tuple:
@@ -108,6 +111,12 @@ class Turn:
     # empty: the engine gave no prompt ids.
     prompt_ids: tuple[int, ...] = field(default=(), compare=False)
     prompt_start: int = field(default=0, compare=False)
+    # a tool env's turn: the content of the tool message answering each call, in call order
+    # (the step's observation, or why the call was not run)
+    tool_results: tuple[str, ...] = ()
+    # the calls as a server parsed them (``Completion.tool_calls``; None: the engine's reply had none):
+    # what a replay answers with, next to the text
+    tool_calls: tuple[dict[str, Any], ...] | None = None
 
     @property
     def has_prompt_ids(self) -> bool:

@@ -138,6 +138,8 @@ _REQUEST_FIELDS = {
     # decoded from bytes (request_for_wire), so every item is an integer >= 0
     "history_token_ids": (lambda v: v is None or isinstance(v, list), "null or 4 bytes an id"),
     "history_messages": (lambda v: _is_int(v) and v >= 0, "an integer >= 0"),
+    "tools": (lambda v: v is None or (isinstance(v, list) and all(isinstance(t, dict) for t in v)),
+              "null or a list of objects"),
 }
 _SAMPLING_FIELDS = {
     "temperature": (lambda v: _is_number(v) and v >= 0, "a number >= 0"),

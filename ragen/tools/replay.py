@@ -79,6 +79,7 @@ class RecordedEngine(Engine):
         out = []
         for r in requests:
             turn = turns[r.turn] if r.turn < len(turns) else None
+            tool_calls = list(turn.tool_calls) if turn is not None and turn.tool_calls is not None else None
             if turn is not None:
                 text, finish, version = turn.response, turn.finish_reason, turn.policy_version
             elif r.turn == len(turns) and trajectory.failed_response is not None:
@@ -88,7 +89,7 @@ class RecordedEngine(Engine):
             else:
                 text, finish, version = "", "stop", -1
             out.append(Completion(text=text, prompt_token_ids=[], response_token_ids=[], finish_reason=finish,
-                                  policy_version=version, env_id=r.env_id, turn=r.turn))
+                                  policy_version=version, env_id=r.env_id, turn=r.turn, tool_calls=tool_calls))
         return out
 
 
@@ -196,7 +197,7 @@ def first_difference(record: DumpRecord, replayed: Trajectory,
         x, y = next(dumped_ids), next(replayed_ids)
         if x is not None and y is not None and x != y:
             return f"turn {i}: prompt ids: {_ids_diff(x, y)}"
-        for name in ("response", "actions", "executed_actions"):
+        for name in ("response", "actions", "executed_actions", "tool_results"):
             if getattr(a, name) != getattr(b, name):
                 return f"turn {i}: {name}: {_diff(getattr(a, name), getattr(b, name))}"
         for j in range(max(len(a.steps), len(b.steps))):

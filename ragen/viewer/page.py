@@ -186,6 +186,21 @@ def _response(context: ContextConfig, response: str) -> str:
     return f'<div class="response">{think_html}<b>answer</b><pre class="answer">{escape(answer)}</pre></div>'
 
 
+def _tool_turn(context: ContextConfig, turn: Turn) -> str:
+    """A tool env's answer (its thoughts, then the text with its calls) and the tool messages that
+    answered each call, in order."""
+    text = ContextManager(context).answer_prefix + turn.response
+    end = text.rfind("</think>")
+    think_html = (f'<b>think</b><pre class="think">{escape(text[:end].removeprefix("<think>"))}</pre>'
+                  if end >= 0 else "")
+    calls = text[end + len("</think>"):] if end >= 0 else text
+    results = "".join(f'<div class="msg tool"><b>tool message {n}</b><pre>{escape(result)}</pre></div>'
+                      for n, result in enumerate(turn.tool_results, 1))
+    results = results or '<p class="tool-none">no tool call: the next prompt says so</p>'
+    return (f'<div class="response">{think_html}<b>tool calls</b><pre class="answer">{escape(calls)}</pre></div>'
+            f'<div class="tool-results">{results}</div>')
+
+
 def _list(items: list[str]) -> str:
     return " ".join(f"<code>{escape(a)}</code>" for a in items) if items else "<em>none</em>"
 
@@ -221,7 +236,8 @@ def _turn(r: DumpRecord, i: int, symbols: Symbols | None) -> str:
         f"{seed}{_tokens(turn)}</h4>"
         f'<div class="before"><b>state shown</b>'
         f"{_state(turn.observation, symbols, _where(env, i, 0))}</div>"
-        f"{messages}{_response(r.loop.context, turn.response)}"
+        f"{messages}"
+        f"{_tool_turn(r.loop.context, turn) if r.spec.tools else _response(r.loop.context, turn.response)}"
         f'<p class="actions">parsed: {_list(turn.actions)} · executed: {_list(turn.executed_actions)}</p>'
         f"{steps_html}"
         f'<details class="info"><summary>info</summary><pre>{escape(info)}</pre></details></li>')
@@ -257,6 +273,7 @@ pre{white-space:pre-wrap;word-break:break-word;background:#f6f6f6;padding:.3em .
 #episode-table td.yes{color:#070;font-weight:600}
 tr.failed td,.episode.failed>summary{background:#fde2e2}
 .error,.error-box pre{color:#a00;background:#fff0f0}.error-box{border-left:4px solid #c00;padding-left:.5em}
+.msg.tool{border-left:4px solid #2a6;padding-left:.5em}
 .episode{border:1px solid #ccc;margin:.4em 0;padding:.2em .6em}.episode>summary{cursor:pointer;font-weight:600}
 .turns{padding-left:1.5em}.turn{margin:.6em 0;border-top:1px solid #eee}
 .response b,.before b,.final b{display:block;font-size:.85em;color:#555}

@@ -4,11 +4,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..base import BaseEnvConfig
-from ..config_checks import check_int, check_number, check_str
+from ..base import BaseEnvConfig, function_tool
+from ..config_checks import check_bool, check_int, check_number, check_str
 from .sandbox import Limits
 
-__all__ = ["CodeEnvConfig"]
+__all__ = ["CodeEnvConfig", "TOOLS"]
+
+# the tool form of a submission (``tool_calls: true``)
+TOOLS = [function_tool("run_tests", "Run a Python program against the problem's tests; returns the verdict.",
+                       code="The whole Python program.")]
 
 
 @dataclass
@@ -17,7 +21,8 @@ class CodeEnvConfig(BaseEnvConfig):
     ``reward``: ``fraction`` (of the tests passed) or ``all`` (1 only when every test passes);
     ``cpu_s``, ``wall_s``, ``memory_mb``, ``output_bytes``: the sandbox's limits for one submission;
     ``dataset_path``: a DeepCoder file (Parquet or JSON lines, ``deepcoder.py``) whose problems the seeds
-    pick instead of the shipped ones."""
+    pick instead of the shipped ones; ``tool_calls``: a submission is a call of the tool ``run_tests(code)``
+    instead of the code in the answer's text."""
 
     attempts: int = 1
     reward: str = "fraction"
@@ -26,6 +31,12 @@ class CodeEnvConfig(BaseEnvConfig):
     memory_mb: int = 512
     output_bytes: int = 64 * 1024
     dataset_path: str | None = None
+    tool_calls: bool = False
+
+    @property
+    def tools(self) -> list[dict] | None:
+        """The env's tools (OpenAI function schemas) with ``tool_calls``, else None."""
+        return TOOLS if self.tool_calls else None
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -34,6 +45,7 @@ class CodeEnvConfig(BaseEnvConfig):
         self.cpu_s = check_number("cpu_s", self.cpu_s, minimum=0.1, maximum=600)
         self.wall_s = check_number("wall_s", self.wall_s, minimum=0.1, maximum=3600)
         self.memory_mb = check_int("memory_mb", self.memory_mb, minimum=64, maximum=65536)
+        self.tool_calls = check_bool("tool_calls", self.tool_calls)
         self.output_bytes = check_int("output_bytes", self.output_bytes, minimum=1024, maximum=64 * 1024 * 1024)
         if self.dataset_path is not None:
             from .deepcoder import load_problems

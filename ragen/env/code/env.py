@@ -7,7 +7,8 @@ Concepts:
   the seed alone decides it. With ``dataset_path``, problem ``seed % N`` of a
   DeepCoder file (``deepcoder.py``).
 - **Action**: the answer's code (the first fenced block of the answer, else
-  the answer itself).
+  the answer itself); with ``tool_calls``, the ``code`` of a ``run_tests``
+  call (its first fenced block, else all of it).
 - **Step**: the code run once against every test (``harness.judge``) in a
   sandboxed subprocess: CPU, memory, wall and output limits, its own temporary
   folder, no inherited environment, and (as root) no network and nothing left
@@ -28,7 +29,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..base import BaseLanguageBasedEnv, make_rng, unchanged_step
+from ..base import BaseLanguageBasedEnv, make_rng, tool_argument, unchanged_step
 from .config import CodeEnvConfig
 from .harness import Verdict, extract_code, judge
 from .deepcoder import load_problems
@@ -72,6 +73,8 @@ class CodeEnv(BaseLanguageBasedEnv):
     def step(self, action: Any) -> tuple[str, float, bool, dict]:
         if self.problem is None:
             raise RuntimeError("CodeEnv.step() called before reset()")
+        if isinstance(action, dict):  # a tool call
+            action = tool_argument(action, "run_tests", "code")
         code = extract_code(action) if isinstance(action, str) else ""
         if not code.strip() or self._done:
             return unchanged_step(self.render_cache, bool(code.strip()), self._done, self._success,

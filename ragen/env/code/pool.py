@@ -3,7 +3,8 @@
 The ``code_exec`` benchmark's policy: for the problem its prompt states, a
 correct solution with probability ``CORRECT``, else one of the problem's wrong
 ones (an off-by-one, a wrong rule, a crash, a loop that never ends), each run
-in the sandbox as a model's answer would be.
+in the sandbox as a model's answer would be; a call of the ``run_tests`` tool
+when the prompt lists tools (the env's ``tool_calls`` form).
 """
 
 from __future__ import annotations
@@ -11,6 +12,8 @@ from __future__ import annotations
 import functools
 import math
 import random
+
+from ragen.llm.tool_calls import call_text
 
 from .problems import FAMILIES, solutions
 
@@ -40,4 +43,6 @@ def scripted_answer(prompt: str, rng: random.Random) -> tuple[str, float] | None
         code, logp = right, math.log(CORRECT)
     else:
         code, logp = wrong[rng.randrange(len(wrong))], math.log(1 - CORRECT) - math.log(len(wrong))
+    if "<tools>" in prompt:
+        return call_text("run_tests", {"code": code}), logp
     return f"```python\n{code}```", logp

@@ -6,10 +6,15 @@ import functools
 import logging
 from dataclasses import dataclass
 
-from ..base import BaseEnvConfig
-from ..config_checks import check_http_url, check_int, check_number, check_str
+from ..base import BaseEnvConfig, function_tool
+from ..config_checks import check_bool, check_http_url, check_int, check_number, check_str
 
-__all__ = ["SearchEnvConfig"]
+__all__ = ["SearchEnvConfig", "TOOLS"]
+
+# the tool form of the actions (``tool_calls: true``)
+TOOLS = [function_tool("search", "Search the corpus; returns the top documents.", query="What to search for."),
+         function_tool("finish", "Give the final answer to the question; ends the episode.",
+                       answer="The answer, a few words.")]
 
 logger = logging.getLogger(__name__)
 
@@ -31,7 +36,8 @@ class SearchEnvConfig(BaseEnvConfig):
     RAGEN's ``/retrieve`` API); ``top_k`` documents a search shows, each cut to ``max_doc_chars``;
     ``max_steps``: actions an episode may take (searches and the answer); ``reward``: ``f1`` (the answer's
     token F1 with the truth when at least ``f1_threshold``, 1 on an exact match) or ``em`` (1 on an exact
-    match); ``timeout_s``: the longest wait for one search."""
+    match); ``timeout_s``: the longest wait for one search; ``tool_calls``: the actions are calls of the
+    tools ``search(query)`` and ``finish(answer)`` instead of RAGEN's text form."""
 
     server_url: str = "http://127.0.0.1:8000"
     top_k: int = 3
@@ -40,6 +46,12 @@ class SearchEnvConfig(BaseEnvConfig):
     reward: str = "f1"
     f1_threshold: float = 0.3
     timeout_s: float = 30.0
+    tool_calls: bool = False
+
+    @property
+    def tools(self) -> list[dict] | None:
+        """The env's tools (OpenAI function schemas) with ``tool_calls``, else None."""
+        return TOOLS if self.tool_calls else None
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -50,3 +62,4 @@ class SearchEnvConfig(BaseEnvConfig):
         self.reward = check_str("reward", self.reward, choices=("f1", "em"))
         self.f1_threshold = check_number("f1_threshold", self.f1_threshold, minimum=0.0, maximum=1.0)
         self.timeout_s = check_number("timeout_s", self.timeout_s, minimum=0.001)
+        self.tool_calls = check_bool("tool_calls", self.tool_calls)

@@ -7,6 +7,8 @@ Concepts:
 - **Actions** (RAGEN's text form): ``search[<query>]`` asks the retrieval
   server (``server_url``) and shows the ``top_k`` documents; ``finish[<answer>]``
   answers and ends the episode. Anything else is invalid and changes nothing.
+  With ``tool_calls``, the same as calls of the tools ``search(query)`` and
+  ``finish(answer)``.
 - **Reward**: on ``finish``, 1 for an exact match with the answer (SQuAD's
   normalisation: case, punctuation, articles), else with ``reward: f1`` the
   token F1 when at least ``f1_threshold``; 0 for a search. ``success``: an
@@ -23,7 +25,7 @@ import string
 from collections import Counter
 from typing import Any
 
-from ..base import BaseLanguageBasedEnv, make_rng, unchanged_step
+from ..base import BaseLanguageBasedEnv, make_rng, tool_argument, unchanged_step
 from .client import retrieve
 from .config import SearchEnvConfig, warn_if_unreachable
 from .corpus import Question, questions
@@ -31,6 +33,7 @@ from .corpus import Question, questions
 __all__ = ["SearchEnv", "f1_score", "normalize_answer"]
 
 ACTIONS_LINE = "Available actions: search[<query>], finish[<answer>]"
+TOOLS_LINE = "Call the search tool to look things up, and the finish tool to give your answer."
 _ACTION = re.compile(r"^\s*(search|finish)\s*\[(.*)\]\s*$", re.IGNORECASE | re.DOTALL)
 
 
@@ -69,8 +72,12 @@ class SearchEnv(BaseLanguageBasedEnv):
         self.question = table[seed % len(table)]
         self.steps = 0
         self._done = self._success = False
-        self.render_cache = f"Question: {self.question.question}\n{ACTIONS_LINE}"
+        self.render_cache = f"Question: {self.question.question}\n{self._actions_line}"
         return self.render_cache
+
+    @property
+    def _actions_line(self) -> str:
+        return TOOLS_LINE if self.config.tool_calls else ACTIONS_LINE
 
     def _results(self, query: str) -> str:
         cfg = self.config
@@ -97,6 +104,10 @@ class SearchEnv(BaseLanguageBasedEnv):
     def step(self, action: Any) -> tuple[str, float, bool, dict]:
         if self.question is None:
             raise RuntimeError("SearchEnv.step() called before reset()")
+        if isinstance(action, dict):  # a tool call: the text form of the same action
+            kind = action.get("name")
+            arg = tool_argument(action, kind, "query" if kind == "search" else "answer")
+            action = f"{kind}[{arg}]" if arg is not None else None
         match = _ACTION.match(action) if isinstance(action, str) else None
         valid = match is not None and bool(match.group(2).strip())
         if not valid or self._done:
@@ -112,7 +123,7 @@ class SearchEnv(BaseLanguageBasedEnv):
                                                      "success": self._success, "action_type": "finish"}
         results = self._results(arg)
         self._done = self.steps >= self.config.max_steps
-        tail = "Maximum search steps reached. Episode ended without an answer." if self._done else ACTIONS_LINE
+        tail = "Maximum search steps reached. Episode ended without an answer." if self._done else self._actions_line
         self.render_cache = f"Search results for '{arg}':\n{results}\n\n{tail}"
         return self.render_cache, 0.0, self._done, {"action_is_effective": True, "action_is_valid": True,
                                                     "success": False, "action_type": "search"}

@@ -4,7 +4,8 @@ A reader of the prompt, as a search agent would act: with no results yet it
 searches the question's names; when the last results hold the fact asked, it
 answers it (the truth with probability ``CORRECT``, else another document's
 fact); for a region's largest town it searches that town first. Every search
-goes to the retrieval server.
+goes to the retrieval server. When the prompt lists tools (the env's
+``tool_calls`` form), the same actions are tool calls.
 """
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ from __future__ import annotations
 import math
 import random
 import re
+
+from ragen.llm.tool_calls import call_text
 
 __all__ = ["CORRECT", "scripted_answer"]
 
@@ -34,6 +37,15 @@ def _kind(question: str) -> str:
 
 
 def scripted_answer(prompt: str, rng: random.Random) -> tuple[str, float] | None:
+    found = _text_answer(prompt, rng)
+    if found is None or "<tools>" not in prompt:
+        return found
+    answer, logp = found
+    kind, arg = answer.split("[", 1)
+    return call_text(kind, {"query" if kind == "search" else "answer": arg[:-1]}), logp
+
+
+def _text_answer(prompt: str, rng: random.Random) -> tuple[str, float] | None:
     found = _QUESTION.search(prompt)
     if found is None:
         return None

@@ -1,0 +1,358 @@
+"""Tool calls: schemas checked at config read, the Hermes and server parsers, tool messages in
+the prompt, exact tokens across tool turns, the search and code envs' tool forms, the OpenAI
+engine's parsed calls, and a dump of a tool episode in the viewer."""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+from dataclasses import dataclass, replace
+
+import pytest
+
+from ragen.llm.chat_tokens import ChatTokens
+from ragen.llm.scripted import ScriptedEngine, byte_chat
+from ragen.llm.tool_calls import BadCall, ToolCall, call_text, check_tools, parse_hermes, read_server_calls
+from ragen.llm.types import Completion
+from ragen.env.base import BaseEnvConfig, BaseLanguageBasedEnv, function_tool
+from ragen.rollout.context import NO_TOOL_CALL, ContextConfig, ContextManager
+from ragen.rollout.envs import tag_spec
+from ragen.rollout.types import StopReason, episode_ids
+
+from tests.rollout_helpers import custom_envs, loop_config, sequential, specs_for
+
+pytestmark = pytest.mark.timeout(120)
+
+TOOLS = [function_tool("add", "Add a number to the counter.", amount="How much, in digits."),
+         function_tool("stop", "End the episode.")]
+
+
+@dataclass
+class CounterConfig(BaseEnvConfig):
+    tools: list | None = None
+    target: int = 5
+
+
+class CounterEnv(BaseLanguageBasedEnv):
+    """A tool env: ``add(amount)`` adds to a counter, ``stop()`` ends; success at the target."""
+
+    config_cls = CounterConfig
+
+    def __init__(self, config: CounterConfig | None = None) -> None:
+        super().__init__(config or CounterConfig(tools=TOOLS))
+        self.total = 0
+
+    def reset(self, seed=None, **kwargs):
+        self.total = (seed or 0) % 3
+        return f"The counter is {self.total}. Bring it to {self.config.target}."
+
+    def step(self, action):
+        assert isinstance(action, dict), action
+        if action["name"] == "stop":
+            return f"Stopped at {self.total}.", 0.0, True, {"success": self.total == self.config.target}
+        self.total += int(action["arguments"]["amount"])
+        done = self.total == self.config.target
+        return f"The counter is {self.total}.", float(done), done, {"success": done}
+
+    def render(self, mode=None):
+        return f"The counter is {self.total}."
+
+
+def counter_tag(tools=TOOLS, **kw) -> dict:
+    return {"env_type": "tests.test_tool_calls:CounterEnv", "config_type": "tests.test_tool_calls:CounterConfig",
+            "max_actions_per_traj": 6, "max_tokens": 400, "env_instruction": "Use the tools.",
+            "env_config": {"tools": tools, **kw}}
+
+
+def counter_answers(prompt, rng):
+    """The script of the counter's policy: an unparsable call first, then a call that adds 1 and
+    one with arguments that do not match, until the counter shows the target; then stop."""
+    shown = [int(x) for x in __import__("re").findall(r"The counter is (\d+)", prompt)]
+    if "Error in tool call" not in prompt:
+        return '<tool_call>{"name": "add", "arguments": {"amount": "1"</tool_call>', 0.0
+    if shown and shown[-1] >= 5:
+        return call_text("stop", {}), 0.0
+    return call_text("add", {"amount": "1"}) + "\n" + call_text("add", {"amount": 2}), 0.0
+
+
+# ----- schemas and parsers ----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("tools, words", [
+    ([{"type": "function", "function": {"name": "q", "parameters": {"type": "object",
+                                                                    "properties": {"x": {"type": "strng"}}}}}],
+     "is not valid JSON Schema at properties/x/type"),
+    ([{"type": "function", "function": {"name": "q", "parameters": {"type": "array"}}}], '"type": "object"'),
+    ([{"type": "tool", "function": {"name": "q"}}], '"type": "function"'),
+    ([{"type": "function", "function": {"name": "two words"}}], "function.name"),
+    ([TOOLS[0], TOOLS[0]], "two tools are named 'add'"),
+    ([], "non-empty list"),
+])
+def test_a_bad_tool_schema_is_refused_at_config_read_naming_the_tag(tools, words):
+    with pytest.raises(ValueError, match="custom_envs.Counter") as err:
+        tag_spec("Counter", {"Counter": counter_tag(tools)})
+    assert words in str(err.value)
+    assert tag_spec("Counter", {"Counter": counter_tag()})["tools"] == TOOLS
+
+
+def test_hermes_calls_are_read_in_order_and_each_bad_one_says_why():
+    text = ('<think>use <tool_call>{"name": "stop"}</tool_call> later</think>'
+            + call_text("add", {"amount": "3"})
+            + '<tool_call>{"name": "add", "arguments": "{\\"amount\\": \\"4\\"}"}</tool_call>'
+            + '<tool_call>{"name": "add", "arguments": {}}</tool_call>'
+            + '<tool_call>{"name": "jump"}</tool_call><tool_call>[1]</tool_call><tool_call>{"name": ')
+    calls = parse_hermes(text, TOOLS)
+    assert calls[:2] == [ToolCall("add", {"amount": "3"}), ToolCall("add", {"amount": "4"})]
+    errors = [c.error for c in calls[2:]]
+    assert all(isinstance(c, BadCall) for c in calls[2:]) and len(errors) == 4
+    assert "do not match its parameters" in errors[0] and "'amount' is a required property" in errors[0]
+    assert "no tool is named 'jump'" in errors[1] and "add, stop" in errors[1]
+    assert "not a JSON object" in errors[2]
+    assert "not closed with </tool_call>" in errors[3]
+    assert parse_hermes("<think>x</think><answer>Up</answer>", TOOLS) == []
+    bad_json = parse_hermes('<tool_call>{"name": "add", "arguments": {amount: 1}}</tool_call>', TOOLS)[0]
+    assert isinstance(bad_json, BadCall) and "not valid JSON" in bad_json.error
+
+
+def test_server_calls_are_checked_as_the_texts_are():
+    calls = read_server_calls([{"id": "a", "type": "function", "function": {"name": "add", "arguments": '{"amount": "2"}'}},
+                               {"function": {"name": "add", "arguments": "{bad"}}, "nonsense"], TOOLS)
+    assert calls[0] == ToolCall("add", {"amount": "2"})
+    assert "not valid JSON" in calls[1].error and "not {" in calls[2].error
+    ctx = ContextManager(ContextConfig(tool_parser="server"))
+    answer = Completion("<tool_call>{}</tool_call>", [], [], "stop", 0)
+    (missing,) = ctx.parse_calls(answer, TOOLS)
+    assert "ctx_manager.tool_parser=hermes" in missing.error
+    with pytest.raises(ValueError, match="ctx_manager.tool_parser"):
+        ContextConfig(tool_parser="json")
+
+
+# ----- the rollout ------------------------------------------------------------------------------------------
+
+def _counter_rollout(**loop_kw):
+    envs = custom_envs(Counter=counter_tag())
+    specs = specs_for(["Counter"], [2], 1, envs)
+    loop = loop_config(max_turn=6, **loop_kw)
+    engine = ScriptedEngine(answers="tests.test_tool_calls:counter_answers")
+    return specs, loop, sequential(specs, loop, engine=engine)
+
+
+def test_tool_calls_step_the_env_and_their_results_come_back_as_tool_messages():
+    specs, loop, trajs = _counter_rollout()
+    for spec, traj in zip(specs, trajs):
+        assert traj.stop_reason is StopReason.DONE and traj.success, traj
+        first, second = traj.turns[0], traj.turns[1]
+        # an unparsable call: nothing runs, the format penalty, and the error goes back as its tool message
+        assert first.executed_actions == [] and first.penalty == loop.format_penalty
+        assert first.tool_results[0].startswith("Error in tool call 1: <tool_call> is not closed") or \
+            "not valid JSON" in first.tool_results[0]
+        # one good call and one whose arguments do not match: the good one runs, the other is an error
+        assert len(second.executed_actions) == 1 and second.penalty == loop.format_penalty
+        assert second.tool_results[0].startswith("The counter is")
+        assert "do not match its parameters at amount" in second.tool_results[1]
+        assert json.loads(second.executed_actions[0]) == {"name": "add", "arguments": {"amount": "1"}}
+        messages = ContextManager(loop.context).build_messages(spec, traj.turns[:2], traj.turns[1].observation, 1)
+        tools = [m for m in messages if m["role"] == "tool"]
+        assert [m["content"] for m in tools] == list(first.tool_results + second.tool_results)
+        assert messages[-1]["role"] == "tool" and messages[-2]["role"] == "tool"
+        assert "<tool_call>" in messages[1]["content"] and "Use the tools." in messages[0]["content"]
+
+
+def test_exact_tokens_hold_across_tool_turns():
+    specs, loop, trajs = _counter_rollout()
+    ctx, chat = ContextManager(loop.context), byte_chat()
+    for spec, traj in zip(specs, trajs):
+        (row,) = ctx.formulate_rollouts([(spec, traj.turns)], chat)
+        assert row["input_ids"] == episode_ids(traj.turns)
+        sampled = [lp for lp, m in zip(row["behaviour_logprobs"], row["loss_mask"]) if m]
+        assert sampled and not any(math.isnan(lp) for lp in sampled)
+        # the appended prompts are the full renders of the same messages (tools in the system message)
+        for k, turn in enumerate(traj.turns):
+            messages = ctx.build_messages(spec, traj.turns[:k], turn.observation, turn.actions_left)
+            full = chat.full(messages, ctx.answer_prefix, spec.tools)
+            assert episode_ids(traj.turns[:k + 1])[:len(full)] == full
+        assert bytes(row["input_ids"]).decode().count('"name": "add"') >= 2  # the tools block and a call
+    # rendered whole (rerender), the trainer's ids are the same here: nothing was tidied
+    _, loop2, trajs2 = _counter_rollout()
+    ctx2 = ContextManager(replace(loop2.context, token_history="rerender"))
+    stripped = [replace(t, prompt_ids=(), prompt_start=0) for t in trajs2[0].turns]
+    (rerendered,) = ctx2.formulate_rollouts([(specs[0], stripped)], chat)
+    assert rerendered["input_ids"] == episode_ids(trajs2[0].turns)
+
+
+def test_an_answer_without_a_call_is_a_penalty_and_the_next_prompt_says_so():
+    envs = custom_envs(Counter=counter_tag())
+    specs = specs_for(["Counter"], [1], 1, envs)
+    loop = loop_config(max_turn=2)
+    (traj,) = sequential(specs, loop, engine=ScriptedEngine())
+    assert all(t.executed_actions == [] and t.penalty == loop.format_penalty for t in traj.turns)
+    messages = ContextManager(loop.context).build_messages(specs[0], traj.turns[:1], traj.turns[0].observation, 6)
+    assert messages[-1] == {"role": "user", "content": NO_TOOL_CALL}
+
+
+def test_a_tool_env_needs_the_whole_conversation():
+    from ragen.llm_agent import AgentSetup
+
+    with pytest.raises(ValueError, match="custom_envs.Counter declares tools.*context_window_mode=full"):
+        AgentSetup.from_config({
+            "custom_envs": custom_envs(Counter=counter_tag()),
+            "agent_proxy": {"max_turn": 3, "context_window_mode": "single_turn"},
+            "ctx_manager": {"token_history": "rerender"},
+            "es_manager": {s: {"env_groups": 1, "group_size": 1,
+                               "env_configs": {"tags": ["Counter"], "n_groups": [1]}} for s in ("train", "val")}})
+
+
+# ----- chat templates ---------------------------------------------------------------------------------------
+
+# Qwen2.5's way with tools, cut down: the tool list in the system message, tool messages as
+# <tool_response> blocks in a user turn
+TOOLS_TEMPLATE = (
+    "{% if tools %}{{ '<|im_start|>system\n' }}{% if messages[0]['role'] == 'system' %}"
+    "{{ messages[0]['content'] + '\n\n' }}{% endif %}{{ '# Tools\n<tools>' }}"
+    "{% for tool in tools %}{{ '\n' + (tool | tojson) }}{% endfor %}{{ '\n</tools><|im_end|>\n' }}"
+    "{% elif messages[0]['role'] == 'system' %}{{ '<|im_start|>system\n' + messages[0]['content'] + '<|im_end|>\n' }}"
+    "{% endif %}"
+    "{% for message in messages %}"
+    "{% if message['role'] == 'tool' %}"
+    "{% if loop.first or messages[loop.index0 - 1]['role'] != 'tool' %}{{ '<|im_start|>user' }}{% endif %}"
+    "{{ '\n<tool_response>\n' + message['content'] + '\n</tool_response>' }}"
+    "{% if loop.last or messages[loop.index0 + 1]['role'] != 'tool' %}{{ '<|im_end|>\n' }}{% endif %}"
+    "{% elif message['role'] != 'system' %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+
+@pytest.fixture(scope="module")
+def tiny_tokenizer(tiny_model_path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tiny_model_path, local_files_only=True)
+
+
+def _tool_conversation(tokenizer):
+    chat = ChatTokens.of(tokenizer)
+    messages = [{"role": "system", "content": "You're a helpful assistant."},
+                {"role": "user", "content": "The counter is 1."}]
+    prompt = chat.full(messages, "<think>", TOOLS)
+    answer_text = " ok</think>" + call_text("add", {"amount": "1"}) + call_text("stop", {})
+    answer = tokenizer(answer_text, add_special_tokens=False)["input_ids"] + [tokenizer.convert_tokens_to_ids("<|im_end|>")]
+    later = messages + [{"role": "assistant", "content": "<think>" + answer_text},
+                        {"role": "tool", "content": "The counter is 2.", "tool_call_id": "call_1_1"},
+                        {"role": "tool", "content": "Stopped at 2.", "tool_call_id": "call_1_2"}]
+    return chat, prompt, answer, later
+
+
+def test_a_template_that_renders_tools_gets_them_and_tool_messages_append_exactly(tiny_tokenizer):
+    tokenizer = copy.deepcopy(tiny_tokenizer)
+    tokenizer.chat_template = TOOLS_TEMPLATE
+    chat, prompt, answer, later = _tool_conversation(tokenizer)
+    assert chat.renders_tools
+    text = tokenizer.decode(prompt)
+    assert "# Tools\n<tools>" in text and '"name": "add"' in text and "You may call" not in text
+    ids, diverged = chat.append(prompt + answer, later, 3, "<think>", TOOLS)
+    assert not diverged and ids == chat.full(later, "<think>", TOOLS)
+    assert "<tool_response>\nThe counter is 2.\n</tool_response>\n<tool_response>" in tokenizer.decode(ids)
+
+
+def test_a_template_without_tools_gets_them_in_the_system_message(tiny_tokenizer):
+    chat, prompt, answer, later = _tool_conversation(tiny_tokenizer)  # ChatML: tools= ignored
+    assert not chat.renders_tools
+    text = tiny_tokenizer.decode(prompt)
+    assert text.startswith("<|im_start|>system\nYou're a helpful assistant.\n\n# Tools\n\nYou may call one or more")
+    assert '"name": "add"' in text and "<tool_call></tool_call> XML tags" in text
+    ids, diverged = chat.append(prompt + answer, later, 3, "<think>", TOOLS)
+    assert not diverged and ids == chat.full(later, "<think>", TOOLS)
+    assert "<|im_start|>tool\nStopped at 2.<|im_end|>" in tiny_tokenizer.decode(ids)
+
+
+def test_the_hf_engine_plays_a_tool_env_with_exact_tokens(tiny_model_and_tokenizer):
+    from ragen.llm.hf import HFEngine
+
+    model, tokenizer = tiny_model_and_tokenizer
+    tokenizer = copy.deepcopy(tokenizer)
+    tokenizer.chat_template = TOOLS_TEMPLATE
+    engine = HFEngine(model=model, tokenizer=tokenizer)
+    envs = custom_envs(Counter=counter_tag())
+    specs = specs_for(["Counter"], [2], 1, envs)
+    loop = replace(loop_config(max_turn=3), sampling=replace(loop_config().sampling, max_tokens=12, seed=4))
+    trajs = sequential(specs, loop, engine=engine)
+    ctx = ContextManager(loop.context)
+    for spec, traj in zip(specs, trajs):
+        assert len(traj.turns) == 3
+        (row,) = ctx.formulate_rollouts([(spec, traj.turns)], engine.chat)
+        assert row["input_ids"] == episode_ids(traj.turns)
+        assert not any(math.isnan(lp) for lp, m in zip(row["behaviour_logprobs"], row["loss_mask"]) if m)
+        assert '"name": "add"' in tokenizer.decode(row["input_ids"])
+    assert engine.stats().history_divergences == 0
+
+
+# ----- the search and code envs' tool forms -----------------------------------------------------------------
+
+def test_the_code_env_takes_run_tests_calls():
+    envs = custom_envs()
+    spec = tag_spec("CodeRepairTools", envs)
+    assert [t["function"]["name"] for t in spec["tools"]] == ["run_tests"]
+    specs = specs_for(["CodeRepairTools"], [4], 1, envs)
+    trajs = sequential(specs, loop_config(max_turn=3), engine=ScriptedEngine(answers="ragen.env.code.pool:scripted_answer"))
+    assert any(t.success for t in trajs) and all(t.turns[0].executed_actions for t in trajs)
+    for t in trajs:
+        call = json.loads(t.turns[0].executed_actions[0])
+        assert call["name"] == "run_tests" and call["arguments"]["code"].strip()
+        for turn in t.turns:  # each verdict comes back as the call's tool message
+            assert turn.tool_results == (turn.steps[0].observation,)
+            assert turn.tool_results[0].startswith(("All", "Passed"))
+
+
+def test_the_openai_engine_sends_tools_and_reads_the_servers_calls():
+    pytest.importorskip("bm25s")
+    from ragen.env.search.corpus import shipped_corpus
+    from ragen.env.search.server import RetrievalServer
+    from ragen.llm.openai_engine import OpenAIEngine
+    from tests.test_llm_openai import FakeServer
+
+    fake = FakeServer(policy=ScriptedEngine(answers="ragen.env.search.pool:scripted_answer"))
+    try:
+        with RetrievalServer(shipped_corpus(filler=100)) as search:
+            envs = custom_envs(S={**custom_envs()["SearchQATools"], "max_tokens": 300,
+                                  "env_config": {"server_url": search.url, "tool_calls": True}})
+            specs = specs_for(["S"], [4], 1, envs)
+            loop = loop_config(max_turn=5)
+            loop = replace(loop, context=replace(loop.context, tool_parser="server"))
+            engine = OpenAIEngine(fake.base_url)
+            trajs = sequential(specs, loop, engine=engine)
+            engine.close()
+            direct = sequential(specs, loop_config(max_turn=5),  # the same policy, its calls read by hermes
+                                engine=ScriptedEngine(answers="ragen.env.search.pool:scripted_answer"))
+    finally:
+        fake.stop()
+    # the server parsed every call (tool_parser=server reads nothing else), and each one ran
+    assert all(t.stop_reason is StopReason.DONE for t in trajs + direct)
+    for t in trajs:
+        names = [json.loads(x.executed_actions[0])["name"] for x in t.turns]
+        assert names[-1] == "finish" and set(names[:-1]) == {"search"} and not any(x.penalty for x in t.turns)
+    body = fake.bodies[-1]
+    assert [t["function"]["name"] for t in body["tools"]] == ["search", "finish"]
+    assert any(m["role"] == "tool" and m["tool_call_id"].startswith("call_") for m in body["messages"])
+
+
+# ----- records ----------------------------------------------------------------------------------------------
+
+def test_a_dump_of_a_tool_episode_reads_back_replays_and_shows_the_tool_messages(tmp_path):
+    from ragen.rollout.dump import read_dump, write_dump
+    from ragen.rollout.types import RolloutResult
+    from ragen.env.allowed import AllowedEnvTypes
+    from ragen.tools.replay import replay
+    from ragen.viewer.page import render_html
+
+    specs, loop, trajs = _counter_rollout()
+    path = write_dump(tmp_path, "step_000001", RolloutResult(trajs, specs), loop, "train", 1)
+    records = read_dump(path)
+    assert [r.trajectory for r in records] == trajs and records[0].spec.tools == TOOLS
+    for record in records:
+        allowed = AllowedEnvTypes(frozenset({record.spec.env_type, record.spec.config_type}))
+        assert replay(record, env_types=allowed).difference is None
+    page = render_html(records)
+    assert page.count('class="msg tool"') == sum(len(t.tool_results) for tr in trajs for t in tr.turns)
+    assert "Error in tool call 1" in page and "The counter is 5." in page and "<b>tool calls</b>" in page
