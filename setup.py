@@ -30,6 +30,7 @@ setup(
         "matplotlib",
         "websockets>=13",  # remote envs: OpenEnv's WebSocket session protocol, client and env server
         "urllib3>=2",  # the search env's pooled connections to its retrieval server
+        "jsonschema>=4.18",  # tool schemas checked at config read, tool call arguments against them
     ],
     extras_require={
         # dask and ray too: their backends are tested in the default suite
