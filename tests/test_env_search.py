@@ -84,7 +84,7 @@ def test_bad_requests_are_refused_with_the_reason(server, body, status, words):
 
 def test_ragens_own_retrieval_client_runs_against_the_server(server):
     spec = importlib.util.spec_from_file_location("ragen_retrieval_client",
-                                                  ROOT / "tests" / "fixtures" / "ragen" / "search_retrieval_client.py")
+                                                  ROOT / "tests" / "fixtures" / "ragen" / "search" / "retrieval_client.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     client = module.RetrievalClient(server_url=server.url, max_results=3)
