@@ -319,6 +319,9 @@ def summarize(mode: str, runs: list, warmup_s: float, setup, proxy) -> dict[str,
         "env_retries": int(m.get("rollout/env_retries", 0)),
         # every env that ended in error or timeout, in any repeat: tag, seed, turn, exception
         "failed_envs": [dict(f, repeat=i) for i, (_, r) in enumerate(runs) for f in r.failed_envs],
+        # what the envs said their steps cost (the code env's sandbox CPU, the search env's retrieval
+        # latency): sum, count and percentiles of the median run
+        "costs": {k[len("costs/"):]: v for k, v in m.items() if k.startswith("costs/")},
         "digest": rollout_digest(result.trajectories),
         "digests": [rollout_digest(r.trajectories) for _, r in runs],
         # outcome metrics of the first repeat: the same seeds in both modes
@@ -369,6 +372,11 @@ def print_report(report: dict[str, Any]) -> None:
     print(header)
     for label, key, fmt in rows:
         print(f"{label:32}" + "".join(f" {_cell(fmt, r[key]):>25}" for r in runs))  # a space: long cells stay apart
+    for name in sorted({k[:-len("_sum")] for r in runs for k in r.get("costs", {}) if k.endswith("_sum")}):
+        ms = 1000 if name.endswith("_s") else 1  # a time in seconds is shown in ms
+        unit = "ms" if ms == 1000 else ""
+        print(f"{(name.removesuffix('_s') + f' sum (s) / p50/p90/p99 {unit}'):32}" + "".join(
+            f" {_costs_cell(r.get('costs', {}), name, ms):>25}" for r in runs))
     tags = sorted({k.split("/")[1] for r in runs for k in r["metrics"] if k.count("/") == 2 and k.split("/")[1] != "stop"})
     for tag in tags:
         for stat in ("success", "reward", "num_actions"):
@@ -388,6 +396,13 @@ def print_report(report: dict[str, Any]) -> None:
     print(f"consistent: {report['consistent']} ({report['consistency_check']})")
     if report["fault_injection"]:
         print(f"fault injection: {report['fault_injection']}")
+
+
+def _costs_cell(costs: dict[str, float], name: str, scale: float) -> str:
+    """One cost's sum, then its percentiles scaled (ms for seconds); n/a where no step reported it."""
+    if f"{name}_sum" not in costs:
+        return "n/a"
+    return f"{costs[name + '_sum']:.2f} / " + "/".join(f"{costs[f'{name}_p{q}'] * scale:.1f}" for q in (50, 90, 99))
 
 
 def _cell(fmt: str, value: Any) -> str:

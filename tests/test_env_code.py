@@ -232,3 +232,19 @@ def test_a_bad_deepcoder_file_is_refused_naming_the_key(tmp_path):
     empty.write_text(json.dumps({"question": "x", "ground_truth": "[]"}) + "\n")
     with pytest.raises(ValueError, match=r"dataset_path: .* has no problem with stdin/stdout or functional tests"):
         make_env_config("code", {"dataset_path": str(empty)}, tag="C")
+
+
+def test_each_submissions_sandbox_cpu_reaches_the_rollouts_metrics():
+    from ragen.llm.scripted import ScriptedEngine
+    from ragen.rollout.metrics import cost_metrics
+    from tests.rollout_helpers import custom_envs, loop_config, sequential, specs_for
+
+    specs = specs_for(["CodeRepair"], [3], 1, custom_envs())
+    trajs = sequential(specs, loop_config(max_turn=3), engine=ScriptedEngine(answers="ragen.env.code.pool:scripted_answer"))
+    runs = [c for t in trajs for turn in t.turns for c in turn.costs.get("sandbox_cpu_s", [])]
+    assert len(runs) == sum(len(turn.executed_actions) for t in trajs for turn in t.turns) and min(runs) > 0
+    m = cost_metrics(trajs)
+    assert m["costs/sandbox_cpu_s_n"] == len(runs) and m["costs/sandbox_cpu_s_sum"] == pytest.approx(sum(runs))
+    assert m["costs/sandbox_cpu_s_p50"] <= m["costs/sandbox_cpu_s_p90"] <= m["costs/sandbox_cpu_s_p99"] == max(runs)
+    rerun = sequential(specs, loop_config(max_turn=3), engine=ScriptedEngine(answers="ragen.env.code.pool:scripted_answer"))
+    assert rerun == trajs  # a measurement, not part of the result

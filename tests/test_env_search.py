@@ -250,6 +250,9 @@ def test_the_scripted_reader_plays_whole_episodes_against_the_server(server):
     assert all(t.stop_reason is StopReason.DONE and len(t.turns) >= 2 for t in trajs)  # a search, then the answer
     assert sum(t.success for t in trajs) >= 4
     assert scripted_answer("no question here", random.Random(0)) is None
+    latencies = [c for t in trajs for turn in t.turns for c in turn.costs.get("retrieval_s", [])]
+    searches = sum(a.startswith("search[") for t in trajs for turn in t.turns for a in turn.executed_actions)
+    assert len(latencies) == searches > 0 and min(latencies) > 0  # each search's round trip, measured
 
 
 def test_a_two_hop_question_takes_two_searches(server):

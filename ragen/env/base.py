@@ -16,6 +16,12 @@ generator, seeded in ``reset`` (``make_rng`` builds it); nothing random is globa
 never disturb each other. ``BaseDiscreteActionEnv.is_valid_action`` is the one
 test of whether a step's action is an id of ``ACTION_LOOKUP``, and
 ``unchanged_step`` the one result of an action that changes nothing.
+
+An env may say what its last step cost beyond the time it took: ``step_costs``,
+a mapping of names to numbers that it sets afresh in every ``step`` (the code
+env's ``sandbox_cpu_s``, the search env's ``retrieval_s``). The turn loop keeps
+them beside the turn, outside its results (they vary from run to run), and a
+rollout's metrics report their sums and percentiles (``costs/<name>_*``).
 """
 
 from __future__ import annotations
@@ -45,7 +51,10 @@ class BaseEnvConfig:
 
 class BaseEnv(ABC):
     """The env interface: ``reset(seed)`` returns the first observation text, ``step(action)``
-    returns ``(observation, reward, done, info)``."""
+    returns ``(observation, reward, done, info)``; ``step_costs``: what the last step cost
+    (see the module docstring), None when the env does not say."""
+
+    step_costs: dict[str, float] | None = None
 
     def __init__(self, config: Any = None) -> None:
         # RAGEN's env modules set ``self.config`` (and their lookups) first and

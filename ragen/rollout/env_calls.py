@@ -346,10 +346,11 @@ def apply_actions(slot: EnvSlot, actions: list[str], completion: Completion, for
     budget = slot.actions_left
     shown = slot.observation
     # an int 0 until a step adds to it: a prompt shows the turn's reward as str(), as RAGEN does
-    reward, done, info, executed, steps = 0, False, {}, [], []
+    reward, done, info, executed, steps, costs = 0, False, {}, [], [], {}
     t0 = time.perf_counter()
     for name, action in valid[:budget]:
         obs, r, done, step_info = call(slot.env.step, action)
+        _add_costs(costs, slot.env)
         r = _reward(r)
         slot.observation = _observation(obs, "step")
         reward += r
@@ -380,6 +381,7 @@ def apply_actions(slot: EnvSlot, actions: list[str], completion: Completion, for
             logprobs=None if completion.logprobs is None else tuple(completion.logprobs),
             prompt_ids=prompt_ids,
             prompt_start=prompt_start,
+            costs=costs,
         )
     )
     if info.get("success"):
@@ -390,6 +392,17 @@ def apply_actions(slot: EnvSlot, actions: list[str], completion: Completion, for
         slot.finish(StopReason.ACTION_BUDGET)
     elif max_turn is not None and len(slot.traj.turns) >= max_turn:
         slot.finish(StopReason.MAX_TURNS)
+
+
+def _add_costs(costs: dict[str, list[float]], env: Any) -> None:
+    """The env's ``step_costs`` of the step it just took, added to ``costs``; a value that is not
+    a finite number is left out (a cost is a measurement, never a reason to end the env)."""
+    given = getattr(env, "step_costs", None)
+    if not isinstance(given, dict):
+        return
+    for name, value in given.items():
+        if isinstance(name, str) and isinstance(value, (int, float)) and math.isfinite(value):
+            costs.setdefault(name, []).append(float(value))
 
 
 def _prompt_ids(slot: EnvSlot, completion: Completion) -> tuple[int, tuple[int, ...]]:

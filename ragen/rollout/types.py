@@ -117,6 +117,9 @@ class Turn:
     # the calls as a server parsed them (``Completion.tool_calls``; None: the engine's reply had none):
     # what a replay answers with, next to the text
     tool_calls: tuple[dict[str, Any], ...] | None = None
+    # what the env said its steps cost (``step_costs``), a list per name with a value per step
+    # that gave one (measurements: not compared)
+    costs: dict[str, list[float]] = field(default_factory=dict, compare=False)
 
     @property
     def has_prompt_ids(self) -> bool:

@@ -73,6 +73,7 @@ class CodeEnv(BaseLanguageBasedEnv):
     def step(self, action: Any) -> tuple[str, float, bool, dict]:
         if self.problem is None:
             raise RuntimeError("CodeEnv.step() called before reset()")
+        self.step_costs = None
         if isinstance(action, dict):  # a tool call
             action = tool_argument(action, "run_tests", "code")
         code = extract_code(action) if isinstance(action, str) else ""
@@ -80,6 +81,7 @@ class CodeEnv(BaseLanguageBasedEnv):
             return unchanged_step(self.render_cache, bool(code.strip()), self._done, self._success,
                                   self.config.invalid_act_score)
         verdict = judge(code, self.problem, self.config.limits())
+        self.step_costs = {"sandbox_cpu_s": verdict.cpu_s}
         score = self.score(verdict)
         reward = max(0.0, score - self.best)
         self.best = max(self.best, score)

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import re
 import string
+import time
 from collections import Counter
 from typing import Any
 
@@ -81,7 +82,9 @@ class SearchEnv(BaseLanguageBasedEnv):
 
     def _results(self, query: str) -> str:
         cfg = self.config
+        t0 = time.perf_counter()
         found = retrieve(cfg.server_url, query, cfg.top_k, cfg.timeout_s)
+        self.step_costs = {"retrieval_s": time.perf_counter() - t0}
         if not found:
             return "No relevant documents found for the query."
         shown = []
@@ -104,6 +107,7 @@ class SearchEnv(BaseLanguageBasedEnv):
     def step(self, action: Any) -> tuple[str, float, bool, dict]:
         if self.question is None:
             raise RuntimeError("SearchEnv.step() called before reset()")
+        self.step_costs = None
         if isinstance(action, dict):  # a tool call: the text form of the same action
             kind = action.get("name")
             arg = tool_argument(action, kind, "query" if kind == "search" else "answer")
