@@ -201,6 +201,15 @@ def _tool_turn(context: ContextConfig, turn: Turn) -> str:
             f'<div class="tool-results">{results}</div>')
 
 
+def _tools(tools: list[dict[str, Any]] | None) -> str:
+    """The env's tools by name, each with its schema as a tooltip; nothing for an env without tools."""
+    if not tools:
+        return ""
+    names = " ".join(f'<code title="{escape(json.dumps(t, ensure_ascii=False))}">'
+                     f'{escape(str(t.get("function", {}).get("name")))}</code>' for t in tools)
+    return f" · tools {names}"
+
+
 def _list(items: list[str]) -> str:
     return " ".join(f"<code>{escape(a)}</code>" for a in items) if items else "<em>none</em>"
 
@@ -256,7 +265,8 @@ def _episode(r: DumpRecord, symbols: Symbols | None) -> str:
     worker = "driver" if t.worker is None else f"pid {t.worker}"
     meta = (f'<p class="meta">tag {escape(t.tag)} · env type <code>{escape(r.spec.env_type)}</code> · group '
             f"{t.group_id} · seed {t.seed} · mode {escape(r.spec.mode)} · worker {worker} · reset "
-            f"{t.reset_s:.3f} s · dump line {r.line}</p>")
+            f"{t.reset_s:.3f} s · dump line {r.line}"
+            f"{_tools(r.spec.tools)}</p>")
     turns = "".join(_turn(r, i, symbols) for i in range(len(t.turns)))
     return (f'<details class="episode{" failed" if failed else ""}" id="ep-{r.env_id}" {_data(r)}>'
             f"<summary>env {r.env_id} · {escape(t.tag)} · {'success' if t.success else 'no success'} · "
