@@ -952,3 +952,29 @@ def test_a_real_vllm_server_takes_token_prompts_as_it_answers_messages(caplog):
     finally:
         ids_engine.close()
         chat_engine.close()
+
+
+# RAGEN_OPENAI_TOOLS=1 too when that server was started with --enable-auto-tool-choice --tool-call-parser hermes
+@pytest.mark.skipif(not (REAL_URL and __import__("os").environ.get("RAGEN_OPENAI_TOOLS")),
+                    reason="set RAGEN_OPENAI_TEST_URL and RAGEN_OPENAI_TOOLS=1 for a vllm server with a tool parser")
+@pytest.mark.timeout(300)
+def test_a_real_vllm_server_with_a_tool_parser_plays_a_tool_env_both_ways():
+    from tests.test_tool_calls import counter_tag
+
+    specs = specs_for(["Counter"], [2], 1, custom_envs(Counter=counter_tag()))
+    for kw, parser in (({}, "server"), ({"tokenizer": "default"}, "hermes")):
+        loop = loop_config(max_turn=3)
+        loop = replace(loop, context=replace(loop.context, tool_parser=parser),
+                       sampling=replace(loop.sampling, temperature=0.0, max_tokens=40))
+        engine = OpenAIEngine(REAL_URL, **kw)
+        try:
+            trajs, _ = run_envs(specs, DirectClient(engine), loop, kept_envs=KeptEnvs(), isolate_errors=True)
+            assert all(t.stop_reason is StopReason.MAX_TURNS and len(t.turns) == 3 for t in trajs)
+            # the server took the tools and the tool messages (none is an error) and said which calls it parsed
+            assert all(x.finish_reason != "error" for t in trajs for x in t.turns)
+            if parser == "server":
+                assert all(x.tool_calls is not None for t in trajs for x in t.turns)
+            else:
+                assert engine.stats().token_prompt_fallbacks == 0
+        finally:
+            engine.close()

@@ -56,8 +56,8 @@ completion is handed back as soon as its reply is in.
 - *Tools*: a request's ``tools`` go with it to ``/chat/completions`` as
   ``tools``, and the ``tool_calls`` of the reply's message (a server started
   with a tool parser, e.g. ``vllm serve --enable-auto-tool-choice
-  --tool-call-parser hermes``) are the completion's (``ctx_manager.tool_parser:
-  server`` reads them). Tool results go back as ``tool`` messages with a
+  --tool-call-parser hermes``) are the completion's, none when the message
+  has none (``ctx_manager.tool_parser: server`` reads them). Tool results go back as ``tool`` messages with a
   ``tool_call_id``, after an assistant message of the answer's text (no
   ``tool_calls`` field: a server that checks the pairing, as OpenAI's own
   does, refuses them). On ``/completions`` the tools are in the prompt ids.
@@ -346,9 +346,10 @@ class OpenAIEngine(StreamingEngine):
         logprobs = replies.chat_logprobs(choice, response_ids) if self.returns_logprobs else None
         completion = Completion.answering(request, text, prompt_ids, response_ids, finish_reason(choice), version,
                                           logprobs)
-        tool_calls = (message or {}).get("tool_calls")
-        if not request.tools or tool_calls is None:
+        if not request.tools:
             return completion
+        # a server with a tool parser leaves the field out (vllm serve: null) when it found no call
+        tool_calls = (message or {}).get("tool_calls") or []
         if not isinstance(tool_calls, list) or not all(isinstance(c, dict) for c in tool_calls):
             raise replies.malformed(route, f"choices[0].message.tool_calls is not a list of objects "
                                            f"(got {tool_calls!r:.80})")
