@@ -27,6 +27,7 @@ logger = logging.getLogger(__name__)
 BACKENDS = ("loky", "threading", "multiprocessing", "sequential", "dask", "ray")  # agent_proxy.parallel_backend
 ROLLOUT_MODES = ("sync", "fully_async")
 FULLY_ASYNC_BACKENDS = ("loky", "threading")  # agent_proxy.parallel_backend with rollout_mode: fully_async
+ROLLOUT_FILTERS = ("none", "nonzero_variance")  # agent_proxy.rollout_filter
 
 
 @dataclass(frozen=True)
@@ -155,6 +156,15 @@ class AgentProxyConfig:
     # fully_async: a group that weight updates interrupt goes on with the new weights (each turn
     # keeps its version); false: it restarts from its first turn when they span over the bound
     partial_rollout: bool = True
+    # a training batch of whole groups of signal (ragen.rollout.fill): a group with an env in error or
+    # timeout is never trained; nonzero_variance drops the groups whose rewards all agree too; up to
+    # max_refill rounds of fresh groups replace the dropped ones (sync rollouts)
+    rollout_filter: str = setting("none", choices=ROLLOUT_FILTERS)
+    max_refill: int = setting(0, minimum=0)
+    # a (tag, seed) that ends in error in quarantine_after consecutive rollouts is not dealt for
+    # quarantine_rollouts rollouts (its group plays the next free seed); null: never quarantined
+    quarantine_after: int | None = setting(None, minimum=1)
+    quarantine_rollouts: int = setting(10, minimum=1)
 
     def __post_init__(self) -> None:
         check_n_jobs(self.parallel_n_jobs)
@@ -165,6 +175,11 @@ class AgentProxyConfig:
         if self.rollout_mode == "fully_async" and self.parallel_backend not in FULLY_ASYNC_BACKENDS:
             raise ValueError(f"agent_proxy.parallel_backend={self.parallel_backend!r}: rollout_mode fully_async "
                              f"keeps its groups in flight on this machine, on one of {FULLY_ASYNC_BACKENDS}")
+        if self.max_refill and (self.rollout_mode != "sync" or self.async_generation_ratio):
+            raise ValueError(f"agent_proxy.max_refill={self.max_refill}: refilled groups are played at once, with "
+                             f"the trainer's weights; rollout_mode={self.rollout_mode} and async_generation_ratio="
+                             f"{self.async_generation_ratio} play batches in the background: set max_refill=0, or "
+                             f"rollout_mode=sync and async_generation_ratio=0")
 
 
 @dataclass(frozen=True)

@@ -71,6 +71,8 @@ class EnvSpecMaker:
         self.base_seed = int(seed)
         self._rollouts = 0
         self._lock = threading.Lock()
+        self.quarantine = None  # a ragen.rollout.fill.Quarantine: its (tag, seed) are dealt another seed
+        self._refill_at = self._refill_end = 0  # the seeds set aside for refills (refill_specs), by index
 
     def check_context(self, context: ContextConfig) -> None:
         """ValueError naming the key when the prompt settings cannot play a tag: a tool env's
@@ -102,11 +104,34 @@ class EnvSpecMaker:
         rollout_index, g = divmod(index, self.env_groups)
         return self._group(rollout_index, g, group_id=index)
 
-    def _group(self, rollout_index: int, g: int, group_id: int) -> list[EnvSpec]:
-        tag = self.group_tags[g]
-        seed = self.base_seed + rollout_index * self.env_groups + g
+    def refill_specs(self, slots: Sequence[int], first_group_id: int) -> list[EnvSpec]:
+        """Fresh groups of the tags of ``slots`` (groups of a rollout), numbered from
+        ``first_group_id``. Their seeds follow one another through blocks of a training
+        rollout's seeds that refills set aside (a block used up sets the next one aside), so
+        refilled groups never take the seeds of a slot, which share their remainder by
+        env_groups, nor a seed twice."""
+        taken = []
+        with self._lock:
+            for _ in slots:
+                if self._refill_at >= self._refill_end:  # the next training rollout's seeds, for refills
+                    self._refill_at = self._rollouts * self.env_groups
+                    self._refill_end = self._refill_at + self.env_groups
+                    self._rollouts += 1
+                taken.append(self._refill_at)
+                self._refill_at += 1
+        return [s for k, (g, at) in enumerate(zip(slots, taken))
+                for s in self._group(at // self.env_groups, at % self.env_groups, group_id=first_group_id + k,
+                                     tag=self.group_tags[g])]
+
+    def _group(self, rollout_index: int, g: int, group_id: int, tag: str | None = None) -> list[EnvSpec]:
+        """Group ``g`` of rollout ``rollout_index``, of its slot's tag or ``tag``."""
+        tag = tag or self.group_tags[g]
+        seed = dealt = self.base_seed + rollout_index * self.env_groups + g
+        # a quarantined seed: the same slot of a later rollout (bounded: each step passes one held key)
+        while self.quarantine is not None and self.quarantine.holds(tag, seed):
+            seed += self.env_groups
         return [spec_of(tag, self.tag_specs[tag], seed, env_id=group_id * self.group_size + m, group_id=group_id,
-                        mode=self.split)
+                        mode=self.split, replaces_seed=dealt if seed != dealt else None)
                 for m in range(self.group_size)]
 
     def group_seeds(self, rollout_index: int) -> list[tuple[str, int]]:
@@ -130,14 +155,14 @@ def tag_spec(tag: str, custom_envs: Mapping) -> dict[str, Any]:
 
 
 def spec_of(tag: str, ts: Mapping[str, Any], seed: int, env_id: int = 0, group_id: int = 0,
-            mode: str = "train") -> EnvSpec:
+            mode: str = "train", replaces_seed: int | None = None) -> EnvSpec:
     """The ``EnvSpec`` of one env of ``tag`` (its ``tag_spec`` ``ts``) with ``seed``."""
     return EnvSpec(env_id=env_id, group_id=group_id, tag=tag, seed=seed,
                    env_type=ts["env_type"], env_config=ts["env_config"], config_type=ts["config_type"],
                    max_actions_per_traj=ts["max_actions_per_traj"], env_instruction=ts["env_instruction"],
                    state_legend=ts["state_legend"], action_names=ts["action_names"],
                    max_tokens=ts["max_tokens"], format_example=ts["format_example"],
-                   env_threads=ts["env_threads"], mode=mode, tools=ts["tools"])
+                   env_threads=ts["env_threads"], mode=mode, tools=ts["tools"], replaces_seed=replaces_seed)
 
 
 def _validate_tag(tag: str, spec: Any, custom_envs: Mapping[str, Any]) -> dict[str, Any]:

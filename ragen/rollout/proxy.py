@@ -33,6 +33,7 @@ from ragen.rollout.backends import make_backend
 from ragen.rollout.config import (AgentProxyConfig, CtxManagerConfig, EsManagerConfig, LlmServerConfig, SeedConfig,
                                   context_config, read_rollout_sections)
 from ragen.rollout.envs import EnvSpecMaker
+from ragen.rollout.fill import Quarantine, fill_batch
 from ragen.rollout.loop_config import LoopConfig
 from ragen.rollout.progress import RolloutProgress
 from ragen.rollout.types import RolloutResult
@@ -80,8 +81,10 @@ class AgentSetup:
             raise ValueError("custom_envs is missing or empty: add config/envs.yaml to the defaults list")
         es = {split: EnvSpecMaker(split, es_cfg.split(split), custom_envs, getattr(seed, split))
               for split in ("train", "val")}
-        for maker in es.values():
+        for split, maker in es.items():
             maker.check_context(context)
+            if ap.quarantine_after is not None:
+                maker.quarantine = Quarantine(ap.quarantine_after, ap.quarantine_rollouts, split)
         server: LlmServerConfig = sections["llm_server"]
         return cls(
             agent_proxy=ap,
@@ -121,8 +124,29 @@ class LLMAgentProxy:
 
     def next_train_batch(self, policy_version: int) -> RolloutResult:
         """The next training batch: a rollout now, or one generated ahead (at
-        most ``async_generation_ratio`` versions old), or completed fully-async groups."""
-        return self.backend.rollout(self.setup.es["train"], self.setup.loop, policy_version=policy_version)
+        most ``async_generation_ratio`` versions old), or completed fully-async groups;
+        its groups with a failed env, or no signal under ``rollout_filter``, named as
+        dropped, and refilled up to ``max_refill`` rounds (``ragen.rollout.fill``)."""
+        ap, maker, loop = self.setup.agent_proxy, self.setup.es["train"], self.setup.loop
+        result = self.backend.rollout(maker, loop, policy_version=policy_version)
+        self._record("train", result)
+
+        def play(specs: list) -> RolloutResult:
+            more = self.backend.rollout(specs, loop, policy_version=policy_version)
+            self._record("train", more)
+            return more
+
+        return fill_batch(result, play, maker, ap.rollout_filter, ap.max_refill)
+
+    def _record(self, split: str, result: RolloutResult) -> None:
+        """A rollout of ``split``, told to its quarantine (when one is kept), which its metrics report."""
+        quarantine = self.setup.es[split].quarantine
+        if quarantine is not None:
+            quarantine.record(result.trajectories)
+            # the (tag, seed) set aside now, and the groups of this rollout dealt in their place
+            result.metrics["quarantine/held"] = float(len(quarantine.held))
+            result.metrics["quarantine/replaced_groups"] = float(len(
+                {s.group_id for s in result.specs if s.replaces_seed is not None}))
 
     @contextmanager
     def generation_paused(self) -> Iterator[None]:
@@ -152,7 +176,9 @@ class LLMAgentProxy:
         loop = self.setup.loop if split == "train" else self.setup.val_loop
         if progress is None:
             progress = RolloutProgress(len(specs), split)
-        return self.backend.rollout(specs, loop, progress=progress, fault=fault)
+        result = self.backend.rollout(specs, loop, progress=progress, fault=fault)
+        self._record(split, result)
+        return result
 
     def close(self) -> None:
         self.backend.close()  # and the shared manager it built

@@ -67,6 +67,8 @@ class EnvSpec:
     # the env's tools (OpenAI function schemas): its actions are tool calls, their results
     # ``tool`` messages (None: RAGEN's text actions)
     tools: list[dict[str, Any]] | None = None
+    # the seed this group was dealt in place of, set aside by the quarantine (ragen.rollout.fill)
+    replaces_seed: int | None = None
 
     @property
     def reuse_key(self) -> tuple:
@@ -192,6 +194,8 @@ class RolloutResult:
     trajectories: list[Trajectory]
     specs: list[EnvSpec]  # aligned with trajectories
     metrics: dict[str, float] = field(default_factory=dict)
+    # group id -> why a training batch leaves the group out ("failed", "no_signal": ragen.rollout.fill)
+    dropped_groups: dict[int, str] = field(default_factory=dict)
 
     @property
     def failed_envs(self) -> list[dict[str, Any]]:

@@ -30,10 +30,12 @@ def rename_rollout_metrics(metrics: Mapping[str, float], split: str) -> dict[str
 
 def make_samples(result: RolloutResult, ctx: ContextManager, chat: Any, cfg: TrainerConfig,
                  context: ContextConfig) -> tuple[list[Sample], dict[str, float]]:
-    """Training samples of the kept groups, with their advantages, and batch metrics."""
-    trajs = [(t, s) for t, s in zip(result.trajectories, result.specs) if t.turns]
+    """Training samples of the kept groups, with their advantages, and batch metrics. The groups
+    the rollout dropped (a failed env, or no signal: ``RolloutResult.dropped_groups``) are left out."""
+    dropped = result.dropped_groups
+    trajs = [(t, s) for t, s in zip(result.trajectories, result.specs) if t.turns and t.group_id not in dropped]
     if not trajs:
-        return [], {"batch/n_samples": 0.0}
+        return [], {"batch/n_samples": 0.0, "batch/dropped_groups": float(len(dropped))}
     max_len = cfg.rollout.max_model_len
     rows = ctx.formulate_rollouts([(spec, t.turns) for t, spec in trajs], chat, max_len)
     metrics = _response_metrics([t for t, _ in trajs], rows)
@@ -58,6 +60,7 @@ def make_samples(result: RolloutResult, ctx: ContextManager, chat: Any, cfg: Tra
         samples.append(sample)
     metrics.update({
         "batch/n_groups": float(len(set(group_ids))),
+        "batch/dropped_groups": float(len(dropped)),  # by the rollout: a failed env, or no signal
         "batch/kept_groups": float(len({group_ids[i] for i in kept})),
         "batch/n_samples": float(len(samples)),
         "batch/truncated": float(sum(s.truncated for s in samples)),
