@@ -69,6 +69,9 @@ its own, besides before against after.
 A case's line shows the hash over those parts; ``--out`` also keeps the parts
 (``parts``), the trajectory count and any env that ended in error or timeout
 (``failed``: such an end depends on timing, and the case is marked ``!``).
+A preset with ``benchmark.retrieval_server`` (``search``) gets a retrieval
+server of the shipped corpus and its filler, started once on a free port,
+as the benchmark script starts one.
 
 Skipped presets: those whose engine is not ``scripted`` (``real_model``: the
 embedded SmolLM2 on the ``hf`` engine, about 30 s a rollout on 2 cores, so
@@ -202,7 +205,30 @@ def case_config(preset: str, backend: str, mode: str, replicas: int) -> dict[str
         if backend == "sequential":
             raise ValueError("fully_async plays its groups on workers")
     plain["engine"]["replicas"] = replicas
+    serve_retrieval(plain)
     return plain
+
+
+_RETRIEVAL_SERVERS: dict[int, Any] = {}  # filler documents -> a server on a daemon thread, for the process
+
+
+def serve_retrieval(plain: dict[str, Any]) -> None:
+    """A preset with ``benchmark.retrieval_server`` (``search``): its search tags point at a retrieval
+    server of the shipped corpus with its filler, started once a process on a free port, as the
+    benchmark script starts one."""
+    wanted = (plain.get("benchmark") or {}).get("retrieval_server")
+    if wanted is None:
+        return
+    from ragen.env.search.corpus import shipped_corpus
+    from ragen.env.search.server import RetrievalServer
+
+    filler = int(wanted.get("filler", 0))
+    if filler not in _RETRIEVAL_SERVERS:
+        _RETRIEVAL_SERVERS[filler] = RetrievalServer(shipped_corpus(filler=filler)).start()
+    url = _RETRIEVAL_SERVERS[filler].url
+    for tag in plain["custom_envs"].values():
+        if tag.get("env_type") == "search":
+            tag["env_config"] = {**(tag.get("env_config") or {}), "server_url": url}
 
 
 def sha(parts: Any) -> str:
