@@ -236,7 +236,7 @@ def test_a_bad_deepcoder_file_is_refused_naming_the_key(tmp_path):
 
 def test_each_submissions_sandbox_cpu_reaches_the_rollouts_metrics():
     from ragen.llm.scripted import ScriptedEngine
-    from ragen.rollout.metrics import cost_metrics
+    from ragen.rollout.envs import cost_metrics
     from tests.rollout_helpers import custom_envs, loop_config, sequential, specs_for
 
     specs = specs_for(["CodeRepair"], [3], 1, custom_envs())

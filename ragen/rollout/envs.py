@@ -18,6 +18,7 @@ sent to workers); the scheduler in ``ragen.rollout.scheduler`` plays them;
 from __future__ import annotations
 
 import logging
+import math
 import threading
 from collections import Counter, defaultdict
 from typing import Any, Mapping, Sequence
@@ -272,7 +273,8 @@ def _prompt_parts(env_type: str, config_type: str | None, tag: str,
 
 def compute_metrics(trajectories: Sequence[Trajectory], prefix: str = "rollout") -> dict[str, float]:
     """Stable metric names: ``<prefix>/success``, ``<prefix>/<tag>/success``,
-    ``<prefix>/stop/<reason>``, ... over one rollout's trajectories."""
+    ``<prefix>/stop/<reason>``, ... over one rollout's trajectories, and what their steps
+    cost (``cost_metrics``)."""
     m: dict[str, float] = {}
     if not trajectories:
         return m
@@ -300,4 +302,23 @@ def compute_metrics(trajectories: Sequence[Trajectory], prefix: str = "rollout")
         m[f"{prefix}/stop/{reason.value}"] = float(stops.get(reason, 0))
     m[f"{prefix}/env_steps"] = float(sum(t.num_actions for t in trajectories))
     assert sum(stops.values()) == n
+    m.update(cost_metrics(trajectories))
+    return m
+
+
+def cost_metrics(trajectories: Sequence[Trajectory]) -> dict[str, float]:
+    """What envs said their steps cost (``Turn.costs``): each name's ``costs/<name>_sum``, ``_n``
+    and nearest-rank percentiles ``_p50``, ``_p90``, ``_p99``."""
+    values: dict[str, list[float]] = {}
+    for t in trajectories:
+        for turn in t.turns:
+            for name, costs in turn.costs.items():
+                values.setdefault(name, []).extend(costs)
+    m: dict[str, float] = {}
+    for name, v in sorted(values.items()):
+        v.sort()
+        m[f"costs/{name}_sum"] = sum(v)
+        m[f"costs/{name}_n"] = float(len(v))
+        for q in (50, 90, 99):  # nearest rank
+            m[f"costs/{name}_p{q}"] = v[min(len(v) - 1, max(0, math.ceil(q / 100 * len(v)) - 1))]
     return m

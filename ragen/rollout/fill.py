@@ -26,7 +26,6 @@ from collections import defaultdict
 from typing import Callable, Sequence
 
 from ragen.rollout.envs import compute_metrics
-from ragen.rollout.metrics import cost_metrics
 from ragen.rollout.types import EnvSpec, RolloutResult, StopReason, Trajectory
 
 logger = logging.getLogger(__name__)
@@ -75,7 +74,6 @@ def fill_batch(first: RolloutResult, play: Callable[[list[EnvSpec]], RolloutResu
     metrics = dict(first.metrics)
     if rounds:
         metrics.update(compute_metrics(trajectories))  # over every group played
-        metrics.update(cost_metrics(trajectories))
     metrics.update({
         "fill/groups_sampled": float(n_groups),
         "fill/groups_kept": float(kept),

@@ -4,14 +4,11 @@
 outcomes (``rollout/*``, ``compute_metrics``), where the time went
 (``timing/*``) and how the engine was used (``engine/*``). A backend adds the
 metrics only it has (the parallel backend's ``parallel/*``, ``ipc/*`` and
-``overhead/*``). ``cost_metrics``: what envs said their steps cost
-(``costs/<name>_sum``, ``_n`` and the percentiles ``_p50``, ``_p90``,
-``_p99``).
+``overhead/*``).
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -37,7 +34,6 @@ def rollout_metrics(trajectories: Sequence[Trajectory], stats: LoopStats, engine
     everything that played its envs, ``fallbacks``: the workers whose groups
     were re-run by the fallback."""
     m = compute_metrics(trajectories)
-    m.update(cost_metrics(trajectories))
     sizes = list(engine.batch_sizes)
     m.update({
         "timing/env_reset_s": stats.env_reset_s,
@@ -55,23 +51,6 @@ def rollout_metrics(trajectories: Sequence[Trajectory], stats: LoopStats, engine
         "timing/envs_done_spread_s": stats.done_spread_s or 0.0,
         "timing/rollout_s": wall_s,
     })
-    return m
-
-
-def cost_metrics(trajectories: Sequence[Trajectory]) -> dict[str, float]:
-    """The sum, count and percentiles of each cost the envs reported (``Turn.costs``)."""
-    values: dict[str, list[float]] = {}
-    for t in trajectories:
-        for turn in t.turns:
-            for name, costs in turn.costs.items():
-                values.setdefault(name, []).extend(costs)
-    m: dict[str, float] = {}
-    for name, v in sorted(values.items()):
-        v.sort()
-        m[f"costs/{name}_sum"] = sum(v)
-        m[f"costs/{name}_n"] = float(len(v))
-        for q in (50, 90, 99):  # nearest rank
-            m[f"costs/{name}_p{q}"] = v[min(len(v) - 1, max(0, math.ceil(q / 100 * len(v)) - 1))]
     return m
 
 

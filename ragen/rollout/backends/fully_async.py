@@ -20,7 +20,6 @@ from ragen.rollout.backends.base import AsyncBackend, SyncBackend
 from ragen.rollout.config import cap_n_jobs
 from ragen.rollout.envs import EnvSpecMaker, compute_metrics
 from ragen.rollout.loop_config import LoopConfig
-from ragen.rollout.metrics import cost_metrics
 from ragen.rollout.progress import RolloutProgress
 from ragen.rollout.types import RolloutResult
 from ragen.rollout.workers.executors import KeptExecutor, local_pool
@@ -231,7 +230,6 @@ class FullyAsync(AsyncBackend):
         trajectories = [t for _, trajs in groups for t in trajs]
         specs = [s for index, _ in groups for s in envs.group_specs(index)]
         metrics = compute_metrics(trajectories)  # the engine's and envs' time belong to no one batch
-        metrics.update(cost_metrics(trajectories))  # what these trajectories' steps cost does
         metrics["timing/rollout_s"] = time.perf_counter() - t0
         return RolloutResult(trajectories=trajectories, specs=specs, metrics=metrics)
 
