@@ -8,7 +8,8 @@ An env module written for RAGEN imports these names and runs unchanged:
 - ``BaseDiscreteActionEnv``: actions are integer ids; ``ACTION_LOOKUP`` maps
   id -> action name and ``get_all_actions()`` lists the ids.
 - ``BaseLanguageBasedEnv``: the action is the answer text itself.
-- ``BaseEnvConfig``: the dataclass every env config derives from.
+- ``BaseEnvConfig``: the dataclass every env config derives from;
+  ``ToolFormConfig`` one whose env also takes tool calls (``tool_calls``).
 
 The base ``__init__`` never overwrites a ``config`` the subclass set before
 calling it (RAGEN's modules set theirs first). Each env owns its random
@@ -31,11 +32,11 @@ import inspect
 import numbers
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 
-from .config_checks import check_number
+from .config_checks import check_bool, check_number
 
 
 @dataclass
@@ -47,6 +48,23 @@ class BaseEnvConfig:
 
     def __post_init__(self) -> None:
         self.invalid_act_score = check_number("invalid_act_score", self.invalid_act_score)
+
+
+@dataclass
+class ToolFormConfig(BaseEnvConfig):
+    """The config of an env that also takes its actions as tool calls: with ``tool_calls:
+    true`` its ``tools`` are the class's ``TOOLS`` (OpenAI function schemas), else None."""
+
+    TOOLS: ClassVar[list[dict[str, Any]]] = []
+    tool_calls: bool = False
+
+    @property
+    def tools(self) -> list[dict[str, Any]] | None:
+        return self.TOOLS if self.tool_calls else None
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self.tool_calls = check_bool("tool_calls", self.tool_calls)
 
 
 class BaseEnv(ABC):

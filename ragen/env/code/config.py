@@ -4,19 +4,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..base import BaseEnvConfig, function_tool
-from ..config_checks import check_bool, check_int, check_number, check_str
+from ..base import ToolFormConfig, function_tool
+from ..config_checks import check_int, check_number, check_str
 from .sandbox import Limits
 
-__all__ = ["CodeEnvConfig", "TOOLS"]
-
-# the tool form of a submission (``tool_calls: true``)
-TOOLS = [function_tool("run_tests", "Run a Python program against the problem's tests; returns the verdict.",
-                       code="The whole Python program.")]
+__all__ = ["CodeEnvConfig"]
 
 
 @dataclass
-class CodeEnvConfig(BaseEnvConfig):
+class CodeEnvConfig(ToolFormConfig):
     """``attempts``: submissions an episode may make (a failed one shows the first failing test);
     ``reward``: ``fraction`` (of the tests passed) or ``all`` (1 only when every test passes);
     ``cpu_s``, ``wall_s``, ``memory_mb``, ``output_bytes``: the sandbox's limits for one submission;
@@ -31,12 +27,9 @@ class CodeEnvConfig(BaseEnvConfig):
     memory_mb: int = 512
     output_bytes: int = 64 * 1024
     dataset_path: str | None = None
-    tool_calls: bool = False
-
-    @property
-    def tools(self) -> list[dict] | None:
-        """The env's tools (OpenAI function schemas) with ``tool_calls``, else None."""
-        return TOOLS if self.tool_calls else None
+    # the tool form of a submission (``tool_calls: true``)
+    TOOLS = [function_tool("run_tests", "Run a Python program against the problem's tests; returns the verdict.",
+                           code="The whole Python program.")]
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -45,7 +38,6 @@ class CodeEnvConfig(BaseEnvConfig):
         self.cpu_s = check_number("cpu_s", self.cpu_s, minimum=0.1, maximum=600)
         self.wall_s = check_number("wall_s", self.wall_s, minimum=0.1, maximum=3600)
         self.memory_mb = check_int("memory_mb", self.memory_mb, minimum=64, maximum=65536)
-        self.tool_calls = check_bool("tool_calls", self.tool_calls)
         self.output_bytes = check_int("output_bytes", self.output_bytes, minimum=1024, maximum=64 * 1024 * 1024)
         if self.dataset_path is not None:
             from .deepcoder import load_problems

@@ -6,15 +6,11 @@ import functools
 import logging
 from dataclasses import dataclass
 
-from ..base import BaseEnvConfig, function_tool
-from ..config_checks import check_bool, check_http_url, check_int, check_number, check_str
+from ..base import ToolFormConfig, function_tool
+from ..config_checks import check_http_url, check_int, check_number, check_str
 
-__all__ = ["SearchEnvConfig", "TOOLS"]
+__all__ = ["SearchEnvConfig"]
 
-# the tool form of the actions (``tool_calls: true``)
-TOOLS = [function_tool("search", "Search the corpus; returns the top documents.", query="What to search for."),
-         function_tool("finish", "Give the final answer to the question; ends the episode.",
-                       answer="The answer, a few words.")]
 
 logger = logging.getLogger(__name__)
 
@@ -31,7 +27,7 @@ def warn_if_unreachable(url: str) -> None:
 
 
 @dataclass
-class SearchEnvConfig(BaseEnvConfig):
+class SearchEnvConfig(ToolFormConfig):
     """``server_url``: the retrieval server (``python -m ragen.tools.retrieval_server``, or any server of
     RAGEN's ``/retrieve`` API); ``top_k`` documents a search shows, each cut to ``max_doc_chars``;
     ``max_steps``: actions an episode may take (searches and the answer); ``reward``: ``f1`` (the answer's
@@ -46,12 +42,10 @@ class SearchEnvConfig(BaseEnvConfig):
     reward: str = "f1"
     f1_threshold: float = 0.3
     timeout_s: float = 30.0
-    tool_calls: bool = False
-
-    @property
-    def tools(self) -> list[dict] | None:
-        """The env's tools (OpenAI function schemas) with ``tool_calls``, else None."""
-        return TOOLS if self.tool_calls else None
+    # the tool form of the actions (``tool_calls: true``)
+    TOOLS = [function_tool("search", "Search the corpus; returns the top documents.", query="What to search for."),
+             function_tool("finish", "Give the final answer to the question; ends the episode.",
+                           answer="The answer, a few words.")]
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -62,4 +56,3 @@ class SearchEnvConfig(BaseEnvConfig):
         self.reward = check_str("reward", self.reward, choices=("f1", "em"))
         self.f1_threshold = check_number("f1_threshold", self.f1_threshold, minimum=0.0, maximum=1.0)
         self.timeout_s = check_number("timeout_s", self.timeout_s, minimum=0.001)
-        self.tool_calls = check_bool("tool_calls", self.tool_calls)
