@@ -2,8 +2,8 @@
 
 ``start`` serves on a daemon thread (tests, benchmarks, the command lines),
 ``shutdown`` stops serving and waits for that thread; a ``with`` block does
-both. ``wait_for_stop_signal`` holds a command line's main thread until
-SIGINT or SIGTERM.
+both. ``serve_until_stop_signal`` is a command line's run of one: started,
+announced, served until SIGINT or SIGTERM, shut down, summed up.
 """
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ from __future__ import annotations
 import signal
 import threading
 from abc import ABC, abstractmethod
-from typing import Any
+from typing import Any, Callable
 
-__all__ = ["BackgroundServer", "wait_for_stop_signal"]
+__all__ = ["BackgroundServer", "serve_until_stop_signal"]
 
 
 class BackgroundServer(ABC):
@@ -53,9 +53,16 @@ class BackgroundServer(ABC):
         self.shutdown()
 
 
-def wait_for_stop_signal() -> None:
-    """Return once SIGINT or SIGTERM arrives (the main thread's handlers are set here)."""
+def serve_until_stop_signal(server: BackgroundServer, serving: str, stopped: Callable[[], str]) -> int:
+    """A command line's server run: started, ``serving {serving} at <url>`` printed, served until
+    SIGINT or SIGTERM (the main thread's handlers are set here), shut down, then ``stopped after
+    {stopped()}`` printed; the exit status 0."""
+    server.start()
+    print(f"serving {serving} at {server.url}", flush=True)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
     stop.wait()  # a server serves until a signal says stop: nothing else ends it
+    server.shutdown()
+    print(f"stopped after {stopped()}", flush=True)
+    return 0

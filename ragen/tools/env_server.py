@@ -24,7 +24,7 @@ from typing import Any, Sequence
 from ragen.config_files import compose
 from ragen.env import make_env
 from ragen.env.remote.config import DEFAULT_KEY_ENV
-from ragen.env.background import wait_for_stop_signal
+from ragen.env.background import serve_until_stop_signal
 from ragen.utils import is_loopback_host
 from ragen.env.remote.server import EnvServer
 from ragen.rollout.envs import tag_spec
@@ -89,12 +89,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ValueError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    server.start()
-    print(f"serving {','.join(tags)} at {server.url}", flush=True)
-    wait_for_stop_signal()
-    server.shutdown()
-    print(f"stopped after {server.sessions_served} sessions", flush=True)
-    return 0
+    return serve_until_stop_signal(server, ",".join(tags), lambda: f"{server.sessions_served} sessions")
 
 
 if __name__ == "__main__":

@@ -19,7 +19,7 @@ from typing import Sequence
 
 from ragen.env.search.corpus import load_corpus, shipped_corpus
 from ragen.env.search.server import RetrievalServer
-from ragen.env.background import wait_for_stop_signal
+from ragen.env.background import serve_until_stop_signal
 from ragen.utils import is_loopback_host
 
 __all__ = ["main"]
@@ -48,12 +48,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ValueError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    server.start()
-    print(f"serving {len(docs)} documents at {server.url}", flush=True)
-    wait_for_stop_signal()
-    server.shutdown()
-    print(f"stopped after {server.requests} searches", flush=True)
-    return 0
+    return serve_until_stop_signal(server, f"{len(docs)} documents", lambda: f"{server.requests} searches")
 
 
 if __name__ == "__main__":
