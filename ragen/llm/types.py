@@ -157,6 +157,11 @@ class SamplingParams(_PlainData):
         return self.temperature <= 0.0
 
 
+# the finish reason of the answer a manager gives in place of a completion once the rollout that
+# asked has enough groups done (over-sampling: ``SharedLLMInferenceManager.abort``)
+ABORTED = "aborted"
+
+
 @dataclass(frozen=True)
 class Completion(_PlainData):
     """The answer to one request, with its tokens and the policy version that produced it."""
@@ -164,7 +169,7 @@ class Completion(_PlainData):
     text: str
     prompt_token_ids: list[int]
     response_token_ids: list[int]
-    finish_reason: str  # "stop" | "length" | "error"
+    finish_reason: str  # "stop" | "length" | "error" | ABORTED
     policy_version: int
     env_id: int = 0
     turn: int = 0

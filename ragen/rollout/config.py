@@ -28,6 +28,7 @@ BACKENDS = ("loky", "threading", "multiprocessing", "sequential", "dask", "ray")
 ROLLOUT_MODES = ("sync", "fully_async")
 FULLY_ASYNC_BACKENDS = ("loky", "threading")  # agent_proxy.parallel_backend with rollout_mode: fully_async
 ROLLOUT_FILTERS = ("none", "nonzero_variance")  # agent_proxy.rollout_filter
+UNFINISHED = ("carry", "abort")  # agent_proxy.unfinished
 
 
 @dataclass(frozen=True)
@@ -165,6 +166,12 @@ class AgentProxyConfig:
     # quarantine_rollouts rollouts (its group plays the next free seed); null: never quarantined
     quarantine_after: int | None = setting(None, minimum=1)
     quarantine_rollouts: int = setting(10, minimum=1)
+    # over-sampling (ragen.rollout.oversample): a training rollout starts ceil(over_sample x env_groups)
+    # groups and ends once env_groups of them ended; the unfinished ones are carried into the next
+    # rollout (at most max_carry_staleness policy versions behind) or aborted (sync rollouts)
+    over_sample: float = setting(1.0, minimum=1.0)
+    unfinished: str = setting("carry", choices=UNFINISHED)
+    max_carry_staleness: int = setting(1, minimum=1)
 
     def __post_init__(self) -> None:
         check_n_jobs(self.parallel_n_jobs)
@@ -180,6 +187,12 @@ class AgentProxyConfig:
                              f"the trainer's weights; rollout_mode={self.rollout_mode} and async_generation_ratio="
                              f"{self.async_generation_ratio} play batches in the background: set max_refill=0, or "
                              f"rollout_mode=sync and async_generation_ratio=0")
+        if self.over_sample > 1 and (self.rollout_mode != "sync" or self.async_generation_ratio):
+            raise ValueError(f"agent_proxy.over_sample={self.over_sample:g}: over-sampling cuts the tail of a "
+                             f"synchronous rollout; rollout_mode={self.rollout_mode} and async_generation_ratio="
+                             f"{self.async_generation_ratio} generate in the background, where no rollout waits for "
+                             f"its slowest group: set over_sample=1.0, or rollout_mode=sync and "
+                             f"async_generation_ratio=0")
 
 
 @dataclass(frozen=True)

@@ -195,8 +195,9 @@ def _record_row(traj: Trajectory, spec: EnvSpec, ctx: ContextManager, loop: Loop
     row = {"format": FORMAT, "version": VERSION, "split": split, "step": step}
     row.update({f.name: getattr(traj, f.name) for f in dataclasses.fields(traj)})
     row.update(turns=turns, stop_reason=traj.stop_reason.value, reward=traj.reward, num_actions=traj.num_actions,
-               spec=dict(spec.__dict__), loop=loop_row)  # shallow: a spec holds plain data, and asdict's
-    # deep copy is the largest cost of a dump
+               spec={k: v for k, v in spec.__dict__.items() if k != "resume"}, loop=loop_row)
+    # shallow: a spec holds plain data, and asdict's deep copy is the largest cost of a dump; a carried
+    # episode's trajectory so far is the record's own turns
     return row
 
 

@@ -260,6 +260,33 @@ def reset(slot: EnvSlot, kept_envs: KeptEnvs, call: EnvCaller) -> None:
     slot.traj.reset_s = time.perf_counter() - t0
 
 
+def resume(slot: EnvSlot, kept_envs: KeptEnvs, call: EnvCaller) -> None:
+    """A carried episode (``spec.resume``, cut short by an earlier rollout) brought back to where it
+    stood: its env reset with its seed and every recorded action stepped again, each giving what it
+    gave then (else the env is not deterministic for its seed: ``CarryDiverged``), and its turns
+    taken over as they were (their answers, versions and log-probs)."""
+    carried = slot.spec.resume
+    reset(slot, kept_envs, call)
+    steps = 0
+    for i, turn in enumerate(carried.turns, 1):
+        for step in turn.steps:
+            obs, r, done, _ = call(slot.env.step, stepped_action(slot, step.action))
+            slot.observation = _observation(obs, "step")
+            if (slot.observation, _reward(r), bool(done)) != (step.observation, step.reward, step.done):
+                raise CarryDiverged(
+                    f"stepping its recorded action {step.action!r} again (turn {i}) gave "
+                    f"another observation, reward or end than it did: the env is not deterministic for its seed, "
+                    f"so its episode cannot be carried to the next rollout (set agent_proxy.unfinished=abort)")
+            steps += 1
+    slot.traj.turns = list(carried.turns)  # once all of them replayed: a retry starts from the reset
+    slot.actions_left -= steps
+    slot.traj.success = carried.success
+
+
+class CarryDiverged(RuntimeError):
+    """A carried episode's env, stepped again, did not give what it gave the first time."""
+
+
 def reset_env(slot: EnvSlot, call: EnvCaller) -> None:
     """The slot's env reset with its seed (and its mode, where ``reset`` takes one); its
     observation and action lookup read."""

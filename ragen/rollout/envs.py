@@ -105,24 +105,24 @@ class EnvSpecMaker:
         rollout_index, g = divmod(index, self.env_groups)
         return self._group(rollout_index, g, group_id=index)
 
-    def refill_specs(self, slots: Sequence[int], first_group_id: int) -> list[EnvSpec]:
-        """Fresh groups of the tags of ``slots`` (groups of a rollout), numbered from
-        ``first_group_id``. Their seeds follow one another through blocks of a training
-        rollout's seeds that refills set aside (a block used up sets the next one aside), so
-        refilled groups never take the seeds of a slot, which share their remainder by
-        env_groups, nor a seed twice."""
+    def refill_specs(self, tags: Sequence[str], first_group_id: int) -> list[EnvSpec]:
+        """Fresh groups of ``tags``, one each, numbered from ``first_group_id`` (refills, and the
+        groups an over-sampled rollout starts past ``env_groups``). Their seeds follow one
+        another through blocks of a training rollout's seeds set aside for them (a block used
+        up sets the next one aside), so these groups never take the seeds of a slot, which
+        share their remainder by env_groups, nor a seed twice."""
         taken = []
         with self._lock:
-            for _ in slots:
+            for _ in tags:
                 if self._refill_at >= self._refill_end:  # the next training rollout's seeds, for refills
                     self._refill_at = self._rollouts * self.env_groups
                     self._refill_end = self._refill_at + self.env_groups
                     self._rollouts += 1
                 taken.append(self._refill_at)
                 self._refill_at += 1
-        return [s for k, (g, at) in enumerate(zip(slots, taken))
+        return [s for k, (tag, at) in enumerate(zip(tags, taken))
                 for s in self._group(at // self.env_groups, at % self.env_groups, group_id=first_group_id + k,
-                                     tag=self.group_tags[g])]
+                                     tag=tag)]
 
     def _group(self, rollout_index: int, g: int, group_id: int, tag: str | None = None) -> list[EnvSpec]:
         """Group ``g`` of rollout ``rollout_index``, of its slot's tag or ``tag``."""

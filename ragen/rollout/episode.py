@@ -11,13 +11,14 @@ prompts, the env calls within their limits, retries and error endings.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass, field
 from typing import Any, Callable, Generator
 
 from ragen.llm.types import Completion, GenerationRequest
 from ragen.rollout.context import ContextManager
-from ragen.rollout.env_calls import EnvCaller, EnvSlot, KeptEnvs, apply_answer, end_in_error, guard, reset
+from ragen.rollout.env_calls import EnvCaller, EnvSlot, KeptEnvs, apply_answer, end_in_error, guard, reset, resume
 from ragen.rollout.loop_config import LoopConfig, LoopStats
 from ragen.rollout.types import StopReason, Trajectory, episode_ids
 
@@ -50,7 +51,16 @@ class EnvTurns:
         self.call = EnvCaller(self.config.env_timeout_s)
 
     def reset(self, slot: EnvSlot) -> None:
-        self.guarded(slot, reset, self.kept_envs, self.call)
+        """The env reset; a carried episode's brought back to where it stood (``env_calls.resume``),
+        or, where it had ended, its trajectory handed back as it is."""
+        carried = slot.spec.resume
+        if carried is None:
+            self.guarded(slot, reset, self.kept_envs, self.call)
+        elif carried.stop_reason is StopReason.ABORTED:
+            self.guarded(slot, resume, self.kept_envs, self.call)
+        else:
+            slot.traj = dataclasses.replace(carried)
+            slot.active = False
 
     def apply(self, slot: EnvSlot, completion: Completion) -> None:
         self.guarded(slot, apply_answer, completion, self.ctx, self.config, self.call)
@@ -63,6 +73,10 @@ class EnvTurns:
         """The env ends in ``reason`` where the engine, not the env, is at fault: alone,
         whether or not errors are isolated (a re-run would wait for the same engine)."""
         end_in_error(slot, reason, self.stats, True, cause=None, message=message)
+
+    def abort(self, slot: EnvSlot) -> None:
+        """The env ends ``aborted``: the rollout had enough groups done first (over-sampling)."""
+        slot.finish(StopReason.ABORTED)
 
     def refuse(self, slot: EnvSlot, message: str) -> None:
         """The env ends in error for a request that could not be sent (as an env's failure is)."""

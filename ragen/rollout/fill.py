@@ -8,7 +8,7 @@
   from it).
 - ``fill_batch(first, play, maker, rollout_filter, max_refill)``: the first
   rollout, then up to ``max_refill`` rounds that play a fresh group for each
-  dropped one (the same tag, the next rollout's seed), until the batch holds
+  dropped one (the same tag, a seed set aside for refills), until the batch holds
   ``env_groups`` kept groups (DAPO's dynamic sampling). The dropped groups stay
   in the result (metrics, dumps), named in ``RolloutResult.dropped_groups``.
 - ``Quarantine``: a (tag, seed) that ended in error in ``after`` consecutive
@@ -49,18 +49,19 @@ def group_drops(trajectories: Sequence[Trajectory], rollout_filter: str) -> dict
 
 def fill_batch(first: RolloutResult, play: Callable[[list[EnvSpec]], RolloutResult], maker,
                rollout_filter: str, max_refill: int) -> RolloutResult:
-    """``first`` (a training rollout: its group ``g`` plays slot ``g`` of ``maker``), with up to
-    ``max_refill`` rounds of fresh groups for the dropped ones, played by ``play``."""
+    """``first`` (a training rollout of ``maker``'s env set), with up to ``max_refill`` rounds of
+    fresh groups, of the dropped ones' tags, played by ``play``."""
     trajectories, specs = list(first.trajectories), list(first.specs)
-    slot = {s.group_id: s.group_id for s in specs}
-    drops = group_drops(trajectories, rollout_filter)
+    tag_of = {s.group_id: s.tag for s in specs}
+    already = dict(first.dropped_groups)  # left out before the filter (an over-sampled rollout's aborted groups)
+    drops = {g: why for g, why in group_drops(trajectories, rollout_filter).items() if g not in already}
     pending = sorted(drops)
     rounds, refill_s = 0, 0.0
     while pending and rounds < max_refill:
         t0 = time.perf_counter()
-        first_id = max(slot) + 1
-        extra = maker.refill_specs([slot[g] for g in pending], first_id)
-        slot.update({first_id + k: slot[g] for k, g in enumerate(pending)})
+        first_id = max(tag_of) + 1
+        extra = maker.refill_specs([tag_of[g] for g in pending], first_id)
+        tag_of.update({first_id + k: tag_of[g] for k, g in enumerate(pending)})
         result = play(extra)
         new = group_drops(result.trajectories, rollout_filter)
         drops.update(new)
@@ -69,8 +70,8 @@ def fill_batch(first: RolloutResult, play: Callable[[list[EnvSpec]], RolloutResu
         pending = sorted(new)
         rounds += 1
         refill_s += time.perf_counter() - t0
-    n_groups = len(slot)
-    kept = n_groups - len(drops)
+    n_groups = len(tag_of)
+    kept = n_groups - len(drops) - len(already)
     metrics = dict(first.metrics)
     if rounds:
         metrics.update(compute_metrics(trajectories))  # over every group played
@@ -86,7 +87,7 @@ def fill_batch(first: RolloutResult, play: Callable[[list[EnvSpec]], RolloutResu
     })
     order = sorted(range(len(trajectories)), key=lambda i: trajectories[i].env_id)
     return RolloutResult(trajectories=[trajectories[i] for i in order], specs=[specs[i] for i in order],
-                         metrics=metrics, dropped_groups=drops)
+                         metrics=metrics, dropped_groups={**already, **drops})
 
 
 class Quarantine:

@@ -35,6 +35,7 @@ from ragen.rollout.config import (AgentProxyConfig, CtxManagerConfig, EsManagerC
 from ragen.rollout.envs import EnvSpecMaker
 from ragen.rollout.fill import Quarantine, fill_batch
 from ragen.rollout.loop_config import LoopConfig
+from ragen.rollout.oversample import OverSample
 from ragen.rollout.progress import RolloutProgress
 from ragen.rollout.types import RolloutResult
 from ragen.rollout.workers.cluster import ClusterConfig
@@ -115,6 +116,8 @@ class LLMAgentProxy:
         ap = setup.agent_proxy
         self.backend = make_backend(ap, engine, setup.llm_server, setup.cluster)
         self.shared = self.backend.serving  # the SharedLLMInferenceManager of parallel and fully-async rollouts
+        self.over_sample = OverSample(ap.over_sample, ap.unfinished, ap.max_carry_staleness) \
+            if ap.over_sample > 1 else None
         logger.info("[Concurrency] Set max concurrent rollouts to %d", ap.max_concurrent_rollouts)
         # What exists now (modules, the model, the engine, the workers' handles) lives about as long
         # as the proxy: frozen, full collections no longer walk it, which the objects rollouts create
@@ -124,11 +127,18 @@ class LLMAgentProxy:
 
     def next_train_batch(self, policy_version: int) -> RolloutResult:
         """The next training batch: a rollout now, or one generated ahead (at
-        most ``async_generation_ratio`` versions old), or completed fully-async groups;
+        most ``async_generation_ratio`` versions old), or completed fully-async groups,
+        or, over-sampled, the groups that ended first (``ragen.rollout.oversample``);
         its groups with a failed env, or no signal under ``rollout_filter``, named as
         dropped, and refilled up to ``max_refill`` rounds (``ragen.rollout.fill``)."""
         ap, maker, loop = self.setup.agent_proxy, self.setup.es["train"], self.setup.loop
-        result = self.backend.rollout(maker, loop, policy_version=policy_version)
+        if self.over_sample is None:
+            result = self.backend.rollout(maker, loop, policy_version=policy_version)
+        else:
+            specs = self.over_sample.deal(maker, policy_version)
+            result = self.over_sample.cut(self.backend.rollout(
+                specs, loop, policy_version=policy_version, enough=maker.env_groups,
+                progress=RolloutProgress(len(specs), "train")))
         self._record("train", result)
 
         def play(specs: list) -> RolloutResult:

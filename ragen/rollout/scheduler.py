@@ -15,11 +15,12 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
-from ragen.llm.types import Completion
+from ragen.llm.types import ABORTED, Completion
 from ragen.rollout.batching import Batching, choose_batching
 from ragen.rollout.env_calls import EnvError, EnvSlot, EnvThreads, KeptEnvs
 from ragen.rollout.episode import EnvTurns, Playing
@@ -29,7 +30,7 @@ from ragen.serving.client import LLMClient, Stream
 from ragen.serving.transport import Transport
 from ragen.serving.wire import MessageTooLarge
 
-__all__ = ["EnvError", "KeptEnvs", "LoopConfig", "LoopStats", "Scheduler", "run_envs"]
+__all__ = ["EnvError", "GroupCount", "KeptEnvs", "LoopConfig", "LoopStats", "Scheduler", "run_envs"]
 
 logger = logging.getLogger(__name__)
 
@@ -45,6 +46,7 @@ def run_envs(
     take: Callable[[], list[EnvSpec]] | None = None,
     on_finished: Callable[[int], None] | None = None,
     fault: dict[str, int] | None = None,
+    groups_done: Callable[[int], bool] | None = None,
 ) -> tuple[list[Trajectory], LoopStats]:
     """Play every spec to the end over ``LLMClient(transport)``; one trajectory per
     spec, in spec order.
@@ -60,11 +62,17 @@ def run_envs(
     the specs'. ``on_finished(n)``: ``n`` more envs ended (for progress); it
     must not raise. ``fault``: ``{"exit_at_turn": k}`` makes the calling
     process exit at turn k, with ``"group_id": g`` only when it plays group g
-    (fault injection for benchmarks and tests).
+    (fault injection for benchmarks and tests). ``groups_done(n)``: ``n`` more
+    groups ended whole, none of their envs in error, timeout or aborted; it
+    returns whether the rollout has enough of them (over-sampling), and then
+    every episode still playing ends ``aborted``, its request cancelled. An
+    answer the manager gives as ``aborted`` (the driver counted enough groups
+    over every worker) does the same.
     """
     client = LLMClient(transport)
     turns = EnvTurns(config, kept_envs if kept_envs is not None else KeptEnvs(), isolate_errors)
-    scheduler = Scheduler(client, turns, batching or choose_batching(config, client.streams), on_finished, fault)
+    scheduler = Scheduler(client, turns, batching or choose_batching(config, client.streams), on_finished, fault,
+                          groups_done)
     episodes = [Playing(EnvSlot(s), turns) for s in specs]
     try:
         scheduler.play(episodes, take)
@@ -90,17 +98,27 @@ class Scheduler:
     batching: Batching
     on_finished: Callable[[int], None] | None = None
     fault: dict[str, int] | None = None
+    groups_done: Callable[[int], bool] | None = None
     inflight: dict[Stream, list[Playing]] = field(default_factory=dict)
     deadlines: dict[Stream, float] = field(default_factory=dict)  # bounded waits: when each stream's ends
     riders: set[Stream] = field(default_factory=set)
+    stopping: bool = False  # enough groups are done: what still plays ends aborted
+    groups: dict[int, list[EnvSlot]] = field(default_factory=dict)  # with groups_done: the members of each
 
     def __post_init__(self) -> None:
         self.stats = self.turns.stats
         self.threads = EnvThreads()
 
+    def add(self, episodes: list[Playing]) -> None:
+        """Episodes to play; with ``groups_done``, counted in their groups."""
+        if self.groups_done is not None:
+            for e in episodes:
+                self.groups.setdefault(e.slot.spec.group_id, []).append(e.slot)
+
     def play(self, episodes: list[Playing], take: Callable[[], list[EnvSpec]] | None) -> None:
         """Every episode, and those of the chunks ``take`` gives (added to ``episodes``), to its end."""
         created = self.turns.kept_envs.created
+        self.add(episodes)
         batches = self.batching.streams(episodes)
         try:
             for stream, batch in zip(self.client.open(len(batches)), batches):
@@ -110,6 +128,8 @@ class Scheduler:
             self.stats.envs_created = self.turns.kept_envs.created - created
             while self.inflight:
                 self.wait_some()
+                if self.stopping:
+                    self.abort_waiting()
         finally:
             self.client.close()  # the streams left open, and held closes and cancels
         self.release_ended(episodes)
@@ -120,10 +140,11 @@ class Scheduler:
         while True:
             while self.inflight and limit is not None and sum(e.slot.active for e in episodes) >= limit:
                 self.wait_some()  # no room for another chunk until envs end
-            taken = [Playing(EnvSlot(s), self.turns) for s in take()]
+            taken = [] if self.stopping else [Playing(EnvSlot(s), self.turns) for s in take()]
             if not taken:
                 return
             self.stats.chunks += 1
+            self.add(taken)
             episodes += taken
             batches = self.batching.chunk_streams(taken, self.client.open_streams)
             for stream, (batch, rider) in zip(self.client.open(len(batches), opened=1), batches):
@@ -190,9 +211,19 @@ class Scheduler:
         stream.close()
 
     def end(self, episode: Playing, reason: StopReason, message: str) -> None:
-        """The episode ended from outside, the engine at fault (``EnvTurns.end``)."""
-        self.turns.end(episode.slot, reason, message)
+        """The episode ended from outside: the engine at fault (``EnvTurns.end``), or enough groups
+        done (``aborted``)."""
+        if reason is StopReason.ABORTED:
+            self.turns.abort(episode.slot)
+        else:
+            self.turns.end(episode.slot, reason, message)
         episode.close()
+
+    def abort_waiting(self) -> None:
+        """Enough groups are done: every request in flight cancelled, its envs ended ``aborted``."""
+        for stream in list(self.inflight):
+            stream.cancel()
+            self.end_waiting(stream, StopReason.ABORTED, "")
 
     def handle(self, answers: list[tuple[Stream, list[Completion]]]) -> None:
         """Answers that arrived together (one engine call's): the riders among them are
@@ -227,7 +258,10 @@ class Scheduler:
             batch = self.inflight.pop(stream)
             self.inject_fault(batch)
             for episode, completion in zip(batch, completions):
-                if completion.finish_reason == "error":
+                if completion.finish_reason == ABORTED:  # the driver counted enough groups over the workers
+                    self.stopping = True
+                    self.end(episode, StopReason.ABORTED, "")
+                elif completion.finish_reason == "error":
                     self.end(episode, StopReason.ERROR, (
                         f"the engine could not answer its request of turn {len(episode.slot.traj.turns)}"
                         + (f": {completion.text}" if completion.text else " (its warning above says why)")))
@@ -251,8 +285,13 @@ class Scheduler:
     def submit(self, stream: Stream, batch: list[Playing], rider: bool) -> None:
         """The next requests of the batch's playing episodes, on ``stream``; the stream closes
         when none of them plays on. An episode whose request would take the message past the
-        manager's limit ends in ``error`` (the largest first, until the rest fit)."""
+        manager's limit ends in ``error`` (the largest first, until the rest fit). Once enough
+        groups are done, they end ``aborted`` instead."""
         active = [e for e in batch if e.request is not None]
+        if self.stopping:
+            for e in active:
+                self.end(e, StopReason.ABORTED, "")
+            active = []
         while active:
             try:
                 stream.submit([e.request for e in active], self.turns.config.sampling, hold=self.batching.hold)
@@ -293,19 +332,42 @@ class Scheduler:
                 slot.env = None
 
     def report_finished(self, batch: list[Playing]) -> None:
-        if self.on_finished is None:
-            return
-        n = 0
-        for slot in (e.slot for e in batch):
-            if not slot.active and not slot.reported:
-                slot.reported = True
-                n += 1
-        if n:
-            self.on_finished(n)
+        """The envs that ended told to ``on_finished``, and the groups they complete to ``groups_done``."""
+        ended = [slot for slot in (e.slot for e in batch) if not slot.active and not slot.reported]
+        for slot in ended:
+            slot.reported = True
+        if ended and self.on_finished is not None:
+            self.on_finished(len(ended))
+        if ended and self.groups_done is not None and not self.stopping:
+            complete = {s.spec.group_id for s in ended}
+            # each group once: when its last member is reported
+            whole = sum(all(m.reported and m.traj.stop_reason not in _NOT_WHOLE for m in self.groups[g])
+                        for g in complete)
+            if whole and self.groups_done(whole):
+                self.stopping = True
 
     def close(self) -> None:
         self.threads.close()
         self.turns.close()
+
+
+class GroupCount:
+    """Groups ended whole, counted up to ``enough`` (thread-safe: told from the connections of
+    every worker); ``add(n)`` says whether there are enough."""
+
+    def __init__(self, enough: int) -> None:
+        self.enough = enough
+        self.done = 0
+        self._lock = threading.Lock()
+
+    def add(self, n: int) -> bool:
+        with self._lock:
+            self.done += n
+            return self.done >= self.enough
+
+
+# a group with a member that ended so is not one of those a rollout has enough of
+_NOT_WHOLE = (StopReason.ERROR, StopReason.TIMEOUT, StopReason.ABORTED)
 
 
 def _reset_chunks(stream: list[Playing]) -> list[list[Playing]]:

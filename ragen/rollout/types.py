@@ -35,6 +35,7 @@ class StopReason(StrEnum):
     ACTION_BUDGET = "action_budget"  # max_actions_per_traj used up
     ERROR = "error"  # the env raised; see Trajectory.error
     TIMEOUT = "timeout"  # an env call or the rollout ran past its limit
+    ABORTED = "aborted"  # over-sampling: the rollout had enough groups done first (ragen.rollout.oversample)
 
 
 @dataclass(frozen=True)
@@ -69,6 +70,9 @@ class EnvSpec:
     tools: list[dict[str, Any]] | None = None
     # the seed this group was dealt in place of, set aside by the quarantine (ragen.rollout.fill)
     replaces_seed: int | None = None
+    # a carried episode (ragen.rollout.oversample): its trajectory so far, which the env is brought
+    # back to by stepping its actions again; an ended one is handed back as it is
+    resume: "Trajectory | None" = field(default=None, compare=False, repr=False)
 
     @property
     def reuse_key(self) -> tuple:

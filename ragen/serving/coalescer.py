@@ -37,7 +37,7 @@ from __future__ import annotations
 import json
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Hashable
+from typing import Callable, Hashable
 
 from ragen.llm.types import GenerationRequest, SamplingParams
 
@@ -223,6 +223,13 @@ class Coalescer:
         if clock is not None:
             clock.request_arrived(pending.arrived)
         self.pending.append(pending)
+
+    def take_where(self, keep: Callable[[Pending], bool]) -> list[Pending]:
+        """The queued request lists for which ``keep`` is true, out of the queue."""
+        taken = [p for p in self.pending if keep(p)]
+        if taken:
+            self.pending = deque(p for p in self.pending if not keep(p))
+        return taken
 
     def answered(self, counts: dict[Hashable, int], now: float) -> None:
         """``counts[conn]`` request lists of each connection were answered at ``now``."""

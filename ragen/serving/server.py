@@ -28,7 +28,7 @@ import time
 from collections import OrderedDict
 from typing import Any
 
-from ragen.llm.types import Completion, Engine, GenerationRequest, SamplingParams
+from ragen.llm.types import ABORTED, Completion, Engine, GenerationRequest, SamplingParams
 from ragen.serving import messages, wire
 from ragen.serving.address import check_listen_address, is_loopback
 from ragen.serving.coalescer import Coalescer, Pending
@@ -98,6 +98,7 @@ class SharedLLMInferenceManager(Connections):
         # by announced tag; written under _cond, so a call's handler and withdraw never interleave
         self._hooks_lock = threading.Lock()
         self._hooks: dict[int, Hooks] = {}
+        self._aborted: set[int] = set()  # tags whose requests are answered ABORTED (abort)
         # an engine that batches continuously gets each request list as it arrives
         self.streamer = Streamer(engine, self.engine_lock, self.stats, self._send_answers, request_timeout_s) \
             if getattr(engine, "streams", False) else None
@@ -129,6 +130,9 @@ class SharedLLMInferenceManager(Connections):
                                max_message_bytes=self.max_message_bytes, streams=self.streamer is not None)
 
     def _arrive(self, pending: Pending) -> None:
+        if pending.conn.tag in self._aborted:
+            self._answer_aborted([pending])
+            return
         if self.streamer is not None:
             self.streamer.submit(pending)
             return
@@ -159,6 +163,31 @@ class SharedLLMInferenceManager(Connections):
                     self._hooks[tag] = hooks
             return tag
 
+    def abort(self, tag: int) -> None:
+        """The work of ``tag`` has what it needs (an over-sampled rollout has enough groups
+        done): its request lists queued or in flight are answered ``ABORTED`` now (the engine
+        drops what it can), and those it sends later at once, until it is withdrawn. A request
+        list already in a batch engine's call is answered as usual."""
+        with self._cond:
+            self._aborted.add(tag)
+            taken = self.coalescer.take_where(lambda p: p.conn.tag == tag)
+        if self.streamer is not None:
+            taken += self.streamer.take_where(lambda conn: conn.tag == tag)
+        self._answer_aborted(taken)
+
+    def _answer_aborted(self, pending: list[Pending]) -> None:
+        """Each request list answered with empty completions whose finish reason is ``ABORTED``
+        (not told to the observers: no request was answered)."""
+        answers: dict[Connection, list[dict[str, Any]]] = {}
+        version = self.engine.policy_version
+        for p in pending:
+            completions = [Completion(text="", prompt_token_ids=[], response_token_ids=[], finish_reason=ABORTED,
+                                      policy_version=version, env_id=r.env_id, turn=r.turn) for r in p.requests]
+            answers.setdefault(p.conn, []).append(messages.completions_answer(p.ticket, p.transit_in, completions,
+                                                                              p.requests))
+        if answers:
+            self._reply(answers)
+
     def withdraw(self, tag: int) -> None:
         """The work of ``tag`` ended (or failed): expect none of its streams,
         and drop its hooks (a later call under it is answered None). Streams
@@ -168,6 +197,7 @@ class SharedLLMInferenceManager(Connections):
         connection may still send requests; they are answered as usual."""
         with self._cond:
             self.coalescer.withdraw(tag)
+            self._aborted.discard(tag)
             with self._hooks_lock:
                 self._hooks.pop(tag, None)
             self._cond.notify_all()

@@ -196,6 +196,16 @@ class Streamer:
             self._end(entry)
         self._give_up([entry])
 
+    def take_where(self, keep: Callable[[Hashable], bool]) -> list[Pending]:
+        """The request lists in flight of the connections for which ``keep`` is true, ended
+        unanswered as a cancel ends them (the caller answers them)."""
+        with self._cond:
+            taken = [e for e in self._by_ticket.values() if keep(e.pending.conn)]
+            for e in taken:
+                self._end(e)
+        self._give_up(taken)
+        return [e.pending for e in taken]
+
     def close(self) -> None:
         """Stops the reply thread; the requests still in flight leave the gate (nobody reads their answers)."""
         with self._cond:

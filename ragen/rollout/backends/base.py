@@ -31,10 +31,13 @@ class RolloutBackend(ABC):
     """Plays env specs to trajectories; sequential, parallel, generate-ahead and
     fully-async are its implementations, built by ``make_backend``.
 
-    - ``rollout(specs, loop, progress=, policy_version=, fault=)``: a list of
-      specs is played as given; an env set gives its next batch (which an
-      asynchronous backend may have played ahead, with older weights:
-      ``policy_version`` is the trainer's, to bound that).
+    - ``rollout(specs, loop, progress=, policy_version=, fault=, enough=)``: a
+      list of specs is played as given; an env set gives its next batch (which
+      an asynchronous backend may have played ahead, with older weights:
+      ``policy_version`` is the trainer's, to bound that). ``enough``: a
+      synchronous rollout of a list ends once that many groups ended whole
+      (none of their envs in error or timeout), the episodes still playing
+      ``aborted`` (over-sampling, ``ragen.rollout.oversample``).
     - ``engine_lock``: held around every engine call; the trainer holds it to
       change the weights.
     - ``paused()``: no generation in the background inside (validation).
@@ -46,7 +49,8 @@ class RolloutBackend(ABC):
 
     @abstractmethod
     def rollout(self, specs: Specs, loop: LoopConfig, *, progress: RolloutProgress | None = None,
-                policy_version: int = 0, fault: dict[str, Any] | None = None) -> RolloutResult:
+                policy_version: int = 0, fault: dict[str, Any] | None = None,
+                enough: int | None = None) -> RolloutResult:
         ...
 
     @property
@@ -93,7 +97,7 @@ class SyncBackend(RolloutBackend):
 
     @abstractmethod
     def _play(self, specs: Sequence[EnvSpec], loop: LoopConfig, progress: RolloutProgress,
-              fault: dict[str, Any] | None) -> RolloutResult:
+              fault: dict[str, Any] | None, enough: int | None = None) -> RolloutResult:
         ...
 
     def _close_owned(self) -> None:
@@ -103,7 +107,8 @@ class SyncBackend(RolloutBackend):
             serving.close()
 
     def rollout(self, specs: Specs, loop: LoopConfig, *, progress: RolloutProgress | None = None,
-                policy_version: int = 0, fault: dict[str, Any] | None = None) -> RolloutResult:
+                policy_version: int = 0, fault: dict[str, Any] | None = None,
+                enough: int | None = None) -> RolloutResult:
         label = progress.split if progress is not None else "rollout"
         if isinstance(specs, EnvSpecMaker):
             label, specs = specs.split, specs.make_specs()
@@ -114,7 +119,7 @@ class SyncBackend(RolloutBackend):
                 # the engine's counts over this rollout (rollouts at once, or generating ahead, add theirs)
                 before = self.engine.stats()
                 with progress if progress is not None else RolloutProgress(len(specs), label) as shown:
-                    result = self._play(specs, loop, shown, fault)
+                    result = self._play(specs, loop, shown, fault, enough)
                 after = self.engine.stats()
                 counts = _engine_counts(before, after)
                 cache_mb = after.turn_cache_bytes / 2**20 if after.turn_cache_bytes is not None else None
@@ -163,9 +168,13 @@ class AsyncBackend(RolloutBackend):
         """The next training batch of ``envs``."""
 
     def rollout(self, specs: Specs, loop: LoopConfig, *, progress: RolloutProgress | None = None,
-                policy_version: int = 0, fault: dict[str, Any] | None = None) -> RolloutResult:
+                policy_version: int = 0, fault: dict[str, Any] | None = None,
+                enough: int | None = None) -> RolloutResult:
         if not isinstance(specs, EnvSpecMaker):
-            return self.inner.rollout(specs, loop, progress=progress, fault=fault)
+            return self.inner.rollout(specs, loop, progress=progress, fault=fault, enough=enough)
+        if enough is not None:
+            raise ValueError(f"{type(self).__name__} generates whole batches: over-sampling (enough={enough}) "
+                             "cuts the tail of a synchronous rollout")
         if self._source is None:
             self._source = (specs, loop)
         elif self._source[0] is not specs or self._source[1] != loop:

@@ -177,7 +177,7 @@ class ParallelRolloutManager(SyncBackend):
 
     # ----- rollout ---------------------------------------------------------------
     def _play(self, specs: Sequence[EnvSpec], config: LoopConfig, progress: RolloutProgress | None,
-              fault: dict[str, Any] | None) -> RolloutResult:
+              fault: dict[str, Any] | None, enough: int | None = None) -> RolloutResult:
         """``fault``: ``{"worker": i, "exit_at_turn": k}`` kills, at turn k, the
         process of the worker that plays the rollout's i-th chunk (fault
         injection; a chunk, not a task: which task takes which chunk is a race). ``progress``: told how far the
@@ -192,7 +192,7 @@ class ParallelRolloutManager(SyncBackend):
             choice = self._auto.choice
             workers, depth = choice.workers, choice.depth or depth
         with self._lease() as lease:
-            played = self._run_parallel(lease, groups, config, fault, progress, workers, depth)
+            played = self._run_parallel(lease, groups, config, fault, progress, workers, depth, enough)
             results, failures, retried = self._retry_crashed(lease, groups, config, progress, workers, depth, *played)
             fallback_s = self._fall_back(lease, groups, results, failures, config, progress)
         t_merge = time.perf_counter()
@@ -285,9 +285,12 @@ class ParallelRolloutManager(SyncBackend):
             self._picklable.add(spec.reuse_key)
 
     def _run_parallel(self, lease: ExecutorLease, groups: list[list[EnvSpec]], config: LoopConfig,
-                      fault: dict[str, Any] | None, progress: RolloutProgress | None, workers: int, depth: int):
+                      fault: dict[str, Any] | None, progress: RolloutProgress | None, workers: int, depth: int,
+                      enough: int | None = None):
         """The groups played by ``workers`` workers, each taking chunks of them from
-        the rollout's queue as it frees up -> (results of the workers that
+        the rollout's queue as it frees up (with ``enough``, until that many groups ended
+        whole: the workers tell the driver each one, and the manager answers the rest
+        ``aborted``) -> (results of the workers that
         returned, failed: worker -> cause for those that returned an error,
         crashed: worker -> cause for those the executor lost, whether the
         rollout ran past rollout_timeout_s)."""
@@ -309,12 +312,13 @@ class ParallelRolloutManager(SyncBackend):
         with self._lock:
             alone = self._cluster is None or self._rollouts_running == 0
             self._rollouts_running += 1
-        with announced(self.shared, len(queue) if alone else 0, queue, progress) as tag:
+        with announced(self.shared, len(queue) if alone else 0, queue, progress, enough) as tag:
             client = replace(self._client, tag=tag)
             # Workers isolate env errors: a failing env is retried alone and, if it
             # keeps failing, ends its own trajectory; its worker goes on.
             calls = [WorkerTask(i, [], client, config, isolate_errors=True, groups=groups, max_live_envs=max_live,
-                                pipeline_depth=depth, fault=_task_fault(fault, queue, groups))
+                                pipeline_depth=depth, fault=_task_fault(fault, queue, groups),
+                                report_groups=enough is not None)
                      for i in range(n_tasks)]
             try:
                 for res in self._results(lease, calls):

@@ -9,7 +9,7 @@ from ragen.llm.types import Engine
 from ragen.rollout.backends.base import SyncBackend
 from ragen.rollout.env_calls import KeptEnvs
 from ragen.rollout.loop_config import LoopConfig
-from ragen.rollout.scheduler import run_envs
+from ragen.rollout.scheduler import GroupCount, run_envs
 from ragen.rollout.metrics import EngineUse, rollout_metrics
 from ragen.rollout.progress import RolloutProgress
 from ragen.rollout.types import EnvSpec, RolloutResult
@@ -34,7 +34,7 @@ class SequentialRollout(SyncBackend):
         return self._lock
 
     def _play(self, specs: Sequence[EnvSpec], loop: LoopConfig, progress: RolloutProgress,
-              fault: dict[str, Any] | None) -> RolloutResult:
+              fault: dict[str, Any] | None, enough: int | None = None) -> RolloutResult:
         if fault is not None:
             raise ValueError("fault injection kills a worker process: it needs use_parallel_rollout: true")
         t0 = time.perf_counter()
@@ -43,7 +43,8 @@ class SequentialRollout(SyncBackend):
         # one stream: one engine call per turn over all active envs; env-level turns on an engine that
         # streams (agent_proxy.env_level_async)
         trajectories, stats = run_envs(specs, client, loop, kept_envs=self._kept_envs, isolate_errors=True,
-                                       on_finished=progress.envs_finished)
+                                       on_finished=progress.envs_finished,
+                                       groups_done=None if enough is None else GroupCount(enough).add)
         engine = EngineUse(calls=client.engine_calls, requests=sum(client.batch_sizes),
                            time_s=client.engine_time_s, batch_sizes=client.batch_sizes)
         metrics = rollout_metrics(trajectories, stats, engine, fallbacks=0, wall_s=time.perf_counter() - t0)

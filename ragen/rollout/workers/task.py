@@ -20,7 +20,7 @@ from ragen.rollout.env_calls import KeptEnvs
 from ragen.rollout.loop_config import LoopConfig, LoopStats
 from ragen.rollout.scheduler import run_envs
 from ragen.rollout.types import EnvSpec, StopReason, Trajectory
-from ragen.rollout.workers.dispatch import report_finished, take_chunk
+from ragen.rollout.workers.dispatch import report_finished, report_groups_done, take_chunk
 from ragen.rollout.workers.executors import KeptExecutor, freeze_once
 from ragen.rollout.workers.schedule import groups_of
 from ragen.serving import SharedLLMClient
@@ -79,6 +79,7 @@ class WorkerTask:
     groups: list[list[EnvSpec]] | None = None
     max_live_envs: int | None = None
     pipeline_depth: int = 1
+    report_groups: bool = False  # tell the driver each group ended whole (an over-sampled rollout)
 
 
 def with_env_limit(config: LoopConfig, limit_s: float) -> LoopConfig:
@@ -99,7 +100,8 @@ def run_worker(task: WorkerTask) -> WorkerResult:
     try:
         trajectories, stats = run_envs(task.specs, client, task.config, _worker_envs(), task.isolate_errors,
                                        batching=batching, take=take, on_finished=partial(report_finished, client),
-                                       fault=task.fault)
+                                       fault=task.fault,
+                                       groups_done=partial(report_groups_done, client) if task.report_groups else None)
         for t in trajectories:
             t.worker = os.getpid()
         error = None

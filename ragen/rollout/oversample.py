@@ -1,0 +1,118 @@
+"""Over-sampling: a training rollout starts more groups than its batch needs and ends at enough.
+
+APRIL's answer to the long tail (slime): ``agent_proxy.over_sample: f`` starts
+``ceil(f x env_groups)`` groups and ends the rollout once ``env_groups`` of them
+ended (``RolloutBackend.rollout(..., enough=)``: the scheduler counts the groups
+ended whole, and every episode still playing then ends ``aborted``, its
+request cancelled). Groups are in a batch whole or not at all; the unfinished
+ones follow ``agent_proxy.unfinished``:
+
+- ``carry``: they go on in the next rollout. Each member's trajectory so far
+  travels in its spec (``EnvSpec.resume``): the env is reset with its seed and
+  its recorded actions stepped again (an env not deterministic for its seed
+  ends in error, and its group is dropped as failed), its turns kept with the
+  policy version and log-probs that sampled them (the trainer's off-policy
+  correction reads them); the answer cut short is asked again. Carried groups
+  keep their ids, and so their sampling seeds. One more than
+  ``max_carry_staleness`` policy versions behind is dropped and counted.
+- ``abort``: they are dropped (``RolloutResult.dropped_groups``: ``aborted``).
+  The batch then holds the groups that end first: those with fewer turns and
+  shorter answers. ``carry`` trains the slow ones too, a rollout later.
+
+``OverSample.deal`` makes a rollout's specs, ``OverSample.cut`` turns its
+result into the batch and keeps what is carried; metrics ``oversample/*``
+count the groups started, resumed, finished, carried, aborted and dropped as
+stale, and the mean turns of an env in the finished groups against the
+unfinished ones (the length bias ``abort`` brings). Validation never
+over-samples.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from ragen.rollout.backends.ahead import response_tokens, staleness
+from ragen.rollout.envs import EnvSpecMaker, compute_metrics
+from ragen.rollout.types import EnvSpec, RolloutResult, StopReason, Trajectory
+from ragen.rollout.workers.schedule import groups_of
+
+ABORTED = "aborted"  # why a batch leaves an unfinished group out (unfinished: abort)
+_FAILED = (StopReason.ERROR, StopReason.TIMEOUT)
+
+Group = list[tuple[EnvSpec, Trajectory]]
+
+
+class OverSample:
+    """The over-sampled training rollouts of one env set, and the groups carried between them."""
+
+    def __init__(self, factor: float, unfinished: str, max_staleness: int) -> None:
+        self.factor = factor
+        self.unfinished = unfinished
+        self.max_staleness = max_staleness
+        self.carried: list[Group] = []
+        self._dealt: dict[str, float] = {}  # what deal counted, for the metrics of its rollout
+
+    def deal(self, maker: EnvSpecMaker, policy_version: int) -> list[EnvSpec]:
+        """The next rollout's specs: the carried groups (those at most ``max_staleness`` versions
+        behind ``policy_version``), then the env set's next batch, numbered after them, and fresh
+        groups until ``ceil(factor x env_groups)`` play. Its ``enough`` is ``maker.env_groups``."""
+        kept, stale, tokens = [], 0, 0
+        for group in self.carried:
+            trajectories = [t for _, t in group]
+            if staleness(trajectories, policy_version) > self.max_staleness:
+                stale += 1
+                tokens += response_tokens(trajectories)
+            else:
+                kept.append(group)
+        self.carried = []
+        carried = [dataclasses.replace(spec, resume=traj) for group in kept for spec, traj in group]
+        first = max((s.group_id for s in carried), default=-1) + 1
+        fresh = [dataclasses.replace(s, env_id=s.env_id + first * maker.group_size, group_id=s.group_id + first)
+                 for s in maker.make_specs()]
+        extra = math.ceil(self.factor * maker.env_groups) - maker.env_groups - len(kept)
+        if extra > 0:  # tags spread over the env set's slots, as its n_groups has them
+            tags = [maker.group_tags[k * maker.env_groups // extra] for k in range(extra)]
+            fresh += maker.refill_specs(tags, first + maker.env_groups)
+        self._dealt = {"oversample/groups_resumed": float(len(kept)), "oversample/dropped_stale": float(stale),
+                       "oversample/tokens_dropped_stale": float(tokens)}
+        return carried + fresh
+
+    def cut(self, result: RolloutResult) -> RolloutResult:
+        """The batch of a rollout dealt by ``deal``: its groups whose every env ended (those with
+        one in error or timeout too: the batch drops them as failed); the unfinished ones
+        carried (kept here, left out of the result) or named ``aborted``."""
+        finished: list[Group] = []
+        unfinished: list[Group] = []
+        for group in groups_of(list(zip(result.specs, result.trajectories)), lambda m: m[0].group_id):
+            reasons = {t.stop_reason for _, t in group}
+            done = StopReason.ABORTED not in reasons or bool(reasons.intersection(_FAILED))
+            (finished if done else unfinished).append(group)
+        keep = finished if self.unfinished == "carry" else finished + unfinished
+        members = sorted((m for group in keep for m in group), key=lambda m: m[0].env_id)
+        if self.unfinished == "carry":
+            self.carried = unfinished
+        metrics = dict(result.metrics)
+        metrics.update(compute_metrics([t for group in finished for _, t in group]))  # over the batch's groups
+        metrics.update(self._dealt)
+        metrics.update({
+            "oversample/groups_started": float(len(finished) + len(unfinished)),
+            "oversample/groups_finished": float(len(finished)),
+            "oversample/groups_carried": float(len(unfinished) if self.unfinished == "carry" else 0),
+            "oversample/groups_aborted": float(len(unfinished) if self.unfinished == "abort" else 0),
+            # an env's turns in the groups that ended against those cut short (so far): the length bias
+            "oversample/turns_finished": _mean_turns(finished),
+            "oversample/turns_unfinished": _mean_turns(unfinished),
+        })
+        dropped = dict(result.dropped_groups)
+        if self.unfinished == "abort":
+            dropped.update({group[0][0].group_id: ABORTED for group in unfinished})
+        return RolloutResult(trajectories=[t for _, t in members],
+                             specs=[dataclasses.replace(s, resume=None) if s.resume is not None else s
+                                    for s, _ in members],
+                             metrics=metrics, dropped_groups=dropped)
+
+
+def _mean_turns(groups: list[Group]) -> float:
+    turns = [len(t.turns) for group in groups for _, t in group]
+    return sum(turns) / len(turns) if turns else 0.0

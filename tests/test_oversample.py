@@ -1,0 +1,165 @@
+"""Over-sampling (``ragen.rollout.oversample``): a training rollout starts more groups than its
+batch needs and ends once enough ended; the unfinished ones are carried into the next rollout,
+where they end as they would have uncut, or aborted and dropped."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from ragen.rollout.scheduler import GroupCount, LoopConfig, run_envs
+from ragen.rollout.types import StopReason, rollout_digest
+from ragen.serving import DirectClient
+
+from tests.rollout_helpers import custom_envs, specs_for, streaming_engine
+
+pytestmark = pytest.mark.timeout(180)
+
+
+def _proxy(engine, env_groups: int = 8, **agent_proxy):
+    from ragen.llm_agent import AgentSetup, LLMAgentProxy
+
+    setup = AgentSetup.from_config({
+        "custom_envs": custom_envs(), "seed": {"train": 100, "val": 7},
+        "agent_proxy": {"max_turn": 5, **agent_proxy},
+        "es_manager": {
+            "train": {"env_groups": env_groups, "group_size": 2,
+                      "env_configs": {"tags": ["FrozenLake"], "n_groups": [env_groups]}},
+            "val": {"env_groups": 3, "group_size": 1, "env_configs": {"tags": ["FrozenLake"], "n_groups": [3]}}}})
+    return LLMAgentProxy(setup, engine)
+
+
+def _batches(proxy, engine, n: int):
+    """``n`` training batches, the engine's policy version one more before each (as a trainer's update)."""
+    out = []
+    for version in range(n):
+        engine.policy_version = version
+        out.append(proxy.next_train_batch(version))
+    return out
+
+
+def _groups(result) -> dict[int, list]:
+    groups: dict[int, list] = {}
+    for spec, traj in zip(result.specs, result.trajectories):
+        groups.setdefault(spec.group_id, []).append((spec, traj))
+    return groups
+
+
+@pytest.mark.parametrize("backend", ["sequential", "loky"])
+def test_carried_groups_end_as_they_would_have_uncut(backend):
+    """Each group of every batch (those carried from a rollout before too) has the trajectories
+    its specs give when played to the end in one go: the cut and the carry change nothing of
+    what is played, and every started group is in one batch, or carried, or dropped as stale."""
+    engine = streaming_engine(step_s=0.002, tokens_median=30)
+    parallel = {"use_parallel_rollout": True, "parallel_backend": "loky", "parallel_n_jobs": 2} \
+        if backend == "loky" else {}
+    with _proxy(engine, over_sample=1.5, unfinished="carry", max_carry_staleness=2, **parallel) as proxy:
+        batches = _batches(proxy, engine, 4)
+        carried = proxy.over_sample.carried
+        reference = proxy.backend.rollout([s for r in batches for s in r.specs], proxy.setup.loop)
+    want = {(t.tag, t.seed, t.env_id): t for t in reference.trajectories}
+    started = finished = resumed = stale = 0
+    for result in batches:
+        m = result.metrics
+        assert m["oversample/groups_started"] == 12  # ceil(1.5 x 8)
+        assert m["oversample/groups_finished"] >= 8
+        assert m["oversample/groups_finished"] + m["oversample/groups_carried"] == 12
+        assert not result.dropped_groups
+        for members in _groups(result).values():
+            assert all(t.stop_reason is not StopReason.ABORTED for _, t in members)
+            for spec, traj in members:
+                assert spec.resume is None  # what a carried spec held stays out of the batch
+                assert rollout_digest([traj]) == rollout_digest([want[(traj.tag, traj.seed, traj.env_id)]])
+        started += m["oversample/groups_started"] - m["oversample/groups_resumed"]
+        finished += m["oversample/groups_finished"]
+        resumed += m["oversample/groups_resumed"]
+        stale += m["oversample/dropped_stale"]
+    assert resumed > 0  # some groups were carried and went on
+    assert started == finished + stale + len(carried)  # no group lost
+    # a carried group's turns keep the versions that answered them: some batch trains on an older one
+    assert any(t.policy_version < i for i, r in enumerate(batches) for tr in r.trajectories for t in tr.turns)
+
+
+def test_abort_drops_the_unfinished_groups_and_reports_their_turns():
+    engine = streaming_engine(step_s=0.002, tokens_median=30)
+    with _proxy(engine, over_sample=1.5, unfinished="abort") as proxy:
+        result = _batches(proxy, engine, 1)[0]
+        assert proxy.over_sample.carried == []
+    m = result.metrics
+    aborted = {g for g, why in result.dropped_groups.items() if why == "aborted"}
+    assert len(aborted) == m["oversample/groups_aborted"] == 12 - m["oversample/groups_finished"] > 0
+    for g, members in _groups(result).items():
+        cut = any(t.stop_reason is StopReason.ABORTED for _, t in members)
+        assert cut == (g in aborted)
+    # the batch keeps the groups that ended first: the bias abort brings, reported
+    assert m["oversample/turns_finished"] > 0 and "oversample/turns_unfinished" in m
+    assert m["rollout/stop/aborted"] == 0  # the batch's metrics are over its finished groups
+
+
+def test_parallel_workers_stop_at_enough_groups_on_the_managers_aborted_answers():
+    """Threads as workers, two of them: the driver counts the groups each worker ended whole and
+    the manager answers the rest of the rollout's requests ``aborted``."""
+    engine = streaming_engine(step_s=0.002, tokens_median=30)
+    with _proxy(engine, env_groups=6, over_sample=2.0, unfinished="abort", use_parallel_rollout=True,
+                parallel_backend="threading", parallel_n_jobs=2) as proxy:
+        result = _batches(proxy, engine, 1)[0]
+    stops = [t.stop_reason for t in result.trajectories]
+    assert len(stops) == 24  # every env of the 12 groups started has its trajectory
+    assert StopReason.ABORTED in stops
+    assert result.metrics["oversample/groups_finished"] >= 6
+    assert result.metrics["parallel/fallbacks"] == 0
+
+
+def test_enough_ends_a_rollout_once_that_many_groups_ended_whole():
+    engine = streaming_engine(step_s=0.002, tokens_median=30)
+    specs = specs_for(["FrozenLake"], [6], 2, custom_envs())
+    count = GroupCount(2)
+    trajectories, _ = run_envs(specs, DirectClient(engine), LoopConfig(max_turn=5), groups_done=count.add)
+    whole = {t.group_id for t in trajectories} - {t.group_id for t in trajectories
+                                                  if t.stop_reason is StopReason.ABORTED}
+    assert count.done >= 2 and len(whole) == count.done < 6
+    engine.close()
+
+
+def test_a_carried_env_that_does_not_step_as_it_did_ends_in_error():
+    engine = streaming_engine(step_s=0.0005)
+    specs = specs_for(["FrozenLake"], [1], 1, custom_envs())
+    played, _ = run_envs(specs, DirectClient(engine), LoopConfig(max_turn=3))
+    traj = played[0]
+    turn = next(t for t in traj.turns if t.steps)
+    bad = dataclasses.replace(turn, steps=(dataclasses.replace(turn.steps[0], observation="elsewhere"),))
+    cut = dataclasses.replace(traj, turns=[bad if t is turn else t for t in traj.turns],
+                              stop_reason=StopReason.ABORTED)
+    again, _ = run_envs([dataclasses.replace(specs[0], resume=cut)], DirectClient(engine),
+                        LoopConfig(max_turn=3, env_retries=0))
+    assert again[0].stop_reason is StopReason.ERROR
+    assert "not deterministic for its seed" in again[0].error and "unfinished=abort" in again[0].error
+    engine.close()
+
+
+def test_validation_never_over_samples():
+    engine = streaming_engine(step_s=0.0005)
+    with _proxy(engine, over_sample=2.0) as proxy:
+        result = proxy.rollout("val")
+    assert len(result.trajectories) == 3
+    assert all(t.stop_reason is not StopReason.ABORTED for t in result.trajectories)
+
+
+@pytest.mark.parametrize("agent_proxy, key", [
+    ({"over_sample": 0.9}, "agent_proxy.over_sample"),
+    ({"over_sample": 1.25, "async_generation_ratio": 1}, "agent_proxy.over_sample"),
+    ({"over_sample": 1.25, "rollout_mode": "fully_async"}, "agent_proxy.over_sample"),
+    ({"unfinished": "keep"}, "agent_proxy.unfinished"),
+    ({"max_carry_staleness": 0}, "agent_proxy.max_carry_staleness"),
+])
+def test_bad_over_sampling_settings_are_refused_naming_the_key(agent_proxy, key):
+    from ragen.llm_agent import AgentSetup
+
+    with pytest.raises(ValueError, match=key.replace(".", r"\.")):
+        AgentSetup.from_config({
+            "custom_envs": custom_envs(), "agent_proxy": agent_proxy,
+            "es_manager": {"train": {"env_groups": 2, "group_size": 1,
+                                     "env_configs": {"tags": ["FrozenLake"], "n_groups": [2]}},
+                           "val": {"env_groups": 1, "group_size": 1,
+                                   "env_configs": {"tags": ["FrozenLake"], "n_groups": [1]}}}})
