@@ -8,6 +8,7 @@ import dataclasses
 
 import pytest
 
+from ragen.llm.scripted import ScriptedEngine
 from ragen.rollout.scheduler import GroupCount, LoopConfig, run_envs
 from ragen.rollout.types import StopReason, rollout_digest
 from ragen.serving import DirectClient
@@ -97,12 +98,15 @@ def test_abort_drops_the_unfinished_groups_and_reports_their_turns():
     assert m["rollout/stop/aborted"] == 0  # the batch's metrics are over its finished groups
 
 
-def test_parallel_workers_stop_at_enough_groups_on_the_managers_aborted_answers():
+@pytest.mark.parametrize("streams", [True, False], ids=["continuous-batching", "batch-engine"])
+def test_parallel_workers_stop_at_enough_groups_on_the_managers_aborted_answers(streams):
     """Threads as workers, two of them: the driver counts the groups each worker ended whole and
-    the manager answers the rest of the rollout's requests ``aborted``."""
-    engine = streaming_engine(step_s=0.002, tokens_median=30)
+    the manager answers the rest of the rollout's requests ``aborted`` (those in flight in an
+    engine that batches continuously, those queued for a batch engine's next call)."""
+    engine = streaming_engine(step_s=0.002, tokens_median=30) if streams else \
+        ScriptedEngine(base_s=0.01, malformed_rate=0.3)
     with _proxy(engine, env_groups=6, over_sample=2.0, unfinished="abort", use_parallel_rollout=True,
-                parallel_backend="threading", parallel_n_jobs=2) as proxy:
+                parallel_backend="threading", parallel_n_jobs=2, max_turn=10) as proxy:  # groups end apart
         result = _batches(proxy, engine, 1)[0]
     stops = [t.stop_reason for t in result.trajectories]
     assert len(stops) == 24  # every env of the 12 groups started has its trajectory
@@ -163,3 +167,16 @@ def test_bad_over_sampling_settings_are_refused_naming_the_key(agent_proxy, key)
                                      "env_configs": {"tags": ["FrozenLake"], "n_groups": [2]}},
                            "val": {"env_groups": 1, "group_size": 1,
                                    "env_configs": {"tags": ["FrozenLake"], "n_groups": [1]}}}})
+
+
+def test_a_dumped_over_sampled_batch_replays_identically_its_aborted_envs_too(tmp_path):
+    from ragen.rollout.dump import read_dump, write_dump
+    from ragen.tools.replay import replay
+
+    engine = streaming_engine(step_s=0.002, tokens_median=30)
+    with _proxy(engine, over_sample=1.5, unfinished="abort") as proxy:
+        result = _batches(proxy, engine, 1)[0]
+        path = write_dump(tmp_path, "d", result, proxy.setup.loop, split="train", step=0)
+    records = read_dump(path)
+    assert any(r.trajectory.stop_reason is StopReason.ABORTED for r in records)
+    assert all(replay(r).identical for r in records)

@@ -50,7 +50,7 @@ from typing import Any, Sequence
 
 from ragen.env import make_env_config
 from ragen.env.allowed import AllowedEnvTypes, EnvTypeNotAllowed, add_allow_options, allowed_env_types
-from ragen.llm.types import Completion, Engine, GenerationRequest, SamplingParams
+from ragen.llm.types import ABORTED, Completion, Engine, GenerationRequest, SamplingParams
 from ragen.rollout.dump import DumpError, DumpRecord, read_dump
 from ragen.serving import DirectClient
 from ragen.rollout.scheduler import EnvError, KeptEnvs, run_envs
@@ -62,8 +62,9 @@ logger = logging.getLogger(__name__)
 
 class RecordedEngine(Engine):
     """Answers with the recorded answers of one dump record (and, after its
-    last turn, the answer its env failed on, if it failed within a turn, or
-    the engine's error, if the env ended in error without one); a turn the
+    last turn, the answer its env failed on, if it failed within a turn, the
+    engine's error, if the env ended in error without one, or ``ABORTED``, if
+    over-sampling cut it short there); a turn the
     dump does not have is answered with an empty text (the comparison
     reports it)."""
 
@@ -86,6 +87,8 @@ class RecordedEngine(Engine):
                 text, finish, version = trajectory.failed_response, "stop", -1  # the answer the env failed on
             elif r.turn == len(turns) and trajectory.stop_reason == StopReason.ERROR:
                 text, finish, version = "", "error", -1  # the engine failed on this turn's request
+            elif r.turn == len(turns) and trajectory.stop_reason == StopReason.ABORTED:
+                text, finish, version = "", ABORTED, -1  # cut short there: its rollout had enough groups
             else:
                 text, finish, version = "", "stop", -1
             out.append(Completion(text=text, prompt_token_ids=[], response_token_ids=[], finish_reason=finish,
