@@ -66,3 +66,38 @@ def test_a_chunk_that_is_not_a_list_of_indices_is_refused():
         client = replace(shared.client(timeout_s=30), tag=tag)
         with pytest.raises(wire.ProtocolError, match="list of integers"):
             take_chunk(client)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("streams", [True, False], ids=["continuous-batching", "batch-engine"])
+def test_at_enough_groups_the_rollouts_requests_are_answered_aborted(streams):
+    """Workers note the groups they ended whole; at ``enough`` the queue closes and the manager
+    answers the rollout's requests in flight (an engine that batches continuously: still decoding;
+    a batch engine: still queued) and those it sends later ``aborted``."""
+    from ragen.llm import make_engine
+    from ragen.llm.types import ABORTED, GenerationRequest, SamplingParams
+    from ragen.rollout.workers.dispatch import report_groups_done
+
+    # answers that take minutes: only the abort answers them within the test's time
+    engine = make_engine({"name": "scripted", "continuous_batching": {"step_s": 1.0, "tokens_median": 1000}}) \
+        if streams else ScriptedEngine(base_s=120.0)
+    request = GenerationRequest(messages=[{"role": "user", "content": "go"}], env_id=0, turn=0, seed=0)
+    queue = GroupQueue(4, n_workers=1)
+    with SharedLLMInferenceManager(engine, max_coalesce_wait_s=30.0) as shared:
+        with announced(shared, len(queue), queue, enough=2) as tag:
+            client = replace(shared.client(timeout_s=30), tag=tag)
+            take_chunk(client)
+            if not streams:
+                client.open_streams(2)  # streams that send nothing: the coalescer waits for them
+            ticket = client.submit([request], SamplingParams())
+            report_groups_done(client, 1)
+            client.submit([request], SamplingParams())  # carries the note: one group, not enough
+            report_groups_done(client, 1)
+            later = client.submit([request], SamplingParams())  # carries the second: enough
+            answers = dict(client.wait_any(timeout=20) for _ in range(3))
+            assert sorted(answers) == sorted([ticket, ticket + 1, later])
+            assert all(c.finish_reason == ABORTED and c.text == "" for cs in answers.values() for c in cs)
+            assert queue.take() == []  # closed at enough
+            assert client.wait_any(timeout=0) is None
+        client.reset()
+    engine.close()
