@@ -266,3 +266,32 @@ def test_a_two_hop_question_takes_two_searches(server):
         obs, reward, done, _ = env.step(action)
         prompt += "\n" + obs
     assert actions == ["search", "search", "finish"]
+
+
+def _searches_in_a_fork(url: str, queue) -> None:
+    from ragen.env.search import client
+
+    pool = client._pool()
+    results = [len(retrieve(url, f"town {i}", 2, 10.0)) for i in range(20)]
+    queue.put((id(pool), results))
+
+
+def test_a_forked_process_searches_on_connections_of_its_own(server):
+    """The multiprocessing backend forks: a child that kept the parent's kept-alive connections
+    would read answers meant for the parent (or another child) on them."""
+    import multiprocessing
+
+    from ragen.env.search import client
+
+    assert retrieve(server.url, "town", 2, 10.0)  # the parent holds a kept-alive connection now
+    parent = id(client._pool())
+    ctx = multiprocessing.get_context("fork")
+    queue = ctx.Queue()
+    children = [ctx.Process(target=_searches_in_a_fork, args=(server.url, queue)) for _ in range(3)]
+    for p in children:
+        p.start()
+    got = [queue.get(timeout=60) for _ in children]
+    for p in children:
+        p.join(timeout=30)
+    assert all(pid_pool != parent and results == [2] * 20 for pid_pool, results in got)
+    assert retrieve(server.url, "town", 2, 10.0)

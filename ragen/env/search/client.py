@@ -4,13 +4,16 @@
 returns the results; a server that is down, slow, or answers anything but
 results raises ``RetrievalError`` naming it (``RetrievalTimeout`` past the
 time limit). Connections are kept alive and shared by every env of the
-process (urllib3's pool, thread-safe), so a search costs one round trip.
+process (urllib3's pool, thread-safe), so a search costs one round trip. A
+forked process (the ``multiprocessing`` backend) makes a pool of its own: two
+processes reading one kept-alive connection would take each other's answers.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import os
 import threading
 from typing import Any
 
@@ -19,6 +22,7 @@ __all__ = ["RetrievalError", "RetrievalTimeout", "health", "retrieve"]
 logger = logging.getLogger(__name__)
 
 _POOL: Any = None
+_POOL_PID = 0  # the process that made _POOL
 _POOL_LOCK = threading.Lock()
 
 
@@ -31,13 +35,14 @@ class RetrievalTimeout(RetrievalError, TimeoutError):
 
 
 def _pool() -> Any:
-    global _POOL
+    global _POOL, _POOL_PID
     with _POOL_LOCK:
-        if _POOL is None:
+        if _POOL is None or _POOL_PID != os.getpid():  # a forked process's inherited connections are its parent's
             import urllib3
 
             # maxsize: connections kept per server, as many as a worker's env threads may search at once
             _POOL = urllib3.PoolManager(num_pools=16, maxsize=64, retries=False)
+            _POOL_PID = os.getpid()
         return _POOL
 
 
