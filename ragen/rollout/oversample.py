@@ -19,9 +19,12 @@ ones follow ``agent_proxy.unfinished``:
   The batch then holds the groups that end first: those with fewer turns and
   shorter answers. ``carry`` trains the slow ones too, a rollout later.
 
-``OverSample.deal`` makes a rollout's specs, ``OverSample.cut`` turns its
-result into the batch and keeps what is carried; metrics ``oversample/*``
-count the groups started, resumed, finished, carried, aborted and dropped as
+A batch holds ``env_groups`` groups: when more end together (an engine that
+answers a turn's requests in one call), those past it, the latest dealt,
+wait for the next batch, carried whole. ``OverSample.deal`` makes a
+rollout's specs, ``OverSample.cut`` turns its result into the batch and
+keeps what is carried; metrics ``oversample/*`` count the groups started,
+resumed, finished, held over as surplus, carried, aborted and dropped as
 stale, and the mean turns of an env in the finished groups against the
 unfinished ones (the length bias ``abort`` brings). Validation never
 over-samples.
@@ -51,6 +54,7 @@ class OverSample:
         self.unfinished = unfinished
         self.max_staleness = max_staleness
         self.carried: list[Group] = []
+        self._enough = 0  # the batch's groups (env_groups) of the rollout dealt last
         self._dealt: dict[str, float] = {}  # what deal counted, for the metrics of its rollout
 
     def deal(self, maker: EnvSpecMaker, policy_version: int) -> list[EnvSpec]:
@@ -74,30 +78,35 @@ class OverSample:
         if extra > 0:  # tags spread over the env set's slots, as its n_groups has them
             tags = [maker.group_tags[k * maker.env_groups // extra] for k in range(extra)]
             fresh += maker.refill_specs(tags, first + maker.env_groups)
+        self._enough = maker.env_groups
         self._dealt = {"oversample/groups_resumed": float(len(kept)), "oversample/dropped_stale": float(stale),
                        "oversample/tokens_dropped_stale": float(tokens)}
         return carried + fresh
 
     def cut(self, result: RolloutResult) -> RolloutResult:
-        """The batch of a rollout dealt by ``deal``: its groups whose every env ended (those with
-        one in error or timeout too: the batch drops them as failed); the unfinished ones
-        carried (kept here, left out of the result) or named ``aborted``."""
+        """The batch of a rollout dealt by ``deal``: ``env_groups`` of its groups whose every env
+        ended (those with one in error or timeout too: the batch drops them as failed), the
+        lowest-numbered (the carried ones, older, first); the finished ones past that wait for
+        the next batch (carried whole); the unfinished ones are carried (kept here, left out of
+        the result) or named ``aborted``."""
         finished: list[Group] = []
         unfinished: list[Group] = []
         for group in groups_of(list(zip(result.specs, result.trajectories)), lambda m: m[0].group_id):
             reasons = {t.stop_reason for _, t in group}
             done = StopReason.ABORTED not in reasons or bool(reasons.intersection(_FAILED))
             (finished if done else unfinished).append(group)
-        keep = finished if self.unfinished == "carry" else finished + unfinished
+        batch, surplus = finished[:self._enough], finished[self._enough:]
+        keep = batch if self.unfinished == "carry" else batch + unfinished
         members = sorted((m for group in keep for m in group), key=lambda m: m[0].env_id)
-        if self.unfinished == "carry":
-            self.carried = unfinished
+        self.carried = surplus + (unfinished if self.unfinished == "carry" else [])
         metrics = dict(result.metrics)
-        metrics.update(compute_metrics([t for group in finished for _, t in group]))  # over the batch's groups
+        metrics.update(compute_metrics([t for group in batch for _, t in group]))  # over the batch's groups
         metrics.update(self._dealt)
         metrics.update({
             "oversample/groups_started": float(len(finished) + len(unfinished)),
             "oversample/groups_finished": float(len(finished)),
+            # finished past env_groups: carried whole into the next batch
+            "oversample/groups_surplus": float(len(surplus)),
             "oversample/groups_carried": float(len(unfinished) if self.unfinished == "carry" else 0),
             "oversample/groups_aborted": float(len(unfinished) if self.unfinished == "abort" else 0),
             # an env's turns in the groups that ended against those cut short (so far): the length bias
