@@ -12,6 +12,8 @@ request, gets its batch (or only the request lists it answered badly)
 answered with errors, and the batcher goes on serving. The driver
 ``announce``s how many streams the work it dispatched will open, with that
 work's ``Hooks``; the coalescer waits for those streams before they open.
+Work that has what it needs before its end (an over-sampled rollout with
+enough groups) is ``abort``ed: its requests are answered ``aborted``.
 Answers are told to the observers just before they are sent, so a worker
 cannot end its work before its answers are counted. An engine that batches
 continuously (``Engine.streams``) gets each request list as it arrives,
