@@ -812,6 +812,39 @@ def test_real_rollout_through_agent_proxy(real_engine):
 
 
 @real
+def test_real_over_sampled_rollout_aborts_what_is_left_in_the_engine(real_engine):
+    """over_sample 2 on vLLM's engine that batches continuously, parallel workers: the rollout ends
+    at enough groups, the manager's aborted answers cancel what vLLM still decodes, and the engine
+    answers the next request at once (nothing left holds it)."""
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+
+    from ragen.llm_agent import AgentSetup, LLMAgentProxy
+    from ragen.rollout.types import StopReason
+    from tests.rollout_helpers import ROOT
+
+    overrides = ["engine=vllm", "ctx_manager.generation.response_length=48", "ctx_manager.generation.temperature=1",
+                 "agent_proxy.max_turn=4", "agent_proxy.env_level_async=true", "agent_proxy.use_parallel_rollout=true",
+                 "agent_proxy.parallel_backend=threading", "agent_proxy.parallel_n_jobs=2",
+                 "agent_proxy.over_sample=2.0", "agent_proxy.unfinished=abort", "es_manager.train.env_groups=4",
+                 "es_manager.train.group_size=1", "es_manager.train.env_configs.tags=[FrozenLake]",
+                 "es_manager.train.env_configs.n_groups=[4]"]
+    with initialize_config_dir(config_dir=str(ROOT / "config"), version_base=None):
+        cfg = OmegaConf.to_container(compose("base", overrides=overrides), resolve=True)
+    with LLMAgentProxy(AgentSetup.from_config(cfg), real_engine) as proxy:
+        batches = [proxy.next_train_batch(real_engine.policy_version) for _ in range(3)]
+    for result in batches:
+        m = result.metrics
+        assert m["oversample/groups_started"] >= 8 and m["oversample/groups_finished"] >= 4
+        assert m["oversample/groups_aborted"] == len([g for g, why in result.dropped_groups.items()
+                                                      if why == "aborted"])
+    assert any(t.stop_reason is StopReason.ABORTED for r in batches for t in r.trajectories)
+    t0 = time.perf_counter()
+    assert real_engine.generate(_real_reqs(1), GREEDY)[0].response_token_ids
+    assert time.perf_counter() - t0 < 60
+
+
+@real
 def test_real_answer_prefix_is_continued(real_engine, real_model_path):
     """With RAGEN's "<think>" after the generation prompt, the prompt is RAGEN's tokenization
     and the answer is the model's continuation after it: in float32 its log-probs are those
