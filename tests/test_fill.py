@@ -187,3 +187,24 @@ def test_bad_values_are_refused_naming_the_key(key, value, words):
 def test_refill_is_refused_where_batches_are_played_in_the_background():
     with pytest.raises(ValueError, match="agent_proxy.max_refill=2.*async_generation_ratio"):
         _proxy({"Coin": COIN}, ["Coin"], max_refill=2, async_generation_ratio=1)
+
+
+def test_a_checkpointed_env_set_deals_the_refill_seeds_it_would_have():
+    """The seeds set aside for refills (and an over-sampled rollout's extra groups) are in the
+    env set's state: a run resumed from it deals the next ones, never one already dealt."""
+    from ragen.rollout.envs import EnvSpecMaker
+
+    def maker():
+        return EnvSpecMaker("train", {"env_groups": 4, "group_size": 1,
+                                      "env_configs": {"tags": ["FrozenLake"], "n_groups": [4]}}, custom_envs(), 100)
+
+    first = maker()
+    first.make_specs()
+    first.refill_specs(["FrozenLake"] * 3, 10)  # 3 of the 4 seeds of a block set aside
+    resumed = maker()
+    resumed.load_state_dict(first.state_dict())
+    want = [(s.seed, s.group_id) for s in first.refill_specs(["FrozenLake"] * 2, 20) + first.make_specs()]
+    assert [(s.seed, s.group_id) for s in resumed.refill_specs(["FrozenLake"] * 2, 20) + resumed.make_specs()] == want
+    old = maker()
+    old.load_state_dict({"rollouts": 3})  # a checkpoint written before the refill seeds were kept in it
+    assert old.make_specs()[0].seed == 112

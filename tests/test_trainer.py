@@ -466,6 +466,27 @@ def test_resume_reproduces_the_next_step(tiny_model_path, tmp_path, lora):
         torch.testing.assert_close(resumed_state[name], tensor, atol=1e-6, rtol=1e-5)
 
 
+def test_resume_keeps_the_groups_an_over_sampled_rollout_carried(tiny_model_path, tmp_path):
+    """over_sample 1.5 on a batch engine: every group of a turn ends in one call, so the third
+    group of a step is held over to the next; a checkpoint keeps it (and the refill seeds'
+    place), so a resumed step 2 trains what the uninterrupted one did."""
+    extra = ["agent_proxy.over_sample=1.5"]
+    run = tmp_path / "run"
+    with AgentTrainer(compose_cfg(small_overrides(tiny_model_path, run, *extra))) as trainer:
+        trainer.fit()
+    uninterrupted = _step_metrics(run, 2)
+    assert uninterrupted["oversample/groups_resumed"] == 1  # step 2 played what step 1 held over
+
+    shutil.rmtree(run / "checkpoints" / "global_step_2")
+    (run / "checkpoints" / ckpt.LATEST_FILE).write_text("1")
+    with AgentTrainer(compose_cfg(small_overrides(tiny_model_path, run, "trainer.resume=true", *extra))) as trainer:
+        assert len(trainer.proxy.over_sample.carried) == 1
+        trainer.fit()
+    resumed = _step_metrics(run, 2)
+    for key in (*COMPARED, "oversample/groups_resumed", "oversample/groups_started"):
+        assert resumed[key] == pytest.approx(uninterrupted[key], rel=1e-5, abs=1e-7), key
+
+
 @pytest.mark.timeout(600)
 def test_resuming_with_two_hf_replicas_gives_both_the_checkpoint_weights(tiny_model_path, tmp_path):
     extra = ("trainer.total_training_steps=1", "engine.device=cpu", "engine.replicas=2")

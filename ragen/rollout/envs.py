@@ -140,10 +140,12 @@ class EnvSpecMaker:
         return [(tag, self.base_seed + rollout_index * self.env_groups + g) for g, tag in enumerate(self.group_tags)]
 
     def state_dict(self) -> dict[str, int]:
-        return {"rollouts": self._rollouts}
+        """The rollouts made, and where the seeds set aside for refills stand (a checkpoint's)."""
+        return {"rollouts": self._rollouts, "refill_at": self._refill_at, "refill_end": self._refill_end}
 
     def load_state_dict(self, state: Mapping[str, int]) -> None:
         self._rollouts = int(state["rollouts"])
+        self._refill_at, self._refill_end = int(state.get("refill_at", 0)), int(state.get("refill_end", 0))
 
 
 def tag_spec(tag: str, custom_envs: Mapping) -> dict[str, Any]:

@@ -57,6 +57,13 @@ class OverSample:
         self._enough = 0  # the batch's groups (env_groups) of the rollout dealt last
         self._dealt: dict[str, float] = {}  # what deal counted, for the metrics of its rollout
 
+    def state_dict(self) -> dict[str, list[Group]]:
+        """The groups carried to the next rollout (a checkpoint's: plain specs and trajectories)."""
+        return {"carried": self.carried}
+
+    def load_state_dict(self, state: dict[str, list[Group]]) -> None:
+        self.carried = [list(group) for group in state["carried"]]
+
     def deal(self, maker: EnvSpecMaker, policy_version: int) -> list[EnvSpec]:
         """The next rollout's specs: the carried groups (those at most ``max_staleness`` versions
         behind ``policy_version``), then the env set's next batch, numbered after them, and fresh

@@ -301,6 +301,8 @@ class AgentTrainer:
             "optimizer": self.actor.optimizer.state_dict(),
             "rng": ckpt.rng_state(),
             "es_manager": {split: es.state_dict() for split, es in self.setup.es.items()},
+            # the groups an over-sampled rollout carries to the next
+            "over_sample": self.proxy.over_sample.state_dict() if self.proxy.over_sample is not None else None,
         }
         meta = {"policy_version": self.engine.policy_version, "lora_rank": self.config.model.lora_rank,
                 "experiment_name": self.config.run.experiment_name}
@@ -326,6 +328,13 @@ class AgentTrainer:
         self.actor.optimizer.load_state_dict(state["optimizer"])
         for split, es_state in state["es_manager"].items():
             self.setup.es[split].load_state_dict(es_state)
+        carried = state.get("over_sample")
+        if carried is not None and self.proxy.over_sample is not None:
+            self.proxy.over_sample.load_state_dict(carried)
+        elif carried is not None and carried["carried"]:
+            logger.warning("the checkpoint of step %d holds %d groups an over-sampled rollout carried; this run does "
+                           "not over-sample (agent_proxy.over_sample=1.0): they are left out", step,
+                           len(carried["carried"]))
         ckpt.set_rng_state(state["rng"])
         self.global_step = int(state["step"])
         if self.engine_name == "hf":
