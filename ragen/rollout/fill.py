@@ -22,11 +22,11 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections import defaultdict
 from typing import Callable, Sequence
 
 from ragen.rollout.envs import compute_metrics
 from ragen.rollout.types import EnvSpec, RolloutResult, StopReason, Trajectory
+from ragen.rollout.workers.schedule import groups_of
 
 logger = logging.getLogger(__name__)
 
@@ -35,15 +35,12 @@ FAILED, NO_SIGNAL = "failed", "no_signal"
 
 def group_drops(trajectories: Sequence[Trajectory], rollout_filter: str) -> dict[int, str]:
     """group id -> why a training batch leaves the group out (``FAILED`` or ``NO_SIGNAL``)."""
-    groups: dict[int, list[Trajectory]] = defaultdict(list)
-    for t in trajectories:
-        groups[t.group_id].append(t)
     drops = {}
-    for group_id, trajs in groups.items():
-        if any(t.stop_reason in (StopReason.ERROR, StopReason.TIMEOUT) for t in trajs):
-            drops[group_id] = FAILED
+    for trajs in groups_of(trajectories):
+        if any(t.stop_reason.failed for t in trajs):
+            drops[trajs[0].group_id] = FAILED
         elif rollout_filter == "nonzero_variance" and len({t.reward for t in trajs}) == 1:
-            drops[group_id] = NO_SIGNAL
+            drops[trajs[0].group_id] = NO_SIGNAL
     return drops
 
 

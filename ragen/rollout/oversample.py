@@ -41,7 +41,6 @@ from ragen.rollout.types import EnvSpec, RolloutResult, StopReason, Trajectory
 from ragen.rollout.workers.schedule import groups_of
 
 ABORTED = "aborted"  # why a batch leaves an unfinished group out (unfinished: abort)
-_FAILED = (StopReason.ERROR, StopReason.TIMEOUT)
 
 Group = list[tuple[EnvSpec, Trajectory]]
 
@@ -100,7 +99,7 @@ class OverSample:
         unfinished: list[Group] = []
         for group in groups_of(list(zip(result.specs, result.trajectories)), lambda m: m[0].group_id):
             reasons = {t.stop_reason for _, t in group}
-            done = StopReason.ABORTED not in reasons or bool(reasons.intersection(_FAILED))
+            done = StopReason.ABORTED not in reasons or any(r.failed for r in reasons)
             (finished if done else unfinished).append(group)
         batch, surplus = finished[:self._enough], finished[self._enough:]
         keep = batch if self.unfinished == "carry" else batch + unfinished

@@ -341,8 +341,7 @@ class Scheduler:
         if ended and self.groups_done is not None and not self.stopping:
             complete = {s.spec.group_id for s in ended}
             # each group once: when its last member is reported
-            whole = sum(all(m.reported and m.traj.stop_reason not in _NOT_WHOLE for m in self.groups[g])
-                        for g in complete)
+            whole = sum(all(map(_ended_whole, self.groups[g])) for g in complete)
             if whole and self.groups_done(whole):
                 self.stopping = True
 
@@ -366,8 +365,10 @@ class GroupCount:
             return self.done >= self.enough
 
 
-# a group with a member that ended so is not one of those a rollout has enough of
-_NOT_WHOLE = (StopReason.ERROR, StopReason.TIMEOUT, StopReason.ABORTED)
+def _ended_whole(slot: EnvSlot) -> bool:
+    """The env's end was reported, and it neither failed nor was aborted (one a rollout has enough of)."""
+    stop = slot.traj.stop_reason
+    return slot.reported and not stop.failed and stop is not StopReason.ABORTED
 
 
 def _reset_chunks(stream: list[Playing]) -> list[list[Playing]]:

@@ -37,6 +37,11 @@ class StopReason(StrEnum):
     TIMEOUT = "timeout"  # an env call or the rollout ran past its limit
     ABORTED = "aborted"  # over-sampling: the rollout had enough groups done first (ragen.rollout.oversample)
 
+    @property
+    def failed(self) -> bool:
+        """The env failed (error, timeout): its group is never trained."""
+        return self in (StopReason.ERROR, StopReason.TIMEOUT)
+
 
 @dataclass(frozen=True)
 class EnvSpec:
@@ -208,7 +213,7 @@ class RolloutResult:
         spec_of = {s.env_id: s for s in self.specs}
         out = []
         for t in self.trajectories:
-            if t.stop_reason in (StopReason.ERROR, StopReason.TIMEOUT):
+            if t.stop_reason.failed:
                 spec = spec_of.get(t.env_id)
                 out.append({"env_id": t.env_id, "tag": t.tag, "seed": t.seed, "turn": len(t.turns),
                             "stop_reason": t.stop_reason.value, "error": t.error,

@@ -70,7 +70,7 @@ class EpisodeTokens:
 
     @property
     def failed(self) -> bool:
-        return self.trajectory.stop_reason in (StopReason.ERROR, StopReason.TIMEOUT)
+        return self.trajectory.stop_reason.failed
 
     @property
     def reward(self) -> float:

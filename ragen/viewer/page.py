@@ -28,7 +28,6 @@ from ragen.utils import common_prefix_length
 from ragen.viewer.curve import curve_svg
 from ragen.viewer.grid import GridPicture, Symbols, picture, symbols_for
 
-FAILED = (StopReason.ERROR, StopReason.TIMEOUT)
 
 
 def split_response(text: str, think: bool = True) -> tuple[str | None, str] | None:
@@ -122,7 +121,7 @@ def _table(records: list[DumpRecord]) -> str:
     rows = []
     for r in records:
         t = r.trajectory
-        failed = " failed" if t.stop_reason in FAILED else ""
+        failed = " failed" if t.stop_reason.failed else ""
         error = f'<span class="error">{escape(_first_line(t.error))}</span>' if t.error else ""
         rows.append(
             f'<tr class="ep-row{failed}" {_data(r)}><td><a href="#ep-{r.env_id}">{r.env_id}</a></td>'
@@ -254,7 +253,7 @@ def _turn(r: DumpRecord, i: int, symbols: Symbols | None) -> str:
 
 def _episode(r: DumpRecord, symbols: Symbols | None) -> str:
     t = r.trajectory
-    failed = t.stop_reason in FAILED
+    failed = t.stop_reason.failed
     error = ""
     if t.error or failed:
         error = (f'<div class="error-box"><b>{escape(t.stop_reason.value)}</b>'
