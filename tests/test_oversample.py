@@ -182,3 +182,15 @@ def test_a_dumped_over_sampled_batch_replays_identically_its_aborted_envs_too(tm
     records = read_dump(path)
     assert any(r.trajectory.stop_reason is StopReason.ABORTED for r in records)
     assert all(replay(r).identical for r in records)
+
+
+def test_refilled_abort_batches_report_the_groups_played_to_their_end():
+    """Refills after an over-sampled cut recompute the outcome metrics over the groups played: the
+    aborted groups, left out before the filter, stay out of them."""
+    engine = streaming_engine(step_s=0.002, tokens_median=30)
+    with _proxy(engine, over_sample=1.5, unfinished="abort", rollout_filter="nonzero_variance",
+                max_refill=1) as proxy:
+        result = _batches(proxy, engine, 1)[0]
+    assert result.metrics["fill/refill_rounds"] == 1
+    assert "aborted" in result.dropped_groups.values()
+    assert result.metrics["rollout/stop/aborted"] == 0

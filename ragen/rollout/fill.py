@@ -70,8 +70,8 @@ def fill_batch(first: RolloutResult, play: Callable[[list[EnvSpec]], RolloutResu
     n_groups = len(tag_of)
     kept = n_groups - len(drops) - len(already)
     metrics = dict(first.metrics)
-    if rounds:
-        metrics.update(compute_metrics(trajectories))  # over every group played
+    if rounds:  # over every group played to its end (not those over-sampling left out before)
+        metrics.update(compute_metrics([t for t in trajectories if t.group_id not in already]))
     metrics.update({
         "fill/groups_sampled": float(n_groups),
         "fill/groups_kept": float(kept),
