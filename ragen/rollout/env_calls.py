@@ -14,7 +14,7 @@ import threading
 import time
 import traceback
 from collections import defaultdict
-from typing import Any
+from typing import Any, Iterator, Sequence
 
 from ragen.env.base import action_lookup, plain_info, reset_takes_mode
 from ragen.llm.tool_calls import BadCall, ToolCall
@@ -235,14 +235,22 @@ def _rebuild(slot: EnvSlot, call: EnvCaller, expect: str | None) -> None:
     spec = slot.spec
     slot.env = make_env(spec.env_type, spec.env_config, config_type=spec.config_type, tag=spec.tag)
     reset_env(slot, call)
-    for turn in slot.traj.turns:
-        for name in turn.executed_actions:
-            action = stepped_action(slot, name)
-            slot.observation = _observation(call(slot.env.step, action)[0], "step")
+    for _ in _step_again(slot, call, slot.traj.turns):
+        pass
     if expect is not None and slot.observation != expect:
         raise RuntimeError("replaying the recorded actions on a fresh instance gave another state than the failed "
                            "one had: the env is not deterministic for its seed, so it cannot be retried "
                            "(set agent_proxy.env_retries=0 for it)")
+
+
+def _step_again(slot: EnvSlot, call: EnvCaller, turns: Sequence[Turn]) -> Iterator[tuple[int, Step, Any, Any]]:
+    """Every recorded step of ``turns`` taken again on the slot's env, its observation read: the
+    turn's number, the step's record, and the reward and end the env gave this time."""
+    for i, turn in enumerate(turns, 1):
+        for step in turn.steps:
+            obs, r, done, _ = call(slot.env.step, stepped_action(slot, step.action))
+            slot.observation = _observation(obs, "step")
+            yield i, step, r, done
 
 
 def stepped_action(slot: EnvSlot, name: str) -> Any:
@@ -268,16 +276,13 @@ def resume(slot: EnvSlot, kept_envs: KeptEnvs, call: EnvCaller) -> None:
     carried = slot.spec.resume
     reset(slot, kept_envs, call)
     steps = 0
-    for i, turn in enumerate(carried.turns, 1):
-        for step in turn.steps:
-            obs, r, done, _ = call(slot.env.step, stepped_action(slot, step.action))
-            slot.observation = _observation(obs, "step")
-            if (slot.observation, _reward(r), bool(done)) != (step.observation, step.reward, step.done):
-                raise CarryDiverged(
-                    f"stepping its recorded action {step.action!r} again (turn {i}) gave "
-                    f"another observation, reward or end than it did: the env is not deterministic for its seed, "
-                    f"so its episode cannot be carried to the next rollout (set agent_proxy.unfinished=abort)")
-            steps += 1
+    for i, step, r, done in _step_again(slot, call, carried.turns):
+        if (slot.observation, _reward(r), bool(done)) != (step.observation, step.reward, step.done):
+            raise CarryDiverged(
+                f"stepping its recorded action {step.action!r} again (turn {i}) gave another observation, reward "
+                f"or end than it did: the env is not deterministic for its seed, so its episode cannot be carried "
+                f"to the next rollout (set agent_proxy.unfinished=abort)")
+        steps += 1
     slot.traj.turns = list(carried.turns)  # once all of them replayed: a retry starts from the reset
     slot.actions_left -= steps
     slot.traj.success = carried.success
