@@ -94,5 +94,6 @@ def main() -> None:
               f"{mean('oversample/groups_carried'):.1f} | {mean('oversample/groups_aborted'):.1f} | "
               f"{mean('oversample/dropped_stale'):.1f} | {turns} | {mean('rollout/success'):.3f} |")
 
+
 if __name__ == "__main__":
     main()
