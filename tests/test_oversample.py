@@ -194,3 +194,28 @@ def test_refilled_abort_batches_report_the_groups_played_to_their_end():
     assert result.metrics["fill/refill_rounds"] == 1
     assert "aborted" in result.dropped_groups.values()
     assert result.metrics["rollout/stop/aborted"] == 0
+
+
+def test_a_checkpoint_of_carried_groups_names_no_env_type_and_the_resumed_run_makes_their_specs(caplog):
+    from ragen.rollout.envs import EnvSpecMaker
+    from ragen.rollout.oversample import OverSample
+    from ragen.rollout.types import Trajectory
+
+    def maker(tags):
+        return EnvSpecMaker("train", {"env_groups": len(tags), "group_size": 1,
+                                      "env_configs": {"tags": tags, "n_groups": [1] * len(tags)}}, custom_envs(), 5)
+
+    spec = dataclasses.replace(specs_for(["FrozenLake"], [1], 1, custom_envs())[0], env_id=9, group_id=9,
+                               env_type="h29_not_this:Env")
+    over = OverSample(1.5, "carry", 1)
+    over.carried = [[(spec, Trajectory(env_id=9, group_id=9, tag="FrozenLake", seed=spec.seed))]]
+    state = over.state_dict()
+    assert "h29_not_this" not in repr(state)
+    resumed = OverSample(1.5, "carry", 1)
+    resumed.load_state_dict(state, maker(["FrozenLake"]))
+    (got, traj), = resumed.carried[0]
+    assert (got.tag, got.seed, got.env_id, got.group_id) == ("FrozenLake", spec.seed, 9, 9)
+    assert got.env_type == maker(["FrozenLake"]).tag_specs["FrozenLake"]["env_type"] and traj.env_id == 9
+    elsewhere = OverSample(1.5, "carry", 1)
+    elsewhere.load_state_dict(state, maker(["Bandit"]))
+    assert elsewhere.carried == [] and "es_manager.train does not play the tag" in caplog.text

@@ -33,12 +33,16 @@ over-samples.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
+from typing import Any
 
 from ragen.rollout.backends.ahead import response_tokens, staleness
-from ragen.rollout.envs import EnvSpecMaker, compute_metrics
+from ragen.rollout.envs import EnvSpecMaker, compute_metrics, spec_of
 from ragen.rollout.types import EnvSpec, RolloutResult, StopReason, Trajectory
 from ragen.rollout.workers.schedule import groups_of
+
+logger = logging.getLogger(__name__)
 
 ABORTED = "aborted"  # why a batch leaves an unfinished group out (unfinished: abort)
 
@@ -56,12 +60,26 @@ class OverSample:
         self._enough = 0  # the batch's groups (env_groups) of the rollout dealt last
         self._dealt: dict[str, float] = {}  # what deal counted, for the metrics of its rollout
 
-    def state_dict(self) -> dict[str, list[Group]]:
-        """The groups carried to the next rollout (a checkpoint's: plain specs and trajectories)."""
-        return {"carried": self.carried}
+    def state_dict(self) -> dict[str, list[list[dict[str, Any]]]]:
+        """The groups carried to the next rollout, a checkpoint's: each env's tag, seed and ids and
+        its trajectory so far (no env type or config: those are the resumed run's)."""
+        return {"carried": [[{"tag": s.tag, "seed": s.seed, "env_id": s.env_id, "group_id": s.group_id,
+                              "replaces_seed": s.replaces_seed, "trajectory": t} for s, t in group]
+                            for group in self.carried]}
 
-    def load_state_dict(self, state: dict[str, list[Group]]) -> None:
-        self.carried = [list(group) for group in state["carried"]]
+    def load_state_dict(self, state: dict[str, list[list[dict[str, Any]]]], maker: EnvSpecMaker) -> None:
+        """The carried groups of ``state``, each env's spec made again from ``maker``'s config of its
+        tag; a group of a tag ``maker`` does not play is left out, with a warning."""
+        self.carried = []
+        for group in state["carried"]:
+            tag = group[0]["tag"]
+            if tag not in maker.tag_specs:
+                logger.warning("a carried group of tag %r (seed %d) is left out: es_manager.%s does not play the tag",
+                               tag, group[0]["seed"], maker.split)
+                continue
+            self.carried.append([(spec_of(tag, maker.tag_specs[tag], m["seed"], env_id=m["env_id"],
+                                          group_id=m["group_id"], mode=maker.split,
+                                          replaces_seed=m["replaces_seed"]), m["trajectory"]) for m in group])
 
     def deal(self, maker: EnvSpecMaker, policy_version: int) -> list[EnvSpec]:
         """The next rollout's specs: the carried groups (those at most ``max_staleness`` versions
