@@ -15,7 +15,7 @@ from ragen.env.check.checker import check_env
 from ragen.env.code.harness import extract_code, judge
 from ragen.env.code.pool import scripted_answer
 from ragen.env.code.problems import FAMILIES, count, problem, solutions
-from ragen.env.code.sandbox import Limits, RunStatus, isolated, run_python
+from ragen.env.sandbox import Limits, RunStatus, isolated, run_python
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from ..base import ToolFormConfig, function_tool
 from ..config_checks import check_int, check_number, check_str
-from .sandbox import Limits
+from ..sandbox import Limits
 
 __all__ = ["CodeEnvConfig"]
 

@@ -19,7 +19,7 @@ import secrets
 from dataclasses import dataclass
 
 from .problems import Problem
-from .sandbox import Limits, RunResult, RunStatus, run_python
+from ..sandbox import Limits, RunResult, RunStatus, run_python
 
 __all__ = ["Verdict", "extract_code", "judge"]
 
