@@ -73,8 +73,7 @@ def _marks() -> list[str]:
 
 
 def _score(code: str, seed: int) -> int:
-    verdict = judge(code, problem(seed), FAST)
-    return verdict.passed
+    return judge(code, problem(seed), FAST).passed
 
 
 def test_a_forged_results_line_scores_0_on_a_call_problem():
@@ -126,7 +125,7 @@ def test_what_a_correct_function_prints_is_not_its_result():
 @pytest.mark.parametrize("extra", ['{"i": 0, "got": 1}', '[1, 2]', '{"i": 0', '{"i": true, "got": 1}'])
 def test_an_extra_or_malformed_result_line_fails_a_correct_program(extra):
     right, _ = solutions(STDIO)
-    mark = next(iter(_marks()))
+    mark = _marks()[0]
     code = f"import sys\nsys.__stdout__.write({chr(10) + mark + extra + chr(10)!r})\n" + right
     verdict = judge(code, problem(STDIO), FAST)
     assert not verdict.correct, verdict.feedback
