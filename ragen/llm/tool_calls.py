@@ -255,8 +255,15 @@ def _checked(body: str, name: Any, arguments: Any, tools: Sequence[Mapping[str, 
         if error is not None:
             where = "/".join(str(p) for p in error.path)
             return BadCall(body, _short(f"the arguments of {name} do not match its parameters"
-                                        f"{' at ' + where if where else ''}: {error.message}"))
+                                        f"{' at ' + where if where else ''}: {_schema_reason(error)}"))
     return ToolCall(name, arguments)
+
+
+def _schema_reason(error: Any) -> str:
+    """jsonschema's message, or for a length bound the lengths (its message quotes the whole value)."""
+    if error.validator in ("maxLength", "minLength") and isinstance(error.instance, str):
+        return f"{len(error.instance)} characters, where its {error.validator} is {error.validator_value}"
+    return error.message
 
 
 def _short(reason: str) -> str:
