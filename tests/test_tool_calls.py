@@ -138,6 +138,7 @@ HOSTILE = {  # a call the model may write -> what the model is told
     "huge_int": (f'{{"name": "add", "arguments": {{"amount": {HUGE_INT}}}}}', "an integer of more than 4300 digits"),
     "schema": ('{"name": "add", "arguments": {"amount": 2}}', "do not match its parameters at amount: 2 is not of "
                                                                "type 'string'"),
+    "surrogate": ('{"name": "add", "arguments": {"amount": "1\\ud800"}}', "'\\ud800' is a lone surrogate"),
     "long_value": ('{"name": "add", "arguments": {"amount": %s}}' % json.dumps(["1"] * 2000),
                    "do not match its parameters at amount"),
 }

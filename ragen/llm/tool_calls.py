@@ -14,9 +14,10 @@
   OpenAI-compatible server parsed itself. ``PARSERS`` names both.
 
 Both parsers never raise on what a model wrote: JSON nested deeper than
-``MAX_NESTING``, an integer longer than Python reads (4,300 digits), or
-arguments that do not match the schema are a ``BadCall`` saying why, which
-the turn loop shows the model with the format penalty.
+``MAX_NESTING``, an integer longer than Python reads (4,300 digits), a number
+no float holds, an escaped lone surrogate, or arguments that do not match the
+schema are a ``BadCall`` saying why, which the turn loop shows the model with
+the format penalty.
 """
 
 from __future__ import annotations
@@ -192,11 +193,17 @@ def _json(text: str) -> tuple[Any, str | None]:
     if _nested_deeper(text, MAX_NESTING):
         return None, f"nested deeper than {MAX_NESTING} levels of [ and {{"
     try:
-        return json.loads(text, parse_float=_finite, parse_constant=_no_constant), None
+        value = json.loads(text, parse_float=_finite, parse_constant=_no_constant)
     except json.JSONDecodeError as exc:
         return None, f"not valid JSON: {exc}"
     except (ValueError, RecursionError) as exc:  # ValueError: an integer longer than int's string limit
         return None, _unreadable(exc)
+    if "\\u" in text:  # an escape may decode to a lone surrogate, which no UTF-8 record or file can hold
+        try:
+            json.dumps(value, ensure_ascii=False).encode()
+        except UnicodeEncodeError as exc:
+            return None, f"not valid JSON here: {exc.object[exc.start]!r} is a lone surrogate, not text"
+    return value, None
 
 
 def _unreadable(exc: Exception) -> str:
