@@ -209,6 +209,34 @@ def test_hostile_calls_cost_the_format_penalty_and_the_env_goes_on():
     assert [m["content"] for m in messages if m["role"] == "tool"] == list(first.tool_results)
 
 
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("tools", [False, True], ids=["text", "tool_calls"])
+def test_a_parser_that_fails_on_an_answer_costs_the_format_penalty_not_the_env(monkeypatch, caplog, tools):
+    """Whatever a parser of model text raises is the answer's mistake: the turn takes the format
+    penalty (a tool env's call error says so) and the episode goes on."""
+    method = "parse_calls" if tools else "parse_response"
+    original, calls = getattr(ContextManager, method), []
+
+    def first_fails(self, *args):  # twice: a retry of the env on a fresh instance parses the answer again
+        calls.append(1)
+        if len(calls) <= 2:
+            raise RecursionError("maximum recursion depth exceeded")
+        return original(self, *args)
+
+    monkeypatch.setattr(ContextManager, method, first_fails)
+    envs = custom_envs(Counter=counter_tag())
+    specs = specs_for(["Counter" if tools else "FrozenLake"], [1], 1, envs)
+    loop = loop_config(max_turn=6)
+    engine = ScriptedEngine(answers="tests.test_tool_calls:counter_answers") if tools else ScriptedEngine()
+    (traj,) = sequential(specs, loop, engine=engine)
+    assert traj.stop_reason is not StopReason.ERROR and traj.error is None and len(traj.turns) >= 3, traj.error
+    for turn in traj.turns[:2]:
+        assert turn.executed_actions == [] and turn.penalty == loop.format_penalty
+        if tools:
+            assert turn.tool_results == ("Error in tool call 1: the answer could not be read (RecursionError)",)
+    assert "the parser failed on the answer at turn 0" in caplog.text
+
+
 # ----- the rollout ------------------------------------------------------------------------------------------
 
 def _counter_rollout(**loop_kw):

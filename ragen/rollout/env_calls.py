@@ -348,13 +348,22 @@ def _step_where(slot: EnvSlot, turn: int, step: int) -> str:
 
 def apply_answer(slot: EnvSlot, completion: Completion, ctx: ContextManager, config: LoopConfig, call: EnvCaller) -> None:
     """The answer parsed into actions (a tool env's: into tool calls) and applied
-    (``apply_actions``), within ``config.max_turn`` turns."""
-    if slot.spec.tools:
-        apply_tool_calls(slot, ctx.parse_calls(completion, slot.spec.tools), completion, config.format_penalty,
-                         call, config.max_turn, max_abs_reward=config.max_abs_reward)
+    (``apply_actions``), within ``config.max_turn`` turns. An answer the parser fails on is
+    the model's mistake, never the env's: no action, the format penalty, and (a tool env's)
+    the reason as the call's error."""
+    tools = slot.spec.tools
+    try:
+        parsed = ctx.parse_calls(completion, tools) if tools else ctx.parse_response(completion.text)
+    except Exception as exc:  # broad: the parsers read only the model's text, whatever it made them raise
+        logger.warning("%s: the parser failed on the answer at turn %d, which takes the format penalty: %s: %s",
+                       describe(slot), len(slot.traj.turns), type(exc).__name__, exc, exc_info=True)
+        parsed = [BadCall(completion.text, f"the answer could not be read ({type(exc).__name__})")] if tools else []
+    if tools:
+        apply_tool_calls(slot, parsed, completion, config.format_penalty, call, config.max_turn,
+                         max_abs_reward=config.max_abs_reward)
         return
-    apply_actions(slot, ctx.parse_response(completion.text), completion, config.format_penalty, call,
-                  config.max_turn, max_abs_reward=config.max_abs_reward)
+    apply_actions(slot, parsed, completion, config.format_penalty, call, config.max_turn,
+                  max_abs_reward=config.max_abs_reward)
 
 
 def apply_tool_calls(slot: EnvSlot, calls: list[ToolCall | BadCall], completion: Completion,
