@@ -158,8 +158,8 @@ def test_hostile_arguments_from_a_server_are_bad_calls_saying_why():
     deep: list = []
     for _ in range(5000):  # decoded by a server: deeper than json.dumps can write
         deep = [deep]
-    given = [f'{{"amount": {DEEP}}}', f'{{"amount": {HUGE_INT}}}', {"amount": deep}, {"amount": int(HUGE_INT[:4000]) ** 2},
-             '{"amount": 2}', {"function": {"name": deep}}]
+    given = [f'{{"amount": {DEEP}}}', f'{{"amount": {HUGE_INT}}}', {"amount": deep},
+             {"amount": int(HUGE_INT[:4000]) ** 2}, '{"amount": 2}', {"function": {"name": deep}}]
     calls = read_server_calls([{"function": {"name": "add", "arguments": a}} for a in given[:5]] + [given[5]], TOOLS)
     assert all(isinstance(c, BadCall) for c in calls), calls
     errors = [c.error for c in calls]

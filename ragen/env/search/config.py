@@ -6,7 +6,6 @@ import copy
 import functools
 import logging
 from dataclasses import dataclass
-
 from typing import Any
 
 from ..base import ToolFormConfig, function_tool
