@@ -377,3 +377,36 @@ def test_a_hanging_server_ends_its_envs_in_timeout():
                          replace(loop_config(), env_retries=0))
     assert [t.stop_reason for t in far] == [StopReason.TIMEOUT] * 2
     assert all(f"env server {srv.url}" in t.error for t in far)
+
+
+@pytest.mark.parametrize("max_abs_reward, error_has", [
+    (1e6, "step returned the reward 1e+308, beyond es_manager.max_abs_reward=1e+06 (tag RemoteBad, step 1 of the "
+          "episode, turn "),
+    (1.5e308, "the episode's reward came to inf, not a finite number, with the reward 1e+308 (tag RemoteBad, step 2 "
+              "of the episode, turn "),
+])
+def test_a_server_reporting_1e308_twice_ends_its_env_in_error_and_no_advantage_is_nan(max_abs_reward, error_has):
+    """Issue 58: each 1e308 passes a finiteness check, their sum is inf, and GRPO's advantages were NaN."""
+    import math
+
+    from ragen.rollout.fill import FAILED, group_drops
+    from ragen.trainer.core import compute_advantages
+    from tests.test_env_outputs import bad_tag
+
+    seeds = sorted({s.seed for s in specs_for(["Bad"], [2], 2, custom_envs(Bad=bad_tag()))})
+    bad = bad_tag("huge_reward", bad_seed=seeds[0])
+    def served():
+        return make_env(bad["env_type"], bad["env_config"], config_type=bad["config_type"], tag="Bad")
+
+    with EnvServer({"Bad": served}) as srv:
+        envs = custom_envs(Bad=bad, RemoteBad={"env_type": "remote", "env_config": {"url": srv.url, "tag": "Bad"}})
+        far = sequential(specs_for(["RemoteBad"], [2], 2, envs), replace(loop_config(), max_abs_reward=max_abs_reward))
+    hit = [t for t in far if t.seed == seeds[0]]
+    assert len(hit) == 2 and all(t.stop_reason is StopReason.ERROR and error_has in t.error for t in hit), \
+        [t.error for t in hit]
+    drops = group_drops(far, "none")
+    assert drops == {hit[0].group_id: FAILED}
+    kept = [t for t in far if t.group_id not in drops]
+    advantages = compute_advantages([t.reward for t in kept], [t.group_id for t in kept], [t.tag for t in kept],
+                                    loop_config().context)
+    assert len(kept) == 2 and all(math.isfinite(a) for a in advantages)

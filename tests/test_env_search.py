@@ -26,6 +26,7 @@ from ragen.env.search.corpus import load_corpus, questions, shipped_corpus
 from ragen.env.search.env import f1_score, normalize_answer
 from ragen.env.search.pool import scripted_answer
 from ragen.env.search.server import RetrievalServer
+from ragen.llm.tool_calls import call_text
 from ragen.rollout.types import StopReason
 
 from tests.rollout_helpers import ROOT, custom_envs, loop_config, sequential, specs_for
@@ -159,9 +160,61 @@ def test_invalid_actions_change_nothing_and_searches_are_bounded(server):
     assert done and reward == 0.0 and obs.endswith("Episode ended without an answer.")
 
 
+def test_a_query_over_the_bound_is_an_invalid_action_naming_it_and_nothing_is_sent(server):
+    """Issue 58: the server refuses a query over 2,000 characters (HTTP 400), which raised RetrievalError
+    and ended the env in error; the long query is the model's mistake, told to it."""
+    env = make_env("search", {"server_url": server.url, "max_steps": 2})
+    env.reset(seed=0)
+    sent = server.requests
+    obs, reward, done, info = env.step("search[" + "town " * 600 + "]")
+    assert (reward, done, info["action_is_valid"]) == (0.0, False, False)
+    assert obs.startswith("Your query has 2999 characters; a query may have at most 2000.") and \
+        obs.endswith("Available actions: search[<query>], finish[<answer>]")
+    assert server.requests == sent and env.render() == obs
+    obs, _, done, _ = env.step({"name": "search", "arguments": {"query": "x" * 2001}})
+    assert "at most 2000" in obs and not done and server.requests == sent
+    obs, _, done, info = env.step("search[" + "t" * 2000 + "]")  # at the bound: sent
+    assert info["action_is_valid"] and server.requests == sent + 1 and not done
+    short = make_env("search", {"server_url": server.url, "max_query_chars": 10})
+    short.reset(seed=0)
+    assert "at most 10." in short.step("search[eleven char]")[0]
+
+
+def long_query_first(prompt, rng):
+    """A search over the bound first (text or tool form); once told the limit, the scripted reader."""
+    if "at most 2000" in prompt or "maxLength is 2000" in prompt:
+        return scripted_answer(prompt, rng)
+    query = "town " * 600
+    return (call_text("search", {"query": query}) if "<tools>" in prompt else f"search[{query}]"), 0.0
+
+
+@pytest.mark.parametrize("tools", [False, True], ids=["text", "tool_calls"])
+def test_in_a_rollout_a_long_query_is_the_models_mistake_and_the_episode_goes_on(server, tools):
+    from dataclasses import replace
+
+    from ragen.llm.scripted import ScriptedEngine
+
+    envs = custom_envs(S={"env_type": "search", "max_actions_per_traj": 5, "env_instruction": "Answer.",
+                          "max_tokens": 4000, "env_config": {"server_url": server.url, "tool_calls": tools}})
+    loop = loop_config(max_turn=5)
+    loop = replace(loop, sampling=replace(loop.sampling, max_tokens=4000), env_retries=0)
+    trajs = sequential(specs_for(["S"], [3], 1, envs), loop,
+                       engine=ScriptedEngine(answers="tests.test_env_search:long_query_first"))
+    for t in trajs:
+        assert t.stop_reason is StopReason.DONE and t.error is None and len(t.turns) >= 3, (t.stop_reason, t.error)
+        first = t.turns[0]
+        if tools:  # a call off the schema: not run, the format penalty, and the reason as its tool message
+            assert first.executed_actions == [] and first.penalty == loop.format_penalty
+            assert first.tool_results[0] == ("Error in tool call 1: the arguments of search do not match its "
+                                             "parameters at query: 3000 characters, where its maxLength is 2000")
+        else:  # an invalid action of the env: its observation names the limit
+            assert "a query may have at most 2000" in t.turns[1].observation
+
+
 @pytest.mark.parametrize("env_config, key", [
     ({"server_url": "ftp://127.0.0.1:1"}, "server_url"), ({"server_url": "http://127.0.0.1:1", "reward": "x"}, "reward"),
     ({"server_url": "http://127.0.0.1:1", "top_k": 0}, "top_k"),
+    ({"server_url": "http://127.0.0.1:1", "max_query_chars": 0}, "max_query_chars"),
 ])
 def test_bad_values_are_refused_naming_the_key(env_config, key):
     with pytest.raises(ValueError, match=rf"custom_envs.S.env_config.{key}:"):
