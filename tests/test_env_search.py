@@ -1,9 +1,10 @@
 """The search env against a real retrieval server (BM25 over the shipped corpus):
-the server's API (RAGEN's client, unchanged, calls it), its bounds, the env's
-episodes and rewards, and servers that are down, slow or answer garbage."""
+the server's API (RAGEN's client, unchanged, calls it), its key and bounds, the
+env's episodes and rewards, and servers that are down, slow or answer garbage."""
 
 from __future__ import annotations
 
+import base64
 import importlib.util
 import json
 import logging
@@ -35,14 +36,26 @@ pytestmark = pytest.mark.timeout(120)
 pytest.importorskip("bm25s", reason="the retrieval server's BM25: pip install -e '.[envs]' (bm25s==0.3.16)")
 
 
+KEY = "the-key-of-this-module's-server"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def client_key():
+    """The clients here hold the key the server here is made with (forked children too)."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("RAGEN_RETRIEVAL_KEY", KEY)
+        yield
+
+
 @pytest.fixture(scope="module")
 def server():
-    with RetrievalServer(shipped_corpus(filler=2000)) as srv:
+    with RetrievalServer(shipped_corpus(filler=2000), key=KEY) as srv:
         yield srv
 
 
-def _post(url, body: bytes):
-    request = urllib.request.Request(url + "/retrieve", data=body, headers={"Content-Type": "application/json"})
+def _post(url, body: bytes, key=KEY):
+    headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {key}"} if key else {})}
+    request = urllib.request.Request(url + "/retrieve", data=body, headers=headers)
     try:
         with urllib.request.urlopen(request, timeout=10) as response:
             return response.status, json.loads(response.read())
@@ -83,16 +96,68 @@ def test_bad_requests_are_refused_with_the_reason(server, body, status, words):
     assert got == status and words in payload["error"]
 
 
-def test_ragens_own_retrieval_client_runs_against_the_server(server):
+def test_a_search_without_the_key_is_refused_and_names_the_variable(server, monkeypatch):
+    q = json.dumps({"query": "town", "top_k": 2}).encode()
+    for key in (None, "wrong", KEY[:-1]):
+        status, body = _post(server.url, q, key=key)
+        assert status == 401 and "needs its key" in body["error"] and "results" not in body
+    basic = base64.b64encode(f"anyone:{KEY}".encode()).decode()  # a netrc file's or a URL's user:key
+    request = urllib.request.Request(server.url + "/retrieve", data=q, headers={"Authorization": f"Basic {basic}"})
+    with urllib.request.urlopen(request, timeout=10) as response:
+        assert json.loads(response.read())["num_results"] == 2
+    monkeypatch.delenv("RAGEN_RETRIEVAL_KEY")
+    with pytest.raises(RetrievalError, match=r"HTTP 401: .*needs its key.* environment variable RAGEN_RETRIEVAL_KEY "
+                                             r"\(env_config.key_env\), which is unset here"):
+        retrieve(server.url, "town", 2, 10)
+    env = make_env("search", {"server_url": server.url})
+    env.reset(seed=0)
+    with pytest.raises(RetrievalError, match="401"):
+        env.step("search[town]")
+    monkeypatch.setenv("MY_KEY", KEY)
+    env = make_env("search", {"server_url": server.url, "key_env": "MY_KEY"})
+    env.reset(seed=0)
+    assert "[Document 1]" in env.step("search[town]")[0]
+
+
+def test_a_server_given_no_key_makes_one(monkeypatch):
+    with RetrievalServer(shipped_corpus()[:10]) as a, RetrievalServer(shipped_corpus()[:10]) as b:
+        assert len(a.key) >= 40 and a.key != b.key != KEY
+        with pytest.raises(RetrievalError, match="401"):
+            retrieve(a.url, "town", 1, 10)
+        monkeypatch.setenv("RAGEN_RETRIEVAL_KEY", a.key)
+        assert retrieve(a.url, "town", 1, 10)
+
+
+def test_a_server_beyond_loopback_or_a_key_in_the_url_is_refused_at_config_read(monkeypatch):
+    monkeypatch.delenv("RAGEN_RETRIEVAL_KEY")
+    with pytest.raises(ValueError, match=r"env_config.server_url: 'http://10.1.2.3:8000' is beyond loopback.*"
+                                         r"RAGEN_RETRIEVAL_KEY"):
+        make_env_config("search", {"server_url": "http://10.1.2.3:8000"}, tag="S")
+    with pytest.raises(ValueError, match=r"env_config.server_url: the URL holds a user or key") as info:
+        make_env_config("search", {"server_url": "http://me:s3cret@127.0.0.1:8000"}, tag="S")
+    assert "s3cret" not in str(info.value)
+
+
+def test_ragens_own_retrieval_client_runs_against_the_server(server, tmp_path, monkeypatch):
+    """Unchanged: it sends no key of its own, and requests reads one from a netrc file."""
     spec = importlib.util.spec_from_file_location("ragen_retrieval_client",
                                                   ROOT / "tests" / "fixtures" / "ragen" / "search" / "retrieval_client.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
+    monkeypatch.setenv("NETRC", str(netrc_with(tmp_path, KEY)))
     client = module.RetrievalClient(server_url=server.url, max_results=3)
     assert client.available
     q = next(q for q in questions() if q.hops == 1)
     shown = client.search(q.question)
     assert shown.startswith("[Document 1] (ID: town-") and q.answer in shown
+
+
+def netrc_with(folder: Path, key: str) -> Path:
+    """A netrc file (0600) giving 127.0.0.1 the key: what a client reads it from, such as RAGEN's."""
+    path = folder / "netrc"
+    path.touch(mode=0o600)
+    path.write_text(f"machine 127.0.0.1 login ragen password {key}\n")
+    return path
 
 
 def test_a_corpus_file_is_read_and_bad_lines_are_named(tmp_path):
@@ -105,7 +170,7 @@ def test_a_corpus_file_is_read_and_bad_lines_are_named(tmp_path):
         load_corpus(bad)
 
 
-def test_the_command_line_serves_until_sigterm(tmp_path):
+def test_the_command_line_serves_until_sigterm_and_prints_a_key_it_made(tmp_path, monkeypatch):
     corpus = tmp_path / "c.jsonl"
     corpus.write_text("".join(json.dumps({"id": str(i), "contents": f"doc {i} about tea"}) + "\n" for i in range(5)))
     proc = subprocess.Popen([sys.executable, "-m", "ragen.tools.retrieval_server", "--corpus", str(corpus),
@@ -114,11 +179,18 @@ def test_the_command_line_serves_until_sigterm(tmp_path):
     try:
         line = proc.stdout.readline()  # bounded by the test's timeout
         assert line.startswith("serving 5 documents at "), proc.stderr.read()
-        assert retrieve(line.split(" at ")[1].strip(), "tea", 2, 10)[0]["content"].endswith("about tea")
+        url = line.split(" at ")[1].strip()
+        export = proc.stdout.readline()
+        assert export.startswith("export RAGEN_RETRIEVAL_KEY="), export
+        key = export.split("=", 1)[1].split()[0]
+        with pytest.raises(RetrievalError, match="401"):
+            retrieve(url, "tea", 2, 10)  # this module's key is not the one it made
+        monkeypatch.setenv("RAGEN_RETRIEVAL_KEY", key)
+        assert retrieve(url, "tea", 2, 10)[0]["content"].endswith("about tea")
     finally:
         proc.terminate()
         out, _ = proc.communicate(timeout=30)
-    assert proc.returncode == 0 and "stopped after 1 searches" in out
+    assert proc.returncode == 0 and "stopped after 1 searches" in out and key not in out
 
 
 # ----- the env ----------------------------------------------------------------------------------------------

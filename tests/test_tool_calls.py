@@ -415,7 +415,7 @@ def test_the_code_env_takes_run_tests_calls():
             assert turn.tool_results[0].startswith(("All", "Passed"))
 
 
-def test_the_openai_engine_sends_tools_and_reads_the_servers_calls():
+def test_the_openai_engine_sends_tools_and_reads_the_servers_calls(monkeypatch):
     pytest.importorskip("bm25s")
     from ragen.env.search.corpus import shipped_corpus
     from ragen.env.search.server import RetrievalServer
@@ -425,6 +425,7 @@ def test_the_openai_engine_sends_tools_and_reads_the_servers_calls():
     fake = FakeServer(policy=ScriptedEngine(answers="ragen.env.search.pool:scripted_answer"))
     try:
         with RetrievalServer(shipped_corpus(filler=100)) as search:
+            monkeypatch.setenv("RAGEN_RETRIEVAL_KEY", search.key)
             envs = custom_envs(S={**custom_envs()["SearchQATools"], "max_tokens": 300,
                                   "env_config": {"server_url": search.url, "tool_calls": True}})
             specs = specs_for(["S"], [4], 1, envs)

@@ -9,7 +9,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..base import ToolFormConfig, function_tool
-from ..config_checks import check_http_url, check_int, check_number, check_str
+from ..config_checks import check_int, check_number, check_str
+from ..keys import RETRIEVAL_KEY_ENV, check_keyed_url
 from .server import MAX_QUERY_CHARS
 
 __all__ = ["SearchEnvConfig"]
@@ -32,7 +33,8 @@ def warn_if_unreachable(url: str) -> None:
 @dataclass
 class SearchEnvConfig(ToolFormConfig):
     """``server_url``: the retrieval server (``python -m ragen.tools.retrieval_server``, or any server of
-    RAGEN's ``/retrieve`` API); ``top_k`` documents a search shows, each cut to ``max_doc_chars``;
+    RAGEN's ``/retrieve`` API); ``key_env``: the environment variable holding its key (ours wants it, on
+    loopback too); ``top_k`` documents a search shows, each cut to ``max_doc_chars``;
     ``max_steps``: actions an episode may take (searches and the answer); ``reward``: ``f1`` (the answer's
     token F1 with the truth when at least ``f1_threshold``, 1 on an exact match) or ``em`` (1 on an exact
     match); ``timeout_s``: the longest wait for one search; ``max_query_chars``: the longest query a search
@@ -42,6 +44,7 @@ class SearchEnvConfig(ToolFormConfig):
     RAGEN's text form."""
 
     server_url: str = "http://127.0.0.1:8000"
+    key_env: str = RETRIEVAL_KEY_ENV
     top_k: int = 3
     max_doc_chars: int = 800
     max_steps: int = 5
@@ -56,7 +59,8 @@ class SearchEnvConfig(ToolFormConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        self.server_url = check_http_url("server_url", self.server_url)
+        self.key_env = check_str("key_env", self.key_env)
+        self.server_url = check_keyed_url("server_url", self.server_url, self.key_env, "retrieval server")
         self.top_k = check_int("top_k", self.top_k, minimum=1, maximum=50)
         self.max_doc_chars = check_int("max_doc_chars", self.max_doc_chars, minimum=20, maximum=100_000)
         self.max_steps = check_int("max_steps", self.max_steps, minimum=1, maximum=100)

@@ -86,7 +86,7 @@ class SearchEnv(BaseLanguageBasedEnv):
     def _results(self, query: str) -> str:
         cfg = self.config
         t0 = time.perf_counter()
-        found = retrieve(cfg.server_url, query, cfg.top_k, cfg.timeout_s)
+        found = retrieve(cfg.server_url, query, cfg.top_k, cfg.timeout_s, cfg.key_env)
         self.step_costs = {"retrieval_s": time.perf_counter() - t0}
         if not found:
             return "No relevant documents found for the query."
