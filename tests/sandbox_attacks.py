@@ -153,11 +153,7 @@ def attack(sandbox, name: str, marker: str) -> dict:
 def _processes_with(marker: str, exclude: int) -> list[str]:
     """Processes whose command line holds ``marker``, but for the bystander and this one and its
     ancestors (whose command lines name it)."""
-    mine, pid = {exclude}, os.getpid()
-    while pid > 1:
-        mine.add(pid)
-        with open(f"/proc/{pid}/stat") as f:
-            pid = int(f.read().rsplit(")", 1)[1].split()[1])
+    mine = {exclude, os.getpid(), *_ancestors(os.getpid())}
     found = []
     for pid in os.listdir("/proc"):
         if pid.isdigit() and int(pid) not in mine:
@@ -168,6 +164,34 @@ def _processes_with(marker: str, exclude: int) -> list[str]:
             except OSError:
                 continue
     return found
+
+
+def runs_left() -> list[str]:
+    """This process's sandboxed runs still alive: descendants whose command line names a run's folder
+    (ragen-code-*); other processes' runs on a shared machine are theirs."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/cmdline", "rb") as f:
+                    cmd = f.read().replace(b"\0", b" ").decode(errors="replace")
+            except OSError:
+                continue
+            if "ragen-code-" in cmd and os.getpid() in _ancestors(int(entry)):
+                found.append(f"{entry}: {cmd}")
+    return found
+
+
+def _ancestors(pid: int) -> list[int]:
+    chain = []
+    while pid > 1:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                pid = int(f.read().rsplit(")", 1)[1].split()[1])
+        except OSError:
+            break
+        chain.append(pid)
+    return chain
 
 
 if __name__ == "__main__":

@@ -17,30 +17,17 @@ from ragen.env.code.pool import scripted_answer
 from ragen.env.code.problems import FAMILIES, count, problem, solutions
 from ragen.env.sandbox import Limits, RunStatus
 
+from tests.sandbox_attacks import runs_left
+
 pytestmark = pytest.mark.timeout(120)
 
 FAST = Limits(cpu_s=1, wall_s=3, memory_mb=256, output_bytes=16 * 1024)
 
 
-def _sandboxed_processes() -> list[str]:
-    """Command lines of processes running a sandboxed script (their folder is ragen-code-*)."""
-    found = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/cmdline", "rb") as f:
-                    cmd = f.read().replace(b"\0", b" ").decode(errors="replace")
-            except OSError:
-                continue
-            if "ragen-code-" in cmd:
-                found.append(f"{entry}: {cmd}")
-    return found
-
-
 @pytest.fixture(autouse=True)
 def no_process_survives():
     yield
-    assert _sandboxed_processes() == []
+    assert runs_left() == []
 
 
 # ----- judging -----------------------------------------------------------------------------------------------

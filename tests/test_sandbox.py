@@ -10,7 +10,6 @@ import pwd
 import secrets
 import shutil
 import subprocess
-import sys
 import tempfile
 
 import pytest
@@ -18,8 +17,7 @@ import pytest
 from ragen.env import sandbox
 from ragen.env.sandbox import Limits, RunStatus, SandboxError, SandboxUnavailable, run_python, spawn_python
 
-sys.path.insert(0, os.path.dirname(__file__))
-from sandbox_attacks import ATTACKS, attack  # noqa: E402
+from tests.sandbox_attacks import ATTACKS, attack, runs_left
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -27,38 +25,10 @@ FAST = Limits(cpu_s=1, wall_s=3, memory_mb=256, output_bytes=16 * 1024)
 USER = "ragen-sandbox-test"
 
 
-def _leftover_runs() -> list[str]:
-    """Processes of a sandboxed run still alive (their command line names the run's folder)."""
-    found = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/cmdline", "rb") as f:
-                    cmd = f.read().replace(b"\0", b" ").decode(errors="replace")
-                owner = os.stat(f"/proc/{entry}").st_uid
-            except OSError:
-                continue
-            if "ragen-code-" in cmd and str(os.getpid()) in _ancestors(entry) and owner is not None:
-                found.append(f"{entry}: {cmd}")
-    return found
-
-
-def _ancestors(pid: str) -> list[str]:
-    chain = []
-    while pid not in ("0", "1", ""):
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                pid = f.read().rsplit(")", 1)[1].split()[1]
-        except OSError:
-            break
-        chain.append(pid)
-    return chain
-
-
 @pytest.fixture(autouse=True)
 def no_process_survives():
     yield
-    assert _leftover_runs() == []
+    assert runs_left() == []
 
 
 # ----- limits ------------------------------------------------------------------------------------------------

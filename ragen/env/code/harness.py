@@ -74,7 +74,7 @@ for _i, _input in enumerate(_JOB["inputs"]):
             _out.write("\n" + _MARK + '{"i": %d, "got": %s}' % (_i, _got) + "\n")  # serialized once, sized
             _out.flush()
         else:
-            sys.stdin = io.StringIO(_input)
+            sys.stdin = io.TextIOWrapper(io.BytesIO(_input.encode()), encoding="utf-8")  # .buffer too
             with contextlib.redirect_stdout(_buf):
                 try:
                     exec(_compiled, {"__name__": "__main__"})
