@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import signal
+import time
+
 import pytest
 
 pytest.importorskip("reasoning_gym", reason="needs reasoning-gym (pip install -e '.[envs]')")
@@ -10,7 +14,7 @@ from ragen.env import make_env, make_env_config  # noqa: E402
 from ragen.env.check.checker import check_env  # noqa: E402
 from ragen.llm.scripted import ScriptedEngine  # noqa: E402
 from ragen.rollout.types import rollout_digest  # noqa: E402
-from tests.rollout_helpers import custom_envs, loop_config, sequential, specs_for  # noqa: E402
+from tests.rollout_helpers import ROOT, custom_envs, loop_config, sequential, specs_for  # noqa: E402
 
 RG_TAGS = ["RGChainSum", "RGLetterCounting", "RGKnightsKnaves", "RGWordSorting"]
 
@@ -104,3 +108,58 @@ def test_datasets_that_pickle_badly_use_the_global_generators_or_raise_in_scorin
     config has no validate."""
     report = check_env("reasoning_gym", {"dataset": dataset}, seeds=3)
     assert report.ok and not report.warnings(), report.format()
+
+
+# ----- answers that a scorer evaluates: never in this process, never as code, never for long ------------------
+
+EVALUATING = ["binary_matrix", "countdown", "intermediate_integration", "n_queens", "polynomial_multiplication",
+              "puzzle24", "simple_integration", "spiral_matrix", "string_insertion"]
+RAN = ROOT / ".pytest_cache" / "rg-answer-ran"  # a file the hostile answers touch (per checkout)
+TOUCH = f"__import__('os').system('touch {RAN}')"
+TOWER = "9**9**9**9"  # holds an interpreter (and its GIL) for hours
+
+
+def test_the_evaluating_datasets_are_the_ones_whose_scorer_evaluates():
+    """Every dataset whose score_answer (or a method it calls) has eval or parse_expr is on the list."""
+    import inspect
+    import re
+
+    from reasoning_gym.factory import DATASETS
+
+    from ragen.env.reasoning_gym.answers import EVALUATING as LISTED
+
+    found = set()
+    for name, (cls, _) in DATASETS.items():
+        source = inspect.getsource(cls.score_answer)
+        called = set(re.findall(r"self\.(\w+)\(", source))
+        source += "".join(inspect.getsource(getattr(cls, m)) for m in called if callable(getattr(cls, m, None)))
+        if re.search(r"\beval\(|parse_expr|sympify|\bexec\(", source):
+            found.add(name)
+    assert found - {"number_sorting"} == set(EVALUATING) == set(LISTED)  # number_sorting evals its own answer
+
+
+@pytest.mark.parametrize("answer,allowed", [
+    ("-x**3/3 + sin(2*x)*exp(x) + C", True), ("Integral(x**3*cos(2*x), x) + C", True), ("(4 + 4) * (9 - 6)", True),
+    ("x < 2", True), (TOWER, True),
+    (TOUCH, False), ("x.__class__", False), ("x[0]", False), ("(lambda: 1)()", False), ("[i for i in x]", False),
+    ("f'{x}'", False), ("sin('x')", False), ("eval(x)", False), ("print(1)", False), ("sin(x=1)", False),
+    ("_x + 1", False), ("x if x else 1", False), ("x # comment", False), ("x; y", False), ("(" * 500, False),
+    ("1" * 200_000, False),
+])
+def test_the_allow_list_of_a_sympy_scorer(answer, allowed):
+    from ragen.env.reasoning_gym.answers import refusal
+
+    assert (refusal("simple_integration", answer, {"answer": ""}) is None) == allowed
+
+
+@pytest.mark.parametrize("answer,allowed", [
+    ("[[0, 1], [1, -2]]", True), ("((0, 1),)", True), ("['a', 'b']", False), ("[x]", False), ("[1 + 1]", False),
+    ("[print(1)]", False), ("[].__class__", False),
+])
+def test_the_allow_list_of_an_eval_scorer(answer, allowed):
+    from ragen.env.reasoning_gym.answers import refusal
+
+    assert (refusal("binary_matrix", answer, {"answer": "0 1"}) is None) == allowed
+    assert refusal("binary_matrix", "0 1", {"answer": "0 1"}) is None  # the expected text is not evaluated
+    assert refusal("string_insertion", "['a', 'b']", {"answer": "ab"}) is None  # a list of letters: strings
+    assert refusal("chain_sum", "__import__('os')", {"answer": "1"}) is None  # its scorer does not evaluate
