@@ -119,6 +119,44 @@ TOUCH = f"__import__('os').system('touch {RAN}')"
 TOWER = "9**9**9**9"  # holds an interpreter (and its GIL) for hours
 
 
+def hostile_answer(prompt: str, rng) -> tuple[str, float]:
+    """The scripted policy's answers (``engine.answers``): code, or a number that takes hours to compute."""
+    return (TOUCH if rng.random() < 0.5 else TOWER), 0.0
+
+
+def _scorer_processes() -> list[int]:
+    """The processes under this one that run reasoning-gym's scorer."""
+    found, todo = [], [os.getpid()]
+    while todo:
+        pid = todo.pop()
+        try:
+            for task in os.listdir(f"/proc/{pid}/task"):
+                with open(f"/proc/{pid}/task/{task}/children") as f:
+                    todo.extend(int(c) for c in f.read().split())
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                if b"reasoning_gym/scorer.py" in f.read():
+                    found.append(pid)
+        except OSError:
+            continue
+    return found
+
+
+def _kill(pids: list[int]) -> None:
+    """SIGKILL each, and wait until each has ended (a zombie, or reaped)."""
+    for pid in pids:
+        os.kill(pid, signal.SIGKILL)
+    for pid in pids:
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            try:
+                with open(f"/proc/{pid}/stat") as f:
+                    if f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X"):
+                        break
+            except OSError:
+                break
+            time.sleep(0.01)
+
+
 def test_the_evaluating_datasets_are_the_ones_whose_scorer_evaluates():
     """Every dataset whose score_answer (or a method it calls) has eval or parse_expr is on the list."""
     import inspect
@@ -163,3 +201,55 @@ def test_the_allow_list_of_an_eval_scorer(answer, allowed):
     assert refusal("binary_matrix", "0 1", {"answer": "0 1"}) is None  # the expected text is not evaluated
     assert refusal("string_insertion", "['a', 'b']", {"answer": "ab"}) is None  # a list of letters: strings
     assert refusal("chain_sum", "__import__('os')", {"answer": "1"}) is None  # its scorer does not evaluate
+
+
+@pytest.mark.timeout(120)
+def test_the_scorers_sandbox_holds_an_answer_the_allow_list_missed(tmp_path):
+    """Past the allow-list (as a scorer's own bug would be), code runs in the sandbox, not here."""
+    from ragen.env.reasoning_gym.scoring import scorer_pool
+
+    config = make_env_config("reasoning_gym", {"dataset": "binary_matrix"}, tag="RG")
+    env = make_env("reasoning_gym", {"dataset": "binary_matrix"})
+    env.reset(seed=1)
+    marker = tmp_path / "ran"
+    score = scorer_pool(config.scorer_limits()).score(
+        "binary_matrix", {}, 1, env.item, f"__import__('os').system('touch {marker}') or [[0]]", 5.0)
+    assert score.value == 0.0 and not marker.exists()
+
+
+@pytest.mark.timeout(120)
+def test_the_pool_survives_a_killed_scorer():
+    import threading
+
+    from ragen.env.reasoning_gym.scoring import scorer_pool
+
+    config = make_env_config("reasoning_gym", {"dataset": "puzzle24"}, tag="RG")
+    pool = scorer_pool(config.scorer_limits())
+    env = make_env("reasoning_gym", {"dataset": "puzzle24"})
+    env.reset(seed=4)
+    assert pool.score("puzzle24", {}, 4, env.item, env.item["answer"], 5.0).value == 1.0
+    _kill(_scorer_processes())  # killed while idle: the next answer gets another
+    assert pool.score("puzzle24", {}, 4, env.item, env.item["answer"], 30.0).value == 1.0
+    result = []
+    asked = threading.Thread(target=lambda: result.append(pool.score("puzzle24", {}, 4, env.item, TOWER, 60.0)))
+    asked.start()
+    time.sleep(1.0)
+    _kill(_scorer_processes())  # killed while scoring: that answer scores 0, saying so
+    asked.join(timeout=30)
+    assert result[0].value == 0.0 and "the scorer died" in result[0].error
+    assert pool.score("puzzle24", {}, 4, env.item, env.item["answer"], 30.0).value == 1.0
+
+
+def test_the_sandbox_key_is_checked_at_config_read(monkeypatch):
+    from ragen.env.reasoning_gym import config as rg_config
+    from ragen.env.sandbox import SandboxUnavailable
+
+    with pytest.raises(ValueError, match=r"env_config.sandbox: must be one of"):
+        make_env_config("reasoning_gym", {"dataset": "chain_sum", "sandbox": "docker"}, tag="RG")
+
+    def unavailable(name):
+        raise SandboxUnavailable("no sandbox isolates untrusted code here (...); ... say so by name: sandbox: none")
+
+    monkeypatch.setattr(rg_config, "backend", unavailable)
+    with pytest.raises(ValueError, match=r"env_config.sandbox: no sandbox isolates"):
+        make_env_config("reasoning_gym", {"dataset": "chain_sum"}, tag="RG")
