@@ -176,6 +176,37 @@ def test_the_evaluating_datasets_are_the_ones_whose_scorer_evaluates():
     assert found - {"number_sorting"} == set(EVALUATING) == set(LISTED)  # number_sorting evals its own answer
 
 
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("dataset", EVALUATING)
+def test_code_in_an_answer_never_runs_and_scores_0(dataset):
+    RAN.parent.mkdir(exist_ok=True)
+    RAN.unlink(missing_ok=True)
+    env = make_env("reasoning_gym", {"dataset": dataset})
+    env.reset(seed=5)
+    obs, reward, done, info = env.step(TOUCH)
+    assert not RAN.exists()
+    assert (reward, done, info["success"]) == (0.0, True, False)
+    assert info["score_error"].startswith("not evaluated:")
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("dataset", EVALUATING + ["chain_sum", "letter_counting"])
+def test_right_answers_still_score_1_and_list_forms_are_still_evaluated(dataset):
+    env = make_env("reasoning_gym", {"dataset": dataset})
+    for seed in range(4):
+        env.reset(seed=seed)
+        obs, reward, done, info = env.step(env.item["answer"])
+        assert (reward, info["success"], "score_error" in info) == (1.0, True, False), (seed, env.item["answer"])
+    lists = {"binary_matrix": (lambda a: str([[int(v) for v in row.split()] for row in a.splitlines()]), 0.1),
+             "spiral_matrix": (lambda a: str([int(v) for v in a.split()]), 0.1),
+             "string_insertion": (lambda a: str(list(a)), 0.1),
+             "n_queens": (lambda a: str([row.split() for row in a.splitlines()]), 0.5)}
+    if dataset in lists:  # the scorers' own partial credit for the answer written as a Python list
+        as_list, partial = lists[dataset]
+        env.reset(seed=1)
+        assert env.step(as_list(env.item["answer"]))[1] == partial
+
+
 @pytest.mark.parametrize("answer,allowed", [
     ("-x**3/3 + sin(2*x)*exp(x) + C", True), ("Integral(x**3*cos(2*x), x) + C", True), ("(4 + 4) * (9 - 6)", True),
     ("x < 2", True), (TOWER, True),
@@ -201,6 +232,20 @@ def test_the_allow_list_of_an_eval_scorer(answer, allowed):
     assert refusal("binary_matrix", "0 1", {"answer": "0 1"}) is None  # the expected text is not evaluated
     assert refusal("string_insertion", "['a', 'b']", {"answer": "ab"}) is None  # a list of letters: strings
     assert refusal("chain_sum", "__import__('os')", {"answer": "1"}) is None  # its scorer does not evaluate
+
+
+@pytest.mark.timeout(120)
+def test_an_answer_that_computes_for_hours_scores_0_within_the_wall_bound_and_the_episode_goes_on():
+    env = make_env("reasoning_gym", {"dataset": "puzzle24", "attempts": 2, "scorer_wall_s": 1.0})
+    env.reset(seed=2)
+    start = time.monotonic()
+    obs, reward, done, info = env.step(TOWER)
+    assert time.monotonic() - start < 6.0
+    assert (reward, done) == (0.0, False) and "ran past its 1 s" in info["score_error"]
+    assert env.step(env.item["answer"])[1:3] == (1.0, True)  # a fresh scorer
+    other = make_env("reasoning_gym", {"dataset": "countdown"})
+    other.reset(seed=3)
+    assert other.step(other.item["answer"])[1] == 1.0
 
 
 @pytest.mark.timeout(120)
@@ -240,6 +285,29 @@ def test_the_pool_survives_a_killed_scorer():
     assert pool.score("puzzle24", {}, 4, env.item, env.item["answer"], 30.0).value == 1.0
 
 
+@pytest.mark.timeout(120)
+def test_a_forked_child_scores_with_scorers_of_its_own():
+    import multiprocessing
+
+    env = make_env("reasoning_gym", {"dataset": "countdown"})
+    env.reset(seed=6)
+    assert env.step(env.item["answer"])[1] == 1.0  # this process's pool started
+    parents = set(_scorer_processes())
+    queue = multiprocessing.get_context("fork").Queue()
+
+    def child():
+        env.reset(seed=6)
+        queue.put((env.step(env.item["answer"])[1], set(_scorer_processes())))
+
+    process = multiprocessing.get_context("fork").Process(target=child)
+    process.start()
+    reward, childs = queue.get(timeout=60)
+    process.join(timeout=60)
+    assert reward == 1.0 and childs and not childs & parents
+    env.reset(seed=6)
+    assert env.step(env.item["answer"])[1] == 1.0
+
+
 def test_the_sandbox_key_is_checked_at_config_read(monkeypatch):
     from ragen.env.reasoning_gym import config as rg_config
     from ragen.env.sandbox import SandboxUnavailable
@@ -253,3 +321,53 @@ def test_the_sandbox_key_is_checked_at_config_read(monkeypatch):
     monkeypatch.setattr(rg_config, "backend", unavailable)
     with pytest.raises(ValueError, match=r"env_config.sandbox: no sandbox isolates"):
         make_env_config("reasoning_gym", {"dataset": "chain_sum"}, tag="RG")
+
+
+def _hostile_specs():
+    envs = custom_envs(RGPuzzle24={"env_type": "reasoning_gym", "max_actions_per_traj": 1, "env_instruction": "24",
+                                   "env_config": {"dataset": "puzzle24", "scorer_wall_s": 1.0}})
+    return specs_for(["RGPuzzle24", "RGChainSum"], [2, 1], 2, envs)
+
+
+@pytest.mark.timeout(180)
+def test_a_sequential_rollout_of_hostile_answers_finishes():
+    RAN.parent.mkdir(exist_ok=True)
+    RAN.unlink(missing_ok=True)
+    trajectories = sequential(_hostile_specs(), loop_config(max_turn=1),
+                              ScriptedEngine(answers="tests.test_env_reasoning_gym:hostile_answer"))
+    assert len(trajectories) == 6 and all(t.error is None for t in trajectories)
+    assert not RAN.exists()
+    assert all(t.turns[-1].reward == 0.0 for t in trajectories)
+    reasons = {t.turns[-1].info["score_error"].split(":")[0] for t in trajectories[:4] if t.turns[-1].executed_actions}
+    assert reasons == {"not evaluated", "the scorer ran past its 1 s"}
+
+
+@pytest.mark.timeout(180)
+def test_a_loky_rollout_of_hostile_answers_finishes():
+    from ragen.llm_agent import ParallelRolloutManager, SharedLLMInferenceManager
+
+    RAN.parent.mkdir(exist_ok=True)
+    RAN.unlink(missing_ok=True)
+    config = loop_config(max_turn=1, env_timeout_s=30.0)
+    engine = ScriptedEngine(answers="tests.test_env_reasoning_gym:hostile_answer")
+    with SharedLLMInferenceManager(engine) as shared, ParallelRolloutManager(shared, n_jobs=2) as prm:
+        result = prm.rollout(_hostile_specs(), config)
+    assert result.metrics["parallel/fallbacks"] == 0
+    assert all(t.error is None and t.turns[-1].reward == 0.0 for t in result.trajectories)
+    assert not RAN.exists()
+
+
+def test_a_reason_in_the_info_does_not_break_ragens_metrics():
+    from ragen.llm_agent.es_manager import EnvStateManager
+
+    envs = custom_envs(RGBinary={"env_type": "reasoning_gym", "max_actions_per_traj": 1, "env_instruction": "m",
+                                 "env_config": {"dataset": "binary_matrix"}})
+    split = {"env_groups": 1, "group_size": 1, "env_configs": {"tags": ["RGBinary"], "n_groups": [1]}}
+    es = EnvStateManager({"custom_envs": envs, "seed": {"train": 1, "val": 2},
+                          "es_manager": {"format_penalty": -0.1, "train": split, "val": split}}, mode="train")
+    try:
+        es.reset()
+        es.step([{"env_id": 0, "actions": [TOUCH], "llm_response": "", "llm_raw_response": ""}])
+        assert es.get_rollout_states()[0]["metrics"]["RGBinary/success"] == 0.0
+    finally:
+        es.close()
