@@ -134,10 +134,16 @@ def validate(bench_cfg: Any) -> BenchmarkConfig:
 
 
 def start_retrieval_server(cfg: DictConfig, filler: int) -> subprocess.Popen:
-    """``python -m ragen.tools.retrieval_server`` on a free port, the search tags' ``server_url`` set to it."""
+    """``python -m ragen.tools.retrieval_server`` on a free port, the search tags' ``server_url`` set to it.
+    Its key is ``RAGEN_RETRIEVAL_KEY``'s (a new one where that is unset), set in this process's
+    environment under each search tag's ``key_env``, for the workers started after it."""
+    from ragen.env.keys import RETRIEVAL_KEY_ENV, new_key
+
+    key = os.environ.get(RETRIEVAL_KEY_ENV) or new_key()
     proc = subprocess.Popen([sys.executable, "-m", "ragen.tools.retrieval_server", "--port", "0", "--filler",
                              str(filler)], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
-                            env={**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), *sys.path])})
+                            env={**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), *sys.path]),
+                                 RETRIEVAL_KEY_ENV: key})
     line = proc.stdout.readline()  # bounded: it prints its address, or exits (EOF), once its index is built
     if not line.startswith("serving"):
         proc.kill()
@@ -146,6 +152,7 @@ def start_retrieval_server(cfg: DictConfig, filler: int) -> subprocess.Popen:
     for spec in cfg.custom_envs.values():
         if spec.get("env_type") == "search":
             spec.env_config.server_url = url
+            os.environ[spec.env_config.get("key_env", RETRIEVAL_KEY_ENV)] = key
     logger.info("retrieval server %s (%d filler documents)", url, filler)
     return proc
 

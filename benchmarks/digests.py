@@ -89,6 +89,7 @@ import faulthandler
 import hashlib
 import json
 import logging
+import os
 import platform
 import subprocess
 import sys
@@ -219,16 +220,20 @@ def serve_retrieval(plain: dict[str, Any]) -> None:
     wanted = (plain.get("benchmark") or {}).get("retrieval_server")
     if wanted is None:
         return
+    from ragen.env.keys import RETRIEVAL_KEY_ENV
     from ragen.env.search.corpus import shipped_corpus
     from ragen.env.search.server import RetrievalServer
 
     filler = int(wanted.get("filler", 0))
     if filler not in _RETRIEVAL_SERVERS:
-        _RETRIEVAL_SERVERS[filler] = RetrievalServer(shipped_corpus(filler=filler)).start()
-    url = _RETRIEVAL_SERVERS[filler].url
+        # one key for every server of the process (None: a new one)
+        key = os.environ.get(RETRIEVAL_KEY_ENV) or None
+        _RETRIEVAL_SERVERS[filler] = RetrievalServer(shipped_corpus(filler=filler), key=key).start()
+    server = _RETRIEVAL_SERVERS[filler]
     for tag in plain["custom_envs"].values():
         if tag.get("env_type") == "search":
-            tag["env_config"] = {**(tag.get("env_config") or {}), "server_url": url}
+            tag["env_config"] = {**(tag.get("env_config") or {}), "server_url": server.url}
+            os.environ[tag["env_config"].get("key_env", RETRIEVAL_KEY_ENV)] = server.key  # for workers started later
 
 
 def sha(parts: Any) -> str:

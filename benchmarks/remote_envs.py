@@ -33,6 +33,11 @@ SERVE = ["--tags", "HeavySokoban", "--port", "0", "--config-name", "base-paralle
 
 
 def start_server() -> tuple[subprocess.Popen, str]:
+    """An env server on a free port, with ``RAGEN_ENV_KEY``'s key: set here (a new one where it is
+    unset), the servers and the rollout's workers share it."""
+    from ragen.env.keys import ENV_SERVER_KEY_ENV, new_key
+
+    os.environ[ENV_SERVER_KEY_ENV] = os.environ.get(ENV_SERVER_KEY_ENV) or new_key()
     proc = subprocess.Popen([sys.executable, "-m", "ragen.tools.env_server", *SERVE], stdout=subprocess.PIPE,
                             stderr=subprocess.DEVNULL, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
     line = proc.stdout.readline()  # bounded: the server prints its address or exits (EOF) within seconds

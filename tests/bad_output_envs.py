@@ -2,8 +2,9 @@
 
 ``BadOutputEnv`` is ``FaultEnv`` (a counter walked to 0) that, when its seed is
 ``bad_seed``, returns one bad value: ``nan_reward`` (a NaN reward from step),
-``str_reward`` (the reward as text), ``obj_observation`` (a list as step's
-observation) or ``obj_reset`` (a dict from reset).
+``str_reward`` (the reward as text), ``huge_reward`` (``huge``, 1e308, at each
+step: finite, but two of them sum to inf), ``obj_observation`` (a list as
+step's observation) or ``obj_reset`` (a dict from reset).
 """
 
 from __future__ import annotations
@@ -12,13 +13,14 @@ from dataclasses import dataclass
 
 from tests.fault_envs import FaultEnv, FaultEnvConfig, _CounterEnv
 
-BAD_OUTPUTS = ("none", "nan_reward", "str_reward", "obj_observation", "obj_reset")
+BAD_OUTPUTS = ("none", "nan_reward", "str_reward", "huge_reward", "obj_observation", "obj_reset")
 
 
 @dataclass
 class BadOutputEnvConfig(FaultEnvConfig):
     bad: str = "none"
     bad_seed: int = -1
+    huge: float = 1e308
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -43,6 +45,8 @@ class BadOutputEnv(FaultEnv):
             reward = float("nan")
         elif self._bad("str_reward"):
             reward = str(reward)
+        elif self._bad("huge_reward"):
+            reward = self.config.huge
         elif self._bad("obj_observation"):
             obs = ["value", self.value]
         return obs, reward, done, info

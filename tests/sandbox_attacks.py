@@ -123,7 +123,8 @@ def attack(sandbox, name: str, marker: str) -> dict:
     and in a bystander's command line, and a listening port; return what it printed and what is left."""
     script, overrides = ATTACKS[name]
     os.environ["RAGEN_TEST_SECRET"] = marker
-    bystander = subprocess.Popen(["/bin/sh", "-c", "sleep 30", f"engine.api_key={marker}"])
+    bystander = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)", f"engine.api_key={marker}"],
+                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     listener = socket.socket()
     listener.bind(("127.0.0.1", 0))
     listener.listen(1)
@@ -150,9 +151,16 @@ def attack(sandbox, name: str, marker: str) -> dict:
 
 
 def _processes_with(marker: str, exclude: int) -> list[str]:
+    """Processes whose command line holds ``marker``, but for the bystander and this one and its
+    ancestors (whose command lines name it)."""
+    mine, pid = {exclude}, os.getpid()
+    while pid > 1:
+        mine.add(pid)
+        with open(f"/proc/{pid}/stat") as f:
+            pid = int(f.read().rsplit(")", 1)[1].split()[1])
     found = []
     for pid in os.listdir("/proc"):
-        if pid.isdigit() and int(pid) not in (exclude, os.getpid()):
+        if pid.isdigit() and int(pid) not in mine:
             try:
                 with open(f"/proc/{pid}/cmdline", "rb") as f:
                     if marker.encode() in f.read():

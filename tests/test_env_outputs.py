@@ -1,7 +1,9 @@
 """An env's reset/step values are checked where the loop takes them: an
-observation that is not text, a reward that is text, or a NaN reward ends that
-env in ``error`` (named by tag and seed), and the other envs and the rollout's
-metrics are untouched, on the sequential path and on a parallel backend."""
+observation that is not text, a reward that is text, a NaN reward, one beyond
+``es_manager.max_abs_reward`` or an episode total that is not finite ends that
+env in ``error`` (named by tag and seed, a reward's error by the step too), and
+the other envs, the rollout's metrics and the trainer's advantages are
+untouched, on the sequential path and on a parallel backend."""
 
 from __future__ import annotations
 
@@ -25,7 +27,7 @@ def bad_tag(bad: str = "none", bad_seed: int = -1) -> dict:
             "env_config": {"bad": bad, "bad_seed": bad_seed}}
 
 
-def config(tag: dict, parallel: bool) -> dict:
+def config(tag: dict, parallel: bool, **es_manager) -> dict:
     return {
         "custom_envs": custom_envs(Bad=tag),
         "seed": {"train": 7, "val": 123},
@@ -37,12 +39,13 @@ def config(tag: dict, parallel: bool) -> dict:
             "train": {"env_groups": N_GROUPS, "group_size": GROUP_SIZE,
                       "env_configs": {"tags": ["Bad"], "n_groups": [N_GROUPS]}},
             "val": {"env_groups": 1, "group_size": 1, "env_configs": {"tags": ["Bad"], "n_groups": [1]}},
+            **es_manager,
         },
     }
 
 
-def rollout(tag: dict, parallel: bool):
-    with LLMAgentProxy(AgentSetup.from_config(config(tag, parallel)), ScriptedEngine()) as proxy:
+def rollout(tag: dict, parallel: bool, **es_manager):
+    with LLMAgentProxy(AgentSetup.from_config(config(tag, parallel, **es_manager)), ScriptedEngine()) as proxy:
         return proxy.rollout("train", rollout_index=0)
 
 
@@ -62,6 +65,8 @@ def reference():
 @pytest.mark.parametrize("bad,error_has", [
     ("nan_reward", "step returned the reward nan, not a finite number"),
     ("str_reward", "step returned a reward of type str ('-0.1'), not a number"),
+    ("huge_reward", "step returned the reward 1e+308, beyond es_manager.max_abs_reward=1e+06 (tag Bad, step 1 of "
+                    "the episode, turn "),
     ("obj_observation", "step returned an observation of type list (['value', "),
     ("obj_reset", "reset returned an observation of type dict ({'text': 'value="),
 ])
@@ -85,3 +90,46 @@ def test_a_bad_value_from_an_env_ends_only_that_env_in_error(reference, caplog, 
     warned = [r.getMessage() for r in caplog.records if "ended in error" in r.getMessage()]
     assert any(f"tag Bad, seed {bad_seed}" in m and error_has in m for m in warned), warned
 
+
+
+@pytest.mark.timeout(120)
+def test_an_episode_total_that_is_not_finite_ends_the_env_in_error(reference):
+    """Under a bound that lets 1e308 pass, its second step sums to inf: refused, naming the step."""
+    _, bad_seed = reference
+    result = rollout(bad_tag("huge_reward", bad_seed), parallel=False, max_abs_reward=1.5e308)
+    hit = [t for t in result.trajectories if t.seed == bad_seed]
+    for t in hit:
+        assert t.stop_reason == StopReason.ERROR, (t.stop_reason, t.error)
+        assert "the episode's reward came to inf, not a finite number, with the reward 1e+308 (tag Bad, step 2 " \
+               "of the episode" in t.error, t.error
+    assert all(math.isfinite(t.reward) for t in result.trajectories)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("max_abs_reward", [1e6, 1.5e308])
+def test_huge_rewards_never_make_the_trainers_advantages_nan(reference, max_abs_reward):
+    """1e308 twice (issue 58): the env ends in error, its group is left out, and every advantage
+    the trainer gets is a number."""
+    from ragen.llm.scripted import byte_chat
+    from ragen.rollout.context import ContextManager
+    from ragen.trainer.config import TrainerConfig
+    from ragen.trainer.samples import make_samples
+
+    _, bad_seed = reference
+    setup = AgentSetup.from_config(config(bad_tag("huge_reward", bad_seed), False, max_abs_reward=max_abs_reward))
+    with LLMAgentProxy(setup, ScriptedEngine()) as proxy:
+        result = proxy.next_train_batch(0)
+    bad_group = next(t.group_id for t in result.trajectories if t.seed == bad_seed)
+    assert result.dropped_groups == {bad_group: "failed"}
+    samples, metrics = make_samples(result, ContextManager(setup.loop.context), byte_chat(), TrainerConfig(),
+                                    setup.loop.context)
+    assert len({s.group_key for s in samples}) == N_GROUPS - 1
+    assert all(math.isfinite(s.advantage) and math.isfinite(s.score) for s in samples)
+    assert all(math.isfinite(v) for v in metrics.values()), metrics
+
+
+def test_the_reward_bound_is_checked_in_the_config():
+    with pytest.raises(ValueError, match=r"es_manager.max_abs_reward must be > 0.0, got 0"):
+        AgentSetup.from_config(config(bad_tag(), False, max_abs_reward=0))
+    with pytest.raises(ValueError, match=r"es_manager.format_penalty=-5 is beyond es_manager.max_abs_reward=1"):
+        AgentSetup.from_config(config(bad_tag(), False, max_abs_reward=1.0, format_penalty=-5.0))

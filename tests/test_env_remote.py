@@ -28,6 +28,17 @@ from tests.rollout_helpers import custom_envs, loop_config, sequential, specs_fo
 pytestmark = pytest.mark.timeout(120)
 
 SOKOBAN = {"env_type": "sokoban", "env_config": {"dim_x": 6, "dim_y": 6, "num_boxes": 1}}
+KEY = "the-key-of-this-module's-servers"
+
+
+@pytest.fixture(autouse=True)
+def client_key(monkeypatch):
+    """The clients here hold the key every server here is made with (``env_server``)."""
+    monkeypatch.setenv("RAGEN_ENV_KEY", KEY)
+
+
+def env_server(makers, **kw):
+    return EnvServer(makers, key=KEY, **kw)
 
 
 def sokoban():
@@ -36,7 +47,7 @@ def sokoban():
 
 @pytest.fixture
 def server():
-    with EnvServer({"S": sokoban, "L": lambda: make_env("frozen_lake", {})}) as srv:
+    with env_server({"S": sokoban, "L": lambda: make_env("frozen_lake", {})}) as srv:
         yield srv
 
 
@@ -147,12 +158,12 @@ def test_health_and_unknown_paths(server):
 
 
 def test_a_server_of_one_tag_serves_it_at_ws_as_openenv_does():
-    with EnvServer({"S": sokoban}) as srv:
+    with env_server({"S": sokoban}) as srv:
         assert make_env("remote", {"url": srv.url}).reset(seed=2) == sokoban().reset(seed=2)
 
 
 def test_a_session_the_server_closed_while_idle_is_opened_again_at_reset():
-    with EnvServer({"S": sokoban}, idle_timeout_s=0.2) as srv:
+    with env_server({"S": sokoban}, idle_timeout_s=0.2) as srv:
         env = remote(srv.url)
         env.reset(seed=1)
         time.sleep(0.6)
@@ -176,7 +187,7 @@ class _FailsAtStep2:
 
 
 def test_an_env_error_on_the_server_fails_that_call_and_names_the_server():
-    with EnvServer({"S": _FailsAtStep2}) as srv:
+    with env_server({"S": _FailsAtStep2}) as srv:
         env = remote(srv.url)
         env.reset(seed=0)
         env.step("a")
@@ -203,7 +214,7 @@ def test_the_env_checker_passes_a_remote_env(server):
 # ----- the server's bounds and key -------------------------------------------------------------------------
 
 def test_sessions_beyond_the_bound_are_refused():
-    with EnvServer({"S": sokoban}, max_sessions=1) as srv:
+    with env_server({"S": sokoban}, max_sessions=1) as srv:
         first = remote(srv.url)
         first.reset(seed=0)
         with pytest.raises(RemoteEnvError, match=rf"env server {srv.url}: cannot open a session.*503"):
@@ -214,7 +225,7 @@ def test_sessions_beyond_the_bound_are_refused():
 
 
 def test_a_request_over_the_servers_bound_closes_that_session_only():
-    with EnvServer({"S": sokoban}, max_message_bytes=2048) as srv:
+    with env_server({"S": sokoban}, max_message_bytes=2048) as srv:
         env, other = remote(srv.url), remote(srv.url)
         env.reset(seed=0), other.reset(seed=0)
         with pytest.raises(RemoteEnvError, match="refused the step request as larger than its --max-message-bytes"):
@@ -222,16 +233,44 @@ def test_a_request_over_the_servers_bound_closes_that_session_only():
         assert other.step(1) == (lambda e: (e.reset(seed=0), e.step(1))[1])(sokoban())
 
 
-def test_the_key_is_required_when_the_server_has_one(monkeypatch):
+def test_the_key_is_required_and_a_refusal_names_the_variable(monkeypatch):
     with EnvServer({"S": sokoban}, key="s3cret") as srv:
         monkeypatch.delenv("RAGEN_ENV_KEY", raising=False)
-        with pytest.raises(RemoteEnvError, match="cannot open a session.*401"):
+        with pytest.raises(RemoteEnvError, match=r"cannot open a session.*401.*in the environment variable "
+                                                 r"RAGEN_ENV_KEY \(env_config.key_env\), which is unset here"):
             remote(srv.url).reset(seed=0)
         monkeypatch.setenv("RAGEN_ENV_KEY", "wrong")
-        with pytest.raises(RemoteEnvError, match="401"):
+        with pytest.raises(RemoteEnvError, match="401.*which holds another key here"):
             remote(srv.url).reset(seed=0)
         monkeypatch.setenv("RAGEN_ENV_KEY", "s3cret")
         assert remote(srv.url).reset(seed=0) == sokoban().reset(seed=0)
+        monkeypatch.setenv("MY_KEY", "s3cret")
+        assert remote(srv.url, key_env="MY_KEY").reset(seed=1) == sokoban().reset(seed=1)
+
+
+def test_a_server_given_no_key_makes_one_and_wants_it_on_loopback_too(monkeypatch):
+    with EnvServer({"S": sokoban}) as srv, EnvServer({"S": sokoban}) as other:
+        assert len(srv.key) >= 40 and srv.key != other.key
+        monkeypatch.delenv("RAGEN_ENV_KEY")
+        with pytest.raises(RemoteEnvError, match="401"):
+            remote(srv.url).reset(seed=0)
+        monkeypatch.setenv("RAGEN_ENV_KEY", srv.key)
+        assert remote(srv.url).reset(seed=0) == sokoban().reset(seed=0)
+        with pytest.raises(urllib.error.HTTPError) as info:  # a bare WebSocket handshake, no key
+            urllib.request.urlopen(urllib.request.Request(srv.url + "/S/ws", headers={
+                "Upgrade": "websocket", "Connection": "Upgrade", "Sec-WebSocket-Version": "13",
+                "Sec-WebSocket-Key": "dGhlIHNhbXBsZSBub25jZQ=="}), timeout=5)
+        info.value.close()
+        assert info.value.code == 401
+        with urllib.request.urlopen(srv.url + "/health", timeout=5) as response:  # health needs none
+            assert json.loads(response.read())["status"] == "healthy"
+
+
+def test_a_key_in_the_url_is_refused_at_config_read():
+    with pytest.raises(ValueError, match=r"env_config.url: the URL holds a user or key: give the env server's key "
+                                         r"in the environment variable RAGEN_ENV_KEY") as info:
+        make_env_config("remote", {"url": "http://ragen:s3cret@127.0.0.1:8101"}, tag="R")
+    assert "s3cret" not in str(info.value)
 
 
 # ----- servers that answer garbage, hang, or too much ------------------------------------------------------
@@ -328,7 +367,7 @@ def test_a_remote_tag_takes_the_served_tags_prompt_and_keys():
 
 
 def test_a_rollout_of_remote_envs_is_the_rollout_of_local_ones():
-    with EnvServer({"SimpleSokoban": _served()}) as a, EnvServer({"SimpleSokoban": _served()}) as b:
+    with env_server({"SimpleSokoban": _served()}) as a, env_server({"SimpleSokoban": _served()}) as b:
         local = sequential(specs_for(["SimpleSokoban"], [4], 2, custom_envs()), loop_config())
         far = sequential(specs_for(["RemoteSokoban"], [4], 2, _envs([a.url, b.url])), loop_config())
         assert rollout_digest(far) == rollout_digest(local)
@@ -352,7 +391,7 @@ class _StopsServer(ScriptedEngine):
 
 def test_a_server_that_dies_mid_rollout_loses_nothing():
     local = sequential(specs_for(["SimpleSokoban"], [4], 2, custom_envs()), loop_config())
-    with EnvServer({"SimpleSokoban": _served()}) as a, EnvServer({"SimpleSokoban": _served()}) as b:
+    with env_server({"SimpleSokoban": _served()}) as a, env_server({"SimpleSokoban": _served()}) as b:
         engine = _StopsServer(a, at=12)  # during the second turn of 8 envs
         far = sequential(specs_for(["RemoteSokoban"], [4], 2, _envs([a.url, b.url])),
                          replace(loop_config(), env_retries=2), engine=engine)
@@ -361,7 +400,7 @@ def test_a_server_that_dies_mid_rollout_loses_nothing():
 
 
 def test_without_retries_a_dead_servers_envs_end_in_error_naming_it():
-    with EnvServer({"SimpleSokoban": _served()}) as a:
+    with env_server({"SimpleSokoban": _served()}) as a:
         url = a.url
         engine = _StopsServer(a, at=4)
         far = sequential(specs_for(["RemoteSokoban"], [2], 2, _envs([url])), replace(loop_config(), env_retries=0),
@@ -377,3 +416,36 @@ def test_a_hanging_server_ends_its_envs_in_timeout():
                          replace(loop_config(), env_retries=0))
     assert [t.stop_reason for t in far] == [StopReason.TIMEOUT] * 2
     assert all(f"env server {srv.url}" in t.error for t in far)
+
+
+@pytest.mark.parametrize("max_abs_reward, error_has", [
+    (1e6, "step returned the reward 1e+308, beyond es_manager.max_abs_reward=1e+06 (tag RemoteBad, step 1 of the "
+          "episode, turn "),
+    (1.5e308, "the episode's reward came to inf, not a finite number, with the reward 1e+308 (tag RemoteBad, step 2 "
+              "of the episode, turn "),
+])
+def test_a_server_reporting_1e308_twice_ends_its_env_in_error_and_no_advantage_is_nan(max_abs_reward, error_has):
+    """Issue 58: each 1e308 passes a finiteness check, their sum is inf, and GRPO's advantages were NaN."""
+    import math
+
+    from ragen.rollout.fill import FAILED, group_drops
+    from ragen.trainer.core import compute_advantages
+    from tests.test_env_outputs import bad_tag
+
+    seeds = sorted({s.seed for s in specs_for(["Bad"], [2], 2, custom_envs(Bad=bad_tag()))})
+    bad = bad_tag("huge_reward", bad_seed=seeds[0])
+    def served():
+        return make_env(bad["env_type"], bad["env_config"], config_type=bad["config_type"], tag="Bad")
+
+    with EnvServer({"Bad": served}) as srv:
+        envs = custom_envs(Bad=bad, RemoteBad={"env_type": "remote", "env_config": {"url": srv.url, "tag": "Bad"}})
+        far = sequential(specs_for(["RemoteBad"], [2], 2, envs), replace(loop_config(), max_abs_reward=max_abs_reward))
+    hit = [t for t in far if t.seed == seeds[0]]
+    assert len(hit) == 2 and all(t.stop_reason is StopReason.ERROR and error_has in t.error for t in hit), \
+        [t.error for t in hit]
+    drops = group_drops(far, "none")
+    assert drops == {hit[0].group_id: FAILED}
+    kept = [t for t in far if t.group_id not in drops]
+    advantages = compute_advantages([t.reward for t in kept], [t.group_id for t in kept], [t.tag for t in kept],
+                                    loop_config().context)
+    assert len(kept) == 2 and all(math.isfinite(a) for a in advantages)

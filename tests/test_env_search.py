@@ -1,9 +1,10 @@
 """The search env against a real retrieval server (BM25 over the shipped corpus):
-the server's API (RAGEN's client, unchanged, calls it), its bounds, the env's
-episodes and rewards, and servers that are down, slow or answer garbage."""
+the server's API (RAGEN's client, unchanged, calls it), its key and bounds, the
+env's episodes and rewards, and servers that are down, slow or answer garbage."""
 
 from __future__ import annotations
 
+import base64
 import importlib.util
 import json
 import logging
@@ -26,6 +27,7 @@ from ragen.env.search.corpus import load_corpus, questions, shipped_corpus
 from ragen.env.search.env import f1_score, normalize_answer
 from ragen.env.search.pool import scripted_answer
 from ragen.env.search.server import RetrievalServer
+from ragen.llm.tool_calls import call_text
 from ragen.rollout.types import StopReason
 
 from tests.rollout_helpers import ROOT, custom_envs, loop_config, sequential, specs_for
@@ -34,14 +36,26 @@ pytestmark = pytest.mark.timeout(120)
 pytest.importorskip("bm25s", reason="the retrieval server's BM25: pip install -e '.[envs]' (bm25s==0.3.16)")
 
 
+KEY = "the-key-of-this-module's-server"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def client_key():
+    """The clients here hold the key the server here is made with (forked children too)."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("RAGEN_RETRIEVAL_KEY", KEY)
+        yield
+
+
 @pytest.fixture(scope="module")
 def server():
-    with RetrievalServer(shipped_corpus(filler=2000)) as srv:
+    with RetrievalServer(shipped_corpus(filler=2000), key=KEY) as srv:
         yield srv
 
 
-def _post(url, body: bytes):
-    request = urllib.request.Request(url + "/retrieve", data=body, headers={"Content-Type": "application/json"})
+def _post(url, body: bytes, key=KEY):
+    headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {key}"} if key else {})}
+    request = urllib.request.Request(url + "/retrieve", data=body, headers=headers)
     try:
         with urllib.request.urlopen(request, timeout=10) as response:
             return response.status, json.loads(response.read())
@@ -82,16 +96,68 @@ def test_bad_requests_are_refused_with_the_reason(server, body, status, words):
     assert got == status and words in payload["error"]
 
 
-def test_ragens_own_retrieval_client_runs_against_the_server(server):
+def test_a_search_without_the_key_is_refused_and_names_the_variable(server, monkeypatch):
+    q = json.dumps({"query": "town", "top_k": 2}).encode()
+    for key in (None, "wrong", KEY[:-1]):
+        status, body = _post(server.url, q, key=key)
+        assert status == 401 and "needs its key" in body["error"] and "results" not in body
+    basic = base64.b64encode(f"anyone:{KEY}".encode()).decode()  # a netrc file's or a URL's user:key
+    request = urllib.request.Request(server.url + "/retrieve", data=q, headers={"Authorization": f"Basic {basic}"})
+    with urllib.request.urlopen(request, timeout=10) as response:
+        assert json.loads(response.read())["num_results"] == 2
+    monkeypatch.delenv("RAGEN_RETRIEVAL_KEY")
+    with pytest.raises(RetrievalError, match=r"HTTP 401: .*needs its key.* environment variable RAGEN_RETRIEVAL_KEY "
+                                             r"\(env_config.key_env\), which is unset here"):
+        retrieve(server.url, "town", 2, 10)
+    env = make_env("search", {"server_url": server.url})
+    env.reset(seed=0)
+    with pytest.raises(RetrievalError, match="401"):
+        env.step("search[town]")
+    monkeypatch.setenv("MY_KEY", KEY)
+    env = make_env("search", {"server_url": server.url, "key_env": "MY_KEY"})
+    env.reset(seed=0)
+    assert "[Document 1]" in env.step("search[town]")[0]
+
+
+def test_a_server_given_no_key_makes_one(monkeypatch):
+    with RetrievalServer(shipped_corpus()[:10]) as a, RetrievalServer(shipped_corpus()[:10]) as b:
+        assert len(a.key) >= 40 and a.key != b.key != KEY
+        with pytest.raises(RetrievalError, match="401"):
+            retrieve(a.url, "town", 1, 10)
+        monkeypatch.setenv("RAGEN_RETRIEVAL_KEY", a.key)
+        assert retrieve(a.url, "town", 1, 10)
+
+
+def test_a_server_beyond_loopback_or_a_key_in_the_url_is_refused_at_config_read(monkeypatch):
+    monkeypatch.delenv("RAGEN_RETRIEVAL_KEY")
+    with pytest.raises(ValueError, match=r"env_config.server_url: 'http://10.1.2.3:8000' is beyond loopback.*"
+                                         r"RAGEN_RETRIEVAL_KEY"):
+        make_env_config("search", {"server_url": "http://10.1.2.3:8000"}, tag="S")
+    with pytest.raises(ValueError, match=r"env_config.server_url: the URL holds a user or key") as info:
+        make_env_config("search", {"server_url": "http://me:s3cret@127.0.0.1:8000"}, tag="S")
+    assert "s3cret" not in str(info.value)
+
+
+def test_ragens_own_retrieval_client_runs_against_the_server(server, tmp_path, monkeypatch):
+    """Unchanged: it sends no key of its own, and requests reads one from a netrc file."""
     spec = importlib.util.spec_from_file_location("ragen_retrieval_client",
                                                   ROOT / "tests" / "fixtures" / "ragen" / "search" / "retrieval_client.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
+    monkeypatch.setenv("NETRC", str(netrc_with(tmp_path, KEY)))
     client = module.RetrievalClient(server_url=server.url, max_results=3)
     assert client.available
     q = next(q for q in questions() if q.hops == 1)
     shown = client.search(q.question)
     assert shown.startswith("[Document 1] (ID: town-") and q.answer in shown
+
+
+def netrc_with(folder: Path, key: str) -> Path:
+    """A netrc file (0600) giving 127.0.0.1 the key: what a client reads it from, such as RAGEN's."""
+    path = folder / "netrc"
+    path.touch(mode=0o600)
+    path.write_text(f"machine 127.0.0.1 login ragen password {key}\n")
+    return path
 
 
 def test_a_corpus_file_is_read_and_bad_lines_are_named(tmp_path):
@@ -104,7 +170,7 @@ def test_a_corpus_file_is_read_and_bad_lines_are_named(tmp_path):
         load_corpus(bad)
 
 
-def test_the_command_line_serves_until_sigterm(tmp_path):
+def test_the_command_line_serves_until_sigterm_and_prints_a_key_it_made(tmp_path, monkeypatch):
     corpus = tmp_path / "c.jsonl"
     corpus.write_text("".join(json.dumps({"id": str(i), "contents": f"doc {i} about tea"}) + "\n" for i in range(5)))
     proc = subprocess.Popen([sys.executable, "-m", "ragen.tools.retrieval_server", "--corpus", str(corpus),
@@ -113,11 +179,18 @@ def test_the_command_line_serves_until_sigterm(tmp_path):
     try:
         line = proc.stdout.readline()  # bounded by the test's timeout
         assert line.startswith("serving 5 documents at "), proc.stderr.read()
-        assert retrieve(line.split(" at ")[1].strip(), "tea", 2, 10)[0]["content"].endswith("about tea")
+        url = line.split(" at ")[1].strip()
+        export = proc.stdout.readline()
+        assert export.startswith("export RAGEN_RETRIEVAL_KEY="), export
+        key = export.split("=", 1)[1].split()[0]
+        with pytest.raises(RetrievalError, match="401"):
+            retrieve(url, "tea", 2, 10)  # this module's key is not the one it made
+        monkeypatch.setenv("RAGEN_RETRIEVAL_KEY", key)
+        assert retrieve(url, "tea", 2, 10)[0]["content"].endswith("about tea")
     finally:
         proc.terminate()
         out, _ = proc.communicate(timeout=30)
-    assert proc.returncode == 0 and "stopped after 1 searches" in out
+    assert proc.returncode == 0 and "stopped after 1 searches" in out and key not in out
 
 
 # ----- the env ----------------------------------------------------------------------------------------------
@@ -159,9 +232,61 @@ def test_invalid_actions_change_nothing_and_searches_are_bounded(server):
     assert done and reward == 0.0 and obs.endswith("Episode ended without an answer.")
 
 
+def test_a_query_over_the_bound_is_an_invalid_action_naming_it_and_nothing_is_sent(server):
+    """Issue 58: the server refuses a query over 2,000 characters (HTTP 400), which raised RetrievalError
+    and ended the env in error; the long query is the model's mistake, told to it."""
+    env = make_env("search", {"server_url": server.url, "max_steps": 2})
+    env.reset(seed=0)
+    sent = server.requests
+    obs, reward, done, info = env.step("search[" + "town " * 600 + "]")
+    assert (reward, done, info["action_is_valid"]) == (0.0, False, False)
+    assert obs.startswith("Your query has 2999 characters; a query may have at most 2000.") and \
+        obs.endswith("Available actions: search[<query>], finish[<answer>]")
+    assert server.requests == sent and env.render() == obs
+    obs, _, done, _ = env.step({"name": "search", "arguments": {"query": "x" * 2001}})
+    assert "at most 2000" in obs and not done and server.requests == sent
+    obs, _, done, info = env.step("search[" + "t" * 2000 + "]")  # at the bound: sent
+    assert info["action_is_valid"] and server.requests == sent + 1 and not done
+    short = make_env("search", {"server_url": server.url, "max_query_chars": 10})
+    short.reset(seed=0)
+    assert "at most 10." in short.step("search[eleven char]")[0]
+
+
+def long_query_first(prompt, rng):
+    """A search over the bound first (text or tool form); once told the limit, the scripted reader."""
+    if "at most 2000" in prompt or "maxLength is 2000" in prompt:
+        return scripted_answer(prompt, rng)
+    query = "town " * 600
+    return (call_text("search", {"query": query}) if "<tools>" in prompt else f"search[{query}]"), 0.0
+
+
+@pytest.mark.parametrize("tools", [False, True], ids=["text", "tool_calls"])
+def test_in_a_rollout_a_long_query_is_the_models_mistake_and_the_episode_goes_on(server, tools):
+    from dataclasses import replace
+
+    from ragen.llm.scripted import ScriptedEngine
+
+    envs = custom_envs(S={"env_type": "search", "max_actions_per_traj": 5, "env_instruction": "Answer.",
+                          "max_tokens": 4000, "env_config": {"server_url": server.url, "tool_calls": tools}})
+    loop = loop_config(max_turn=5)
+    loop = replace(loop, sampling=replace(loop.sampling, max_tokens=4000), env_retries=0)
+    trajs = sequential(specs_for(["S"], [3], 1, envs), loop,
+                       engine=ScriptedEngine(answers="tests.test_env_search:long_query_first"))
+    for t in trajs:
+        assert t.stop_reason is StopReason.DONE and t.error is None and len(t.turns) >= 3, (t.stop_reason, t.error)
+        first = t.turns[0]
+        if tools:  # a call off the schema: not run, the format penalty, and the reason as its tool message
+            assert first.executed_actions == [] and first.penalty == loop.format_penalty
+            assert first.tool_results[0] == ("Error in tool call 1: the arguments of search do not match its "
+                                             "parameters at query: 3000 characters, where its maxLength is 2000")
+        else:  # an invalid action of the env: its observation names the limit
+            assert "a query may have at most 2000" in t.turns[1].observation
+
+
 @pytest.mark.parametrize("env_config, key", [
     ({"server_url": "ftp://127.0.0.1:1"}, "server_url"), ({"server_url": "http://127.0.0.1:1", "reward": "x"}, "reward"),
     ({"server_url": "http://127.0.0.1:1", "top_k": 0}, "top_k"),
+    ({"server_url": "http://127.0.0.1:1", "max_query_chars": 0}, "max_query_chars"),
 ])
 def test_bad_values_are_refused_naming_the_key(env_config, key):
     with pytest.raises(ValueError, match=rf"custom_envs.S.env_config.{key}:"):

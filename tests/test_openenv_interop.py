@@ -87,9 +87,11 @@ def test_an_openenv_server_plays_as_a_tag_in_a_rollout(openenv_echo):
 
 
 CLIENT = """
-import json, sys
+import json, os, sys
 from openenv.core import GenericEnvClient
-with GenericEnvClient(base_url=sys.argv[1]).sync() as env:
+# OpenEnv's client takes no headers: the key goes as the URL's user:key, which websockets sends as Basic auth
+base_url = sys.argv[1].replace("http://", "http://ragen:" + os.environ["KEY"] + "@", 1)
+with GenericEnvClient(base_url=base_url).sync() as env:
     first = env.reset(seed=3)
     out = [first.observation["text"]]
     for action in (1, 4, 2):
@@ -105,7 +107,7 @@ def test_openenvs_client_plays_our_env_server():
 
     with EnvServer({"S": sokoban}) as server:
         run = subprocess.run([OPENENV_PYTHON, "-c", CLIENT, server.url + "/S"], capture_output=True, text=True,
-                             timeout=120)
+                             timeout=120, env={**os.environ, "KEY": server.key})
     assert run.returncode == 0, run.stderr
     got = json.loads(run.stdout)
     local = sokoban()

@@ -93,16 +93,20 @@ def test_ragens_deepcoder_module_plays_local_problems_parallel_equal_to_sequenti
     assert "[DeepCoderSandbox] test=0" in capfd.readouterr().out  # RAGEN's own sandbox judged them
 
 
-def test_ragens_search_module_plays_against_our_retrieval_server_parallel_equal_to_sequential(tmp_path):
+def test_ragens_search_module_plays_against_our_retrieval_server_parallel_equal_to_sequential(tmp_path,
+                                                                                            monkeypatch):
+    """RAGEN's module sends no key of its own: requests reads the server's from a netrc file."""
     pytest.importorskip("bm25s")
     pytest.importorskip("gymnasium")
     from ragen.env.search.corpus import questions, shipped_corpus
     from ragen.env.search.server import RetrievalServer
+    from tests.test_env_search import netrc_with
 
     data = tmp_path / "train.parquet"
     pandas.DataFrame([{"question": q.question, "ground_truth": q.answer, "data_source": "towns"}
                       for q in questions()[:200]]).to_parquet(data)
     with RetrievalServer(shipped_corpus(filler=500)) as server:
+        monkeypatch.setenv("NETRC", str(netrc_with(tmp_path, server.key)))  # the workers inherit it
         envs = {"SearchQA": {  # RAGEN's config/envs.yaml entry, with local questions and our server
             "env_type": f"{FIXTURES}.search:SearchEnv", "config_type": f"{FIXTURES}.search:SearchEnvConfig",
             "max_actions_per_traj": 5, "max_tokens": 400,

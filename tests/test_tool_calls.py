@@ -127,6 +127,116 @@ def test_server_calls_are_checked_as_the_texts_are():
         ContextConfig(tool_parser="json")
 
 
+# ----- model output that would break a reader: a BadCall, never an exception -------------------------------
+
+DEEP = "[" * 1000 + "]" * 1000  # about 500 tokens; json.loads raises RecursionError on it
+HUGE_INT = "9" * 4301  # one digit past int's string limit; json.loads raises ValueError on it
+HOSTILE = {  # a call the model may write -> what the model is told
+    "deep": (f'{{"name": "add", "arguments": {{"amount": {DEEP}}}}}', "nested deeper than 64 levels"),
+    "deep_extra": (f'{{"name": "add", "arguments": {{"amount": "1", "x": {DEEP}}}}}', "nested deeper than 64 levels"),
+    "deep_call": (DEEP, "nested deeper than 64 levels"),
+    "huge_int": (f'{{"name": "add", "arguments": {{"amount": {HUGE_INT}}}}}', "an integer of more than 4300 digits"),
+    "schema": ('{"name": "add", "arguments": {"amount": 2}}', "do not match its parameters at amount: 2 is not of "
+                                                               "type 'string'"),
+    "surrogate": ('{"name": "add", "arguments": {"amount": "1\\ud800"}}', "'\\ud800' is a lone surrogate"),
+    "long_value": ('{"name": "add", "arguments": {"amount": %s}}' % json.dumps(["1"] * 2000),
+                   "do not match its parameters at amount"),
+}
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("kind", HOSTILE)
+def test_hostile_json_in_a_hermes_call_is_a_bad_call_saying_why(kind):
+    body, words = HOSTILE[kind]
+    (call,) = parse_hermes(f"<tool_call>{body}</tool_call>", TOOLS)
+    assert isinstance(call, BadCall) and words in call.error, call.error
+    assert len(call.error) <= 300  # a schema's message quotes the value: the model reads a bounded reason
+
+
+@pytest.mark.timeout(30)
+def test_hostile_arguments_from_a_server_are_bad_calls_saying_why():
+    deep: list = []
+    for _ in range(5000):  # decoded by a server: deeper than json.dumps can write
+        deep = [deep]
+    given = [f'{{"amount": {DEEP}}}', f'{{"amount": {HUGE_INT}}}', {"amount": deep},
+             {"amount": int(HUGE_INT[:4000]) ** 2}, '{"amount": 2}', {"function": {"name": deep}}]
+    calls = read_server_calls([{"function": {"name": "add", "arguments": a}} for a in given[:5]] + [given[5]], TOOLS)
+    assert all(isinstance(c, BadCall) for c in calls), calls
+    errors = [c.error for c in calls]
+    assert "nested deeper than 64 levels" in errors[0] and "nested deeper than 64 levels" in errors[2]
+    assert "an integer of more than 4300 digits" in errors[1] and "an integer of more than 4300 digits" in errors[3]
+    assert "do not match its parameters" in errors[4] and "nested deeper than 64 levels" in errors[5]
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("value, words", [
+    ("1e999", "the number 1e999 is not a finite float"),
+    ("NaN", "the number NaN is not a finite float"),
+    ("-Infinity", "the number -Infinity is not a finite float"),
+    ("9" * 4000, "cannot be checked against its parameters: OverflowError"),  # multipleOf 0.5 divides as floats
+])
+def test_numbers_no_float_holds_are_bad_calls_saying_why(value, words):
+    tools = [{"type": "function", "function": {"name": "scale", "parameters": {
+        "type": "object", "properties": {"by": {"type": "number", "multipleOf": 0.5}}}}}]
+    (call,) = parse_hermes(f'<tool_call>{{"name": "scale", "arguments": {{"by": {value}}}}}</tool_call>', tools)
+    assert isinstance(call, BadCall) and words in call.error, call.error
+    assert parse_hermes(call_text("scale", {"by": 1.5}), tools) == [ToolCall("scale", {"by": 1.5})]
+
+
+def hostile_answers(prompt, rng):
+    """Every hostile call at once; once their errors came back, stop."""
+    if "Error in tool call" in prompt:
+        return call_text("stop", {}), 0.0
+    return "\n".join(f"<tool_call>{body}</tool_call>" for body, _ in HOSTILE.values()), 0.0
+
+
+@pytest.mark.timeout(60)
+def test_hostile_calls_cost_the_format_penalty_and_the_env_goes_on():
+    """Issue 58: deep JSON, a huge integer, arguments off the schema: the model's mistakes, told to it
+    with the format penalty, never an env error that drops its group."""
+    envs = custom_envs(Counter={**counter_tag(), "max_tokens": 50_000})
+    specs = specs_for(["Counter"], [1], 1, envs)
+    loop = loop_config(max_turn=3)
+    loop = replace(loop, sampling=replace(loop.sampling, max_tokens=50_000))
+    (traj,) = sequential(specs, loop, engine=ScriptedEngine(answers="tests.test_tool_calls:hostile_answers"))
+    assert traj.stop_reason is StopReason.DONE and traj.error is None, traj.error
+    first = traj.turns[0]
+    assert first.executed_actions == [] and first.penalty == loop.format_penalty
+    assert len(first.tool_results) == len(HOSTILE)
+    for (kind, (_, words)), result in zip(HOSTILE.items(), first.tool_results):
+        assert result.startswith(f"Error in tool call") and words in result, (kind, result)
+    messages = ContextManager(loop.context).build_messages(specs[0], traj.turns[:1], traj.turns[1].observation, 5)
+    assert [m["content"] for m in messages if m["role"] == "tool"] == list(first.tool_results)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("tools", [False, True], ids=["text", "tool_calls"])
+def test_a_parser_that_fails_on_an_answer_costs_the_format_penalty_not_the_env(monkeypatch, caplog, tools):
+    """Whatever a parser of model text raises is the answer's mistake: the turn takes the format
+    penalty (a tool env's call error says so) and the episode goes on."""
+    method = "parse_calls" if tools else "parse_response"
+    original, calls = getattr(ContextManager, method), []
+
+    def first_fails(self, *args):  # twice: a retry of the env on a fresh instance parses the answer again
+        calls.append(1)
+        if len(calls) <= 2:
+            raise RecursionError("maximum recursion depth exceeded")
+        return original(self, *args)
+
+    monkeypatch.setattr(ContextManager, method, first_fails)
+    envs = custom_envs(Counter=counter_tag())
+    specs = specs_for(["Counter" if tools else "FrozenLake"], [1], 1, envs)
+    loop = loop_config(max_turn=6)
+    engine = ScriptedEngine(answers="tests.test_tool_calls:counter_answers") if tools else ScriptedEngine()
+    (traj,) = sequential(specs, loop, engine=engine)
+    assert traj.stop_reason is not StopReason.ERROR and traj.error is None and len(traj.turns) >= 3, traj.error
+    for turn in traj.turns[:2]:
+        assert turn.executed_actions == [] and turn.penalty == loop.format_penalty
+        if tools:
+            assert turn.tool_results == ("Error in tool call 1: the answer could not be read (RecursionError)",)
+    assert "the parser failed on the answer at turn 0" in caplog.text
+
+
 # ----- the rollout ------------------------------------------------------------------------------------------
 
 def _counter_rollout(**loop_kw):
@@ -305,7 +415,7 @@ def test_the_code_env_takes_run_tests_calls():
             assert turn.tool_results[0].startswith(("All", "Passed"))
 
 
-def test_the_openai_engine_sends_tools_and_reads_the_servers_calls():
+def test_the_openai_engine_sends_tools_and_reads_the_servers_calls(monkeypatch):
     pytest.importorskip("bm25s")
     from ragen.env.search.corpus import shipped_corpus
     from ragen.env.search.server import RetrievalServer
@@ -315,6 +425,7 @@ def test_the_openai_engine_sends_tools_and_reads_the_servers_calls():
     fake = FakeServer(policy=ScriptedEngine(answers="ragen.env.search.pool:scripted_answer"))
     try:
         with RetrievalServer(shipped_corpus(filler=100)) as search:
+            monkeypatch.setenv("RAGEN_RETRIEVAL_KEY", search.key)
             envs = custom_envs(S={**custom_envs()["SearchQATools"], "max_tokens": 300,
                                   "env_config": {"server_url": search.url, "tool_calls": True}})
             specs = specs_for(["S"], [4], 1, envs)

@@ -603,6 +603,60 @@ def test_a_truncated_checkpoint_names_the_file_and_offers_the_previous_one(tiny_
         ckpt.load_meta(only, 3)
 
 
+class _RunsACommand:
+    """What a crafted checkpoint holds: unpickling it would run ``touch <marker>``."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        import os
+
+        return (os.system, (f"touch {self.marker}",))
+
+
+def test_a_checkpoint_that_would_run_code_is_refused_naming_the_file(tmp_path):
+    run, marker = tmp_path / "run", tmp_path / "ran"
+    ckpt.save_checkpoint(run, 1, {"step": 1, "model": {"w": torch.zeros(3)}, "x": _RunsACommand(marker)})
+    path = run / "checkpoints" / "global_step_1" / ckpt.STATE_FILE
+    with pytest.raises(ckpt.CheckpointError, match=rf"^checkpoint {re.escape(str(path))} is refused: it names "
+                                                   r"(posix|os)\.system, .* could run code") as err:
+        ckpt.load_checkpoint(run, 1)
+    assert "\n" not in str(err.value)
+    assert not marker.exists()
+
+
+def test_a_checkpoint_in_the_earlier_format_still_loads(tmp_path):
+    """Checkpoints written before the numpy RNG state was stored as a list hold it as a numpy
+    array; they hold carried trajectories as dataclasses. Both load, and the states set."""
+    from ragen.rollout.types import Step, StopReason, Trajectory, Turn
+
+    np.random.seed(3)
+    earlier = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": __import__("random").getstate(),
+               "cuda": None}
+    want = np.random.rand(3)
+    turn = Turn(observation="o", actions_left=3, response="r", actions=["Up"], executed_actions=["Up"], reward=1.0,
+                penalty=0.0, info={"success": True}, policy_version=1, steps=(Step("Up", "o2", 1.0, True),),
+                response_ids=(1, 2), logprobs=(-0.5, -0.25))
+    traj = Trajectory(env_id=0, group_id=0, tag="S", seed=7, turns=[turn], stop_reason=StopReason.ABORTED)
+    carried = {"carried": [[{"tag": "S", "seed": 7, "env_id": 0, "group_id": 0, "replaces_seed": None,
+                             "trajectory": traj}]]}
+    ckpt.save_checkpoint(tmp_path, 2, {"step": 2, "rng": earlier, "over_sample": carried,
+                                       "optimizer": {"state": {}, "param_groups": [{"betas": (0.9, 0.99)}]}})
+    state = ckpt.load_checkpoint(tmp_path, 2)
+    got = state["over_sample"]["carried"][0][0]["trajectory"]
+    assert got == traj and got.turns[0].logprobs == (-0.5, -0.25) and got.stop_reason is StopReason.ABORTED
+    np.random.seed(99)
+    ckpt.set_rng_state(state["rng"])
+    assert np.array_equal(np.random.rand(3), want)
+    # the present format: numpy's state as plain Python
+    np.random.seed(3)
+    ckpt.save_checkpoint(tmp_path, 3, {"step": 3, "rng": ckpt.rng_state()})
+    np.random.seed(99)
+    ckpt.set_rng_state(ckpt.load_checkpoint(tmp_path, 3)["rng"])
+    assert np.array_equal(np.random.rand(3), want)
+
+
 def test_resuming_with_another_lora_rank_names_the_key(tiny_model_path, tmp_path):
     run = tmp_path / "run"
     _saved_steps(tiny_model_path, run, [1], "actor_rollout_ref.model.lora_rank=4")

@@ -3,7 +3,8 @@
 ``start`` serves on a daemon thread (tests, benchmarks, the command lines),
 ``shutdown`` stops serving and waits for that thread; a ``with`` block does
 both. ``serve_until_stop_signal`` is a command line's run of one: started,
-announced, served until SIGINT or SIGTERM, shut down, summed up.
+announced, served until SIGINT or SIGTERM, shut down, summed up. Both want a
+key on every request (``ragen.env.keys``).
 """
 
 from __future__ import annotations
@@ -53,12 +54,15 @@ class BackgroundServer(ABC):
         self.shutdown()
 
 
-def serve_until_stop_signal(server: BackgroundServer, serving: str, stopped: Callable[[], str]) -> int:
-    """A command line's server run: started, ``serving {serving} at <url>`` printed, served until
-    SIGINT or SIGTERM (the main thread's handlers are set here), shut down, then ``stopped after
-    {stopped()}`` printed; the exit status 0."""
+def serve_until_stop_signal(server: BackgroundServer, serving: str, stopped: Callable[[], str],
+                            then: str | None = None) -> int:
+    """A command line's server run: started, ``serving {serving} at <url>`` printed (and the line
+    ``then`` after it: a generated key's), served until SIGINT or SIGTERM (the main thread's
+    handlers are set here), shut down, then ``stopped after {stopped()}`` printed; the exit status 0."""
     server.start()
     print(f"serving {serving} at {server.url}", flush=True)
+    if then is not None:
+        print(then, flush=True)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())

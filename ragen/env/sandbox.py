@@ -317,8 +317,8 @@ class _Cgroup:
             if _v2(os.path.dirname(self.memory_path)):
                 with open(os.path.join(self.memory_path, "memory.events")) as f:
                     return any(line.split()[0] == "oom_kill" and int(line.split()[1]) > 0 for line in f)
-            with open(os.path.join(self.memory_path, "memory.failcnt")) as f:
-                return int(f.read()) > 0
+            with open(os.path.join(self.memory_path, "memory.oom_control")) as f:
+                return any(line.split()[0] == "oom_kill" and int(line.split()[1]) > 0 for line in f)
         except (OSError, ValueError, IndexError):
             return False
 
@@ -560,6 +560,7 @@ class Sandboxed:
         os.close(started_w)
         self.started_fd = started_r
         self.cpu_s = 0.0
+        self.oom_killed = False
         self._closed = False
 
     def memory_over(self) -> bool:
@@ -590,6 +591,7 @@ class Sandboxed:
         except OSError:
             pass
         self.cpu_s = usage.ru_utime + usage.ru_stime
+        self.oom_killed = self.cgroup is not None and self.cgroup.oom_killed()  # read before it is removed
         self._cleanup()
         return usage
 
@@ -753,12 +755,14 @@ def _kill(pid: int) -> None:
 
 
 def _status_of(code: int | None, err: bytes, limits: Limits, box: Sandboxed) -> RunStatus:
-    """From what the code did: its CPU time (a process killed at RLIMIT_CPU), a kill by the cgroup's
-    memory bound, or a MemoryError it raised."""
-    if code != 0 and box.cpu_s >= limits.cpu_s * 0.9:
-        return RunStatus.TIME_LIMIT
-    if box.cgroup is not None and box.cgroup.oom_killed():
+    """From what the code did: killed by the cgroup's memory bound, killed by SIGKILL (which only
+    ``RLIMIT_CPU``'s hard limit sends once the wall, output and memory bounds, ours, are ruled out),
+    a CPU time at the limit (the unshare backend reports a signal's death as exit status 1), or a
+    MemoryError it raised."""
+    if box.oom_killed:
         return RunStatus.MEMORY_LIMIT
+    if code in (-signal.SIGKILL, 128 + signal.SIGKILL) or (code != 0 and box.cpu_s >= limits.cpu_s * 0.9):
+        return RunStatus.TIME_LIMIT
     if b"MemoryError" in err[-2048:]:
         return RunStatus.MEMORY_LIMIT
     return RunStatus.OK

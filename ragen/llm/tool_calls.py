@@ -12,18 +12,31 @@
   of an answer, in order (hf and vLLM engines, or any engine's text);
   ``read_server_calls(tool_calls, tools)``: the ``tool_calls`` an
   OpenAI-compatible server parsed itself. ``PARSERS`` names both.
+
+Both parsers never raise on what a model wrote: JSON nested deeper than
+``MAX_NESTING``, an integer longer than Python reads (4,300 digits), a number
+no float holds, an escaped lone surrogate, or arguments that do not match the
+schema are a ``BadCall`` saying why, which the turn loop shows the model with
+the format penalty.
 """
 
 from __future__ import annotations
 
 import functools
 import json
+import math
+import reprlib
+import sys
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
 import jsonschema
 
 PARSERS = ("hermes", "server")
+# the deepest [ and { a call may nest: far beyond any tool's arguments, far within the recursion
+# limit of the JSON reader, the schema check, and the pickling of a trajectory
+MAX_NESTING = 64
+MAX_ERROR_CHARS = 300  # a BadCall's reason at most (a schema error quotes the value it refused)
 CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
 CALL_FORMAT = '<tool_call>\n{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call>'
 # the answer after the thoughts when a turn's actions are tool calls
@@ -119,10 +132,9 @@ def parse_hermes(text: str, tools: Sequence[Mapping[str, Any]]) -> list[ToolCall
             break
         body = text[body_start:closed].strip()
         start = closed + len(CALL_CLOSE)
-        try:
-            call = json.loads(body)
-        except json.JSONDecodeError as exc:
-            calls.append(BadCall(body, f"not valid JSON: {exc}"))
+        call, why = _json(body)
+        if why is not None:
+            calls.append(BadCall(body, why))
             continue
         if not isinstance(call, dict):
             calls.append(BadCall(body, 'not a JSON object {"name": ..., "arguments": {...}}'))
@@ -138,35 +150,132 @@ def read_server_calls(tool_calls: Sequence[Any], tools: Sequence[Mapping[str, An
     for raw in tool_calls:
         function = raw.get("function") if isinstance(raw, Mapping) else None
         if not isinstance(function, Mapping):
-            calls.append(BadCall(json.dumps(raw, default=str), 'not {"function": {"name", "arguments"}}'))
+            calls.append(BadCall(_shown(raw), 'not {"function": {"name", "arguments"}}'))
             continue
-        arguments = function.get("arguments", "{}")
-        body = json.dumps({"name": function.get("name"), "arguments": arguments}, default=str)
-        calls.append(_checked(body, function.get("name"), arguments, tools))
+        name, arguments = function.get("name"), function.get("arguments", "{}")
+        try:
+            if not isinstance(arguments, str):  # a server that decoded them: checked as their text is
+                arguments = json.dumps(arguments, default=str)
+            body = json.dumps({"name": name, "arguments": arguments}, default=str)
+        except (RecursionError, ValueError) as exc:  # decoded values nested thousands deep, or a huge integer
+            calls.append(BadCall(_shown(function), f"the call is {_unreadable(exc)}"))
+            continue
+        calls.append(_checked(body, name, arguments, tools))
     return calls
+
+
+def _shown(value: Any) -> str:
+    """A value a server decoded, as a ``BadCall`` records it: cut in depth and length, never raising."""
+    try:
+        return reprlib.repr(value)
+    except ValueError:  # an integer past int's string limit
+        return f"<a {type(value).__name__} too large to show>"
+
+
+class _NotFinite(ValueError):
+    """A number JSON a model wrote reads as NaN or infinite (``NaN``, ``Infinity``, ``1e999``)."""
+
+
+def _finite(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise _NotFinite(text)
+    return value
+
+
+def _no_constant(text: str) -> float:
+    raise _NotFinite(text)
+
+
+def _json(text: str) -> tuple[Any, str | None]:
+    """``text`` read as JSON, or None and why it is not JSON this reader takes (model output: it
+    may be nested thousands deep, hold an integer of thousands of digits, or a number no float holds)."""
+    if _nested_deeper(text, MAX_NESTING):
+        return None, f"nested deeper than {MAX_NESTING} levels of [ and {{"
+    try:
+        value = json.loads(text, parse_float=_finite, parse_constant=_no_constant)
+    except json.JSONDecodeError as exc:
+        return None, f"not valid JSON: {exc}"
+    except (ValueError, RecursionError) as exc:  # ValueError: an integer longer than int's string limit
+        return None, _unreadable(exc)
+    if "\\u" in text:  # an escape may decode to a lone surrogate, which no UTF-8 record or file can hold
+        try:
+            json.dumps(value, ensure_ascii=False).encode()
+        except UnicodeEncodeError as exc:
+            return None, f"not valid JSON here: {exc.object[exc.start]!r} is a lone surrogate, not text"
+    return value, None
+
+
+def _unreadable(exc: Exception) -> str:
+    """Why JSON a model wrote cannot be read or written here (``exc``: what the reader raised)."""
+    if isinstance(exc, RecursionError):
+        return f"nested deeper than {MAX_NESTING} levels of [ and {{"
+    if isinstance(exc, _NotFinite):
+        return f"not valid JSON here: the number {str(exc)[:40]} is not a finite float"
+    return f"not valid JSON here: an integer of more than {sys.get_int_max_str_digits()} digits"
+
+
+def _nested_deeper(text: str, limit: int) -> bool:
+    """Whether ``text``'s [ and { (outside JSON strings) nest deeper than ``limit``: read in one pass,
+    before a recursive reader meets them."""
+    depth, in_string, escaped = 0, False, False
+    for ch in text:
+        if in_string:
+            if escaped:
+                escaped = False
+            elif ch == "\\":
+                escaped = True
+            elif ch == '"':
+                in_string = False
+        elif ch == '"':
+            in_string = True
+        elif ch in "[{":
+            depth += 1
+            if depth > limit:
+                return True
+        elif ch in "]}":
+            depth -= 1
+    return False
 
 
 def _checked(body: str, name: Any, arguments: Any, tools: Sequence[Mapping[str, Any]]) -> ToolCall | BadCall:
     """The call of ``name`` with ``arguments`` (an object, or JSON text of one), or why it is not one."""
     by_name = {t["function"]["name"]: t["function"] for t in tools}
     if not isinstance(name, str) or name not in by_name:
-        return BadCall(body, f"no tool is named {name!r} (the tools: {', '.join(by_name)})")
+        return BadCall(body, _short(f"no tool is named {name!r} (the tools: {', '.join(by_name)})"))
     if isinstance(arguments, str):  # OpenAI's form: the arguments as JSON text
-        try:
-            arguments = json.loads(arguments)
-        except json.JSONDecodeError as exc:
-            return BadCall(body, f"the arguments of {name} are not valid JSON: {exc}")
+        arguments, why = _json(arguments)
+        if why is not None:
+            return BadCall(body, f"the arguments of {name} are {why}")
     if not isinstance(arguments, dict):
         return BadCall(body, f"the arguments of {name} must be a JSON object, got {arguments!r:.80}")
     parameters = by_name[name].get("parameters")
     if parameters is not None:
-        error = jsonschema.exceptions.best_match(_validator(json.dumps(parameters, sort_keys=True))
-                                                 .iter_errors(arguments))
+        try:
+            error = jsonschema.exceptions.best_match(_validator(json.dumps(parameters, sort_keys=True))
+                                                     .iter_errors(arguments))
+        # RecursionError: a recursive schema ($ref) walked as deep as the arguments nest; ArithmeticError:
+        # a huge integer against a float's multipleOf
+        except (RecursionError, ArithmeticError) as exc:
+            return BadCall(body, _short(f"the arguments of {name} cannot be checked against its parameters: "
+                                        f"{type(exc).__name__}: {exc}"))
         if error is not None:
             where = "/".join(str(p) for p in error.path)
-            return BadCall(body, f"the arguments of {name} do not match its parameters"
-                                 f"{' at ' + where if where else ''}: {error.message}")
+            return BadCall(body, _short(f"the arguments of {name} do not match its parameters"
+                                        f"{' at ' + where if where else ''}: {_schema_reason(error)}"))
     return ToolCall(name, arguments)
+
+
+def _schema_reason(error: Any) -> str:
+    """jsonschema's message, or for a length bound the lengths (its message quotes the whole value)."""
+    if error.validator in ("maxLength", "minLength") and isinstance(error.instance, str):
+        return f"{len(error.instance)} characters, where its {error.validator} is {error.validator_value}"
+    return error.message
+
+
+def _short(reason: str) -> str:
+    """A reason the model reads, cut to ``MAX_ERROR_CHARS`` (a schema's message quotes the whole value)."""
+    return reason if len(reason) <= MAX_ERROR_CHARS else reason[:MAX_ERROR_CHARS - 3] + "..."
 
 
 @functools.lru_cache(maxsize=256)

@@ -248,18 +248,25 @@ SPLITS = ("train", "val")
 
 @dataclass(frozen=True)
 class EsManagerConfig:
-    """``es_manager``: the train and val env sets, and the penalty of an answer without valid
-    actions. A config may leave out a split that nothing plays (RAGEN's ``EnvStateManager``
-    reads only its mode's); ``split(name)`` gives a split to play, or a ValueError naming it."""
+    """``es_manager``: the train and val env sets, the penalty of an answer without valid
+    actions, and the bound on a step's reward. A config may leave out a split that nothing
+    plays (RAGEN's ``EnvStateManager`` reads only its mode's); ``split(name)`` gives a split to
+    play, or a ValueError naming it."""
 
     train: EnvSplitConfig | None = None
     val: EnvSplitConfig | None = None
     format_penalty: float = -0.1
+    # a step's reward beyond +-this (or not finite) ends its env in error: one such reward in a
+    # group's sum makes the group's advantages NaN or swamps every other
+    max_abs_reward: float = setting(1.0e6, above=0.0)
 
     def __post_init__(self) -> None:
         for name in SPLITS:
             if getattr(self, name) is not None:
                 getattr(self, name).check_env_count(f"es_manager.{name}")
+        if not abs(self.format_penalty) <= self.max_abs_reward:
+            raise ValueError(f"es_manager.format_penalty={self.format_penalty:g} is beyond "
+                             f"es_manager.max_abs_reward={self.max_abs_reward:g}: a penalty is a reward too")
 
     def split(self, name: str) -> EnvSplitConfig:
         """``es_manager.<name>``; ValueError when the config leaves it out."""

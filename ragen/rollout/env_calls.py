@@ -277,7 +277,9 @@ def resume(slot: EnvSlot, kept_envs: KeptEnvs, call: EnvCaller) -> None:
     reset(slot, kept_envs, call)
     steps = 0
     for i, step, r, done in _step_again(slot, call, carried.turns):
-        if (slot.observation, _reward(r), bool(done)) != (step.observation, step.reward, step.done):
+        # no bound: the recorded reward passed it when played; a reward that differs diverges
+        if (slot.observation, _reward(r, math.inf, _step_where(slot, i, steps + 1)), bool(done)) \
+                != (step.observation, step.reward, step.done):
             raise CarryDiverged(
                 f"stepping its recorded action {step.action!r} again (turn {i}) gave another observation, reward "
                 f"or end than it did: the env is not deterministic for its seed, so its episode cannot be carried "
@@ -305,8 +307,9 @@ def reset_env(slot: EnvSlot, call: EnvCaller) -> None:
 
 class EnvOutputError(Exception):
     """An env returned a value the loop cannot use (an observation that is not
-    text, a reward that is not a finite number): it ends that env in
-    ``error``, as an exception raised by the env would."""
+    text, a reward that is not a finite number or is beyond
+    ``es_manager.max_abs_reward``): it ends that env in ``error``, as an
+    exception raised by the env would."""
 
 
 def _observation(obs: Any, method: str) -> str:
@@ -317,41 +320,61 @@ def _observation(obs: Any, method: str) -> str:
     return obs
 
 
-def _reward(r: Any) -> float:
+def _reward(r: Any, max_abs: float, where: str) -> float:
     """A step's reward as a number: a Python int or float as it is (a prompt shows the sum as RAGEN
-    does, ``0`` or ``0.0``), anything else as a float; a string, a non-number or a NaN/infinite one
-    is refused, since one of these in a sum makes every reward metric of the rollout NaN."""
+    does, ``0`` or ``0.0``), anything else as a float. A string, a non-number, a NaN/infinite one or
+    one beyond +-``max_abs`` (``es_manager.max_abs_reward``) is refused, naming ``where`` (the tag
+    and the step): one of these in a sum makes the group's advantages and the rollout's reward
+    metrics NaN, or swamps every other reward."""
     try:
         value = None if isinstance(r, (str, bytes)) else float(r)
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):  # OverflowError: an int too large for a float
         value = None
     if value is None:
         raise EnvOutputError(f"step returned a reward of type {type(r).__name__} ({reprlib.repr(r)}), "
-                             "not a number: return the reward as a float")
+                             f"not a number ({where}): return the reward as a float")
     if not math.isfinite(value):
-        raise EnvOutputError(f"step returned the reward {value}, not a finite number")
+        raise EnvOutputError(f"step returned the reward {value}, not a finite number ({where})")
+    if abs(value) > max_abs:
+        raise EnvOutputError(f"step returned the reward {value:g}, beyond es_manager.max_abs_reward={max_abs:g} "
+                             f"({where}): return a smaller reward, or raise the bound")
     return r if type(r) in (int, float) else value
+
+
+def _step_where(slot: EnvSlot, turn: int, step: int) -> str:
+    """A step as a reward error names it: the env's tag, the step's number in the episode and its turn."""
+    return f"tag {slot.spec.tag}, step {step} of the episode, turn {turn}"
 
 
 def apply_answer(slot: EnvSlot, completion: Completion, ctx: ContextManager, config: LoopConfig, call: EnvCaller) -> None:
     """The answer parsed into actions (a tool env's: into tool calls) and applied
-    (``apply_actions``), within ``config.max_turn`` turns."""
-    if slot.spec.tools:
-        apply_tool_calls(slot, ctx.parse_calls(completion, slot.spec.tools), completion, config.format_penalty,
-                         call, config.max_turn)
+    (``apply_actions``), within ``config.max_turn`` turns. An answer the parser fails on is
+    the model's mistake, never the env's: no action, the format penalty, and (a tool env's)
+    the reason as the call's error."""
+    tools = slot.spec.tools
+    try:
+        parsed = ctx.parse_calls(completion, tools) if tools else ctx.parse_response(completion.text)
+    except Exception as exc:  # broad: the parsers read only the model's text, whatever it made them raise
+        logger.warning("%s: the parser failed on the answer at turn %d, which takes the format penalty: %s: %s",
+                       describe(slot), len(slot.traj.turns), type(exc).__name__, exc, exc_info=True)
+        parsed = [BadCall(completion.text, f"the answer could not be read ({type(exc).__name__})")] if tools else []
+    if tools:
+        apply_tool_calls(slot, parsed, completion, config.format_penalty, call, config.max_turn,
+                         max_abs_reward=config.max_abs_reward)
         return
-    apply_actions(slot, ctx.parse_response(completion.text), completion, config.format_penalty, call,
-                  config.max_turn)
+    apply_actions(slot, parsed, completion, config.format_penalty, call, config.max_turn,
+                  max_abs_reward=config.max_abs_reward)
 
 
 def apply_tool_calls(slot: EnvSlot, calls: list[ToolCall | BadCall], completion: Completion,
-                     format_penalty: float, call: EnvCaller, max_turn: int | None) -> None:
+                     format_penalty: float, call: EnvCaller, max_turn: int | None, *, max_abs_reward: float) -> None:
     """A tool env's turn: each valid call stepped as an action (``{"name", "arguments"}``),
     as ``apply_actions`` steps actions (a call that does not parse or match its tool is
     dropped, with the format penalty); the turn's ``tool_results`` answer every call in
     order: its step's observation, the parse error, or why it was not run."""
     valid = [(c.text, c.action()) for c in calls if isinstance(c, ToolCall)]
-    apply_actions(slot, [c.text for c in calls], completion, format_penalty, call, max_turn, valid=valid)
+    apply_actions(slot, [c.text for c in calls], completion, format_penalty, call, max_turn, valid=valid,
+                  max_abs_reward=max_abs_reward)
     turn = slot.traj.turns[-1]
     observations = iter(s.observation for s in turn.steps)
     results = []
@@ -365,12 +388,15 @@ def apply_tool_calls(slot: EnvSlot, calls: list[ToolCall | BadCall], completion:
 
 
 def apply_actions(slot: EnvSlot, actions: list[str], completion: Completion, format_penalty: float,
-                  call: EnvCaller, max_turn: int | None, valid: list[tuple[str, Any]] | None = None) -> None:
+                  call: EnvCaller, max_turn: int | None, valid: list[tuple[str, Any]] | None = None, *,
+                  max_abs_reward: float) -> None:
     """One turn: the actions the env knows (its lookup, any case; the others dropped) stepped
     within the action budget until one ends the env, recorded as a ``Turn`` of ``completion``'s
     answer, with ``format_penalty`` when an action was dropped or none was given. The env
     ends when it is done, its action budget is spent, or it played ``max_turn`` turns (None:
-    no limit). ``valid``: the (name, action) pairs to step, where the caller read them."""
+    no limit). ``valid``: the (name, action) pairs to step, where the caller read them. A
+    step's reward beyond +-``max_abs_reward``, or an episode total that is not finite, raises
+    ``EnvOutputError`` (the env then ends in error)."""
     if valid is None and slot.lookup is not None:
         valid = [(a, slot.lookup[a.lower()]) for a in actions if isinstance(a, str) and a.lower() in slot.lookup]
     elif valid is None:
@@ -379,13 +405,20 @@ def apply_actions(slot: EnvSlot, actions: list[str], completion: Completion, for
     shown = slot.observation
     # an int 0 until a step adds to it: a prompt shows the turn's reward as str(), as RAGEN does
     reward, done, info, executed, steps, costs = 0, False, {}, [], [], {}
+    turn_no = len(slot.traj.turns) + 1
+    steps_before = sum(len(t.steps) for t in slot.traj.turns)
+    total_before = slot.traj.reward
     t0 = time.perf_counter()
     for name, action in valid[:budget]:
         obs, r, done, step_info = call(slot.env.step, action)
         _add_costs(costs, slot.env)
-        r = _reward(r)
+        where = _step_where(slot, turn_no, steps_before + len(steps) + 1)
+        r = _reward(r, max_abs_reward, where)
         slot.observation = _observation(obs, "step")
         reward += r
+        if not math.isfinite(total_before + reward):
+            raise EnvOutputError(f"the episode's reward came to {total_before + reward}, not a finite number, "
+                                 f"with the reward {r:g} ({where})")
         info.update(plain_info(step_info))
         executed.append(name)
         steps.append(Step(action=name, observation=slot.observation, reward=r, done=bool(done)))

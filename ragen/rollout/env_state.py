@@ -85,8 +85,9 @@ class EnvStateManager:
             self.envs.append({"tag": spec.tag, "group_id": spec.group_id, "env_id": spec.env_id, "env": env,
                               "config": getattr(env, "config", None), "status": EnvStatus(),
                               "max_actions_per_traj": spec.max_actions_per_traj})
-        self._turns = _GivenActions(LoopConfig(format_penalty=self.format_penalty, env_timeout_s=None,
-                                               env_retries=0), KeptEnvs(), isolate=False)
+        self._turns = _GivenActions(LoopConfig(format_penalty=self.format_penalty,
+                                               max_abs_reward=sections["es_manager"].max_abs_reward,
+                                               env_timeout_s=None, env_retries=0), KeptEnvs(), isolate=False)
         self._episodes: list[Playing] = []  # each env's episode since the last reset
         self.rollout_cache: list[dict[str, Any]] | None = None
 
@@ -205,4 +206,4 @@ class _GivenActions(EnvTurns):
                             finish_reason="stop", policy_version=0, env_id=int(env_input["env_id"]))
         # no turn limit: RAGEN's proxy decides how many turns it asks for
         apply_actions(slot, list(env_input.get("actions", [])), answer, self.config.format_penalty, self.call,
-                      max_turn=None)
+                      max_turn=None, max_abs_reward=self.config.max_abs_reward)

@@ -22,6 +22,7 @@ class LoopConfig:
     sampling: SamplingParams = field(default_factory=SamplingParams)
     max_turn: int = AgentProxyConfig.max_turn
     format_penalty: float = EsManagerConfig.format_penalty
+    max_abs_reward: float = EsManagerConfig.max_abs_reward  # a step's reward beyond +-this ends its env in error
     env_timeout_s: float | None = AgentProxyConfig.env_timeout_s  # per reset/step; None: no limit
     env_retries: int = AgentProxyConfig.env_retries  # retries of a failing env on a fresh instance
     # auto | True | False: env-level turns (auto: when the client's engine streams completions)

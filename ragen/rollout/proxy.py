@@ -73,8 +73,9 @@ class AgentSetup:
             sampling = SamplingParams(temperature=gen.temperature, top_p=gen.top_p, top_k=gen.top_k,
                                       max_tokens=gen.response_length, seed=sampling_seed)
             return LoopConfig(context=context, sampling=sampling, max_turn=ap.max_turn,
-                              format_penalty=es_cfg.format_penalty, env_timeout_s=ap.env_timeout_s,
-                              env_retries=ap.env_retries, env_level_async=ap.env_level_async,
+                              format_penalty=es_cfg.format_penalty, max_abs_reward=es_cfg.max_abs_reward,
+                              env_timeout_s=ap.env_timeout_s, env_retries=ap.env_retries,
+                              env_level_async=ap.env_level_async,
                               engine_timeout_s=ap.engine_timeout_s)
 
         custom_envs = cfg.get("custom_envs")

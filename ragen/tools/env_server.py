@@ -7,9 +7,11 @@
 Serves the ``custom_envs`` tags of a config (Hydra's ``--config-name``, default
 ``base``, with overrides), each as its own env per session at
 ``http://host:port/<tag>/ws`` (OpenEnv's WebSocket protocol); a rollout plays
-them with ``env_type: remote`` (docs/envs.md). Listening beyond loopback needs
-a shared key, in the environment variable ``--key-env`` names; clients send
-the same. Prints ``serving <tags> at <url>`` once it listens; ends on SIGINT
+them with ``env_type: remote`` (docs/envs.md). Every session needs the
+server's key, on loopback too: the one in the environment variable
+``--key-env`` names (``RAGEN_ENV_KEY``), or, where that is unset, a new one.
+Prints ``serving <tags> at <url>`` once it listens, then, for a new key, the
+line that gives it to a client (``export RAGEN_ENV_KEY=...``); ends on SIGINT
 or SIGTERM.
 """
 
@@ -17,15 +19,13 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import sys
 from typing import Any, Sequence
 
 from ragen.config_files import compose
 from ragen.env import make_env
-from ragen.env.remote.config import DEFAULT_KEY_ENV
 from ragen.env.background import serve_until_stop_signal
-from ragen.utils import is_loopback_host
+from ragen.env.keys import ENV_SERVER_KEY_ENV, export_line, server_key
 from ragen.env.remote.server import EnvServer
 from ragen.rollout.envs import tag_spec
 
@@ -60,9 +60,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     parser.add_argument("--port", type=int, default=8101, help="port to listen on (0: a free one; default 8101)")
     parser.add_argument("--config-name", default="base", help="a config in config/ (default: base)")
-    parser.add_argument("--key-env", default=DEFAULT_KEY_ENV,
-                        help=f"environment variable holding the shared key (default {DEFAULT_KEY_ENV}); "
-                             "required beyond loopback")
+    parser.add_argument("--key-env", default=ENV_SERVER_KEY_ENV,
+                        help=f"environment variable holding the key clients send (default {ENV_SERVER_KEY_ENV}); "
+                             "unset: a new key, printed once")
     parser.add_argument("--max-sessions", type=int, default=256, help="sessions open at once (default 256)")
     parser.add_argument("--max-message-bytes", type=int, default=1024 * 1024,
                         help="largest request taken (default 1 MiB)")
@@ -78,10 +78,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                         ("--idle-timeout-s", args.idle_timeout_s)):
         if value <= 0:
             parser.error(f"{flag} must be > 0, got {value}")
-    key = os.environ.get(args.key_env) or None
-    if key is None and not is_loopback_host(args.host):
-        parser.error(f"--host {args.host} is beyond loopback: set a shared key in the environment variable "
-                     f"{args.key_env} (clients set the same)")
+    key, generated = server_key(args.key_env)
     try:
         makers = makers_of(tags, compose(args.config_name, args.overrides).get("custom_envs") or {})
         server = EnvServer(makers, args.host, args.port, key=key, max_sessions=args.max_sessions,
@@ -89,7 +86,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ValueError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    return serve_until_stop_signal(server, ",".join(tags), lambda: f"{server.sessions_served} sessions")
+    return serve_until_stop_signal(server, ",".join(tags), lambda: f"{server.sessions_served} sessions",
+                                   then=export_line(args.key_env, key) if generated else None)
 
 
 if __name__ == "__main__":

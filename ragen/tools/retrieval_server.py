@@ -5,8 +5,12 @@
     python -m ragen.tools.retrieval_server --filler 100000 --port 0     # the shipped corpus in 100k more documents
 
 BM25 over the corpus (JSON lines ``{"id", "contents"}``), behind RAGEN's
-``/retrieve`` and ``/health`` API (``ragen/env/search/server.py``). Prints
-``serving <N> documents at <url>`` once it listens; ends on SIGINT or SIGTERM.
+``/retrieve`` and ``/health`` API (``ragen/env/search/server.py``). A search
+needs the server's key, on loopback too: the one in the environment variable
+``--key-env`` names (``RAGEN_RETRIEVAL_KEY``), or, where that is unset, a new
+one. Prints ``serving <N> documents at <url>`` once it listens, then, for a
+new key, the line that gives it to a client (``export
+RAGEN_RETRIEVAL_KEY=...``); ends on SIGINT or SIGTERM.
 """
 
 from __future__ import annotations
@@ -17,10 +21,10 @@ import sys
 from pathlib import Path
 from typing import Sequence
 
+from ragen.env.background import serve_until_stop_signal
+from ragen.env.keys import RETRIEVAL_KEY_ENV, export_line, server_key
 from ragen.env.search.corpus import load_corpus, shipped_corpus
 from ragen.env.search.server import RetrievalServer
-from ragen.env.background import serve_until_stop_signal
-from ragen.utils import is_loopback_host
 
 __all__ = ["main"]
 
@@ -34,21 +38,24 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="documents added to the shipped corpus that answer nothing (a corpus of a real size)")
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     parser.add_argument("--port", type=int, default=8000, help="port (0: a free one; default 8000)")
+    parser.add_argument("--key-env", default=RETRIEVAL_KEY_ENV,
+                        help=f"environment variable holding the key clients send (default {RETRIEVAL_KEY_ENV}); "
+                             "unset: a new key, printed once")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.filler < 0:
         parser.error(f"--filler must be >= 0, got {args.filler}")
     if args.corpus is not None and args.filler:
         parser.error("--filler adds to the shipped corpus; a --corpus file is served as it is")
-    if not is_loopback_host(args.host):
-        logging.warning("listening on %s: the retrieval server has no key; firewall its port", args.host)
+    key, generated = server_key(args.key_env)
     try:
         docs = load_corpus(args.corpus) if args.corpus is not None else shipped_corpus(args.filler)
-        server = RetrievalServer(docs, args.host, args.port)
+        server = RetrievalServer(docs, args.host, args.port, key=key)
     except (ValueError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    return serve_until_stop_signal(server, f"{len(docs)} documents", lambda: f"{server.requests} searches")
+    return serve_until_stop_signal(server, f"{len(docs)} documents", lambda: f"{server.requests} searches",
+                                   then=export_line(args.key_env, key) if generated else None)
 
 
 if __name__ == "__main__":

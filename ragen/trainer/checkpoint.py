@@ -21,13 +21,20 @@ folders, one per run, has a path that does not change.
 A checkpoint damaged afterwards (a ``state.pt`` cut short by a copy or a full
 disk, a ``meta.json`` that is not JSON) raises ``CheckpointError`` naming the
 file and the previous checkpoint to resume from instead.
+
+*Loaded as data*: ``state.pt`` is read with ``torch.load(weights_only=True)``
+and an allow-list of the types a checkpoint holds besides tensors and plain
+Python (``SAFE_TYPES``), so a crafted file cannot run code when it is loaded;
+one that names any other type is refused with a ``CheckpointError``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
+import pickle
 import random
 import re
 import shutil
@@ -38,6 +45,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from ragen.rollout.types import Step, StopReason, Trajectory, Turn
+
 logger = logging.getLogger(__name__)
 
 LATEST_FILE = "latest_checkpointed_iteration.txt"
@@ -45,9 +54,19 @@ LATEST_RUN = "latest"
 STATE_FILE = "state.pt"
 _STEP_DIR = re.compile(r"^global_step_(\d+)$")
 
+# What a checkpoint holds besides tensors and plain Python, each harmless to make: the trajectories of
+# the groups an over-sampled rollout carries, and numpy arrays (older checkpoints hold numpy's RNG
+# state as one).
+_multiarray = np._core.multiarray if hasattr(np, "_core") else np.core.multiarray  # numpy 2, numpy 1
+SAFE_TYPES: list[Any] = [Trajectory, Turn, Step, StopReason,
+                         _multiarray._reconstruct, np.ndarray, np.dtype, type(np.dtype(np.uint32))]
+
 
 def rng_state() -> dict[str, Any]:
-    return {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate(),
+    """The torch, numpy, python (and CUDA) RNG states, as tensors and plain Python."""
+    name, keys, pos, has_gauss, cached_gaussian = np.random.get_state()
+    return {"torch": torch.get_rng_state(), "numpy": (name, keys.tolist(), pos, has_gauss, cached_gaussian),
+            "python": random.getstate(),
             "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
 
 
@@ -160,8 +179,12 @@ class CheckpointError(ValueError):
 def load_checkpoint(run_dir: str | os.PathLike, step: int) -> dict[str, Any]:
     path = step_dir(run_dir, step) / STATE_FILE
     try:
-        # weights_only=False: the state holds numpy/python RNG states; these are our own files.
-        state = torch.load(path, map_location="cpu", weights_only=False)
+        with _allowing(SAFE_TYPES):
+            state = torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as exc:
+        if "Weights only load failed" not in str(exc):
+            raise CheckpointError(_damaged(run_dir, step, path, exc)) from exc
+        raise CheckpointError(_refused(path, exc)) from None
     except Exception as exc:  # a cut file fails in torch's zip reader or in unpickling, with varied types
         raise CheckpointError(_damaged(run_dir, step, path, exc)) from exc
     if not isinstance(state, dict):
@@ -181,6 +204,23 @@ def load_meta(run_dir: str | os.PathLike, step: int) -> dict[str, Any]:
     if not isinstance(meta, dict):
         raise CheckpointError(_damaged(run_dir, step, path, f"it holds a {type(meta).__name__}, not an object"))
     return meta
+
+
+def _allowing(types: list[Any]) -> Any:
+    """torch's allow-list context for ``weights_only`` loads (torch >= 2.5; before it, nothing more is allowed)."""
+    allow = getattr(torch.serialization, "safe_globals", None)
+    return allow(types) if allow is not None else contextlib.nullcontext()
+
+
+def _refused(path: Path, exc: BaseException) -> str:
+    """Why a checkpoint naming something a checkpoint never holds is not loaded."""
+    found = re.search(r"GLOBAL ([\w.]+)", str(exc))
+    what = found.group(1) if found else "something outside the allow-list"
+    if not hasattr(torch.serialization, "safe_globals"):
+        return (f"checkpoint {path} names {what}, which torch {torch.__version__} cannot allow in a safe load: "
+                f"resume with torch >= 2.5")
+    return (f"checkpoint {path} is refused: it names {what}, which a ragen checkpoint never holds, and loading it "
+            f"could run code. It was not written by ragen's trainer, or was altered since; do not resume from it")
 
 
 def _damaged(run_dir: str | os.PathLike, step: int, path: Path, why: BaseException | str) -> str:

@@ -1,37 +1,39 @@
-"""A submission tested: the answer's code and a problem's tests in one sandboxed run.
+"""A submission tested: its code run on a problem's test inputs in one sandboxed run, and judged here.
 
-``judge(code, problem, limits)`` builds one script that runs every test in
-turn (a ``call`` test calls the function with the test's arguments and
-compares the return value, as JSON, with the expected one; a ``stdio`` test
-runs the program with the test's stdin and compares its stdout, line by line,
-trailing spaces and blank lines ignored), runs it in the sandbox once, and
-reads the results from a line marked with a token the code cannot know.
-A program's stdout is kept up to the output limit; a test that prints more
-ends with "output truncated", as a run that prints more does.
-A test the run did not reach (a time limit, an ``os._exit``) has failed.
+``judge(code, problem, limits)`` gives the sandboxed child the code and each
+test's input, never an expected output. The child prints one result line per
+test (a ``call`` test's return value as JSON, a ``stdio`` test's stdout, or
+the error), and this process compares them with the expected outputs (as JSON
+data; stdout line by line, trailing spaces and blank lines ignored). So a
+child can fail its own tests, never pass them: a missing, extra, misplaced or
+malformed result line fails its test. A test that prints past the output
+limit ends "output truncated"; a test the run did not reach (a time limit, an
+``os._exit``) has failed.
 """
 
 from __future__ import annotations
 
+import collections
 import json
 import re
-import secrets
 from dataclasses import dataclass
+from typing import Any
 
-from .problems import Problem
+from .problems import Problem, Test
 from ..sandbox import Limits, RunResult, RunStatus, run_python
 
 __all__ = ["Verdict", "extract_code", "judge"]
 
 _FENCE = re.compile(r"```[^\n`]*\n(.*?)(?:```|\Z)", re.DOTALL)
 _SHOWN = 300  # characters of an input, output or error shown in a verdict
+_MARK = "@@ragen-result@@ "  # starts a result line; not a secret: a forged line can only fail a test
 
+# The child: the same script for every submission; the code, the inputs and the mark come on its stdin.
 _HARNESS = r'''
 import contextlib, io, json, sys
-_TOKEN, _KIND, _FUNC, _TESTS, _CODE = {token!r}, {kind!r}, {func!r}, json.loads({tests!r}), {code!r}
-_LIMIT = {output_bytes!r}
+_JOB = json.loads(sys.stdin.read())
+_MARK, _KIND, _FUNC, _LIMIT = _JOB["mark"], _JOB["kind"], _JOB["func"], _JOB["output_bytes"]
 _out = sys.stdout
-_results = []
 
 class _OutputLimit(BaseException):
     pass
@@ -42,51 +44,48 @@ class _Capped(io.StringIO):
             raise _OutputLimit()
         return super().write(text)
 
-def _report():
-    _out.write("\n" + _TOKEN + json.dumps(_results) + "\n")
+def _send(i, key, value):
+    _out.write("\n" + _MARK + json.dumps({"i": i, key: value}) + "\n")
     _out.flush()
 
-def _norm(text):
-    lines = [line.rstrip() for line in text.splitlines()]
-    while lines and not lines[-1]:
-        lines.pop()
-    return lines
+def _error(exc):
+    if isinstance(exc, _OutputLimit):
+        return "it printed too much"
+    return type(exc).__name__ + ": " + str(exc)[:300]
 
 try:
-    _compiled = compile(_CODE, "solution.py", "exec")
-except SyntaxError as exc:
-    _results.append({{"error": "SyntaxError: " + str(exc)}})
-    _report()
-    sys.exit(0)
-if _KIND == "call":
-    _scope = {{"__name__": "solution"}}
-    try:
-        exec(_compiled, _scope)
+    _compiled = compile(_JOB["code"], "solution.py", "exec")
+    if _KIND == "call":
+        _scope = {"__name__": "solution"}
+        with contextlib.redirect_stdout(_Capped()):
+            exec(_compiled, _scope)
         _fn = _scope[_FUNC] if _FUNC in _scope else getattr(_scope["Solution"](), _FUNC)
-    except BaseException as exc:
-        _results.append({{"error": type(exc).__name__ + ": " + str(exc)}})
-        _report()
-        sys.exit(0)
-for _test in _TESTS:
+except BaseException as exc:
+    _send(None, "did_not_run", _error(exc))
+    sys.exit(0)
+for _i, _input in enumerate(_JOB["inputs"]):
     _buf = _Capped()
     try:
         if _KIND == "call":
-            _got = json.loads(json.dumps(_fn(*_test[0])))
-            _results.append({{"ok": _got == _test[1], "got": _got}})
+            with contextlib.redirect_stdout(_buf):
+                _got = json.dumps(_fn(*_input))
+            if len(_got) > _LIMIT:
+                raise _OutputLimit()
+            _out.write("\n" + _MARK + '{"i": %d, "got": %s}' % (_i, _got) + "\n")  # serialized once, sized
+            _out.flush()
         else:
-            sys.stdin = io.StringIO(_test[0])
+            sys.stdin = io.StringIO(_input)
             with contextlib.redirect_stdout(_buf):
                 try:
-                    exec(_compiled, {{"__name__": "__main__"}})
+                    exec(_compiled, {"__name__": "__main__"})
                 except SystemExit as exc:
                     if exc.code not in (None, 0):
                         raise
-            _results.append({{"ok": _norm(_buf.getvalue()) == _norm(_test[1]), "got": _buf.getvalue()}})
+            _send(_i, "got", _buf.getvalue())
     except _OutputLimit:
-        _results.append({{"limit": "output"}})
+        _send(_i, "limit", "output")
     except BaseException as exc:
-        _results.append({{"error": type(exc).__name__ + ": " + str(exc)[:300]}})
-_report()
+        _send(_i, "error", _error(exc))
 '''
 
 
@@ -117,30 +116,76 @@ def _short(value: object) -> str:
 
 
 def judge(code: str, problem: Problem, limits: Limits) -> Verdict:
-    """``code`` run against ``problem``'s tests in one sandboxed run."""
-    token = "@@ragen-results-" + secrets.token_hex(8) + "@@"
-    tests = json.dumps([[t.input, t.expected] for t in problem.tests])
-    script = _HARNESS.format(token=token, kind=problem.kind, func=problem.func_name, tests=tests, code=code,
-                             output_bytes=limits.output_bytes)
-    run = run_python(script, "", limits)
-    results = []
-    _, sep, tail = run.stdout.rpartition(token)
-    if sep:
-        try:
-            results = json.loads(tail.splitlines()[0])
-        except (ValueError, IndexError):  # cut by the output limit
-            results = []
-    passed = sum(1 for r in results if r.get("ok"))
-    return Verdict(passed, len(problem.tests), run.status, _feedback(problem, results, passed, run), run.cpu_s)
+    """``code`` run on ``problem``'s test inputs in one sandboxed run, its results compared here."""
+    job = {"mark": _MARK, "kind": problem.kind, "func": problem.func_name, "code": code,
+           "inputs": [t.input for t in problem.tests], "output_bytes": limits.output_bytes}
+    run = run_python(_HARNESS, json.dumps(job), limits)
+    results, did_not_run = _read(run.stdout, len(problem.tests))
+    passed = sum(_passes(problem.kind, t, r) for t, r in zip(problem.tests, results))
+    return Verdict(passed, len(problem.tests), run.status, _feedback(problem, results, did_not_run, passed, run),
+                   run.cpu_s)
 
 
-def _feedback(problem: Problem, results: list[dict], passed: int, run: RunResult) -> str:
+def _read(stdout: str, total: int) -> tuple[list[dict], str | None]:
+    """Each test's result from the child's result lines, up to the last test the run reached, and why the
+    code did not run at all, when it did not.
+
+    Test k's result is the k-th result line when that line names test k and no other line does; else
+    ``{"malformed": True}``. Only whole lines count: a line cut by the output limit is no result."""
+    records = [_parse(line[len(_MARK):]) for line in stdout.split("\n")[:-1] if line.startswith(_MARK)]
+    first = records[0] if records else None
+    if isinstance(first, dict) and first.keys() == {"i", "did_not_run"} and first["i"] is None \
+            and isinstance(first["did_not_run"], str):
+        return ([{"error": first["did_not_run"]}] if total == 1 else []), first["did_not_run"]
+    named = collections.Counter(r["i"] for r in records if isinstance(r, dict) and type(r.get("i")) is int)
+    return [r if _valid(r, k) and named[k] == 1 else {"malformed": True}
+            for k, r in enumerate(records[:total])], None
+
+
+def _parse(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except (ValueError, RecursionError):  # not JSON, too deep, or an integer past Python's digit limit
+        return None
+
+
+def _valid(record: Any, k: int) -> bool:
+    if not (isinstance(record, dict) and len(record) == 2 and type(record.get("i")) is int and record["i"] == k):
+        return False
+    key = next(key for key in record if key != "i")
+    return (key == "got" or (key == "error" and isinstance(record[key], str))
+            or (key == "limit" and record[key] == "output"))
+
+
+def _norm(text: str) -> list[str]:
+    lines = [line.rstrip() for line in text.splitlines()]
+    while lines and not lines[-1]:
+        lines.pop()
+    return lines
+
+
+def _passes(kind: str, test: Test, result: dict | None) -> bool:
+    """Whether ``result`` holds ``test``'s expected output: a return value equal as JSON data, or stdout equal
+    line by line."""
+    if result is None or "got" not in result:
+        return False
+    got = result["got"]
+    try:
+        if kind == "call":
+            return got == json.loads(json.dumps(test.expected))
+        return isinstance(got, str) and _norm(got) == _norm(test.expected)
+    except RecursionError:  # nested deeper than the expected output
+        return False
+
+
+def _feedback(problem: Problem, results: list[dict], did_not_run: str | None, passed: int,
+              run: RunResult) -> str:
     total = len(problem.tests)
     if passed == total:
         return f"All {total} tests passed."
     words = f"Passed {passed}/{total} tests."
-    if len(results) == 1 and "error" in results[0] and len(problem.tests) != 1:
-        return f"{words} Your code did not run: {_short(results[0]['error'])}"
+    if did_not_run is not None and total != 1:
+        return f"{words} Your code did not run: {_short(did_not_run)}"
     for i, test in enumerate(problem.tests):
         shown = (f"{problem.func_name}(" + ", ".join(json.dumps(a) for a in test.input) + ")"
                  if problem.kind == "call" else f"input {_short(test.input)!r}")
@@ -152,13 +197,15 @@ def _feedback(problem: Problem, results: list[dict], passed: int, run: RunResult
                 why = _short(last[0])
             return f"{words} First failing test, {shown}: {why}."
         result = results[i]
-        if result.get("ok"):
+        if _passes(problem.kind, test, result):
             continue
+        if "malformed" in result:
+            return f"{words} First failing test, {shown}: its result was malformed."
         if "limit" in result:
             return f"{words} First failing test, {shown}: output truncated: it printed too much."
         if "error" in result:
             return f"{words} First failing test, {shown}: raised {_short(result['error'])}."
-        expected, got = test.expected, result.get("got")
+        expected, got = test.expected, result["got"]
         if problem.kind == "call":
             return f"{words} First failing test: {shown} returned {_short(got)}, expected {_short(expected)}."
         return f"{words} First failing test, {shown}: printed {_short(got)!r}, expected {_short(expected)!r}."

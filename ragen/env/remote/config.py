@@ -3,33 +3,18 @@
 ``env_config: {url: http://host:port, tag: SimpleSokoban}`` or
 ``{urls: [http://a:8101, http://b:8101], tag: ...}``. URLs are refused here,
 when the config is read, unless they are ``http://`` or ``https://``, and,
-for a host beyond loopback, unless the shared key is set (the environment
-variable ``key_env`` names).
+for a host beyond loopback, unless the server's key is set (in the environment
+variable ``key_env`` names: ``ragen.env.keys``).
 """
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
-from typing import Any
-from urllib.parse import urlsplit
 
-from ragen.utils import is_loopback_host
+from ..config_checks import EnvConfigError, check_int, check_number, check_str
+from ..keys import ENV_SERVER_KEY_ENV, check_keyed_url
 
-from ..config_checks import EnvConfigError, check_http_url, check_int, check_number, check_str
-
-__all__ = ["DEFAULT_KEY_ENV", "RemoteEnvConfig"]
-
-DEFAULT_KEY_ENV = "RAGEN_ENV_KEY"
-
-
-def _check_url(field_name: str, url: Any, key_env: str) -> str:
-    url = check_http_url(field_name, url)
-    host = urlsplit(url).hostname
-    if not is_loopback_host(host) and not os.environ.get(key_env):
-        raise EnvConfigError(field_name, f"{url!r} is beyond loopback: set the shared key in the environment "
-                                         f"variable {key_env} (the env server's --key-env), here and on the server")
-    return url
+__all__ = ["RemoteEnvConfig"]
 
 
 @dataclass
@@ -40,6 +25,8 @@ class RemoteEnvConfig:
     next one in turn and a failed one is retried from its seed on another).
     ``tag``: the env a ``python -m ragen.tools.env_server`` serves (one of its
     ``--tags``); None for a server of one env, such as an OpenEnv server.
+    ``key_env``: the environment variable holding the server's key (sent with
+    each session; our env servers want it, on loopback too).
     ``timeout_s``: the longest wait for one reply; ``connect_timeout_s``: for
     a connection. ``max_message_bytes``: the largest reply taken.
     ``action_field`` / ``observation_field``: where the action text goes in a
@@ -52,7 +39,7 @@ class RemoteEnvConfig:
     url: str | None = None
     urls: list[str] | None = None
     tag: str | None = None
-    key_env: str = DEFAULT_KEY_ENV
+    key_env: str = ENV_SERVER_KEY_ENV
     timeout_s: float = 60.0
     connect_timeout_s: float = 10.0
     max_message_bytes: int = 8 * 1024 * 1024
@@ -65,11 +52,12 @@ class RemoteEnvConfig:
         if (self.url is None) == (self.urls is None):
             raise EnvConfigError("url", "give the env server as url, or several as urls (a list), not both")
         if self.url is not None:
-            self.servers = (_check_url("url", self.url, self.key_env),)
+            self.servers = (check_keyed_url("url", self.url, self.key_env, "env server"),)
         else:
             if not isinstance(self.urls, (list, tuple)) or not self.urls:
                 raise EnvConfigError("urls", f"expected a non-empty list of env server URLs, got {self.urls!r}")
-            self.servers = tuple(_check_url(f"urls[{i}]", u, self.key_env) for i, u in enumerate(self.urls))
+            self.servers = tuple(check_keyed_url(f"urls[{i}]", u, self.key_env, "env server")
+                                 for i, u in enumerate(self.urls))
             if len(set(self.servers)) != len(self.servers):
                 raise EnvConfigError("urls", f"a server is listed twice: {list(self.servers)}")
         if self.tag is not None:

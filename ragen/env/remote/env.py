@@ -12,17 +12,18 @@ WebSocket connection), its state on the server.
   play the env again from its seed on a fresh instance, which opens its
   session on another server of the list (``agent_proxy.env_retries``).
 - **Key**: when the environment variable ``key_env`` is set, its value goes
-  to the server as ``Authorization: Bearer <key>``.
+  to the server as ``Authorization: Bearer <key>`` (``ragen.env.keys``); a
+  server that refuses it (HTTP 401) fails the call with the variable named.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-import os
 from typing import Any
 
 from ..base import BaseLanguageBasedEnv
+from ..keys import auth_headers, key_hint
 from .config import RemoteEnvConfig
 from .protocol import ProtocolError, Reply, parse_reply, session_url
 from .servers import choice_for
@@ -67,10 +68,8 @@ class RemoteEnv(BaseLanguageBasedEnv):
 
         choice = choice_for(self.config.servers)
         server = choice.pick(avoid=self.server)
-        key = os.environ.get(self.config.key_env)
-        headers = {"Authorization": f"Bearer {key}"} if key else None
         try:
-            ws = connect(session_url(server, self.config.tag), additional_headers=headers,
+            ws = connect(session_url(server, self.config.tag), additional_headers=auth_headers(self.config.key_env),
                          open_timeout=self.config.connect_timeout_s, close_timeout=_CLOSE_TIMEOUT_S,
                          max_size=self.config.max_message_bytes, compression=None)
             # entered as websockets asks of a connection (its context manager); the session outlives this call
@@ -78,7 +77,10 @@ class RemoteEnv(BaseLanguageBasedEnv):
             self._ws = ws.__enter__()
         except Exception as exc:  # refused, unreachable, a handshake refused (401, 404, 503): all end the call
             choice.mark_down(server)
-            raise self._error(server, "cannot open a session", exc) from exc
+            error = self._error(server, "cannot open a session", exc)
+            if getattr(getattr(exc, "response", None), "status_code", None) == 401:
+                error = RemoteEnvError(f"{error}; {key_hint(self.config.key_env)}")
+            raise error from exc
         self.server = server
 
     def _drop(self) -> None:

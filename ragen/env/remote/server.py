@@ -9,14 +9,14 @@ refused with HTTP 503), requests of at most ``max_message_bytes`` (a larger
 one closes its session), and a session idle for ``idle_timeout_s`` is closed.
 An env that raises ends its session after the error answer: its state is
 unknown, and the client retries on a fresh session.
-With a ``key``, a session needs ``Authorization: Bearer <key>`` (HTTP 401
-otherwise). Each session runs on its own thread; env calls are not time-bound
-here, the client bounds its wait for each answer.
+A session needs the server's ``key`` (``Authorization: Bearer <key>``; HTTP
+401 otherwise), on loopback too (``ragen.env.keys``); a server given none
+makes one (``key``). Each session runs on its own thread; env calls are not
+time-bound here, the client bounds its wait for each answer.
 """
 
 from __future__ import annotations
 
-import hmac
 import json
 import logging
 import numbers
@@ -26,6 +26,7 @@ from typing import Any, Callable, Mapping
 
 from ..background import BackgroundServer
 from ..base import action_lookup, plain_info, reset_takes_mode
+from ..keys import authorized, new_key
 from .protocol import error_message, observation_message
 
 __all__ = ["EnvServer"]
@@ -42,7 +43,8 @@ class _BadRequest(Exception):
 
 
 class EnvServer(BackgroundServer):
-    """Serves ``makers`` (tag -> a function making a new env of it) on ``host``:``port`` (0: a free port)."""
+    """Serves ``makers`` (tag -> a function making a new env of it) on ``host``:``port`` (0: a free port)
+    to clients that hold ``key`` (None: a new one, ``self.key``)."""
 
     thread_name = "ragen-env-server"
 
@@ -54,7 +56,7 @@ class EnvServer(BackgroundServer):
         if not makers:
             raise ValueError("an env server needs at least one tag to serve")
         self.makers = dict(makers)
-        self.key = key
+        self.key = key or new_key()
         self.max_sessions = max_sessions
         self.idle_timeout_s = idle_timeout_s
         self.sessions = 0
@@ -91,11 +93,9 @@ class EnvServer(BackgroundServer):
         if endpoint != "ws" or tag is None:
             return connection.respond(HTTPStatus.NOT_FOUND, f"no such endpoint {request.path!r}: sessions are at "
                                       f"/<tag>/ws for the tags {list(self.makers)}\n")
-        if self.key is not None:
-            given = request.headers.get("Authorization", "")
-            if not hmac.compare_digest(given.encode(), f"Bearer {self.key}".encode()):
-                return connection.respond(HTTPStatus.UNAUTHORIZED, "this env server needs its key: "
-                                          "Authorization: Bearer <key>\n")
+        if not authorized(request.headers.get("Authorization"), self.key):
+            return connection.respond(HTTPStatus.UNAUTHORIZED, "this env server needs its key: "
+                                      "Authorization: Bearer <key>\n")
         if self.sessions >= self.max_sessions:
             return connection.respond(HTTPStatus.SERVICE_UNAVAILABLE,
                                       f"this env server has its {self.max_sessions} sessions open\n")

@@ -1,9 +1,10 @@
 """Searches over HTTP, on connections pooled per process: the search env's side of the retrieval server's API.
 
-``retrieve(url, query, top_k, timeout_s)`` posts to ``<url>/retrieve`` and
-returns the results; a server that is down, slow, or answers anything but
-results raises ``RetrievalError`` naming it (``RetrievalTimeout`` past the
-time limit). Connections are kept alive and shared by every env of the
+``retrieve(url, query, top_k, timeout_s, key_env)`` posts to ``<url>/retrieve``
+with the key of the environment variable ``key_env`` (``ragen.env.keys``) and
+returns the results; a server that is down, slow, refuses the key, or answers
+anything but results raises ``RetrievalError`` naming it (``RetrievalTimeout``
+past the time limit). Connections are kept alive and shared by every env of the
 process (urllib3's pool, thread-safe), so a search costs one round trip. A
 forked process (the ``multiprocessing`` backend) makes a pool of its own: two
 processes reading one kept-alive connection would take each other's answers.
@@ -16,6 +17,8 @@ import logging
 import os
 import threading
 from typing import Any
+
+from ..keys import RETRIEVAL_KEY_ENV, auth_headers, key_hint
 
 __all__ = ["RetrievalError", "RetrievalTimeout", "health", "retrieve"]
 
@@ -46,13 +49,15 @@ def _pool() -> Any:
         return _POOL
 
 
-def retrieve(url: str, query: str, top_k: int, timeout_s: float) -> list[dict[str, Any]]:
+def retrieve(url: str, query: str, top_k: int, timeout_s: float,
+             key_env: str = RETRIEVAL_KEY_ENV) -> list[dict[str, Any]]:
     """The server's results for ``query``: ``[{"id", "content", "score"}, ...]``."""
     import urllib3
 
     body = json.dumps({"query": query, "top_k": top_k}).encode()
+    headers = {"Content-Type": "application/json", **auth_headers(key_env)}
     try:
-        response = _pool().request("POST", f"{url}/retrieve", body=body, headers={"Content-Type": "application/json"},
+        response = _pool().request("POST", f"{url}/retrieve", body=body, headers=headers,
                                    timeout=urllib3.Timeout(connect=min(timeout_s, 10.0), read=timeout_s))
     except urllib3.exceptions.NewConnectionError as exc:  # refused: urllib3 makes it a kind of timeout
         raise RetrievalError(f"retrieval server {url}: cannot connect: {exc}") from exc
@@ -67,7 +72,8 @@ def retrieve(url: str, query: str, top_k: int, timeout_s: float) -> list[dict[st
         payload = None
     if response.status != 200:
         error = payload.get("error") if isinstance(payload, dict) else response.data[:200]
-        raise RetrievalError(f"retrieval server {url}: HTTP {response.status}: {error}")
+        hint = f"; {key_hint(key_env)}" if response.status == 401 else ""
+        raise RetrievalError(f"retrieval server {url}: HTTP {response.status}: {error}{hint}")
     results = payload.get("results") if isinstance(payload, dict) else None
     if not isinstance(results, list) or not all(isinstance(r, dict) and isinstance(r.get("content"), str)
                                                 for r in results):

@@ -13,6 +13,9 @@ Concepts:
   normalisation: case, punctuation, articles), else with ``reward: f1`` the
   token F1 when at least ``f1_threshold``; 0 for a search. ``success``: an
   exact match. ``max_steps`` actions without an answer end the episode at 0.
+- **Long queries**: a query over ``max_query_chars`` (the shipped server's
+  bound, 2,000) is not sent: an invalid action whose observation names the
+  limit (in the tool form, a call off the schema: the format penalty).
 - **Server failures**: a search that fails raises ``RetrievalError`` naming
   the server (``RetrievalTimeout`` past ``timeout_s``): the rollout retries
   the env, then ends it in ``error`` or ``timeout``.
@@ -83,7 +86,7 @@ class SearchEnv(BaseLanguageBasedEnv):
     def _results(self, query: str) -> str:
         cfg = self.config
         t0 = time.perf_counter()
-        found = retrieve(cfg.server_url, query, cfg.top_k, cfg.timeout_s)
+        found = retrieve(cfg.server_url, query, cfg.top_k, cfg.timeout_s, cfg.key_env)
         self.step_costs = {"retrieval_s": time.perf_counter() - t0}
         if not found:
             return "No relevant documents found for the query."
@@ -117,6 +120,8 @@ class SearchEnv(BaseLanguageBasedEnv):
         if not valid or self._done:
             return unchanged_step(self.render_cache, valid, self._done, self._success, self.config.invalid_act_score)
         kind, arg = match.group(1).lower(), match.group(2).strip()
+        if kind == "search" and len(arg) > self.config.max_query_chars:  # the server would refuse it
+            return self._too_long(len(arg))
         self.steps += 1
         if kind == "finish":
             reward = self.compute_reward(arg)
@@ -131,6 +136,14 @@ class SearchEnv(BaseLanguageBasedEnv):
         self.render_cache = f"Search results for '{arg}':\n{results}\n\n{tail}"
         return self.render_cache, 0.0, self._done, {"action_is_effective": True, "action_is_valid": True,
                                                     "success": False, "action_type": "search"}
+
+    def _too_long(self, n: int) -> tuple[str, float, bool, dict]:
+        """An over-long query: the model's mistake, an invalid action that sends nothing and says why."""
+        limit = self.config.max_query_chars
+        self.render_cache = (f"Your query has {n} characters; a query may have at most {limit}. Nothing was "
+                             f"searched: search again with a shorter query.\n{self._actions_line}")
+        return self.render_cache, self.config.invalid_act_score, False, {
+            "action_is_valid": False, "action_is_effective": False, "success": False, "action_type": "search"}
 
     def render(self, mode: str | None = None) -> str:
         return self.render_cache

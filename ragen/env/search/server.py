@@ -5,7 +5,10 @@
   at most ``MAX_TOP_K``) -> ``{"query", "method": "bm25", "results": [{"id",
   "content", "score"}], "num_results"}``; a bad request -> 400 ``{"error": ...}``.
 
-Requests are bounded (``MAX_BODY_BYTES``, ``MAX_QUERY_CHARS``). Each request is
+A search needs the server's key (``Authorization: Bearer <key>``, or Basic
+with the key for password; HTTP 401 otherwise), on loopback too
+(``ragen.env.keys``); ``/health`` needs none. Requests are bounded
+(``MAX_BODY_BYTES``, ``MAX_QUERY_CHARS``). Each request is
 served on its own thread (``ThreadingHTTPServer``); the index is read-only.
 The command line is ``python -m ragen.tools.retrieval_server``.
 """
@@ -19,6 +22,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Sequence
 
 from ..background import BackgroundServer
+from ..keys import authorized, new_key
 from .corpus import Doc
 
 __all__ = ["MAX_TOP_K", "RetrievalServer"]
@@ -53,11 +57,13 @@ class _Index:
 
 
 class RetrievalServer(BackgroundServer):
-    """Serves ``docs`` on ``host``:``port`` (0: a free port)."""
+    """Serves ``docs`` on ``host``:``port`` (0: a free port) to clients that hold ``key`` (None: a new
+    one, ``self.key``)."""
 
     thread_name = "ragen-retrieval"
 
-    def __init__(self, docs: Sequence[Doc], host: str = "127.0.0.1", port: int = 0) -> None:
+    def __init__(self, docs: Sequence[Doc], host: str = "127.0.0.1", port: int = 0, key: str | None = None) -> None:
+        self.key = key or new_key()
         self.index = _Index(docs)
         self.requests = 0
         self._httpd = ThreadingHTTPServer((host, port), self._handler())
@@ -99,6 +105,8 @@ class RetrievalServer(BackgroundServer):
                 self.send_response(status)
                 self.send_header("Content-Type", "application/json")
                 self.send_header("Content-Length", str(len(data)))
+                if self.close_connection:  # the client must not send its next request on this connection
+                    self.send_header("Connection", "close")
                 self.end_headers()
                 self.wfile.write(data)
 
@@ -122,7 +130,12 @@ class RetrievalServer(BackgroundServer):
                     self._send(HTTPStatus.REQUEST_ENTITY_TOO_LARGE,
                                {"error": f"a request body is at most {MAX_BODY_BYTES} bytes"})
                     return
-                self._send(*server._answer(self.rfile.read(length)))
+                body = self.rfile.read(length)  # read first, refused or not: the connection stays in step
+                if not authorized(self.headers.get("Authorization"), server.key):
+                    self._send(HTTPStatus.UNAUTHORIZED, {"error": "this retrieval server needs its key: "
+                                                                  "Authorization: Bearer <key>"})
+                    return
+                self._send(*server._answer(body))
 
             def log_message(self, fmt: str, *args: Any) -> None:
                 logger.debug("%s " + fmt, self.address_string(), *args)
