@@ -23,7 +23,7 @@ thread, as RAGEN's does:
   invalid ones, adds ``es_manager.format_penalty``. Returns the caches of the
   envs that play on.
 - ``get_rollout_states()``: the caches with per-env ``metrics`` (``<tag>/success``,
-  ``<tag>/num_actions``, the mean of each ``info`` value over the turns,
+  ``<tag>/num_actions``, the mean of each numeric ``info`` value over the turns,
   ``<tag>/pass@<group_size>``); ``render()``; ``close()``.
 
 Each env's episode is ``play_episode`` (``ragen.rollout.episode``), as in
@@ -167,7 +167,7 @@ class EnvStateManager:
             per_turn: dict[str, list[float]] = {}
             for turn in cache["history"]:
                 for k, v in turn.get("info", {}).items():
-                    if k != "success":
+                    if k != "success" and isinstance(v, (int, float)):  # a text (a reason, a status) has no mean
                         per_turn.setdefault(k, []).append(float(v))
             for k, values in per_turn.items():  # the mean over turns (the last entry is a state, not a turn)
                 metrics[k] = sum(values) / max(1, len(cache["history"]) - 1)

@@ -1,6 +1,8 @@
 """Configuration of the reasoning-gym env: which dataset, its own options, and the attempts.
 
-``env_config: {dataset: <name>, attempts: 1, <the dataset's own options>}``.
+``env_config: {dataset: <name>, attempts: 1, <the dataset's own options>}``, and how answers are
+scored: ``sandbox`` (the backend the scorer processes run in, as the code env's), ``scorer_wall_s``
+(one answer's scoring time) and ``scorer_memory_mb``.
 The dataset's options are read by its own config class (reasoning-gym's
 ``<Name>Config``) and checked by its ``validate``, here, when the config is
 built: an unknown option or value names the key. An unknown dataset name lists
@@ -12,14 +14,18 @@ from __future__ import annotations
 
 import difflib
 import json
+import os
 from typing import Any
 
 from ..config_checks import EnvConfigError, check_int, check_number, check_str
+from ..sandbox import BACKENDS, Limits, SandboxUnavailable, backend
+from .scoring import LIFE_CPU_S, START_S
 
 __all__ = ["ReasoningGymEnvConfig", "datasets"]
 
 # the keys of this env; every other key of env_config is the dataset's option
-OWN_KEYS = ("dataset", "attempts", "invalid_act", "invalid_act_score")
+OWN_KEYS = ("dataset", "attempts", "invalid_act", "invalid_act_score", "sandbox", "scorer_wall_s",
+            "scorer_memory_mb")
 
 
 def datasets() -> dict[str, tuple[type, type]]:
@@ -35,12 +41,16 @@ def datasets() -> dict[str, tuple[type, type]]:
 class ReasoningGymEnvConfig:
     """``dataset``: a reasoning-gym dataset name; ``attempts``: answers an episode
     may give (1: one answer ends it; more: a wrong one shows its score and the
-    episode goes on); ``options``: the dataset's own options (the other keys)."""
+    episode goes on); ``sandbox``: ``auto``, ``bwrap``, ``unshare`` or ``none``, what the scorer
+    processes run in (``auto`` refuses when none isolates; ``none`` is named to run them unisolated);
+    ``scorer_wall_s``: an answer's scoring time, past which it scores 0; ``scorer_memory_mb``: a scorer
+    process's memory; ``options``: the dataset's own options (the other keys)."""
 
     SHORTHAND_KEY = "dataset"  # python -m ragen.tools.check reasoning_gym:<dataset>
 
     def __init__(self, dataset: str = "chain_sum", attempts: int = 1, invalid_act: str = "",
-                 invalid_act_score: float = 0.0, **options: Any) -> None:
+                 invalid_act_score: float = 0.0, sandbox: str = "auto", scorer_wall_s: float = 5.0,
+                 scorer_memory_mb: int = 1024, **options: Any) -> None:
         self.dataset = check_str("dataset", dataset)
         known = datasets()
         if self.dataset not in known:
@@ -50,6 +60,13 @@ class ReasoningGymEnvConfig:
         self.attempts = check_int("attempts", attempts, minimum=1, maximum=100)
         self.invalid_act = invalid_act
         self.invalid_act_score = check_number("invalid_act_score", invalid_act_score)
+        self.sandbox = check_str("sandbox", sandbox, choices=BACKENDS)
+        self.scorer_wall_s = check_number("scorer_wall_s", scorer_wall_s, minimum=0.1, maximum=600)
+        self.scorer_memory_mb = check_int("scorer_memory_mb", scorer_memory_mb, minimum=256, maximum=65536)
+        try:
+            backend(self.sandbox)  # probed once a process
+        except SandboxUnavailable as exc:
+            raise EnvConfigError("sandbox", str(exc)) from None
         _, config_cls = known[self.dataset]
         for key in ("seed", "size"):
             if key in options:
@@ -69,12 +86,21 @@ class ReasoningGymEnvConfig:
             raise EnvConfigError(field, f"{config_cls.__name__} refuses {options}: {exc}") from None
         self.options = dict(options)
 
+    def scorer_limits(self) -> Limits:
+        """The limits of a process that scores this env's answers (``scoring.py``; ``wall_s``: its start)."""
+        return Limits(cpu_s=LIFE_CPU_S, wall_s=START_S, memory_mb=self.scorer_memory_mb,
+                      processes=16 + (os.cpu_count() or 1), sandbox=self.sandbox)  # numpy's threads, one a core
+
     def key(self) -> str:
         """The dataset and its options as one string (what picks the generator)."""
         return json.dumps([self.dataset, self.options], sort_keys=True, default=str)
 
     def __repr__(self) -> str:
-        return f"ReasoningGymEnvConfig(dataset={self.dataset!r}, attempts={self.attempts}, options={self.options})"
+        return (f"ReasoningGymEnvConfig(dataset={self.dataset!r}, attempts={self.attempts}, sandbox={self.sandbox!r}, "
+                f"scorer_wall_s={self.scorer_wall_s}, scorer_memory_mb={self.scorer_memory_mb}, options={self.options})")
 
     def __eq__(self, other: object) -> bool:
-        return isinstance(other, ReasoningGymEnvConfig) and (self.key(), self.attempts) == (other.key(), other.attempts)
+        return isinstance(other, ReasoningGymEnvConfig) and self._own() == other._own()
+
+    def _own(self) -> tuple:
+        return self.key(), self.attempts, self.sandbox, self.scorer_wall_s, self.scorer_memory_mb

@@ -13,10 +13,15 @@ Concepts:
   left, its score and the question again.
 - **Action**: the answer text (what the model writes inside ``<answer>``).
 - **Reward**: the dataset's own ``score_answer(answer, item)`` (0..1) for the
-  answer that ends the episode (0 where the scorer raises on text it cannot
-  read: a few do); ``success`` is a score of 1. With
+  answer that ends the episode; ``success`` is a score of 1. With
   ``attempts: 1`` (the default) one answer ends it; with more, a wrong answer
   scores 0 and the episode goes on until an answer scores 1 or none are left.
+- **Scoring**: never in this process. Some scorers evaluate the answer as
+  code, and any may compute for long on it, so a sandboxed scorer process
+  scores it (``scoring.py``, within ``scorer_wall_s``); an answer such a scorer
+  would evaluate must first be an allowed expression (``answers.py``). An
+  answer refused, too slow to score, or that makes its scorer raise or die
+  scores 0, and ``info["score_error"]`` says why.
 """
 
 from __future__ import annotations
@@ -26,7 +31,9 @@ from typing import Any
 
 from ..base import BaseLanguageBasedEnv, make_rng, unchanged_step
 from ..global_rng import GlobalRngState, own_rng
+from .answers import refusal
 from .config import ReasoningGymEnvConfig
+from .scoring import Score, scorer_pool
 
 __all__ = ["ReasoningGymEnv"]
 
@@ -41,7 +48,6 @@ class ReasoningGymEnv(BaseLanguageBasedEnv):
     def __init__(self, config: ReasoningGymEnvConfig | None = None) -> None:
         super().__init__(config if config is not None else ReasoningGymEnvConfig())
         self.dataset: Any = None
-        self._rng = GlobalRngState()
         self.item: dict[str, Any] | None = None
         self.seed: int | None = None
         self.attempts_left = 0
@@ -52,8 +58,7 @@ class ReasoningGymEnv(BaseLanguageBasedEnv):
     def reset(self, seed: int | None = None, **kwargs: Any) -> str:
         self.dataset = None
         self.seed, _ = make_rng(seed)
-        self._rng = GlobalRngState()
-        with own_rng(self._rng, seed=self.seed):
+        with own_rng(GlobalRngState(), seed=self.seed):
             self.item = self._dataset()[0]
         self.attempts_left = self.config.attempts
         self.render_cache = self.item["question"]
@@ -72,13 +77,17 @@ class ReasoningGymEnv(BaseLanguageBasedEnv):
 
     def compute_reward(self, action: Any) -> float:
         """The dataset's score of the answer, 0..1."""
-        with own_rng(self._rng):
-            try:
-                return float(self._dataset().score_answer(answer=action.strip(), entry=self.item))
-            except Exception as exc:  # noqa: BLE001 - some scorers raise on text they cannot read
-                logger.debug("%s's score_answer raised on %r: %s: %s", self.config.dataset, action[:100],
-                             type(exc).__name__, exc)
-                return 0.0
+        return self.score(action).value
+
+    def score(self, action: str) -> Score:
+        """The dataset's score of the answer, by a sandboxed scorer; 0 with the reason when it gives none."""
+        cfg, answer = self.config, action.strip()
+        why = refusal(cfg.dataset, answer, self.item)
+        if why is not None:
+            logger.debug("%s: the answer %r scores 0: %s", cfg.dataset, answer[:100], why)
+            return Score(0.0, why)
+        pool = scorer_pool(cfg.scorer_limits())
+        return pool.score(cfg.dataset, cfg.options, self.seed, self.item, answer, cfg.scorer_wall_s)
 
     def __getstate__(self) -> dict[str, Any]:
         """Pickled without its dataset object (some hold lambdas): it is built again from the seed."""
@@ -92,7 +101,8 @@ class ReasoningGymEnv(BaseLanguageBasedEnv):
         valid = isinstance(action, str)
         if not valid or self._done:
             return unchanged_step(self.render_cache, valid, self._done, self._success, self.config.invalid_act_score)
-        score = self.compute_reward(action)
+        scored = self.score(action)
+        score = scored.value
         self.attempts_left -= 1
         self._success = score >= 1.0
         self._done = self._success or self.attempts_left == 0
@@ -105,6 +115,8 @@ class ReasoningGymEnv(BaseLanguageBasedEnv):
                                  f"{self.item['question']}")
             reward = 0.0
         info = {"action_is_effective": True, "action_is_valid": True, "success": self._success, "score": score}
+        if scored.error is not None:
+            info["score_error"] = scored.error
         return self.render_cache, reward, self._done, info
 
     def render(self, mode: str | None = None) -> str:
