@@ -419,7 +419,8 @@ def _command(name: str, folder: str, target: list[str], limits: Limits, uid: int
                 *[t.replace(_INSIDE, folder) for t in target]]
     setpriv = [_SETPRIV, f"--reuid={uid}", f"--regid={uid}", "--clear-groups"] if uid is not None else []
     if name == "bwrap":
-        return [*setpriv, _BWRAP, "--unshare-all", "--die-with-parent", "--new-session", "--as-pid-1", "--clearenv",
+        return [*setpriv, _BWRAP, "--unshare-all", "--die-with-parent", "--new-session", "--as-pid-1", "--cap-drop", "ALL",
+                "--clearenv",
                 "--setenv", "PATH", "/usr/bin:/bin", "--setenv", "LANG", "C.UTF-8", "--setenv", "HOME", "/tmp",
                 *_binds(python, packages), "--proc", "/proc", "--dev", "/dev",
                 *_tmpfs(limits), "--ro-bind", folder, _INSIDE, "--chdir", "/tmp", *inner]
@@ -462,9 +463,12 @@ def _hidden(python: str, packages: bool) -> list[str]:
              os.path.dirname(os.path.dirname(os.path.realpath(ragen.__file__)))}
     if not packages:
         found |= {sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]}
-    keep = os.path.realpath(python)
-    found = {p for p in found if p != "/" and os.path.isdir(p) and not keep.startswith(os.path.realpath(p) + "/")
-             and not p.startswith("/tmp")}
+    keep = [os.path.realpath(python)]
+    if packages:  # it imports what this Python imports: ragen's source and the folders of sys.path stay
+        keep += [os.path.dirname(os.path.dirname(os.path.realpath(ragen.__file__))) + "/x",
+                 *(os.path.realpath(p) + "/x" for p in sys.path if p and os.path.isdir(p))]
+    found = {p for p in found if p != "/" and os.path.isdir(p) and not p.startswith("/tmp")
+             and not any(k.startswith(os.path.realpath(p) + "/") for k in keep)}
     return sorted(p for p in found if not any(p.startswith(q + "/") for q in found))  # one under another: hidden
 
 
@@ -530,7 +534,8 @@ class Sandboxed:
                  files: dict[str, str]) -> None:
         self.limits = limits
         self.name = name
-        self._folder = tempfile.TemporaryDirectory(prefix="ragen-code-")
+        _sweep_once()
+        self._folder = tempfile.TemporaryDirectory(prefix=f"ragen-code-{os.getpid()}-")
         folder = self._folder.name
         for file_name, text in {"prelude.py": _PRELUDE, **files}.items():
             with open(os.path.join(folder, file_name), "w", encoding="utf-8") as f:
@@ -599,6 +604,28 @@ class Sandboxed:
         if self.cgroup is not None:
             self.cgroup.remove()
         self._folder.cleanup()
+
+
+@functools.lru_cache(maxsize=1)
+def _sweep_once() -> None:
+    """Remove what runs of processes that were killed (a loky worker SIGKILLed at shutdown) left:
+    their folders (``ragen-code-<pid>-*``) and empty cgroups (``ragen-sandbox-<pid>-*``)."""
+    def dead(name: str, prefix: str) -> bool:
+        pid = name[len(prefix):].split("-", 1)[0]
+        return pid.isdigit() and not os.path.exists(f"/proc/{pid}")
+
+    top = tempfile.gettempdir()
+    for name in os.listdir(top):
+        path = os.path.join(top, name)
+        if name.startswith("ragen-code-") and dead(name, "ragen-code-") and os.stat(path).st_uid == os.geteuid():
+            shutil.rmtree(path, ignore_errors=True)
+    for root in set(_Cgroup._find().values()):
+        for name in os.listdir(root):
+            if name.startswith("ragen-sandbox-") and dead(name, "ragen-sandbox-"):
+                try:
+                    os.rmdir(os.path.join(root, name))
+                except OSError:  # not empty yet, or gone
+                    pass
 
 
 def selectors_select(fds: list[int], timeout: float) -> tuple[list[int], list[int], list[int]]:
