@@ -437,7 +437,7 @@ def test_a_server_reporting_1e308_twice_ends_its_env_in_error_and_no_advantage_i
     def served():
         return make_env(bad["env_type"], bad["env_config"], config_type=bad["config_type"], tag="Bad")
 
-    with EnvServer({"Bad": served}) as srv:
+    with env_server({"Bad": served}) as srv:
         envs = custom_envs(Bad=bad, RemoteBad={"env_type": "remote", "env_config": {"url": srv.url, "tag": "Bad"}})
         far = sequential(specs_for(["RemoteBad"], [2], 2, envs), replace(loop_config(), max_abs_reward=max_abs_reward))
     hit = [t for t in far if t.seed == seeds[0]]

@@ -32,6 +32,7 @@ import itertools
 import logging
 import os
 import resource
+import select
 import selectors
 import shutil
 import signal
@@ -574,16 +575,20 @@ class Sandboxed:
                 and _resident_bytes(_tree(self.proc.pid)) > self.limits.memory_mb * 1024 * 1024)
 
     def wait_started(self, timeout: float) -> None:
-        """Returns once the prelude said it started; ``SandboxError`` with the wrapper's words if not."""
-        ready, _, _ = selectors_select([self.started_fd], timeout)
+        """Returns once the prelude said it started; else closes the run and raises ``SandboxError``
+        with what the wrapper said."""
+        ready, _, _ = select.select([self.started_fd], [], [], max(0.0, timeout))
         if ready and os.read(self.started_fd, 1) == _STARTED:
             return
-        err = b""
-        if not ready:
-            raise SandboxError(f"sandbox ({self.name}): no start within {timeout:.0f} s")
+        words = f"no start within {timeout:.0f} s"
+        if ready:  # the wrapper ended (or failed) before the prelude ran: its words are on stderr
+            deadline = time.monotonic() + 1.0
+            while not _exited(self.proc.pid) and time.monotonic() < deadline:
+                time.sleep(0.005)
+            os.set_blocking(self.proc.stderr.fileno(), False)
+            words = (os.read(self.proc.stderr.fileno(), 65536) or b"").decode(errors="replace")[-500:]
         self.close()
-        err = self.proc.stderr.read() if not self.proc.stderr.closed else err
-        raise SandboxError(f"sandbox ({self.name}) failed to start the run: {err.decode(errors='replace')[-500:]}")
+        raise SandboxError(f"sandbox ({self.name}) failed to start: {words}")
 
     def close(self) -> resource.struct_rusage | None:
         """Kill every process of the run, reap it, remove its folder and cgroup (once)."""
@@ -626,12 +631,6 @@ def _sweep_once() -> None:
                     os.rmdir(os.path.join(root, name))
                 except OSError:  # not empty yet, or gone
                     pass
-
-
-def selectors_select(fds: list[int], timeout: float) -> tuple[list[int], list[int], list[int]]:
-    import select
-
-    return select.select(fds, [], [], max(0.0, timeout))
 
 
 def spawn_python(args: list[str], limits: Limits = Limits(), *, packages: bool = True) -> Sandboxed:
