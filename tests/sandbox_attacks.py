@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -167,8 +168,9 @@ def _processes_with(marker: str, exclude: int) -> list[str]:
 
 
 def runs_left() -> list[str]:
-    """This process's sandboxed runs still alive: descendants whose command line names a run's folder
-    (ragen-code-*); other processes' runs on a shared machine are theirs."""
+    """This process's one-shot sandboxed runs (``run_python``) still alive: descendants whose command
+    line runs a run's ``main.py`` (other processes' runs on a shared machine are theirs; a scorer pool's
+    long-lived processes live as long as this process)."""
     found = []
     for entry in os.listdir("/proc"):
         if entry.isdigit():
@@ -177,7 +179,7 @@ def runs_left() -> list[str]:
                     cmd = f.read().replace(b"\0", b" ").decode(errors="replace")
             except OSError:
                 continue
-            if "ragen-code-" in cmd and os.getpid() in _ancestors(int(entry)):
+            if re.search(r"ragen-code-\S*/main\.py", cmd) and os.getpid() in _ancestors(int(entry)):
                 found.append(f"{entry}: {cmd}")
     return found
 
