@@ -116,6 +116,22 @@ def test_each_backend_isolates_where_it_works(name):
     assert out["stdout"].startswith("none") and "read mem" not in out["stdout"]
 
 
+@pytest.mark.skipif(os.geteuid() != 0, reason="the unshare backend is root's")
+@pytest.mark.parametrize("packages", [False, True])
+def test_the_unshare_backend_leaves_every_mount_read_only_and_no_capability(packages, tmp_path):
+    limits = Limits(sandbox="unshare", cpu_s=20, wall_s=30, memory_mb=2048)
+    target = "/etc/ragen-sandbox-" + secrets.token_hex(4)
+    box = spawn_python(["-m", "timeit", "-n1", "-r1",
+                        f"open('/proc/self/status').read().index('CapEff:\\t0000000000000000'); open({target!r}, 'w')"],
+                       limits, packages=packages)
+    try:
+        box.proc.wait(30)
+        err = box.proc.stderr.read().decode()
+    finally:
+        box.close()
+    assert "Read-only file system" in err and not os.path.exists(target), err
+
+
 def test_the_code_env_refuses_an_unknown_sandbox_naming_the_key():
     from ragen.env import make_env_config
 

@@ -418,14 +418,17 @@ def _command(name: str, folder: str, target: list[str], limits: Limits, uid: int
     if name == "none":
         return [python, *flags, os.path.join(folder, "prelude.py"), str(started_fd), seal,
                 *[t.replace(_INSIDE, folder) for t in target]]
-    setpriv = [_SETPRIV, f"--reuid={uid}", f"--regid={uid}", "--clear-groups"] if uid is not None else []
     if name == "bwrap":
+        setpriv = [_SETPRIV, f"--reuid={uid}", f"--regid={uid}", "--clear-groups"] if uid is not None else []
         return [*setpriv, _BWRAP, "--unshare-all", "--die-with-parent", "--new-session", "--as-pid-1", "--cap-drop", "ALL",
                 "--clearenv",
                 "--setenv", "PATH", "/usr/bin:/bin", "--setenv", "LANG", "C.UTF-8", "--setenv", "HOME", "/tmp",
                 *_binds(python, packages), "--proc", "/proc", "--dev", "/dev",
                 *_tmpfs(limits), "--ro-bind", folder, _INSIDE, "--chdir", "/tmp", *inner]
     # unshare: a root shell in the new namespaces mounts the private folders, then drops to the run's uid
+    # (or, for a Python only root may run, stays uid 0 without a capability, on a read-only file system)
+    setpriv = [_SETPRIV, "--inh-caps=-all", "--bounding-set=-all", "--no-new-privs"]
+    setpriv += [f"--reuid={uid}", f"--regid={uid}", "--clear-groups"] if uid is not None else []
     return [_UNSHARE, "--mount", "--net", "--pid", "--ipc", "--uts", "--fork", "--kill-child", "--mount-proc",
             "--propagation", "private", "/bin/sh", "-c", _unshare_script(folder, limits, python, packages), "sh",
             *setpriv, *inner]
@@ -438,6 +441,9 @@ def _unshare_script(folder: str, limits: Limits, python: str, packages: bool) ->
     size = f"size={limits.tmp_mb}m,mode=1777"
     lines = [
         "set -e",
+        # every mount read-only in this namespace (the machine's stay as they are); then the private ones
+        "awk '{print $2}' /proc/self/mounts | while read -r m; do mount -o remount,bind,ro \"$m\" 2>/dev/null "
+        "|| true; done",
         "mount -t tmpfs -o size=1m,mode=755 tmpfs /run",  # a place to hold the folder while /tmp is replaced
         "mkdir /run/inside",
         f"mount --bind {folder} /run/inside",
