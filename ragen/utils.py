@@ -33,7 +33,7 @@ from typing import TypeVar
 
 import numpy as np
 
-__all__ = ["all_seed", "common_prefix_length", "deal", "GLOBAL_RNG_WAIT_S"]
+__all__ = ["all_seed", "common_prefix_length", "deal", "global_rng_lock", "GLOBAL_RNG_WAIT_S"]
 
 T = TypeVar("T")
 
@@ -42,7 +42,26 @@ T = TypeVar("T")
 # inside its block (e.g. one abandoned after ``env_timeout_s``) makes anyone
 # wait this long.
 GLOBAL_RNG_WAIT_S = 120.0
-_GLOBAL_RNG_LOCK = threading.RLock()  # re-entrant: an env may nest all_seed blocks
+# the global generators are one per process: one block at a time in them, all_seed's and own_rng's
+# (ragen.env.global_rng); re-entrant: an env may nest the blocks
+_GLOBAL_RNG_LOCK = threading.RLock()
+
+
+@contextmanager
+def global_rng_lock(who: str) -> Iterator[None]:
+    """The process's one lock on Python's and numpy's global generators, waited for at most
+    ``GLOBAL_RNG_WAIT_S``; ``who`` names the block in the ``TimeoutError``."""
+    if not _GLOBAL_RNG_LOCK.acquire(timeout=GLOBAL_RNG_WAIT_S):
+        # TimeoutError, not RuntimeError: RAGEN's envs catch RuntimeError around
+        # generation and retry with another seed, which would wait again.
+        raise TimeoutError(
+            f"{who}: waited {GLOBAL_RNG_WAIT_S} s for the global RNG, which another thread holds; "
+            "an env is stuck inside its block (set agent_proxy.env_timeout_s to find it)"
+        )
+    try:
+        yield
+    finally:
+        _GLOBAL_RNG_LOCK.release()
 
 
 def is_loopback_host(host: str) -> bool:
@@ -100,14 +119,7 @@ def all_seed(seed: int | None) -> Iterator[None]:
     under a process-wide lock (see the module docstring); waiting longer than
     ``GLOBAL_RNG_WAIT_S`` for it raises ``TimeoutError``.
     """
-    if not _GLOBAL_RNG_LOCK.acquire(timeout=GLOBAL_RNG_WAIT_S):
-        # TimeoutError, not RuntimeError: RAGEN's envs catch RuntimeError around
-        # generation and retry with another seed, which would wait again.
-        raise TimeoutError(
-            f"all_seed: waited {GLOBAL_RNG_WAIT_S} s for the global RNG, which another thread holds; "
-            "an env is stuck inside `with all_seed(...)` (set agent_proxy.env_timeout_s to find it)"
-        )
-    try:
+    with global_rng_lock("all_seed"):
         random_state = random.getstate()
         np_state = np.random.get_state()
         try:
@@ -117,5 +129,3 @@ def all_seed(seed: int | None) -> Iterator[None]:
         finally:
             random.setstate(random_state)
             np.random.set_state(np_state)
-    finally:
-        _GLOBAL_RNG_LOCK.release()

@@ -11,14 +11,13 @@ from __future__ import annotations
 
 import contextlib
 import random
-import threading
 from typing import Iterator
 
 import numpy as np
 
-__all__ = ["GlobalRngState", "own_rng"]
+from ragen.utils import global_rng_lock
 
-_LOCK = threading.RLock()  # the global generators are one per process: one env at a time in them
+__all__ = ["GlobalRngState", "own_rng"]
 
 
 class GlobalRngState:
@@ -35,7 +34,7 @@ class GlobalRngState:
 def own_rng(state: GlobalRngState, seed: int | None = None) -> Iterator[None]:
     """The global generators at ``state`` (seeded with ``seed`` when given) while the
     block runs; their states after it kept in ``state``, the caller's restored."""
-    with _LOCK:
+    with global_rng_lock("own_rng"):  # all_seed's lock too: RAGEN's envs may run beside these
         outer = random.getstate(), np.random.get_state()
         try:
             if seed is not None:
