@@ -467,3 +467,11 @@ def test_a_dump_of_a_tool_episode_reads_back_replays_and_shows_the_tool_messages
     page = render_html(records)
     assert page.count('class="msg tool"') == sum(len(t.tool_results) for tr in trajs for t in tr.turns)
     assert "Error in tool call 1" in page and "The counter is 5." in page and "<b>tool calls</b>" in page
+
+
+def test_a_think_end_inside_a_calls_argument_is_the_calls_text():
+    """Issue 59, item 6: the last ``</think>`` was taken as the thoughts' end, inside the call."""
+    text = '<think>plan</think>' + call_text("add", {"amount": "3 </think> 4"})
+    calls = parse_hermes(text, TOOLS)
+    assert [type(c).__name__ for c in calls] == ["ToolCall"]
+    assert calls[0].action()["arguments"] == {"amount": "3 </think> 4"}

@@ -117,11 +117,12 @@ def call_text(name: str, arguments: Mapping[str, Any]) -> str:
 
 
 def parse_hermes(text: str, tools: Sequence[Mapping[str, Any]]) -> list[ToolCall | BadCall]:
-    """The calls of an answer, in order: each ``<tool_call>`` block after the answer's last
-    ``</think>`` (its whole text when it has none). A block that is not closed (an answer
+    """The calls of an answer, in order: each ``<tool_call>`` block after the answer's first
+    ``</think>`` (its whole text when it has none), as reasoning parsers split an answer: a
+    ``</think>`` a call's argument holds is the call's text. A block that is not closed (an answer
     cut at its token limit) is a ``BadCall``; so is JSON that is not a call of a declared
     tool with matching arguments."""
-    think_end = text.rfind("</think>")
+    think_end = text.find("</think>")
     start = think_end + len("</think>") if think_end >= 0 else 0
     calls: list[ToolCall | BadCall] = []
     while (opened := text.find(CALL_OPEN, start)) >= 0:
