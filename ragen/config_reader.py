@@ -70,7 +70,9 @@ def check_setting(key: str, value: Any, *, choices: Sequence[Any] | None = None,
                   maximum: float | None = None, above: float | None = None) -> Any:
     """``value`` within ``setting``'s ``choices`` and bounds, or the reader's ValueError naming ``key``."""
     if choices is not None and value not in choices:
-        close = difflib.get_close_matches(str(value), [str(c) for c in choices], n=1)
+        names = [str(c) for c in choices]
+        started = [c for c in names if c.startswith(str(value))]  # a shortened name: the one it begins
+        close = started if len(started) == 1 else difflib.get_close_matches(str(value), names, n=1)
         suggestion = f" (did you mean {close[0]!r}?)" if close else ""
         raise ValueError(f"{key}: unknown {value!r}{suggestion}; choose one of {list(choices)}")
     if minimum is not None and value < minimum:

@@ -216,6 +216,7 @@ def minimal(**agent_proxy) -> dict:
     ({"coalesce_wait_s": -0.1}, "agent_proxy.coalesce_wait_s must be >= 0.0, got -0.1"),
     ({"env_timeout_s": "10"}, "agent_proxy.env_timeout_s must be a number or null, got '10'"),
     ({"parallel_backend": "lokky"}, "agent_proxy.parallel_backend: unknown 'lokky' (did you mean 'loky'?)"),
+    ({"rollout_filter": "nonzero"}, "agent_proxy.rollout_filter: unknown 'nonzero' (did you mean 'nonzero_variance'?)"),
     # 0 would silently mean "no limit": refused, with null named as the way to say it
     ({"env_timeout_s": 0}, "agent_proxy.env_timeout_s must be > 0 seconds, got 0; for no limit write null"),
     ({"rollout_timeout_s": 0.0}, "agent_proxy.rollout_timeout_s must be > 0 seconds, got 0; for no limit write null"),

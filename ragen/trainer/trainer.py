@@ -218,8 +218,8 @@ class AgentTrainer:
         metrics["train/policy_lag"] = float(lag)
         setup = self.proxy.setup
         if lag and setup.agent_proxy.async_generation_ratio == 0 and setup.agent_proxy.rollout_mode == "sync":
-            logger.warning("step %d: the rollout was answered by a policy %d versions old, the trainer is at %d",
-                           step, lag, version)
+            logger.warning("step %d: the rollout was answered by policy version %d, %d behind the trainer's %d",
+                           step, version - lag, lag, version)
         t1 = time.perf_counter()
         samples, batch_metrics = self.make_samples(result)
         metrics.update(batch_metrics)
