@@ -331,12 +331,30 @@ def summarize(mode: str, runs: list, warmup_s: float, setup, proxy) -> dict[str,
         "costs": {k[len("costs/"):]: v for k, v in m.items() if k.startswith("costs/")},
         "digest": rollout_digest(result.trajectories),
         "digests": [rollout_digest(r.trajectories) for _, r in runs],
+        # each repeat's env_id -> [digest, tag, seed]: which env differs, when a repeat's digests do
+        "env_digests": [{str(t.env_id): [rollout_digest([t]), t.tag, t.seed] for t in r.trajectories}
+                        for _, r in runs],
         # outcome metrics of the first repeat: the same seeds in both modes
         "metrics": {k: v for k, v in runs[0][1].metrics.items() if k.startswith("rollout/")},
     }
 
 
 OVERHEAD_PARTS = ("dispatch", "ipc", "coalesce_wait", "merge")
+
+
+def digest_check(a: dict, b: dict) -> tuple[bool, str]:
+    """Whether two runs (modes, or replica counts) gave equal digests in every repeat, and the verdict
+    in words: where they differ, each repeat and env that does, with its tag and seed."""
+    differing = []
+    for i, (x, y) in enumerate(zip(a["env_digests"], b["env_digests"]), 1):
+        for env_id in sorted(set(x) | set(y), key=int):
+            if (x.get(env_id) or [None])[0] != (y.get(env_id) or [None])[0]:
+                tag, seed = (x.get(env_id) or y.get(env_id))[1:]
+                differing.append(f"repeat {i} env {env_id} ({tag}, seed {seed})")
+    if not differing:
+        return True, "every repeat's digests equal"
+    more = f" and {len(differing) - 5} more" if len(differing) > 5 else ""
+    return False, f"{a['mode']} and {b['mode']} differ at {', '.join(differing[:5])}{more}"
 
 
 def _median_metric(runs: list, key: str) -> float | None:
@@ -488,6 +506,9 @@ def main(cfg: DictConfig) -> None:
                       engine_streams(dict(plain.get("engine") or {})), name, STREAMING_ENGINES)
     except ValueError as exc:
         fail(str(exc))
+    if float(plain.get("agent_proxy", {}).get("over_sample", 1.0)) != 1.0:
+        fail("agent_proxy.over_sample changes nothing here: only training batches over-sample, and this script "
+             "plays whole rollouts; python benchmarks/tail_cut.py measures over-sampling")
     bench = validate(plain.get("benchmark"))
     server = None if bench.retrieval_server is None else \
         start_retrieval_server(cfg, bench.retrieval_server.get("filler", 0))
@@ -525,25 +546,26 @@ def main(cfg: DictConfig) -> None:
     ratios = None
     if bench.replicas:  # replica counts side by side: the same digests, and each one's throughput against the first
         first = runs[0]
-        consistent = all(r["digests"] == first["digests"] for r in runs) if det else \
-            all(compare_metrics(first, r, bench.metric_tolerance) for r in runs)
-        check = "digests of every repeat equal" if det else \
-            f"sampling engine: success and mean reward within {bench.metric_tolerance:.0%}"
+        if det:
+            checks = [digest_check(first, r) for r in runs[1:]]
+            consistent = all(ok for ok, _ in checks)
+            check = "; ".join(words for ok, words in checks if not ok) or "every repeat's digests equal"
+        else:
+            consistent = all(compare_metrics(first, r, bench.metric_tolerance) for r in runs)
+            check = f"sampling engine: success and mean reward within {bench.metric_tolerance:.0%}"
         ratios = {r["mode"]: statistics.median(a / b for a, b in zip(first["wall_s_all"], r["wall_s_all"]))
                   for r in runs}
         speedup = ideal = efficiency = overhead = None
     elif not (seq and par) and len(runs) == 2:  # lockstep against env-level turns: the same digests, and the ratio
         seq, par = runs
-        consistent = all(d == seq["digests"][i] for i, d in enumerate(par["digests"])) if det else \
-            compare_metrics(seq, par, bench.metric_tolerance)
-        check = "digests of every repeat equal" if det else \
-            f"sampling engine: success and mean reward within {bench.metric_tolerance:.0%}"
+        consistent, check = digest_check(seq, par) if det else \
+            (compare_metrics(seq, par, bench.metric_tolerance),
+             f"sampling engine: success and mean reward within {bench.metric_tolerance:.0%}")
         speedup = statistics.median(a / b for a, b in zip(seq["wall_s_all"], par["wall_s_all"]))
         ideal = efficiency = overhead = None
     elif seq and par:
         if det:
-            consistent = all(d == seq["digests"][i] for i, d in enumerate(par["digests"]))
-            check = "digests of every repeat equal"
+            consistent, check = digest_check(seq, par)
         else:
             consistent = compare_metrics(seq, par, bench.metric_tolerance)
             check = f"sampling engine: success and mean reward within {bench.metric_tolerance:.0%}"

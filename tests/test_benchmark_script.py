@@ -109,6 +109,8 @@ def test_failed_envs_are_in_the_report(tmp_path):
 
 @pytest.mark.parametrize("args,needle", [
     (["benchmark=nope"], "unknown preset 'nope'"),
+    (["agent_proxy.over_sample=1.5"], "error: agent_proxy.over_sample changes nothing here: only training batches "
+                                      "over-sample, and this script plays whole rollouts; python benchmarks/tail_cut.py"),
     (["benchmark.repeats=0"], "benchmark.repeats"),
     (["benchmark.modes=[sequential,turbo]"], "benchmark.modes"),
     (["benchmark.output=/proc/nope/r.json"], "benchmark.output"),
@@ -234,3 +236,16 @@ def test_replica_counts_side_by_side_with_one_killed(tmp_path):
     fault = report["fault_injection"]
     assert fault["recovered"] and fault["consistent"] and fault["replica_failovers"] >= 1
     assert "throughput against replicas=1" in p.stdout and "requests per replica" in p.stdout
+
+
+def test_an_inconsistent_verdict_names_each_repeat_and_env_that_differs():
+    from test_parallel_rollout import digest_check
+
+    def run(mode, *repeats):
+        return {"mode": mode, "env_digests": [{str(e): [d, "CodeRepair", 10000 + e] for e, d in r.items()}
+                                              for r in repeats]}
+
+    same = run("sequential", {0: "a", 1: "b"}, {0: "a", 1: "b"})
+    assert digest_check(same, {**same, "mode": "parallel"}) == (True, "every repeat's digests equal")
+    ok, words = digest_check(same, run("parallel", {0: "a", 1: "b"}, {0: "a", 1: "x"}))
+    assert not ok and words == "sequential and parallel differ at repeat 2 env 1 (CodeRepair, seed 10001)"
