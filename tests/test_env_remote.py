@@ -410,6 +410,14 @@ def test_without_retries_a_dead_servers_envs_end_in_error_naming_it():
     assert len(far) == 4
 
 
+def test_a_tag_the_server_does_not_serve_is_named_with_the_tags_it_does():
+    """Issue 59, item 15: a wrong tag got a bare "HTTP 404"."""
+    with env_server({"HeavySokoban": _served()}) as srv:
+        far = sequential(specs_for(["RemoteSokoban"], [1], 2, _envs([srv.url])), replace(loop_config(), env_retries=0))
+    assert [t.stop_reason for t in far] == [StopReason.ERROR] * 2
+    assert all("env_config.tag='SimpleSokoban'" in t.error and "['HeavySokoban']" in t.error for t in far), far[0].error
+
+
 def test_a_hanging_server_ends_its_envs_in_timeout():
     with RawServer(_hang) as srv:
         far = sequential(specs_for(["RemoteSokoban"], [1], 2, _envs([srv.url], timeout_s=0.3)),

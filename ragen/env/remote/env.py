@@ -78,8 +78,13 @@ class RemoteEnv(BaseLanguageBasedEnv):
         except Exception as exc:  # refused, unreachable, a handshake refused (401, 404, 503): all end the call
             choice.mark_down(server)
             error = self._error(server, "cannot open a session", exc)
-            if getattr(getattr(exc, "response", None), "status_code", None) == 401:
+            response = getattr(exc, "response", None)
+            status = getattr(response, "status_code", None)
+            if status == 401:
                 error = RemoteEnvError(f"{error}; {key_hint(self.config.key_env)}")
+            elif status == 404:  # a tag the server does not serve: its answer names the tags it does
+                said = bytes(getattr(response, "body", None) or b"").decode("utf-8", "replace").strip()[:500]
+                error = RemoteEnvError(f"{error}; env_config.tag={self.config.tag!r}: {said or 'not served there'}")
             raise error from exc
         self.server = server
 
