@@ -71,17 +71,18 @@ def main(cfg: DictConfig) -> None:
     run(cfg)
 
 
-def exit_interrupted() -> None:
+def exit_interrupted(exc: KeyboardInterrupt) -> None:
     """Ends the process as an interrupted one, killed by SIGINT (what a shell and a
-    supervisor read as Ctrl-C), after the traceback and the atexit handlers. Python
-    does this itself for a KeyboardInterrupt that reaches the top, unless code run
-    while it finalizes resets its flag (then it exits with status 1)."""
+    supervisor read as Ctrl-C), after one line saying so and the atexit handlers.
+    Python does this itself for a KeyboardInterrupt that reaches the top (with a
+    traceback), unless code run while it finalizes resets its flag (then it exits
+    with status 1)."""
     import atexit
     import os
     import signal
-    import traceback
 
-    traceback.print_exc()
+    print(f"train.py: interrupted ({exc or 'Ctrl-C'}); the rollout's workers are stopped, and a resumed run "
+          "(trainer.resume=true) continues from the newest checkpoint", file=sys.stderr)
     sys.stderr.flush()
     atexit._run_exitfuncs()
     signal.signal(signal.SIGINT, signal.SIG_DFL)
@@ -92,5 +93,5 @@ def exit_interrupted() -> None:
 if __name__ == "__main__":
     try:
         main()
-    except KeyboardInterrupt:  # Ctrl-C, or SIGTERM (interrupt_on_sigterm): every finally block has run
-        exit_interrupted()
+    except KeyboardInterrupt as interrupted:  # Ctrl-C, or SIGTERM (interrupt_on_sigterm): every finally has run
+        exit_interrupted(interrupted)
