@@ -63,6 +63,17 @@ def test_custom_env_by_import_path_without_config_class(importable_tests):
     assert make_env("tests.custom_env_example:MyEnv").config is None
 
 
+def test_an_env_without_a_config_class_is_said_once_at_config_read(importable_tests, caplog):
+    """Issue 59, item 12: the env got a dict where it read attributes, and nobody said so."""
+    import logging
+
+    with caplog.at_level(logging.WARNING, logger="ragen.env"):
+        for _ in range(3):
+            make_env_config("tests.custom_env_example:MyEnv", {"limit": 2}, tag="Unchecked")
+    said = [r.getMessage() for r in caplog.records if "custom_envs.Unchecked.env_config" in r.getMessage()]
+    assert len(said) == 1 and "no config class" in said[0] and "plain dict" in said[0] and "'limit': 2" in said[0]
+
+
 def test_custom_env_with_config_type(importable_tests):
     env = make_env(
         "tests.custom_env_example:MyEnv", {"limit": 4}, config_type="tests.custom_env_example:MyEnvConfig"

@@ -155,6 +155,19 @@ def resolve_env_type(
     return env_cls, config_cls
 
 
+_UNCHECKED_SAID: set[tuple[str, str | None]] = set()
+
+
+def _say_unchecked(env_type: str, tag: str | None, values: dict[str, Any]) -> None:
+    """Once a process for each tag: an env without a config class gets its env_config as a dict, unchecked."""
+    if (env_type, tag) in _UNCHECKED_SAID:
+        return
+    _UNCHECKED_SAID.add((env_type, tag))
+    logger.warning("%s: %s has no config class (a config_cls attribute, or the tag's config_type), so its "
+                   "env_config reaches it as a plain dict, keys unchecked: %r (docs/envs.md, 'Your own env')",
+                   _where(tag, "env_config"), env_type, values)
+
+
 def make_env_config(
     env_type: str,
     env_config: Mapping[str, Any] | None,
@@ -179,6 +192,8 @@ def make_env_config(
         if not isinstance(key, str):
             raise ValueError(f"{prefix}: config keys must be strings, got {key!r}")
     if config_cls is None:
+        if values:
+            _say_unchecked(env_type, tag, values)
         return values or None
     if dataclasses.is_dataclass(config_cls):
         known = sorted(f.name for f in dataclasses.fields(config_cls) if f.init)
