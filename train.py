@@ -26,6 +26,7 @@ def run(cfg: DictConfig) -> dict:
     from tqdm import tqdm
 
     from ragen.trainer import AgentTrainer
+    from ragen.trainer.trainer import TrainingFailed
 
     bar = None
 
@@ -42,7 +43,12 @@ def run(cfg: DictConfig) -> dict:
         total = trainer.config.run.total_training_steps
         bar = tqdm(total=total, initial=trainer.global_step, desc="train", unit="step", dynamic_ncols=True,
                    file=sys.stderr)
-        last = trainer.fit(on_step=lambda step, metrics: bar.update(1))
+        try:
+            last = trainer.fit(on_step=lambda step, metrics: bar.update(1))
+        except TrainingFailed as exc:  # the run learned nothing: said in one line, and not a success
+            bar.close()
+            print(f"error: training failed: {exc}\nrun folder: {trainer.run_dir}", file=sys.stderr)
+            sys.exit(1)
         bar.close()
         print(f"run folder: {trainer.run_dir}")
         print(f"  metrics:        {trainer.run_dir / 'metrics.jsonl'}")

@@ -120,3 +120,19 @@ def test_train_py_bad_input_is_one_error_line_before_any_model_loads(tmp_path, a
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert len(lines) == 1 and lines[0].startswith(needle), proc.stderr[-3000:]
+
+
+def test_a_run_whose_envs_all_fail_stops_and_exits_1_naming_why(tiny_model_path, tmp_path):
+    """Issue 59, item 11: every env raising at reset, train.py ran all its steps, skipped every update,
+    saved a checkpoint and exited 0."""
+    run_dir = tmp_path / "run"
+    proc = _run([*_small(tiny_model_path, run_dir), "trainer.total_training_steps=6", "trainer.test_freq=0",
+                 "trainer.val_before_train=false", "trainer.max_failed_steps=2",
+                 "+custom_envs.Broken={env_type: 'tests.fault_envs:WrongTypesEnv', env_instruction: x, "
+                 "max_actions_per_traj: 2, max_tokens: 8}",
+                 "es_manager.train.env_configs.tags=[Broken]"], tmp_path)
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert "error: training failed: 2 steps in a row failed (trainer.max_failed_steps=2); step 2: 8 of 8 envs of " \
+           "the train rollout ended in error or timeout; the first: tag Broken" in proc.stderr
+    assert "Traceback" not in proc.stderr and f"run folder: {run_dir}" in proc.stderr
+    assert [r["step"] for r in read_metrics(run_dir / "metrics.jsonl")] == [1, 2]

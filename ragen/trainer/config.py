@@ -62,6 +62,9 @@ class TrainerSection:
     seed: int | None = None  # None: seed.train
     allocator: str = setting("auto", choices=ALLOCATORS)  # train.py's malloc (ragen.allocator)
     rollout_data_dir: str | None = None  # verl's key: dump every rollout here (ragen.rollout.dump); None: off
+    # steps in a row that failed (no update, or most of the train rollout's envs in error or timeout) before
+    # the run stops and train.py exits 1; a run that ends without one update exits 1 too
+    max_failed_steps: int = setting(3, minimum=1)
 
     def __post_init__(self) -> None:
         if not self.default_local_dir or self.default_local_dir == "None":

@@ -43,6 +43,25 @@ from ragen.trainer.tracking import CURVE_FILE, METRICS_FILE, Tracking, plot_lear
 logger = logging.getLogger(__name__)
 
 
+class TrainingFailed(RuntimeError):
+    """The run learned nothing: ``trainer.max_failed_steps`` steps in a row failed, or it ended
+    without one update. train.py says why in one line and exits 1."""
+
+
+def step_failure(metrics: Mapping[str, float], failed_envs: list[dict[str, Any]]) -> str | None:
+    """Why a training step failed, or None: no optimizer step happened, or more than half of the
+    train rollout's envs ended in error or timeout (the first one named)."""
+    n = metrics.get("train/n_trajectories", 0.0)
+    failed = metrics.get("train/stop/error", 0.0) + metrics.get("train/stop/timeout", 0.0)
+    if n and failed > n / 2:
+        first = failed_envs[0] if failed_envs else None
+        example = (f"; the first: tag {first['tag']}, seed {first['seed']}: {first['error']}" if first else "")
+        return f"{failed:.0f} of {n:.0f} envs of the train rollout ended in error or timeout{example}"
+    if not metrics.get("actor/n_optimizer_steps", 0.0):
+        return "no update (no group of the batch had a sample to train: see the warnings above)"
+    return None
+
+
 class AgentTrainer:
     """See the module docstring. Build with ``AgentTrainer(cfg)``; run with ``fit()``."""
 
@@ -177,15 +196,27 @@ class AgentTrainer:
         """Train to ``total_training_steps``; return the last step's metrics."""
         cfg = self.config.run
         last: dict[str, float] = {}
+        self._first_step, self._failed_envs = self.global_step, []
         if cfg.val_before_train and self.global_step == 0:
             t0 = time.perf_counter()
             last = {**self.validate(step=0), "timing/val_s": time.perf_counter() - t0,
                     "policy_version": self.engine.policy_version}
             self.tracking.log(last, step=0)
             self.tracking.summary("baseline " + summary_line({"step": 0, **last}, cfg.total_training_steps))
+        failed_in_a_row, updated = 0, False
         for step in range(self.global_step + 1, cfg.total_training_steps + 1):
             t0 = time.perf_counter()
             metrics = self.train_step(step)
+            why = step_failure(metrics, self._failed_envs)
+            updated = updated or bool(metrics.get("actor/n_optimizer_steps", 0.0))
+            failed_in_a_row = failed_in_a_row + 1 if why else 0
+            if why:
+                logger.warning("step %d failed (%d in a row; the run stops at trainer.max_failed_steps=%d): %s",
+                               step, failed_in_a_row, cfg.max_failed_steps, why)
+            if failed_in_a_row >= cfg.max_failed_steps:
+                self.tracking.log({**metrics, "step": step}, step=step)
+                raise TrainingFailed(f"{failed_in_a_row} steps in a row failed (trainer.max_failed_steps="
+                                     f"{cfg.max_failed_steps}); step {step}: {why}")
             if cfg.test_freq > 0 and (step % cfg.test_freq == 0 or step == cfg.total_training_steps):
                 tv = time.perf_counter()
                 metrics.update(self.validate(step))
@@ -201,6 +232,9 @@ class AgentTrainer:
                 on_step(step, metrics)
             last = metrics
         self.curve_path = self.plot()
+        if not updated and cfg.total_training_steps > self._first_step:
+            raise TrainingFailed(f"no update happened in steps {self._first_step + 1}-{cfg.total_training_steps}: "
+                                 f"{step_failure(last, self._failed_envs) or 'see the warnings above'}")
         return last
 
     def train_step(self, step: int) -> dict[str, float]:
@@ -209,6 +243,7 @@ class AgentTrainer:
         t0 = time.perf_counter()
         # synchronous, generated ahead (async_generation_ratio) or fully async, as configured
         result = self.proxy.next_train_batch(version)
+        self._failed_envs = result.failed_envs
         rollout_s = time.perf_counter() - t0
         metrics = rename_rollout_metrics(result.metrics, "train")
         metrics["timing/rollout_s"] = rollout_s
