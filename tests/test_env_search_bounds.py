@@ -1,19 +1,22 @@
-"""The retrieval server under hostile peers: a server no client can hold (a read deadline, an idle limit,
-a connection cap answered 503), and a kept-alive search that does not wait on Nagle's algorithm."""
+"""The retrieval server and its client under hostile peers: a server no client can hold (a read deadline,
+an idle limit, a connection cap answered 503), a client no server can hold (the whole answer's time and
+size bounded), and a kept-alive search that does not wait on Nagle's algorithm."""
 
 from __future__ import annotations
 
 import json
 import socket
 import statistics
+import threading
 import time
 import urllib.error
 import urllib.request
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from ragen.env.search import server as server_module
-from ragen.env.search.client import retrieve
+from ragen.env.search import client, server as server_module
+from ragen.env.search.client import RetrievalError, RetrievalTimeout, retrieve
 from ragen.env.search.corpus import shipped_corpus
 from ragen.env.search.server import RetrievalServer
 
@@ -84,6 +87,86 @@ def test_past_its_connection_cap_the_server_answers_503_and_frees_the_slot_when_
             sock.close()
         assert retrieve(srv.url, "town", 2, 5.0)  # keys still work on a capped server
     assert srv._httpd.refused >= 1
+
+
+class _Peer(ThreadingHTTPServer):
+    """A retrieval 'server' that answers with ``answer(handler)``."""
+
+    daemon_threads = True
+
+    def __init__(self, answer):
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self):  # noqa: N802
+                self.rfile.read(int(self.headers["Content-Length"]))
+                try:
+                    answer(self)
+                except OSError:  # the client hung up: what a bound does
+                    pass
+
+            def log_message(self, *args):
+                pass
+
+        super().__init__(("127.0.0.1", 0), Handler)
+        self.url = "http://127.0.0.1:%d" % self.server_address[1]
+        threading.Thread(target=self.serve_forever, daemon=True).start()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.shutdown()
+        self.server_close()
+
+
+def _endless_body(handler):
+    handler.send_response(200)
+    handler.end_headers()  # no Content-Length: the body runs until the connection closes
+    for _ in range(400):
+        handler.wfile.write(b"0" * (256 * 1024))
+
+
+def _huge_length(handler):
+    handler.send_response(200)
+    handler.send_header("Content-Length", str(400 * 1024 * 1024))
+    handler.end_headers()
+    for _ in range(400):
+        handler.wfile.write(b"0" * (256 * 1024))
+
+
+def _trickled_body(handler):
+    handler.send_response(200)
+    handler.send_header("Content-Length", "100")
+    handler.end_headers()
+    for _ in range(100):
+        handler.wfile.write(b" ")
+        handler.wfile.flush()
+        time.sleep(0.1)
+
+
+def _trickled_headers(handler):
+    for byte in b"HTTP/1.0 200 OK\r\nContent-Length: 2\r\nX-Slow: " + b"y" * 100:
+        handler.wfile.write(bytes([byte]))
+        handler.wfile.flush()
+        time.sleep(0.1)
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("answer", [_endless_body, _huge_length])
+def test_the_client_refuses_an_answer_over_its_size_bound(monkeypatch, answer):
+    monkeypatch.setattr(client, "MAX_ANSWER_BYTES", 1024 * 1024)
+    with _Peer(answer) as peer:
+        with pytest.raises(RetrievalError, match=rf"retrieval server {peer.url}: .*MAX_ANSWER_BYTES=1048576"):
+            retrieve(peer.url, "q", 3, 10.0)
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("answer", [_trickled_body, _trickled_headers])
+def test_the_clients_timeout_bounds_the_whole_answer_not_each_read(answer):
+    with _Peer(answer) as peer:
+        start = time.monotonic()
+        with pytest.raises(RetrievalTimeout, match=rf"retrieval server {peer.url}: .*timeout_s=0.5 s"):
+            retrieve(peer.url, "q", 3, 0.5)
+        assert time.monotonic() - start < 1.5
 
 
 @pytest.mark.timeout(60)
