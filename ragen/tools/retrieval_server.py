@@ -38,6 +38,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="documents added to the shipped corpus that answer nothing (a corpus of a real size)")
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     parser.add_argument("--port", type=int, default=8000, help="port (0: a free one; default 8000)")
+    parser.add_argument("--max-connections", type=int, default=None,
+                        help="connections served at once, past them HTTP 503 (default: 256, or half the open-files "
+                             "limit where that is fewer)")
     parser.add_argument("--key-env", default=RETRIEVAL_KEY_ENV,
                         help=f"environment variable holding the key clients send (default {RETRIEVAL_KEY_ENV}); "
                              "unset: a new key, printed once")
@@ -47,10 +50,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(f"--filler must be >= 0, got {args.filler}")
     if args.corpus is not None and args.filler:
         parser.error("--filler adds to the shipped corpus; a --corpus file is served as it is")
+    if args.max_connections is not None and args.max_connections < 1:
+        parser.error(f"--max-connections must be >= 1, got {args.max_connections}")
     key, generated = server_key(args.key_env)
     try:
         docs = load_corpus(args.corpus) if args.corpus is not None else shipped_corpus(args.filler)
-        server = RetrievalServer(docs, args.host, args.port, key=key)
+        server = RetrievalServer(docs, args.host, args.port, key=key, max_connections=args.max_connections)
     except (ValueError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

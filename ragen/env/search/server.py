@@ -8,15 +8,25 @@
 A search needs the server's key (``Authorization: Bearer <key>``, or Basic
 with the key for password; HTTP 401 otherwise), on loopback too
 (``ragen.env.keys``); ``/health`` needs none. Requests are bounded
-(``MAX_BODY_BYTES``, ``MAX_QUERY_CHARS``). Each request is
-served on its own thread (``ThreadingHTTPServer``); the index is read-only.
+(``MAX_BODY_BYTES``, ``MAX_QUERY_CHARS``), and so are connections: a
+request is read within ``READ_DEADLINE_S`` of its first byte, an idle kept-alive
+connection is closed after ``IDLE_S``, and past ``max_connections`` open at
+once a new one gets HTTP 503 and is closed. Each connection is served on its
+own thread (``ThreadingHTTPServer``), with ``TCP_NODELAY`` (an answer's headers
+and body are two writes: Nagle's algorithm would hold the second for the
+client's delayed ACK); the index is read-only.
 The command line is ``python -m ragen.tools.retrieval_server``.
 """
 
 from __future__ import annotations
 
+import io
 import json
 import logging
+import resource
+import socket
+import threading
+import time
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Sequence
@@ -32,6 +42,85 @@ logger = logging.getLogger(__name__)
 MAX_TOP_K = 50
 MAX_BODY_BYTES = 64 * 1024
 MAX_QUERY_CHARS = 2000
+READ_DEADLINE_S = 10.0  # from a request's first byte to its last: a client that trickles is cut off
+IDLE_S = 60.0  # a kept-alive connection with no request started
+MAX_CONNECTIONS = 256
+
+
+def default_max_connections() -> int:
+    """``MAX_CONNECTIONS``, or half the descriptors this process may open where that is fewer (past the limit
+    ``accept`` fails, and the listening socket would spin on it instead of refusing)."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    return MAX_CONNECTIONS if soft == resource.RLIM_INFINITY else max(1, min(MAX_CONNECTIONS, soft // 2))
+
+
+class _DeadlineReader(io.RawIOBase):
+    """A connection's reads: the first byte of a request within ``IDLE_S``, the rest of it by a deadline
+    ``READ_DEADLINE_S`` after that byte (``TimeoutError`` past either; ``http.server`` then closes the
+    connection). ``request_read`` starts the wait for the next request."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self._sock = sock
+        self._deadline: float | None = None
+
+    def readable(self) -> bool:
+        return True
+
+    def request_read(self) -> None:
+        self._deadline = None
+
+    def readinto(self, buffer: Any) -> int:
+        if self._deadline is None:
+            self._sock.settimeout(IDLE_S)
+        else:
+            left = self._deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"a request not read within {READ_DEADLINE_S} s")
+            self._sock.settimeout(left)
+        n = self._sock.recv_into(buffer)
+        if self._deadline is None:
+            self._deadline = time.monotonic() + READ_DEADLINE_S
+        return n
+
+
+class _BoundedHTTPServer(ThreadingHTTPServer):
+    """A thread per connection, at most ``max_connections`` at once: past them a connection is answered
+    503 and closed on the accepting thread (with no wait: the answer fits a fresh socket's buffer)."""
+
+    daemon_threads = True
+    _BUSY = (b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\nConnection: close\r\n"
+             b"Content-Length: %d\r\n\r\n%s")
+
+    def __init__(self, address: tuple[str, int], handler: type[BaseHTTPRequestHandler],
+                 max_connections: int) -> None:
+        self.max_connections = max_connections
+        self._slots = threading.BoundedSemaphore(max_connections)
+        self.refused = 0
+        super().__init__(address, handler)
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        if self._slots.acquire(blocking=False):
+            super().process_request(request, client_address)
+            return
+        self.refused += 1
+        body = json.dumps({"error": f"this retrieval server serves at most {self.max_connections} connections "
+                                   "at once; try again later"}).encode()
+        try:
+            request.setblocking(False)
+            try:
+                request.recv(65536)  # what the client sent already: closing on unread bytes resets the connection
+            except BlockingIOError:
+                pass
+            request.send(self._BUSY % (len(body), body))
+        except OSError:  # gone, or a full buffer: it is closed all the same
+            pass
+        self.shutdown_request(request)
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._slots.release()
 
 
 class _Index:
@@ -62,12 +151,12 @@ class RetrievalServer(BackgroundServer):
 
     thread_name = "ragen-retrieval"
 
-    def __init__(self, docs: Sequence[Doc], host: str = "127.0.0.1", port: int = 0, key: str | None = None) -> None:
+    def __init__(self, docs: Sequence[Doc], host: str = "127.0.0.1", port: int = 0, key: str | None = None,
+                 max_connections: int | None = None) -> None:
         self.key = key or new_key()
         self.index = _Index(docs)
         self.requests = 0
-        self._httpd = ThreadingHTTPServer((host, port), self._handler())
-        self._httpd.daemon_threads = True
+        self._httpd = _BoundedHTTPServer((host, port), self._handler(), max_connections or default_max_connections())
         self.host, self.port = self._httpd.server_address[:2]
 
     def serve_forever(self) -> None:
@@ -100,7 +189,17 @@ class RetrievalServer(BackgroundServer):
         class Handler(BaseHTTPRequestHandler):
             protocol_version = "HTTP/1.1"  # keep-alive: clients pool their connections
 
+            disable_nagle_algorithm = True  # TCP_NODELAY, set in setup
+
+            def setup(self) -> None:
+                super().setup()
+                self.rfile.close()  # the socket's own reader, for one that keeps the deadlines
+                self._reader = _DeadlineReader(self.connection)
+                self.rfile = io.BufferedReader(self._reader)
+
             def _send(self, status: int, payload: dict[str, Any]) -> None:
+                self._reader.request_read()  # read (or given up on): the connection waits for the next request
+                self.connection.settimeout(READ_DEADLINE_S)  # a client that does not read its answer is cut off
                 data = json.dumps(payload).encode()
                 self.send_response(status)
                 self.send_header("Content-Type", "application/json")
