@@ -94,21 +94,6 @@ ROWS = [
 # ----- the parent: one child process a row, watched ---------------------------------------------
 
 
-def _tree(pid: int) -> list[int]:
-    """``pid`` and every process below it."""
-    out, todo = [], [pid]
-    while todo:
-        p = todo.pop()
-        out.append(p)
-        try:
-            for task in os.listdir(f"/proc/{p}/task"):
-                with open(f"/proc/{p}/task/{task}/children") as f:
-                    todo += [int(c) for c in f.read().split()]
-        except OSError:
-            pass
-    return out
-
-
 def _rss_mb(pid: int) -> float:
     try:
         with open(f"/proc/{pid}/status") as f:
@@ -121,7 +106,9 @@ def _rss_mb(pid: int) -> float:
 
 
 def tree_rss_mb(pid: int) -> float:
-    return sum(_rss_mb(p) for p in _tree(pid))
+    from ragen.env.sandbox import process_tree
+
+    return sum(_rss_mb(p) for p in process_tree(pid))
 
 
 @dataclass

@@ -46,7 +46,7 @@ import time
 from dataclasses import dataclass
 
 __all__ = ["BACKENDS", "Limits", "RunResult", "RunStatus", "Sandboxed", "SandboxError", "SandboxUnavailable",
-           "backend", "run_python", "spawn_python"]
+           "backend", "process_tree", "run_python", "spawn_python"]
 
 logger = logging.getLogger(__name__)
 
@@ -314,11 +314,9 @@ class _Cgroup:
         return cls._roots
 
     def oom_killed(self) -> bool:
+        events = "memory.events" if _v2(os.path.dirname(self.memory_path)) else "memory.oom_control"  # v2, v1
         try:
-            if _v2(os.path.dirname(self.memory_path)):
-                with open(os.path.join(self.memory_path, "memory.events")) as f:
-                    return any(line.split()[0] == "oom_kill" and int(line.split()[1]) > 0 for line in f)
-            with open(os.path.join(self.memory_path, "memory.oom_control")) as f:
+            with open(os.path.join(self.memory_path, events)) as f:
                 return any(line.split()[0] == "oom_kill" and int(line.split()[1]) > 0 for line in f)
         except (OSError, ValueError, IndexError):
             return False
@@ -367,8 +365,9 @@ def _cgroup_roots() -> dict[str, str]:
     return found
 
 
-def _tree(pid: int) -> list[int]:
-    """``pid`` and every process under it (children files of each of its threads)."""
+def process_tree(pid: int) -> list[int]:
+    """``pid`` and every process under it (the ``children`` file of each of their threads); one that
+    ends while it is read is left out."""
     found, todo = [], [pid]
     while todo:
         p = todo.pop()
@@ -460,19 +459,23 @@ def _unshare_script(folder: str, limits: Limits, python: str, packages: bool) ->
     return "\n".join(lines)
 
 
+def _ragen_root() -> str:
+    """The folder ragen is imported from (its source folder, with an editable install)."""
+    import ragen
+
+    return os.path.dirname(os.path.dirname(os.path.realpath(ragen.__file__)))
+
+
 def _hidden(python: str, packages: bool) -> list[str]:
     """Folders a run must not read (the unshare backend sees the whole file system otherwise): people's
     homes, this process's folder and ragen's source (problems, datasets), installed packages unless it
     is given them; never one that holds its interpreter."""
-    import ragen
-
-    found = {"/home", "/root", "/srv", "/mnt", "/media", "/opt", os.getcwd(),
-             os.path.dirname(os.path.dirname(os.path.realpath(ragen.__file__)))}
+    found = {"/home", "/root", "/srv", "/mnt", "/media", "/opt", os.getcwd(), _ragen_root()}
     if not packages:
         found |= {sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]}
     keep = [os.path.realpath(python)]
     if packages:  # it imports what this Python imports: ragen's source and the folders of sys.path stay
-        keep += [os.path.dirname(os.path.dirname(os.path.realpath(ragen.__file__))) + "/x",
+        keep += [_ragen_root() + "/x",
                  *(os.path.realpath(p) + "/x" for p in sys.path if p and os.path.isdir(p))]
     found = {p for p in found if p != "/" and os.path.isdir(p) and not p.startswith("/tmp")
              and not any(k.startswith(os.path.realpath(p) + "/") for k in keep)}
@@ -490,10 +493,8 @@ def _binds(python: str, packages: bool) -> list[str]:
             args += ["--ro-bind", top, top]
     prefixes = {os.path.realpath(sys.base_prefix)} if os.path.realpath(python) == os.path.realpath(
         sys.executable) else set()
-    if packages:
-        import ragen  # an editable install imports it from its source folder
-
-        prefixes |= {os.path.realpath(sys.prefix), os.path.dirname(os.path.dirname(os.path.realpath(ragen.__file__)))}
+    if packages:  # an editable install imports ragen from its source folder
+        prefixes |= {os.path.realpath(sys.prefix), _ragen_root()}
         prefixes |= {os.path.realpath(p) for p in sys.path if p and os.path.isdir(p)}
     for prefix in sorted(prefixes):
         if not prefix.startswith(("/usr/", "/lib")) and prefix != "/":
@@ -552,8 +553,9 @@ class Sandboxed:
             for path in (folder, *(os.path.join(folder, f) for f in os.listdir(folder))):
                 os.chown(path, uid, uid)
         self.cgroup = _Cgroup(limits) if self.name != "none" and _Cgroup.available() else None
+        self.watched = self.cgroup is None and self.name != "none"  # memory bounded by the watchdog
         nproc = None
-        if self.cgroup is None and self.name != "none":  # counted per uid: a fresh one's count starts at 0
+        if self.watched:  # no pids cgroup either: RLIMIT_NPROC, counted per uid (a fresh one's starts at 0)
             nproc = limits.processes + 2 + (0 if uid is not None else _tasks_of(os.geteuid()))
         started_r, started_w = os.pipe()
         command = _command(self.name, folder, target, limits, uid, packages, started_w)
@@ -576,9 +578,9 @@ class Sandboxed:
         self._closed = False
 
     def memory_over(self) -> bool:
-        """The watchdog (no cgroup): the run's resident memory, all processes together, past its bound."""
-        return (self.cgroup is None and self.name != "none"
-                and _resident_bytes(_tree(self.proc.pid)) > self.limits.memory_mb * 1024 * 1024)
+        """The watchdog's look (``watched``: no cgroup bounds the run): its resident memory, all its
+        processes together, past its bound."""
+        return _resident_bytes(process_tree(self.proc.pid)) > self.limits.memory_mb * 1024 * 1024
 
     def wait_started(self, timeout: float) -> None:
         """Returns once the prelude said it started; else closes the run and raises ``SandboxError``
@@ -687,11 +689,11 @@ def _communicate(box: Sandboxed, data: bytes, limits: Limits) -> tuple[bytes, by
     writer = threading.Thread(target=_feed, args=(proc, data), daemon=True)
     writer.start()
     status = RunStatus.OK
-    watch = box.cgroup is None and box.name != "none"
+    watch = box.watched
     with selectors.DefaultSelector() as sel:
         for fd in (*chunks, box.started_fd):
             sel.register(fd, selectors.EVENT_READ)
-        while len(sel.get_map()) > (0 if started else 1) or (not started and sel.get_map()):
+        while sel.get_map():  # until both pipes and the started fd are closed
             left = deadline - time.monotonic()
             if left <= 0:
                 status = RunStatus.TIME_LIMIT
