@@ -121,8 +121,8 @@ def judge(code: str, problem: Problem, limits: Limits) -> Verdict:
            "inputs": [t.input for t in problem.tests], "output_bytes": limits.output_bytes}
     run = run_python(_HARNESS, json.dumps(job), limits)
     results, did_not_run = _read(run.stdout, len(problem.tests))
-    passed = sum(_passes(problem.kind, t, r) for t, r in zip(problem.tests, results))
-    return Verdict(passed, len(problem.tests), run.status, _feedback(problem, results, did_not_run, passed, run),
+    ok = [_passes(problem.kind, t, r) for t, r in zip(problem.tests, results)]
+    return Verdict(sum(ok), len(problem.tests), run.status, _feedback(problem, results, ok, did_not_run, run),
                    run.cpu_s)
 
 
@@ -178,9 +178,10 @@ def _passes(kind: str, test: Test, result: dict | None) -> bool:
         return False
 
 
-def _feedback(problem: Problem, results: list[dict], did_not_run: str | None, passed: int,
+def _feedback(problem: Problem, results: list[dict], ok: list[bool], did_not_run: str | None,
               run: RunResult) -> str:
-    total = len(problem.tests)
+    """The verdict in words; ``ok``: whether each test the run reached passed."""
+    total, passed = len(problem.tests), sum(ok)
     if passed == total:
         return f"All {total} tests passed."
     words = f"Passed {passed}/{total} tests."
@@ -196,9 +197,9 @@ def _feedback(problem: Problem, results: list[dict], did_not_run: str | None, pa
                 last = run.stderr.strip().splitlines()[-1:] or ["the program ended before this test"]
                 why = _short(last[0])
             return f"{words} First failing test, {shown}: {why}."
-        result = results[i]
-        if _passes(problem.kind, test, result):
+        if ok[i]:
             continue
+        result = results[i]
         if "malformed" in result:
             return f"{words} First failing test, {shown}: its result was malformed."
         if "limit" in result:
