@@ -55,7 +55,8 @@ def main() -> None:
             judged.append(t2 - t1)
         rows[name] = (_ms(bare), _ms(judged))
     base = rows.get("none")
-    print(f"\n{'backend':8} {'empty p50':>10} {'p90':>7} {'judged p50':>11} {'p90':>7} {'added p50 (empty / judged)':>28}")
+    print(f"\n{'backend':8} {'empty p50':>10} {'p90':>7} {'judged p50':>11} {'p90':>7} "
+          f"{'added p50 (empty / judged)':>28}")
     for name, ((b50, b90), (j50, j90)) in rows.items():
         added = f"{b50 - base[0][0]:+.1f} / {j50 - base[1][0]:+.1f} ms" if base else "-"
         print(f"{name:8} {b50:10.1f} {b90:7.1f} {j50:11.1f} {j90:7.1f} {added:>28}")
