@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import socket
-import statistics
 import threading
 import time
 import urllib.error
@@ -170,14 +169,23 @@ def test_the_clients_timeout_bounds_the_whole_answer_not_each_read(answer):
 
 
 @pytest.mark.timeout(60)
-def test_a_search_on_a_kept_alive_connection_does_not_wait_on_nagles_algorithm():
+def test_a_search_on_a_kept_alive_connection_does_not_wait_on_nagles_algorithm(monkeypatch):
     """The server's answer is two writes (headers, body); with Nagle's algorithm on, the second waits
-    for the client's delayed ACK, about 40 ms on Linux."""
+    for the client's delayed ACK, about 40 ms on Linux (BENCHMARKS.md, the search preset): every
+    connection the server serves has TCP_NODELAY."""
+    seen = []
+    finish = server_module._BoundedHTTPServer.finish_request
+
+    def finish_and_look(self, request, client_address):
+        finish(self, request, client_address)
+        seen.append(request.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY))
+
+    monkeypatch.setattr(server_module._BoundedHTTPServer, "finish_request", finish_and_look)
     with RetrievalServer(shipped_corpus(), key=KEY) as srv:
-        retrieve(srv.url, "town", 3, 5.0)  # the connection the rest reuse
-        took = []
-        for i in range(40):
-            start = time.perf_counter()
-            retrieve(srv.url, f"town {i}", 3, 5.0)
-            took.append(time.perf_counter() - start)
-        assert statistics.median(took) < 0.015, f"median {statistics.median(took) * 1e3:.1f} ms"
+        for _ in range(3):
+            with urllib.request.urlopen(f"{srv.url}/health", timeout=10) as answer:  # one request a connection
+                assert answer.status == 200
+        deadline = time.monotonic() + 10
+        while len(seen) < 3 and time.monotonic() < deadline:
+            time.sleep(0.01)
+    assert seen == [1, 1, 1]
