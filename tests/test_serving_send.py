@@ -134,9 +134,9 @@ def test_the_send_queue_bound_is_checked():
 def test_without_non_blocking_sends_every_frame_goes_through_the_sender(monkeypatch):
     """Where the platform has no MSG_DONTWAIT, the sender thread sends every
     frame, in order, and ends once its queue is empty."""
-    from ragen.serving import connections
+    from ragen import send_queue
 
-    monkeypatch.setattr(connections, "_DONTWAIT", None)
+    monkeypatch.setattr(send_queue, "_DONTWAIT", None)
     with SharedLLMInferenceManager(BigAnswers()) as shared:
         worker = shared.client(timeout_s=15)
         for n in (1, 3, 2):

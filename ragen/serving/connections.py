@@ -16,10 +16,11 @@ import pickle
 import socket
 import threading
 import time
-from collections import OrderedDict, deque
+from collections import OrderedDict
 from typing import Any
 
 from ragen.llm.types import Engine
+from ragen.send_queue import SendQueue
 from ragen.serving import messages, wire
 from ragen.serving.coalescer import Coalescer, Pending
 from ragen.serving.hooks import Hooks
@@ -28,130 +29,26 @@ from ragen.serving.stats import ManagerStats
 logger = logging.getLogger(__name__)
 
 
-# a frame sent at once where the socket has room, without blocking (not on every platform)
-_DONTWAIT = getattr(socket, "MSG_DONTWAIT", None)
-_SENDER_JOIN_S = 5.0  # its socket is shut first, so the sender's send ends at once
-
-
-class Connection:
+class Connection(SendQueue):
     """One peer's connection: its socket, and its frames in the order they
-    were sent. A frame goes out at once while the socket has room; the rest
-    waits in a queue of the connection's own, sent by a thread of its own
-    that exists only while the queue holds frames, so that the thread sending
-    (the batcher, the streamer, the connection's) never waits for a peer that
-    does not read. A peer whose queue would pass ``max_queued_bytes`` is
-    dropped: its socket shut (its thread then cleans up) and a warning naming
-    it."""
+    were sent, through a bounded queue of its own (``SendQueue``), so that
+    the thread sending (the batcher, the streamer, the connection's) never
+    waits for a peer that does not read. A peer whose queue would pass
+    ``max_queued_bytes`` (``max_send_queue_bytes``) is dropped: its socket
+    shut (its thread then cleans up) and a warning naming it."""
 
     def __init__(self, sock: socket.socket, peer: str, max_queued_bytes: int) -> None:
-        self.sock = sock
-        self.peer = peer
-        self.max_queued_bytes = max_queued_bytes
+        super().__init__(sock, peer, max_queued_bytes, server="manager", bound_name="max_send_queue_bytes",
+                         sender_name="ragen-llm-send")
         self.alive = True
         # the tag its streams were last opened under (whose hooks its notes and answers reach)
         self.tag: int | None = None
-        self._lock = threading.Lock()  # the queue, and the order of the frames on the socket
-        self._queue: deque[memoryview] = deque()  # its head is the one being sent
-        self._queued = 0  # bytes in the queue
-        self._sender: threading.Thread | None = None
-        self._closed = False
+
+    def describe(self) -> str:
+        return f"{self.peer} (tag {self.tag})"
 
     def send(self, obj: Any) -> int:
         return self.send_frame(wire.frame(obj))
-
-    def send_frame(self, data: bytes) -> int:
-        """Sends ``data``, or queues what the socket has no room for; never
-        waits for the peer. ConnectionError when the connection is closed, or
-        is dropped because its queue would pass its bound."""
-        with self._lock:
-            if self._closed:
-                raise ConnectionError(f"the connection from {self.peer} is closed")
-            queued = self._queued
-            over = bool(self._queue) and queued + len(data) > self.max_queued_bytes
-            if over:
-                self._drop()
-            elif self._queue:
-                self._enqueue(memoryview(data))  # after the frames before it
-            else:
-                self._send_now(data)
-        if over:
-            logger.warning("dropped the connection from %s (tag %s): it does not read what the manager sends; %d "
-                           "bytes wait for it, and %d more would pass max_send_queue_bytes=%d", self.peer, self.tag,
-                           queued, len(data), self.max_queued_bytes)
-            raise ConnectionError(f"the connection from {self.peer} was dropped: it does not read")
-        return len(data)
-
-    def _send_now(self, data: bytes) -> None:
-        """(under the lock, nothing queued) What the socket has room for now; the rest queued."""
-        sent = 0
-        if _DONTWAIT is not None:
-            try:
-                # the socket is in blocking mode after the handshake (no timeout):
-                # with this flag the call does not block
-                sent = self.sock.send(data, _DONTWAIT)
-            except BlockingIOError:
-                pass
-            except OSError as exc:
-                self._drop()
-                raise ConnectionError(f"the connection from {self.peer} is closed: {exc}") from None
-        if sent < len(data):
-            self._enqueue(memoryview(data)[sent:])
-
-    def _enqueue(self, data: memoryview) -> None:
-        """(under the lock) ``data`` after the queued frames, and a sender for them."""
-        self._queue.append(data)
-        self._queued += len(data)
-        if self._sender is None:
-            self._sender = threading.Thread(target=self._send_queued, name="ragen-llm-send", daemon=True)
-            try:
-                self._sender.start()
-            except RuntimeError:  # no thread to be had: the peer cannot be answered
-                self._sender = None
-                self._drop()
-                raise ConnectionError(f"no thread to send to {self.peer}") from None
-
-    def _send_queued(self) -> None:
-        """The sender: the queue's frames, oldest first; it ends when the queue is empty or the connection closed."""
-        while True:
-            with self._lock:
-                if self._closed or not self._queue:
-                    self._sender = None
-                    return
-                data = self._queue[0]
-            try:
-                # no bound needed: a peer that does not read has its queue pass the
-                # bound (or its connection closed), and both shut the socket, which ends this send
-                self.sock.sendall(data)
-            except OSError:
-                with self._lock:
-                    self._drop()
-                    self._sender = None
-                return  # the peer left: its own thread sees it and cleans up
-            with self._lock:
-                if self._closed:
-                    self._sender = None
-                    return
-                self._queue.popleft()
-                self._queued -= len(data)
-
-    def _drop(self) -> None:
-        """(under the lock) No more frames: the queue emptied, the socket shut (which ends the sender's send)."""
-        self._closed = True
-        self._queue.clear()
-        self._queued = 0
-        try:
-            self.sock.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
-
-    def close(self) -> None:
-        """Drops the connection and waits for its sender (bounded); the socket
-        itself is closed by the connection's thread."""
-        with self._lock:
-            self._drop()
-            sender = self._sender
-        if sender is not None and sender is not threading.current_thread():
-            sender.join(timeout=_SENDER_JOIN_S)
 
 
 class Connections:
