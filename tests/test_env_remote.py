@@ -5,6 +5,9 @@ can, and a rollout that loses nothing when a server dies."""
 from __future__ import annotations
 
 import json
+import logging
+import os
+import socket
 import threading
 import time
 import urllib.error
@@ -231,6 +234,150 @@ def test_a_request_over_the_servers_bound_closes_that_session_only():
         with pytest.raises(RemoteEnvError, match="refused the step request as larger than its --max-message-bytes"):
             env.step("x" * 10_000)
         assert other.step(1) == (lambda e: (e.reset(seed=0), e.step(1))[1])(sokoban())
+
+
+class _BigAnswers:
+    """Each reset answered with OBSERVATION_BYTES of text: a client that does not read fills every buffer soon."""
+
+    def reset(self, seed=None):
+        return "x" * OBSERVATION_BYTES
+
+    def step(self, action):
+        return "x", 0, False, {}
+
+    def close(self):
+        pass
+
+
+OBSERVATION_BYTES = 64 << 10
+
+
+def _kernel_buffers() -> int:
+    """About what the kernel holds of a session that is not read: the server's
+    largest send buffer and the client's receive buffer (set small)."""
+    try:
+        with open("/proc/sys/net/ipv4/tcp_wmem") as f:
+            wmem = int(f.read().split()[2])
+    except (OSError, ValueError, IndexError):
+        wmem = 4 << 20
+    return wmem + (256 << 10)
+
+
+def _raw_session(srv, tag="S"):
+    """A session opened by hand on a socket that reads nothing after the handshake."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 64 << 10)  # before connecting: no autotuning
+    sock.settimeout(5)
+    sock.connect((srv.host, srv.port))
+    sock.sendall((f"GET /{tag}/ws HTTP/1.1\r\nHost: {srv.host}:{srv.port}\r\nUpgrade: websocket\r\n"
+                  f"Connection: Upgrade\r\nSec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n"
+                  f"Sec-WebSocket-Version: 13\r\nAuthorization: Bearer {KEY}\r\n\r\n").encode())
+    head = b""
+    while b"\r\n\r\n" not in head:
+        head += sock.recv(1)
+    assert head.startswith(b"HTTP/1.1 101"), head
+    return sock
+
+
+def _text_frame(text: str) -> bytes:
+    """A masked WebSocket text frame, as a client sends it (payloads under 126 bytes)."""
+    payload, mask = text.encode(), os.urandom(4)
+    assert len(payload) < 126
+    return bytes([0x81, 0x80 | len(payload)]) + mask + bytes(b ^ mask[i % 4] for i, b in enumerate(payload))
+
+
+def _wait_for(what, timeout_s):
+    deadline = time.monotonic() + timeout_s
+    while not what():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.02)
+    return True
+
+
+def _send_threads():
+    return [t for t in threading.enumerate() if t.name == "ragen-env-send" and t.is_alive()]
+
+
+@pytest.mark.timeout(90)
+def test_a_client_that_never_reads_loses_its_session_and_frees_its_slot(caplog):
+    """A client sends resets and reads none of the answers (issue 59): once
+    what waits for it passes max_send_queue_bytes, its connection is closed
+    with a warning naming it, and its slot goes to the next client, where
+    its session used to hold the only slot for as long as it kept still."""
+    bound = 1 << 20
+    resets = (_kernel_buffers() + bound) // OBSERVATION_BYTES + 16  # answers past the kernel's buffers and the bound
+    with caplog.at_level(logging.WARNING), \
+            env_server({"S": _BigAnswers}, max_sessions=1, max_send_queue_bytes=bound) as srv:
+        stuck = _raw_session(srv)
+        try:
+            assert _wait_for(lambda: srv.sessions == 1, 10)
+            peer = "%s:%d" % stuck.getsockname()[:2]
+            reset = _text_frame(json.dumps({"type": "reset", "data": {"seed": 0}}))
+            for _ in range(resets):
+                try:
+                    stuck.sendall(reset)
+                except OSError:  # the server stopped reading (it is stuck), or closed the connection
+                    break
+            assert _wait_for(lambda: srv.sessions == 0, 20), "the client that never reads still holds its session"
+            try:  # the connection is closed: what the kernel still held, then the end
+                while stuck.recv(1 << 20):
+                    pass
+            except ConnectionResetError:
+                pass
+        finally:
+            stuck.close()  # on a stuck server, this frees its session thread
+        warnings = [r.getMessage() for r in caplog.records if "dropped" in r.getMessage()]
+        assert len(warnings) == 1 and peer in warnings[0] and "max_send_queue_bytes=1048576" in warnings[0], warnings
+        assert remote(srv.url).reset(seed=0) == "x" * OBSERVATION_BYTES  # the only slot is free
+    assert _wait_for(lambda: not _send_threads(), 5)
+
+
+@pytest.mark.timeout(90)
+def test_a_client_that_stops_reading_and_sending_is_closed_when_idle():
+    """Answers past what the kernel holds, under the bound, and then nothing:
+    the session's thread is not stuck sending them, so the idle timeout
+    closes the session and frees its slot."""
+    resets = _kernel_buffers() // OBSERVATION_BYTES + 16
+    with env_server({"S": _BigAnswers}, max_sessions=1, idle_timeout_s=0.5, max_send_queue_bytes=64 << 20) as srv:
+        stuck = _raw_session(srv)
+        try:
+            assert _wait_for(lambda: srv.sessions == 1, 10)
+            reset = _text_frame(json.dumps({"type": "reset", "data": {"seed": 0}}))
+            for _ in range(resets):
+                stuck.sendall(reset)
+            assert _wait_for(lambda: srv.sessions == 0, 20), "the idle session is still open"
+        finally:
+            stuck.close()
+        assert remote(srv.url).reset(seed=0) == "x" * OBSERVATION_BYTES
+
+
+@pytest.mark.timeout(90)
+def test_a_client_that_reads_late_gets_every_answer_in_order():
+    """Answers past what the kernel holds, under the bound, wait in the
+    session's queue while its client does not read, and reach it in order
+    once it does; its session goes on and closes cleanly."""
+    from websockets.sync.client import connect
+
+    resets = _kernel_buffers() // OBSERVATION_BYTES + 32  # the client's own queue holds 16 of them
+    with env_server({"S": _BigAnswers}, max_send_queue_bytes=64 << 20) as srv:
+        sock = socket.create_connection((srv.host, srv.port), timeout=10)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 64 << 10)
+        with connect(f"ws://{srv.host}:{srv.port}/S/ws", sock=sock, max_size=None,
+                     additional_headers={"Authorization": f"Bearer {KEY}"}) as ws:
+            for seed in range(resets):
+                ws.send(json.dumps({"type": "reset", "data": {"seed": seed}}))
+            assert _wait_for(_send_threads, 20), "the answers never waited in the session's queue"
+            for _ in range(resets):
+                assert parse_reply(ws.recv(timeout=10)).observation["text"] == "x" * OBSERVATION_BYTES
+            ws.send(json.dumps({"type": "state"}))
+            assert json.loads(ws.recv(timeout=10))["data"] == {"tag": "S", "seed": resets - 1, "step_count": 0}
+    assert _wait_for(lambda: srv.sessions == 0 and not _send_threads(), 10)
+
+
+def test_the_send_queue_bound_is_checked():
+    with pytest.raises(ValueError, match="max_send_queue_bytes must be a positive integer, got 0"):
+        env_server({"S": sokoban}, max_send_queue_bytes=0)
 
 
 def test_the_key_is_required_and_a_refusal_names_the_variable(monkeypatch):

@@ -66,6 +66,7 @@ def test_it_serves_until_sigterm_and_says_how_many_sessions():
     (["--tags", "NoSuchTag"], "tag 'NoSuchTag' is not in custom_envs"),
     (["--tags", " , "], "--tags names no tag"),
     (["--tags", "SimpleSokoban", "--max-sessions", "0"], "--max-sessions must be > 0"),
+    (["--tags", "SimpleSokoban", "--max-send-queue-bytes", "0"], "--max-send-queue-bytes must be > 0"),
     (["--tags", "SimpleSokoban", "custom_envs.SimpleSokoban.env_config.dim_x=1"], "dim_x"),
 ])
 def test_bad_input_is_refused_before_it_listens(args, words):

@@ -26,7 +26,7 @@ from ragen.config_files import compose
 from ragen.env import make_env
 from ragen.env.background import serve_until_stop_signal
 from ragen.env.keys import ENV_SERVER_KEY_ENV, export_line, server_key
-from ragen.env.remote.server import EnvServer
+from ragen.env.remote.server import DEFAULT_MAX_SEND_QUEUE_BYTES, EnvServer
 from ragen.rollout.envs import tag_spec
 
 __all__ = ["main", "makers_of"]
@@ -68,6 +68,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="largest request taken (default 1 MiB)")
     parser.add_argument("--idle-timeout-s", type=float, default=300.0,
                         help="a session without a message this long is closed (default 300)")
+    parser.add_argument("--max-send-queue-bytes", type=int, default=DEFAULT_MAX_SEND_QUEUE_BYTES,
+                        help="answers waiting for one client past this drop it: a client that does not read "
+                             "(default 4 MiB)")
     parser.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. custom_envs.SimpleSokoban.env_config.dim_x=8")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -75,14 +78,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not tags:
         parser.error("--tags names no tag")
     for flag, value in (("--max-sessions", args.max_sessions), ("--max-message-bytes", args.max_message_bytes),
-                        ("--idle-timeout-s", args.idle_timeout_s)):
+                        ("--idle-timeout-s", args.idle_timeout_s),
+                        ("--max-send-queue-bytes", args.max_send_queue_bytes)):
         if value <= 0:
             parser.error(f"{flag} must be > 0, got {value}")
     key, generated = server_key(args.key_env)
     try:
         makers = makers_of(tags, compose(args.config_name, args.overrides).get("custom_envs") or {})
         server = EnvServer(makers, args.host, args.port, key=key, max_sessions=args.max_sessions,
-                           max_message_bytes=args.max_message_bytes, idle_timeout_s=args.idle_timeout_s)
+                           max_message_bytes=args.max_message_bytes, idle_timeout_s=args.idle_timeout_s,
+                           max_send_queue_bytes=args.max_send_queue_bytes)
     except (ValueError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

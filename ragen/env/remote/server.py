@@ -6,7 +6,11 @@ server has one tag, as an OpenEnv server); it makes its own env and keeps it
 until the connection closes. ``GET /health`` (and ``/<tag>/health``) answers
 ``{"status": "healthy"}``. Bounds: at most ``max_sessions`` sessions (more are
 refused with HTTP 503), requests of at most ``max_message_bytes`` (a larger
-one closes its session), and a session idle for ``idle_timeout_s`` is closed.
+one closes its session), a session idle for ``idle_timeout_s`` is closed, and
+a client that does not read its answers is dropped once more than
+``max_send_queue_bytes`` of them wait for it: a session's answers go through
+a bounded send queue of its own (``ragen.send_queue``), as the LLM manager's
+do, so its thread never blocks on a client that stopped reading.
 An env that raises ends its session after the error answer: its state is
 unknown, and the client retries on a fresh session.
 A session needs the server's ``key`` (``Authorization: Bearer <key>``; HTTP
@@ -20,18 +24,25 @@ from __future__ import annotations
 import json
 import logging
 import numbers
+import socket
 import threading
 from http import HTTPStatus
 from typing import Any, Callable, Mapping
 
+from ...send_queue import SendQueue
 from ..background import BackgroundServer
 from ..base import action_lookup, plain_info, reset_takes_mode
 from ..keys import authorized, new_key
 from .protocol import error_message, observation_message
 
-__all__ = ["EnvServer"]
+__all__ = ["DEFAULT_MAX_SEND_QUEUE_BYTES", "EnvServer"]
 
 logger = logging.getLogger(__name__)
+
+# What may wait to be sent to one client before it is dropped. A client reads
+# each answer before it sends its next request, so what waits for it is about
+# one answer at most.
+DEFAULT_MAX_SEND_QUEUE_BYTES = 4 * 1024 * 1024
 
 
 class _BadRequest(Exception):
@@ -42,6 +53,38 @@ class _BadRequest(Exception):
         self.code = code
 
 
+class _QueuedSocket:
+    """A client's socket as websockets' connection uses it, its sends through a
+    ``SendQueue``: ``sendall`` never blocks, and raises ConnectionError (an
+    OSError, which websockets takes for a broken connection) once the client
+    is dropped; the end of the stream waits for what is queued."""
+
+    def __init__(self, sock: socket.socket, max_queued_bytes: int) -> None:
+        try:
+            peer = "%s:%s" % sock.getpeername()[:2]
+        except OSError:  # the client left already: its first send fails
+            peer = "a client that left"
+        self._sock = sock
+        self.queue = SendQueue(sock, peer, max_queued_bytes, server="env server", bound_name="max_send_queue_bytes",
+                               sender_name="ragen-env-send")
+
+    def sendall(self, data: bytes) -> None:
+        self.queue.send_frame(data)
+
+    def shutdown(self, how: int) -> None:
+        if how == socket.SHUT_WR:
+            self.queue.shutdown_write()
+        else:
+            self.queue.close()
+
+    def close(self) -> None:
+        self.queue.close()  # its sender stopped first: a send in progress does not outlive the socket
+        self._sock.close()
+
+    def __getattr__(self, name: str) -> Any:  # recv, fileno, settimeout, getpeername, ...: the socket's own
+        return getattr(self._sock, name)
+
+
 class EnvServer(BackgroundServer):
     """Serves ``makers`` (tag -> a function making a new env of it) on ``host``:``port`` (0: a free port)
     to clients that hold ``key`` (None: a new one, ``self.key``)."""
@@ -50,20 +93,25 @@ class EnvServer(BackgroundServer):
 
     def __init__(self, makers: Mapping[str, Callable[[], Any]], host: str = "127.0.0.1", port: int = 0,
                  key: str | None = None, max_sessions: int = 256, max_message_bytes: int = 1024 * 1024,
-                 idle_timeout_s: float = 300.0) -> None:
+                 idle_timeout_s: float = 300.0, max_send_queue_bytes: int = DEFAULT_MAX_SEND_QUEUE_BYTES) -> None:
         from websockets.sync.server import serve
 
         if not makers:
             raise ValueError("an env server needs at least one tag to serve")
+        if isinstance(max_send_queue_bytes, bool) or not isinstance(max_send_queue_bytes, int) or \
+                max_send_queue_bytes < 1:
+            raise ValueError(f"max_send_queue_bytes must be a positive integer, got {max_send_queue_bytes!r}")
         self.makers = dict(makers)
         self.key = key or new_key()
         self.max_sessions = max_sessions
         self.idle_timeout_s = idle_timeout_s
+        self.max_send_queue_bytes = max_send_queue_bytes
         self.sessions = 0
         self.sessions_served = 0
         self._lock = threading.Lock()
         self._server = serve(self._session, host, port, process_request=self._route, max_size=max_message_bytes,
-                             compression=None, server_header=None, close_timeout=2)
+                             compression=None, server_header=None, close_timeout=2,
+                             create_connection=self._connection)
         self.host, self.port = self._server.socket.getsockname()[:2]
 
     def serve_forever(self) -> None:
@@ -71,6 +119,12 @@ class EnvServer(BackgroundServer):
 
     def _stop(self) -> None:
         self._server.shutdown()  # also closes the open sessions
+
+    def _connection(self, sock: socket.socket, *args: Any, **kwargs: Any) -> Any:
+        """websockets' connection of a new client, sending through a bounded queue of its own."""
+        from websockets.sync.server import ServerConnection
+
+        return ServerConnection(_QueuedSocket(sock, self.max_send_queue_bytes), *args, **kwargs)
 
     # HTTP: which path, health, key, capacity ----------------------------------------------------------------
 
@@ -154,14 +208,18 @@ class EnvServer(BackgroundServer):
                 kind = message.get("type")
                 if kind == "close":
                     return
-                ws.send(self._answer(env, kind, message.get("data"), state))
+                answer = self._answer(env, kind, message.get("data"), state)
             except ValueError as exc:  # json's JSONDecodeError included
-                ws.send(error_message("INVALID_JSON", f"Invalid JSON: {exc}"))
+                answer = error_message("INVALID_JSON", f"Invalid JSON: {exc}")
             except _BadRequest as exc:
-                ws.send(error_message(exc.code, str(exc)))
+                answer = error_message(exc.code, str(exc))
             except Exception as exc:  # the env's own code failed: its state is unknown, so the session ends
                 logger.warning("env %s (seed %s) failed: %s: %s", tag, state["seed"], type(exc).__name__, exc)
                 ws.send(error_message("EXECUTION_ERROR", f"{type(exc).__name__}: {exc}"))
+                return
+            try:
+                ws.send(answer)  # never blocks: a client that does not read is dropped instead (_QueuedSocket)
+            except ConnectionClosed:
                 return
 
     def _answer(self, env: Any, kind: Any, data: Any, state: dict[str, Any]) -> str:
