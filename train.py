@@ -9,7 +9,7 @@ Each run writes a fresh run folder, runs/<project>/<experiment>/<date>_<time>
 (``trainer.default_local_dir``), and ``latest`` beside it links the newest.
 
 The logic lives in ``ragen.trainer``; this file parses the config, shows a
-progress bar and the one-line summary of each step, and reports where the
+progress bar (on a terminal) and the one-line summary of each step, and reports where the
 metrics, checkpoints and learning curve went (the curve only where it was drawn).
 """
 
@@ -29,6 +29,11 @@ def run(cfg: DictConfig) -> dict:
     from ragen.trainer.trainer import TrainingFailed
 
     bar = None
+    terminal = sys.stderr.isatty()
+    if not terminal:  # transformers' own bars (loading the weights) too
+        from transformers.utils import logging as transformers_logging
+
+        transformers_logging.disable_progress_bar()
 
     def console(line: str) -> None:
         # Printed through tqdm so that the summary lines and the bar do not tear each other.
@@ -41,8 +46,10 @@ def run(cfg: DictConfig) -> dict:
         sys.exit(2)
     try:
         total = trainer.config.run.total_training_steps
+        # not on a terminal (a log file): no bar, whose redraws would be glued to the log lines; the
+        # step lines say how far the run has got
         bar = tqdm(total=total, initial=trainer.global_step, desc="train", unit="step", dynamic_ncols=True,
-                   file=sys.stderr)
+                   file=sys.stderr, disable=not terminal)
         try:
             last = trainer.fit(on_step=lambda step, metrics: bar.update(1))
         except TrainingFailed as exc:  # the run learned nothing: said in one line, and not a success

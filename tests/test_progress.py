@@ -222,3 +222,51 @@ def test_rollouts_at_once_keep_their_counts_apart(mixed_specs):
         assert result is not None
         assert progress.finished == total
         assert progress.turns == turns_of(result.trajectories)
+
+
+def test_a_long_engine_call_shows_the_tokens_sampled_so_far(caplog):
+    """Between events, each line reads the engine's count of tokens sampled (``watch_tokens``), so
+    one long call (a whole single-turn rollout) shows its answers growing; 0 is not shown."""
+    caplog.set_level(logging.INFO, logger="ragen.rollout.progress")
+    now, sampled = [0.0], [0]
+    with RolloutProgress(128, "train", delay_s=2, log_every_s=10, file=io.StringIO(), clock=lambda: now[0],
+                         tick_s=None) as progress:
+        progress.watch_tokens(lambda: sampled[0])
+        now[0] = 3
+        progress.engine_batch(128)
+        sampled[0], now[0] = 640, 14
+        progress._show(0)  # what the ticker does between events
+    lines = [r.getMessage() for r in caplog.records if r.name == "ragen.rollout.progress"]
+    assert lines == ["[Progress] train: 0/128 envs finished | 0 turns | engine batch 128 | 3 s",
+                     "[Progress] train: 0/128 envs finished | 0 turns | engine batch 128 | 640 tokens sampled | 14 s"]
+    out = io.StringIO()
+    with RolloutProgress(8, "train", delay_s=0.05, tick_s=0.02, file=out, terminal=True) as bar:
+        bar.watch_tokens(lambda: 77)
+        bar.engine_batch(8)
+        time.sleep(0.6)  # the ticker redraws the bar with what it reads
+    assert "tokens=77" in out.getvalue()
+
+
+@pytest.mark.timeout(120)
+def test_inside_one_engine_call_the_rollout_reads_the_tokens_as_the_hf_engine_samples_them(
+        tiny_model_and_tokenizer):
+    """A single-turn rollout is one HFEngine call: its progress reads the tokens sampled growing
+    at each decoding step of that call, and at its end every answer token of the rollout."""
+    from ragen.llm.hf import HFEngine
+
+    model, tokenizer = tiny_model_and_tokenizer
+    engine = HFEngine(model=model, tokenizer=tokenizer)
+    cfg = config("es_manager.train.env_groups=2", "es_manager.train.group_size=4",
+                 "es_manager.train.env_configs.tags=[BanditHinted]", "es_manager.train.env_configs.n_groups=[2]")
+    progress = RecordingProgress(8)
+    seen: list[int] = []  # what the progress reads at each forward pass of the model
+    hook = model.register_forward_hook(lambda *_: seen.append(progress.tokens))
+    try:
+        with LLMAgentProxy(AgentSetup.from_config(cfg), engine) as proxy:
+            result = proxy.rollout("train", rollout_index=0, progress=progress)
+    finally:
+        hook.remove()
+    sampled = sum(len(turn.response_ids) for t in result.trajectories for turn in t.turns)
+    assert result.metrics["engine/calls"] == 1 and sampled > 8
+    assert seen == sorted(seen) and len(set(seen)) > 2 and seen[-1] < sampled  # grew inside the one call
+    assert progress.tokens == sampled

@@ -136,3 +136,23 @@ def test_a_run_whose_envs_all_fail_stops_and_exits_1_naming_why(tiny_model_path,
            "the train rollout ended in error or timeout; the first: tag Broken" in proc.stderr
     assert "Traceback" not in proc.stderr and f"run folder: {run_dir}" in proc.stderr
     assert [r["step"] for r in read_metrics(run_dir / "metrics.jsonl")] == [1, 2]
+
+
+@pytest.mark.timeout(180)
+def test_off_a_terminal_train_py_writes_whole_lines(tiny_model_path, tmp_path, capsys):
+    """Output to a file or a pipe: no progress bar, whose `\\r` redraws would be glued to the log
+    lines (train.py's own bar, the transformers bar of loading the weights); the step lines say how
+    far the run has got. In process: train.run with pytest's captured (not a terminal) streams."""
+    import importlib.util
+
+    from tests.test_trainer import compose_cfg
+
+    spec = importlib.util.spec_from_file_location("train_script", ROOT / "train.py")
+    train = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(train)
+    cfg = compose_cfg([*_small(tiny_model_path, tmp_path / "run"), "trainer.total_training_steps=1",
+                       "trainer.test_freq=0", "trainer.val_before_train=false", "trainer.logger=[console,jsonl]"])
+    train.run(cfg)
+    out, err = capsys.readouterr()
+    assert "step 1/1 | reward" in out and f"run folder: {tmp_path / 'run'}" in out
+    assert "\r" not in out + err, err[-2000:]

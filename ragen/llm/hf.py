@@ -327,6 +327,8 @@ class HFEngine(Engine):
                 past = out.past_key_values
                 logits = out.logits[:, -1, :].float()
             tokens, token_logprobs = choose(logits, sampling, None if uniforms is None else uniforms[:, step])
+            # counted as sampled: a rollout's progress reads it while this call runs
+            self._stats.tokens_sampled += sum(r is None for r in reasons)
             for row, (token, logprob) in enumerate(zip(tokens.tolist(), token_logprobs.tolist())):
                 if reasons[row] is not None:
                     continue

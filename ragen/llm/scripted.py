@@ -211,6 +211,7 @@ class ScriptedEngine(Engine):
         delay = self.base_s + self.per_token_s * n_tokens
         if delay > 0:
             time.sleep(delay)
+        self._stats.tokens_sampled += n_tokens
         return completions
 
     def close(self) -> None:
@@ -440,6 +441,7 @@ class ScriptedStreamingEngine(ScriptedEngine, StreamingEngine):
         except Exception as exc:  # handed to whoever waits for this request
             self._pending.settle(entry.future, error=exc)
             return
+        self._stats.tokens_sampled += len(completion.response_token_ids)
         self._pending.settle(entry.future, completion)
 
     def close(self) -> None:

@@ -12,7 +12,9 @@ from typing import Sequence
 class EngineStats:
     """An engine's cumulative counts; 0 for what an engine does not count.
 
-    ``tokens_prefilled`` and ``tokens_reused``: prompt tokens computed, and those whose KV came
+    ``tokens_sampled``: answer tokens sampled, counted as they are (``HFEngine``: each decoding
+    step, so the count grows inside one long call), or as each answer comes back (vLLM, the
+    scripted engine); ``tokens_prefilled`` and ``tokens_reused``: prompt tokens computed, and those whose KV came
     from a prefix computed once for several requests (``HFEngine``); ``turn_cache_bytes`` and
     ``turn_cache_evicted``: what the per-episode KV cache holds and the episodes it let go
     (None: the engine keeps none); ``history_divergences``: appended prompts whose template
@@ -20,6 +22,7 @@ class EngineStats:
     token ids were meant (``OpenAIEngine``); ``replicas``: with replicas, ``Router.counts()``.
     """
 
+    tokens_sampled: int = 0
     tokens_prefilled: int = 0
     tokens_reused: int = 0
     turn_cache_bytes: int | None = None
@@ -32,7 +35,8 @@ class EngineStats:
     def summed(cls, parts: Sequence[EngineStats], replicas: dict[str, float]) -> EngineStats:
         """The counts of several engines together, with their router's ``replicas`` counts."""
         caches = [p.turn_cache_bytes for p in parts if p.turn_cache_bytes is not None]
-        return cls(tokens_prefilled=sum(p.tokens_prefilled for p in parts),
+        return cls(tokens_sampled=sum(p.tokens_sampled for p in parts),
+                   tokens_prefilled=sum(p.tokens_prefilled for p in parts),
                    tokens_reused=sum(p.tokens_reused for p in parts),
                    turn_cache_bytes=sum(caches) if caches else None,
                    turn_cache_evicted=sum(p.turn_cache_evicted for p in parts),

@@ -178,6 +178,7 @@ class VLLMEngine(Engine):
                 logger.warning("vLLM returned no log-probs (one per token) for env %s turn %s; "
                                "its completion carries logprobs=None", request.env_id, request.turn)
             finish_reason = "length" if sample.finish_reason == "length" else "stop"
+            self._stats.tokens_sampled += len(response_ids)
             if sample.finish_reason not in ("stop", "length"):
                 logger.warning("vLLM finished env %s turn %s with %r", request.env_id, request.turn,
                                sample.finish_reason)

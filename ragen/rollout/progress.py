@@ -6,68 +6,41 @@ answered by the engine, i.e. turns (``answered``), and the size of the latest
 engine call (``engine_batch``). The sequential loop tells it directly; in the
 parallel rollout the driver's ``SharedLLMInferenceManager`` does, from the
 requests it answers and the finished-env counts that workers add to the
-messages they send anyway (``wire``).
+messages they send anyway (``wire``). A synchronous backend also has it read
+the tokens its engine has sampled (``watch_tokens``), so one long engine call
+(a whole Bandit rollout is one) shows its answers growing, not only its time.
 
-On a terminal it is a ``tqdm`` bar on stderr that appears only once the
-rollout has run ``delay_s`` (short rollouts show nothing) and is removed when
-the rollout ends, where the per-step summary line takes over. Elsewhere (a log
-file, a job scheduler) the same reading goes out as a ``logger.info`` line,
-after ``delay_s`` and then at most every ``log_every_s``. Besides the events,
-a ticker thread redraws every ``tick_s``, so one long engine call (a whole
-Bandit rollout is one) still shows the batch it is running and the time.
-
-Progress only reads counts: it never changes a trajectory, and its calls are
-cheap (a lock and a few additions; the bar redraws at most every 0.5 s). An
-error in it is logged and swallowed, never raised into the rollout.
+It is shown as ``ragen.progress.ProgressDisplay`` shows work: on a terminal a
+bar on stderr, removed when the rollout ends (where the per-step summary line
+takes over); elsewhere ``[Progress] ...`` log lines. Progress only reads
+counts: it never changes a trajectory, and its calls are cheap (a lock and a
+few additions).
 """
 
 from __future__ import annotations
 
 import logging
-import sys
-import threading
-import time
-from typing import Any, Callable, TextIO
+from typing import Any, Callable
+
+from ragen.progress import ProgressDisplay
 
 logger = logging.getLogger(__name__)
 
 
-class RolloutProgress:
-    """Counts of one rollout, shown as a bar or as log lines.
+class RolloutProgress(ProgressDisplay):
+    """Counts of one rollout, shown as a bar or as log lines (``ProgressDisplay``'s
+    keyword arguments: ``delay_s``, ``log_every_s``, ``file``, ``terminal``,
+    ``disable``, ``clock``, ``tick_s``)."""
 
-    ``terminal``: None asks ``file.isatty()``; ``disable``: count only, show
-    nothing (tests, library callers). ``clock`` is for tests (a fake clock)."""
+    log = logger
 
-    def __init__(self, total: int, split: str = "rollout", *, delay_s: float = 2.0, log_every_s: float = 10.0,
-                 file: TextIO | None = None, terminal: bool | None = None, disable: bool = False,
-                 clock: Callable[[], float] = time.monotonic, tick_s: float | None = 1.0) -> None:
-        self.total = int(total)
+    def __init__(self, total: int, split: str = "rollout", **display: Any) -> None:
         self.split = split
         self.finished = 0
         self.turns = 0
         self.batch_size = 0
-        self.delay_s = delay_s
-        self.log_every_s = log_every_s
-        self.lines_logged = 0
-        self._clock = clock
-        self._start = clock()
-        self._last_log: float | None = None
-        self._lock = threading.Lock()
-        self._closed = False
-        self._bar: Any = None
-        file = file if file is not None else sys.stderr
-        if terminal is None:
-            isatty = getattr(file, "isatty", None)
-            terminal = bool(isatty and isatty())
-        self._log = not disable and not terminal
-        if not disable and terminal:
-            from tqdm import tqdm
-
-            self._bar = tqdm(total=self.total, desc=f"rollout {split}", unit="env", delay=delay_s, file=file,
-                             leave=False, dynamic_ncols=True, mininterval=0.5)
-        self._stop = threading.Event()
-        if tick_s and (self._bar is not None or self._log):
-            threading.Thread(target=self._tick, args=(tick_s,), name="ragen-progress", daemon=True).start()
+        self._tokens: Callable[[], int] | None = None
+        super().__init__(total, f"rollout {split}", "env", **display)
 
     # ----- events (any thread) -------------------------------------------------------
     def envs_finished(self, n: int) -> None:
@@ -90,6 +63,12 @@ class RolloutProgress:
             self.batch_size = size
             self._show(0)
 
+    def watch_tokens(self, read: Callable[[], int]) -> None:
+        """``read()`` gives the tokens the engine has sampled since the rollout began
+        (its ``EngineStats.tokens_sampled``): read at each redraw, shown once above 0."""
+        with self._lock:
+            self._tokens = read
+
     def complete(self) -> None:
         """Every env has its trajectory (the driver checked): the count is exact."""
         with self._lock:
@@ -97,58 +76,20 @@ class RolloutProgress:
             self.finished = self.total
             self._show(self.finished - before)
 
-    def close(self) -> None:
-        """The rollout ended (or failed): the bar goes away."""
-        self._stop.set()
-        with self._lock:
-            if self._closed:
-                return
-            self._closed = True
-            bar, self._bar = self._bar, None
-        if bar is not None:
-            try:
-                bar.close()
-            except Exception:  # progress must never fail a rollout
-                logger.debug("closing the progress bar failed", exc_info=True)
-
     def __enter__(self) -> "RolloutProgress":
         return self
 
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
+    # ----- what is shown ---------------------------------------------------------------
+    @property
+    def tokens(self) -> int:
+        """The tokens sampled since the rollout began, as ``watch_tokens`` reads them (0: not watched)."""
+        return self._tokens() if self._tokens is not None else 0
 
     def describe(self) -> str:
+        tokens = self.tokens
         return (f"[Progress] {self.split}: {self.finished}/{self.total} envs finished | {self.turns} turns | "
-                f"engine batch {self.batch_size}")
+                f"engine batch {self.batch_size}" + (f" | {tokens} tokens sampled" if tokens else ""))
 
-    # ----- display (under the lock) ---------------------------------------------------
-    def _tick(self, every_s: float) -> None:
-        # Bounded: each wait ends after every_s, and close() sets the event.
-        while not self._stop.wait(every_s):
-            with self._lock:
-                if self._bar is not None and self._clock() - self._start >= self.delay_s:
-                    try:
-                        self._bar.refresh()  # the elapsed time moves even when no event comes
-                    except Exception:  # progress must never fail a rollout
-                        logger.debug("progress display failed", exc_info=True)
-                else:
-                    self._show(0)
-
-    def _show(self, advanced: int) -> None:
-        if self._closed:
-            return
-        try:
-            if self._bar is not None:
-                self._bar.set_postfix_str(f"turns={self.turns}, batch={self.batch_size}", refresh=False)
-                self._bar.update(advanced)  # redraws only past mininterval, and not before delay_s
-            elif self._log:
-                now = self._clock()
-                if now - self._start < self.delay_s:
-                    return
-                if self._last_log is not None and now - self._last_log < self.log_every_s:
-                    return
-                self._last_log = now
-                self.lines_logged += 1
-                logger.info("%s | %.0f s", self.describe(), now - self._start)
-        except Exception:  # progress must never fail a rollout
-            logger.debug("progress display failed", exc_info=True)
+    def postfix(self) -> str:
+        tokens = self.tokens
+        return f"turns={self.turns}, batch={self.batch_size}" + (f", tokens={tokens}" if tokens else "")

@@ -31,7 +31,8 @@ aggregated by ``loss_agg_mode``: ``token-mean`` (every answer token of the
 mini-batch weighs the same) or ``seq-mean-token-mean`` (every episode weighs
 the same). Both are exact whatever the micro-batch split. The model runs in
 eval mode throughout (no dropout), so the policy being scored is the policy
-that generated.
+that generated. Each micro-batch pass, scoring ones included, is told to the
+update's ``UpdateProgress`` as it ends.
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ from ragen.trainer.core import Sample, WeightStats, group_indices, importance_we
 from ragen.trainer.logprobs import (AUTO_CHECKPOINT_TOKENS, PromptRoot, can_checkpoint_layers, prompt_root,
                                     sequence_logprobs)
 from ragen.trainer.precision import autocast_dtype
+from ragen.trainer.progress import UpdateProgress
 
 logger = logging.getLogger(__name__)
 
@@ -60,7 +62,7 @@ class PPOActor:
         model: Any,
         config: TrainerConfig,
         pad_token_id: int = 0,
-        reference: Callable[[Sequence[Sample]], list[torch.Tensor]] | None = None,
+        reference: Callable[..., list[torch.Tensor]] | None = None,
         weights_lock: Callable[[], contextlib.AbstractContextManager] | None = None,
         temperature: float = 1.0,
         correction: str = "none",
@@ -109,10 +111,13 @@ class PPOActor:
                                  **_options(self.config, self.temperature, self.model))
 
     @torch.no_grad()
-    def compute_log_probs(self, samples: Sequence[Sample]) -> list[torch.Tensor]:
-        """Per sample: log-probs of its answer tokens under the current weights."""
+    def compute_log_probs(self, samples: Sequence[Sample],
+                          on_pass: Callable[[], None] | None = None) -> list[torch.Tensor]:
+        """Per sample: log-probs of its answer tokens under the current weights (``on_pass``: called
+        after each micro-batch)."""
         self.model.eval()
-        return logprobs_by_micro_batch(self.model, samples, self.pad_token_id, self.config, self.temperature)
+        return logprobs_by_micro_batch(self.model, samples, self.pad_token_id, self.config, self.temperature,
+                                       on_pass)
 
     # ------------------------------------------------------------ update
 
@@ -125,7 +130,10 @@ class PPOActor:
             groups = [groups[i] for i in torch.randperm(len(groups), generator=gen).tolist()]
         return [i for g in groups for i in g]
 
-    def update(self, samples: Sequence[Sample], step: int = 0) -> dict[str, float]:
+    def update(self, samples: Sequence[Sample], step: int = 0,
+               progress: UpdateProgress | None = None) -> dict[str, float]:
+        """One PPO update of ``samples`` (training step ``step``); its micro-batch passes are told to
+        ``progress`` (by default a bar on a terminal, log lines elsewhere), which it closes."""
         cfg = self.config.actor
         samples = [s for s in samples if s.num_loss_tokens > 0]
         if not samples:
@@ -141,16 +149,33 @@ class PPOActor:
             self._warned_no_logprobs = True
             logger.warning("step %d: the engine returned no log-probs of the tokens it sampled, so the "
                            "off-policy correction (%s) falls back to none", step, self.correction)
-        old = None if n_updates == 1 else self.compute_log_probs(samples)
-        ref = None
-        if cfg.use_kl_loss:
-            with torch.no_grad():
-                ref = self.reference(samples)  # type: ignore[misc]
+        # the passes: scoring the old and the reference policy (logprobs_by_micro_batch's), then training
+        scoring = math.ceil(n / cfg.ppo_micro_batch_size_per_gpu)
+        training = cfg.ppo_epochs * sum(math.ceil(min(mini, n - start) / micro) for start in range(0, n, mini))
+        total = scoring * ((n_updates > 1) + cfg.use_kl_loss) + training
+        with progress if progress is not None else UpdateProgress(step, total) as shown:
+            old = None
+            if n_updates > 1:
+                shown.start("old log-probs")
+                old = self.compute_log_probs(samples, on_pass=shown.passed)
+            ref = None
+            if cfg.use_kl_loss:
+                shown.start("reference log-probs")
+                with torch.no_grad():
+                    ref = self.reference(samples, on_pass=shown.passed)  # type: ignore[misc]
+            return self._epochs(samples, step, mini, micro, old, ref, shown)
+
+    def _epochs(self, samples: list[Sample], step: int, mini: int, micro: int, old: list[torch.Tensor] | None,
+                ref: list[torch.Tensor] | None, progress: UpdateProgress) -> dict[str, float]:
+        """The update's epochs over mini-batches of ``mini`` samples, micro-batches of ``micro``; its metrics."""
+        cfg = self.config.actor
+        n = len(samples)
         sums: dict[str, float] = {"pg": 0.0, "entropy": 0.0, "kl": 0.0, "ppo_kl": 0.0, "clip": 0.0, "tokens": 0.0}
         weights = WeightStats()
         grad_norms: list[float] = []
         skipped = checkpointed = 0
         for epoch in range(cfg.ppo_epochs):
+            progress.start(f"epoch {epoch + 1}/{cfg.ppo_epochs}")
             order = self._order(samples, step, epoch)
             for mb_start in range(0, n, mini):
                 mb = order[mb_start: mb_start + mini]
@@ -167,6 +192,7 @@ class PPOActor:
                     self._micro_step([samples[i] for i in idx], root, None if old is None else [old[i] for i in idx],
                                      None if ref is None else [ref[i] for i in idx], denom, sums,
                                      weights if epoch == 0 else None, checkpoint_layers)
+                    progress.passed()
                 if root is not None:
                     root.backward()
                 norm = self._optimizer_step(step)
@@ -264,9 +290,9 @@ class PPOActor:
 
 
 def logprobs_by_micro_batch(model: Any, samples: Sequence[Sample], pad_token_id: int, config: TrainerConfig,
-                            temperature: float) -> list[torch.Tensor]:
+                            temperature: float, on_pass: Callable[[], None] | None = None) -> list[torch.Tensor]:
     """Per sample, its answer tokens' log-probs under ``model``, ``ppo_micro_batch_size_per_gpu``
-    samples a pass (no gradient: the caller turns it off)."""
+    samples a pass (no gradient: the caller turns it off); ``on_pass`` is called after each pass."""
     out: list[torch.Tensor] = []
     micro = config.actor.ppo_micro_batch_size_per_gpu
     root = _prompt_root(model, samples, config)
@@ -274,6 +300,8 @@ def logprobs_by_micro_batch(model: Any, samples: Sequence[Sample], pad_token_id:
         stats = sequence_logprobs(model, samples[start: start + micro], pad_token_id, root=root,
                                   **_options(config, temperature, model))
         out += list(torch.split(stats.logp.detach(), stats.counts))
+        if on_pass is not None:
+            on_pass()
     return out
 
 
@@ -300,9 +328,9 @@ def adapter_off_reference(peft_model: Any, pad_token_id: int, config: TrainerCon
     """The reference of a LoRA run: the same model with its adapter switched off (no copy)."""
 
     @torch.no_grad()
-    def ref(samples: Sequence[Sample]) -> list[torch.Tensor]:
+    def ref(samples: Sequence[Sample], on_pass: Callable[[], None] | None = None) -> list[torch.Tensor]:
         with peft_model.disable_adapter():
-            return logprobs_by_micro_batch(peft_model, samples, pad_token_id, config, temperature)
+            return logprobs_by_micro_batch(peft_model, samples, pad_token_id, config, temperature, on_pass)
 
     return ref
 
@@ -316,8 +344,8 @@ def frozen_copy_reference(model: Any, pad_token_id: int, config: TrainerConfig, 
         p.requires_grad_(False)
 
     @torch.no_grad()
-    def ref(samples: Sequence[Sample]) -> list[torch.Tensor]:
-        return logprobs_by_micro_batch(frozen, samples, pad_token_id, config, temperature)
+    def ref(samples: Sequence[Sample], on_pass: Callable[[], None] | None = None) -> list[torch.Tensor]:
+        return logprobs_by_micro_batch(frozen, samples, pad_token_id, config, temperature, on_pass)
 
     ref.model = frozen  # type: ignore[attr-defined]
     return ref

@@ -119,6 +119,8 @@ class SyncBackend(RolloutBackend):
                 # the engine's counts over this rollout (rollouts at once, or generating ahead, add theirs)
                 before = self.engine.stats()
                 with progress if progress is not None else RolloutProgress(len(specs), label) as shown:
+                    # the answers of a long engine call grow before it returns
+                    shown.watch_tokens(lambda: self.engine.stats().tokens_sampled - before.tokens_sampled)
                     result = self._play(specs, loop, shown, fault, enough)
                 after = self.engine.stats()
                 counts = _engine_counts(before, after)
