@@ -7,7 +7,9 @@ setup(
     long_description=open("README.md", encoding="utf-8").read(),
     long_description_content_type="text/markdown",
     python_requires=">=3.10",
-    packages=find_packages(include=["ragen", "ragen.*"]),
+    # hydra_plugins.ragen_resolvers: Hydra imports it as it starts, registering the resolver of
+    # config/ (ragen.config_files.run_name)
+    packages=find_packages(include=["ragen", "ragen.*"]) + ["hydra_plugins.ragen_resolvers"],
     # config/ (one copy of each YAML, read by train.py through Hydra) ships as
     # ragen/_config, a symlink to it in the source tree: see ragen/config_files.py
     package_data={"ragen": ["py.typed", "_config/*.yaml", "_config/*/*.yaml"]},

@@ -6,7 +6,8 @@
     python train.py trainer.resume=true trainer.total_training_steps=24  # continue the newest run
 
 Each run writes a fresh run folder, runs/<project>/<experiment>/<date>_<time>
-(``trainer.default_local_dir``), and ``latest`` beside it links the newest.
+(``trainer.default_local_dir``; its experiment named after what the run trains, e.g. bandit_grpo), and
+``latest`` beside it links the newest run that wrote a step.
 
 The logic lives in ``ragen.trainer``; this file parses the config, shows a
 progress bar (on a terminal) and the one-line summary of each step, and reports where the
@@ -72,7 +73,10 @@ def run(cfg: DictConfig) -> dict:
 @hydra.main(config_path="config", config_name="base", version_base=None)
 def main(cfg: DictConfig) -> None:
     from ragen.allocator import relaunch_with
+    from ragen.config_files import register_resolvers
     from ragen.rollout.workers.executors import interrupt_on_sigterm
+
+    register_resolvers()  # trainer.experiment_name's (Hydra registers it too, where ragen's plugin is installed)
 
     try:  # the allocator first: the command runs again with it preloaded, before anything is built
         relaunch_with(cfg.get("trainer", {}).get("allocator", "auto"))

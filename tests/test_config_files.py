@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from ragen.config_files import config_dir
+from ragen.config_files import config_dir, run_name
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -22,6 +22,17 @@ def test_config_dir_is_the_repository_config_folder():
     assert config_dir().resolve() == (ROOT / "config").resolve()
     for name in ("envs.yaml", "soak.yaml", "base.yaml", "engine/scripted.yaml"):
         assert (config_dir() / name).is_file(), name
+
+
+def test_run_name_names_what_the_run_trains_as_one_folder():
+    envs = {"SimpleSokoban": {"env_type": "sokoban"}, "LargerSokoban": {"env_type": "sokoban"},
+            "FrozenLake": {"env_type": "frozen_lake"}, "Mine": {"env_type": "my_pkg.envs:My Env"}}
+    assert run_name(["SimpleSokoban"], envs, "grpo") == "sokoban_grpo"
+    assert run_name(["SimpleSokoban", "FrozenLake", "LargerSokoban"], envs, "reinforce") == \
+        "sokoban-frozen_lake_reinforce"
+    assert run_name(["Mine"], envs, "grpo") == "My_Env_grpo"  # an import path: its last part
+    assert run_name(["Not A/Tag"], envs, "grpo") == "Not_A_Tag_grpo"  # unknown: the env setup names it later
+    assert run_name([], envs, "grpo") == "run_grpo"
 
 
 @pytest.mark.timeout(180)
@@ -36,7 +47,7 @@ def test_tools_find_their_configs_in_a_non_editable_install(tmp_path):
     for name in ("setup.py", "README.md"):
         shutil.copy2(ROOT / name, src / name)
     ignore = shutil.ignore_patterns("__pycache__", "*.pyc")
-    for name in ("ragen", "config"):
+    for name in ("ragen", "config", "hydra_plugins"):
         shutil.copytree(ROOT / name, src / name, symlinks=True, ignore=ignore)
     pip = subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "--no-build-isolation", "--no-index",
                           "--no-compile", "--quiet", "--target", str(target), str(src)],
@@ -44,6 +55,8 @@ def test_tools_find_their_configs_in_a_non_editable_install(tmp_path):
     assert pip.returncode == 0, pip.stdout + pip.stderr
     installed = target / "ragen" / "_config"
     assert (installed / "envs.yaml").is_file() and not installed.is_symlink()  # files, not a link to the checkout
+    # Hydra's plugin that registers the resolver of trainer.experiment_name, wherever Hydra composes
+    assert (target / "hydra_plugins" / "ragen_resolvers" / "__init__.py").is_file()
 
     env = {**os.environ, "PYTHONPATH": str(target)}
 

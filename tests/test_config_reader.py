@@ -42,7 +42,7 @@ DEFAULT_JOB = {
     "ctx_manager.generation.response_length": "a Bandit answer is a word; the code default leaves room to think",
     "seed.train": "RAGEN's seeds",
     "seed.val": "RAGEN's seeds",
-    "trainer.experiment_name": "names the default job's run folder",
+    "trainer.experiment_name": "named after what the run trains (the ragen.run_name resolver)",
     "trainer.total_training_steps": "enough steps to see learning on a CPU",
     "trainer.test_freq": "validates a few times within those steps",
     "trainer.save_freq": "checkpoints twice within those steps",

@@ -753,6 +753,35 @@ def test_the_default_run_folder_is_a_fresh_one_per_run():
     assert re.fullmatch(r"runs/ragen/bandit_grpo/[\d_-]+", parallel), parallel
 
 
+def test_the_run_folder_is_named_after_what_the_run_trains():
+    """Sokoban runs do not land in bandit_grpo: the experiment is named after the train tags' env
+    types and the advantage estimator, unless trainer.experiment_name names it."""
+    def folder(tags: str, n_groups: str, *extra: str) -> str:
+        return TrainerConfig.from_config(compose_cfg([f"es_manager.train.env_configs.tags={tags}",
+                                                      f"es_manager.train.env_configs.n_groups={n_groups}",
+                                                      *extra])).run.default_local_dir
+
+    assert re.fullmatch(r"runs/ragen/sokoban_grpo/[\d_-]+", folder("[SimpleSokoban]", "[4]"))
+    assert re.fullmatch(r"runs/ragen/sokoban-frozen_lake_reinforce/[\d_-]+",
+                        folder("[SimpleSokoban,FrozenLake,LargerSokoban]", "[2,1,1]", "algorithm.adv_estimator=reinforce"))
+    assert re.fullmatch(r"runs/ragen/mine/[\d_-]+", folder("[SimpleSokoban]", "[4]", "trainer.experiment_name=mine"))
+
+
+def test_latest_moves_only_to_a_run_that_wrote_a_step(tiny_model_path, tmp_path):
+    """A run killed before its first step leaves ``latest`` at the newest run that has one, so the
+    docs' ``latest/rollouts/...`` paths hold."""
+    trained, killed = tmp_path / "exp" / "2026-01-01_00-00-00", tmp_path / "exp" / "2026-01-01_00-00-09"
+    latest = tmp_path / "exp" / ckpt.LATEST_RUN
+    with AgentTrainer(compose_cfg(small_overrides(tiny_model_path, trained, "trainer.total_training_steps=1",
+                                                  "trainer.save_freq=0"))) as trainer:
+        assert not latest.exists()  # started, nothing written yet
+        trainer.fit()
+    assert latest.resolve() == trained
+    with AgentTrainer(compose_cfg(small_overrides(tiny_model_path, killed))):
+        pass  # built, then stopped before its first step
+    assert killed.is_dir() and latest.resolve() == trained
+
+
 def test_latest_links_the_newest_run_folder_and_leaves_anything_else_alone(tmp_path):
     first, second = tmp_path / "exp" / "2026-01-01_00-00-00", tmp_path / "exp" / "2026-01-01_00-00-07"
     for run in (first, second):

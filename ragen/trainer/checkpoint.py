@@ -16,7 +16,9 @@ findable; a half-written folder is never taken for a checkpoint.
 
 *Findable*: ``mark_latest_run`` points ``latest`` beside a run folder at it
 (``runs/ragen/bandit_grpo/latest``), so the newest of an experiment's run
-folders, one per run, has a path that does not change.
+folders, one per run, has a path that does not change. The trainer marks a
+run once it has written its first step: a run killed before that leaves
+``latest`` where it was.
 
 A checkpoint damaged afterwards (a ``state.pt`` cut short by a copy or a full
 disk, a ``meta.json`` that is not JSON) raises ``CheckpointError`` naming the

@@ -140,7 +140,7 @@ class AgentTrainer:
         if resume_step is not None:
             self._load(resume_step)
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        ckpt.mark_latest_run(self.run_dir)
+        self._marked_latest = False  # `latest` points here once the run has written a step
         self._save_config(plain)
         self.tracking = Tracking(self.run_dir, self.config.loggers, self.config.run.project_name,
                                  self.config.run.experiment_name, config=plain, console=console)
@@ -214,7 +214,7 @@ class AgentTrainer:
                 logger.warning("step %d failed (%d in a row; the run stops at trainer.max_failed_steps=%d): %s",
                                step, failed_in_a_row, cfg.max_failed_steps, why)
             if failed_in_a_row >= cfg.max_failed_steps:
-                self.tracking.log({**metrics, "step": step}, step=step)
+                self._log_step({**metrics, "step": step}, step)
                 raise TrainingFailed(f"{failed_in_a_row} steps in a row failed (trainer.max_failed_steps="
                                      f"{cfg.max_failed_steps}); step {step}: {why}")
             if cfg.test_freq > 0 and (step % cfg.test_freq == 0 or step == cfg.total_training_steps):
@@ -224,7 +224,7 @@ class AgentTrainer:
             metrics["timing/step_s"] = time.perf_counter() - t0
             metrics["step"] = step
             self.global_step = step
-            self.tracking.log(metrics, step=step)
+            self._log_step(metrics, step)
             self.tracking.summary(summary_line(metrics, cfg.total_training_steps))
             if (cfg.save_freq > 0 and step % cfg.save_freq == 0) or step == cfg.total_training_steps:
                 self.save()
@@ -236,6 +236,17 @@ class AgentTrainer:
             raise TrainingFailed(f"no update happened in steps {self._first_step + 1}-{cfg.total_training_steps}: "
                                  f"{step_failure(last, self._failed_envs) or 'see the warnings above'}")
         return last
+
+    def _log_step(self, metrics: dict[str, float], step: int) -> None:
+        self.tracking.log(metrics, step=step)
+        self._wrote_a_step()
+
+    def _wrote_a_step(self) -> None:
+        """The run wrote a step (its metrics or a checkpoint): the first time, ``latest`` points at
+        its folder, so that ``latest`` is the newest run with a step (one killed before has none)."""
+        if not self._marked_latest:
+            ckpt.mark_latest_run(self.run_dir)
+            self._marked_latest = True
 
     def train_step(self, step: int) -> dict[str, float]:
         version = self.engine.policy_version
@@ -341,8 +352,10 @@ class AgentTrainer:
         }
         meta = {"policy_version": self.engine.policy_version, "lora_rank": self.config.model.lora_rank,
                 "experiment_name": self.config.run.experiment_name}
-        return ckpt.save_checkpoint(self.run_dir, self.global_step, state, meta,
+        path = ckpt.save_checkpoint(self.run_dir, self.global_step, state, meta,
                                     peft_model=self.peft_model, max_to_keep=self.config.run.max_actor_ckpt_to_keep)
+        self._wrote_a_step()
+        return path
 
     def _load(self, step: int) -> None:
         rank = ckpt.load_meta(self.run_dir, step).get("lora_rank")
