@@ -823,6 +823,23 @@ def test_metrics_log_has_the_stable_names(tiny_model_path, tmp_path):
     assert json.loads((run / "checkpoints" / "global_step_1" / "meta.json").read_text())["policy_version"] == 1
 
 
+def test_the_learning_curve_says_what_reward_and_success_measure(tiny_model_path, tmp_path, monkeypatch):
+    """Bandit's training reward and success part ways (one is a random draw, the other the arm's
+    choice): learning_curve.png says so under the curves, for the envs the run trains."""
+    import matplotlib.pyplot as plt
+
+    from ragen.viewer.curve import REWARD_AND_SUCCESS
+
+    drawn = []
+    monkeypatch.setattr(plt, "close", drawn.append)  # the figure, as it was saved
+    with AgentTrainer(compose_cfg(small_overrides(tiny_model_path, tmp_path / "run"))) as trainer:
+        trainer.tracking.log({"train/reward": 0.1, "train/success": 0.5}, step=1)
+        assert trainer.plot() == tmp_path / "run" / "learning_curve.png"
+    text = " ".join(t.get_text() for t in drawn[0].texts).replace("\n", " ")
+    assert REWARD_AND_SUCCESS in text
+    assert "Bandit: success is pulling the high-risk arm (worth 0.25 in expectation, the low-risk arm 0.1)" in text
+
+
 def test_rollout_data_dir_dumps_every_rollout_for_the_viewer_and_replay(tiny_model_path, tmp_path):
     from ragen.rollout.dump import read_dump
     from ragen.tools.replay import replay

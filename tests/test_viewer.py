@@ -260,6 +260,41 @@ def test_curve_from_metrics_beside_the_dump(tmp_path, dump):
     assert 'data-metric="train/reward"' in write_viewer(sub / dump.name).read_text()
 
 
+def test_the_curve_says_what_reward_and_success_measure(tmp_path, dump):
+    """Bandit's reward and success part ways with no word why on the curve alone: beside it the page
+    says what the two measure, and how Bandit's differ (a dump with a Bandit tag)."""
+    from ragen.env.bandit.config import BanditEnvConfig
+    from ragen.viewer.curve import REWARD_AND_SUCCESS
+
+    metrics = tmp_path / "metrics.jsonl"
+    metrics.write_text('{"step": 1, "train/reward": 0.1, "train/success": 0.5}\n')
+    text = write_viewer(dump, tmp_path / "page.html", metrics).read_text()
+    curve = text[text.index('<section id="curve">'):]
+    curve = curve[: curve.index("</section>")]
+    assert 'data-metric="train/success"' in curve
+    assert html.escape(REWARD_AND_SUCCESS) in curve
+    assert html.escape(BanditEnvConfig().reward_and_success()) in curve
+    assert curve.count("Bandit: success is") == 1  # once, however many Bandit episodes
+
+
+def test_the_maps_have_a_legend(records, page):
+    """Each set of map symbols the episodes are drawn with has a legend: each cell as drawn (the
+    grids' classes), its symbol and its name; a page without maps has none."""
+    legend = page[page.index('<section id="legend">'):]
+    legend = legend[: legend.index("</section>")]
+    for tags, vocab in (("SimpleSokoban", SOKOBAN), ("FrozenLake", FROZEN), ("SokobanDifferentGridVocab", OTHER_VOCAB)):
+        assert f"<p>{tags}</p>" in legend
+        for symbol, kind in vocab.items():
+            entry = re.search(rf'<td data-cell="{kind}" class="([^"]*)"[^>]*></td></tr></table><code>'
+                              rf'{re.escape(html.escape(symbol))}</code> {kind.replace("-", " ")}</li>', legend)
+            assert entry, (tags, symbol, kind)
+            classes = entry.group(1).split()
+            assert ("p" in classes) == ("player" in kind) and ("b" in classes) == ("box" in kind)
+    assert "Bandit" not in legend and "Fault" not in legend
+    text_only = render_html([r for r in records if r.spec.tag == "Bandit"])
+    assert 'id="legend"' not in text_only
+
+
 def test_the_curve_shows_rounded_numbers():
     """A mean of rewards that cancel is float noise (8.674e-19): shown as 0, and no value in more than
     four significant digits."""

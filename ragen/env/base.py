@@ -49,6 +49,11 @@ class BaseEnvConfig:
     def __post_init__(self) -> None:
         self.invalid_act_score = check_number("invalid_act_score", self.invalid_act_score)
 
+    def reward_and_success(self) -> str | None:
+        """What an episode's reward and its success measure, where they measure different things
+        (a learning curve shows both, and says this beside them); None: nothing to say."""
+        return None
+
 
 @dataclass
 class ToolFormConfig(BaseEnvConfig):

@@ -11,7 +11,8 @@
 - ``read_metrics`` / ``truncate_metrics``: read the jsonl log; drop the rows
   of steps after a checkpoint on resume, so every step is logged once.
 - ``plot_learning_curve``: a PNG of validation success / reward and training
-  reward against the step.
+  reward / success against the step, with what reward and success measure
+  written under it.
 
 Metric names are stable (CleanRL's habit): ``train/...`` and ``val/...`` for
 rollouts, ``actor/...`` for the update, ``timing/...``, ``policy_version``
@@ -154,8 +155,10 @@ def summary_line(metrics: Mapping[str, Any], total_steps: int) -> str:
     return " | ".join(parts)
 
 
-def plot_learning_curve(metrics_path: str | os.PathLike, out_path: str | os.PathLike, title: str = "") -> Path:
-    """Validation success and reward, and training reward, against the step."""
+def plot_learning_curve(metrics_path: str | os.PathLike, out_path: str | os.PathLike, title: str = "",
+                        notes: Sequence[str] = ()) -> Path:
+    """Validation success and reward, and training reward and success, against the step; ``notes``
+    (``ragen.viewer.curve.curve_notes``: what reward and success measure) written under them."""
     import matplotlib
 
     matplotlib.use("Agg", force=False)
@@ -185,6 +188,14 @@ def plot_learning_curve(metrics_path: str | os.PathLike, out_path: str | os.Path
     if title:
         fig.suptitle(title)
     fig.tight_layout()
+    if notes:  # under the panels, wrapped to the figure's width
+        import textwrap
+
+        text = "\n".join(textwrap.fill(note, 150) for note in notes)
+        lines = text.count("\n") + 1
+        fig.set_figheight(fig.get_figheight() + 0.17 * lines)
+        fig.subplots_adjust(bottom=(0.17 * lines + 0.5) / fig.get_figheight())
+        fig.text(0.01, 0.01, text, fontsize=7, va="bottom", ha="left", wrap=False)
     out = Path(out_path)
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=100)

@@ -20,6 +20,7 @@ from typing import Any, Callable, Mapping
 import torch
 
 from ragen.config_reader import to_plain
+from ragen.env import make_env_config
 from ragen.llm import STREAMING_ENGINES, check_engine_config, engine_returns_logprobs, engine_streams
 from ragen.llm.chat_tokens import ChatTokens
 from ragen.llm.default_model import resolve_model_path
@@ -39,6 +40,7 @@ from ragen.trainer.policy import apply_lora, load_trainable_state, merged_weight
 from ragen.trainer.samples import make_samples, rename_rollout_metrics
 from ragen.trainer.tracking import CURVE_FILE, METRICS_FILE, Tracking, plot_learning_curve, summary_line, \
     truncate_metrics
+from ragen.viewer.curve import curve_notes
 
 logger = logging.getLogger(__name__)
 
@@ -402,7 +404,8 @@ class AgentTrainer:
         """Draw ``learning_curve.png``; return its path, or None where it was not drawn (the log says why)."""
         try:
             path = plot_learning_curve(self.run_dir / METRICS_FILE, self.run_dir / CURVE_FILE,
-                                       title=f"{self.config.run.project_name}/{self.config.run.experiment_name}")
+                                       title=f"{self.config.run.project_name}/{self.config.run.experiment_name}",
+                                       notes=curve_notes(self._env_configs()))
         except ModuleNotFoundError as exc:  # matplotlib (or a module it needs) is not installed
             logger.warning("no learning curve drawn: %s; install it to draw %s", exc, CURVE_FILE)
             return None
@@ -411,6 +414,15 @@ class AgentTrainer:
             return None
         logger.info("learning curve: %s", path)
         return path
+
+    def _env_configs(self) -> list[Any]:
+        """One env config per train and val tag: what the learning curve's notes read."""
+        configs: dict[str, Any] = {}
+        for maker in self.setup.es.values():
+            for spec in maker.make_specs(0):
+                if spec.tag not in configs:
+                    configs[spec.tag] = make_env_config(spec.env_type, spec.env_config, spec.config_type, spec.tag)
+        return list(configs.values())
 
     def close(self) -> None:
         self.proxy.close()

@@ -11,10 +11,12 @@ writes the page (by default beside the dump, with ``.html`` for its suffix).
   highlighted. Inline CSS and JS, no network.
 - Grid (``grid.py``): a grid env's text observation (Sokoban, FrozenLake, or
   any env whose config has a ``grid_vocab``) as cells with a kind each (wall,
-  box, target, hole, goal, player, ...); other envs are shown as text.
+  box, target, hole, goal, player, ...), with a legend of them; other envs are
+  shown as text.
 - Curve (``curve.py``): the run's ``metrics.jsonl`` (beside the dump, in the
   folder above, or given) as SVG line charts of ``val/success``,
-  ``train/reward`` and ``train/success`` against step.
+  ``train/reward`` and ``train/success`` against step, with a note on what
+  reward and success measure (and, for Bandit, why they part).
 
 ``render_html(records, metrics=None) -> str`` builds the page from
 ``read_dump``'s records and metrics rows; ``write_viewer(dump_path, out=None,

@@ -9,6 +9,10 @@
   or the folder above), or None.
 - ``curve_svg(rows)``: one small line chart per metric of ``CURVE_METRICS``
   that the rows hold, against step; "" when they hold none.
+- ``curve_notes(configs)``: what reward and success measure, said wherever a
+  curve shows both (here and the trainer's ``learning_curve.png``): they can
+  move apart, and an env whose two measure different things says how
+  (``BaseEnvConfig.reward_and_success``: Bandit's).
 """
 
 from __future__ import annotations
@@ -17,11 +21,25 @@ import html
 import json
 import math
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterable
 
 CURVE_METRICS = ("val/success", "train/reward", "train/success")
 METRICS_FILE = "metrics.jsonl"
 _W, _H, _PAD_L, _PAD_R, _PAD_T, _PAD_B = 420, 200, 52, 12, 24, 30
+
+
+REWARD_AND_SUCCESS = ("reward is what the env paid over an episode, format penalties included; success is "
+                      "whether the env counts the episode as solved. They measure different things and can move apart.")
+
+
+def curve_notes(configs: Iterable[Any]) -> list[str]:
+    """``REWARD_AND_SUCCESS``, then what each env config (None: unknown) says of its own two, once each."""
+    notes = [REWARD_AND_SUCCESS]
+    for config in configs:
+        note = config.reward_and_success() if hasattr(config, "reward_and_success") else None
+        if note and note not in notes:
+            notes.append(note)
+    return notes
 
 
 class ViewerError(ValueError):

@@ -10,8 +10,9 @@
 - ``Symbols``: what an env's symbols mean, taken from its config class
   (``grid_vocab``, so custom vocabularies are drawn right), else from the
   default tables of Sokoban and FrozenLake, else none: the observation is shown
-  as text. A config class is built only for an env type the user's setup
-  names (``ragen.env.allowed``); the dump's other types are never imported.
+  as text. A config class is built (``env_config``) only for an env type the
+  user's setup names (``ragen.env.allowed``); the dump's other types are never
+  imported.
 - ``picture(observation, symbols)``: the ``GridPicture`` of one observation, or
   ``None`` when it is not a map in those symbols (coordinates only, a bandit's
   story, a countdown's numbers).
@@ -22,6 +23,7 @@ from __future__ import annotations
 import logging
 import re
 from dataclasses import dataclass
+from typing import Any
 
 from ragen.env import make_env_config
 from ragen.env.allowed import AllowedEnvTypes, EnvTypeNotAllowed
@@ -78,19 +80,24 @@ def _cell(symbol: str, name: str) -> Cell:
     return Cell(symbol, "-".join(words) or "unknown", terrain, "player" in words, "box" in words)
 
 
-def symbols_for(spec: EnvSpec, env_types: AllowedEnvTypes | None = None) -> Symbols | None:
-    """The symbols of ``spec``'s env, or None when it draws no grid. Builds the
-    env's config (cheap, no env) when ``env_types`` (default: the registered
-    names) allows its type: callers keep one per ``spec.reuse_key``."""
-    vocab = None
+def env_config(spec: EnvSpec, env_types: AllowedEnvTypes | None = None) -> Any:
+    """The config of ``spec``'s env (cheap, no env), built only when ``env_types``
+    (default: the registered names) allows its type; None where it is not built
+    (the log says why). Callers keep one per ``spec.reuse_key``."""
     try:
         (env_types if env_types is not None else AllowedEnvTypes()).check(spec.env_type, spec.config_type, spec.tag)
-        config = make_env_config(spec.env_type, spec.env_config, spec.config_type, spec.tag)
-        vocab = getattr(config, "grid_vocab", None)
+        return make_env_config(spec.env_type, spec.env_config, spec.config_type, spec.tag)
     except EnvTypeNotAllowed as exc:  # the dump's own type: drawn without its code
         logger.warning("env %s: config not built, default symbols used: %s", spec.tag, exc)
     except (ImportError, ValueError, TypeError) as exc:  # a custom env not importable here: use the defaults
         logger.info("env %s (%s): config not built (%s); using the default symbols", spec.tag, spec.env_type, exc)
+    return None
+
+
+def symbols_for(spec: EnvSpec, config: Any) -> Symbols | None:
+    """The symbols of ``spec``'s env, given its ``config`` (``env_config``; None: the
+    defaults of its type), or None when it draws no grid."""
+    vocab = getattr(config, "grid_vocab", None)
     if not isinstance(vocab, dict):
         vocab = DEFAULT_VOCABS.get(spec.env_type)
     if not vocab:

@@ -1,8 +1,10 @@
 """The viewer's HTML page: one self-contained file (inline CSS and JS, no network).
 
 - ``render_html(records, metrics=None)``: the page of one dump: a summary, the
-  learning curve (when metrics rows are given), a table of episodes filtered by
-  tag, success and stop reason, and each episode turn by turn, collapsed.
+  learning curve (when metrics rows are given) with what its reward and success
+  measure, a table of episodes filtered by tag, success and stop reason, the
+  legend of the maps (when episodes draw any), and each episode turn by turn,
+  collapsed.
 - ``split_response(text, think)``: a model answer's ``<think>`` and
   ``<answer>`` parts, or None when it does not follow the format (the raw
   answer is shown then).
@@ -25,8 +27,8 @@ from ragen.rollout.context import ContextConfig, ContextManager
 from ragen.rollout.dump import DumpRecord
 from ragen.rollout.types import StopReason, Turn
 from ragen.utils import common_prefix_length
-from ragen.viewer.curve import curve_svg
-from ragen.viewer.grid import GridPicture, Symbols, picture, symbols_for
+from ragen.viewer.curve import curve_notes, curve_svg
+from ragen.viewer.grid import Cell, GridPicture, Symbols, env_config, picture, symbols_for
 
 
 
@@ -54,22 +56,26 @@ def split_response(text: str, think: bool = True) -> tuple[str | None, str] | No
 def render_html(records: list[DumpRecord], metrics: list[dict[str, Any]] | None = None,
                 title: str | None = None, env_types: AllowedEnvTypes | None = None) -> str:
     records = sorted(records, key=lambda r: r.env_id)
+    configs: dict[tuple, Any] = {}
     symbols: dict[tuple, Symbols | None] = {}
     for r in records:
         if r.spec.reuse_key not in symbols:
-            symbols[r.spec.reuse_key] = symbols_for(r.spec, env_types)
+            configs[r.spec.reuse_key] = env_config(r.spec, env_types)
+            symbols[r.spec.reuse_key] = symbols_for(r.spec, configs[r.spec.reuse_key])
     if title is None:
         first = records[0] if records else None
         title = f"ragen rollout: {first.split} step {first.step}" if first else "ragen rollout"
     curve = curve_svg(metrics) if metrics else ""
+    notes = "".join(f'<p class="note">{escape(n)}</p>' for n in curve_notes(configs.values()))
     parts = [
         "<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">",
         f"<title>{escape(title)}</title><style>{_CSS}</style></head><body>",
         f"<h1>{escape(title)}</h1>",
         _summary(records),
-        f'<section id="curve"><h2>Learning curve</h2>{curve}</section>' if curve else "",
+        f'<section id="curve"><h2>Learning curve</h2>{curve}{notes}</section>' if curve else "",
         _filters(records),
         _table(records),
+        _legend(records, symbols),
         '<section id="episodes"><h2>Episodes</h2>',
         *(_episode(r, symbols[r.spec.reuse_key]) for r in records),
         "</section>",
@@ -151,15 +157,38 @@ def _where(env: int, turn: int | None = None, step: int | None = None) -> str:
     return f'data-env="{env}" data-turn="{turn}" data-step="{step}"'
 
 
+def _cell(c: Cell) -> str:
+    return (f'<td data-cell="{c.kind}" class="t-{c.terrain}{" p" if c.player else ""}{" b" if c.box else ""}" '
+            f'title="{escape(c.kind)}"></td>')
+
+
 def _grid(pic: GridPicture, where: str) -> str:
-    rows = []
-    for row in pic.rows:
-        cells = "".join(
-            f'<td data-cell="{c.kind}" class="t-{c.terrain}{" p" if c.player else ""}{" b" if c.box else ""}" '
-            f'title="{escape(c.kind)}"></td>' for c in row)
-        rows.append(f"<tr>{cells}</tr>")
+    rows = [f"<tr>{''.join(_cell(c) for c in row)}</tr>" for row in pic.rows]
     text = f'<pre class="coords">{escape(pic.text)}</pre>' if pic.text else ""
     return f'<div class="state"><table class="grid" {where}>{"".join(rows)}</table>{text}</div>'
+
+
+def _legend(records: list[DumpRecord], symbols: dict[tuple, Symbols | None]) -> str:
+    """What each square of the maps is: for each set of symbols the episodes are drawn with
+    (Sokoban's, FrozenLake's, a custom vocabulary), each cell as drawn, its symbol and its name."""
+    tags: dict[tuple, list[str]] = {}  # a set of symbols -> the tags drawn with it
+    sets: dict[tuple, Symbols] = {}
+    for r in records:
+        found = symbols[r.spec.reuse_key]
+        if found is None:
+            continue
+        key = tuple(sorted(found.cells.items()))
+        sets[key] = found
+        if r.spec.tag not in tags.setdefault(key, []):
+            tags[key].append(r.spec.tag)
+    if not sets:
+        return ""
+    blocks = []
+    for key, found in sets.items():
+        items = "".join(f'<li><table class="swatch"><tr>{_cell(c)}</tr></table><code>{escape(c.symbol)}</code> '
+                        f'{escape(c.kind.replace("-", " "))}</li>' for c in found.cells.values())
+        blocks.append(f'<p>{escape(", ".join(tags[key]))}</p><ul class="legend">{items}</ul>')
+    return f'<section id="legend"><h2>Map legend</h2>{"".join(blocks)}</section>'
 
 
 def _messages(messages: list[dict[str, str]], previous: list[dict[str, str]]) -> str:
@@ -290,13 +319,15 @@ pre.think{background:#eef3ff}pre.answer{background:#eefbe9}.malformed pre{backgr
 table.steps{border-collapse:collapse}
 table.steps td,table.steps th{border:1px solid #ddd;padding:2px 6px;vertical-align:top}
 .state{display:flex;gap:1em;align-items:flex-start}
-table.grid{border-collapse:collapse;margin:.2em 0}
-table.grid td{width:18px;height:18px;padding:0;border:1px solid #fff;position:relative;background:#dde6cf}
-table.grid td.t-wall{background:#555}table.grid td.t-target{background:#f3d6a0}
-table.grid td.t-hole{background:#1f3b73}table.grid td.t-goal{background:#e9c22d}
-table.grid td.t-floor[data-cell=empty]{background:#dde6cf}
-table.grid td.b::after{content:"";position:absolute;inset:3px;background:#9a5b1e;border-radius:2px}
-table.grid td.p::before{content:"";position:absolute;inset:4px;background:#d22;border-radius:50%;z-index:1}
+table.grid,table.swatch{border-collapse:collapse;margin:.2em 0}
+:is(table.grid,table.swatch) td{width:18px;height:18px;padding:0;border:1px solid #fff;position:relative;background:#dde6cf}
+:is(table.grid,table.swatch) td.t-wall{background:#555}:is(table.grid,table.swatch) td.t-target{background:#f3d6a0}
+:is(table.grid,table.swatch) td.t-hole{background:#1f3b73}:is(table.grid,table.swatch) td.t-goal{background:#e9c22d}
+:is(table.grid,table.swatch) td.t-floor[data-cell=empty]{background:#dde6cf}
+:is(table.grid,table.swatch) td.b::after{content:"";position:absolute;inset:3px;background:#9a5b1e;border-radius:2px}
+:is(table.grid,table.swatch) td.p::before{content:"";position:absolute;inset:4px;background:#d22;border-radius:50%;z-index:1}
+ul.legend{list-style:none;padding:0;display:flex;flex-wrap:wrap;gap:.3em 1.2em}
+ul.legend li{display:flex;align-items:center;gap:.4em}p.note{max-width:60em;color:#444;font-size:.9em}
 svg.curve{margin-right:1em;font-size:11px}svg.curve .axis{stroke:#888}
 svg.curve .line{fill:none;stroke:#2563eb;stroke-width:2}svg.curve circle{fill:#2563eb}
 svg.curve .title{font-weight:600;font-size:12px}

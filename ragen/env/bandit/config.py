@@ -69,3 +69,9 @@ class BanditEnvConfig(BaseEnvConfig):
         self.render_mode = check_str("render_mode", self.render_mode, choices=("text",))
         if self.action_lookup is not None and not isinstance(self.action_lookup, Mapping):
             raise EnvConfigError("action_lookup", f"expected a mapping of ids to arm names, got {self.action_lookup!r}")
+
+    def reward_and_success(self) -> str:
+        p, hi, lo = self.hi_arm_hiscore_prob, self.hi_arm_hiscore, self.hi_arm_loscore
+        return (f"Bandit: success is pulling the high-risk arm (worth {p * hi + (1 - p) * lo:g} in expectation, "
+                f"the low-risk arm {self.lo_arm_score:g}); the reward is that one pull's draw ({hi:g} with "
+                f"probability {p:g}, else {lo:g}), so success can rise while the mean reward stays noisy or falls")
