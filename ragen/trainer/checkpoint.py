@@ -192,6 +192,12 @@ def load_checkpoint(run_dir: str | os.PathLike, step: int) -> dict[str, Any]:
     return state
 
 
+def damaged(run_dir: str | os.PathLike, step: int, why: str) -> CheckpointError:
+    """The error of checkpoint ``step``'s ``state.pt`` when an entry in it is not what a checkpoint holds
+    (``why`` names it)."""
+    return CheckpointError(_damaged(run_dir, step, step_dir(run_dir, step) / STATE_FILE, why))
+
+
 def load_meta(run_dir: str | os.PathLike, step: int) -> dict[str, Any]:
     """Checkpoint ``step``'s ``meta.json`` (``{}`` when it has none)."""
     path = step_dir(run_dir, step) / "meta.json"
