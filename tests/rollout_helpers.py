@@ -64,8 +64,9 @@ def agent_setup(val: dict = VAL_SPLIT, **agent_proxy):
     })
 
 
-def loop_config(max_turn: int = 4, **kw) -> LoopConfig:
-    return LoopConfig(context=ContextConfig(max_actions_per_turn=3), sampling=SamplingParams(max_tokens=128),
+def loop_config(max_turn: int = 4, max_tokens: int = 128, **kw) -> LoopConfig:
+    """``max_tokens``: the sampling's cap (response_length); a tag's max_tokens bounds its answers lower only."""
+    return LoopConfig(context=ContextConfig(max_actions_per_turn=3), sampling=SamplingParams(max_tokens=max_tokens),
                       max_turn=max_turn, **kw)
 
 

@@ -60,6 +60,26 @@ def test_full_rollout_on_every_env():
     assert next(t for t in trajs if t.tag == "Countdown").action_names is None
 
 
+
+def _long_answer(prompt: str, rng) -> tuple[str, float]:
+    return "Up" + " " * 148, 0.0  # 150 bytes, and so 150 tokens of the scripted engine
+
+
+@pytest.mark.parametrize("response_length, bound", [(10, 10), (600, 100)])
+def test_an_answer_is_bounded_by_the_smaller_of_response_length_and_the_tags_max_tokens(response_length, bound):
+    """SimpleSokoban's max_tokens is 100: response_length 10 bounds its answers at 10, and one
+    of 600 leaves them at the tag's 100."""
+    cfg = config("engine=scripted", "agent_proxy.max_turn=1",
+                 f"ctx_manager.generation.response_length={response_length}",
+                 "es_manager.train.env_groups=2", "es_manager.train.group_size=2",
+                 "es_manager.train.env_configs.tags=[SimpleSokoban]", "es_manager.train.env_configs.n_groups=[2]")
+    assert cfg["custom_envs"]["SimpleSokoban"]["max_tokens"] == 100
+    engine = ScriptedEngine(answers=f"{__name__}:_long_answer")
+    with LLMAgentProxy(AgentSetup.from_config(cfg), engine) as proxy:
+        turns = [t for traj in proxy.rollout("train").trajectories for t in traj.turns]
+    assert len(turns) == 4 and all(len(t.response_ids) == bound and t.finish_reason == "length" for t in turns)
+
+
 def test_the_proxy_keeps_what_exists_at_its_start_out_of_full_collections_until_it_closes():
     import gc
 

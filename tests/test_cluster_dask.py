@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 import time
 from dataclasses import dataclass
 
@@ -304,3 +305,18 @@ def test_agent_proxy_reads_the_cluster_keys(scheduler_address):
         AgentSetup.from_config({**cfg, "dask": {"n_workers": 0}})
     with pytest.raises(ValueError, match="dask.scheduler_address"):
         AgentSetup.from_config({**cfg, "dask": {"scheduler_address": 8786}})
+
+
+def test_without_dask_distributed_the_config_check_names_the_package_and_the_extra(monkeypatch):
+    """The package is looked for when the config is read (AgentSetup.from_config, before an
+    engine or model exists), not when the first rollout opens the cluster."""
+    monkeypatch.setitem(sys.modules, "dask.distributed", None)  # as if it were not installed
+    cfg = {"custom_envs": custom_envs(), "agent_proxy": {"use_parallel_rollout": True, "parallel_backend": "dask"},
+           "es_manager": {split: {"env_groups": 1, "group_size": 1,
+                                  "env_configs": {"tags": ["Bandit"], "n_groups": [1]}} for split in ("train", "val")}}
+    with pytest.raises(ValueError, match=r"agent_proxy\.parallel_backend=dask needs dask\.distributed, which is not "
+                                         r"installed: pip install 'dask\[distributed\]' \(or pip install -e "
+                                         r"'\.\[dask\]'\)"):
+        AgentSetup.from_config(cfg)
+    cfg["agent_proxy"]["use_parallel_rollout"] = False  # the backend is not used: nothing to look for
+    AgentSetup.from_config(cfg)

@@ -207,3 +207,15 @@ def test_worker_killed_during_a_rollout_the_rollout_is_the_fault_free_one(ray_ad
         assert again.metrics["parallel/fallbacks"] == 0
         assert again.trajectories == ref
     assert time.monotonic() - t0 < 60
+
+
+def test_without_ray_the_config_check_names_the_package_and_the_extra(monkeypatch):
+    from ragen.rollout.proxy import AgentSetup
+
+    monkeypatch.setitem(sys.modules, "ray", None)  # as if it were not installed
+    cfg = {"custom_envs": custom_envs(), "agent_proxy": {"use_parallel_rollout": True, "parallel_backend": "ray"},
+           "es_manager": {split: {"env_groups": 1, "group_size": 1,
+                                  "env_configs": {"tags": ["Bandit"], "n_groups": [1]}} for split in ("train", "val")}}
+    with pytest.raises(ValueError, match=r"agent_proxy\.parallel_backend=ray needs ray, which is not installed: "
+                                         r"pip install 'ray\[default\]' \(or pip install -e '\.\[ray\]'\)"):
+        AgentSetup.from_config(cfg)

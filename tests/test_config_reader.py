@@ -39,7 +39,7 @@ CONFIG = ROOT / "config"
 DEFAULT_JOB = {
     "agent_proxy.max_turn": "Bandit is one answer per episode; the code default (5) is RAGEN's",
     "agent_proxy.enable_think": "short answers on a CPU; the code default is RAGEN's think-then-answer",
-    "ctx_manager.generation.response_length": "a Bandit answer is a word; the code default leaves room to think",
+    "ctx_manager.generation.response_length": "each shipped tag plays to its own max_tokens (600: the code envs')",
     "seed.train": "RAGEN's seeds",
     "seed.val": "RAGEN's seeds",
     "trainer.experiment_name": "named after what the run trains (the ragen.run_name resolver)",

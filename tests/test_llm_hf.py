@@ -86,7 +86,7 @@ def test_per_request_max_tokens_and_length_reason(engine):
         if c.finish_reason == "length":
             assert len(c.response_token_ids) == limit
     assert completions[2].response_token_ids == [] and completions[2].finish_reason == "length"
-    # the request's cap wins; the sampling's applies to the others
+    # the smaller cap holds: the requests' here, the sampling's for the others
     capped = engine.generate(requests(2), SamplingParams(temperature=0.0, max_tokens=2))
     assert all(len(c.response_token_ids) <= 2 for c in capped)
 

@@ -219,3 +219,57 @@ def test_a_checkpoint_of_carried_groups_names_no_env_type_and_the_resumed_run_ma
     elsewhere = OverSample(1.5, "carry", 1)
     elsewhere.load_state_dict(state, maker(["Bandit"]))
     assert elsewhere.carried == [] and "es_manager.train does not play the tag" in caplog.text
+
+
+def _carried_state(group_size: int, groups: int = 2) -> dict:
+    """A checkpoint's over_sample entry: ``groups`` carried FrozenLake groups of ``group_size`` envs."""
+    from ragen.rollout.oversample import OverSample
+    from ragen.rollout.types import Trajectory
+
+    specs = specs_for(["FrozenLake"], [groups], group_size, custom_envs())
+    over = OverSample(1.5, "carry", 1)
+    over.carried = [[(s, Trajectory(env_id=s.env_id, group_id=s.group_id, tag=s.tag, seed=s.seed))
+                     for s in specs if s.group_id == g] for g in range(groups)]
+    return over.state_dict()
+
+
+def _frozen_lake(group_size: int):
+    from ragen.rollout.envs import EnvSpecMaker
+
+    return EnvSpecMaker("train", {"env_groups": 4, "group_size": group_size,
+                                  "env_configs": {"tags": ["FrozenLake"], "n_groups": [4]}}, custom_envs(), 5)
+
+
+def test_carried_groups_of_another_group_size_are_left_out_with_a_warning(caplog):
+    """A run resumed with another es_manager.train.group_size: the checkpoint's carried groups
+    (of the old size) would deal env ids twice and groups of the wrong size; they are dropped,
+    and the warning names the key."""
+    from ragen.rollout.oversample import OverSample
+
+    over = OverSample(1.5, "carry", 1)
+    over.load_state_dict(_carried_state(group_size=4), _frozen_lake(group_size=2))
+    assert over.carried == []
+    assert "es_manager.train.group_size is 2" in caplog.text and "4 envs" in caplog.text
+    specs = over.deal(_frozen_lake(group_size=2), 0)
+    assert len({s.env_id for s in specs}) == len(specs)
+    assert {len([s for s in specs if s.group_id == g]) for g in {s.group_id for s in specs}} == {2}
+    same = OverSample(1.5, "carry", 1)  # the same size: kept
+    same.load_state_dict(_carried_state(group_size=2), _frozen_lake(group_size=2))
+    assert len(same.carried) == 2
+
+
+@pytest.mark.parametrize("damage, entry", [
+    (lambda s: s["carried"][1][0].pop("seed"), r"over_sample\.carried\[1\]\[0\]: .*'seed'"),
+    (lambda s: s["carried"].__setitem__(0, []), r"over_sample\.carried\[0\]: .*no env"),
+    (lambda s: s["carried"][0].__setitem__(1, "x"), r"over_sample\.carried\[0\]\[1\]: .*str"),
+    (lambda s: s["carried"][1][1].__setitem__("trajectory", None), r"over_sample\.carried\[1\]\[1\]\.trajectory"),
+    (lambda s: s["carried"][0][0].__setitem__("env_id", "3"), r"over_sample\.carried\[0\]\[0\]\.env_id"),
+    (lambda s: s.pop("carried"), r"over_sample\.carried"),
+], ids=["no-seed", "empty-group", "not-a-dict", "no-trajectory", "env-id-a-string", "no-carried"])
+def test_a_damaged_carried_entry_is_named(damage, entry):
+    from ragen.rollout.oversample import OverSample
+
+    state = _carried_state(group_size=2)
+    damage(state)
+    with pytest.raises(ValueError, match=entry):
+        OverSample(1.5, "carry", 1).load_state_dict(state, _frozen_lake(group_size=2))

@@ -81,7 +81,7 @@ def test_ragens_deepcoder_module_plays_local_problems_parallel_equal_to_sequenti
         "env_instruction": "Solve the programming problem in Python. Give the complete code inside <answer></answer>.",
         "env_config": {"dataset_path": str(folder), "cache_dir": str(tmp_path / "cache"), "split": "test"}}}
     specs = specs_for(["DeepCoder"], [8], 1, envs)
-    loop = loop_config(max_turn=1)
+    loop = loop_config(max_turn=1, max_tokens=4000)  # the tag's 4000 for a program
     answers = "tests.test_ragen_code_search_modules:ragen_code_answer"
     reference = sequential(specs, loop, engine=ScriptedEngine(answers=answers))
     assert all(t.stop_reason is StopReason.DONE for t in reference), [t.error for t in reference]

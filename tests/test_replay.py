@@ -391,3 +391,49 @@ def test_replay_memory_grows_linearly_with_the_turns(tmp_path, engine):
             tracemalloc.stop()
         assert result.identical, result.difference
     assert peaks[200] < 2.5 * peaks[100], {k: f"{v / 2**20:.1f} MiB" for k, v in peaks.items()}
+
+
+@pytest.mark.timeout(300)
+def test_a_trained_steps_dump_replays_with_its_checkpoint_and_the_base_model_says_why_it_differs(
+        tiny_model_path, tmp_path, capsys):
+    """A dump sampled by policy version 1 (a LoRA adapter, saved in a checkpoint as the trainer saves
+    it): the base model's replay differs and says that the dump came from version 1 and the engine
+    is the base model; with --checkpoint the adapter is loaded and the replay is identical."""
+    import torch
+
+    from ragen.llm.hf import HFEngine
+    from ragen.llm.types import SamplingParams
+    from ragen.trainer import checkpoint as ckpt
+    from ragen.trainer.config import ModelSection
+    from ragen.trainer.policy import apply_lora, trainable_state
+
+    engine = HFEngine.from_config({}, tiny_model_path)
+    peft = apply_lora(engine.model, ModelSection(lora_rank=4))
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():  # a trained adapter: B is not 0
+        for name, p in peft.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=generator) * 0.5)
+    engine.bump_policy_version()
+    run = tmp_path / "run"
+    folder = ckpt.save_checkpoint(run, 1, {"step": 1, "policy_version": 1, "lora": True,
+                                           "model": trainable_state(engine.model, peft)},
+                                  {"policy_version": 1, "lora_rank": 4}, peft_model=peft)
+    specs = specs_for(["SimpleSokoban", "Bandit"], [1, 1], 1, custom_envs())
+    config = loop_config(max_turn=2)
+    config = type(config)(**{**config.__dict__, "sampling": SamplingParams(temperature=0.0, max_tokens=12)})
+    trajectories, _ = run_envs(specs, DirectClient(engine), config, kept_envs=KeptEnvs())
+    engine.close()
+    assert {t.policy_version for tr in trajectories for t in tr.turns} == {1}
+    path = write_dump(tmp_path, "step_000002", RolloutResult(trajectories, specs), config, split="train", step=2)
+
+    hf = ["--engine", "hf", "--model", tiny_model_path]
+    assert main([str(path), *hf]) == 1
+    out = capsys.readouterr().out
+    assert "differs at" in out and ("the dump's answers were sampled by policy version 1; the engine answers as "
+                                    "version 0, the base model: replay with --checkpoint") in out
+    assert main([str(path), *hf, "--checkpoint", str(folder)]) == 0, capsys.readouterr().out
+    assert main([str(path), *hf, "--checkpoint", str(run)]) == 2
+    assert "is not a checkpoint folder" in capsys.readouterr().err
+    assert main([str(path), "--engine", "scripted", "--checkpoint", str(folder)]) == 2
+    assert "--checkpoint loads a checkpoint's weights into the hf engine" in capsys.readouterr().err

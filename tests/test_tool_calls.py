@@ -242,7 +242,7 @@ def test_a_parser_that_fails_on_an_answer_costs_the_format_penalty_not_the_env(m
 def _counter_rollout(**loop_kw):
     envs = custom_envs(Counter=counter_tag())
     specs = specs_for(["Counter"], [2], 1, envs)
-    loop = loop_config(max_turn=6, **loop_kw)
+    loop = loop_config(max_turn=6, **{"max_tokens": 400, **loop_kw})  # the tag's 400
     engine = ScriptedEngine(answers="tests.test_tool_calls:counter_answers")
     return specs, loop, sequential(specs, loop, engine=engine)
 
@@ -405,7 +405,8 @@ def test_the_code_env_takes_run_tests_calls():
     spec = tag_spec("CodeRepairTools", envs)
     assert [t["function"]["name"] for t in spec["tools"]] == ["run_tests"]
     specs = specs_for(["CodeRepairTools"], [4], 1, envs)
-    trajs = sequential(specs, loop_config(max_turn=3), engine=ScriptedEngine(answers="ragen.env.code.pool:scripted_answer"))
+    trajs = sequential(specs, loop_config(max_turn=3, max_tokens=600),  # the tag's 600 for a program
+                       engine=ScriptedEngine(answers="ragen.env.code.pool:scripted_answer"))
     assert any(t.success for t in trajs) and all(t.turns[0].executed_actions for t in trajs)
     for t in trajs:
         call = json.loads(t.turns[0].executed_actions[0])

@@ -122,6 +122,22 @@ def test_train_py_bad_input_is_one_error_line_before_any_model_loads(tmp_path, a
     assert len(lines) == 1 and lines[0].startswith(needle), proc.stderr[-3000:]
 
 
+
+@pytest.mark.timeout(300)
+def test_a_cluster_without_its_package_is_one_error_line_before_any_model_loads(tmp_path):
+    """+cluster=dask where dask.distributed does not import (a module of that name on the path that
+    raises ImportError, as a missing install does): one line naming the package and the extra, exit 2."""
+    (tmp_path / "distributed.py").write_text("raise ImportError('h29: not installed')\n")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([str(tmp_path), str(ROOT)])}
+    proc = subprocess.run([sys.executable, str(ROOT / "train.py"), f"hydra.run.dir={tmp_path / 'hydra'}",
+                           "model_path=/nonexistent/model", "+cluster=dask"],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert lines == ["error: agent_proxy.parallel_backend=dask needs dask.distributed, which is not installed: "
+                     "pip install 'dask[distributed]' (or pip install -e '.[dask]')"], proc.stderr[-3000:]
+
+
 def test_a_run_whose_envs_all_fail_stops_and_exits_1_naming_why(tiny_model_path, tmp_path):
     """Issue 59, item 11: every env raising at reset, train.py ran all its steps, skipped every update,
     saved a checkpoint and exited 0."""

@@ -671,6 +671,36 @@ def test_resuming_with_another_lora_rank_names_the_key(tiny_model_path, tmp_path
         AgentTrainer(other)
 
 
+
+def test_resume_drops_carried_groups_of_another_group_size_and_names_a_damaged_entry(tiny_model_path, tmp_path,
+                                                                                    caplog):
+    """A checkpoint's carried groups of group_size 4: a run resumed with group_size 2 leaves them out
+    with a warning naming the key; a damaged entry is refused naming the checkpoint and the entry."""
+    from ragen.rollout.types import Trajectory
+
+    over = ("agent_proxy.over_sample=1.5",)
+    run = tmp_path / "run"
+    _saved_steps(tiny_model_path, run, [1], *over)
+    path = ckpt.step_dir(run, 1) / ckpt.STATE_FILE
+    state = ckpt.load_checkpoint(run, 1)
+    state["over_sample"] = {"carried": [[{"tag": "BanditHinted", "seed": 50, "env_id": 8 + k, "group_id": 2,
+                                          "replaces_seed": None,
+                                          "trajectory": Trajectory(env_id=8 + k, group_id=2, tag="BanditHinted",
+                                                                   seed=50)} for k in range(4)]]}
+    torch.save(state, path)
+    resized = small_overrides(tiny_model_path, run, "trainer.resume=true", *over)
+    resized[resized.index("es_manager.train.group_size=4")] = "es_manager.train.group_size=2"
+    with AgentTrainer(compose_cfg(resized)) as trainer:
+        assert trainer.proxy.over_sample.carried == []
+    assert "1 carried groups (of 4 envs) are left out: es_manager.train.group_size is 2" in caplog.text
+
+    del state["over_sample"]["carried"][0][3]["env_id"]
+    torch.save(state, path)
+    with pytest.raises(ckpt.CheckpointError, match=re.escape(f"checkpoint {path} ") + r".*over_sample\.carried"
+                                                   r"\[0\]\[3\]: no 'env_id'"):
+        AgentTrainer(compose_cfg(small_overrides(tiny_model_path, run, "trainer.resume=true", *over)))
+
+
 # ---------------------------------------------------------------- bad configs
 
 

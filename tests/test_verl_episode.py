@@ -135,7 +135,8 @@ def test_the_record_stops_at_response_length_and_each_answer_is_capped_by_what_i
     assert record.truncated and record.metrics()["ragen/truncated"] == 1.0
     assert record.response_ids == whole.response_ids[:limit]
     assert len(record.response_mask) == len(record.response_logprobs) == limit
-    assert [c[1] for c in calls] == [min(specs[0].max_tokens, limit)]  # nothing left for a second answer
+    # one call, capped by the tag's, the sampling's and what is left; nothing is left for a second answer
+    assert [c[1] for c in calls] == [min(specs[0].max_tokens, GREEDY.max_tokens, limit)]
     assert record.trajectory.stop_reason == StopReason.MAX_TURNS and len(record.trajectory.turns) == 1
     assert not record.failed
 

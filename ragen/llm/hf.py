@@ -29,7 +29,7 @@ window, linear attention) share identical prompts only.
 
 *Stopping*: at EOS or the chat end token (``<|im_end|>``), at a
 ``sampling.stop`` string (cut from the text, like OpenAI/vLLM; its tokens stay in
-the ids) -> ``"stop"``; at ``max_tokens`` (the request's, else the sampling's)
+the ids) -> ``"stop"``; at ``max_tokens`` (the smaller of the request's and the sampling's)
 -> ``"length"``. The final EOS token is kept in ``response_token_ids`` (the
 policy learns to stop) and left out of the text.
 

@@ -11,8 +11,8 @@ completion is handed back as soon as its reply is in.
   that many are in flight and the rest wait in the pool's queue. ``generate``
   submits and waits for all, in request order.
 - *Per-request seed*: ``seed = request_seed(sampling.seed, request.key)``, plus
-  ``temperature``, ``top_p``, ``max_tokens`` (the request's, else the
-  sampling's), ``stop``; ``top_k`` only when set (not an OpenAI field; vLLM
+  ``temperature``, ``top_p``, ``max_tokens`` (``token_limit``: the smaller
+  of the request's and the sampling's), ``stop``; ``top_k`` only when set (not an OpenAI field; vLLM
   accepts it).
 - *Transport* (``ragen.llm.openai_http``): retries of connection errors,
   timeouts, 429 and 5xx (``max_retries``, ``backoff_s``), the socket timeout of

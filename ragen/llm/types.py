@@ -119,7 +119,7 @@ class GenerationRequest(_PlainData):
     env_id: int = 0
     turn: int = 0
     seed: int = 0  # the env's seed for this rollout
-    max_tokens: int | None = None  # per-request cap (the env's max_tokens); None: sampling's
+    max_tokens: int | None = None  # per-request cap (the env's max_tokens), within the sampling's; None: sampling's
     last_turn: bool = False  # the episode's last possible turn: no next prompt continues this one
     # text the answer starts with, placed after the chat template's generation prompt (RAGEN's
     # "<think>"); the completion's text and token ids are what the model writes after it
@@ -137,8 +137,9 @@ class GenerationRequest(_PlainData):
         return (self.seed, self.env_id, self.turn)
 
     def token_limit(self, sampling: SamplingParams) -> int:
-        """The most tokens its answer may have: its own cap, else the sampling's."""
-        return self.max_tokens if self.max_tokens is not None else sampling.max_tokens
+        """The most tokens its answer may have: the smaller of its own cap (a tag's ``max_tokens``) and
+        the sampling's (``ctx_manager.generation.response_length``)."""
+        return sampling.max_tokens if self.max_tokens is None else min(self.max_tokens, sampling.max_tokens)
 
 
 @dataclass(frozen=True)

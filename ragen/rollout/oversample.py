@@ -69,10 +69,24 @@ class OverSample:
 
     def load_state_dict(self, state: dict[str, list[list[dict[str, Any]]]], maker: EnvSpecMaker) -> None:
         """The carried groups of ``state``, each env's spec made again from ``maker``'s config of its
-        tag; a group of a tag ``maker`` does not play is left out, with a warning."""
+        tag. A group of a tag ``maker`` does not play, or of another size than its ``group_size``
+        (the resumed run changed ``es_manager.<split>.group_size``: its envs' ids would be dealt
+        twice), is left out, with a warning. ValueError naming the entry
+        (``over_sample.carried[g][m]``) where one is not what ``state_dict`` writes."""
+        groups = state.get("carried") if isinstance(state, dict) else None
+        if not isinstance(groups, list):
+            raise ValueError(f"over_sample.carried: a list of groups expected, got {type(groups).__name__}")
+        groups = [_read_group(group, f"over_sample.carried[{g}]") for g, group in enumerate(groups)]
         self.carried = []
-        for group in state["carried"]:
+        resized = [len(group) for group in groups if len(group) != maker.group_size]
+        if resized:
+            logger.warning("%d carried groups (of %s envs) are left out: es_manager.%s.group_size is %d",
+                           len(resized), "/".join(str(n) for n in sorted(set(resized))), maker.split,
+                           maker.group_size)
+        for group in groups:
             tag = group[0]["tag"]
+            if len(group) != maker.group_size:
+                continue
             if tag not in maker.tag_specs:
                 logger.warning("a carried group of tag %r (seed %d) is left out: es_manager.%s does not play the tag",
                                tag, group[0]["seed"], maker.split)
@@ -149,3 +163,47 @@ class OverSample:
 def _mean_turns(groups: list[Group]) -> float:
     turns = [len(t.turns) for group in groups for _, t in group]
     return sum(turns) / len(turns) if turns else 0.0
+
+
+# what state_dict writes of each carried env: its key, and the check of its value
+_MEMBER_FIELDS = {
+    "tag": lambda v: isinstance(v, str),
+    "seed": lambda v: _is_int(v),
+    "env_id": lambda v: _is_int(v),
+    "group_id": lambda v: _is_int(v),
+    "replaces_seed": lambda v: v is None or _is_int(v),
+    "trajectory": lambda v: isinstance(v, Trajectory),
+}
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _read_group(group: Any, where: str) -> list[dict[str, Any]]:
+    """One carried group of a checkpoint, checked: a list of its envs, each with every key of
+    ``_MEMBER_FIELDS``, of one tag, seed and group id, its trajectory that env's."""
+    if not isinstance(group, list) or not group:
+        raise ValueError(f"{where}: a non-empty list of a group's envs expected, got "
+                         f"{'no env' if isinstance(group, list) else type(group).__name__}")
+    for m, member in enumerate(group):
+        at = f"{where}[{m}]"
+        if not isinstance(member, dict):
+            raise ValueError(f"{at}: a dict of an env's tag, seed, ids and trajectory expected, got "
+                             f"{type(member).__name__}")
+        for key, valid in _MEMBER_FIELDS.items():
+            if key not in member:
+                raise ValueError(f"{at}: no {key!r}")
+            if not valid(member[key]):
+                raise ValueError(f"{at}.{key}: {type(member[key]).__name__} {member[key]!r:.80} is not what a "
+                                 f"checkpoint holds there")
+        traj = member["trajectory"]
+        if (traj.tag, traj.seed, traj.env_id, traj.group_id) != (member["tag"], member["seed"], member["env_id"],
+                                                                 member["group_id"]):
+            raise ValueError(f"{at}.trajectory: it is env {traj.env_id}'s of group {traj.group_id} ({traj.tag}, seed "
+                             f"{traj.seed}), not env {member['env_id']}'s of group {member['group_id']} "
+                             f"({member['tag']}, seed {member['seed']})")
+        if (member["tag"], member["seed"], member["group_id"]) != (group[0]["tag"], group[0]["seed"],
+                                                                   group[0]["group_id"]):
+            raise ValueError(f"{at}: its tag, seed and group id are not those of {where}[0]: a group's envs share them")
+    return group

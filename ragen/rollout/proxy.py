@@ -38,7 +38,7 @@ from ragen.rollout.loop_config import LoopConfig
 from ragen.rollout.oversample import OverSample
 from ragen.rollout.progress import RolloutProgress
 from ragen.rollout.types import RolloutResult
-from ragen.rollout.workers.cluster import ClusterConfig
+from ragen.rollout.workers.cluster import ClusterConfig, check_installed
 from ragen.serving.gate import EngineGate
 
 logger = logging.getLogger(__name__)
@@ -78,6 +78,8 @@ class AgentSetup:
                               env_level_async=ap.env_level_async,
                               engine_timeout_s=ap.engine_timeout_s)
 
+        if ap.use_parallel_rollout:
+            check_installed(ap.parallel_backend)  # dask's and ray's packages are extras
         custom_envs = cfg.get("custom_envs")
         if not isinstance(custom_envs, Mapping) or not custom_envs:
             raise ValueError("custom_envs is missing or empty: add config/envs.yaml to the defaults list")

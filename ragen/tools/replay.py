@@ -1,7 +1,7 @@
 """Replay: play a dumped episode again, in this process, and check it.
 
-``python -m ragen.tools.replay DUMP.jsonl [--env-id N ...] [--engine NAME] [--config FILE]
-[--allow-env-type MODULE:CLASS]``
+``python -m ragen.tools.replay DUMP.jsonl [--env-id N ...] [--engine NAME [--checkpoint DIR]]
+[--config FILE] [--allow-env-type MODULE:CLASS]``
 
 For each env asked for (every env of the dump when none is), the env is built
 again from its spec and reset with its seed, and the turn loop (the same
@@ -15,7 +15,11 @@ them); the first difference is printed, or "identical". A replay plays at most
 one turn past the dump's last (that turn is already a difference), whatever
 ``max_turn`` the dump says. ``--engine`` has a model answer instead of the
 recorded answers (with the dump's sampling parameters and seeds: for greedy
-decoding, or a scripted policy, it must reproduce the dump too).
+decoding, or a scripted policy, it must reproduce the dump too). Those
+answers come from the policy version that sampled them (every turn records
+it): a model's replay that differs where the engine is at another version
+says so, and ``--checkpoint DIR`` (with ``--engine hf``) answers with a
+training checkpoint's policy: its weights, or its LoRA adapter on ``--model``.
 
 - ``RecordedEngine``: an ``Engine`` that answers each request with the dump's
   answer for its ``(env_id, turn)``.
@@ -24,6 +28,8 @@ decoding, or a scripted policy, it must reproduce the dump too).
   registered names only) says which env types it may build.
 - ``first_difference(record, trajectory, prompts)``: where a replayed
   trajectory first differs from its record, as a sentence; ``None`` if nowhere.
+- ``version_note(record, engine)``: that the dump's answers came from another
+  policy version than the engine's, and how to load that version.
 
 A dump is data: it names its env types, but only the types of the user's own
 setup are built (``ragen.env.allowed``): registered names, the import paths
@@ -123,6 +129,8 @@ class Replay:
     record: DumpRecord
     trajectory: Trajectory  # as played again
     difference: str | None  # None: identical
+    # why a model's answers may differ: the dump's were sampled by another policy version (version_note)
+    note: str | None = None
 
     @property
     def identical(self) -> bool:
@@ -152,7 +160,22 @@ def replay(record: DumpRecord, engine: Engine | None = None, raise_errors: bool 
         raise exc.__cause__ or exc
     finally:
         kept.close()
-    return Replay(record, trajectory, first_difference(record, trajectory, seen.prompts))
+    difference = first_difference(record, trajectory, seen.prompts)
+    note = version_note(record, engine) if difference is not None and engine is not None else None
+    return Replay(record, trajectory, difference, note)
+
+
+def version_note(record: DumpRecord, engine: Engine) -> str | None:
+    """Where ``record``'s answers were sampled by policy versions other than ``engine``'s: a sentence
+    saying so, and how to replay with a checkpoint's weights; None where they were not."""
+    versions = sorted({t.policy_version for t in record.trajectory.turns if t.policy_version >= 0})
+    if not versions or versions == [engine.policy_version]:
+        return None
+    which = " and ".join(str(v) for v in versions)
+    base = ", the base model" if engine.policy_version == 0 else ""
+    return (f"the dump's answers were sampled by policy version {which}; the engine answers as version "
+            f"{engine.policy_version}{base}: replay with --checkpoint <run folder>/checkpoints/global_step_<N>, "
+            f"the checkpoint whose meta.json says policy_version {versions[-1]}, to answer with its weights")
 
 
 def check_env_types(records: Sequence[DumpRecord], env_types: AllowedEnvTypes | None = None) -> None:
@@ -275,6 +298,9 @@ def _engine_from_args(args: argparse.Namespace) -> Engine | None:
         if not sep or not key:
             raise ValueError(f"--engine-opt {item!r}: write it as key=value")
         options[key] = yaml.safe_load(value)
+    if args.checkpoint is not None and args.engine != "hf":
+        raise ValueError(f"--checkpoint loads a checkpoint's weights into the hf engine (--engine hf), not into "
+                         f"--engine {args.engine}")
     model = args.model
     if model is None and args.engine in ("hf", "vllm"):
         model = "default"
@@ -282,7 +308,20 @@ def _engine_from_args(args: argparse.Namespace) -> Engine | None:
         from ragen.llm.default_model import resolve_model_path
 
         model = resolve_model_path(model)
-    return make_engine(options, model)
+    engine = make_engine(options, model)
+    if args.checkpoint is not None:
+        from ragen.trainer.policy import load_checkpoint_policy
+
+        try:
+            if not hasattr(engine, "model"):
+                raise ValueError("--checkpoint loads a checkpoint's weights into one hf engine: leave out "
+                                 "--engine-opt replicas")
+            engine.policy_version = load_checkpoint_policy(engine.model, args.checkpoint)
+        except BaseException:  # a checkpoint it cannot load: the engine built for it is closed
+            engine.close()
+            raise
+        engine.release_cache()
+    return engine
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -296,6 +335,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--model", help="the engine's model (hf, vllm; default: the embedded default model)")
     parser.add_argument("--engine-opt", action="append", default=[], metavar="KEY=VALUE",
                         help="an engine option, as in config/engine/<name>.yaml (repeatable)")
+    parser.add_argument("--checkpoint", metavar="DIR",
+                        help="with --engine hf: answer with the policy of a training checkpoint, "
+                             "<run folder>/checkpoints/global_step_<N> (its weights, or its LoRA adapter on --model, "
+                             "the run's base model); pick the one whose meta.json has the dump's policy_version")
     add_allow_options(parser, "build")
     parser.add_argument("--raise", dest="raise_errors", action="store_true",
                         help="let an exception in the env propagate (with its traceback, for a debugger) "
@@ -330,7 +373,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 print(f"{where}: identical")
             else:
                 differ += 1
-                print(f"{where}: differs at {result.difference}")
+                print(f"{where}: differs at {result.difference}" + (f" ({result.note})" if result.note else ""))
     finally:
         if engine is not None:
             engine.close()

@@ -161,6 +161,17 @@ def list_checkpoints(run_dir: str | os.PathLike) -> list[int]:
     return sorted(steps)
 
 
+def checkpoint_folder(folder: str | os.PathLike) -> tuple[Path, int]:
+    """The run folder and step of a checkpoint's folder (``<run>/checkpoints/global_step_<N>``);
+    CheckpointError where ``folder`` is not one."""
+    folder = Path(folder)
+    match = _STEP_DIR.match(folder.name)
+    if not match or folder.parent.name != "checkpoints" or not (folder / STATE_FILE).is_file():
+        raise CheckpointError(f"{folder} is not a checkpoint folder: one is <run folder>/checkpoints/global_step_<N>, "
+                              f"holding {STATE_FILE}")
+    return folder.parent.parent, int(match.group(1))
+
+
 def latest_checkpoint(run_dir: str | os.PathLike) -> int | None:
     """The step named by the latest file, else the highest complete checkpoint, else None."""
     root = checkpoint_root(run_dir)
@@ -192,6 +203,12 @@ def load_checkpoint(run_dir: str | os.PathLike, step: int) -> dict[str, Any]:
     if not isinstance(state, dict):
         raise CheckpointError(_damaged(run_dir, step, path, f"it holds a {type(state).__name__}, not a state dict"))
     return state
+
+
+def damaged(run_dir: str | os.PathLike, step: int, why: str) -> CheckpointError:
+    """The error of checkpoint ``step``'s ``state.pt`` when an entry in it is not what a checkpoint holds
+    (``why`` names it)."""
+    return CheckpointError(_damaged(run_dir, step, step_dir(run_dir, step) / STATE_FILE, why))
 
 
 def load_meta(run_dir: str | os.PathLike, step: int) -> dict[str, Any]:

@@ -6,10 +6,12 @@ whose weights are pushed to the engine after each step.
 
 from __future__ import annotations
 
+import os
 from typing import Any, Mapping
 
 import torch
 
+from ragen.trainer import checkpoint as ckpt
 from ragen.trainer.config import ModelSection
 
 
@@ -80,3 +82,25 @@ def load_trainable_state(model: Any, peft_model: Any | None, tensors: Mapping[st
                              f"model's {tuple(params[name].shape)}: actor_rollout_ref.model.lora_rank "
                              "must be the checkpoint's")
         params[name].copy_(tensor)
+
+
+def load_checkpoint_policy(model: Any, folder: str | os.PathLike) -> int:
+    """Make ``model`` (the base model the run started from) the policy of the checkpoint in ``folder``
+    (``<run>/checkpoints/global_step_<N>``), in place: its whole weights, or its LoRA adapter injected
+    as the trainer injects it (the adapter's config from its ``lora_adapter/``); return the
+    checkpoint's policy version. CheckpointError where ``folder`` holds no readable checkpoint."""
+    run, step = ckpt.checkpoint_folder(folder)
+    state = ckpt.load_checkpoint(run, step)
+    peft_model = None
+    if state.get("lora"):
+        from peft import LoraConfig, get_peft_model
+
+        adapter = ckpt.step_dir(run, step) / "lora_adapter"
+        try:
+            config = LoraConfig.from_pretrained(str(adapter))
+        except (OSError, ValueError) as exc:  # no adapter_config.json, or one peft cannot read
+            raise ckpt.damaged(run, step, f"its LoRA adapter's config in {adapter}: {exc}") from None
+        peft_model = get_peft_model(model, config)
+    with torch.no_grad():
+        load_trainable_state(model, peft_model, state["model"])
+    return int(state["policy_version"])

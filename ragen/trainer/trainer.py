@@ -380,8 +380,11 @@ class AgentTrainer:
             self.setup.es[split].load_state_dict(es_state)
         carried = state.get("over_sample")
         if carried is not None and self.proxy.over_sample is not None:
-            self.proxy.over_sample.load_state_dict(carried, self.setup.es["train"])
-        elif carried is not None and carried["carried"]:
+            try:
+                self.proxy.over_sample.load_state_dict(carried, self.setup.es["train"])
+            except ValueError as exc:  # a damaged entry, named
+                raise ckpt.damaged(self.run_dir, step, str(exc)) from None
+        elif isinstance(carried, dict) and carried.get("carried"):
             logger.warning("the checkpoint of step %d holds %d groups an over-sampled rollout carried; this run does "
                            "not over-sample (agent_proxy.over_sample=1.0): they are left out", step,
                            len(carried["carried"]))

@@ -6,8 +6,8 @@ writes it, or the name of a config in ragen's ``config/``, composed with
 ``ragen_overrides``). From it come the keys that carry over to verl: the
 turn loop (``agent_proxy.max_turn``, ``enable_think``, ``action_sep``, the
 context window, the format penalty), the env tags (``custom_envs``), the
-per-answer cap (``ctx_manager.generation.response_length``, or a tag's
-``max_tokens``) and where envs run (``use_parallel_rollout``,
+per-answer cap (the smaller of ``ctx_manager.generation.response_length``
+and a tag's ``max_tokens``) and where envs run (``use_parallel_rollout``,
 ``parallel_n_jobs``, ``parallel_backend``: loky, multiprocessing, threading
 or ray; sequential: on verl's event loop). A dataset row names a tag and a seed (``spec``).
 """

@@ -25,6 +25,7 @@ outcome.
 from __future__ import annotations
 
 import contextlib
+import importlib
 import logging
 import os
 import socket
@@ -105,10 +106,31 @@ class Cluster:
         return client
 
 
+# the package each cluster backend imports, and how to install it (setup.py's extras)
+BACKEND_PACKAGES = {
+    "dask": ("dask.distributed", "pip install 'dask[distributed]' (or pip install -e '.[dask]')"),
+    "ray": ("ray", "pip install 'ray[default]' (or pip install -e '.[ray]')"),
+}
+
+
+def check_installed(backend: str) -> None:
+    """ValueError naming the package and how to install it where ``backend`` (a cluster's) needs one
+    that does not import: the config check's, before any model loads."""
+    if backend not in BACKEND_PACKAGES:
+        return
+    package, install = BACKEND_PACKAGES[backend]
+    try:
+        importlib.import_module(package)
+    except ImportError:
+        raise ValueError(f"agent_proxy.parallel_backend={backend} needs {package}, which is not installed: "
+                         f"{install}") from None
+
+
 @contextlib.contextmanager
-def _needs(backend: str, package: str, install: str) -> Iterator[None]:
-    """Imports within: an ImportError says that ``agent_proxy.parallel_backend=<backend>`` needs ``package``,
-    and how to ``install`` it."""
+def _needs(backend: str) -> Iterator[None]:
+    """Imports within: an ImportError says that ``agent_proxy.parallel_backend=<backend>`` needs its
+    package, and how to install it."""
+    package, install = BACKEND_PACKAGES[backend]
     try:
         yield
     except ImportError as exc:
@@ -135,7 +157,7 @@ class DaskCluster(Cluster):
 
     def __init__(self, config: ClusterConfig, n_jobs: int = -1) -> None:
         super().__init__(config)
-        with _needs(self.backend, "dask.distributed", "pip install 'dask[distributed]' (or pip install -e '.[dask]')"):
+        with _needs(self.backend):
             import dask
             from distributed import Client, LocalCluster
         self.address = config.dask_scheduler_address
@@ -222,7 +244,7 @@ class RayCluster(Cluster):
 
     def __init__(self, config: ClusterConfig, n_jobs: int = -1) -> None:
         super().__init__(config)
-        with _needs(self.backend, "ray", "pip install ray (or pip install -e '.[ray]')"):
+        with _needs(self.backend):
             import ray
             from joblib.pool import PicklingPool
             from ray.util.joblib import register_ray
