@@ -50,8 +50,9 @@ setup(
         "envs": ["reasoning-gym==0.1.25", "textarena==0.7.4", "bm25s==0.3.16"],
         "vllm": ["vllm"],
         # verl's trainer on ragen's envs (docs/verl.md); it pins transformers < 5.11 and
-        # its own torch: install it in a venv of its own
-        "verl": ["verl==0.9.1", "pandas", "pyarrow"],
+        # its own torch: install it in a venv of its own. cachetools, uvicorn, fastapi: verl
+        # 0.9.1's agent loop imports them and its package does not declare them
+        "verl": ["verl==0.9.1", "pandas", "pyarrow", "cachetools", "uvicorn", "fastapi"],
         "dask": ["dask[distributed]"],
         "ray": ["ray[default]"],
     },

@@ -63,10 +63,51 @@ def test_attempts_show_the_score_and_the_question_again():
     ({"dataset": "chain_sum", "min_terms": 0}, r"env_config.min_terms: ChainSumConfig refuses"),
     ({"dataset": "chain_sum", "seed": 3}, r"env_config.seed: set by the env"),
     ({"dataset": "chain_sum", "attempts": 0}, r"env_config.attempts"),
+    ({"dataset": "chain_sum", "max_observation_chars": 10**9}, r"env_config.max_observation_chars: must be <= "),
+    ({"dataset": "chain_sum", "item_wall_s": 0}, r"env_config.item_wall_s: must be >= 0.1"),
 ])
 def test_bad_configs_name_the_key(env_config, match):
     with pytest.raises(ValueError, match=match):
         make_env_config("reasoning_gym", env_config, tag="RG")
+
+
+def test_a_question_longer_than_the_bound_fails_the_reset_naming_the_options():
+    env = make_env("reasoning_gym", {"dataset": "chain_sum", "min_terms": 400, "max_terms": 400,
+                                     "max_observation_chars": 1000})
+    with pytest.raises(ValueError, match=r"max_observation_chars: reasoning-gym's chain_sum with options "
+                                         r"\{'min_terms': 400, 'max_terms': 400\} \(seed 5\) gave an observation of "
+                                         r"[\d,]+ characters, more than max_observation_chars=1,000"):
+        env.reset(seed=5)
+    assert env.item is None  # refused by the scorer's count, before this process made it
+    env = make_env("reasoning_gym", {"dataset": "chain_sum", "min_terms": 400, "max_terms": 400})
+    assert len(env.reset(seed=5)) > 1000  # the default bound holds it
+
+
+@pytest.mark.timeout(120)
+def test_a_question_that_computes_for_hours_fails_the_reset_within_its_bound():
+    """chain_sum draws 10**max_digits: a big-integer power that holds this interpreter's GIL,
+    so no thread here could time it out; it is made in a scorer first, and killed there."""
+    env = make_env("reasoning_gym", {"dataset": "chain_sum", "max_digits": 10**9, "item_wall_s": 1.0})
+    with pytest.raises(RuntimeError, match=r"reasoning-gym's chain_sum with options \{'max_digits': 1000000000\} "
+                                           r"\(seed 0\) gave no question: the scorer ran past its 1 s \(a question's "
+                                           r"bounds: item_wall_s=1, scorer_memory_mb=1024\)"):
+        env.reset(seed=0)
+
+
+@pytest.mark.timeout(120)
+def test_env_timeout_s_ends_a_reset_that_computes_for_hours():
+    from ragen.rollout.types import StopReason
+
+    envs = custom_envs(RGHuge={"env_type": "reasoning_gym", "max_actions_per_traj": 1, "env_instruction": "sum",
+                               "env_config": {"dataset": "chain_sum", "max_digits": 10**9, "item_wall_s": 20.0}})
+    # 10 s: the other env's reset may start a scorer (about 1 s on an idle core)
+    try:
+        trajectories = sequential(specs_for(["RGHuge", "RGChainSum"], [1, 1], 1, envs),
+                                  loop_config(max_turn=1, env_timeout_s=10.0, env_retries=0))
+    finally:
+        _kill(_scorer_processes())  # the abandoned reset's scorer computes until item_wall_s: not past this test
+    assert [t.stop_reason for t in trajectories] == [StopReason.TIMEOUT, StopReason.DONE]
+    assert trajectories[0].error == "EnvTimeout: env call reset took longer than 10.0 s"
 
 
 @pytest.mark.parametrize("tag", RG_TAGS)

@@ -66,10 +66,23 @@ def test_the_games_reward_ends_the_episode():
                                  r"\['Mastermind-v0'"),
     ({"env_id": "TicTacToe-v0"}, r"env_config.env_id: TicTacToe-v0 is not a single-player game"),
     ({"env_id": "Mastermind-v0", "bogus": 3}, r"env_config.bogus: not an option of TextArena's Mastermind-v0"),
+    ({"env_id": "Minesweeper-v0", "rows": 200, "cols": 200},
+     r"env_config.max_observation_chars: TextArena's Minesweeper-v0 with options \{'rows': 200, 'cols': 200\} gave "
+     r"an observation of 122,\d{3} characters, more than max_observation_chars=100,000: make it smaller"),
+    ({"env_id": "Mastermind-v0", "max_observation_chars": 10**8}, r"env_config.max_observation_chars: must be <= "),
 ])
 def test_bad_configs_name_the_key(env_config, match):
     with pytest.raises(ValueError, match=match):
         make_env_config("textarena", env_config, tag="TA")
+
+
+def test_a_longer_observation_than_the_bound_fails_the_step_naming_the_game():
+    env = make_env("textarena", {"env_id": "Mastermind-v0", "max_observation_chars": 2000})
+    env.reset(seed=0)
+    assert env.step("[1 2 3 4]")[2] is False
+    with pytest.raises(ValueError, match=r"max_observation_chars: TextArena's Mastermind-v0 with options \{\} "
+                                         r"\(seed 0\) gave an observation of [\d,]+ characters"):
+        env.step("[1 2 3 4]" + " " * 3000)  # the game shows the move it was given
 
 
 @pytest.mark.parametrize("tag", TA_TAGS)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pandas as pd
 import pytest
 import yaml
@@ -47,3 +49,46 @@ def test_a_bad_config_is_refused_before_anything_is_written(tmp_path, capsys):
     assert not (tmp_path / "out").exists()
     assert main(["--out", str(tmp_path / "out"), "es_manager.train.env_configs.tags=[Nope]"]) == 2
     assert "Nope" in capsys.readouterr().err
+
+
+def test_an_out_folder_of_any_name_is_read_back_as_written(tmp_path):
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    out = tmp_path / "run #1: it's [a], b\\c"
+    assert main(["--out", str(out), "--steps", "1", *SMALL]) == 0
+    (entry,) = yaml.safe_load((out / "agent_loop.yaml").read_text())
+    assert entry["ragen_config"] == str(out / "ragen_config.yaml")
+    load_envs(entry["ragen_config"])
+    parser = OverridesParser.create()
+    values = dict((o.key_or_group, o.value()) for o in parser.parse_overrides(
+        (out / "verl_overrides.txt").read_text().splitlines()))
+    assert values["data.train_files"] == str(out / "train.parquet")
+    assert values["actor_rollout_ref.rollout.agent.agent_loop_config_path"] == str(out / "agent_loop.yaml")
+
+
+@pytest.mark.parametrize("args,match", [
+    (["--steps", "100000000"], r"--steps=100000000: 100,000,000 rollouts of es_manager.train.env_groups=3 groups "
+                                r"make 300,000,000 rows, more than 1,000,000"),
+    (["--steps", "0"], r"--steps=0: a whole number of training rollouts, at least 1"),
+    (["trainer.total_training_steps=1e8"], r"trainer.total_training_steps=100000000.0: 100,000,000 rollouts"),
+    (["trainer.total_training_steps=2.5"], r"trainer.total_training_steps=2.5: a whole number"),
+])
+def test_a_step_count_past_the_bound_is_refused_naming_it(tmp_path, capsys, args, match):
+    assert main(["--out", str(tmp_path / "out"), *args, *SMALL]) == 2
+    assert re.search(match, capsys.readouterr().err)
+    assert not (tmp_path / "out").exists()
+
+
+def test_the_verl_extra_brings_what_verls_agent_loop_imports_and_the_docs_ask_for_nothing_by_hand():
+    """verl 0.9.1 imports cachetools, uvicorn and fastapi in its agent loop without declaring them."""
+    import ast
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    setup = ast.parse((root / "setup.py").read_text())
+    call = next(n for n in ast.walk(setup) if isinstance(n, ast.Call) and getattr(n.func, "id", "") == "setup")
+    extras = ast.literal_eval(next(k.value for k in call.keywords if k.arg == "extras_require"))
+    names = {re.split(r"[<>=\[ ;]", req, maxsplit=1)[0] for req in extras["verl"]}
+    assert {"verl", "pandas", "pyarrow", "cachetools", "uvicorn", "fastapi"} <= names
+    docs = (root / "docs" / "verl.md").read_text()
+    assert not re.search(r"pip install[^\n`#]*\b(cachetools|uvicorn|fastapi)\b", docs)

@@ -179,6 +179,10 @@ def test_a_row_names_its_env_and_bad_rows_name_the_row_and_key():
         envs.spec({"tag": "Nope", "seed": 1, "index": 8})
     with pytest.raises(ValueError, match=r"dataset row 9: seed='x'"):
         envs.spec({"tag": "Bandit", "seed": "x", "index": 9})
+    for seed in (float("inf"), float("nan"), 1.5):
+        with pytest.raises(ValueError, match=rf"dataset row 10: seed={seed!r} is not a whole number"):
+            envs.spec({"tag": "Bandit", "seed": seed, "index": 10})
+    assert envs.spec({"tag": "Bandit", "seed": 4.0, "index": 11})[0].seed == 4
 
 
 @pytest.mark.parametrize("key", ["agent_proxy.max_turn", "custom_envs"])

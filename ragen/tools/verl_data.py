@@ -17,17 +17,23 @@ From ``es_manager``'s env sets of the composed ragen config it writes, in ``--ou
 
 Rows are ``data_source``, ``prompt`` (a placeholder message: the agent loop
 builds RAGEN's prompts from the env), ``agent_name``, ``tag``, ``seed``,
-``split``, ``reward_model`` and ``extra_info.index``. Needs pandas and pyarrow
-(``pip install -e '.[verl]'``).
+``split``, ``reward_model`` and ``extra_info.index``. A train file holds at most
+``MAX_TRAIN_ROWS`` rows (``--steps`` times ``es_manager.train.env_groups``). Needs pandas
+and pyarrow (``pip install -e '.[verl]'``).
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
+import numbers
+import re
+import shlex
 import sys
 from pathlib import Path
 from typing import Any, Mapping, Sequence
+
+import yaml
 
 from ragen.config_files import compose
 from ragen.rollout.envs import EnvSpecMaker
@@ -35,6 +41,7 @@ from ragen.rollout.envs import EnvSpecMaker
 logger = logging.getLogger(__name__)
 
 AGENT_NAME = "ragen_env"  # ragen.verl.agent_loop.AGENT_NAME (that module imports verl)
+MAX_TRAIN_ROWS = 1_000_000  # about 1.7 KB of memory a row while the file is written
 
 
 def group_rows(maker: EnvSpecMaker, rollouts: int, start_index: int = 0) -> list[dict[str, Any]]:
@@ -66,10 +73,7 @@ def build(cfg: Mapping[str, Any], out: Path, steps: int | None = None) -> dict[s
     makers = VerlEnvs(cfg, "the composed config").makers
     import pandas as pd
 
-    if steps is None:
-        steps = int((cfg.get("trainer") or {}).get("total_training_steps") or 1)
-    if steps < 1:
-        raise ValueError(f"--steps={steps}: at least 1")
+    steps = training_steps(cfg, steps, makers["train"].env_groups)
     train = group_rows(makers["train"], steps)
     val = group_rows(makers["val"], 1)
     out.mkdir(parents=True, exist_ok=True)
@@ -78,21 +82,47 @@ def build(cfg: Mapping[str, Any], out: Path, steps: int | None = None) -> dict[s
     config_path = (out / "ragen_config.yaml").resolve()
     OmegaConf.save(OmegaConf.create(dict(cfg)), config_path)
     loop_path = (out / "agent_loop.yaml").resolve()
-    loop_path.write_text(f"- name: {AGENT_NAME}\n  _target_: ragen.verl.agent_loop.RagenEnvAgentLoop\n"
-                         f"  ragen_config: {config_path}\n")
+    loop_path.write_text(yaml.safe_dump([{"name": AGENT_NAME, "_target_": "ragen.verl.agent_loop.RagenEnvAgentLoop",
+                                           "ragen_config": str(config_path)}], sort_keys=False))
     overrides = [
-        f"data.train_files={(out / 'train.parquet').resolve()}",
-        f"data.val_files={(out / 'val.parquet').resolve()}",
+        f"data.train_files={hydra_path(out / 'train.parquet')}",
+        f"data.val_files={hydra_path(out / 'val.parquet')}",
         f"data.train_batch_size={makers['train'].env_groups}",
         "data.shuffle=false",
         f"actor_rollout_ref.rollout.n={makers['train'].group_size}",
         f"actor_rollout_ref.rollout.val_kwargs.n={makers['val'].group_size}",
         "actor_rollout_ref.rollout.mode=async",
-        f"actor_rollout_ref.rollout.agent.agent_loop_config_path={loop_path}",
+        f"actor_rollout_ref.rollout.agent.agent_loop_config_path={hydra_path(loop_path)}",
         f"trainer.total_training_steps={steps}",
     ]
     (out / "verl_overrides.txt").write_text("\n".join(overrides) + "\n")
     return {"train_rows": len(train), "val_rows": len(val), "out": str(out), "overrides": overrides}
+
+
+def hydra_path(path: Path) -> str:
+    """``path``, absolute, as a Hydra override's value: quoted where Hydra's grammar would read its
+    characters (``#``, spaces, brackets, quotes), backslashes before a quote or at the end doubled."""
+    text = str(path.resolve())
+    if re.fullmatch(r"[\w./-]+", text):
+        return text
+    return "'" + re.sub(r"(\\*)('|$)", lambda m: m.group(1) * 2 + ("\\'" if m.group(2) else ""), text) + "'"
+
+
+def training_steps(cfg: Mapping[str, Any], steps: int | None, env_groups: int) -> int:
+    """The training rollouts to write: ``steps`` (``--steps``), else ``trainer.total_training_steps``
+    (else 1); a ValueError naming the one at fault when it is not a whole number from 1, or makes
+    more than ``MAX_TRAIN_ROWS`` rows of ``env_groups`` groups each."""
+    key, given = "--steps", steps
+    if steps is None:
+        key, given = "trainer.total_training_steps", (cfg.get("trainer") or {}).get("total_training_steps") or 1
+    whole = isinstance(given, numbers.Integral) or (isinstance(given, float) and given.is_integer())
+    if isinstance(given, bool) or not whole or given < 1:
+        raise ValueError(f"{key}={given!r}: a whole number of training rollouts, at least 1")
+    steps = int(given)
+    if steps * env_groups > MAX_TRAIN_ROWS:
+        raise ValueError(f"{key}={given!r}: {steps:,} rollouts of es_manager.train.env_groups={env_groups} groups "
+                         f"make {steps * env_groups:,} rows, more than {MAX_TRAIN_ROWS:,}: write fewer rollouts")
+    return steps
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -114,7 +144,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     print(f"wrote {report['train_rows']} train and {report['val_rows']} val rows, ragen_config.yaml and "
           f"agent_loop.yaml to {report['out']}\nverl overrides (also in verl_overrides.txt):")
-    print(" \\\n  ".join(report["overrides"]))
+    print(" \\\n  ".join(shlex.quote(o) for o in report["overrides"]))
     return 0
 
 

@@ -70,11 +70,13 @@ class VerlEnvs:
             if row.get(key) is None:
                 raise ValueError(f"{name}: no {key!r} key (rows of python -m ragen.tools.verl_data have tag, seed "
                                  f"and split); its keys: {sorted(row)}")
-        tag, seed = str(row["tag"]), row["seed"]
+        tag, given = str(row["tag"]), row["seed"]
         try:
-            seed = int(seed)
-        except (TypeError, ValueError):
-            raise ValueError(f"{name}: seed={seed!r} is not a whole number") from None
+            seed = int(given)
+        except (TypeError, ValueError, OverflowError):  # OverflowError: an infinite float
+            seed = None
+        if seed is None or (not isinstance(given, str) and seed != given):  # int(1.5) is 1
+            raise ValueError(f"{name}: seed={given!r} is not a whole number")
         split = str(row.get("split") or "train")
         if split not in self.loops:
             raise ValueError(f"{name}: split={split!r}; it is train or val")

@@ -2,7 +2,8 @@
 
 ``env_config: {dataset: <name>, attempts: 1, <the dataset's own options>}``, and how answers are
 scored: ``sandbox`` (the backend the scorer processes run in, as the code env's), ``scorer_wall_s``
-(one answer's scoring time) and ``scorer_memory_mb``.
+(one answer's scoring time) and ``scorer_memory_mb``; and the bounds of a question:
+``item_wall_s`` (its making, in a scorer process) and ``max_observation_chars`` (its length).
 The dataset's options are read by its own config class (reasoning-gym's
 ``<Name>Config``) and checked by its ``validate``, here, when the config is
 built: an unknown option or value names the key. An unknown dataset name lists
@@ -18,6 +19,7 @@ import os
 from typing import Any
 
 from ..config_checks import EnvConfigError, check_int, check_number, check_str
+from ..observation_bound import DEFAULT_MAX_OBSERVATION_CHARS, check_max_observation_chars
 from ..sandbox import BACKENDS, Limits, SandboxUnavailable, backend
 from .scoring import LIFE_CPU_S, START_S
 
@@ -25,7 +27,7 @@ __all__ = ["ReasoningGymEnvConfig", "datasets"]
 
 # the keys of this env; every other key of env_config is the dataset's option
 OWN_KEYS = ("dataset", "attempts", "invalid_act", "invalid_act_score", "sandbox", "scorer_wall_s",
-            "scorer_memory_mb")
+            "scorer_memory_mb", "item_wall_s", "max_observation_chars")
 
 
 def datasets() -> dict[str, tuple[type, type]]:
@@ -44,13 +46,16 @@ class ReasoningGymEnvConfig:
     episode goes on); ``sandbox``: ``auto``, ``bwrap``, ``unshare`` or ``none``, what the scorer
     processes run in (``auto`` refuses when none isolates; ``none`` is named to run them unisolated);
     ``scorer_wall_s``: an answer's scoring time, past which it scores 0; ``scorer_memory_mb``: a scorer
-    process's memory; ``options``: the dataset's own options (the other keys)."""
+    process's memory; ``item_wall_s``: the time a reset's question may take to make (in a scorer
+    process, before this one makes it), past which the reset fails; ``max_observation_chars``: the
+    longest question; ``options``: the dataset's own options (the other keys)."""
 
     SHORTHAND_KEY = "dataset"  # python -m ragen.tools.check reasoning_gym:<dataset>
 
     def __init__(self, dataset: str = "chain_sum", attempts: int = 1, invalid_act: str = "",
                  invalid_act_score: float = 0.0, sandbox: str = "auto", scorer_wall_s: float = 5.0,
-                 scorer_memory_mb: int = 1024, **options: Any) -> None:
+                 scorer_memory_mb: int = 1024, item_wall_s: float = 60.0,
+                 max_observation_chars: int = DEFAULT_MAX_OBSERVATION_CHARS, **options: Any) -> None:
         self.dataset = check_str("dataset", dataset)
         known = datasets()
         if self.dataset not in known:
@@ -63,6 +68,8 @@ class ReasoningGymEnvConfig:
         self.sandbox = check_str("sandbox", sandbox, choices=BACKENDS)
         self.scorer_wall_s = check_number("scorer_wall_s", scorer_wall_s, minimum=0.1, maximum=600)
         self.scorer_memory_mb = check_int("scorer_memory_mb", scorer_memory_mb, minimum=256, maximum=65536)
+        self.item_wall_s = check_number("item_wall_s", item_wall_s, minimum=0.1, maximum=600)
+        self.max_observation_chars = check_max_observation_chars(max_observation_chars)
         try:
             backend(self.sandbox)  # probed once a process
         except SandboxUnavailable as exc:
@@ -97,10 +104,13 @@ class ReasoningGymEnvConfig:
 
     def __repr__(self) -> str:
         return (f"ReasoningGymEnvConfig(dataset={self.dataset!r}, attempts={self.attempts}, sandbox={self.sandbox!r}, "
-                f"scorer_wall_s={self.scorer_wall_s}, scorer_memory_mb={self.scorer_memory_mb}, options={self.options})")
+                f"scorer_wall_s={self.scorer_wall_s}, scorer_memory_mb={self.scorer_memory_mb}, "
+                f"item_wall_s={self.item_wall_s}, max_observation_chars={self.max_observation_chars}, "
+                f"options={self.options})")
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, ReasoningGymEnvConfig) and self._own() == other._own()
 
     def _own(self) -> tuple:
-        return self.key(), self.attempts, self.sandbox, self.scorer_wall_s, self.scorer_memory_mb
+        return (self.key(), self.attempts, self.sandbox, self.scorer_wall_s, self.scorer_memory_mb, self.item_wall_s,
+                self.max_observation_chars)

@@ -10,7 +10,13 @@ Concepts:
   (``ragen.env.global_rng.own_rng``), so those are seeded as well and the
   caller's generators are untouched.
 - **Observation**: the item's question; after a wrong answer with attempts
-  left, its score and the question again.
+  left, its score and the question again. A dataset's options have no bound of
+  their own, so a scorer process makes the question first (``question_chars``):
+  a question that takes longer than ``item_wall_s`` to make, or more than the
+  scorer's memory, or is longer than ``max_observation_chars``, fails the reset
+  naming the dataset and its options, and this process never makes it. While
+  this process waits for that scorer it holds no lock and no interpreter, so
+  the rollout's ``env_timeout_s`` ends a longer reset on time.
 - **Action**: the answer text (what the model writes inside ``<answer>``).
 - **Reward**: the dataset's own ``score_answer(answer, item)`` (0..1) for the
   answer that ends the episode; ``success`` is a score of 1. With
@@ -31,9 +37,10 @@ from typing import Any
 
 from ..base import BaseLanguageBasedEnv, make_rng, unchanged_step
 from ..global_rng import GlobalRngState, own_rng
+from ..observation_bound import check_observation
 from .answers import refusal
 from .config import ReasoningGymEnvConfig
-from .scoring import Score, scorer_pool
+from .scoring import QuestionError, Score, scorer_pool
 
 __all__ = ["ReasoningGymEnv"]
 
@@ -56,10 +63,20 @@ class ReasoningGymEnv(BaseLanguageBasedEnv):
         self._success = False
 
     def reset(self, seed: int | None = None, **kwargs: Any) -> str:
-        self.dataset = None
+        self.dataset = self.item = None
         self.seed, _ = make_rng(seed)
+        cfg = self.config
+        source = f"reasoning-gym's {cfg.dataset} with options {cfg.options} (seed {self.seed})"
+        try:  # made in a scorer first: there its time and memory are bounded
+            chars = scorer_pool(cfg.scorer_limits()).question_chars(cfg.dataset, cfg.options, self.seed,
+                                                                   cfg.item_wall_s)
+        except QuestionError as exc:
+            raise RuntimeError(f"{source} gave no question: {exc} (a question's bounds: item_wall_s="
+                               f"{cfg.item_wall_s:g}, scorer_memory_mb={cfg.scorer_memory_mb})") from None
+        check_observation(chars, cfg.max_observation_chars, source)
         with own_rng(GlobalRngState(), seed=self.seed):
             self.item = self._dataset()[0]
+        check_observation(len(self.item["question"]), cfg.max_observation_chars, source)  # this process's
         self.attempts_left = self.config.attempts
         self.render_cache = self.item["question"]
         self._done = False

@@ -2,7 +2,10 @@
 
 ``scoring.py`` starts this file in the sandbox. It writes ``{"ready": true}`` once reasoning-gym is
 imported, then for each request line ``{"id", "dataset", "options", "seed", "item", "answer"}`` one
-reply line ``{"id", "score"}`` or ``{"id", "error"}``. ``item`` is the env's item, pickled (base64):
+reply line ``{"id", "score"}`` or ``{"id", "error"}``; for a line ``{"id", "question": true, "dataset",
+"options", "seed"}``, ``{"id", "chars"}``: the length of the question that seed makes (a reset asks it
+first, so the dataset's time and memory on these options are bounded here, not in the rollout's
+process). ``item`` is the env's item, pickled (base64):
 some datasets' items depend on the process's hash seed, so one built again here could differ from
 the question the model answered (the pickle comes from the rollout's process, never the other way).
 The dataset, seeded with the seed, scores it with the global generators seeded too (``own_rng``);
@@ -38,6 +41,13 @@ class _Datasets:
             dataset = self._get(request["dataset"], request["options"], request["seed"])
             return float(dataset.score_answer(answer=request["answer"], entry=item))
 
+    def question_chars(self, request: dict[str, Any]) -> int:
+        from ragen.env.global_rng import GlobalRngState, own_rng
+
+        with own_rng(GlobalRngState(), seed=request["seed"]):
+            item = self._get(request["dataset"], request["options"], request["seed"])[0]
+        return len(item["question"])
+
     def _get(self, name: str, options: dict[str, Any], seed: int) -> Any:
         import reasoning_gym
 
@@ -57,8 +67,11 @@ def serve(requests: TextIO, replies: TextIO) -> None:
     for line in requests:
         request = json.loads(line)
         try:
-            reply = {"id": request["id"], "score": datasets.score(request)}
-        except Exception as exc:  # noqa: BLE001 - any scorer's error is this answer's 0, said in the reply
+            if request.get("question"):
+                reply = {"id": request["id"], "chars": datasets.question_chars(request)}
+            else:
+                reply = {"id": request["id"], "score": datasets.score(request)}
+        except Exception as exc:  # noqa: BLE001 - any scorer's (or dataset's) error is said in the reply
             reply = {"id": request["id"], "error": f"{type(exc).__name__}: {exc}"[:500]}
         _send(replies, reply)
 

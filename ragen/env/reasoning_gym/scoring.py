@@ -5,7 +5,9 @@ may compute for long on a crafted answer while holding its interpreter. So each 
 a rollout worker) scores through its own ``ScorerPool``: up to ``size`` sandboxed scorer processes
 (``scorer.py``), started when first needed and kept for the next answers. A request's wall time is
 bounded; a scorer past it is killed (the next request starts a fresh one), and the answer scores 0
-with the reason. A scorer that dies, or replies out of turn, likewise. ``scorer_pool(limits)``:
+with the reason. A scorer that dies, or replies out of turn, likewise. A reset asks a scorer first
+for the length of its question (``question_chars``), so a dataset's time and memory on the env's
+options are bounded there, not in the rollout's process. ``scorer_pool(limits)``:
 this process's pool for those limits (thread-safe; a forked child starts its own; closed at exit).
 """
 
@@ -25,7 +27,7 @@ from typing import Any
 
 from ..sandbox import Limits, Sandboxed, SandboxError, spawn_python
 
-__all__ = ["Score", "ScorerPool", "scorer_pool"]
+__all__ = ["QuestionError", "Score", "ScorerPool", "scorer_pool"]
 
 logger = logging.getLogger(__name__)
 
@@ -43,6 +45,10 @@ class Score:
 
     value: float
     error: str | None = None
+
+
+class QuestionError(RuntimeError):
+    """A dataset gave no question for a reset's seed (it raised, ran past its time or died)."""
 
 
 class _Lost(Exception):
@@ -155,17 +161,11 @@ class ScorerPool:
         scorer given ``wall_s``."""
         request = {"dataset": dataset, "options": options, "seed": seed, "answer": answer,
                    "item": base64.b64encode(pickle.dumps(item)).decode("ascii")}
-        scorer = self._take()
         try:
-            reply = scorer.ask(request, wall_s)
+            reply = self._ask(request, wall_s)
         except _Lost as exc:
-            self._drop(scorer)
             logger.info("%s: the answer %r scores 0: %s", dataset, answer[:100], exc)
             return Score(0.0, str(exc))
-        except BaseException:  # anything else (an interrupt): the scorer's state is unknown, so it goes
-            self._drop(scorer)
-            raise
-        self._give_back(scorer)
         if "error" in reply:  # some scorers raise on text they cannot read
             logger.debug("%s: the answer %r scores 0: its scorer raised %s", dataset, answer[:100], reply["error"])
             return Score(0.0, f"the scorer raised {reply['error']}")
@@ -173,6 +173,31 @@ class ScorerPool:
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 1:
             return Score(0.0, f"the scorer's score is not a number from 0 to 1: {str(value)[:100]}")
         return Score(float(value))
+
+    def question_chars(self, dataset: str, options: dict[str, Any], seed: int, wall_s: float) -> int:
+        """The length of the question ``dataset`` (made with ``options`` and ``seed``) asks, made by a
+        scorer given ``wall_s``; ``QuestionError`` when it gives none."""
+        try:
+            reply = self._ask({"question": True, "dataset": dataset, "options": options, "seed": seed}, wall_s)
+        except _Lost as exc:
+            raise QuestionError(str(exc)) from None
+        if "error" in reply:
+            raise QuestionError(f"the dataset raised {reply['error']}")
+        chars = reply.get("chars")
+        if isinstance(chars, bool) or not isinstance(chars, int) or chars < 0:
+            raise QuestionError(f"the scorer replied {str(reply)[:100]}, not a length")
+        return chars
+
+    def _ask(self, request: dict[str, Any], wall_s: float) -> dict[str, Any]:
+        """A scorer's reply to ``request`` within ``wall_s``; ``_Lost`` (the scorer killed) when none came."""
+        scorer = self._take()
+        try:
+            reply = scorer.ask(request, wall_s)
+        except BaseException:  # _Lost, or an interrupt: the scorer's state is unknown, so it goes
+            self._drop(scorer)
+            raise
+        self._give_back(scorer)
+        return reply
 
     def _take(self) -> _Scorer:
         """An idle scorer that is still running, else a new one when fewer than ``size`` run, else wait."""

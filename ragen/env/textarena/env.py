@@ -9,7 +9,9 @@ Concepts:
   interleaving and the caller's global generators are untouched.
 - **Observation**: what the game shows the player: at reset its whole text,
   after a move the text the move added (the game's answer and, for board
-  games, the board).
+  games, the board). One longer than ``max_observation_chars`` fails the
+  call, naming the game's options. The game runs in this process, in Python:
+  the rollout's ``env_timeout_s`` bounds a reset's or a step's time.
 - **Action**: the answer text, passed to the game as the player's move.
 - **Reward**: 0 while the game goes on; when it ends, the player's reward from
   the game (``close()``); ``success`` is a reward of 1 or more.
@@ -24,6 +26,7 @@ from typing import Any
 
 from ..base import BaseLanguageBasedEnv, make_rng, unchanged_step
 from ..global_rng import GlobalRngState, own_rng
+from ..observation_bound import check_observation
 from .config import TextArenaEnvConfig, import_textarena
 
 __all__ = ["TextArenaEnv"]
@@ -63,7 +66,9 @@ class TextArenaEnv(BaseLanguageBasedEnv):
         text = text if isinstance(text, str) else str(text)
         new = text[len(self._shown):] if text.startswith(self._shown) else text
         self._shown = text
-        return new.strip("\n") or text
+        new = new.strip("\n") or text
+        check_observation(len(new), self.config.max_observation_chars, f"{self.config.source()} (seed {self.seed})")
+        return new
 
     def step(self, action: Any) -> tuple[str, float, bool, dict]:
         if self.game is None:
