@@ -33,6 +33,8 @@ setup(
         "websockets>=13",  # remote envs: OpenEnv's WebSocket session protocol, client and env server
         "urllib3>=2",  # the search env's pooled connections to its retrieval server
         "jsonschema>=4.18",  # tool schemas checked at config read, tool call arguments against them
+        # train.py's allocator (trainer.allocator=auto, ragen.allocator): it gives an update's freed memory back
+        "cmeel-mimalloc>=3.2; sys_platform == 'linux'",
     ],
     extras_require={
         # dask and ray too: their backends are tested in the default suite

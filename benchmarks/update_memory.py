@@ -8,11 +8,11 @@ mini batch 32. Random token ids; the default model (SmolLM2-135M, float32) with 
 (rank 16, alpha 32, all linear layers), two torch threads; ``--updates N`` runs N updates and
 reports each (the first pays for warm-up).
 
-    python benchmarks/update_memory.py --task sokoban --turns 3 [--checkpoint-layers] [--allocator tcmalloc]
+    python benchmarks/update_memory.py --task sokoban --turns 3 [--checkpoint-layers] [--allocator mimalloc]
 
 ``--autocast bf16`` asks for the bfloat16 decoder (``ragen.trainer.precision``: float32 with a
 warning on a CPU without native bf16); ``--emulated-bf16`` runs it there all the same, to measure it.
-``--allocator tcmalloc`` runs the script again with tcmalloc preloaded (``ragen.allocator``);
+``--allocator mimalloc`` (or ``tcmalloc``) runs the script again with it preloaded (``ragen.allocator``);
 ``--mmap-threshold-kb`` fixes glibc's mmap threshold (``mallopt``) instead, so that memory the
 update frees goes back to the system at once instead of staying in the heap.
 """
@@ -34,7 +34,7 @@ def main() -> None:
     parser.add_argument("--mmap-threshold-kb", type=int, default=None)
     parser.add_argument("--task", choices=("sokoban", "bandit"), default="sokoban")
     parser.add_argument("--updates", type=int, default=1)
-    parser.add_argument("--allocator", choices=("system", "tcmalloc"), default="system")
+    parser.add_argument("--allocator", choices=("system", "mimalloc", "tcmalloc"), default="system")
     parser.add_argument("--autocast", choices=("none", "bf16"), default="none")
     parser.add_argument("--device", default="cpu", help="cpu, or cuda: the update on a GPU (peak GPU memory too)")
     parser.add_argument("--model", default="default",
@@ -45,10 +45,10 @@ def main() -> None:
     parser.add_argument("--emulated-bf16", action="store_true",
                         help="with --autocast bf16: run bfloat16 even on a CPU without native bf16 (to measure it)")
     args = parser.parse_args()
-    if args.allocator == "tcmalloc":  # only then: trees from before ragen.allocator run with the system's
+    if args.allocator != "system":  # only then: trees from before ragen.allocator run with the system's
         from ragen.allocator import relaunch_with
 
-        relaunch_with("tcmalloc")
+        relaunch_with(args.allocator)
     torch.set_num_threads(2)
     if args.mmap_threshold_kb is not None:
         ctypes.CDLL("libc.so.6").mallopt(-3, args.mmap_threshold_kb * 1024)  # M_MMAP_THRESHOLD

@@ -1,33 +1,41 @@
-"""The memory allocator of the training process (``trainer.allocator``): tcmalloc where installed.
+"""The memory allocator of the training process (``trainer.allocator``): mimalloc, which ragen ships.
 
 glibc's malloc keeps most of what an update frees in its heap instead of
 giving it back, so a training step's peak RSS is several times the tensors it
-holds; tcmalloc (gperftools' ``libtcmalloc_minimal``) gives it back, and the
-update is no slower (BENCHMARKS.md, "Trainer memory"). An allocator is chosen
-before a process starts (``LD_PRELOAD``), so ``relaunch_with`` runs the same
-command again, once, with the library preloaded (``os.execve``), before the
-trainer builds anything. The processes it starts (rollout workers, engines)
-inherit it.
+holds; mimalloc and tcmalloc give it back (BENCHMARKS.md, "Trainer memory").
+mimalloc comes with ragen on Linux (the ``cmeel-mimalloc`` wheel, a
+dependency); tcmalloc is a system package (gperftools' ``libtcmalloc_minimal``).
+An allocator is chosen before a process starts (``LD_PRELOAD``), so
+``relaunch_with`` runs the same command again, once, with the library
+preloaded (``os.execve``), before the trainer builds anything. The processes
+it starts (rollout workers, engines) inherit it; the sandbox's do not (they
+start with an empty environment).
 
-- ``auto``: tcmalloc where the library is found (Linux), else the system's
-  malloc with a warning that says how to install it;
-- ``tcmalloc``: tcmalloc, or a ValueError naming the key where it is missing;
+- ``auto``: mimalloc where found, else tcmalloc where installed, else the
+  system's malloc, with a warning on Linux (where one of them should be);
+- ``mimalloc`` / ``tcmalloc``: that one, or a ValueError naming the key where it is missing;
 - ``system``: the C library's malloc.
 """
 
 from __future__ import annotations
 
 import ctypes.util
+import importlib.metadata
 import logging
 import os
 import sys
+from pathlib import Path
 
 logger = logging.getLogger(__name__)
 
-CHOICES = ("auto", "tcmalloc", "system")
+CHOICES = ("auto", "mimalloc", "tcmalloc", "system")
+AUTO_ORDER = ("mimalloc", "tcmalloc")  # the fastest that holds the memory bound first (BENCHMARKS.md)
 # set in the relaunched process: a preload that did not take is reported, not tried again
 _RELAUNCHED = "RAGEN_ALLOCATOR_RELAUNCHED"
-_INSTALL = "apt-get install libtcmalloc-minimal4 (Debian/Ubuntu) or gperftools-libs (Fedora)"
+_INSTALL = {
+    "mimalloc": "pip install cmeel-mimalloc (a dependency of ragen on Linux)",
+    "tcmalloc": "apt-get install libtcmalloc-minimal4 (Debian/Ubuntu) or gperftools-libs (Fedora)",
+}
 
 
 def check_choice(choice: str) -> str:
@@ -36,50 +44,66 @@ def check_choice(choice: str) -> str:
     return choice
 
 
-def find_tcmalloc() -> str | None:
-    """The tcmalloc library's file name as the dynamic loader finds it, or None."""
+def find_library(name: str) -> str | None:
+    """The file of allocator ``name`` (mimalloc: the wheel's, else the system's), or None; Linux only."""
     if not sys.platform.startswith("linux"):
         return None
-    for name in ("tcmalloc_minimal", "tcmalloc"):
-        found = ctypes.util.find_library(name)
+    if name == "mimalloc":
+        try:
+            files = importlib.metadata.files("cmeel-mimalloc") or []
+        except importlib.metadata.PackageNotFoundError:
+            files = []
+        for f in files:
+            if f.name.startswith("libmimalloc.so"):
+                path = Path(str(f.locate()))
+                if path.is_file():
+                    return str(path.resolve())
+        return ctypes.util.find_library("mimalloc")
+    for lib in ("tcmalloc_minimal", "tcmalloc"):
+        found = ctypes.util.find_library(lib)
         if found:
             return found
     return None
 
 
-def tcmalloc_loaded() -> bool:
-    """Whether this process runs on tcmalloc (its library is mapped)."""
+def loaded() -> str | None:
+    """The allocator this process runs on where it is one of ours (its library is mapped), else None."""
     try:
         with open("/proc/self/maps") as f:
-            return "libtcmalloc" in f.read()
+            maps = f.read()
     except OSError:
-        return False
+        return None
+    return next((name for name in AUTO_ORDER if f"lib{name}" in maps), None)
 
 
 def relaunch_with(choice: str) -> None:
     """Run this process's command again with ``choice``'s allocator preloaded, where it is not
-    in force yet; returns where nothing is to be done (``system``, already loaded, not found
+    in force yet; returns where nothing is to be done (``system``, already loaded, none found
     under ``auto``, or a relaunch that did not take)."""
     check_choice(choice)
     if choice == "system":
         return
-    if tcmalloc_loaded():
-        logger.info("memory allocator: tcmalloc (trainer.allocator=%s)", choice)
+    wanted = AUTO_ORDER if choice == "auto" else (choice,)
+    running = loaded()
+    if running in wanted:
+        logger.info("memory allocator: %s (trainer.allocator=%s)", running, choice)
         return
-    library = find_tcmalloc()
+    name, library = next(((n, lib) for n in wanted if (lib := find_library(n))), (None, None))
     if library is None:
-        if choice == "tcmalloc":
-            raise ValueError(f"trainer.allocator=tcmalloc but no tcmalloc library is installed: {_INSTALL}; "
+        if choice != "auto":
+            raise ValueError(f"trainer.allocator={choice} but no {choice} library is found: {_INSTALL[choice]}; "
                              "or set trainer.allocator=system")
-        logger.warning("trainer.allocator=auto: tcmalloc is not installed, so the system's malloc is used and a "
-                       "training step's peak memory is several times higher (%s)", _INSTALL)
+        if sys.platform.startswith("linux"):
+            logger.warning("trainer.allocator=auto: neither mimalloc nor tcmalloc is found, so the system's malloc "
+                           "is used and a training step's peak memory is several times higher (%s)",
+                           _INSTALL["mimalloc"])
         return
     if os.environ.get(_RELAUNCHED):
         logger.warning("trainer.allocator=%s: %s was preloaded but is not in use; the system's malloc is used",
                        choice, library)
         return
     preload = " ".join(p for p in (library, os.environ.get("LD_PRELOAD", "")) if p)
-    env = {**os.environ, "LD_PRELOAD": preload, _RELAUNCHED: "1"}
+    env = {**os.environ, "LD_PRELOAD": preload, _RELAUNCHED: name}
     sys.stdout.flush()
     sys.stderr.flush()
     os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], env)  # does not return

@@ -1,5 +1,6 @@
-"""trainer.allocator: train.py runs again with tcmalloc preloaded where it is installed, once;
-a missing library is a warning under auto and an error naming the key under tcmalloc."""
+"""trainer.allocator: train.py runs again with mimalloc (which ragen ships) preloaded, once, or
+tcmalloc where asked for; a missing library is a warning under auto and an error naming the key
+when asked for by name."""
 
 from __future__ import annotations
 
@@ -17,10 +18,10 @@ pytestmark = pytest.mark.timeout(120)
 
 _PROBE = textwrap.dedent("""
     import sys
-    from ragen.allocator import relaunch_with, tcmalloc_loaded
+    from ragen.allocator import loaded, relaunch_with
     print("start", flush=True)
     relaunch_with(sys.argv[1])
-    print("loaded" if tcmalloc_loaded() else "system", sys.argv[1:])
+    print(loaded() or "system", sys.argv[1:])
 """)
 
 
@@ -36,37 +37,73 @@ def _probe(tmp_path, *args: str) -> list[str]:
     return out.stdout.splitlines()
 
 
-@pytest.mark.skipif(allocator.find_tcmalloc() is None,
-                    reason="tcmalloc is not installed (apt-get install libtcmalloc-minimal4)")
-def test_auto_runs_the_command_again_with_tcmalloc_once_and_keeps_its_arguments(tmp_path):
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="mimalloc is preloaded on Linux")
+def test_ragen_ships_mimalloc_and_auto_runs_the_command_again_with_it_once_keeping_its_arguments(tmp_path):
+    assert allocator.find_library("mimalloc"), "cmeel-mimalloc, a dependency of ragen on Linux, is not installed"
     lines = _probe(tmp_path, "auto", "x=1")
     # the first process printed "start" and was replaced; the second printed it again and went on
-    assert lines == ["start", "start", "loaded ['auto', 'x=1']"]
+    assert lines == ["start", "start", "mimalloc ['auto', 'x=1']"]
+
+
+@pytest.mark.skipif(allocator.find_library("tcmalloc") is None,
+                    reason="tcmalloc is not installed (apt-get install libtcmalloc-minimal4)")
+def test_tcmalloc_when_asked_for(tmp_path):
+    assert _probe(tmp_path, "tcmalloc") == ["start", "start", "tcmalloc ['tcmalloc']"]
 
 
 def test_system_keeps_the_process_as_it_is(tmp_path):
     assert _probe(tmp_path, "system") == ["start", "system ['system']"]
 
 
+def _found(*names):
+    return lambda name: f"/lib/lib{name}.so" if name in names else None
+
+
+def test_auto_takes_mimalloc_before_tcmalloc_and_tcmalloc_where_mimalloc_is_missing(monkeypatch):
+    monkeypatch.setattr(allocator, "loaded", lambda: None)
+    monkeypatch.delenv(allocator._RELAUNCHED, raising=False)
+    preloads = []
+
+    def execve(path, argv, env):
+        preloads.append(env["LD_PRELOAD"].split()[0])
+
+    monkeypatch.setattr(os, "execve", execve)
+    for found in (("mimalloc", "tcmalloc"), ("tcmalloc",)):
+        monkeypatch.setattr(allocator, "find_library", _found(*found))
+        allocator.relaunch_with("auto")
+    assert preloads == ["/lib/libmimalloc.so", "/lib/libtcmalloc.so"]
+
+
+def test_a_running_allocator_that_auto_would_take_is_kept(monkeypatch):
+    monkeypatch.setattr(allocator, "find_library", _found("mimalloc", "tcmalloc"))
+    monkeypatch.setattr(os, "execve", lambda *a: pytest.fail("relaunched an allocator already in use"))
+    for running in ("mimalloc", "tcmalloc"):
+        monkeypatch.setattr(allocator, "loaded", lambda: running)
+        allocator.relaunch_with("auto")
+
+
 def test_a_relaunch_that_did_not_take_is_not_tried_again(monkeypatch, caplog):
-    monkeypatch.setattr(allocator, "find_tcmalloc", lambda: "libtcmalloc_minimal.so.4")
-    monkeypatch.setattr(allocator, "tcmalloc_loaded", lambda: False)
-    monkeypatch.setenv(allocator._RELAUNCHED, "1")
+    monkeypatch.setattr(allocator, "find_library", _found("mimalloc"))
+    monkeypatch.setattr(allocator, "loaded", lambda: None)
+    monkeypatch.setenv(allocator._RELAUNCHED, "mimalloc")
     monkeypatch.setattr(os, "execve", lambda *a: pytest.fail("relaunched twice"))
     with caplog.at_level(logging.WARNING):
         allocator.relaunch_with("auto")
     assert "not in use" in caplog.text
 
 
-def test_a_missing_tcmalloc_is_a_warning_under_auto_and_an_error_naming_the_key_when_asked_for(monkeypatch, caplog):
-    monkeypatch.setattr(allocator, "find_tcmalloc", lambda: None)
-    monkeypatch.setattr(allocator, "tcmalloc_loaded", lambda: False)
+def test_a_missing_allocator_is_a_warning_under_auto_and_an_error_naming_the_key_when_asked_for(monkeypatch, caplog):
+    monkeypatch.setattr(allocator, "find_library", _found())
+    monkeypatch.setattr(allocator, "loaded", lambda: None)
+    monkeypatch.setattr(allocator.sys, "platform", "linux")
     monkeypatch.setattr(os, "execve", lambda *a: pytest.fail("relaunched without a library"))
     with caplog.at_level(logging.WARNING):
         allocator.relaunch_with("auto")
-    assert "libtcmalloc-minimal4" in caplog.text
+    assert "cmeel-mimalloc" in caplog.text
     with pytest.raises(ValueError, match="trainer.allocator=tcmalloc.*libtcmalloc-minimal4"):
         allocator.relaunch_with("tcmalloc")
+    with pytest.raises(ValueError, match="trainer.allocator=mimalloc.*cmeel-mimalloc"):
+        allocator.relaunch_with("mimalloc")
 
 
 def test_an_unknown_allocator_is_refused_by_train_py_naming_the_key():
