@@ -31,6 +31,7 @@ setup(
         "websockets>=13",  # remote envs: OpenEnv's WebSocket session protocol, client and env server
         "urllib3>=2",  # the search env's pooled connections to its retrieval server
         "jsonschema>=4.18",  # tool schemas checked at config read, tool call arguments against them
+        "regex>=2022.1.18",  # a tool schema's patterns, searched under a time limit (transformers needs it too)
     ],
     extras_require={
         # dask and ray too: their backends are tested in the default suite
