@@ -4,7 +4,7 @@
   each ``{"type": "function", "function": {"name", "description", "parameters"}}``
   with a unique name and ``parameters`` a JSON Schema that a call can be checked
   against in bounded time (``ragen.llm.tool_schema``); ValueError naming ``where``
-  and the tool.
+  and the tool. ``declared_tools(config, where)``: those an env config declares, checked so.
 - ``tools_system_text(tools)``: the Hermes/Qwen2.5 block that lists the tools in
   the system message, for a chat template that does not render ``tools=``.
 - ``ToolCall`` (a call of a declared tool with arguments that match its
@@ -98,6 +98,13 @@ def check_tools(tools: Any, where: str) -> list[dict[str, Any]]:
                              f"(the arguments are an object), got {parameters!r:.80}")
         check_parameters(parameters, f"{at} ({name}).function.parameters")
     return [json.loads(json.dumps(t)) for t in tools]  # plain dicts and lists, as data crossing processes is
+
+
+def declared_tools(config: Any, where: str) -> list[dict[str, Any]] | None:
+    """The tools an env's config (its built config object, or a plain dict) declares in ``tools``,
+    checked by ``check_tools``; None when it declares none."""
+    tools = config.get("tools") if isinstance(config, Mapping) else getattr(config, "tools", None)
+    return None if tools is None else check_tools(tools, where)
 
 
 def tools_system_text(tools: Sequence[Mapping[str, Any]]) -> str:
