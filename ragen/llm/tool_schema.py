@@ -11,10 +11,12 @@
 - ``validator(parameters)``: the validator of one tool's parameters (their JSON text). It resolves
   no reference outside them (an empty registry: a remote ``$ref`` fails, it is never fetched) and
   runs each ``pattern`` with ``regex`` instead of ``re``, under the time left in the current
-  ``pattern_budget()`` (``PATTERN_BUDGET_S`` per answer). ``regex`` stops a search at its timeout
-  and releases the GIL while it searches, so a pattern that backtracks exponentially
-  (``^(a|aa)+$``) costs one answer the budget, and other threads run meanwhile: past the
-  budget, a search raises ``PatternTimeout``.
+  ``pattern_budget()`` (``PATTERN_BUDGET_S`` of CPU time per answer; ``regex`` counts its timeout
+  in the process's CPU time, so other busy threads end a search sooner, never later, and on a
+  loaded machine the wall time is longer). ``regex`` stops a
+  search at its timeout and releases the GIL while it searches, so a pattern that backtracks
+  exponentially (``^(a|aa)+$``) costs one answer the budget, and other threads run meanwhile:
+  past the budget, a search raises ``PatternTimeout``.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ import referencing
 import regex
 
 MAX_SCHEMA_NODES = 10_000  # schema objects once references are expanded: a tool's is tens
-PATTERN_BUDGET_S = 0.25  # the pattern searches of one answer's calls, in all
+PATTERN_BUDGET_S = 0.25  # CPU seconds: the pattern searches of one answer's calls, in all
 _POINTER = re.compile(r"#(/.*)?", re.DOTALL)
 _DATA = frozenset({"enum", "const", "default", "examples"})  # values, not schemas
 _NAMED = frozenset({"properties", "patternProperties", "$defs", "definitions", "dependentSchemas", "dependencies"})
@@ -44,8 +46,8 @@ class PatternTimeout(Exception):
     """A ``pattern`` search that did not end within the answer's pattern budget."""
 
     def __init__(self, pattern: str) -> None:
-        super().__init__(f"the pattern {pattern!r:.80} took more than the {PATTERN_BUDGET_S} s its answer may spend "
-                         "on patterns")
+        super().__init__(f"the pattern {pattern!r:.80} took more than the {PATTERN_BUDGET_S} s of CPU time its answer "
+                         "may spend on patterns")
         self.pattern = pattern
 
 
@@ -160,11 +162,11 @@ def _expanded_size(root: Any, path: tuple, at: str, sizes: dict[tuple, int], ope
 
 @contextlib.contextmanager
 def pattern_budget() -> Iterator[None]:
-    """The pattern searches within share ``PATTERN_BUDGET_S`` (this thread's; nested: the outer one)."""
+    """The pattern searches within share ``PATTERN_BUDGET_S`` of this thread's CPU time (nested: the outer one's)."""
     if _DEADLINE.get() is not None:
         yield
         return
-    token = _DEADLINE.set(time.monotonic() + PATTERN_BUDGET_S)
+    token = _DEADLINE.set(time.thread_time() + PATTERN_BUDGET_S)
     try:
         yield
     finally:
@@ -176,7 +178,7 @@ def _pattern(validator: Any, pattern: str, instance: Any, schema: Any) -> Iterat
     if not validator.is_type(instance, "string"):
         return
     deadline = _DEADLINE.get()
-    left = PATTERN_BUDGET_S if deadline is None else deadline - time.monotonic()
+    left = PATTERN_BUDGET_S if deadline is None else deadline - time.thread_time()
     if left <= 0:
         raise PatternTimeout(pattern)
     try:
