@@ -17,8 +17,8 @@
 Both parsers never raise on what a model wrote: JSON nested deeper than
 ``MAX_NESTING``, an integer longer than Python reads (4,300 digits), a number
 no float holds, an escaped lone surrogate, or arguments that do not match the
-schema (or whose ``pattern`` searches pass the answer's budget) are a ``BadCall`` saying why, which the turn loop shows the model with
-the format penalty.
+schema (or whose ``pattern`` searches pass the answer's budget) are a ``BadCall``
+saying why, which the turn loop shows the model with the format penalty.
 """
 
 from __future__ import annotations
