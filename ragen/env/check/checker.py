@@ -19,8 +19,8 @@ answers (``preflight``: the search env's retrieval server);
 metrics read; an invalid action does not raise; the same seed gives the same
 episode on fresh and on reused instances; different seeds give different
 episodes (warning only; where every seed shows the same first observation, the
-episodes are compared after their steps, and after each example alone); the global ``random``/``np.random`` generators are
-untouched; two instances stepped in turn behave as each one alone, and no class
+episodes are compared after their steps, and after each example alone); the
+global ``random``/``np.random`` generators are untouched; two instances stepped in turn behave as each one alone, and no class
 attribute or module global changes; the env config and the env pickle; and how
 long ``reset`` and ``step`` take.
 """
