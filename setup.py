@@ -35,6 +35,7 @@ setup(
         "jsonschema>=4.18",  # tool schemas checked at config read, tool call arguments against them
         # train.py's allocator (trainer.allocator=auto, ragen.allocator): it gives an update's freed memory back
         "cmeel-mimalloc>=3.2; sys_platform == 'linux'",
+        "regex>=2022.1.18",  # a tool schema's patterns, searched under a time limit (transformers needs it too)
     ],
     extras_require={
         # dask and ray too: their backends are tested in the default suite

@@ -4,13 +4,18 @@
 from __future__ import annotations
 
 import json
+import re
+import socket
 import subprocess
 import sys
 import threading
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+import yaml
 
+from ragen.env.base import BaseEnvConfig, BaseLanguageBasedEnv, make_rng, unchanged_step
 from ragen.env.check import CheckReport, check_env
 from ragen.tools.check import main, parse_config_args
 
@@ -145,3 +150,98 @@ def test_a_nan_reward_fails_the_step_check():
     assert not report.ok
     assert {r.name for r in report.failures()} == {"step"}, report.format()
     assert "reward is nan, not a finite number" in report["step"].message and "finite" in report["step"].fix
+
+
+# ----- issue 59: failures the checker missed, and a false alarm --------------------------------------------
+
+@dataclass
+class HiddenCodeConfig(BaseEnvConfig):
+    ignore_seed: bool = False
+
+
+class HiddenCodeEnv(BaseLanguageBasedEnv):
+    """A guessing game whose code comes from the seed and is never shown: every seed's first
+    observation is the same, and a guess ("[50]") is told higher or lower. With ``ignore_seed``,
+    the code is always 42: every env group would play the same game."""
+
+    config_cls = HiddenCodeConfig
+
+    def __init__(self, config: HiddenCodeConfig | None = None) -> None:
+        super().__init__(config or HiddenCodeConfig())
+        self.code, self.done = 0, False
+
+    def reset(self, seed=None, **kwargs):
+        _, rng = make_rng(seed)
+        self.code, self.done = (42 if self.config.ignore_seed else int(rng.integers(1, 100))), False
+        return "Guess the code, a number from 1 to 99. Answer in the form '[50]'."
+
+    def step(self, action):
+        match = re.fullmatch(r"\[(\d+)\]", action.strip()) if isinstance(action, str) else None
+        if match is None or self.done:
+            return unchanged_step("Answer in the form '[50]'.", match is not None, self.done, False, -0.1)
+        guess = int(match.group(1))
+        self.done = guess == self.code
+        said = "right" if self.done else ("higher" if self.code > guess else "lower")
+        return said, float(self.done), self.done, {"action_is_valid": True, "action_is_effective": True,
+                                                   "success": self.done}
+
+
+def test_a_hidden_state_from_the_seed_is_no_false_alarm_and_an_ignored_seed_still_is():
+    """Issue 59: "all 5 seeds give the same episode" for TAMastermind, whose code differs by seed.
+    The checker steps the examples the first observation shows, and compares what comes back."""
+    hidden = check_env("tests.test_env_check:HiddenCodeEnv", seeds=5)
+    assert hidden.ok and not hidden.warnings(), hidden.format()
+    assert "differ after a step" in hidden["seeds_differ"].message
+    ignored = check_env("tests.test_env_check:HiddenCodeEnv", {"ignore_seed": True}, seeds=5)
+    assert ignored["seeds_differ"].status == "warn", ignored.format()
+    assert "also after each of the examples the first observation shows ([50])" in ignored["seeds_differ"].message
+
+
+def test_the_shipped_mastermind_passes_the_seed_check():
+    pytest.importorskip("textarena", reason="textarena (the envs extra) plays TextArena's games")
+    report = check_env("textarena", {"env_id": "Mastermind-v0"}, seeds=4)
+    assert report.ok and report["seeds_differ"].status == "pass", report.format()
+
+
+def test_search_without_its_retrieval_server_fails_naming_it(capsys):
+    """Issue 59: `check SearchQA` with no retrieval server said "OK, 14 passed"."""
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        url = f"http://127.0.0.1:{s.getsockname()[1]}"
+    assert main(["SearchQA", "--config", f"server_url={url}", "--seeds", "2"]) == 1
+    text = capsys.readouterr().out
+    assert f"FAIL  preflight        the retrieval server {url} is unreachable" in text, text
+    assert "ragen.tools.retrieval_server" in text and "FAILED" in text
+
+
+BAD_TOOLS = [{"type": "function", "function": {"name": "add", "parameters": {
+    "type": "object", "properties": {"amount": {"type": "strng"}}}}}]
+
+
+def test_a_tool_schema_train_refuses_fails_the_build(tmp_path, capsys):
+    """Issue 59: a tool schema train.py refuses passed the checker: it reads the config as train.py does."""
+    report = check_env("tests.test_tool_calls:CounterEnv", {"tools": BAD_TOOLS}, "tests.test_tool_calls:CounterConfig",
+                       seeds=2)
+    assert [r.name for r in report.failures()] == ["build"], report.format()
+    assert "env_config: tools[0] (add).function.parameters is not valid JSON Schema at properties/amount/type" \
+        in report["build"].message
+    # a tag: train.py's whole read of it (here a format_example it refuses)
+    envs_yaml = tmp_path / "envs.yaml"
+    envs_yaml.write_text(yaml.safe_dump({"custom_envs": {"Counter": {
+        "env_type": "tests.test_tool_calls:CounterEnv", "config_type": "tests.test_tool_calls:CounterConfig",
+        "format_example": {"observation": "The counter is 1."}, "env_config": {}}}}))
+    assert main(["Counter", "--envs-yaml", str(envs_yaml), "--seeds", "2"]) == 1
+    text = capsys.readouterr().out
+    assert "FAIL  build            train.py's config read refuses the tag: custom_envs.Counter.format_example" in text
+    assert main(["Counter", "--envs-yaml", str(envs_yaml), "--seeds", "2",
+                 "--config", "tools=" + json.dumps(BAD_TOOLS)]) == 1
+    assert "custom_envs.Counter: tools[0] (add).function.parameters" in capsys.readouterr().out
+
+
+def test_env_config_as_json_with_config_items_over_it(tmp_path):
+    out = tmp_path / "report.json"
+    assert main(["frozen_lake", "--env-config", '{"size": 5, "is_slippery": true}', "--config", "is_slippery=false",
+                 "--seeds", "2", "--json", str(out)]) == 0
+    assert json.loads(out.read_text())["env_config"] == {"size": 5, "is_slippery": False}
+    with pytest.raises(SystemExit):
+        main(["frozen_lake", "--env-config", "[5]"])

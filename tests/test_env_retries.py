@@ -4,8 +4,10 @@ timeout is reported with its tag and seed."""
 
 from __future__ import annotations
 
+import json
 import logging
 import random
+import shlex
 from dataclasses import replace
 
 import pytest
@@ -18,6 +20,7 @@ from ragen.llm_agent import AgentSetup, LLMAgentProxy
 from ragen.serving import DirectClient
 from ragen.rollout.scheduler import KeptEnvs, run_envs
 from ragen.rollout.types import RolloutResult, StopReason
+from ragen.tools.check import main as check_main
 
 from tests.rollout_helpers import ROOT, custom_envs, fault_tag, loop_config, sequential, specs_for
 
@@ -121,7 +124,7 @@ def test_failed_envs_are_listed_with_tag_seed_and_error():
                for f in failed)
 
 
-def test_the_rollout_log_names_each_failed_env_and_how_to_check_it(caplog):
+def test_the_rollout_log_names_each_failed_env_and_how_to_check_it(caplog, tmp_path):
     with initialize_config_dir(config_dir=str(ROOT / "config"), version_base=None):
         cfg = OmegaConf.to_container(compose("base", overrides=[
             "engine=scripted", "es_manager.train.env_groups=2", "es_manager.train.group_size=1",
@@ -136,5 +139,16 @@ def test_the_rollout_log_names_each_failed_env_and_how_to_check_it(caplog):
     lines = [r.getMessage() for r in caplog.records if r.name == "ragen.rollout.backends.base"
              and "ended in error" in r.getMessage()]
     assert len(lines) == 1
-    assert "tag Fault, seed 41" in lines[0] and "python -m ragen.tools.check Fault --first-seed 41" in lines[0]
+    assert "tag Fault, seed 41" in lines[0]
+    # Issue 59: the command named the tag, which only this run's config defines ("unknown env type
+    # 'Fault'"); it names the env as the worker built it, and runs anywhere
+    command = lines[0].split("| check it alone: ")[1]
+    assert command == result.failed_envs[0]["check"]
+    argv = shlex.split(command)
+    assert argv[:3] == ["python", "-m", "ragen.tools.check"] and argv[-2:] == ["--first-seed", "41"]
+    report_path = tmp_path / "report.json"
+    assert check_main([*argv[3:], "--seeds", "1", "--json", str(report_path)]) == 1
+    checks = {r["name"]: r for r in json.loads(report_path.read_text())["results"]}
+    assert checks["build"]["status"] == "pass" and "FaultEnv from FaultEnvConfig" in checks["build"]["message"]
+    assert checks["reset"]["status"] == "fail" and "injected reset failure" in checks["reset"]["message"]
     assert result.metrics["rollout/env_retries"] == 0

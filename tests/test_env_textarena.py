@@ -90,8 +90,10 @@ def test_the_shipped_tags_pass_the_env_checker(tag):
     entry = custom_envs()[tag]
     report = check_env(entry["env_type"], entry["env_config"], seeds=4)
     assert report.ok, report.format()
-    # a hidden state (the code, the mines) or none (Hanoi): the first screens may not differ
-    assert {w.name for w in report.warnings()} <= {"seeds_differ"}, report.format()
+    # a hidden state (the code, the mines) shows after a step (issue 59: it was a false alarm);
+    # Tower of Hanoi has no randomness at all, the one game whose seeds play the same
+    allowed = {"seeds_differ"} if tag == "TATowerOfHanoi" else set()
+    assert {w.name for w in report.warnings()} <= allowed, report.format()
 
 
 def test_parallel_equals_sequential():

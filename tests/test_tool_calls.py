@@ -95,6 +95,81 @@ def test_a_bad_tool_schema_is_refused_at_config_read_naming_the_tag(tools, words
     assert tag_spec("Counter", {"Counter": counter_tag()})["tools"] == TOOLS
 
 
+def one_tool(parameters: dict) -> list[dict]:
+    return [{"type": "function", "function": {"name": "q", "parameters": parameters}}]
+
+
+ITEM = {"type": "object", "properties": {"n": {"type": "integer"}}}
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("parameters, words", [
+    ({"type": "object", "$ref": "#"}, "at (root): $ref '#' refers back into a schema it is within"),
+    ({"type": "object", "properties": {"child": {"$ref": "#"}}}, "at properties/child: $ref '#' refers back"),
+    ({"type": "object", "$defs": {"a": {"type": "array", "items": {"$ref": "#/$defs/b"}},
+                                  "b": {"anyOf": [{"$ref": "#/$defs/a"}]}},
+      "properties": {"x": {"$ref": "#/$defs/a"}}}, "refers back into a schema it is within"),
+    ({"type": "object", "properties": {"x": {"$ref": "http://127.0.0.1:9/item.json"}}},
+     "$ref 'http://127.0.0.1:9/item.json' is not taken: a tool's parameters refer only into themselves"),
+    ({"type": "object", "properties": {"x": {"$ref": "item.json#/n"}}}, "nothing is downloaded at run time"),
+    ({"type": "object", "properties": {"x": {"$ref": "#/$defs/item"}}}, "$ref '#/$defs/item' points at nothing"),
+    ({"type": "object", "properties": {"x": {"$dynamicRef": "#node"}}}, "$dynamicRef is not taken"),
+    ({"type": "object", "properties": {"x": {"$id": "http://example.com/x", "type": "string"}}},
+     "an $id below the root is not taken"),
+    ({"type": "object", "patternProperties": {"^(a|aa)+$": {}}}, "patternProperties is not taken"),
+    ({"type": "object", "$defs": {"d0": ITEM, **{f"d{i}": {"allOf": [{"$ref": f"#/$defs/d{i - 1}"}] * 2}
+                                                 for i in range(1, 30)}},
+      "properties": {"x": {"$ref": "#/$defs/d29"}}}, "expand to more than 10000 schemas"),
+])
+def test_a_recursive_remote_or_unbounded_ref_is_refused_at_config_read(parameters, words):
+    """Issue 59: `$ref: '#'` passed config read, then every call raised RecursionError; a remote
+    `$ref` was fetched over HTTP while a call was checked."""
+    with pytest.raises(ValueError, match="custom_envs.Counter") as err:
+        tag_spec("Counter", {"Counter": counter_tag(one_tool(parameters))})
+    assert "tools[0] (q).function.parameters" in str(err.value) and words in str(err.value), str(err.value)
+
+
+@pytest.mark.timeout(30)
+def test_local_refs_are_taken_and_no_check_goes_to_the_network(monkeypatch):
+    import socket
+
+    def refuse(*args, **kwargs):
+        raise AssertionError(f"a schema check went to the network: {args}")
+
+    monkeypatch.setattr(socket.socket, "connect", refuse)
+    shared = {"type": "object", "$defs": {"item": ITEM}, "properties": {
+        "first": {"$ref": "#/$defs/item"}, "rest": {"type": "array", "items": {"$ref": "#/$defs/item"}},
+        "enum": {"enum": [{"$ref": "http://127.0.0.1:9/data-not-a-schema"}]}}}
+    tools = check_tools(one_tool(shared), "custom_envs.Counter")
+    assert parse_hermes(call_text("q", {"first": {"n": 1}, "rest": [{"n": 2}]}), tools) == [
+        ToolCall("q", {"first": {"n": 1}, "rest": [{"n": 2}]})]
+    (bad,) = parse_hermes(call_text("q", {"rest": [{"n": "2"}]}), tools)
+    assert "at rest/0/n: '2' is not of type 'integer'" in bad.error
+    # tools that never passed config read (a caller's own): a remote $ref is unresolvable, never fetched
+    remote = one_tool({"type": "object", "properties": {"x": {"$ref": "http://127.0.0.1:9/item.json"}}})
+    (call,) = parse_hermes(call_text("q", {"x": {}}), remote)
+    assert isinstance(call, BadCall) and "cannot be checked" in call.error and "Unresolvable" in call.error
+
+
+@pytest.mark.timeout(60)
+def test_a_backtracking_pattern_costs_an_answer_at_most_its_budget():
+    """Issue 59: a pattern that backtracks exponentially held the GIL for seconds per call, doubling
+    per character. Its searches run on `regex`, which releases the GIL, and an answer's calls share
+    PATTERN_BUDGET_S: past it a call is a BadCall naming the pattern."""
+    tools = check_tools(one_tool({"type": "object", "properties": {"word": {"type": "string",
+                                                                           "pattern": "^(a|aa)+$"}}}), "k")
+    hostile = call_text("q", {"word": "a" * 40 + "!"})  # about 10^8 paths to refuse: seconds to minutes
+    calls = parse_hermes(hostile * 4, tools)
+    assert all(isinstance(c, BadCall) for c in calls) and len(calls) == 4
+    said = "the pattern '^(a|aa)+$' took more than the 0.25 s of CPU time its answer may spend on patterns"
+    assert all(said in c.error for c in calls), calls
+    (served,) = read_server_calls([{"function": {"name": "q", "arguments": {"word": "a" * 40 + "!"}}}], tools)
+    assert "took more than" in served.error
+    assert parse_hermes(call_text("q", {"word": "aaa"}), tools) == [ToolCall("q", {"word": "aaa"})]
+    (short,) = parse_hermes(call_text("q", {"word": "ab"}), tools)
+    assert "'ab' does not match '^(a|aa)+$'" in short.error
+
+
 def test_hermes_calls_are_read_in_order_and_each_bad_one_says_why():
     text = ('<think>use <tool_call>{"name": "stop"}</tool_call> later</think>'
             + call_text("add", {"amount": "3"})

@@ -23,6 +23,10 @@ a mapping of names to numbers that it sets afresh in every ``step`` (the code
 env's ``sandbox_cpu_s``, the search env's ``retrieval_s``). The turn loop keeps
 them beside the turn, outside its results (they vary from run to run), and a
 rollout's metrics report their sums and percentiles (``costs/<name>_*``).
+
+An env that needs something outside itself (the search env's retrieval server)
+says in ``preflight()`` why it cannot play now, or None; the env checker fails
+on what it says.
 """
 
 from __future__ import annotations
@@ -102,6 +106,10 @@ class BaseEnv(ABC):
 
     def close(self) -> None:
         pass
+
+    def preflight(self) -> str | None:
+        """Why the env cannot play now (a server it needs does not answer), or None when it can."""
+        return None
 
 
 class BaseDiscreteActionEnv(BaseEnv):

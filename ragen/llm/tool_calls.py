@@ -2,8 +2,9 @@
 
 - ``check_tools(tools, where)``: a tool list as a config gives it, checked:
   each ``{"type": "function", "function": {"name", "description", "parameters"}}``
-  with a unique name and ``parameters`` valid JSON Schema (``jsonschema``'s
-  check of the schema's own draft); ValueError naming ``where`` and the tool.
+  with a unique name and ``parameters`` a JSON Schema that a call can be checked
+  against in bounded time (``ragen.llm.tool_schema``); ValueError naming ``where``
+  and the tool. ``declared_tools(config, where)``: those an env config declares, checked so.
 - ``tools_system_text(tools)``: the Hermes/Qwen2.5 block that lists the tools in
   the system message, for a chat template that does not render ``tools=``.
 - ``ToolCall`` (a call of a declared tool with arguments that match its
@@ -16,13 +17,12 @@
 Both parsers never raise on what a model wrote: JSON nested deeper than
 ``MAX_NESTING``, an integer longer than Python reads (4,300 digits), a number
 no float holds, an escaped lone surrogate, or arguments that do not match the
-schema are a ``BadCall`` saying why, which the turn loop shows the model with
-the format penalty.
+schema (or whose ``pattern`` searches pass the answer's budget) are a ``BadCall``
+saying why, which the turn loop shows the model with the format penalty.
 """
 
 from __future__ import annotations
 
-import functools
 import json
 import math
 import reprlib
@@ -31,6 +31,9 @@ from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
 import jsonschema
+from referencing.exceptions import Unresolvable
+
+from ragen.llm.tool_schema import PatternTimeout, check_parameters, pattern_budget, validator
 
 PARSERS = ("hermes", "server")
 # the deepest [ and { a call may nest: far beyond any tool's arguments, far within the recursion
@@ -93,13 +96,15 @@ def check_tools(tools: Any, where: str) -> list[dict[str, Any]]:
         if not isinstance(parameters, Mapping) or parameters.get("type") != "object":
             raise ValueError(f'{at} ({name}).function.parameters must be a JSON Schema of "type": "object" '
                              f"(the arguments are an object), got {parameters!r:.80}")
-        try:
-            jsonschema.validators.validator_for(parameters).check_schema(parameters)
-        except jsonschema.SchemaError as exc:
-            path = "/".join(str(p) for p in exc.path) or "(root)"
-            raise ValueError(f"{at} ({name}).function.parameters is not valid JSON Schema at {path}: "
-                             f"{exc.message}") from None
+        check_parameters(parameters, f"{at} ({name}).function.parameters")
     return [json.loads(json.dumps(t)) for t in tools]  # plain dicts and lists, as data crossing processes is
+
+
+def declared_tools(config: Any, where: str) -> list[dict[str, Any]] | None:
+    """The tools an env's config (its built config object, or a plain dict) declares in ``tools``,
+    checked by ``check_tools``; None when it declares none."""
+    tools = config.get("tools") if isinstance(config, Mapping) else getattr(config, "tools", None)
+    return None if tools is None else check_tools(tools, where)
 
 
 def tools_system_text(tools: Sequence[Mapping[str, Any]]) -> str:
@@ -122,6 +127,11 @@ def parse_hermes(text: str, tools: Sequence[Mapping[str, Any]]) -> list[ToolCall
     ``</think>`` a call's argument holds is the call's text. A block that is not closed (an answer
     cut at its token limit) is a ``BadCall``; so is JSON that is not a call of a declared
     tool with matching arguments."""
+    with pattern_budget():  # one answer's calls share it
+        return _hermes_calls(text, tools)
+
+
+def _hermes_calls(text: str, tools: Sequence[Mapping[str, Any]]) -> list[ToolCall | BadCall]:
     think_end = text.find("</think>")
     start = think_end + len("</think>") if think_end >= 0 else 0
     calls: list[ToolCall | BadCall] = []
@@ -147,22 +157,22 @@ def parse_hermes(text: str, tools: Sequence[Mapping[str, Any]]) -> list[ToolCall
 def read_server_calls(tool_calls: Sequence[Any], tools: Sequence[Mapping[str, Any]]) -> list[ToolCall | BadCall]:
     """The calls a server parsed (OpenAI's ``tool_calls``: ``{"function": {"name", "arguments"}}``,
     the arguments a JSON string), checked as ``parse_hermes`` checks its own."""
-    calls: list[ToolCall | BadCall] = []
-    for raw in tool_calls:
-        function = raw.get("function") if isinstance(raw, Mapping) else None
-        if not isinstance(function, Mapping):
-            calls.append(BadCall(_shown(raw), 'not {"function": {"name", "arguments"}}'))
-            continue
-        name, arguments = function.get("name"), function.get("arguments", "{}")
-        try:
-            if not isinstance(arguments, str):  # a server that decoded them: checked as their text is
-                arguments = json.dumps(arguments, default=str)
-            body = json.dumps({"name": name, "arguments": arguments}, default=str)
-        except (RecursionError, ValueError) as exc:  # decoded values nested thousands deep, or a huge integer
-            calls.append(BadCall(_shown(function), f"the call is {_unreadable(exc)}"))
-            continue
-        calls.append(_checked(body, name, arguments, tools))
-    return calls
+    with pattern_budget():  # one answer's calls share it
+        return [_server_call(raw, tools) for raw in tool_calls]
+
+
+def _server_call(raw: Any, tools: Sequence[Mapping[str, Any]]) -> ToolCall | BadCall:
+    function = raw.get("function") if isinstance(raw, Mapping) else None
+    if not isinstance(function, Mapping):
+        return BadCall(_shown(raw), 'not {"function": {"name", "arguments"}}')
+    name, arguments = function.get("name"), function.get("arguments", "{}")
+    try:
+        if not isinstance(arguments, str):  # a server that decoded them: checked as their text is
+            arguments = json.dumps(arguments, default=str)
+        body = json.dumps({"name": name, "arguments": arguments}, default=str)
+    except (RecursionError, ValueError) as exc:  # decoded values nested thousands deep, or a huge integer
+        return BadCall(_shown(function), f"the call is {_unreadable(exc)}")
+    return _checked(body, name, arguments, tools)
 
 
 def _shown(value: Any) -> str:
@@ -253,11 +263,13 @@ def _checked(body: str, name: Any, arguments: Any, tools: Sequence[Mapping[str, 
     parameters = by_name[name].get("parameters")
     if parameters is not None:
         try:
-            error = jsonschema.exceptions.best_match(_validator(json.dumps(parameters, sort_keys=True))
+            error = jsonschema.exceptions.best_match(validator(json.dumps(parameters, sort_keys=True))
                                                      .iter_errors(arguments))
-        # RecursionError: a recursive schema ($ref) walked as deep as the arguments nest; ArithmeticError:
-        # a huge integer against a float's multipleOf
-        except (RecursionError, ArithmeticError) as exc:
+        except PatternTimeout as exc:
+            return BadCall(body, _short(f"the arguments of {name} cannot be checked against its parameters: {exc}"))
+        # ArithmeticError: a huge integer against a float's multipleOf; RecursionError, Unresolvable: tools
+        # that did not pass check_tools (a caller's own), a recursive or remote $ref (never fetched)
+        except (RecursionError, ArithmeticError, Unresolvable) as exc:
             return BadCall(body, _short(f"the arguments of {name} cannot be checked against its parameters: "
                                         f"{type(exc).__name__}: {exc}"))
         if error is not None:
@@ -277,10 +289,3 @@ def _schema_reason(error: Any) -> str:
 def _short(reason: str) -> str:
     """A reason the model reads, cut to ``MAX_ERROR_CHARS`` (a schema's message quotes the whole value)."""
     return reason if len(reason) <= MAX_ERROR_CHARS else reason[:MAX_ERROR_CHARS - 3] + "..."
-
-
-@functools.lru_cache(maxsize=256)
-def _validator(parameters: str) -> Any:
-    """A validator of one tool's parameters (its JSON text: a key that hashes), built once."""
-    schema = json.loads(parameters)
-    return jsonschema.validators.validator_for(schema)(schema)

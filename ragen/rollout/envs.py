@@ -24,7 +24,7 @@ from collections import Counter, defaultdict
 from typing import Any, Mapping, Sequence
 
 from ragen.config_reader import read, to_plain
-from ragen.llm.tool_calls import check_tools
+from ragen.llm.tool_calls import declared_tools
 from ragen.rollout.config import EnvSplitConfig, EnvTagConfig
 from ragen.rollout.context import ContextConfig
 from ragen.rollout.types import EnvSpec, StopReason, Trajectory
@@ -184,10 +184,10 @@ def _validate_tag(tag: str, spec: Any, custom_envs: Mapping[str, Any]) -> dict[s
         served_built = make_env_config(served_type, served.get("env_config") or {}, config_type=served_config_type,
                                        tag=env_config["tag"])
         legend, action_names = _prompt_parts(served_type, served_config_type, env_config["tag"], served_built)
-        tools = _tools(served_built, key)
+        tools = declared_tools(served_built, key)
     else:
         legend, action_names = _prompt_parts(cfg.env_type, cfg.config_type, tag, built)
-        tools = _tools(built, key)
+        tools = declared_tools(built, key)
     example = cfg.format_example
     if example is not None:
         if not isinstance(example, dict) or not isinstance(example.get("observation"), str) \
@@ -210,13 +210,6 @@ def _validate_tag(tag: str, spec: Any, custom_envs: Mapping[str, Any]) -> dict[s
         "env_threads": cfg.max_workers if cfg.parallel_friendly else 1,
         "tools": tools,
     }
-
-
-def _tools(built: Any, key: str) -> list[dict[str, Any]] | None:
-    """The tools an env's config declares (its ``tools``: OpenAI function schemas), checked;
-    None when it declares none."""
-    tools = built.get("tools") if isinstance(built, Mapping) else getattr(built, "tools", None)
-    return None if tools is None else check_tools(tools, key)
 
 
 def _served_tag(spec: Any, custom_envs: Mapping[str, Any]) -> dict[str, Any] | None:

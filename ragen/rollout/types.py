@@ -209,7 +209,11 @@ class RolloutResult:
     @property
     def failed_envs(self) -> list[dict[str, Any]]:
         """Every env that ended in ``error`` or ``timeout``, with what it takes
-        to run it alone: tag, env type, seed, turn and the exception."""
+        to run it alone: tag, env type, seed, turn, the exception, and the command
+        that checks it alone (``check``: its env type and whole env config, so it
+        runs wherever the tag came from)."""
+        from ragen.env.check.command import check_command
+
         spec_of = {s.env_id: s for s in self.specs}
         out = []
         for t in self.trajectories:
@@ -217,7 +221,9 @@ class RolloutResult:
                 spec = spec_of.get(t.env_id)
                 out.append({"env_id": t.env_id, "tag": t.tag, "seed": t.seed, "turn": len(t.turns),
                             "stop_reason": t.stop_reason.value, "error": t.error,
-                            "env_type": spec.env_type if spec else None})
+                            "env_type": spec.env_type if spec else None,
+                            "check": check_command(spec.env_type, spec.env_config, spec.config_type, t.seed)
+                            if spec else None})
         return out
 
 

@@ -4,11 +4,15 @@
     python -m ragen.tools.check my_pkg.envs:MyEnv --config-type my_pkg.envs:MyConfig \\
         --config size=6 --config 'names=[a, b]' --seeds 8
     python -m ragen.tools.check SimpleSokoban          # a tag of config/envs.yaml
+    python -m ragen.tools.check sokoban --env-config '{"dim_room": [6, 6]}' --first-seed 7
 
 The env is a registered name, an import path ``package.module:EnvClass``, or a
 tag of ``custom_envs`` in an envs YAML file (by default the ``config/envs.yaml``
-shipped with ragen); ``--config key=value`` items (values parsed as YAML) go
-over the tag's ``env_config``. Prints the report; exits 1 when a check failed.
+shipped with ragen); ``--env-config`` gives a whole ``env_config`` as JSON (as a
+rollout's log line for a failed env does), and ``--config key=value`` items
+(values parsed as YAML) go over it or over the tag's. A tag is first read as ``train.py`` reads it
+(``ragen.rollout.envs.tag_spec``): what that refuses fails the build check.
+Prints the report; exits 1 when a check failed.
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ from typing import Any, Sequence
 
 from ragen.config_files import config_dir
 from ragen.env import to_plain
-from ragen.env.check.checker import check_env
+from ragen.env.check import CheckReport, check_env
 
 __all__ = ["main", "parse_config_args"]
 
@@ -52,6 +56,17 @@ def parse_config_args(items: Sequence[str]) -> dict[str, Any]:
     return out
 
 
+def _json_object(text: str) -> dict[str, Any]:
+    """``--env-config``'s value: a JSON object."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"not JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"a JSON object {{...}} of env_config keys, got {text!r:.80}")
+    return value
+
+
 def _merge(base: dict[str, Any], extra: Mapping[str, Any]) -> dict[str, Any]:
     out = dict(base)
     for k, v in extra.items():
@@ -63,15 +78,27 @@ def _default_envs_yaml() -> Path:
     return config_dir() / "envs.yaml"
 
 
-def _tag_spec(name: str, envs_yaml: Path) -> dict[str, Any] | None:
-    """``custom_envs.<name>`` of an envs YAML file, if ``name`` is a tag there."""
+def _custom_envs(envs_yaml: Path) -> dict[str, Any]:
+    """``custom_envs`` of an envs YAML file (empty when there is no such file)."""
     if not envs_yaml.is_file():
-        return None
+        return {}
     import yaml
 
     data = yaml.safe_load(envs_yaml.read_text()) or {}
-    spec = (data.get("custom_envs") or {}).get(name)
-    return spec if isinstance(spec, dict) else None
+    return dict(data.get("custom_envs") or {})
+
+
+def _read_as_train_does(tag: str, custom_envs: dict[str, Any], report: CheckReport) -> bool:
+    """Whether ``train.py``'s config read takes ``tag``; when not, the build check fails saying why."""
+    from ragen.rollout.envs import tag_spec
+
+    try:
+        tag_spec(tag, custom_envs)
+    except ValueError as exc:
+        report.add("build", "fail", f"train.py's config read refuses the tag: {exc}",
+                   "the message names the key at fault: train.py stops there before any model loads")
+        return False
+    return True
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -84,6 +111,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                                     "a tag of custom_envs in config/envs.yaml (e.g. SimpleSokoban), or an env "
                                     "library's item: reasoning_gym:<dataset>, textarena:<game id>")
     parser.add_argument("--config-type", default=None, help="'package.module:ConfigClass' of the env config")
+    parser.add_argument("--env-config", type=_json_object, default=None, metavar="JSON",
+                        help="the whole env_config as a JSON object (--config items go over it)")
     parser.add_argument("--config", action="append", default=[], metavar="KEY=VALUE",
                         help="an env_config value (parsed as YAML: 6, 0.8, true, [a, b]); repeatable")
     parser.add_argument("--seeds", type=int, default=5, help="number of seeds (0..N-1); default 5")
@@ -98,23 +127,28 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.max_steps < 1:
         parser.error("--max-steps must be >= 1")
     try:
-        overrides = parse_config_args(args.config)
+        overrides = _merge(args.env_config or {}, parse_config_args(args.config))
     except ValueError as exc:
         parser.error(str(exc))
     env_type, config_type, env_config = args.env, args.config_type, overrides
     name, _, item = env_type.partition(":")
     shorthand = getattr(REGISTERED_ENV_CONFIGS.get(name), "SHORTHAND_KEY", None)
+    tag = None
     if item and shorthand:  # reasoning_gym:chain_sum, textarena:Mastermind-v0
         env_type, env_config = name, {shorthand: item, **overrides}
     elif env_type not in REGISTERED_ENVS and ":" not in env_type:
-        spec = _tag_spec(env_type, args.envs_yaml)
-        if spec is not None:
+        custom_envs = to_plain(_custom_envs(args.envs_yaml))
+        spec = custom_envs.get(env_type)
+        if isinstance(spec, dict):
             print(f"tag {env_type} of {args.envs_yaml}: env_type {spec.get('env_type')}")
-            env_type = spec.get("env_type", env_type)
+            tag, env_type = env_type, spec.get("env_type", env_type)
             config_type = config_type or spec.get("config_type")
-            env_config = _merge(to_plain(spec.get("env_config") or {}), overrides)
+            env_config = _merge(spec.get("env_config") or {}, overrides)
+            custom_envs[tag] = {**spec, "env_config": env_config, "config_type": config_type}
     seeds = list(range(args.first_seed, args.first_seed + args.seeds))
-    report = check_env(env_type, env_config or None, config_type, seeds=seeds, max_steps=args.max_steps)
+    report = CheckReport(env_type, env_config or None, config_type, seeds)
+    if tag is None or _read_as_train_does(tag, custom_envs, report):
+        report = check_env(env_type, env_config or None, config_type, seeds=seeds, max_steps=args.max_steps)
     print(report.format())
     if args.json:
         args.json.write_text(json.dumps(report.as_dict(), indent=2))

@@ -6,16 +6,21 @@ rollout engine, and how to fix it.
   ``CheckReport`` (``ragen.env.check.report``) plus reset/step timings.
 - An *episode* here is ``reset(seed)`` then up to ``max_steps`` steps of a fixed
   action sequence drawn from the seed (ids of ``ACTION_LOOKUP`` for a discrete
-  env, short answer texts for a language env); episodes are compared as plain
-  data (numpy values converted).
+  env; for a language env, short answer texts and the examples its first
+  observation shows: a quoted text or a bracketed move, such as TextArena's
+  ``'[2 1 4 5]'``); episodes are compared as plain data (numpy values converted).
 
-The checks, each one an invariant of the engine (see DESIGN.md): the env builds;
+The checks, each one an invariant of the engine (see DESIGN.md): the env builds
+as a rollout's config read and its workers build it (its config, and the tools
+it declares, checked as ``train.py`` checks them); what it needs outside itself
+answers (``preflight``: the search env's retrieval server);
 ``ACTION_LOOKUP`` is a non-empty ``{int: str}``; ``reset`` returns text and
 ``step`` ``(str, float-like, bool, dict)`` with the ``info`` keys the loop and
 metrics read; an invalid action does not raise; the same seed gives the same
 episode on fresh and on reused instances; different seeds give different
-episodes (warning only); the global ``random``/``np.random`` generators are
-untouched; two instances stepped in turn behave as each one alone, and no class
+episodes (warning only; where every seed shows the same first observation, the
+episodes are compared after their steps, and after each example alone); the
+global ``random``/``np.random`` generators are untouched; two instances stepped in turn behave as each one alone, and no class
 attribute or module global changes; the env config and the env pickle; and how
 long ``reset`` and ``step`` take.
 """
@@ -28,6 +33,7 @@ import math
 import numbers
 import pickle
 import random
+import re
 import sys
 import time
 from collections.abc import Mapping
@@ -37,6 +43,7 @@ import numpy as np
 
 from ragen.env import make_env, make_env_config, resolve_env_type
 from ragen.env.check.report import CheckReport
+from ragen.llm.tool_calls import declared_tools
 from ragen.pickling import describe_unpicklable
 
 logger = logging.getLogger(__name__)
@@ -46,6 +53,10 @@ __all__ = ["check_env"]
 INFO_KEYS = ("action_is_valid", "action_is_effective", "success")
 # answers for language envs (no ACTION_LOOKUP): well formed, wrong and garbage
 TEXT_ACTIONS = ("1 + 2", "(3 * 4) - 5", "7", "2 * 3 + 4", "Up", "hello")
+# an example answer an observation shows: a quoted text, or a bracketed move (TextArena's "[2 1 4 5]")
+_EXAMPLE = re.compile(r"(?<!\w)'([^'\n]{1,40})'(?!\w)|(?<!\w)\"([^\"\n]{1,40})\"|`([^`\n]{1,40})`"
+                      r"|(\w*\[[^\[\]\n]{1,40}\])")
+MAX_EXAMPLES = 8
 INVALID_DISCRETE = (None, "not an action", -1, 10**6, 2.5, "")
 INVALID_TEXT = (None, "", "@@@ not an answer @@@", 12345)
 SLOW_RESET_S = 1.0
@@ -105,11 +116,23 @@ def _lookup(env: Any) -> dict | None:
     return lookup if isinstance(lookup, Mapping) and lookup else None
 
 
-def _actions(env: Any, seed: int, n: int) -> list[Any]:
+def _examples(observation: Any) -> list[str]:
+    """The example answers a language env's first observation shows, in order, at most ``MAX_EXAMPLES``."""
+    if not isinstance(observation, str):
+        return []
+    found = (next(g for g in m.groups() if g is not None).strip() for m in _EXAMPLE.finditer(observation))
+    return list(dict.fromkeys(e for e in found if e))[:MAX_EXAMPLES]
+
+
+def _choices(env: Any, examples: Sequence[str]) -> list[Any]:
+    """The actions episodes draw from: the ids of ``ACTION_LOOKUP``, else answer texts and ``examples``."""
+    lookup = _lookup(env)
+    return list(lookup) if lookup else [*TEXT_ACTIONS, *examples]
+
+
+def _actions(choices: Sequence[Any], seed: int, n: int) -> list[Any]:
     """The fixed action sequence of an episode, a function of the seed only."""
     rng = random.Random(f"ragen.env.check:{seed}")
-    lookup = _lookup(env)
-    choices = list(lookup) if lookup else list(TEXT_ACTIONS)
     return [rng.choice(choices) for _ in range(n)]
 
 
@@ -260,14 +283,17 @@ def _run_checks(report: CheckReport, timer: _Timer, env_type: str, env_config: A
     try:
         env_cls, config_cls = resolve_env_type(env_type, config_type)
         config = make_env_config(env_type, env_config, config_type)
+        tools = declared_tools(config, "env_config")  # as train.py's config read checks them
         env = make_env(env_type, env_config, config_type)
     except Exception as exc:
-        report.add("build", "fail", f"make_env({env_type!r}, ...) raised {_exc(exc)}",
+        report.add("build", "fail", f"building {env_type!r} as train.py and its workers do raised {_exc(exc)}",
                    "the message above names the key; give a registered name or 'package.module:EnvClass', "
                    "and env_config keys that the config class accepts")
         return
     config_name = type(config).__name__ if config is not None else "no config"
-    report.add("build", "pass", f"{env_cls.__name__} from {config_name}")
+    report.add("build", "pass", f"{env_cls.__name__} from {config_name}"
+               + (f", {len(tools)} tools: {', '.join(t['function']['name'] for t in tools)}" if tools else ""))
+    _check_preflight(report, env)
 
     def fresh() -> Any:
         return make_env(env_type, env_config, config_type)
@@ -290,13 +316,15 @@ def _run_checks(report: CheckReport, timer: _Timer, env_type: str, env_config: A
         return
     # ACTION_LOOKUP is read after a reset, as the loop does: RAGEN's Bandit sets it there
     discrete = _check_action_lookup(report, env)
+    examples = [] if discrete else _examples(obs)
+    choices = _choices(env, examples)
     if isinstance(obs, str):
         report.add("reset", "pass", f"returns text ({len(obs)} chars)")
     else:
         report.add("reset", "fail", f"reset returned {type(obs).__name__} {_short(obs)}, not str",
                    "return the observation text the agent sees, e.g. `return self.render()` "
                    "(gymnasium's (obs, info) pair is not the RAGEN interface)")
-    _check_step(report, env, seeds[0], discrete, timer)
+    _check_step(report, env, _actions(choices, seeds[0], 1)[0], timer)
     _check_invalid_actions(report, env, seeds[0], discrete, timer)
 
     # determinism, seeds, global generators ----------------------------------------
@@ -304,7 +332,7 @@ def _run_checks(report: CheckReport, timer: _Timer, env_type: str, env_config: A
     problems: list[str] = []
     try:
         for seed in seeds:
-            actions = _actions(env, seed, max_steps)
+            actions = _actions(choices, seed, max_steps)
             first = _Episode(fresh(), seed, actions, timer)
             first.run()
             _clear_memos(env)
@@ -338,21 +366,10 @@ def _run_checks(report: CheckReport, timer: _Timer, env_type: str, env_config: A
     else:
         report.add("global_rng", "pass", "the global random and np.random generators are untouched")
 
-    distinct = {repr(_canon(t[0])) for t in traces.values()}  # first observations
-    if len(distinct) == 1 and len(seeds) > 1:  # the same look, maybe different dynamics
-        common = _actions(env, seeds[0], max_steps)
-        distinct = {repr(_canon(_Episode(fresh(), seed, common, timer).run())) for seed in seeds}
-    if len(seeds) < 2:
-        report.add("seeds_differ", "skip", "one seed only")
-    elif len(distinct) == 1:
-        report.add("seeds_differ", "warn", f"all {len(seeds)} seeds give the same episode",
-                   "derive the initial state from the reset seed (self.np_random = np.random.default_rng(seed)); "
-                   "otherwise every env group plays the same episode")
-    else:
-        report.add("seeds_differ", "pass", f"{len(distinct)} distinct initial states from {len(seeds)} seeds")
+    _check_seeds_differ(report, traces, fresh, choices, examples, max_steps, timer)
 
     # isolation ---------------------------------------------------------------------
-    isolation_failed = _check_isolation(report, env, fresh, seeds, max_steps, timer, bool(problems))
+    isolation_failed = _check_isolation(report, fresh, choices, seeds, max_steps, timer, bool(problems))
     changed = [name for name, snap in _snapshot(shared).items() if shared_before.get(name) != snap]
     if changed:
         status = "fail" if (isolation_failed or problems) else "warn"
@@ -376,6 +393,47 @@ def _skip_rest(report: CheckReport, why: str, keep: Sequence[str] = ()) -> None:
                  "shared_state", "pickle_config", "pickle_env"):
         if name not in keep and all(r.name != name for r in report.results):
             report.add(name, "skip", f"not run: {why}")
+
+
+def _check_preflight(report: CheckReport, env: Any) -> None:
+    """What the env says of what it needs outside itself (``BaseEnv.preflight``)."""
+    preflight = getattr(env, "preflight", None)
+    if not callable(preflight):
+        report.add("preflight", "pass", "the env names nothing it needs outside itself (it has no preflight)")
+        return
+    try:
+        why = preflight()
+    except Exception as exc:  # an env's own code: whatever it raises is the finding
+        why = f"preflight() raised {_exc(exc)}"
+    if why is None:
+        report.add("preflight", "pass", "what the env needs outside itself answers")
+    else:
+        report.add("preflight", "fail", str(why),
+                   "start what it names (or point env_config at it) before a rollout: until then every env of "
+                   "this kind ends in error")
+
+
+def _check_seeds_differ(report: CheckReport, traces: dict[int, list[Any]], fresh: Callable[[], Any],
+                        choices: list[Any], examples: list[str], max_steps: int, timer: _Timer) -> None:
+    seeds = list(traces)
+    if len(seeds) < 2:
+        report.add("seeds_differ", "skip", "one seed only")
+        return
+    distinct = {repr(_canon(t[0])) for t in traces.values()}  # first observations
+    how = "initial states"
+    if len(distinct) == 1:  # one look, maybe a hidden state (Mastermind's code): compare what steps show
+        runs = [_actions(choices, seeds[0], max_steps), *([e] for e in examples)]
+        distinct = {repr(_canon([_Episode(fresh(), seed, actions, timer).run() for actions in runs]))
+                    for seed in seeds}
+        how = "episodes (one first observation; they differ after a step)"
+    if len(distinct) == 1:
+        report.add("seeds_differ", "warn", f"all {len(seeds)} seeds give the same episode"
+                   + (f", also after each of the examples the first observation shows ({', '.join(examples)})"
+                      if examples else ""),
+                   "derive the initial state from the reset seed (self.np_random = np.random.default_rng(seed)); "
+                   "otherwise every env group plays the same episode")
+    else:
+        report.add("seeds_differ", "pass", f"{len(distinct)} distinct {how} from {len(seeds)} seeds")
 
 
 def _check_action_lookup(report: CheckReport, env: Any) -> bool:
@@ -410,8 +468,7 @@ def _check_action_lookup(report: CheckReport, env: Any) -> bool:
     return True
 
 
-def _check_step(report: CheckReport, env: Any, seed: int, discrete: bool, timer: _Timer) -> bool:
-    action = _actions(env, seed, 1)[0]
+def _check_step(report: CheckReport, env: Any, action: Any, timer: _Timer) -> bool:
     try:
         out = timer.call("step", env.step, action)
     except Exception as exc:
@@ -494,14 +551,14 @@ def _check_invalid_actions(report: CheckReport, env: Any, seed: int, discrete: b
         report.add("invalid_action", "pass", "invalid actions are refused without raising")
 
 
-def _check_isolation(report: CheckReport, env: Any, fresh: Callable[[], Any], seeds: list[int], max_steps: int,
-                     timer: _Timer, nondeterministic: bool) -> bool:
+def _check_isolation(report: CheckReport, fresh: Callable[[], Any], choices: list[Any], seeds: list[int],
+                     max_steps: int, timer: _Timer, nondeterministic: bool) -> bool:
     if nondeterministic:
         report.add("isolation", "skip", "not run: the env is not deterministic (see determinism)")
         return False
     s1 = seeds[0]
     s2 = seeds[1] if len(seeds) > 1 else seeds[0] + 1
-    a1, a2 = _actions(env, s1, max_steps), _actions(env, s2, max_steps)
+    a1, a2 = _actions(choices, s1, max_steps), _actions(choices, s2, max_steps)
     try:
         alone1 = _Episode(fresh(), s1, a1, timer).run()
         alone2 = _Episode(fresh(), s2, a2, timer).run()

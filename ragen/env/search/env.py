@@ -18,7 +18,8 @@ Concepts:
   limit (in the tool form, a call off the schema: the format penalty).
 - **Server failures**: a search that fails raises ``RetrievalError`` naming
   the server (``RetrievalTimeout`` past ``timeout_s``): the rollout retries
-  the env, then ends it in ``error`` or ``timeout``.
+  the env, then ends it in ``error`` or ``timeout``. ``preflight()`` says
+  when the server does not answer ``/health`` (the env checker fails on it).
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from collections import Counter
 from typing import Any
 
 from ..base import BaseLanguageBasedEnv, make_rng, tool_argument, unchanged_step
-from .client import retrieve
+from .client import health, retrieve
 from .config import SearchEnvConfig, warn_if_unreachable
 from .corpus import Question, questions
 
@@ -82,6 +83,12 @@ class SearchEnv(BaseLanguageBasedEnv):
     @property
     def _actions_line(self) -> str:
         return TOOLS_LINE if self.config.tool_calls else ACTIONS_LINE
+
+    def preflight(self) -> str | None:
+        why = health(self.config.server_url)
+        return None if why is None else (f"the retrieval server {self.config.server_url} is unreachable: it does not "
+                                         f"answer /health ({why}); start it with python -m "
+                                         "ragen.tools.retrieval_server, or set env_config.server_url")
 
     def _results(self, query: str) -> str:
         cfg = self.config

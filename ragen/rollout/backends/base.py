@@ -221,6 +221,5 @@ def _log_summary(label: str, result: RolloutResult) -> None:
         _replica_part(m),
         m.get("rollout/success", 0.0))
     for f in result.failed_envs:
-        logger.warning("[Rollout] %s: env_id %d (tag %s, seed %d) ended in %s at turn %d: %s | check it alone: "
-                       "python -m ragen.tools.check %s --first-seed %d", label, f["env_id"], f["tag"], f["seed"],
-                       f["stop_reason"], f["turn"], f["error"], f["tag"], f["seed"])
+        logger.warning("[Rollout] %s: env_id %d (tag %s, seed %d) ended in %s at turn %d: %s | check it alone: %s",
+                       label, f["env_id"], f["tag"], f["seed"], f["stop_reason"], f["turn"], f["error"], f["check"])
