@@ -2,7 +2,7 @@
 
 glibc's malloc keeps most of what an update frees in its heap instead of
 giving it back, so a training step's peak RSS is several times the tensors it
-holds; mimalloc and tcmalloc give it back (BENCHMARKS.md, "Trainer memory").
+holds; mimalloc and tcmalloc give it back (BENCHMARKS.md, "The update: memory and time").
 mimalloc comes with ragen on Linux (the ``cmeel-mimalloc`` wheel, a
 dependency); tcmalloc is a system package (gperftools' ``libtcmalloc_minimal``).
 An allocator is chosen before a process starts (``LD_PRELOAD``), so
