@@ -30,6 +30,7 @@ import logging
 from collections.abc import Mapping
 from typing import Any
 
+from ..errors import ConfigError
 from .bandit import BanditEnv, BanditEnvConfig
 from .base import BaseDiscreteActionEnv, BaseEnv, BaseEnvConfig, BaseLanguageBasedEnv
 from .config_checks import EnvConfigError, to_plain
@@ -94,12 +95,12 @@ def _where(tag: str | None, key: str) -> str:
     return f"custom_envs.{tag}.{key}" if tag else key
 
 
-class EnvImportError(ImportError, ValueError):
+class EnvImportError(ImportError, ConfigError):
     """An ``env_type``/``config_type`` import path that cannot be imported.
 
-    A ``ValueError`` too, because it is a config error: the command lines
-    turn ``ValueError`` into one ``error:`` line (exit 2), and this must
-    take the same path whatever the imported module raised."""
+    A ``ConfigError`` (so a ``ValueError``) too: the command lines turn
+    ``ValueError`` into one ``error:`` line (exit 2), and this must take the
+    same path whatever the imported module raised."""
 
 
 def _import_object(path: str, key: str, tag: str | None) -> Any:

@@ -24,6 +24,7 @@ from typing import Any, Iterator, Sequence
 
 import joblib
 
+from ragen.errors import RagenError
 from ragen.rollout.backends.base import SyncBackend
 from ragen.rollout.backends.lease import ExecutorLease
 from ragen.rollout.config import BACKENDS, AgentProxyConfig, cap_n_jobs, check_n_jobs, check_time_limit
@@ -45,7 +46,7 @@ logger = logging.getLogger(__name__)
 IN_PROCESS_BACKENDS = ("threading", "sequential")  # workers run in the driver process
 
 
-class RolloutError(RuntimeError):
+class RolloutError(RagenError, RuntimeError):
     """A rollout that could not give every spec its trajectory."""
 
 
