@@ -138,3 +138,14 @@ def test_the_config_reader_raises_a_config_error_naming_the_key():
         check_setting("n", 0, minimum=1)
     with pytest.raises(ConfigError, match="agent_proxy.over_sample"):  # a section's own check
         read(AgentProxyConfig, {"over_sample": 1.5, "rollout_mode": "fully_async"}, "agent_proxy")
+
+
+def test_an_env_config_that_cannot_be_built_is_a_config_error():
+    from ragen.env import EnvImportError, make_env_config
+
+    with pytest.raises(ConfigError, match=r"custom_envs.t.env_type: unknown env type 'nope'"):
+        make_env_config("nope", {}, tag="t")
+    with pytest.raises(ConfigError, match=r"custom_envs.t.env_config.sizee: unknown key"):
+        make_env_config("sokoban", {"sizee": 3}, tag="t")
+    with pytest.raises(EnvImportError, match="cannot import"):
+        make_env_config("no_such_module_xyz:Env", {}, tag="t")
