@@ -1,12 +1,16 @@
-"""The one error family: every exception ragen raises derives from ``RagenError``.
+"""The one error family: every exception class of ragen derives from ``RagenError``.
 
-A caller catches ``RagenError`` for anything of ragen's, or a member for one
-kind; each member keeps the standard base it always had (a config error is a
-``ValueError``, a timeout a ``TimeoutError``), so ``except ValueError`` still
-catches it. The errors several layers raise live here, in the lowest layer:
-``ConfigError`` (the config reader, the sections, ``EnvConfigError``) and
-``ProtocolError`` (the LLM manager's wire and the remote env's messages).
-The others live beside the code that raises them and name their kind:
+A caller catches ``RagenError`` for any of them, or a member for one kind.
+Each member keeps its standard base (a config error is a ``ValueError``, a
+timeout a ``TimeoutError``), so ``except ValueError`` still catches it. A bare
+``ValueError`` or ``RuntimeError`` is outside the family: a wrong argument,
+and config checks outside the reader that are not yet ``ConfigError`` (the
+``trainer`` sections', an engine's options).
+
+The errors several layers raise live here, in the lowest layer:
+``ConfigError`` (the config reader, the rollout sections, the env registry,
+``EnvConfigError``) and ``ProtocolError`` (the LLM manager's wire and the
+remote env's messages). The others live beside the code that raises them:
 ``EnvError``, ``EnvTimeout`` (``ragen.rollout.env_calls``), ``EngineError``,
 ``EngineUnavailable`` (``ragen.llm.types``), ``RolloutError``
 (``ragen.rollout.backends``), ``CheckpointError`` (``ragen.trainer.checkpoint``),
@@ -23,7 +27,7 @@ __all__ = ["ConfigError", "ProtocolError", "RagenError"]
 
 
 class RagenError(Exception):
-    """The base of every exception ragen raises: catch it for any of them."""
+    """The base of every exception class of ragen: catch it for any of them."""
 
 
 class ConfigError(RagenError, ValueError):
