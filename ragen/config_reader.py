@@ -21,8 +21,9 @@ Concepts:
 - ``to_plain``: OmegaConf containers (or any Mapping/Sequence) -> plain dicts
   and lists, without importing omegaconf.
 
-This module imports nothing from ``ragen``: the env, agent-loop and trainer
-layers all build on it.
+Its errors are ``ragen.errors.ConfigError`` (a ``ValueError``). This module
+imports nothing else from ``ragen``: the env, agent-loop and trainer layers all
+build on it.
 """
 
 from __future__ import annotations
@@ -34,6 +35,8 @@ import types
 import typing
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, TypeVar
+
+from ragen.errors import ConfigError
 
 __all__ = ["check_keys", "check_setting", "read", "section_keys", "setting", "to_plain"]
 
@@ -68,19 +71,19 @@ def setting(default: Any = dataclasses.MISSING, *, default_factory: Any = datacl
 
 def check_setting(key: str, value: Any, *, choices: Sequence[Any] | None = None, minimum: float | None = None,
                   maximum: float | None = None, above: float | None = None) -> Any:
-    """``value`` within ``setting``'s ``choices`` and bounds, or the reader's ValueError naming ``key``."""
+    """``value`` within ``setting``'s ``choices`` and bounds, or the reader's ``ConfigError`` naming ``key``."""
     if choices is not None and value not in choices:
         names = [str(c) for c in choices]
         started = [c for c in names if c.startswith(str(value))]  # a shortened name: the one it begins
         close = started if len(started) == 1 else difflib.get_close_matches(str(value), names, n=1)
         suggestion = f" (did you mean {close[0]!r}?)" if close else ""
-        raise ValueError(f"{key}: unknown {value!r}{suggestion}; choose one of {list(choices)}")
+        raise ConfigError(f"{key}: unknown {value!r}{suggestion}; choose one of {list(choices)}")
     if minimum is not None and value < minimum:
-        raise ValueError(f"{key} must be >= {minimum}, got {value!r}")
+        raise ConfigError(f"{key} must be >= {minimum}, got {value!r}")
     if above is not None and value <= above:
-        raise ValueError(f"{key} must be > {above}, got {value!r}")
+        raise ConfigError(f"{key} must be > {above}, got {value!r}")
     if maximum is not None and value > maximum:
-        raise ValueError(f"{key} must be <= {maximum}, got {value!r}")
+        raise ConfigError(f"{key} must be <= {maximum}, got {value!r}")
     return value
 
 
@@ -89,7 +92,7 @@ def _join(where: str, key: Any) -> str:
 
 
 def check_keys(data: Mapping, known: Iterable[str], where: str, hint: str = "") -> None:
-    """ValueError naming the first key of ``data`` not in ``known``, with the
+    """``ConfigError`` naming the first key of ``data`` not in ``known``, with the
     closest known key as a suggestion; ``hint`` ends the message."""
     known = sorted(str(k) for k in known)
     unknown = sorted(str(k) for k in data if str(k) not in known)
@@ -101,7 +104,7 @@ def check_keys(data: Mapping, known: Iterable[str], where: str, hint: str = "") 
     more = f" (unknown keys: {unknown})" if len(unknown) > 1 else ""
     if not hint and not close:
         hint = f"; the keys of {where or 'the config'} are {known}"
-    raise ValueError(f"{_join(where, key)} is not a known key{suggestion}{more}{hint}")
+    raise ConfigError(f"{_join(where, key)} is not a known key{suggestion}{more}{hint}")
 
 
 def read(cls: type[T], data: Any, where: str) -> T:
@@ -113,7 +116,7 @@ def read(cls: type[T], data: Any, where: str) -> T:
     if data is None:
         data = {}
     if not isinstance(data, Mapping):
-        raise ValueError(f"{where} must be a mapping of keys, got {data!r}")
+        raise ConfigError(f"{where} must be a mapping of keys, got {data!r}")
     fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
     check_keys(data, fields, where)
     hints = typing.get_type_hints(cls)
@@ -122,7 +125,7 @@ def read(cls: type[T], data: Any, where: str) -> T:
         key = _join(where, name)
         if name not in data:
             if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
-                raise ValueError(f"{key} is missing")
+                raise ConfigError(f"{key} is missing")
             continue
         values[name] = _value(data[name], hints[name], key, f.metadata)
     return cls(**values)
@@ -190,14 +193,14 @@ def _value(value: Any, tp: Any, key: str, metadata: Mapping) -> Any:
 
 
 def _checked(value: Any, key: str, metadata: Mapping) -> Any:
-    """``value`` within ``metadata``'s choices and bounds, or ValueError naming ``key``."""
+    """``value`` within ``metadata``'s choices and bounds, or ``ConfigError`` naming ``key``."""
     if value is None or isinstance(value, (bool, list, tuple, dict)) or dataclasses.is_dataclass(value):
         return value
     return check_setting(key, value, **metadata)
 
 
 def _typed(value: Any, tp: Any, key: str) -> Any:
-    """``value`` as the annotation ``tp`` wants it, or ValueError naming ``key``."""
+    """``value`` as the annotation ``tp`` wants it, or ``ConfigError`` naming ``key``."""
     if tp is Any:
         return to_plain(value)
     origin = typing.get_origin(tp)
@@ -215,35 +218,35 @@ def _typed(value: Any, tp: Any, key: str) -> Any:
                 return _typed(value, option, key)
             except ValueError:
                 pass
-        raise ValueError(f"{key} must be {_describe(tp)}, got {value!r}")
+        raise ConfigError(f"{key} must be {_describe(tp)}, got {value!r}")
     if dataclasses.is_dataclass(tp):
         return read(tp, value, key)
     if tp is bool:
         if not isinstance(value, bool):
             quoted = " (a string: write true or false without quotes)" if isinstance(value, str) else ""
-            raise ValueError(f"{key} must be true or false, got {value!r}{quoted}")
+            raise ConfigError(f"{key} must be true or false, got {value!r}{quoted}")
         return value
     if tp is int:
         if isinstance(value, bool) or not isinstance(value, int):
-            raise ValueError(f"{key} must be an integer, got {value!r}")
+            raise ConfigError(f"{key} must be an integer, got {value!r}")
         return int(value)
     if tp is float:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ValueError(f"{key} must be a number, got {value!r}")
+            raise ConfigError(f"{key} must be a number, got {value!r}")
         if math.isnan(value):
-            raise ValueError(f"{key} must be a number, got NaN")
+            raise ConfigError(f"{key} must be a number, got NaN")
         return float(value)
     if tp is str:
         if not isinstance(value, str):
-            raise ValueError(f"{key} must be a string, got {value!r}")
+            raise ConfigError(f"{key} must be a string, got {value!r}")
         return value
     if origin in (list, tuple, Sequence) or tp in (list, tuple):
         if isinstance(value, (str, bytes)) or not isinstance(value, Sequence):
-            raise ValueError(f"{key} must be a list, got {value!r}")
+            raise ConfigError(f"{key} must be a list, got {value!r}")
         args = typing.get_args(tp)
         if origin is tuple and args and args[-1] is not Ellipsis:
             if len(value) != len(args):
-                raise ValueError(f"{key} must be a list of {len(args)} values, got {to_plain(value)!r}")
+                raise ConfigError(f"{key} must be a list of {len(args)} values, got {to_plain(value)!r}")
             items = [_typed(v, a, f"{key}[{i}]") for i, (v, a) in enumerate(zip(value, args))]
         else:
             item = args[0] if args else Any
@@ -251,6 +254,6 @@ def _typed(value: Any, tp: Any, key: str) -> Any:
         return tuple(items) if origin is tuple or tp is tuple else items
     if origin in (dict, Mapping) or tp in (dict, Mapping):
         if not isinstance(value, Mapping):
-            raise ValueError(f"{key} must be a mapping, got {value!r}")
+            raise ConfigError(f"{key} must be a mapping, got {value!r}")
         return to_plain(value)
     raise TypeError(f"{key}: the reader cannot check the type {tp!r}")  # a bug in a section, not in the config

@@ -12,6 +12,9 @@ turn's prompt messages kept from the previous turn (dumps, the viewer).
 loopback: a remote env's URL and an env server's address (a key is needed
 beyond it), and a cluster's driver address.
 
+``closed_on_failure`` closes what a block opened when the block fails (an
+interrupt too) and lets the failure go on; on success the caller keeps it.
+
 ``all_seed`` exists for RAGEN compatibility: RAGEN's env modules seed the
 process-global ``random`` and ``numpy`` generators around room generation and
 import it from here. Our own envs never touch a global generator (each owns a
@@ -27,13 +30,13 @@ from __future__ import annotations
 import ipaddress
 import random
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import TypeVar
 
 import numpy as np
 
-__all__ = ["all_seed", "common_prefix_length", "deal", "global_rng_lock", "GLOBAL_RNG_WAIT_S"]
+__all__ = ["all_seed", "closed_on_failure", "common_prefix_length", "deal", "global_rng_lock", "GLOBAL_RNG_WAIT_S"]
 
 T = TypeVar("T")
 
@@ -62,6 +65,20 @@ def global_rng_lock(who: str) -> Iterator[None]:
         yield
     finally:
         _GLOBAL_RNG_LOCK.release()
+
+
+@contextmanager
+def closed_on_failure(*closes: Callable[[], object] | None) -> Iterator[None]:
+    """Calls ``closes`` in order (a None skipped: nothing was opened) when the block raises
+    anything, an interrupt included, then re-raises it; a ``close`` that raises ends it, its
+    error raised with the block's as its context, as an ``except`` that closes and re-raises."""
+    try:
+        yield
+    except BaseException:
+        for close in closes:
+            if close is not None:
+                close()
+        raise
 
 
 def is_loopback_host(host: str) -> bool:

@@ -121,3 +121,31 @@ def test_common_prefix_length_is_the_first_place_any_sequence_differs():
         assert common_prefix_length([tuple(seqs[0]), *seqs[1:]]) == want  # a tuple beside lists
     assert common_prefix_length([]) == 0
     assert common_prefix_length(["abcd", "abxd"]) == 2
+
+
+def test_closed_on_failure_closes_on_any_failure_and_reraises_it():
+    from ragen.utils import closed_on_failure
+
+    closed = []
+    with closed_on_failure(lambda: closed.append("a"), None, lambda: closed.append("b")):
+        pass
+    assert closed == []  # success: what was opened stays open for the caller
+    for exc in (ValueError("bad"), KeyboardInterrupt()):  # an interrupt too
+        with pytest.raises(type(exc)) as info:
+            with closed_on_failure(lambda: closed.append("a"), None, lambda: closed.append("b")):
+                raise exc
+        assert info.value is exc
+        assert closed == ["a", "b"]  # in order, None skipped
+        closed.clear()
+
+
+def test_closed_on_failure_raises_a_failing_close_after_the_failure():
+    from ragen.utils import closed_on_failure
+
+    def close():
+        raise OSError("close failed")
+
+    with pytest.raises(OSError, match="close failed") as info:
+        with closed_on_failure(close):
+            raise ValueError("bad")
+    assert isinstance(info.value.__context__, ValueError)  # as an except block that closes and re-raises

@@ -185,7 +185,7 @@ def test_an_episode_knows_nothing_of_its_scheduler():
 def test_every_module_sits_in_a_layer():
     """A new top-level package is placed in LAYERS (or is one of the shared helpers below every package)."""
     helpers = {"ragen", "ragen.pickling", "ragen.config_files", "ragen.config_reader", "ragen.utils",
-               "ragen.send_queue", "ragen.progress",
+               "ragen.send_queue", "ragen.progress", "ragen.errors",
                "ragen.allocator"}  # train.py's malloc: imports nothing of ragen, loaded before the rest
     loose = [m for m in import_graph() if m not in helpers and not any(_in(m, layer) for layer in LAYERS)]
     assert loose == []
@@ -200,3 +200,21 @@ def test_contextmanager_names_only_ragens_class():
                 clashes += [f"{module}: from {node.module} import {a.name}" for a in node.names
                             if (a.asname or a.name) == "ContextManager"]
     assert clashes == []
+
+
+@pytest.mark.timeout(60)
+def test_the_error_family_sits_below_every_module():
+    """``ragen.errors`` imports nothing of ragen, so every layer (and the config reader) can raise its errors."""
+    assert import_graph()["ragen.errors"] == set()
+
+
+@pytest.mark.timeout(60)
+def test_a_public_class_name_names_one_class():
+    """One name per thing: a reader (or an import) that finds a class by its name finds one."""
+    known = {"Reply"}  # serving.hooks' handler reply and env.remote.protocol's observation reply: not yet renamed
+    where: dict[str, list[str]] = {}
+    for module, (path, _) in _modules(ROOT).items():
+        for node in ast.parse(path.read_text(), filename=str(path)).body:
+            if isinstance(node, ast.ClassDef) and not node.name.startswith("_"):
+                where.setdefault(node.name, []).append(module)
+    assert {name: modules for name, modules in where.items() if len(modules) > 1 and name not in known} == {}

@@ -30,6 +30,7 @@ import logging
 from collections.abc import Mapping
 from typing import Any
 
+from ..errors import ConfigError
 from .bandit import BanditEnv, BanditEnvConfig
 from .base import BaseDiscreteActionEnv, BaseEnv, BaseEnvConfig, BaseLanguageBasedEnv
 from .config_checks import EnvConfigError, to_plain
@@ -94,18 +95,18 @@ def _where(tag: str | None, key: str) -> str:
     return f"custom_envs.{tag}.{key}" if tag else key
 
 
-class EnvImportError(ImportError, ValueError):
+class EnvImportError(ImportError, ConfigError):
     """An ``env_type``/``config_type`` import path that cannot be imported.
 
-    A ``ValueError`` too, because it is a config error: the command lines
-    turn ``ValueError`` into one ``error:`` line (exit 2), and this must
-    take the same path whatever the imported module raised."""
+    A ``ConfigError`` (so a ``ValueError``) too: the command lines turn
+    ``ValueError`` into one ``error:`` line (exit 2), and this must take the
+    same path whatever the imported module raised."""
 
 
 def _import_object(path: str, key: str, tag: str | None) -> Any:
     module_name, sep, attr = path.partition(":")
     if not sep or not module_name.strip() or not attr.strip():
-        raise ValueError(
+        raise ConfigError(
             f"{_where(tag, key)}: {path!r} is neither a registered name nor an import path "
             "of the form 'package.module:ClassName'"
         )
@@ -129,7 +130,7 @@ def _import_object(path: str, key: str, tag: str | None) -> Any:
                 f"{_where(tag, key)}: cannot import {path!r}: module {module_name!r} has no attribute {attr!r}"
             ) from exc
     if not isinstance(obj, type):
-        raise ValueError(f"{_where(tag, key)}: {path!r} is not a class, got {obj!r}")
+        raise ConfigError(f"{_where(tag, key)}: {path!r} is not a class, got {obj!r}")
     return obj
 
 
@@ -138,7 +139,7 @@ def resolve_env_type(
 ) -> tuple[type, type | None]:
     """(env class, config class or None) for an ``env_type`` (see the module docstring)."""
     if not isinstance(env_type, str) or not env_type:
-        raise ValueError(f"{_where(tag, 'env_type')}: expected an env name or import path, got {env_type!r}")
+        raise ConfigError(f"{_where(tag, 'env_type')}: expected an env name or import path, got {env_type!r}")
     if env_type in REGISTERED_ENVS:
         env_cls = REGISTERED_ENVS[env_type]
         config_cls = REGISTERED_ENV_CONFIGS[env_type]
@@ -146,7 +147,7 @@ def resolve_env_type(
         env_cls = _import_object(env_type, "env_type", tag)
         config_cls = getattr(env_cls, "config_cls", None)
     else:
-        raise ValueError(
+        raise ConfigError(
             f"{_where(tag, 'env_type')}: unknown env type {env_type!r}; registered: "
             f"{sorted(REGISTERED_ENVS)}; or give an import path 'package.module:EnvClass'"
         )
@@ -179,7 +180,8 @@ def make_env_config(
     Returns ``ConfigClass(**env_config)``, or the plain dict (``None`` when
     empty) for an env class without a config class. An ``env_config`` that is
     already an instance of the config class is returned as it is. Invalid
-    values raise ``ValueError`` naming ``custom_envs.<tag>.env_config.<field>``.
+    values raise ``ConfigError`` (a ``ValueError``) naming
+    ``custom_envs.<tag>.env_config.<field>``.
     """
     _, config_cls = resolve_env_type(env_type, config_type, tag)
     prefix = _where(tag, "env_config")
@@ -187,10 +189,10 @@ def make_env_config(
         return env_config
     values = {} if env_config is None else to_plain(env_config)
     if not isinstance(values, dict):
-        raise ValueError(f"{prefix}: expected a mapping of config keys to values, got {env_config!r}")
+        raise ConfigError(f"{prefix}: expected a mapping of config keys to values, got {env_config!r}")
     for key in values:
         if not isinstance(key, str):
-            raise ValueError(f"{prefix}: config keys must be strings, got {key!r}")
+            raise ConfigError(f"{prefix}: config keys must be strings, got {key!r}")
     if config_cls is None:
         if values:
             _say_unchecked(env_type, tag, values)
@@ -199,7 +201,7 @@ def make_env_config(
         known = sorted(f.name for f in dataclasses.fields(config_cls) if f.init)
         unknown = sorted(set(values) - set(known))
         if unknown:
-            raise ValueError(
+            raise ConfigError(
                 f"{prefix}.{unknown[0]}: unknown key for {config_cls.__name__} "
                 f"(unknown: {unknown}); known keys: {known}"
             )
@@ -208,9 +210,9 @@ def make_env_config(
     except EnvConfigError as exc:
         raise exc.at(prefix) from None
     except ValueError as exc:  # a user config class validating without EnvConfigError
-        raise ValueError(f"{prefix}: {exc}") from exc
+        raise ConfigError(f"{prefix}: {exc}") from exc
     except TypeError as exc:  # a config class that is not a dataclass, wrong arguments
-        raise ValueError(f"{prefix}: cannot build {config_cls.__name__}: {exc}") from exc
+        raise ConfigError(f"{prefix}: cannot build {config_cls.__name__}: {exc}") from exc
 
 
 def make_env(

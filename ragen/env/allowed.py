@@ -34,12 +34,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ..errors import RagenError
 from . import REGISTERED_ENVS
 
 __all__ = ["AllowedEnvTypes", "EnvTypeNotAllowed", "add_allow_options", "allowed_env_types", "custom_envs_of"]
 
 
-class EnvTypeNotAllowed(ValueError):
+class EnvTypeNotAllowed(RagenError, ValueError):
     """An env or config type that the user's setup does not name; the message says how to allow it."""
 
 

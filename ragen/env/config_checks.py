@@ -2,7 +2,7 @@
 
 Concepts:
 
-- ``EnvConfigError``: a ``ValueError`` that knows which config field was wrong
+- ``EnvConfigError``: a ``ConfigError`` (a ``ValueError``) that knows which config field was wrong
   and why. Its text reads ``"<field>: <reason>"``; ``make_env_config`` re-raises
   it with the full config path of the env tag in front, e.g.
   ``custom_envs.LargerSokoban.env_config.num_boxes: 40 boxes do not fit ...``.
@@ -18,6 +18,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from ragen.config_reader import to_plain
+from ragen.errors import ConfigError
 
 __all__ = [
     "EnvConfigError",
@@ -31,7 +32,7 @@ __all__ = [
 ]
 
 
-class EnvConfigError(ValueError):
+class EnvConfigError(ConfigError):
     """An env config value is invalid; ``field`` names it, ``reason`` says why."""
 
     def __init__(self, field: str, reason: str) -> None:

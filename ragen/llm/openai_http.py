@@ -26,16 +26,17 @@ import urllib.parse
 import urllib.request
 from typing import Any
 
+from ragen.errors import RagenError
 from ragen.llm.types import GenerationRequest
 
 logger = logging.getLogger(__name__)
 
 
-class _RetryableError(Exception):
+class _RetryableError(RagenError):
     pass
 
 
-class ServerUnavailable(RuntimeError):
+class ServerUnavailable(RagenError, RuntimeError):
     """The server gave no usable answer to a request: none within its retries (connection
     refused or dropped, timeouts, 429 or 5xx every time), or a malformed one."""
 
@@ -45,7 +46,7 @@ class MalformedReply(ServerUnavailable):
     type, or token ids that are not the model's."""
 
 
-class RefusedError(RuntimeError):
+class RefusedError(RagenError, RuntimeError):
     """An HTTP 4xx other than 429: the server refuses the request itself (no retry)."""
 
 

@@ -23,13 +23,14 @@ import json
 import os
 from typing import Any
 
+from ragen.errors import RagenError
 from ragen.llm.default_model import resolve_model_path
 from ragen.llm.openai_http import HTTPTransport, RefusedError, session_key
 from ragen.llm.openai_replies import ReplyReader, finish_reason
 from ragen.llm.types import Completion, GenerationRequest
 
 
-class NoTokenPrompts(RuntimeError):
+class NoTokenPrompts(RagenError, RuntimeError):
     """The server cannot take a token prompt or return the sampled ids: the request goes as messages."""
 
 

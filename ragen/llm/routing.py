@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Sequence
 
 from ragen.config_reader import setting
+from ragen.errors import RagenError
 from ragen.llm.types import Completion, EngineUnavailable, GenerationRequest
 
 logger = logging.getLogger(__name__)
@@ -51,7 +52,7 @@ class NoReplicaLeft(EngineUnavailable):
     """Every replica a request could go to has failed."""
 
 
-class WaitForReplica(Exception):
+class WaitForReplica(RagenError):
     """Every replica is down, and the request has waited less than ``outage_wait_s`` since
     ``since``: it asks again in ``retry_in_s`` (a probe falls due, or its wait ends), or
     when a probe is answered."""

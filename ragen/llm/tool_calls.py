@@ -33,6 +33,7 @@ from typing import Any, Mapping, Sequence
 import jsonschema
 from referencing.exceptions import Unresolvable
 
+from ragen.errors import RagenError
 from ragen.llm.tool_schema import PatternTimeout, check_parameters, pattern_budget, validator
 
 PARSERS = ("hermes", "server")
@@ -183,7 +184,7 @@ def _shown(value: Any) -> str:
         return f"<a {type(value).__name__} too large to show>"
 
 
-class _NotFinite(ValueError):
+class _NotFinite(RagenError, ValueError):
     """A number JSON a model wrote reads as NaN or infinite (``NaN``, ``Infinity``, ``1e999``)."""
 
 

@@ -34,6 +34,8 @@ import jsonschema
 import referencing
 import regex
 
+from ragen.errors import RagenError
+
 MAX_SCHEMA_NODES = 10_000  # schema objects once references are expanded: a tool's is tens
 PATTERN_BUDGET_S = 0.25  # CPU seconds: the pattern searches of one answer's calls, in all
 _POINTER = re.compile(r"#(/.*)?", re.DOTALL)
@@ -42,7 +44,7 @@ _NAMED = frozenset({"properties", "patternProperties", "$defs", "definitions", "
 _DEADLINE: contextvars.ContextVar[float | None] = contextvars.ContextVar("ragen_pattern_deadline", default=None)
 
 
-class PatternTimeout(Exception):
+class PatternTimeout(RagenError):
     """A ``pattern`` search that did not end within the answer's pattern budget."""
 
     def __init__(self, pattern: str) -> None:

@@ -38,6 +38,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any, Self, Sequence
 
+from ragen.errors import RagenError
 from ragen.llm.chat_tokens import ChatTokens
 from ragen.llm.stats import EngineStats
 
@@ -78,12 +79,12 @@ def token_id_error(ids: Sequence[Any], vocab_size: int | None = None) -> str | N
     return None
 
 
-class EngineUnavailable(RuntimeError):
+class EngineUnavailable(RagenError, RuntimeError):
     """No part of the engine can answer any request (every replica is down): a rollout
     stops with this error rather than ending each env that asked."""
 
 
-class EngineError(RuntimeError):
+class EngineError(RagenError, RuntimeError):
     """The engine failed on a request (raised in the client); ``ticket``: that request's, where known;
     ``timed_out``: the manager gave up waiting for the engine's answer; ``unavailable``: the
     engine can answer no request at all."""

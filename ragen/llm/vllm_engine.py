@@ -57,6 +57,7 @@ from ragen.llm.types import (CLOSED_BEFORE_ANSWER, Completion, Engine, Generatio
                               StreamingEngine, request_seed)
 from ragen.llm.vllm_logprobs import logprobs_mode_kwargs, sampled_logprobs
 from ragen.llm.vllm_weights import apply_weights, check_fused_parts, push_weights_by_rpc
+from ragen.utils import closed_on_failure
 
 logger = logging.getLogger(__name__)
 
@@ -300,12 +301,9 @@ class VLLMStreamingEngine(VLLMEngine, StreamingEngine):
             # LLM's defaults where AsyncEngineArgs' differ: seed 0, no periodic stats log
             return AsyncLLM.from_engine_args(AsyncEngineArgs(seed=0, disable_log_stats=True, **engine_args))
 
-        try:
+        with closed_on_failure(self._stop_loop):
             # unbounded: a start takes minutes on a busy CPU, and fails with vLLM's error
             self.llm = asyncio.run_coroutine_threadsafe(build(), self._loop).result()
-        except BaseException:
-            self._stop_loop()
-            raise
         self.tokenizer = self.llm.get_tokenizer()
 
     @property

@@ -7,7 +7,8 @@ again, because Hydra's ``agent_proxy.X=...`` override needs it there, and
 ``tests/test_config_reader.py`` checks that the YAML, the README and these
 defaults agree. ``read_rollout_sections(cfg)`` reads them all with
 ``ragen.config_reader.read``: an unknown key, a wrong type or an out-of-range
-number is a ValueError naming the key, before any model loads.
+number is a ``ConfigError`` (a ``ValueError``) naming the key, before any model
+loads.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 from ragen.config_reader import read, setting
+from ragen.errors import ConfigError
 from ragen.llm.types import SamplingParams
 from ragen.rollout.context import ContextConfig
 from ragen.serving import wire
@@ -42,11 +44,11 @@ class RewardNormalization:
 
 
 def check_n_jobs(n_jobs: Any) -> None:
-    """``agent_proxy.parallel_n_jobs``: auto, -1 or a positive integer; ValueError naming the key otherwise."""
+    """``agent_proxy.parallel_n_jobs``: auto, -1 or a positive integer; ``ConfigError`` naming the key otherwise."""
     if n_jobs == "auto" or (isinstance(n_jobs, int) and not isinstance(n_jobs, bool) and (n_jobs == -1 or n_jobs >= 1)):
         return
-    raise ValueError(f"agent_proxy.parallel_n_jobs must be auto (sized from each rollout), -1 (one worker per "
-                     f"core) or a positive integer, got {n_jobs!r}")
+    raise ConfigError(f"agent_proxy.parallel_n_jobs must be auto (sized from each rollout), -1 (one worker per "
+                      f"core) or a positive integer, got {n_jobs!r}")
 
 
 TIMEOUT_KEYS = ("rollout_timeout_s", "env_timeout_s", "engine_timeout_s")  # agent_proxy.*: > 0, or null
@@ -57,7 +59,7 @@ def check_time_limit(key: str, value: Any) -> None:
     (0 is refused: it would read as "no limit" in one place and "at once" in another)."""
     if value is not None and not value > 0:
         shown = f"{value:g}" if isinstance(value, (int, float)) else repr(value)
-        raise ValueError(f"agent_proxy.{key} must be > 0 seconds, got {shown}; for no limit write null")
+        raise ConfigError(f"agent_proxy.{key} must be > 0 seconds, got {shown}; for no limit write null")
 
 
 # An engine that never answers a request must not hold its env (or, in lockstep turns, its worker)
@@ -68,21 +70,21 @@ ENV_LEVEL_ASYNC = ("auto", True, False)
 
 
 def check_env_level_async(value: Any) -> None:
-    """``agent_proxy.env_level_async``: auto, true or false; ValueError naming the key otherwise."""
+    """``agent_proxy.env_level_async``: auto, true or false; ``ConfigError`` naming the key otherwise."""
     if value == "auto" or isinstance(value, bool):
         return
-    raise ValueError(f"agent_proxy.env_level_async must be auto (env-level turns when the engine streams "
-                     f"completions), true or false, got {value!r}")
+    raise ConfigError(f"agent_proxy.env_level_async must be auto (env-level turns when the engine streams "
+                      f"completions), true or false, got {value!r}")
 
 
 def env_level_for(value: Any, streams: bool, engine: str, streaming_engines: str) -> bool:
     """Whether turns run env-level for ``agent_proxy.env_level_async=value`` on an engine that
-    does or does not stream; ValueError for ``true`` on one that does not."""
+    does or does not stream; ``ConfigError`` for ``true`` on one that does not."""
     check_env_level_async(value)
     if value is True and not streams:
-        raise ValueError(f"agent_proxy.env_level_async=true needs an engine that streams completions "
-                         f"({streaming_engines}); engine {engine!r} answers whole batches: set "
-                         f"agent_proxy.env_level_async to auto or false")
+        raise ConfigError(f"agent_proxy.env_level_async=true needs an engine that streams completions "
+                          f"({streaming_engines}); engine {engine!r} answers whole batches: set "
+                          f"agent_proxy.env_level_async to auto or false")
     return streams if value == "auto" else bool(value)
 
 
@@ -180,19 +182,19 @@ class AgentProxyConfig:
         for key in TIMEOUT_KEYS:
             check_time_limit(key, getattr(self, key))
         if self.rollout_mode == "fully_async" and self.parallel_backend not in FULLY_ASYNC_BACKENDS:
-            raise ValueError(f"agent_proxy.parallel_backend={self.parallel_backend!r}: rollout_mode fully_async "
-                             f"keeps its groups in flight on this machine, on one of {FULLY_ASYNC_BACKENDS}")
+            raise ConfigError(f"agent_proxy.parallel_backend={self.parallel_backend!r}: rollout_mode fully_async "
+                              f"keeps its groups in flight on this machine, on one of {FULLY_ASYNC_BACKENDS}")
         if self.max_refill and (self.rollout_mode != "sync" or self.async_generation_ratio):
-            raise ValueError(f"agent_proxy.max_refill={self.max_refill}: refilled groups are played at once, with "
-                             f"the trainer's weights; rollout_mode={self.rollout_mode} and async_generation_ratio="
-                             f"{self.async_generation_ratio} play batches in the background: set max_refill=0, or "
-                             f"rollout_mode=sync and async_generation_ratio=0")
+            raise ConfigError(f"agent_proxy.max_refill={self.max_refill}: refilled groups are played at once, with "
+                              f"the trainer's weights; rollout_mode={self.rollout_mode} and async_generation_ratio="
+                              f"{self.async_generation_ratio} play batches in the background: set max_refill=0, or "
+                              f"rollout_mode=sync and async_generation_ratio=0")
         if self.over_sample > 1 and (self.rollout_mode != "sync" or self.async_generation_ratio):
-            raise ValueError(f"agent_proxy.over_sample={self.over_sample:g}: over-sampling cuts the tail of a "
-                             f"synchronous rollout; rollout_mode={self.rollout_mode} and async_generation_ratio="
-                             f"{self.async_generation_ratio} generate in the background, where no rollout waits for "
-                             f"its slowest group: set over_sample=1.0, or rollout_mode=sync and "
-                             f"async_generation_ratio=0")
+            raise ConfigError(f"agent_proxy.over_sample={self.over_sample:g}: over-sampling cuts the tail of a "
+                              f"synchronous rollout; rollout_mode={self.rollout_mode} and async_generation_ratio="
+                              f"{self.async_generation_ratio} generate in the background, where no rollout waits for "
+                              f"its slowest group: set over_sample=1.0, or rollout_mode=sync and "
+                              f"async_generation_ratio=0")
 
 
 @dataclass(frozen=True)
@@ -236,11 +238,11 @@ class EnvSplitConfig:
     env_configs: EnvConfigs = field(default_factory=EnvConfigs)
 
     def check_env_count(self, key: str) -> None:
-        """ValueError naming ``key`` (``es_manager.<split>``) when its envs pass ``MAX_ENVS_PER_ROLLOUT``."""
+        """``ConfigError`` naming ``key`` (``es_manager.<split>``) when its envs pass ``MAX_ENVS_PER_ROLLOUT``."""
         n = self.env_groups * self.group_size
         if n > MAX_ENVS_PER_ROLLOUT:
-            raise ValueError(f"{key}: env_groups x group_size = {self.env_groups} x {self.group_size} = {n} envs, "
-                             f"more than the {MAX_ENVS_PER_ROLLOUT} envs one rollout plays at most")
+            raise ConfigError(f"{key}: env_groups x group_size = {self.env_groups} x {self.group_size} = {n} envs, "
+                              f"more than the {MAX_ENVS_PER_ROLLOUT} envs one rollout plays at most")
 
 
 SPLITS = ("train", "val")
@@ -251,7 +253,7 @@ class EsManagerConfig:
     """``es_manager``: the train and val env sets, the penalty of an answer without valid
     actions, and the bound on a step's reward. A config may leave out a split that nothing
     plays (RAGEN's ``EnvStateManager`` reads only its mode's); ``split(name)`` gives a split to
-    play, or a ValueError naming it."""
+    play, or a ``ConfigError`` naming it."""
 
     train: EnvSplitConfig | None = None
     val: EnvSplitConfig | None = None
@@ -265,13 +267,13 @@ class EsManagerConfig:
             if getattr(self, name) is not None:
                 getattr(self, name).check_env_count(f"es_manager.{name}")
         if not abs(self.format_penalty) <= self.max_abs_reward:
-            raise ValueError(f"es_manager.format_penalty={self.format_penalty:g} is beyond "
-                             f"es_manager.max_abs_reward={self.max_abs_reward:g}: a penalty is a reward too")
+            raise ConfigError(f"es_manager.format_penalty={self.format_penalty:g} is beyond "
+                              f"es_manager.max_abs_reward={self.max_abs_reward:g}: a penalty is a reward too")
 
     def split(self, name: str) -> EnvSplitConfig:
-        """``es_manager.<name>``; ValueError when the config leaves it out."""
+        """``es_manager.<name>``; ``ConfigError`` when the config leaves it out."""
         if getattr(self, name) is None:
-            raise ValueError(f"es_manager.{name} is missing: give it env_groups, group_size and env_configs")
+            raise ConfigError(f"es_manager.{name} is missing: give it env_groups, group_size and env_configs")
         return getattr(self, name)
 
 

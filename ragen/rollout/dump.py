@@ -43,6 +43,7 @@ from pathlib import Path
 from collections.abc import Sequence
 from typing import Any, Callable
 
+from ragen.errors import RagenError
 from ragen.llm.types import SamplingParams, request_seed
 from ragen.rollout.context import ContextConfig, ContextManager
 from ragen.rollout.json_types import BadField, check_fields, is_a, short
@@ -58,7 +59,7 @@ VERSION = 3
 COMPRESS_ABOVE_BYTES = 4 << 20  # a dump larger than this is written gzipped
 
 
-class DumpError(ValueError):
+class DumpError(RagenError, ValueError):
     """A file that is not a readable ragen rollout dump; the message names the file and line."""
 
 

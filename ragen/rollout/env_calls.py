@@ -17,6 +17,7 @@ from collections import defaultdict
 from typing import Any, Iterator, Sequence
 
 from ragen.env.base import action_lookup, plain_info, reset_takes_mode
+from ragen.errors import RagenError
 from ragen.llm.tool_calls import BadCall, ToolCall
 from ragen.llm.types import Completion
 from ragen.rollout.context import ContextManager
@@ -29,11 +30,11 @@ logger = logging.getLogger(__name__)
 _ERRORS_LOCK = threading.Lock()
 
 
-class EnvTimeout(Exception):
+class EnvTimeout(RagenError):
     """An env call ran past ``LoopConfig.env_timeout_s``."""
 
 
-class EnvError(Exception):
+class EnvError(RagenError):
     """An env raised or timed out where errors are not isolated (``isolate_errors=False``):
     the caller decides what becomes of every env of the call (a parallel worker's are re-run
     by the fallback)."""
@@ -290,7 +291,7 @@ def resume(slot: EnvSlot, kept_envs: KeptEnvs, call: EnvCaller) -> None:
     slot.traj.success = carried.success
 
 
-class CarryDiverged(RuntimeError):
+class CarryDiverged(RagenError, RuntimeError):
     """A carried episode's env, stepped again, did not give what it gave the first time."""
 
 
@@ -305,7 +306,7 @@ def reset_env(slot: EnvSlot, call: EnvCaller) -> None:
         slot.lookup = {str(v).lower(): k for k, v in lookup.items()}
 
 
-class EnvOutputError(Exception):
+class EnvOutputError(RagenError):
     """An env returned a value the loop cannot use (an observation that is not
     text, a reward that is not a finite number or is beyond
     ``es_manager.max_abs_reward``): it ends that env in ``error``, as an

@@ -11,12 +11,14 @@ import types
 import typing
 from typing import Any, Callable, Union
 
+from ragen.errors import RagenError
+
 # free-form values (an env's info and config) nest at most this deep: deeper ones would overflow the
 # recursion of the code that renders or builds from them
 MAX_NESTING = 64
 
 
-class BadField(ValueError):
+class BadField(RagenError, ValueError):
     """A field of a line that has the wrong type; the message names the field."""
 
 

@@ -25,10 +25,12 @@ import threading
 import time
 from typing import Any, Callable
 
+from ragen.errors import RagenError
+
 logger = logging.getLogger(__name__)
 
 
-class GateTimeout(TimeoutError):
+class GateTimeout(RagenError, TimeoutError):
     """A wait for the engine gate ran past its bound; the message says what held it."""
 
 

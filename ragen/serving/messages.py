@@ -38,6 +38,7 @@ from array import array
 from dataclasses import dataclass, field
 from typing import Any
 
+from ragen.errors import RagenError
 from ragen.llm.types import Completion, EngineUnavailable, GenerationRequest, SamplingParams, token_id_error
 from ragen.serving import wire
 
@@ -108,7 +109,7 @@ class BatchMessage:
 MAX_BATCH = 1 << 16  # messages in one batch
 
 
-class BadMessage(ValueError):
+class BadMessage(RagenError, ValueError):
     """A malformed message; ``ticket`` is its ticket where one could be read."""
 
     def __init__(self, message: str, ticket: int | None = None) -> None:
@@ -177,7 +178,7 @@ def _check_fields(values: dict[str, Any], checks: dict[str, Any], where: str) ->
             raise ValueError(f"{where}.{name} must be {what}, got {repr(values[name])[:80]}")
 
 
-class _OverBound(ValueError):
+class _OverBound(RagenError, ValueError):
     """A frame whose content passes a bound of the whole frame: a batch holding it is refused whole."""
 
 

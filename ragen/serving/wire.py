@@ -31,6 +31,8 @@ import struct
 import time
 from typing import Any
 
+from ragen.errors import ConfigError, ProtocolError, RagenError
+
 MAGIC = b"RAGEN4"  # the protocol's version: a manager and a client of different versions refuse each other
 NONCE_BYTES = 32
 DIGEST_BYTES = hashlib.sha256().digest_size
@@ -51,18 +53,14 @@ MAX_REQUESTS = 1 << 14
 
 def check_max_message_bytes(value: Any, key: str = "max_message_bytes", least: int = 1) -> int:
     """``value`` as the longest message a side reads: an integer from ``least`` to
-    ``MAX_FRAME_BYTES``; ValueError naming ``key`` otherwise."""
+    ``MAX_FRAME_BYTES``; ``ConfigError`` naming ``key`` otherwise."""
     if isinstance(value, bool) or not isinstance(value, int) or not least <= value <= MAX_FRAME_BYTES:
-        raise ValueError(f"{key} must be an integer from {least} to 2**32 - 1 (a frame's length is 4 bytes), "
+        raise ConfigError(f"{key} must be an integer from {least} to 2**32 - 1 (a frame's length is 4 bytes), "
                          f"got {value!r}")
     return value
 
 
-class ProtocolError(RuntimeError):
-    """A frame or reply broke the protocol (too long, not a reply)."""
-
-
-class AuthenticationError(ConnectionError):
+class AuthenticationError(RagenError, ConnectionError):
     """The peer could not prove it holds the manager's key."""
 
 

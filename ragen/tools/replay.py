@@ -61,7 +61,7 @@ from ragen.rollout.dump import DumpError, DumpRecord, read_dump
 from ragen.serving import DirectClient
 from ragen.rollout.scheduler import EnvError, KeptEnvs, run_envs
 from ragen.rollout.types import StopReason, Trajectory, turn_prompts
-from ragen.utils import common_prefix_length
+from ragen.utils import closed_on_failure, common_prefix_length
 
 logger = logging.getLogger(__name__)
 
@@ -312,14 +312,11 @@ def _engine_from_args(args: argparse.Namespace) -> Engine | None:
     if args.checkpoint is not None:
         from ragen.trainer.policy import load_checkpoint_policy
 
-        try:
+        with closed_on_failure(engine.close):  # a checkpoint it cannot load: the engine built for it is closed
             if not hasattr(engine, "model"):
                 raise ValueError("--checkpoint loads a checkpoint's weights into one hf engine: leave out "
                                  "--engine-opt replicas")
             engine.policy_version = load_checkpoint_policy(engine.model, args.checkpoint)
-        except BaseException:  # a checkpoint it cannot load: the engine built for it is closed
-            engine.close()
-            raise
         engine.release_cache()
     return engine
 

@@ -47,6 +47,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from ragen.errors import RagenError
 from ragen.rollout.types import Step, StopReason, Trajectory, Turn
 
 logger = logging.getLogger(__name__)
@@ -185,7 +186,7 @@ def latest_checkpoint(run_dir: str | os.PathLike) -> int | None:
     return steps[-1] if steps else None
 
 
-class CheckpointError(ValueError):
+class CheckpointError(RagenError, ValueError):
     """A checkpoint that cannot be read; the message names the file and what to do instead."""
 
 

@@ -21,6 +21,7 @@ import torch
 
 from ragen.config_reader import to_plain
 from ragen.env import make_env_config
+from ragen.errors import RagenError
 from ragen.llm import STREAMING_ENGINES, check_engine_config, engine_returns_logprobs, engine_streams
 from ragen.llm.chat_tokens import ChatTokens
 from ragen.llm.default_model import resolve_model_path
@@ -45,7 +46,7 @@ from ragen.viewer.curve import curve_notes
 logger = logging.getLogger(__name__)
 
 
-class TrainingFailed(RuntimeError):
+class TrainingFailed(RagenError, RuntimeError):
     """The run learned nothing: ``trainer.max_failed_steps`` steps in a row failed, or it ended
     without one update. train.py says why in one line and exits 1."""
 

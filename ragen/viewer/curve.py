@@ -23,6 +23,8 @@ import math
 from pathlib import Path
 from typing import Any, Iterable
 
+from ragen.errors import RagenError
+
 CURVE_METRICS = ("val/success", "train/reward", "train/success")
 METRICS_FILE = "metrics.jsonl"
 _W, _H, _PAD_L, _PAD_R, _PAD_T, _PAD_B = 420, 200, 52, 12, 24, 30
@@ -42,7 +44,7 @@ def curve_notes(configs: Iterable[Any]) -> list[str]:
     return notes
 
 
-class ViewerError(ValueError):
+class ViewerError(RagenError, ValueError):
     """An input the viewer cannot show; the message names the file (and line)."""
 
 

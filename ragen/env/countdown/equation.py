@@ -27,6 +27,8 @@ from dataclasses import dataclass
 from fractions import Fraction
 from typing import Any, Callable
 
+from ...errors import RagenError
+
 __all__ = [
     "EquationResult",
     "MAX_EQUATION_CHARS",
@@ -59,11 +61,11 @@ class EquationResult:
     error: str = ""
 
 
-class _ParseError(Exception):
+class _ParseError(RagenError):
     pass
 
 
-class _DivisionByZero(Exception):
+class _DivisionByZero(RagenError):
     pass
 
 

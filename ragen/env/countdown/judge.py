@@ -19,6 +19,8 @@ import operator
 import re
 from typing import Any
 
+from ...errors import RagenError
+
 __all__ = ["MAX_RESULT_BITS", "python_arithmetic", "ragen_numbers_match", "ragen_correct"]
 
 MAX_RESULT_BITS = 1_000_000
@@ -33,7 +35,7 @@ _COMPARE = {ast.Lt: operator.lt, ast.LtE: operator.le, ast.Gt: operator.gt, ast.
             ast.Eq: operator.eq, ast.NotEq: operator.ne}
 
 
-class _NoValue(Exception):
+class _NoValue(RagenError):
     pass
 
 

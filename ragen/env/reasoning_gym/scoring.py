@@ -25,6 +25,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from ...errors import RagenError
 from ..sandbox import Limits, Sandboxed, SandboxError, spawn_python
 
 __all__ = ["QuestionError", "Score", "ScorerPool", "scorer_pool"]
@@ -47,11 +48,11 @@ class Score:
     error: str | None = None
 
 
-class QuestionError(RuntimeError):
+class QuestionError(RagenError, RuntimeError):
     """A dataset gave no question for a reset's seed (it raised, ran past its time or died)."""
 
 
-class _Lost(Exception):
+class _Lost(RagenError):
     """The scorer gave no reply to this request: it is killed, and the answer scores 0 with this reason."""
 
 

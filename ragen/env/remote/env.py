@@ -22,6 +22,7 @@ import json
 import logging
 from typing import Any
 
+from ...errors import RagenError
 from ..base import BaseLanguageBasedEnv
 from ..keys import auth_headers, key_hint
 from .config import RemoteEnvConfig
@@ -35,7 +36,7 @@ logger = logging.getLogger(__name__)
 _CLOSE_TIMEOUT_S = 2.0  # the closing handshake's wait; the socket is dropped after it
 
 
-class RemoteEnvError(RuntimeError):
+class RemoteEnvError(RagenError, RuntimeError):
     """A remote env call that failed; the message names the server."""
 
 
@@ -43,7 +44,7 @@ class RemoteEnvTimeout(RemoteEnvError, TimeoutError):
     """An env server that did not answer in time."""
 
 
-class _SessionGone(Exception):
+class _SessionGone(RagenError):
     """A kept session the server has closed: a reset opens a new one."""
 
 

@@ -22,16 +22,14 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
+from ...errors import ProtocolError
+
 __all__ = ["ERROR_CODES", "Reply", "ProtocolError", "error_message", "observation_message", "parse_reply",
            "session_url"]
 
 # OpenEnv's WSErrorCode values
 ERROR_CODES = ("INVALID_JSON", "UNKNOWN_TYPE", "VALIDATION_ERROR", "EXECUTION_ERROR", "CAPACITY_REACHED",
                "FACTORY_ERROR", "SESSION_ERROR")
-
-
-class ProtocolError(ValueError):
-    """A message that is not one of the protocol's."""
 
 
 @dataclass(frozen=True)

@@ -29,6 +29,7 @@ import threading
 from http import HTTPStatus
 from typing import Any, Callable, Mapping
 
+from ...errors import RagenError
 from ...send_queue import SendQueue
 from ..background import BackgroundServer
 from ..base import action_lookup, plain_info, reset_takes_mode
@@ -45,7 +46,7 @@ logger = logging.getLogger(__name__)
 DEFAULT_MAX_SEND_QUEUE_BYTES = 4 * 1024 * 1024
 
 
-class _BadRequest(Exception):
+class _BadRequest(RagenError):
     """A message the session cannot serve; answered with an error message, the session goes on."""
 
     def __init__(self, code: str, message: str) -> None:

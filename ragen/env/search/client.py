@@ -23,6 +23,7 @@ import threading
 import time
 from typing import Any
 
+from ...errors import RagenError
 from ..keys import RETRIEVAL_KEY_ENV, auth_headers, key_hint
 
 __all__ = ["MAX_ANSWER_BYTES", "RetrievalError", "RetrievalTimeout", "health", "retrieve"]
@@ -38,7 +39,7 @@ _POOL_PID = 0  # the process that made _POOL
 _POOL_LOCK = threading.Lock()
 
 
-class RetrievalError(RuntimeError):
+class RetrievalError(RagenError, RuntimeError):
     """A search that failed; the message names the server."""
 
 

@@ -52,6 +52,7 @@ from functools import lru_cache
 
 import numpy as np
 
+from ...errors import RagenError
 from .generator import _STAMPS, BOX, FLOOR, PLAYER, TARGET, WALL, GeneratedRoom, _bits, _walk_tables
 
 __all__ = ["generate_ragen_room", "RoomGenerationFailed", "MAX_EXPLORED_STATES", "MAX_SEED_RETRIES"]
@@ -84,7 +85,7 @@ def _numpy_rng(seed: int) -> np.random.RandomState:
     return rng
 
 
-class RoomGenerationFailed(Exception):
+class RoomGenerationFailed(RagenError):
     """A seed that yields no room: too few free cells, or no try scored above 0."""
 
 

@@ -23,6 +23,7 @@ from ragen.rollout.config import AgentProxyConfig, LlmServerConfig, env_level_fo
 from ragen.rollout.workers.cluster import ClusterConfig
 from ragen.serving import SharedLLMInferenceManager
 from ragen.serving.gate import EngineGate
+from ragen.utils import closed_on_failure
 
 __all__ = ["FullyAsync", "GenerateAhead", "ParallelRolloutManager", "RolloutBackend", "RolloutError",
            "SequentialRollout", "SyncBackend", "make_backend"]
@@ -40,7 +41,8 @@ def make_backend(ap: AgentProxyConfig, engine: Engine, server: LlmServerConfig =
             engine, max_batch_size=ap.max_batch_size, coalesce_wait_s=ap.coalesce_wait_s,
             host=server.host, port=server.port, max_message_bytes=ap.max_message_bytes,
             request_timeout_s=ap.engine_timeout_s)
-    try:
+    # any failure, an interrupt too: the manager it started is closed, then re-raised
+    with closed_on_failure(serving.close if serving is not None else None):
         sync: SyncBackend
         if ap.use_parallel_rollout:
             sync = ParallelRolloutManager(
@@ -62,7 +64,3 @@ def make_backend(ap: AgentProxyConfig, engine: Engine, server: LlmServerConfig =
         if ap.async_generation_ratio > 0:
             return GenerateAhead(sync, ap.async_generation_ratio)
         return sync
-    except BaseException:  # any failure, an interrupt too: the manager it started is closed, then re-raised
-        if serving is not None:
-            serving.close()
-        raise

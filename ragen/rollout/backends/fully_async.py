@@ -4,7 +4,8 @@ training steps; the trainer takes completed groups as they come.
 - ``FullyAsync``: the backend; a batch of the train env set is its
   ``env_groups`` lowest-numbered completed groups; a list of specs
   (validation) is played by the synchronous backend it holds.
-- ``GroupsInFlight``: the scheduler that keeps the groups in flight.
+- ``GroupsInFlight``: the scheduler that keeps the groups in flight, as its
+  ``FullyAsyncSettings`` say.
 """
 
 from __future__ import annotations
@@ -29,9 +30,9 @@ logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
-class InFlight:
-    """How the fully-async groups fly: how many at once, on which workers, how
-    often one may restart, and whether weight updates may land mid-group."""
+class FullyAsyncSettings:
+    """The settings of ``GroupsInFlight``: how many groups fly at once, on which workers,
+    how often one may restart, and whether weight updates may land mid-group."""
 
     max_inflight_groups: int = 8
     n_jobs: Any = -1
@@ -74,7 +75,8 @@ class GroupsInFlight:
     - ``close()`` stops the scheduler and the worker processes.
     """
 
-    def __init__(self, es, client, config, flight: InFlight = InFlight(), ahead_groups: int | None = None) -> None:
+    def __init__(self, es, client, config, flight: FullyAsyncSettings = FullyAsyncSettings(),
+                 ahead_groups: int | None = None) -> None:
         import joblib
 
         self.es, self.client, self.config, self.flight = es, client, config, flight
@@ -202,8 +204,8 @@ class FullyAsync(AsyncBackend):
                  partial_rollout: bool, engine_timeout_s: float | None) -> None:
         super().__init__(inner)
         self.bound = StalenessBound(bound)
-        self._flight = InFlight(max_inflight_groups=max_inflight_groups, n_jobs=n_jobs, backend=backend,
-                                max_version_span=bound, partial_rollout=partial_rollout)
+        self._flight = FullyAsyncSettings(max_inflight_groups=max_inflight_groups, n_jobs=n_jobs, backend=backend,
+                                          max_version_span=bound, partial_rollout=partial_rollout)
         self._engine_timeout_s = engine_timeout_s
         self._groups: GroupsInFlight | None = None
         inner.keeps_episodes = True  # the groups in flight run episodes between rollouts

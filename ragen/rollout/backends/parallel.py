@@ -24,6 +24,7 @@ from typing import Any, Iterator, Sequence
 
 import joblib
 
+from ragen.errors import RagenError
 from ragen.rollout.backends.base import SyncBackend
 from ragen.rollout.backends.lease import ExecutorLease
 from ragen.rollout.config import BACKENDS, AgentProxyConfig, cap_n_jobs, check_n_jobs, check_time_limit
@@ -39,13 +40,14 @@ from ragen.rollout.workers.schedule import GroupQueue, group_cost_s, groups_of, 
 from ragen.rollout.workers.task import WorkerResult, WorkerTask, run_isolated, run_worker, with_env_limit
 from ragen.serving import SharedLLMInferenceManager
 from ragen.serving.gate import EngineGate
+from ragen.utils import closed_on_failure
 
 logger = logging.getLogger(__name__)
 
 IN_PROCESS_BACKENDS = ("threading", "sequential")  # workers run in the driver process
 
 
-class RolloutError(RuntimeError):
+class RolloutError(RagenError, RuntimeError):
     """A rollout that could not give every spec its trajectory."""
 
 
@@ -113,15 +115,12 @@ class ParallelRolloutManager(SyncBackend):
         # dask, ray: a cluster client held until close(); the workers get an address they can reach
         auto = n_jobs == "auto"
         self._cluster = open_cluster(backend, cluster, -1 if auto else n_jobs)
-        try:
+        with closed_on_failure(self.close):  # any failure, an interrupt too: what was started is closed
             if self._cluster is not None:
                 self._client = self._cluster.worker_client(self._client)
             with joblib.parallel_config(backend=self._joblib_backend()):
                 # auto: a pool of one process per core, of which each rollout uses as many as chosen
                 self.n_workers = 1 if backend == "sequential" else joblib.effective_n_jobs(-1 if auto else n_jobs)
-        except BaseException:  # any failure, an interrupt too: what was started is closed, then re-raised
-            self.close()
-            raise
         self._auto = AutoSizer(self.n_workers) if auto else None
         self._group_s: float | None = None  # env time of a group, measured on the last rollout (chunk sizes)
 
