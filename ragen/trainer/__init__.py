@@ -21,11 +21,29 @@
 ``train.py`` at the repository root is the Hydra command line over these.
 """
 
-from ragen.trainer.actor import PPOActor
-from ragen.trainer.config import TrainerConfig
-from ragen.trainer.core import ADV_ESTIMATORS, Sample, compute_advantages, filter_groups, normalize_rewards
-from ragen.trainer.logprobs import sequence_logprobs
-from ragen.trainer.trainer import AgentTrainer
+from __future__ import annotations
 
-__all__ = ["ADV_ESTIMATORS", "AgentTrainer", "PPOActor", "Sample", "TrainerConfig", "compute_advantages",
-           "filter_groups", "normalize_rewards", "sequence_logprobs"]
+import importlib
+from typing import Any
+
+# name -> the module that defines it; imported on first use, so that ``ragen.trainer.config`` (train.py's
+# start-up checks) is read without torch
+_EXPORTS = {
+    "ADV_ESTIMATORS": "ragen.trainer.config",
+    "AgentTrainer": "ragen.trainer.trainer",
+    "PPOActor": "ragen.trainer.actor",
+    "Sample": "ragen.trainer.core",
+    "TrainerConfig": "ragen.trainer.config",
+    "compute_advantages": "ragen.trainer.core",
+    "filter_groups": "ragen.trainer.core",
+    "normalize_rewards": "ragen.trainer.core",
+    "sequence_logprobs": "ragen.trainer.logprobs",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(attr: str) -> Any:
+    if attr in _EXPORTS:
+        return getattr(importlib.import_module(_EXPORTS[attr]), attr)
+    raise AttributeError(f"module {__name__!r} has no attribute {attr!r}")

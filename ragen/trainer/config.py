@@ -35,10 +35,18 @@ from typing import Mapping
 
 from ragen.allocator import CHOICES as ALLOCATORS
 from ragen.config_reader import check_keys, read, setting, to_plain
+from ragen.llm.transformers_compat import checkpointable_layer
 from ragen.rollout.config import ROLLOUT_SECTIONS, SeedConfig
-from ragen.trainer.core import ADV_ESTIMATORS, CORRECTIONS, KL_TYPES
-from ragen.trainer.logprobs import DEFAULT_CHUNK_SIZE, checkpointable_layer
-from ragen.trainer.precision import AUTOCAST_CHOICES
+
+# The choices of the keys, here rather than beside the code that acts on them (ragen.trainer.core,
+# .logprobs, .precision), so that the config is read and checked without importing torch.
+ADV_ESTIMATORS = ("grpo", "reinforce")
+CORRECTIONS = ("none", "tis", "decoupled")
+KL_TYPES = ("low_var_kl", "kl", "mse")
+AUTOCAST_CHOICES = ("none", "bf16")
+# Loss positions whose logits are made at once: a chunk's full-vocabulary logits in float32
+# (positions x vocabulary x 4 bytes: 50 MB at 256 x 49,152) are the largest tensor of the update.
+DEFAULT_CHUNK_SIZE = 256
 
 LOGGERS = ("console", "jsonl", "tensorboard", "wandb")
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean")

@@ -40,9 +40,7 @@ import numpy as np
 import torch
 
 from ragen.rollout.context import GROUPINGS, METHODS, ContextConfig
-
-ADV_ESTIMATORS = ("grpo", "reinforce")
-CORRECTIONS = ("none", "tis", "decoupled")
+from ragen.trainer.config import ADV_ESTIMATORS, CORRECTIONS, KL_TYPES
 
 
 @dataclass
@@ -235,5 +233,3 @@ def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, kind: str = "low_var_
         return torch.clamp(torch.exp(log_ratio) - log_ratio - 1.0, -10.0, 10.0)
     raise ValueError(f"actor_rollout_ref.actor.kl_loss_type: unknown {kind!r}; choose one of {KL_TYPES}")
 
-
-KL_TYPES = ("low_var_kl", "kl", "mse")

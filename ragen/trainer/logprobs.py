@@ -32,13 +32,11 @@ import torch
 from torch.utils.checkpoint import checkpoint
 from transformers.cache_utils import DynamicCache
 
+from ragen.llm.transformers_compat import checkpointable_layer
 from ragen.trainer import precision
+from ragen.trainer.config import DEFAULT_CHUNK_SIZE
 from ragen.trainer.core import Sample, group_indices, loss_positions
 from ragen.utils import common_prefix_length
-
-# Loss positions whose logits are made at once: a chunk's full-vocabulary logits in float32
-# (positions x vocabulary x 4 bytes: 50 MB at 256 x 49,152) are the largest tensor of the update.
-DEFAULT_CHUNK_SIZE = 256
 
 # Below this many shared tokens a separate prefix pass costs more than it saves.
 MIN_SHARED_PREFIX = 8
@@ -210,22 +208,6 @@ def _run_root(decoder: Any, ids: list[int], device: torch.device, checkpoint_lay
     made = [(layer.keys, layer.values) for layer in cache.layers]
     kv = [(k.detach().requires_grad_(), v.detach().requires_grad_()) for k, v in made]
     return PromptRoot(ids, kv, made)
-
-
-def checkpointable_layer() -> type:
-    """transformers' ``GradientCheckpointingLayer``; ValueError naming the key where it has none, or
-    where it drops the key/value cache of a checkpointed layer (the prefix passes read one)."""
-    try:
-        from transformers.modeling_layers import GradientCheckpointingLayer
-    except ImportError as exc:
-        raise ValueError("actor_rollout_ref.model.enable_gradient_checkpointing needs a transformers with "
-                         "transformers.modeling_layers.GradientCheckpointingLayer (>= 4.53)") from exc
-    if not hasattr(GradientCheckpointingLayer, "_can_checkpoint_with_cache"):
-        # older ones set past_key_values=None in a checkpointed layer: the log-probs would be wrong
-        raise ValueError("actor_rollout_ref.model.enable_gradient_checkpointing needs a transformers whose "
-                         "GradientCheckpointingLayer can keep the key/value cache (_can_checkpoint_with_cache: "
-                         "5.23 has it, 5.10 does not)")
-    return GradientCheckpointingLayer
 
 
 def can_checkpoint_layers(decoder: Any) -> bool:

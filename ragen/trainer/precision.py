@@ -18,9 +18,10 @@ import logging
 
 import torch
 
+from ragen.trainer.config import AUTOCAST_CHOICES
+
 logger = logging.getLogger(__name__)
 
-AUTOCAST_CHOICES = ("none", "bf16")
 KEY = "actor_rollout_ref.actor.autocast"
 # /proc/cpuinfo flags of native bfloat16 arithmetic: x86 (AMX, AVX512-BF16) and Arm (BF16)
 NATIVE_BF16_FLAGS = ("amx_bf16", "avx512_bf16", "bf16")
