@@ -24,6 +24,14 @@ from omegaconf import DictConfig
 
 def run(cfg: DictConfig) -> dict:
     """Build the trainer from ``cfg``, train, and return the last step's metrics."""
+    from ragen.trainer.startup import check_run
+
+    try:  # the config first, before torch is imported (seconds): a bad key is one line at once
+        checked = check_run(cfg)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        sys.exit(2)
+
     from tqdm import tqdm
 
     from ragen.trainer import AgentTrainer
@@ -41,8 +49,8 @@ def run(cfg: DictConfig) -> dict:
         (bar.write if bar is not None else print)(line)
 
     try:
-        trainer = AgentTrainer(cfg, console=console)
-    except ValueError as exc:  # a bad config, found at start-up: one clear line, no traceback
+        trainer = AgentTrainer(checked, console=console)
+    except ValueError as exc:  # a bad run folder, found at start-up: one clear line, no traceback
         print(f"error: {exc}", file=sys.stderr)
         sys.exit(2)
     try:

@@ -368,3 +368,22 @@ def test_train_py_refuses_a_bad_key_before_any_model_loads(tmp_path, override, m
     assert proc.returncode == 2, proc.stderr
     assert f"error: {message}" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("script, args, message", [
+    # vllm's module imports no torch, so every start-up check runs, the last (model_path) failing
+    ("train.py", ["engine=vllm", "model_path=/nonexistent/model"], "model_path='/nonexistent/model' is not"),
+    ("train.py", ["engine=scripted"], "engine.name='scripted' cannot be trained"),
+    ("test_parallel_rollout.py", ["engine=scripted", "benchmark.repeats=0"], "benchmark.repeats must be >= 1"),
+])
+def test_the_command_lines_check_the_config_without_importing_torch(tmp_path, script, args, message):
+    """torch and transformers take seconds to import: a bad config is refused before they are."""
+    proc = subprocess.run([sys.executable, "-X", "importtime", script, *args, f"hydra.run.dir={tmp_path / 'hydra'}"],
+                          cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True,
+                          timeout=100)
+    imported = {line.rsplit("|", 1)[1].strip() for line in proc.stderr.splitlines() if line.startswith("import time:")}
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+    assert proc.returncode == 2 and len(errors) == 1 and message in errors[0], proc.stderr[-3000:]
+    assert "ragen.trainer.config" in imported
+    assert not imported & {"torch", "transformers"}, sorted(imported & {"torch", "transformers"})

@@ -19,26 +19,23 @@ from typing import Any, Callable, Mapping
 
 import torch
 
-from ragen.config_reader import to_plain
 from ragen.env import make_env_config
 from ragen.errors import RagenError
-from ragen.llm import STREAMING_ENGINES, check_engine_config, engine_returns_logprobs, engine_streams
 from ragen.llm.chat_tokens import ChatTokens
 from ragen.llm.default_model import resolve_model_path
 from ragen.llm.replicas import ReplicaSet
-from ragen.rollout.proxy import AgentSetup, LLMAgentProxy
+from ragen.rollout.proxy import LLMAgentProxy
 from ragen.rollout.backends.ahead import staleness
-from ragen.rollout.config import env_level_for
 from ragen.rollout.context import ContextManager
 from ragen.rollout.dump import dump_name, write_dump
 from ragen.rollout.types import RolloutResult
 from ragen.trainer import checkpoint as ckpt
 from ragen.trainer.actor import PPOActor, adapter_off_reference, frozen_copy_reference
-from ragen.trainer.config import TrainerConfig, check_top_level
 from ragen.trainer.core import Sample
 from ragen.trainer.memory import StepMemory
 from ragen.trainer.policy import apply_lora, load_trainable_state, merged_weights, trainable_state, transformers_copy
 from ragen.trainer.samples import make_samples, rename_rollout_metrics
+from ragen.trainer.startup import CheckedRun, check_run
 from ragen.trainer.tracking import CURVE_FILE, METRICS_FILE, Tracking, plot_learning_curve, summary_line, \
     truncate_metrics
 from ragen.viewer.curve import curve_notes
@@ -68,26 +65,17 @@ def step_failure(metrics: Mapping[str, float], failed_envs: list[dict[str, Any]]
 class AgentTrainer:
     """See the module docstring. Build with ``AgentTrainer(cfg)``; run with ``fit()``."""
 
-    def __init__(self, cfg: Mapping[str, Any], engine: Any = None,
+    def __init__(self, cfg: Mapping[str, Any] | CheckedRun, engine: Any = None,
                  console: Callable[[str], None] | None = None) -> None:
-        plain = to_plain(cfg)
-        # ---- start-up checks: no model is loaded before all of these pass
-        check_top_level(plain)
-        self.config = TrainerConfig.from_config(plain)
-        self.setup = AgentSetup.from_config(plain)
+        # ---- start-up checks (cfg may be check_run's record of them): no model is loaded before all pass
+        checked = cfg if isinstance(cfg, CheckedRun) else check_run(cfg, engine)
+        plain = checked.plain
+        self.config = checked.config
+        self.setup = checked.setup
         self.memory = StepMemory()
-        engine_cfg = dict(plain.get("engine") or {})
-        if engine is None:
-            check_engine_config(engine_cfg)
-        self.engine_name = getattr(engine, "name", None) or engine_cfg.get("name")
-        env_level_for(self.setup.agent_proxy.env_level_async,
-                      bool(getattr(engine, "streams", False)) if engine is not None else engine_streams(engine_cfg),
-                      str(self.engine_name), STREAMING_ENGINES)
-        returns_logprobs = (bool(getattr(engine, "returns_logprobs", False)) if engine is not None
-                            else engine_returns_logprobs(self.engine_name))
-        self.config.check_against(self.setup.es["train"].num_envs, str(self.engine_name), returns_logprobs)
-        self.correction = self.config.actor.correction(returns_logprobs)
-        self.model_path = resolve_model_path(plain.get("model_path", "default")) if engine is None else None
+        self.engine_name = checked.engine_name
+        self.correction = checked.correction
+        self.model_path = checked.model_path
         self.run_dir = Path(self.config.run.default_local_dir).expanduser().resolve()
         resume_step = self._check_run_dir()
 
@@ -97,7 +85,7 @@ class AgentTrainer:
         if engine is None:
             from ragen.llm import make_engine
 
-            engine = make_engine(engine_cfg, self.model_path)
+            engine = make_engine(checked.engine_cfg, self.model_path)
         self.engine = engine
         self.proxy = None
         try:
