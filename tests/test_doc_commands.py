@@ -50,9 +50,21 @@ LINKED = (
 )
 
 
+def run_steps(commands: list[DocCommand]) -> dict[int, int]:
+    """index of each train.py command -> its run's steps: two (an update, then a step on the updated
+    weights), or the highest step that the commands after it, up to the next run, name (step_000004.jsonl:
+    they read its run folder through ``latest``)."""
+    steps: dict[int, int] = {}
+    for i, command in enumerate(commands):
+        if command.is_train:
+            run, steps[i] = i, 2
+        elif steps:
+            steps[run] = max([steps[run], *(int(n) for n in re.findall(r"step_(\d+)", command.text))])
+    return steps
+
+
 def argv_for(command: DocCommand, small: dict[str, str]) -> list[str]:
-    if not command.is_train:
-        return list(command.argv)
+    """A train.py command's words, with the overrides of ``small`` that it does not set itself."""
     own = {word.split("=", 1)[0].lstrip("+~") for word in command.argv if "=" in word}
     kept = own.union(*(keys for keys in LINKED if own & set(keys)))
     return [*command.argv, *(f"{k}={v}" for k, v in small.items() if k not in kept)]
@@ -86,11 +98,10 @@ def test_the_documented_commands_run_in_order_on_a_fresh_clone(tiny_model_path, 
     clone.mkdir()
     shutil.copy(ROOT / "train.py", clone)
     shutil.copytree(ROOT / "config", clone / "config")
-    # enough steps for every step a command names (step_000004.jsonl)
-    steps = max([int(n) for c in commands for n in re.findall(r"step_(\d+)", c.text)] or [1])
-    small = small_run(tiny_model_path, steps)
+    steps = run_steps(commands)
     plan = {"cwd": str(clone), "results": str(tmp_path / "results.json"),
-            "steps": [{"argv": argv_for(c, small), "env": dict(c.env)} for c in commands]}
+            "steps": [{"argv": argv_for(c, small_run(tiny_model_path, steps[i])) if c.is_train else list(c.argv),
+                       "env": dict(c.env)} for i, c in enumerate(commands)]}
     (tmp_path / "plan.json").write_text(json.dumps(plan))
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     proc = subprocess.run([sys.executable, str(ROOT / "tests" / "doc_commands.py"), str(tmp_path / "plan.json")],
