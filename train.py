@@ -17,21 +17,17 @@ metrics, checkpoints and learning curve went (the curve only where it was drawn)
 from __future__ import annotations
 
 import sys
+from typing import TYPE_CHECKING
 
 import hydra
 from omegaconf import DictConfig
 
+if TYPE_CHECKING:
+    from ragen.trainer.startup import CheckedRun
 
-def run(cfg: DictConfig) -> dict:
-    """Build the trainer from ``cfg``, train, and return the last step's metrics."""
-    from ragen.trainer.startup import check_run
 
-    try:  # the config first, before torch is imported (seconds): a bad key is one line at once
-        checked = check_run(cfg)
-    except ValueError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        sys.exit(2)
-
+def run(checked: CheckedRun) -> dict:
+    """Build the trainer from the checked config, train, and return the last step's metrics."""
     from tqdm import tqdm
 
     from ragen.trainer import AgentTrainer
@@ -83,17 +79,21 @@ def main(cfg: DictConfig) -> None:
     from ragen.allocator import relaunch_with
     from ragen.config_files import register_resolvers
     from ragen.rollout.workers.executors import interrupt_on_sigterm
+    from ragen.trainer.startup import check_run
 
     register_resolvers()  # trainer.experiment_name's (Hydra registers it too, where ragen's plugin is installed)
 
-    try:  # the allocator first: the command runs again with it preloaded, before anything is built
-        relaunch_with(cfg.get("trainer", {}).get("allocator", "auto"))
+    try:
+        # the config first, before torch is imported (seconds): a bad key is one line at once
+        checked = check_run(cfg)
+        # then the allocator: the command runs again with it preloaded, before anything is built
+        relaunch_with(checked.config.run.allocator)
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         sys.exit(2)
 
     interrupt_on_sigterm()  # a terminated run shuts down as an interrupted one: workers stopped, none left
-    run(cfg)
+    run(checked)
 
 
 def exit_interrupted(exc: KeyboardInterrupt) -> None:
