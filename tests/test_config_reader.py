@@ -372,8 +372,10 @@ def test_train_py_refuses_a_bad_key_before_any_model_loads(tmp_path, override, m
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("script, args, message", [
-    # vllm's module imports no torch, so every start-up check runs, the last (model_path) failing
+    # every start-up check runs, the last (model_path) failing, on the default engine (hf) and on vllm
+    ("train.py", ["model_path=/nonexistent/model"], "model_path='/nonexistent/model' is not"),
     ("train.py", ["engine=vllm", "model_path=/nonexistent/model"], "model_path='/nonexistent/model' is not"),
+    ("train.py", ["engine.max_batch_size=0"], "engine.max_batch_size=0 must be an integer >= 1"),
     ("train.py", ["engine=scripted"], "engine.name='scripted' cannot be trained"),
     ("test_parallel_rollout.py", ["engine=scripted", "benchmark.repeats=0"], "benchmark.repeats must be >= 1"),
 ])

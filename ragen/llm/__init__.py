@@ -54,9 +54,19 @@ ENGINE_CLASSES: dict[str, str] = {
 }
 
 
-def _load_class(name: str) -> type:
-    module_name, _, class_name = ENGINE_CLASSES[name].partition(":")
+# name -> "module:Class" of what the config check reads (name, options, their checks), where the
+# engine's own module imports torch: the check runs before torch is imported
+_OPTIONS_CLASSES: dict[str, str] = {"hf": "ragen.llm.hf_options:HFOptions"}
+
+
+def _load_class(name: str, table: Mapping[str, str] = ENGINE_CLASSES) -> type:
+    module_name, _, class_name = table.get(name, ENGINE_CLASSES[name]).partition(":")
     return getattr(importlib.import_module(module_name), class_name)
+
+
+def _options_class(name: str) -> type[Engine]:
+    """The class that says engine ``name``'s options, streaming and log-probs, without torch."""
+    return _load_class(name, _OPTIONS_CLASSES)
 
 
 def check_engine_config(engine_cfg: Mapping[str, Any]) -> tuple[str, dict[str, Any]]:
@@ -68,7 +78,7 @@ def check_engine_config(engine_cfg: Mapping[str, Any]) -> tuple[str, dict[str, A
         raise ValueError(
             f"engine.name={name!r} is not a known engine; choose one of {sorted(ENGINE_CLASSES)}"
         )
-    engine_class = _load_class(name)
+    engine_class = _options_class(name)
     keys = (*engine_class.config_keys, *engine_class.replica_keys)
     if "replicas" in cfg and "replicas" not in keys:
         raise ValueError(
@@ -100,12 +110,12 @@ STREAMING_ENGINES = ("engine=vllm (engine.streaming: true, its default), engine=
 def engine_streams(engine_cfg: Mapping[str, Any]) -> bool:
     """Whether the engine ``engine_cfg`` describes streams completions (without building it)."""
     name, cfg = check_engine_config(engine_cfg)
-    return bool(_load_class(name).streams_with(cfg))
+    return bool(_options_class(name).streams_with(cfg))
 
 
 def engine_returns_logprobs(name: str) -> bool:
     """Whether the engine called ``name`` returns sampled tokens' log-probs (without building it)."""
-    return bool(_load_class(name).returns_logprobs)
+    return bool(_options_class(name).returns_logprobs)
 
 
 def make_engine(engine_cfg: Mapping[str, Any], model_path: str | None = None) -> Engine:

@@ -59,6 +59,7 @@ import torch
 from ragen.llm.chat_tokens import ChatTokens, stop_token_ids
 from ragen.llm.default_model import resolve_model_path
 from ragen.llm.hf_device import resolve_device, resolve_dtype
+from ragen.llm.hf_options import HFOptions
 from ragen.llm.hf_sampling import choose, request_uniforms
 from ragen.llm.stats import EngineStats
 from ragen.llm.transformers_compat import dtype_kwarg
@@ -93,12 +94,9 @@ def _vocab_size(model: Any) -> int | None:
         return size if isinstance(size, int) else None
 
 
-class HFEngine(Engine):
-    """transformers causal LM behind ``generate``; see the module docstring."""
-
-    name = "hf"
-    returns_logprobs = True
-    config_keys = ("device", "dtype", "max_batch_size", "prefix_cache", "turn_cache_mb")
+class HFEngine(HFOptions):
+    """transformers causal LM behind ``generate``; see the module docstring. Its name and
+    options, and their checks, are ``HFOptions``'s."""
 
     def __init__(
         self,
@@ -113,12 +111,8 @@ class HFEngine(Engine):
         turn_cache_mb: float = 2048,
     ) -> None:
         super().__init__()
-        if int(max_batch_size) < 1:
-            raise ValueError(f"engine.max_batch_size={max_batch_size} must be >= 1")
-        if not isinstance(prefix_cache, bool):
-            raise ValueError(f"engine.prefix_cache must be true or false, got {prefix_cache!r}")
-        if isinstance(turn_cache_mb, bool) or not isinstance(turn_cache_mb, (int, float)) or turn_cache_mb < 0:
-            raise ValueError(f"engine.turn_cache_mb must be a number >= 0 (0: off), got {turn_cache_mb!r}")
+        self.check_options({"max_batch_size": max_batch_size, "prefix_cache": prefix_cache,
+                            "turn_cache_mb": turn_cache_mb})
         self.max_batch_size = int(max_batch_size)
         self.prefix_cache = prefix_cache
         if model is None:
