@@ -75,11 +75,36 @@ def test_an_asynchronous_backend_draws_from_one_env_set(mode):
             proxy.backend.rollout(setup.es["val"], setup.val_loop)
 
 
-@pytest.mark.timeout(120)
-def test_fault_injection_needs_the_parallel_backend():
-    with LLMAgentProxy(setup_for(), ScriptedEngine()) as proxy:
-        with pytest.raises(ValueError, match="use_parallel_rollout"):
-            proxy.rollout("val", fault={"worker": 0, "exit_at_turn": 1})
+def _test_hooks_in(path) -> list[str]:
+    """Where the code of ``path`` names a ``fault``: a parameter, a field or an attribute."""
+    import ast
+
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.arg) and node.arg == "fault" \
+                or isinstance(node, ast.AnnAssign) and getattr(node.target, "id", None) == "fault" \
+                or isinstance(node, ast.Attribute) and node.attr == "fault" \
+                or isinstance(node, ast.keyword) and node.arg == "fault":
+            found.append(f"{path}:{node.lineno}")
+    return found
+
+
+def test_no_production_signature_carries_a_fault_to_inject():
+    """Faults are injected by envs (tests/fault_envs.py) or hooks the tests install, never by an
+    argument of the rollout, the scheduler or a worker task."""
+    import inspect
+    from pathlib import Path
+
+    import ragen
+    from ragen.rollout.backends.base import AsyncBackend, SyncBackend
+    from ragen.rollout.scheduler import Scheduler, run_envs
+    from ragen.rollout.workers.task import WorkerTask
+
+    for fn in (LLMAgentProxy.rollout, RolloutBackend.rollout, SyncBackend.rollout, AsyncBackend.rollout, run_envs):
+        assert "fault" not in inspect.signature(fn).parameters, fn.__qualname__
+    for record in (WorkerTask, Scheduler):
+        assert "fault" not in inspect.signature(record).parameters, record.__name__
+    assert [hit for path in sorted(Path(ragen.__file__).parent.rglob("*.py")) for hit in _test_hooks_in(path)] == []
 
 
 @pytest.mark.timeout(120)

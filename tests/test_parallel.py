@@ -19,6 +19,7 @@ from ragen.rollout.workers.schedule import CHUNK_WORK_S, chunk_sizes, min_chunk_
 from ragen.serving import SharedLLMInferenceManager
 from ragen.rollout.types import StopReason
 
+from tests.fault_envs import exiting_group
 from tests.rollout_helpers import custom_envs, fault_tag, loop_config, rollouts_at_once, sequential, specs_for
 
 
@@ -221,9 +222,10 @@ def test_fallback_off_raises(tmp_path):
         _fault_run(tmp_path, "exit_step", transient=False, fallback_to_sequential=False)
 
 
-def test_injected_worker_exit_recovers(engine, mixed_specs, reference):
+def test_injected_worker_exit_recovers(engine, mixed_specs, reference, tmp_path):
+    exiting = exiting_group(mixed_specs, 0, at_step=2, marker=str(tmp_path / "exited"))
     with SharedLLMInferenceManager(engine) as shared, ParallelRolloutManager(shared, n_jobs=2) as prm:
-        result = prm.rollout(mixed_specs, loop_config(), fault={"worker": 0, "exit_at_turn": 2})
+        result = prm.rollout(exiting, loop_config())
         assert result.metrics["parallel/retried_tasks"] >= 1
         assert result.trajectories == reference
         # the executor is rebuilt and the next rollout is parallel again
@@ -233,13 +235,15 @@ def test_injected_worker_exit_recovers(engine, mixed_specs, reference):
 
 
 @pytest.mark.timeout(120)
-def test_injected_worker_exit_recovers_on_multiprocessing_without_a_timeout(engine, mixed_specs, reference):
+def test_injected_worker_exit_recovers_on_multiprocessing_without_a_timeout(engine, mixed_specs, reference,
+                                                                               tmp_path):
     """The multiprocessing backend sees a worker that exits mid-rollout, as
     loky does: no rollout_timeout_s is needed for its groups to be re-run."""
+    exiting = exiting_group(mixed_specs, 0, at_step=2, marker=str(tmp_path / "exited"))
     with SharedLLMInferenceManager(engine) as shared, \
             ParallelRolloutManager(shared, n_jobs=2, backend="multiprocessing") as prm:
         assert prm.rollout_timeout_s is None
-        result = prm.rollout(mixed_specs, loop_config(), fault={"worker": 0, "exit_at_turn": 2})
+        result = prm.rollout(exiting, loop_config())
         assert result.metrics["parallel/retried_tasks"] >= 1
         assert result.trajectories == reference
         again = prm.rollout(mixed_specs, loop_config())  # on a rebuilt pool
@@ -550,19 +554,3 @@ def test_cheap_groups_are_handed_out_in_fewer_chunks_once_their_cost_is_measured
     assert second.trajectories == first.trajectories == sequential(specs, config, engine)
 
 
-def test_an_injected_fault_follows_its_chunk_not_a_task(mixed_specs):
-    """Which task takes which chunk is a race (a late worker may take none): the
-    fault names the group that opens chunk i, and every task carries it."""
-    from ragen.rollout.backends.parallel import _task_fault
-    from ragen.rollout.workers.schedule import GroupQueue, groups_of
-
-    groups = groups_of(mixed_specs)
-    queue = GroupQueue(len(groups), 2)
-    assert queue.sizes == [4, 2, 1]
-    assert _task_fault({"worker": 0, "exit_at_turn": 2}, queue, groups) == {
-        "exit_at_turn": 2, "group_id": groups[0][0].group_id}
-    assert _task_fault({"worker": 1, "exit_at_turn": 1}, queue, groups) == {
-        "exit_at_turn": 1, "group_id": groups[4][0].group_id}
-    assert _task_fault({"worker": 2, "exit_at_turn": 1}, queue, groups)["group_id"] == groups[6][0].group_id
-    assert _task_fault({"worker": 3, "exit_at_turn": 1}, queue, groups) is None  # no fourth chunk
-    assert _task_fault(None, queue, groups) is None

@@ -31,7 +31,7 @@ class RolloutBackend(ABC):
     """Plays env specs to trajectories; sequential, parallel, generate-ahead and
     fully-async are its implementations, built by ``make_backend``.
 
-    - ``rollout(specs, loop, progress=, policy_version=, fault=, enough=)``: a
+    - ``rollout(specs, loop, progress=, policy_version=, enough=)``: a
       list of specs is played as given; an env set gives its next batch (which
       an asynchronous backend may have played ahead, with older weights:
       ``policy_version`` is the trainer's, to bound that). ``enough``: a
@@ -49,8 +49,7 @@ class RolloutBackend(ABC):
 
     @abstractmethod
     def rollout(self, specs: Specs, loop: LoopConfig, *, progress: RolloutProgress | None = None,
-                policy_version: int = 0, fault: dict[str, Any] | None = None,
-                enough: int | None = None) -> RolloutResult:
+                policy_version: int = 0, enough: int | None = None) -> RolloutResult:
         ...
 
     @property
@@ -97,7 +96,7 @@ class SyncBackend(RolloutBackend):
 
     @abstractmethod
     def _play(self, specs: Sequence[EnvSpec], loop: LoopConfig, progress: RolloutProgress,
-              fault: dict[str, Any] | None, enough: int | None = None) -> RolloutResult:
+              enough: int | None = None) -> RolloutResult:
         ...
 
     def _close_owned(self) -> None:
@@ -107,8 +106,7 @@ class SyncBackend(RolloutBackend):
             serving.close()
 
     def rollout(self, specs: Specs, loop: LoopConfig, *, progress: RolloutProgress | None = None,
-                policy_version: int = 0, fault: dict[str, Any] | None = None,
-                enough: int | None = None) -> RolloutResult:
+                policy_version: int = 0, enough: int | None = None) -> RolloutResult:
         label = progress.split if progress is not None else "rollout"
         if isinstance(specs, EnvSpecMaker):
             label, specs = specs.split, specs.make_specs()
@@ -121,7 +119,7 @@ class SyncBackend(RolloutBackend):
                 with progress if progress is not None else RolloutProgress(len(specs), label) as shown:
                     # the answers of a long engine call grow before it returns
                     shown.watch_tokens(lambda: self.engine.stats().tokens_sampled - before.tokens_sampled)
-                    result = self._play(specs, loop, shown, fault, enough)
+                    result = self._play(specs, loop, shown, enough)
                 after = self.engine.stats()
                 counts = _engine_counts(before, after)
                 cache_mb = after.turn_cache_bytes / 2**20 if after.turn_cache_bytes is not None else None
@@ -170,10 +168,9 @@ class AsyncBackend(RolloutBackend):
         """The next training batch of ``envs``."""
 
     def rollout(self, specs: Specs, loop: LoopConfig, *, progress: RolloutProgress | None = None,
-                policy_version: int = 0, fault: dict[str, Any] | None = None,
-                enough: int | None = None) -> RolloutResult:
+                policy_version: int = 0, enough: int | None = None) -> RolloutResult:
         if not isinstance(specs, EnvSpecMaker):
-            return self.inner.rollout(specs, loop, progress=progress, fault=fault, enough=enough)
+            return self.inner.rollout(specs, loop, progress=progress, enough=enough)
         if enough is not None:
             raise ValueError(f"{type(self).__name__} generates whole batches: over-sampling (enough={enough}) "
                              "cuts the tail of a synchronous rollout")

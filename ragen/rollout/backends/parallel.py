@@ -176,11 +176,8 @@ class ParallelRolloutManager(SyncBackend):
 
     # ----- rollout ---------------------------------------------------------------
     def _play(self, specs: Sequence[EnvSpec], config: LoopConfig, progress: RolloutProgress | None,
-              fault: dict[str, Any] | None, enough: int | None = None) -> RolloutResult:
-        """``fault``: ``{"worker": i, "exit_at_turn": k}`` kills, at turn k, the
-        process of the worker that plays the rollout's i-th chunk (fault
-        injection; a chunk, not a task: which task takes which chunk is a race). ``progress``: told how far the
-        rollout has got (the caller closes it)."""
+              enough: int | None = None) -> RolloutResult:
+        """``progress``: told how far the rollout has got (the caller closes it)."""
         t_start = time.perf_counter()
         t_start_mono = time.monotonic()
         stats_before = self.shared.stats.snapshot()
@@ -191,7 +188,7 @@ class ParallelRolloutManager(SyncBackend):
             choice = self._auto.choice
             workers, depth = choice.workers, choice.depth or depth
         with self._lease() as lease:
-            played = self._run_parallel(lease, groups, config, fault, progress, workers, depth, enough)
+            played = self._run_parallel(lease, groups, config, progress, workers, depth, enough)
             results, failures, retried = self._retry_crashed(lease, groups, config, progress, workers, depth, *played)
             fallback_s = self._fall_back(lease, groups, results, failures, config, progress)
         t_merge = time.perf_counter()
@@ -222,7 +219,7 @@ class ParallelRolloutManager(SyncBackend):
         logger.warning("[Retry] a worker died (%s); re-running the %d groups not played (its own and "
                        "the other workers' unfinished ones) in parallel", next(iter(crashed.values())),
                        len(missing))
-        again, failed, crashed_again, _ = self._run_parallel(lease, missing, config, None, progress, workers, depth)
+        again, failed, crashed_again, _ = self._run_parallel(lease, missing, config, progress, workers, depth)
         failures.update({f"retry {k}": v for k, v in {**failed, **crashed_again}.items()})
         return results + again, failures, len(crashed)
 
@@ -284,8 +281,7 @@ class ParallelRolloutManager(SyncBackend):
             self._picklable.add(spec.reuse_key)
 
     def _run_parallel(self, lease: ExecutorLease, groups: list[list[EnvSpec]], config: LoopConfig,
-                      fault: dict[str, Any] | None, progress: RolloutProgress | None, workers: int, depth: int,
-                      enough: int | None = None):
+                      progress: RolloutProgress | None, workers: int, depth: int, enough: int | None = None):
         """The groups played by ``workers`` workers, each taking chunks of them from
         the rollout's queue as it frees up (with ``enough``, until that many groups ended
         whole: the workers tell the driver each one, and the manager answers the rest
@@ -316,8 +312,7 @@ class ParallelRolloutManager(SyncBackend):
             # Workers isolate env errors: a failing env is retried alone and, if it
             # keeps failing, ends its own trajectory; its worker goes on.
             calls = [WorkerTask(i, [], client, config, isolate_errors=True, groups=groups, max_live_envs=max_live,
-                                pipeline_depth=depth, fault=_task_fault(fault, queue, groups),
-                                report_groups=enough is not None)
+                                pipeline_depth=depth, report_groups=enough is not None)
                      for i in range(n_tasks)]
             try:
                 for res in self._results(lease, calls):
@@ -353,7 +348,7 @@ class ParallelRolloutManager(SyncBackend):
                                            with_env_limit(config, self.fallback_env_timeout_s), isolate_errors=True))
         else:
             result = run_isolated(lease.spare, task, specs, self._client, config, self.fallback_env_timeout_s)
-        if result.error:  # not an env's fault (the engine, the manager): nothing to isolate
+        if result.error:  # not an env's failure (the engine, the manager): nothing to isolate
             raise RolloutError(f"worker task {task} failed again in the fallback: {result.error}")
         return result
 
@@ -401,17 +396,6 @@ class ParallelRolloutManager(SyncBackend):
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
-
-
-def _task_fault(fault: dict[str, Any] | None, queue: GroupQueue,
-                groups: list[list[EnvSpec]]) -> dict[str, int] | None:
-    """``fault`` (``{"worker": i, "exit_at_turn": k}``) as every task's: the process
-    that plays the first group of the queue's chunk i exits at turn k."""
-    chunk = (fault or {}).get("worker", 0)
-    if not fault or not 0 <= chunk < len(queue.sizes):
-        return None
-    first = groups[sum(queue.sizes[:chunk])][0]
-    return {"exit_at_turn": fault["exit_at_turn"], "group_id": first.group_id}
 
 
 def _mean(values: Sequence[float]) -> float:

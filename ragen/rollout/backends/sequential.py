@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from typing import Any, Sequence
+from typing import Sequence
 
 from ragen.llm.types import Engine
 from ragen.rollout.backends.base import SyncBackend
@@ -34,9 +34,7 @@ class SequentialRollout(SyncBackend):
         return self._lock
 
     def _play(self, specs: Sequence[EnvSpec], loop: LoopConfig, progress: RolloutProgress,
-              fault: dict[str, Any] | None, enough: int | None = None) -> RolloutResult:
-        if fault is not None:
-            raise ValueError("fault injection kills a worker process: it needs use_parallel_rollout: true")
+              enough: int | None = None) -> RolloutResult:
         t0 = time.perf_counter()
         client: _LockedClient | _StreamingClient = (_StreamingClient if self.engine.streams else _LockedClient)(
             self.engine, self._lock, progress)
