@@ -10,8 +10,9 @@ import pytest
 
 from ragen.llm.scripted import ScriptedEngine
 from ragen.llm_agent import AgentSetup, LLMAgentProxy
-from ragen.rollout.backends import (FullyAsync, GenerateAhead, ParallelRolloutManager, RolloutBackend,
-                                    SequentialRollout, make_backend)
+from ragen.rollout.backends import (FullyAsync, FullyAsyncSettings, GenerateAhead, ParallelRolloutManager,
+                                    ParallelSettings, RolloutBackend, SequentialRollout, SyncBackend, make_backend)
+from ragen.rollout.config import RolloutPlan
 
 from tests.rollout_helpers import agent_setup
 
@@ -47,6 +48,59 @@ def test_the_factory_builds_the_backend_the_config_names(mode):
     if needs_serving:  # the shared manager built for it stops listening with it
         with pytest.raises(ConnectionRefusedError):
             socket.create_connection(backend.serving.address, timeout=5).close()
+
+
+@pytest.mark.parametrize("keys,plan", [
+    ({}, RolloutPlan()),
+    ({"use_parallel_rollout": True}, RolloutPlan(workers=True)),
+    ({"async_generation_ratio": 2}, RolloutPlan(ahead="batches", bound=2)),
+    ({"use_parallel_rollout": True, "async_generation_ratio": 1}, RolloutPlan(True, "batches", 1)),
+    ({"rollout_mode": "fully_async"}, RolloutPlan(ahead="groups", bound=1)),
+    ({"rollout_mode": "fully_async", "async_generation_ratio": 3, "use_parallel_rollout": True},
+     RolloutPlan(True, "groups", 3)),
+])
+def test_ragens_three_knobs_map_once_into_one_plan(keys, plan):
+    """Where episodes run, and how far generation runs ahead (and so whether a shared manager serves)."""
+    from ragen.config_reader import read
+    from ragen.rollout.config import AgentProxyConfig
+
+    assert read(AgentProxyConfig, keys, "agent_proxy").plan == plan
+    assert plan.serves == (plan.workers or plan.ahead == "groups")
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("mode", ["parallel", "fully_async"])
+def test_a_backend_gets_its_frozen_settings_and_its_serving_at_construction(mode, monkeypatch):
+    """Each backend is built with one frozen settings record cut from the config, and the shared
+    manager it talks to; nothing is set on it afterwards."""
+    import dataclasses
+
+    keys, _, _ = MODES[mode]
+    ap = setup_for(**keys, rollout_timeout_s=30.0, max_concurrent_rollouts=2).agent_proxy
+    built: list = []
+    real_init = SyncBackend.__init__
+
+    def recording_init(self, *args, **kw):
+        real_init(self, *args, **kw)
+        built.append((self, self.serving))  # what the backend has when its construction ends
+
+    monkeypatch.setattr(SyncBackend, "__init__", recording_init)
+    backend = make_backend(ap, ScriptedEngine())
+    monkeypatch.undo()
+    try:
+        (sync, serving_at_construction), = built
+        assert serving_at_construction is not None and serving_at_construction is backend.serving
+        if mode == "parallel":
+            assert sync is backend and backend.settings == ParallelSettings.of(ap)
+            assert (backend.settings.rollout_timeout_s, backend.settings.max_concurrent_rollouts) == (30.0, 2)
+            with pytest.raises(dataclasses.FrozenInstanceError):
+                backend.settings.n_jobs = 3
+        else:
+            assert sync is backend.inner and isinstance(sync, SequentialRollout)
+            assert sync.engine_lock is backend.serving.engine_lock
+            assert backend._flight == FullyAsyncSettings.of(ap) and backend.bound.bound == ap.plan.bound
+    finally:
+        backend.close()
 
 
 @pytest.mark.timeout(300)

@@ -16,7 +16,7 @@ import pytest
 from ragen.llm.scripted import ScriptedEngine
 from ragen.llm_agent import AgentSetup, LLMAgentProxy
 from ragen.serving import SharedLLMInferenceManager, messages, wire
-from ragen.rollout.backends.parallel import ParallelRolloutManager
+from ragen.rollout.backends.parallel import ParallelRolloutManager, ParallelSettings
 from ragen.rollout.progress import RolloutProgress
 from ragen.rollout.workers.dispatch import FINISHED, announced, report_finished
 from ragen.rollout.batching import Lockstep, stream_count
@@ -69,7 +69,7 @@ def test_a_sequential_rollout_ends_with_every_env_and_turn_counted():
 def test_a_parallel_rollout_ends_with_every_env_and_turn_counted(mixed_specs):
     total = len(mixed_specs)
     with SharedLLMInferenceManager(ScriptedEngine(malformed_rate=0.1), coalesce_wait_s=0.005) as shared, \
-            ParallelRolloutManager(shared, n_jobs=2, backend="loky") as prm:
+            ParallelRolloutManager(shared, ParallelSettings(n_jobs=2, backend="loky")) as prm:
         plain = prm.rollout(mixed_specs, loop_config())
         progress = RecordingProgress(total)
         result = prm.rollout(mixed_specs, loop_config(), progress=progress)
@@ -86,7 +86,7 @@ def test_a_shard_rerun_after_a_dead_worker_still_ends_at_the_total(mixed_specs, 
     total = len(mixed_specs)
     exiting = exiting_group(mixed_specs, 0, at_step=2, marker=str(tmp_path / "exited"))
     with SharedLLMInferenceManager(ScriptedEngine(malformed_rate=0.1)) as shared, \
-            ParallelRolloutManager(shared, n_jobs=2) as prm:
+            ParallelRolloutManager(shared, ParallelSettings(n_jobs=2)) as prm:
         progress = RecordingProgress(total)
         result = prm.rollout(exiting, loop_config(), progress=progress)
     assert result.metrics["parallel/retried_tasks"] >= 1
@@ -207,7 +207,7 @@ def test_rollouts_at_once_keep_their_counts_apart(mixed_specs):
     progresses = [RecordingProgress(total), RecordingProgress(total)]
     results: list = [None, None]
     with SharedLLMInferenceManager(ScriptedEngine(malformed_rate=0.1), coalesce_wait_s=0.005) as shared, \
-            ParallelRolloutManager(shared, n_jobs=2, backend="threading") as prm:
+            ParallelRolloutManager(shared, ParallelSettings(n_jobs=2, backend="threading")) as prm:
         start = threading.Barrier(2)
 
         def run(i: int) -> None:

@@ -78,7 +78,7 @@ class AgentSetup:
                               env_level_async=ap.env_level_async,
                               engine_timeout_s=ap.engine_timeout_s)
 
-        if ap.use_parallel_rollout:
+        if ap.plan.workers:
             check_installed(ap.parallel_backend)  # dask's and ray's packages are extras
         custom_envs = cfg.get("custom_envs")
         if not isinstance(custom_envs, Mapping) or not custom_envs:

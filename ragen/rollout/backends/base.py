@@ -81,14 +81,18 @@ class SyncBackend(RolloutBackend):
     Around each rollout: at most ``max_concurrent_rollouts`` at once, a
     progress display (a bar on a terminal, log lines elsewhere), the engine's
     prompt-token counts, its per-episode caches freed once no rollout runs,
-    and one summary line. Subclasses play the specs in ``_play``.
+    and one summary line. Subclasses play the specs in ``_play``. ``serving``:
+    the shared manager its episodes ask, if any; with ``owns_serving``
+    (``make_backend`` built it for this backend), ``close()`` stops it last.
     """
 
     engine: Engine
     keeps_episodes = False  # episodes run outside ``rollout`` (fully-async groups): the engine keeps their caches
-    owned_serving: Any = None  # a shared manager built for this backend (make_backend): closed with it
 
-    def __init__(self, max_concurrent_rollouts: int | None = None) -> None:
+    def __init__(self, max_concurrent_rollouts: int | None = None, serving: Any = None,
+                 owns_serving: bool = False) -> None:
+        self.serving = serving
+        self._owned_serving = serving if owns_serving else None
         self._semaphore = (threading.BoundedSemaphore(max_concurrent_rollouts) if max_concurrent_rollouts
                            else contextlib.nullcontext())
         self._running = 0
@@ -101,7 +105,7 @@ class SyncBackend(RolloutBackend):
 
     def _close_owned(self) -> None:
         """The end of ``close()``: the shared manager built for this backend stops after its workers."""
-        serving, self.owned_serving = self.owned_serving, None
+        serving, self._owned_serving = self._owned_serving, None
         if serving is not None:
             serving.close()
 
