@@ -224,7 +224,7 @@ def run_modes(cfg: DictConfig, variants: list[Variant], bench: BenchmarkConfig) 
             from ragen.rollout.types import rollout_digest
 
             clear_caches()
-            faulty = proxies["parallel"].rollout(split, rollout_index=0, fault={"worker": 0, "exit_at_turn": 1})
+            faulty = kill_a_worker(proxies["parallel"], setups["parallel"], split)
             first = runs["parallel"][0][1]
             fault_info = {
                 "recovered": len(faulty.trajectories) == len(first.trajectories),
@@ -240,6 +240,20 @@ def run_modes(cfg: DictConfig, variants: list[Variant], bench: BenchmarkConfig) 
     if fault_info is not None:
         next(o for o in out if o["mode"] in ("parallel", variants[-1].label))["_fault"] = fault_info
     return out
+
+
+def kill_a_worker(proxy, setup, split: str):
+    """One more rollout of ``split``'s first seeds, in which the worker that plays
+    the first group exits at that group's first env step (``tests.fault_envs``'
+    ``ExitingEnv``): the rollout must recover it."""
+    import tempfile
+
+    from tests.fault_envs import exiting_group
+
+    loop = setup.loop if split == "train" else setup.val_loop
+    with tempfile.TemporaryDirectory(prefix="ragen-inject-fault-") as tmp:
+        specs = exiting_group(setup.es[split].make_specs(0), 0, at_step=1, marker=os.path.join(tmp, "exited"))
+        return proxy.backend.rollout(specs, loop)
 
 
 def kill_a_replica(variant: Variant, proxy, runs: list, split: str) -> dict[str, Any]:

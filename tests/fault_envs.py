@@ -7,6 +7,11 @@ Up/Down). ``fault`` picks how it fails when its seed is ``fault_seed``:
 ``huge_step`` (an observation of ``huge_bytes`` characters). With a
 ``marker`` path the fault is transient: the first env to fail creates the file
 and later calls (the fallback's re-run) behave normally.
+
+``ExitingEnv`` wraps any env and ends its process (``os._exit``) on its
+``at_step``-th step after a reset, once (a ``marker`` file says it did): a
+worker that dies mid-rollout. ``exiting_group(specs, group, at_step, marker)``
+gives a rollout's specs with one group's envs wrapped so.
 """
 
 from __future__ import annotations
@@ -14,12 +19,13 @@ from __future__ import annotations
 import os
 import signal
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
 
-from ragen.env.base import BaseDiscreteActionEnv, BaseEnvConfig
+from ragen.env import make_env
+from ragen.env.base import BaseDiscreteActionEnv, BaseEnvConfig, reset_takes_mode
 
 FAULTS = ("none", "raise_reset", "raise_step", "hang_step", "exit_step", "kill_step", "huge_step")
 
@@ -92,6 +98,65 @@ class FaultEnv(BaseDiscreteActionEnv):
 
     def render(self, mode="text"):
         return f"value={self.value}"
+
+
+# ----- a worker that dies mid-rollout --------------------------------------------------
+
+@dataclass
+class ExitingEnvConfig:
+    """The wrapped env (its tag's ``env_type``, ``config_type`` and ``env_config``), and
+    when its process exits: on the ``at_step``-th step after a reset, unless ``marker`` exists."""
+
+    env_type: str
+    marker: str
+    env_config: dict | None = None
+    config_type: str | None = None
+    at_step: int = 1
+
+
+class ExitingEnv:
+    """Another env, stepped as it is, whose process exits once at a step (``ExitingEnvConfig``)."""
+
+    def __init__(self, config: ExitingEnvConfig) -> None:
+        self.exiting = config
+        self.inner = make_env(config.env_type, config.env_config, config.config_type)
+        self.steps = 0
+
+    def __getattr__(self, name: str) -> Any:  # ACTION_LOOKUP, config, tools, close: the wrapped env's
+        if name == "inner":
+            raise AttributeError(name)
+        return getattr(self.inner, name)
+
+    def reset(self, seed=None, mode=None, **kwargs):
+        self.steps = 0
+        if reset_takes_mode(type(self.inner)):
+            kwargs["mode"] = mode
+        return self.inner.reset(seed=seed, **kwargs)
+
+    def step(self, action):
+        self.steps += 1
+        if self.steps >= self.exiting.at_step and _first_to_create(self.exiting.marker):
+            os._exit(3)
+        return self.inner.step(action)
+
+
+def _first_to_create(path: str) -> bool:
+    """Creates ``path``; False when it already exists (atomic: one caller of all gets True)."""
+    try:
+        os.close(os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+    except FileExistsError:
+        return False
+    return True
+
+
+def exiting_group(specs: list, group: int, at_step: int, marker: str) -> list:
+    """``specs`` with the envs of their ``group``-th group (in group order) wrapped in
+    ``ExitingEnv``: the process that plays the group exits at its ``at_step``-th step, once."""
+    group_id = sorted({s.group_id for s in specs})[group]
+    return [replace(s, env_type="tests.fault_envs:ExitingEnv", config_type="tests.fault_envs:ExitingEnvConfig",
+                    env_config={"env_type": s.env_type, "config_type": s.config_type, "env_config": s.env_config,
+                                "at_step": at_step, "marker": marker})
+            if s.group_id == group_id else s for s in specs]
 
 
 # ----- broken envs for the env checker (tests/test_env_check.py) -------------------

@@ -22,7 +22,7 @@ import sys
 
 from ragen.llm.scripted import ScriptedEngine
 from ragen.serving import DirectClient, SharedLLMInferenceManager
-from ragen.rollout.backends.parallel import ParallelRolloutManager
+from ragen.rollout.backends.parallel import ParallelRolloutManager, ParallelSettings
 from ragen.rollout.scheduler import KeptEnvs, run_envs
 
 from tests.rollout_helpers import custom_envs, fault_tag, loop_config, specs_for
@@ -61,7 +61,7 @@ def timeout(backend: str, per_rollout: bool) -> None:
     else:
         limits = {"rollout_timeout_s": 2.0, "fallback_env_timeout_s": 0.5} if per_rollout else {}
         with SharedLLMInferenceManager(ScriptedEngine()) as shared, \
-                ParallelRolloutManager(shared, n_jobs=2, backend=backend, **limits) as prm:
+                ParallelRolloutManager(shared, ParallelSettings(n_jobs=2, backend=backend, **limits)) as prm:
             trajectories = prm.rollout(hanging, config).trajectories
     print(json.dumps({str(t.env_id): str(t.stop_reason) for t in trajectories}), flush=True)
 
@@ -74,7 +74,7 @@ def serve(backend: str, sigterm: bool, leave: bool) -> None:
     # slow steps, and one group that hangs in its first step: a worker busy for minutes
     slow = specs(n_groups=4, step_cost_s=0.2, fault="hang_step", hang_s=600.0)
     with SharedLLMInferenceManager(ScriptedEngine()) as shared, \
-            ParallelRolloutManager(shared, n_jobs=2, backend=backend) as prm:
+            ParallelRolloutManager(shared, ParallelSettings(n_jobs=2, backend=backend)) as prm:
         if leave:
             import threading
 
@@ -86,7 +86,7 @@ def serve(backend: str, sigterm: bool, leave: bool) -> None:
 
 def workers(backend: str, n_jobs: int, group_counts: list[int]) -> None:
     with SharedLLMInferenceManager(ScriptedEngine()) as shared, \
-            ParallelRolloutManager(shared, n_jobs=n_jobs, backend=backend) as prm:
+            ParallelRolloutManager(shared, ParallelSettings(n_jobs=n_jobs, backend=backend)) as prm:
         rollouts = []
         for n_groups in group_counts:
             result = prm.rollout(specs(n_groups=n_groups), loop_config())

@@ -155,10 +155,10 @@ def test_real_default_model_produces_parsed_actions():
 
 def test_a_time_limit_of_zero_is_refused_by_the_library_too():
     """0 is not "no limit" (None is) for code that builds the loop or the manager itself."""
-    from ragen.rollout.backends.parallel import ParallelRolloutManager
+    from ragen.rollout.backends.parallel import ParallelRolloutManager, ParallelSettings
 
     with pytest.raises(ValueError, match="env_timeout_s must be > 0 seconds, got 0"):
         LoopConfig(env_timeout_s=0)
     for key in ("rollout_timeout_s", "engine_timeout_s", "fallback_env_timeout_s"):
         with pytest.raises(ValueError, match=f"agent_proxy.{key} must be > 0 seconds, got 0"):
-            ParallelRolloutManager(None, **{key: 0})
+            ParallelRolloutManager(None, ParallelSettings(**{key: 0}))

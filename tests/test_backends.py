@@ -10,8 +10,9 @@ import pytest
 
 from ragen.llm.scripted import ScriptedEngine
 from ragen.llm_agent import AgentSetup, LLMAgentProxy
-from ragen.rollout.backends import (FullyAsync, GenerateAhead, ParallelRolloutManager, RolloutBackend,
-                                    SequentialRollout, make_backend)
+from ragen.rollout.backends import (FullyAsync, FullyAsyncSettings, GenerateAhead, ParallelRolloutManager,
+                                    ParallelSettings, RolloutBackend, SequentialRollout, SyncBackend, make_backend)
+from ragen.rollout.config import RolloutPlan
 
 from tests.rollout_helpers import agent_setup
 
@@ -49,6 +50,59 @@ def test_the_factory_builds_the_backend_the_config_names(mode):
             socket.create_connection(backend.serving.address, timeout=5).close()
 
 
+@pytest.mark.parametrize("keys,plan", [
+    ({}, RolloutPlan()),
+    ({"use_parallel_rollout": True}, RolloutPlan(workers=True)),
+    ({"async_generation_ratio": 2}, RolloutPlan(ahead="batches", bound=2)),
+    ({"use_parallel_rollout": True, "async_generation_ratio": 1}, RolloutPlan(True, "batches", 1)),
+    ({"rollout_mode": "fully_async"}, RolloutPlan(ahead="groups", bound=1)),
+    ({"rollout_mode": "fully_async", "async_generation_ratio": 3, "use_parallel_rollout": True},
+     RolloutPlan(True, "groups", 3)),
+])
+def test_ragens_three_knobs_map_once_into_one_plan(keys, plan):
+    """Where episodes run, and how far generation runs ahead (and so whether a shared manager serves)."""
+    from ragen.config_reader import read
+    from ragen.rollout.config import AgentProxyConfig
+
+    assert read(AgentProxyConfig, keys, "agent_proxy").plan == plan
+    assert plan.serves == (plan.workers or plan.ahead == "groups")
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("mode", ["parallel", "fully_async"])
+def test_a_backend_gets_its_frozen_settings_and_its_serving_at_construction(mode, monkeypatch):
+    """Each backend is built with one frozen settings record cut from the config, and the shared
+    manager it talks to; nothing is set on it afterwards."""
+    import dataclasses
+
+    keys, _, _ = MODES[mode]
+    ap = setup_for(**keys, rollout_timeout_s=30.0, max_concurrent_rollouts=2).agent_proxy
+    built: list = []
+    real_init = SyncBackend.__init__
+
+    def recording_init(self, *args, **kw):
+        real_init(self, *args, **kw)
+        built.append((self, self.serving))  # what the backend has when its construction ends
+
+    monkeypatch.setattr(SyncBackend, "__init__", recording_init)
+    backend = make_backend(ap, ScriptedEngine())
+    monkeypatch.undo()
+    try:
+        (sync, serving_at_construction), = built
+        assert serving_at_construction is not None and serving_at_construction is backend.serving
+        if mode == "parallel":
+            assert sync is backend and backend.settings == ParallelSettings.of(ap)
+            assert (backend.settings.rollout_timeout_s, backend.settings.max_concurrent_rollouts) == (30.0, 2)
+            with pytest.raises(dataclasses.FrozenInstanceError):
+                backend.settings.n_jobs = 3
+        else:
+            assert sync is backend.inner and isinstance(sync, SequentialRollout)
+            assert sync.engine_lock is backend.serving.engine_lock
+            assert backend._flight == FullyAsyncSettings.of(ap) and backend.bound.bound == ap.plan.bound
+    finally:
+        backend.close()
+
+
 @pytest.mark.timeout(300)
 def test_every_backend_plays_a_list_of_specs_to_the_same_trajectories():
     """Validation passes a list of specs: every backend plays exactly those,
@@ -75,11 +129,36 @@ def test_an_asynchronous_backend_draws_from_one_env_set(mode):
             proxy.backend.rollout(setup.es["val"], setup.val_loop)
 
 
-@pytest.mark.timeout(120)
-def test_fault_injection_needs_the_parallel_backend():
-    with LLMAgentProxy(setup_for(), ScriptedEngine()) as proxy:
-        with pytest.raises(ValueError, match="use_parallel_rollout"):
-            proxy.rollout("val", fault={"worker": 0, "exit_at_turn": 1})
+def _test_hooks_in(path) -> list[str]:
+    """Where the code of ``path`` names a ``fault``: a parameter, a field or an attribute."""
+    import ast
+
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.arg) and node.arg == "fault" \
+                or isinstance(node, ast.AnnAssign) and getattr(node.target, "id", None) == "fault" \
+                or isinstance(node, ast.Attribute) and node.attr == "fault" \
+                or isinstance(node, ast.keyword) and node.arg == "fault":
+            found.append(f"{path}:{node.lineno}")
+    return found
+
+
+def test_no_production_signature_carries_a_fault_to_inject():
+    """Faults are injected by envs (tests/fault_envs.py) or hooks the tests install, never by an
+    argument of the rollout, the scheduler or a worker task."""
+    import inspect
+    from pathlib import Path
+
+    import ragen
+    from ragen.rollout.backends.base import AsyncBackend, SyncBackend
+    from ragen.rollout.scheduler import Scheduler, run_envs
+    from ragen.rollout.workers.task import WorkerTask
+
+    for fn in (LLMAgentProxy.rollout, RolloutBackend.rollout, SyncBackend.rollout, AsyncBackend.rollout, run_envs):
+        assert "fault" not in inspect.signature(fn).parameters, fn.__qualname__
+    for record in (WorkerTask, Scheduler):
+        assert "fault" not in inspect.signature(record).parameters, record.__name__
+    assert [hit for path in sorted(Path(ragen.__file__).parent.rglob("*.py")) for hit in _test_hooks_in(path)] == []
 
 
 @pytest.mark.timeout(120)

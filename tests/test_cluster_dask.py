@@ -20,9 +20,9 @@ from distributed import LocalCluster  # noqa: E402
 from ragen.llm.scripted import ScriptedEngine  # noqa: E402
 from ragen.rollout.proxy import AgentSetup, LLMAgentProxy  # noqa: E402
 from ragen.rollout.workers.cluster import ClusterConfig, open_cluster  # noqa: E402
-from ragen.rollout.backends.parallel import ParallelRolloutManager  # noqa: E402
+from ragen.rollout.backends.parallel import ParallelRolloutManager, ParallelSettings  # noqa: E402
 from ragen.serving import SharedLLMInferenceManager  # noqa: E402
-from tests.fault_envs import FaultEnv, FaultEnvConfig  # noqa: E402
+from tests.fault_envs import FaultEnv, FaultEnvConfig, exiting_group  # noqa: E402
 from tests.rollout_helpers import (  # noqa: E402
     custom_envs, fault_tag, loop_config, rollouts_at_once, sequential, specs_for, streaming_engine)
 
@@ -98,7 +98,7 @@ def _gone(pid: int, within_s: float = 15.0) -> bool:
 
 def test_local_cluster_for_the_run_gives_the_sequential_trajectories(mixed_specs, reference, engine):
     with SharedLLMInferenceManager(engine, coalesce_wait_s=0.005) as shared:
-        prm = ParallelRolloutManager(shared, n_jobs=2, backend="dask")
+        prm = ParallelRolloutManager(shared, ParallelSettings(n_jobs=2, backend="dask"))
         try:
             assert prm.n_workers == 2
             worker_pids = list(prm._cluster.client.run(os.getpid).values())
@@ -118,7 +118,7 @@ def test_local_cluster_for_the_run_gives_the_sequential_trajectories(mixed_specs
 
 def test_scheduler_address_gives_the_sequential_trajectories(scheduler_address, mixed_specs, reference, engine):
     with SharedLLMInferenceManager(engine) as shared, \
-            ParallelRolloutManager(shared, backend="dask",
+            ParallelRolloutManager(shared, ParallelSettings(backend="dask"),
                                    cluster=ClusterConfig(dask_scheduler_address=scheduler_address)) as prm:
         assert prm.n_workers == 2  # the cluster's threads, whatever n_jobs says
         for depth in (1, 2):
@@ -132,7 +132,7 @@ def test_env_level_turns_on_the_cluster_give_the_sequential_trajectories(schedul
     engine = streaming_engine()
     try:
         with SharedLLMInferenceManager(engine) as shared, \
-                ParallelRolloutManager(shared, backend="dask",
+                ParallelRolloutManager(shared, ParallelSettings(backend="dask"),
                                        cluster=ClusterConfig(dask_scheduler_address=scheduler_address)) as prm:
             result = prm.rollout(mixed_specs, loop_config())
     finally:
@@ -148,7 +148,7 @@ def test_two_rollouts_at_once_on_one_cluster(scheduler_address, mixed_specs, ref
     joblib.Parallel used by both at once refused the second call: "already
     running", taken for a dead worker)."""
     with SharedLLMInferenceManager(engine) as shared, \
-            ParallelRolloutManager(shared, backend="dask",
+            ParallelRolloutManager(shared, ParallelSettings(backend="dask"),
                                    cluster=ClusterConfig(dask_scheduler_address=scheduler_address)) as prm:
         for _ in range(3):
             for result in rollouts_at_once(prm, 2, mixed_specs, loop_config(), within_s=60):
@@ -163,7 +163,7 @@ def test_workers_keep_their_envs_between_rollouts(scheduler_address, tmp_path, e
     ref = sequential(specs, loop_config(), engine)
     log.unlink()  # the driver's envs of the reference
     with SharedLLMInferenceManager(engine) as shared, \
-            ParallelRolloutManager(shared, backend="dask",
+            ParallelRolloutManager(shared, ParallelSettings(backend="dask"),
                                    cluster=ClusterConfig(dask_scheduler_address=scheduler_address)) as prm:
         worker_pids = set(prm._cluster.client.run(os.getpid).values())
         for _ in range(4):
@@ -198,7 +198,7 @@ def test_worker_killed_by_an_env_the_rollout_is_the_fault_free_one(scheduler_add
     ref = sequential(clean, loop_config(), engine)
     t0 = time.monotonic()
     with SharedLLMInferenceManager(engine) as shared, \
-            ParallelRolloutManager(shared, backend="dask",
+            ParallelRolloutManager(shared, ParallelSettings(backend="dask"),
                                    cluster=ClusterConfig(dask_scheduler_address=scheduler_address)) as prm:
         result = prm.rollout(faulty, loop_config())
     assert int((tmp_path / "marker").read_text()) != os.getpid()  # a worker died, not the driver
@@ -221,21 +221,22 @@ def give_up_at_once_address():
 
 @pytest.mark.timeout(120)
 def test_worker_lost_on_every_try_dask_gives_up_and_nothing_hangs(give_up_at_once_address, mixed_specs, reference,
-                                                                  engine, caplog):
-    # worker task 0 kills the worker it runs on at turn 2 on every try it is
-    # allowed; Dask gives up (KilledWorker), which must reach joblib's Parallel
-    # as an error (not a callback never called: a hang). The rollout manager
-    # then runs the groups not played again: nothing is lost or hangs, and the
-    # next rollout is parallel again. One group per worker at a time
-    # (max_env_num_per_worker) leaves a chunk for task 0 to take, so it dies.
+                                                                  engine, caplog, tmp_path):
+    # the envs of group 0 kill the worker that plays them at their second step,
+    # on the one try Dask allows; Dask gives up (KilledWorker), which must reach
+    # joblib's Parallel as an error (not a callback never called: a hang). The
+    # rollout manager then runs the groups not played again: nothing is lost or
+    # hangs, and the next rollout is parallel again (one group per worker at a
+    # time: max_env_num_per_worker).
     caplog.set_level(logging.WARNING, logger="ragen.rollout.backends.parallel")
     t0 = time.monotonic()
     with SharedLLMInferenceManager(engine) as shared, \
-            ParallelRolloutManager(shared, backend="dask", max_env_num_per_worker=2,
+            ParallelRolloutManager(shared, ParallelSettings(backend="dask", max_env_num_per_worker=2),
                                    cluster=ClusterConfig(dask_scheduler_address=give_up_at_once_address)) as prm:
         worker_pids = set(prm._cluster.client.run(os.getpid).values())
         assert len(worker_pids) == 2
-        result = prm.rollout(mixed_specs, loop_config(), fault={"worker": 0, "exit_at_turn": 2})
+        result = prm.rollout(exiting_group(mixed_specs, 0, at_step=2, marker=str(tmp_path / "exited")),
+                             loop_config())
         assert result.trajectories == reference
         # a worker died: one of the two processes is gone (reaped by its nanny), the other lives
         deadline = time.monotonic() + 15
@@ -259,7 +260,7 @@ def test_worker_lost_on_every_try_dask_gives_up_and_nothing_hangs(give_up_at_onc
 # ----- the manager's endpoint ------------------------------------------------------
 
 def test_wildcard_host_is_advertised_and_the_key_stays_out_of_logs(scheduler_address, mixed_specs, reference,
-                                                                    engine, caplog):
+                                                                    engine, caplog, tmp_path):
     caplog.set_level(logging.DEBUG)
     with SharedLLMInferenceManager(engine, host="0.0.0.0") as shared:
         key = shared._key
@@ -271,11 +272,12 @@ def test_wildcard_host_is_advertised_and_the_key_stays_out_of_logs(scheduler_add
                                                           advertise_host="localhost"))
             assert explicit.worker_client(shared.client()).address == ("localhost", shared.address[1])
             explicit.close()
-            with ParallelRolloutManager(shared, backend="dask",
+            with ParallelRolloutManager(shared, ParallelSettings(backend="dask"),
                                         cluster=ClusterConfig(dask_scheduler_address=scheduler_address)) as prm:
                 assert prm.rollout(mixed_specs, loop_config()).trajectories == reference
-                assert prm.rollout(mixed_specs, loop_config(), fault={"worker": 1, "exit_at_turn": 1}
-                                   ).trajectories == reference
+                # the group that opens the queue's second chunk (GroupQueue(7, 2).sizes: [4, 2, 1])
+                exiting = exiting_group(mixed_specs, 4, at_step=1, marker=str(tmp_path / "exited"))
+                assert prm.rollout(exiting, loop_config()).trajectories == reference
             logs = [caplog.text, repr(cluster.client.get_scheduler_logs(n=10_000))]
             logs += [repr(v) for v in cluster.client.get_worker_logs(n=10_000).values()]
         finally:

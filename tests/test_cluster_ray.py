@@ -22,7 +22,7 @@ from joblib.pool import PicklingPool  # noqa: E402
 
 from ragen.llm.scripted import ScriptedEngine  # noqa: E402
 from ragen.rollout.workers.cluster import ClusterConfig  # noqa: E402
-from ragen.rollout.backends.parallel import ParallelRolloutManager  # noqa: E402
+from ragen.rollout.backends.parallel import ParallelRolloutManager, ParallelSettings  # noqa: E402
 from ragen.serving import SharedLLMInferenceManager  # noqa: E402
 from tests.fault_envs import FaultEnv, FaultEnvConfig  # noqa: E402
 from tests.rollout_helpers import (  # noqa: E402
@@ -76,7 +76,7 @@ def test_local_ray_gives_the_sequential_trajectories_and_keeps_envs(mixed_specs,
     counting_ref = sequential(counting, loop_config(), engine)
     log.unlink()  # the driver's envs of the reference
     with SharedLLMInferenceManager(engine, coalesce_wait_s=0.005) as shared, \
-            ParallelRolloutManager(shared, n_jobs=2, backend="ray") as prm:
+            ParallelRolloutManager(shared, ParallelSettings(n_jobs=2, backend="ray")) as prm:
         assert prm.n_workers == 2
         for depth in (1, 2):
             prm.pipeline_depth = depth
@@ -89,7 +89,7 @@ def test_local_ray_gives_the_sequential_trajectories_and_keeps_envs(mixed_specs,
         streaming = streaming_engine()
         try:
             with SharedLLMInferenceManager(streaming) as streamed, \
-                    ParallelRolloutManager(streamed, n_jobs=2, backend="ray") as env_level:
+                    ParallelRolloutManager(streamed, ParallelSettings(n_jobs=2, backend="ray")) as env_level:
                 result = env_level.rollout(mixed_specs, loop_config())
         finally:
             streaming.close()
@@ -178,7 +178,8 @@ def ray_address(tmp_path_factory):
 
 
 def _connect(address: str, shared, **kw) -> ParallelRolloutManager:
-    return ParallelRolloutManager(shared, backend="ray", cluster=ClusterConfig(ray_address=address), **kw)
+    return ParallelRolloutManager(shared, ParallelSettings(backend="ray", **kw),
+                                  cluster=ClusterConfig(ray_address=address))
 
 
 def test_ray_address_gives_the_sequential_trajectories(ray_address, mixed_specs, reference, engine):

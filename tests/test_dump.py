@@ -14,7 +14,7 @@ from ragen.llm.types import request_seed
 from ragen.rollout import dump as dump_module
 from ragen.rollout.dump import DumpError, dump_name, read_dump, write_dump
 from ragen.serving import DirectClient, SharedLLMInferenceManager
-from ragen.rollout.backends.parallel import ParallelRolloutManager
+from ragen.rollout.backends.parallel import ParallelRolloutManager, ParallelSettings
 from ragen.rollout.batching import Lockstep
 from ragen.rollout.scheduler import KeptEnvs, run_envs
 from ragen.rollout.types import RolloutResult, StopReason, episode_ids
@@ -225,7 +225,7 @@ def test_sequential_and_parallel_dumps_are_identical_apart_from_timings_and_work
     trajectories, _ = run_envs(specs, DirectClient(engine), config, kept_envs=KeptEnvs(), batching=Lockstep(depth=2))
     seq = write_dump(tmp_path / "seq", "d", RolloutResult(trajectories, specs), config, split="train", step=0)
     with SharedLLMInferenceManager(engine, coalesce_wait_s=0.005) as shared, \
-            ParallelRolloutManager(shared, n_jobs=2, backend="loky") as prm:
+            ParallelRolloutManager(shared, ParallelSettings(n_jobs=2, backend="loky")) as prm:
         result = prm.rollout(specs, config)
     assert {t.worker for t in result.trajectories} - {None}  # parallel: the worker that ran each env
     par = write_dump(tmp_path / "par", "d", result, config, split="train", step=0)

@@ -25,6 +25,7 @@ from ragen.serving.gate import EngineGate
 from ragen.serving.stats import ManagerStats
 from ragen.serving.streamer import Streamer
 
+from tests.fault_envs import exiting_group
 from tests.rollout_helpers import agent_setup, streaming_engine
 
 
@@ -296,16 +297,20 @@ def test_lockstep_turns_on_a_streaming_engine_end_a_lost_request_in_timeout(refe
 def test_a_worker_killed_mid_rollout_env_level_loses_nothing(reference, tmp_path):
     """The fallback re-runs the dead worker's groups env-level too, and the dump of
     the rollout replays to the same episodes."""
+    from ragen.env.allowed import AllowedEnvTypes
     from ragen.rollout.dump import read_dump, write_dump
     from ragen.tools.replay import replay
 
     engine = streaming_engine()
     try:
         with LLMAgentProxy(setup_for(**MODES["loky"]), engine) as proxy:
-            got = proxy.rollout("val", rollout_index=1, fault={"worker": 0, "exit_at_turn": 1})
+            val = proxy.setup.es["val"].make_specs(1)
+            got = proxy.backend.rollout(exiting_group(val, 0, at_step=1, marker=str(tmp_path / "exited")),
+                                        proxy.setup.val_loop)
             path = write_dump(tmp_path, "d", got, proxy.setup.val_loop, split="val", step=0)
     finally:
         engine.close()
     assert got.trajectories == reference[0].trajectories
     assert got.metrics["parallel/fallbacks"] + got.metrics["parallel/retried_tasks"] >= 1
-    assert all(replay(record).identical for record in read_dump(path))
+    exiting = AllowedEnvTypes(frozenset({"tests.fault_envs:ExitingEnv", "tests.fault_envs:ExitingEnvConfig"}))
+    assert all(replay(record, env_types=exiting).identical for record in read_dump(path))

@@ -121,7 +121,7 @@ def test_the_shipped_tags_pass_the_env_checker(tag):
 
 
 def test_a_group_shares_its_question_and_parallel_equals_sequential():
-    from ragen.llm_agent import ParallelRolloutManager, SharedLLMInferenceManager
+    from ragen.llm_agent import ParallelRolloutManager, ParallelSettings, SharedLLMInferenceManager
 
     specs = specs_for(RG_TAGS, [1, 1, 1, 1], 2, custom_envs())
     config = loop_config(max_turn=3)
@@ -129,7 +129,7 @@ def test_a_group_shares_its_question_and_parallel_equals_sequential():
     for first, second in zip(ref[::2], ref[1::2]):
         assert first.turns[0].observation == second.turns[0].observation
     with SharedLLMInferenceManager(ScriptedEngine(malformed_rate=0.1)) as shared, \
-            ParallelRolloutManager(shared, n_jobs=2) as prm:
+            ParallelRolloutManager(shared, ParallelSettings(n_jobs=2)) as prm:
         result = prm.rollout(specs, config)
     assert rollout_digest(result.trajectories) == rollout_digest(ref)
     assert result.metrics["parallel/fallbacks"] == 0
@@ -390,13 +390,13 @@ def test_a_sequential_rollout_of_hostile_answers_finishes():
 
 @pytest.mark.timeout(180)
 def test_a_loky_rollout_of_hostile_answers_finishes():
-    from ragen.llm_agent import ParallelRolloutManager, SharedLLMInferenceManager
+    from ragen.llm_agent import ParallelRolloutManager, ParallelSettings, SharedLLMInferenceManager
 
     RAN.parent.mkdir(exist_ok=True)
     RAN.unlink(missing_ok=True)
     config = loop_config(max_turn=1, env_timeout_s=30.0)
     engine = ScriptedEngine(answers="tests.test_env_reasoning_gym:hostile_answer")
-    with SharedLLMInferenceManager(engine) as shared, ParallelRolloutManager(shared, n_jobs=2) as prm:
+    with SharedLLMInferenceManager(engine) as shared, ParallelRolloutManager(shared, ParallelSettings(n_jobs=2)) as prm:
         result = prm.rollout(_hostile_specs(), config)
     assert result.metrics["parallel/fallbacks"] == 0
     assert all(t.error is None and t.turns[-1].reward == 0.0 for t in result.trajectories)

@@ -97,13 +97,13 @@ def test_the_shipped_tags_pass_the_env_checker(tag):
 
 
 def test_parallel_equals_sequential():
-    from ragen.llm_agent import ParallelRolloutManager, SharedLLMInferenceManager
+    from ragen.llm_agent import ParallelRolloutManager, ParallelSettings, SharedLLMInferenceManager
 
     specs = specs_for(TA_TAGS, [1, 1, 1, 1], 2, custom_envs())
     config = loop_config(max_turn=3)
     ref = sequential(specs, config, ScriptedEngine(malformed_rate=0.1))
     with SharedLLMInferenceManager(ScriptedEngine(malformed_rate=0.1)) as shared, \
-            ParallelRolloutManager(shared, n_jobs=2) as prm:
+            ParallelRolloutManager(shared, ParallelSettings(n_jobs=2)) as prm:
         result = prm.rollout(specs, config)
     assert rollout_digest(result.trajectories) == rollout_digest(ref)
     assert all(t.error is None for t in result.trajectories)

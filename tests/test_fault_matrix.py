@@ -42,7 +42,7 @@ from ragen.llm.scripted import ScriptedEngine
 from ragen.llm.types import Completion, Engine, GenerationRequest, SamplingParams
 from ragen.llm_agent import AgentSetup, LLMAgentProxy
 from ragen.rollout.workers.cluster import ClusterConfig
-from ragen.rollout.backends.parallel import ParallelRolloutManager, RolloutError
+from ragen.rollout.backends.parallel import ParallelRolloutManager, ParallelSettings, RolloutError
 from ragen.serving import DirectClient
 from ragen.rollout.scheduler import KeptEnvs, run_envs
 from ragen.serving import SharedLLMInferenceManager
@@ -197,7 +197,7 @@ def matrix_manager(request):
     (workers start once); each case checks that it leaves them working."""
     backend = request.param
     with SharedLLMInferenceManager(ScriptedEngine(), max_message_bytes=CAP) as shared, \
-            ParallelRolloutManager(shared, n_jobs=2, backend=backend, fallback_env_timeout_s=2,
+            ParallelRolloutManager(shared, ParallelSettings(n_jobs=2, backend=backend, fallback_env_timeout_s=2),
                                    cluster=cluster_for(backend, request)) as prm:
         yield backend, shared, prm
 
@@ -236,7 +236,7 @@ def test_matrix(matrix_manager, at_once, fault, reference, tmp_path):
 def test_worker_killed_every_time_ends_only_its_group(reference, fault):
     _, faulty = fault_specs(fault)
     with SharedLLMInferenceManager(ScriptedEngine()) as shared, \
-            ParallelRolloutManager(shared, n_jobs=2, fallback_env_timeout_s=2) as prm:
+            ParallelRolloutManager(shared, ParallelSettings(n_jobs=2, fallback_env_timeout_s=2)) as prm:
         result = prm.rollout(faulty, loop_config())
         assert recovered(result) >= 1
         assert_only_bad_group_hit(result, reference, {StopReason.ERROR}, "worker process failed")
@@ -253,8 +253,8 @@ def test_worker_sigkilled_on_multiprocessing_with_a_rollout_timeout(reference):
     _, faulty = fault_specs("kill_step")
     t0 = time.monotonic()
     with SharedLLMInferenceManager(ScriptedEngine()) as shared, \
-            ParallelRolloutManager(shared, n_jobs=2, backend="multiprocessing", rollout_timeout_s=2,
-                                   fallback_env_timeout_s=2) as prm:
+            ParallelRolloutManager(shared, ParallelSettings(n_jobs=2, backend="multiprocessing", rollout_timeout_s=2,
+                                   fallback_env_timeout_s=2)) as prm:
         result = prm.rollout(faulty, loop_config())
         assert time.monotonic() - t0 < 30
         assert_only_bad_group_hit(result, reference, {StopReason.ERROR})
@@ -305,7 +305,8 @@ def proxy_config(tag: dict, **agent_proxy) -> dict:
 def test_env_raising_in_reset_ends_only_its_group_in_error(reference):
     """(An env raising in step: the matrix.)"""
     _, faulty = fault_specs("raise_reset")
-    with SharedLLMInferenceManager(ScriptedEngine()) as shared, ParallelRolloutManager(shared, n_jobs=2) as prm:
+    with SharedLLMInferenceManager(ScriptedEngine()) as shared, \
+            ParallelRolloutManager(shared, ParallelSettings(n_jobs=2)) as prm:
         result = prm.rollout(faulty, loop_config())
     # retried alone in its worker, then ended in error there: no shard re-run
     assert result.metrics["parallel/fallbacks"] == 0 and result.metrics["rollout/env_retries"] >= 1
@@ -321,7 +322,8 @@ def test_env_hanging_with_rollout_timeout(reference):
     _, faulty = fault_specs("hang_step", hang_s=6.0)
     t0 = time.monotonic()
     with SharedLLMInferenceManager(ScriptedEngine()) as shared, \
-            ParallelRolloutManager(shared, n_jobs=2, rollout_timeout_s=2, fallback_env_timeout_s=1) as prm:
+            ParallelRolloutManager(shared, ParallelSettings(n_jobs=2, rollout_timeout_s=2,
+                                   fallback_env_timeout_s=1)) as prm:
         result = prm.rollout(faulty, loop_config())
         assert result.metrics["parallel/fallbacks"] >= 1
         assert_only_bad_group_hit(result, reference, {StopReason.TIMEOUT})
@@ -340,8 +342,8 @@ def test_shard_past_rollout_timeout_stops_being_waited_for(reference, backend, r
     the abandoned shard still sleeps in its env."""
     _, faulty = fault_specs("hang_step", hang_s=8.0)
     with SharedLLMInferenceManager(ScriptedEngine()) as shared, \
-            ParallelRolloutManager(shared, n_jobs=2, backend=backend, rollout_timeout_s=1.5,
-                                   fallback_env_timeout_s=1, cluster=cluster_for(backend, request)) as prm:
+            ParallelRolloutManager(shared, ParallelSettings(n_jobs=2, backend=backend, rollout_timeout_s=1.5,
+                                   fallback_env_timeout_s=1), cluster=cluster_for(backend, request)) as prm:
         result = prm.rollout(faulty, loop_config())
         assert result.metrics["parallel/fallbacks"] >= 1
         assert_only_bad_group_hit(result, reference, {StopReason.TIMEOUT})
@@ -360,7 +362,7 @@ def test_engine_failing_every_call_raises_a_clear_error(reference, mode, message
     engine = FaultyEngine(mode)
     clean, _ = fault_specs()
     t0 = time.monotonic()
-    with SharedLLMInferenceManager(engine) as shared, ParallelRolloutManager(shared, n_jobs=2) as prm:
+    with SharedLLMInferenceManager(engine) as shared, ParallelRolloutManager(shared, ParallelSettings(n_jobs=2)) as prm:
         with pytest.raises(RolloutError) as info:
             prm.rollout(clean, loop_config())
         text = str(info.value)
@@ -374,7 +376,7 @@ def test_engine_failing_every_call_raises_a_clear_error(reference, mode, message
 def test_engine_failing_once_is_absorbed_by_the_fallback(reference):
     engine = FaultyEngine("raise", times=1)
     clean, _ = fault_specs()
-    with SharedLLMInferenceManager(engine) as shared, ParallelRolloutManager(shared, n_jobs=2) as prm:
+    with SharedLLMInferenceManager(engine) as shared, ParallelRolloutManager(shared, ParallelSettings(n_jobs=2)) as prm:
         result = prm.rollout(clean, loop_config())
     assert result.metrics["parallel/fallbacks"] >= 1
     assert _strip(result.trajectories) == _strip(reference)
@@ -406,7 +408,8 @@ def test_observation_over_the_frame_cap_fails_only_its_env(reference, backend):
     the limit and the key; the others complete, with no fallback."""
     _, faulty = fault_specs("huge_step", huge_bytes=2 * CAP)
     with SharedLLMInferenceManager(ScriptedEngine(), max_message_bytes=CAP) as shared, \
-            ParallelRolloutManager(shared, n_jobs=2, backend=backend, fallback_env_timeout_s=2) as prm:
+            ParallelRolloutManager(shared, ParallelSettings(n_jobs=2, backend=backend,
+                                   fallback_env_timeout_s=2)) as prm:
         result = prm.rollout(faulty, loop_config())
         assert_only_bad_group_hit(result, reference, {StopReason.ERROR}, "agent_proxy.max_message_bytes")
         bad = [t for t in result.trajectories if t.group_id == BAD and t.stop_reason == StopReason.ERROR]
@@ -454,7 +457,7 @@ def test_connections_the_manager_closed_are_not_reused(reference, backend):
     left out of step, not closed, before the first rollout)."""
     clean, _ = fault_specs()
     with SharedLLMInferenceManager(FaultyEngine("raise", times=0)) as shared, \
-            ParallelRolloutManager(shared, n_jobs=2, backend=backend) as prm:
+            ParallelRolloutManager(shared, ParallelSettings(n_jobs=2, backend=backend)) as prm:
         leave_an_answer_unread(shared)
         # a fallback (in the driver on threading, which keeps its connection) or none; a rollout
         # with no fallback after one with none: the workers' connections were kept and closed since
@@ -490,7 +493,7 @@ time.sleep(60)
 def test_clients_disconnecting_mid_request_leave_the_manager_working(reference):
     engine = ScriptedEngine(base_s=0.5)  # requests stay in flight long enough to abandon them
     clean, _ = fault_specs()
-    with SharedLLMInferenceManager(engine) as shared, ParallelRolloutManager(shared, n_jobs=2) as prm:
+    with SharedLLMInferenceManager(engine) as shared, ParallelRolloutManager(shared, ParallelSettings(n_jobs=2)) as prm:
         # a process killed (SIGKILL) while its request is in flight, with streams open
         proc = subprocess.Popen([sys.executable, "-c", _DYING_CLIENT], cwd=ROOT, stdin=subprocess.PIPE,
                                 stdout=subprocess.PIPE, env={**os.environ, "PYTHONPATH": str(ROOT)})
@@ -582,7 +585,7 @@ def wire():
     """A manager whose engine answers from a mutable list, reached over its socket."""
     engine = TextEngine(["x"])
     with SharedLLMInferenceManager(engine, coalesce_wait_s=0.0) as shared, \
-            ParallelRolloutManager(shared, n_jobs=1, backend="sequential") as prm:
+            ParallelRolloutManager(shared, ParallelSettings(n_jobs=1, backend="sequential")) as prm:
         yield engine, prm
 
 
@@ -604,7 +607,7 @@ def test_nasty_completions_in_worker_processes(mixed_specs):
     engine = TextEngine(NASTY)
     ref = sequential(mixed_specs, loop_config(max_turn=3), engine)
     assert_one_sane_trajectory_each(ref, mixed_specs, 3)
-    with SharedLLMInferenceManager(engine) as shared, ParallelRolloutManager(shared, n_jobs=2) as prm:
+    with SharedLLMInferenceManager(engine) as shared, ParallelRolloutManager(shared, ParallelSettings(n_jobs=2)) as prm:
         result = prm.rollout(mixed_specs, loop_config(max_turn=3))
     assert result.metrics["parallel/fallbacks"] == 0
     assert _strip(result.trajectories) == _strip(ref)
@@ -622,7 +625,8 @@ def unpicklable_specs():
 def test_unpicklable_env_config_fails_fast_on_a_process_backend():
     """The rollout raises at once, naming the key (no hang, nothing half-done)."""
     t0 = time.monotonic()
-    with SharedLLMInferenceManager(ScriptedEngine()) as shared, ParallelRolloutManager(shared, n_jobs=2) as prm:
+    with SharedLLMInferenceManager(ScriptedEngine()) as shared, \
+            ParallelRolloutManager(shared, ParallelSettings(n_jobs=2)) as prm:
         with pytest.raises(Exception, match="pickle"):
             prm.rollout(unpicklable_specs(), loop_config())
     assert time.monotonic() - t0 < 20
@@ -631,7 +635,7 @@ def test_unpicklable_env_config_fails_fast_on_a_process_backend():
 @pytest.mark.timeout(60)
 def test_unpicklable_env_config_is_fine_on_threads():
     with SharedLLMInferenceManager(ScriptedEngine()) as shared, \
-            ParallelRolloutManager(shared, n_jobs=2, backend="threading") as prm:
+            ParallelRolloutManager(shared, ParallelSettings(n_jobs=2, backend="threading")) as prm:
         result = prm.rollout(unpicklable_specs(), loop_config())
     assert len(result.trajectories) == 8 and result.metrics["parallel/fallbacks"] == 0
 
@@ -645,7 +649,7 @@ def test_unpicklable_env_config_on_threads_falls_back_in_this_process(reference)
     clean, _ = fault_specs()
     specs = [replace(s, env_config={**s.env_config, "hook": threading.Lock()}) for s in clean]
     with SharedLLMInferenceManager(FaultyEngine("raise", times=1)) as shared, \
-            ParallelRolloutManager(shared, n_jobs=2, backend="threading") as prm:
+            ParallelRolloutManager(shared, ParallelSettings(n_jobs=2, backend="threading")) as prm:
         result = prm.rollout(specs, loop_config())
     assert result.metrics["parallel/fallbacks"] >= 1
     assert _strip(result.trajectories) == _strip(reference)
@@ -668,7 +672,7 @@ def test_env_registered_in_the_driver_falls_back_in_this_process(reference, back
     faulty = specs_for(["Fault"], [N_GROUPS], GROUP_SIZE, custom_envs(Fault=tag))
     # the engine failing once fails the shards; the env raising is retried and ends in error alone
     with SharedLLMInferenceManager(FaultyEngine("raise", times=1)) as shared, \
-            ParallelRolloutManager(shared, n_jobs=2, backend=backend) as prm:
+            ParallelRolloutManager(shared, ParallelSettings(n_jobs=2, backend=backend)) as prm:
         result = prm.rollout(faulty, loop_config())
     assert result.metrics["parallel/fallbacks"] >= 1
     assert_only_bad_group_hit(result, reference, {StopReason.ERROR}, "injected")
@@ -676,7 +680,8 @@ def test_env_registered_in_the_driver_falls_back_in_this_process(reference, back
 
 @pytest.mark.timeout(60)
 def test_unpicklable_env_config_error_names_the_tag_and_key():
-    with SharedLLMInferenceManager(ScriptedEngine()) as shared, ParallelRolloutManager(shared, n_jobs=2) as prm:
+    with SharedLLMInferenceManager(ScriptedEngine()) as shared, \
+            ParallelRolloutManager(shared, ParallelSettings(n_jobs=2)) as prm:
         with pytest.raises(Exception) as info:
             prm.rollout(unpicklable_specs(), loop_config())
     assert "custom_envs.My.env_config.hook" in str(info.value)

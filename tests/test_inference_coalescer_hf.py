@@ -9,7 +9,7 @@ from dataclasses import replace
 import pytest
 
 from ragen.serving import SharedLLMInferenceManager
-from ragen.rollout.backends.parallel import ParallelRolloutManager
+from ragen.rollout.backends.parallel import ParallelRolloutManager, ParallelSettings
 
 from tests.rollout_helpers import custom_envs, loop_config, specs_for
 
@@ -31,7 +31,7 @@ def test_hf_rollouts_after_a_validation_are_one_engine_call_per_turn(tiny_model_
     config = replace(config, sampling=replace(config.sampling, max_tokens=10))
     calls = []
     with SharedLLMInferenceManager(engine) as shared, \
-            ParallelRolloutManager(shared, n_jobs=2, backend="loky") as prm:
+            ParallelRolloutManager(shared, ParallelSettings(n_jobs=2, backend="loky")) as prm:
         for name, specs in (("val", val), ("train", train), ("train", train), ("val", val), ("train", train)):
             result = prm.rollout(specs, config)
             assert len(result.trajectories) == len(specs)

@@ -10,7 +10,7 @@ from operator import attrgetter
 import pytest
 
 from ragen.llm.scripted import ScriptedEngine
-from ragen.rollout.backends.parallel import ParallelRolloutManager, RolloutError
+from ragen.rollout.backends.parallel import ParallelRolloutManager, ParallelSettings, RolloutError
 from ragen.serving import DirectClient
 from ragen.rollout.batching import Lockstep
 from ragen.rollout.scheduler import KeptEnvs, run_envs
@@ -19,6 +19,7 @@ from ragen.rollout.workers.schedule import CHUNK_WORK_S, chunk_sizes, min_chunk_
 from ragen.serving import SharedLLMInferenceManager
 from ragen.rollout.types import StopReason
 
+from tests.fault_envs import exiting_group
 from tests.rollout_helpers import custom_envs, fault_tag, loop_config, rollouts_at_once, sequential, specs_for
 
 
@@ -73,7 +74,7 @@ def test_a_worker_result_is_frozen_plain_data_and_combines_its_parts():
 ])
 def test_parallel_equals_sequential(backend, n_jobs, mixed_specs, reference, engine):
     with SharedLLMInferenceManager(engine, coalesce_wait_s=0.005) as shared, \
-            ParallelRolloutManager(shared, n_jobs=n_jobs, backend=backend) as prm:
+            ParallelRolloutManager(shared, ParallelSettings(n_jobs=n_jobs, backend=backend)) as prm:
         for depth in (1, 2, 2):  # auto: the second and third rollouts run on its choice
             prm.pipeline_depth = depth
             result = prm.rollout(mixed_specs, loop_config())
@@ -92,7 +93,7 @@ def test_two_rollouts_at_once_on_a_joblib_backend(backend, mixed_specs, referenc
     a failure (a Parallel used by two calls at once never returned one of
     them, or tore the other down as a "dead worker")."""
     with SharedLLMInferenceManager(engine, coalesce_wait_s=0.005) as shared, \
-            ParallelRolloutManager(shared, n_jobs=2, backend=backend) as prm:
+            ParallelRolloutManager(shared, ParallelSettings(n_jobs=2, backend=backend)) as prm:
         for _ in range(2):
             for result in rollouts_at_once(prm, 2, mixed_specs, loop_config(), within_s=60):
                 assert result.trajectories == reference
@@ -107,7 +108,8 @@ def test_auto_sizes_each_rollout_from_the_last_and_says_why(mixed_specs, referen
     choice is logged with its reason and returned as metrics."""
     import logging
 
-    with SharedLLMInferenceManager(engine) as shared, ParallelRolloutManager(shared, n_jobs="auto") as prm:
+    with SharedLLMInferenceManager(engine) as shared, \
+            ParallelRolloutManager(shared, ParallelSettings(n_jobs="auto")) as prm:
         with caplog.at_level(logging.INFO, logger="ragen.rollout.workers.autosize"):
             first = prm.rollout(mixed_specs, loop_config())
             second = prm.rollout(mixed_specs, loop_config())
@@ -128,14 +130,15 @@ def test_a_bad_parallel_n_jobs_is_refused_naming_the_key(n_jobs, engine):
         read(AgentProxyConfig, {"parallel_n_jobs": n_jobs}, "agent_proxy")
     with SharedLLMInferenceManager(engine) as shared:
         with pytest.raises(ValueError, match="agent_proxy.parallel_n_jobs must be auto"):
-            ParallelRolloutManager(shared, n_jobs=n_jobs)
+            ParallelRolloutManager(shared, ParallelSettings(n_jobs=n_jobs))
 
 
 @pytest.mark.parametrize("group_size,n_groups", [(1, [5, 2]), (16, [2, 1])])
 def test_group_sizes(group_size, n_groups, engine):
     specs = specs_for(["SimpleSokoban", "FrozenLake"], n_groups, group_size, custom_envs())
     ref = sequential(specs, loop_config(), engine)
-    with SharedLLMInferenceManager(engine) as shared, ParallelRolloutManager(shared, n_jobs=3, backend="loky") as prm:
+    with SharedLLMInferenceManager(engine) as shared, \
+            ParallelRolloutManager(shared, ParallelSettings(n_jobs=3, backend="loky")) as prm:
         assert prm.rollout(specs, loop_config()).trajectories == ref
     # group members share their initial state
     for t in ref:
@@ -145,7 +148,7 @@ def test_group_sizes(group_size, n_groups, engine):
 
 def test_workers_keep_their_envs_between_rollouts(engine):
     specs = specs_for(["Bandit"], [4], 2, custom_envs())
-    with SharedLLMInferenceManager(engine) as shared, ParallelRolloutManager(shared, n_jobs=2) as prm:
+    with SharedLLMInferenceManager(engine) as shared, ParallelRolloutManager(shared, ParallelSettings(n_jobs=2)) as prm:
         first = prm.rollout(specs, loop_config())
         second = prm.rollout(specs, loop_config())
         assert first.trajectories == second.trajectories
@@ -169,7 +172,8 @@ def _fault_run(tmp_path, fault, transient, backend="loky", **prm_kw):
     engine = ScriptedEngine()
     ref = sequential(clean, loop_config(), engine)
     with SharedLLMInferenceManager(engine) as shared, \
-            ParallelRolloutManager(shared, n_jobs=2, backend=backend, fallback_env_timeout_s=2, **prm_kw) as prm:
+            ParallelRolloutManager(shared, ParallelSettings(n_jobs=2, backend=backend, fallback_env_timeout_s=2,
+                                   **prm_kw)) as prm:
         result = prm.rollout(faulty, loop_config())
     return ref, result, clean[4].group_id
 
@@ -221,9 +225,10 @@ def test_fallback_off_raises(tmp_path):
         _fault_run(tmp_path, "exit_step", transient=False, fallback_to_sequential=False)
 
 
-def test_injected_worker_exit_recovers(engine, mixed_specs, reference):
-    with SharedLLMInferenceManager(engine) as shared, ParallelRolloutManager(shared, n_jobs=2) as prm:
-        result = prm.rollout(mixed_specs, loop_config(), fault={"worker": 0, "exit_at_turn": 2})
+def test_injected_worker_exit_recovers(engine, mixed_specs, reference, tmp_path):
+    exiting = exiting_group(mixed_specs, 0, at_step=2, marker=str(tmp_path / "exited"))
+    with SharedLLMInferenceManager(engine) as shared, ParallelRolloutManager(shared, ParallelSettings(n_jobs=2)) as prm:
+        result = prm.rollout(exiting, loop_config())
         assert result.metrics["parallel/retried_tasks"] >= 1
         assert result.trajectories == reference
         # the executor is rebuilt and the next rollout is parallel again
@@ -233,13 +238,15 @@ def test_injected_worker_exit_recovers(engine, mixed_specs, reference):
 
 
 @pytest.mark.timeout(120)
-def test_injected_worker_exit_recovers_on_multiprocessing_without_a_timeout(engine, mixed_specs, reference):
+def test_injected_worker_exit_recovers_on_multiprocessing_without_a_timeout(engine, mixed_specs, reference,
+                                                                               tmp_path):
     """The multiprocessing backend sees a worker that exits mid-rollout, as
     loky does: no rollout_timeout_s is needed for its groups to be re-run."""
+    exiting = exiting_group(mixed_specs, 0, at_step=2, marker=str(tmp_path / "exited"))
     with SharedLLMInferenceManager(engine) as shared, \
-            ParallelRolloutManager(shared, n_jobs=2, backend="multiprocessing") as prm:
-        assert prm.rollout_timeout_s is None
-        result = prm.rollout(mixed_specs, loop_config(), fault={"worker": 0, "exit_at_turn": 2})
+            ParallelRolloutManager(shared, ParallelSettings(n_jobs=2, backend="multiprocessing")) as prm:
+        assert prm.settings.rollout_timeout_s is None
+        result = prm.rollout(exiting, loop_config())
         assert result.metrics["parallel/retried_tasks"] >= 1
         assert result.trajectories == reference
         again = prm.rollout(mixed_specs, loop_config())  # on a rebuilt pool
@@ -261,7 +268,7 @@ def test_hf_greedy_parallel_equals_sequential(tiny_model_path):
     ref = sequential(specs, config, engine)
     # the sequential loop batches all 10 envs per call; here no call holds more than 3
     with SharedLLMInferenceManager(engine, coalesce_wait_s=0.0, max_batch_size=3) as shared, \
-            ParallelRolloutManager(shared, n_jobs=2, backend="loky") as prm:
+            ParallelRolloutManager(shared, ParallelSettings(n_jobs=2, backend="loky")) as prm:
         result = prm.rollout(specs, config)  # two streams a worker
     assert result.trajectories == ref
     # the same tokens; their log-probs as close as float32 kernels over other batches give
@@ -454,7 +461,7 @@ def test_an_engine_with_a_large_cost_per_call_sees_the_sequential_loops_batches(
     config = loop_config(max_turn=3)
     counting = DirectClient(engine)
     run_envs(specs, counting, config, kept_envs=KeptEnvs())  # RAGEN's loop (the workers: two streams each)
-    with SharedLLMInferenceManager(engine) as shared, ParallelRolloutManager(shared, n_jobs=4) as prm:
+    with SharedLLMInferenceManager(engine) as shared, ParallelRolloutManager(shared, ParallelSettings(n_jobs=4)) as prm:
         prm.rollout(specs, config)  # the worker processes start (that can take longer than any wait)
         for _ in range(3):
             result = prm.rollout(specs, config)
@@ -475,7 +482,7 @@ def test_every_chunk_is_announced_and_a_worker_holds_at_most_max_env_num_per_wor
 
     specs = specs_for(["Bandit", "SimpleSokoban"], [6, 2], 1, custom_envs())
     with Recording(ScriptedEngine(base_s=0.002)) as shared, \
-            ParallelRolloutManager(shared, n_jobs=2, max_env_num_per_worker=1) as prm:
+            ParallelRolloutManager(shared, ParallelSettings(n_jobs=2, max_env_num_per_worker=1)) as prm:
         prm.rollout(specs, loop_config(max_turn=2))  # workers started
         done = threading.Event()
 
@@ -513,7 +520,7 @@ def test_loky_workers_collect_less_often_and_leave_their_imports_out_of_full_col
     from ragen.rollout.backends.lease import ExecutorLease
 
     before = gc.get_threshold()
-    with SharedLLMInferenceManager(engine) as shared, ParallelRolloutManager(shared, n_jobs=1) as prm:
+    with SharedLLMInferenceManager(engine) as shared, ParallelRolloutManager(shared, ParallelSettings(n_jobs=1)) as prm:
         executors = ExecutorLease(prm)
         try:
             assert executors.workers.get().submit(_worker_gc_state).result(timeout=60) == (10_000, True)
@@ -540,7 +547,7 @@ def test_cheap_groups_are_handed_out_in_fewer_chunks_once_their_cost_is_measured
     monkeypatch.setattr(parallel_rollout, "group_cost_s", pinned_cost)
     specs = specs_for(["Bandit"], [16], 1, custom_envs())
     config = loop_config(max_turn=2)
-    with SharedLLMInferenceManager(engine) as shared, ParallelRolloutManager(shared, n_jobs=2) as prm:
+    with SharedLLMInferenceManager(engine) as shared, ParallelRolloutManager(shared, ParallelSettings(n_jobs=2)) as prm:
         first = prm.rollout(specs, config)
         second = prm.rollout(specs, config)
     assert measured[0] == list(range(16))  # the first rollout's trajectories, as its workers returned them
@@ -550,19 +557,3 @@ def test_cheap_groups_are_handed_out_in_fewer_chunks_once_their_cost_is_measured
     assert second.trajectories == first.trajectories == sequential(specs, config, engine)
 
 
-def test_an_injected_fault_follows_its_chunk_not_a_task(mixed_specs):
-    """Which task takes which chunk is a race (a late worker may take none): the
-    fault names the group that opens chunk i, and every task carries it."""
-    from ragen.rollout.backends.parallel import _task_fault
-    from ragen.rollout.workers.schedule import GroupQueue, groups_of
-
-    groups = groups_of(mixed_specs)
-    queue = GroupQueue(len(groups), 2)
-    assert queue.sizes == [4, 2, 1]
-    assert _task_fault({"worker": 0, "exit_at_turn": 2}, queue, groups) == {
-        "exit_at_turn": 2, "group_id": groups[0][0].group_id}
-    assert _task_fault({"worker": 1, "exit_at_turn": 1}, queue, groups) == {
-        "exit_at_turn": 1, "group_id": groups[4][0].group_id}
-    assert _task_fault({"worker": 2, "exit_at_turn": 1}, queue, groups)["group_id"] == groups[6][0].group_id
-    assert _task_fault({"worker": 3, "exit_at_turn": 1}, queue, groups) is None  # no fourth chunk
-    assert _task_fault(None, queue, groups) is None

@@ -174,7 +174,7 @@ def test_n_jobs_far_above_the_cores_is_capped_with_a_warning(caplog):
     from ragen.llm.scripted import ScriptedEngine
     from ragen.rollout.config import MAX_JOBS_PER_CORE, cap_n_jobs
     from ragen.serving import SharedLLMInferenceManager
-    from ragen.rollout.backends.parallel import ParallelRolloutManager
+    from ragen.rollout.backends.parallel import ParallelRolloutManager, ParallelSettings
     from tests.lifecycle_driver import specs
     from tests.rollout_helpers import loop_config
 
@@ -183,7 +183,7 @@ def test_n_jobs_far_above_the_cores_is_capped_with_a_warning(caplog):
     cap = MAX_JOBS_PER_CORE * joblib.cpu_count()
     with caplog.at_level(logging.WARNING, logger="ragen.rollout.config"):
         with SharedLLMInferenceManager(ScriptedEngine()) as shared, \
-                ParallelRolloutManager(shared, n_jobs=1000, backend="loky") as prm:
+                ParallelRolloutManager(shared, ParallelSettings(n_jobs=1000, backend="loky")) as prm:
             assert prm.n_workers == cap
             result = prm.rollout(specs(n_groups=3), loop_config())
     assert len(result.trajectories) == 6 and result.metrics["parallel/fallbacks"] == 0

@@ -16,13 +16,14 @@ import pytest
 from ragen.llm.scripted import ScriptedEngine
 from ragen.llm_agent import AgentSetup, LLMAgentProxy
 from ragen.serving import SharedLLMInferenceManager, messages, wire
-from ragen.rollout.backends.parallel import ParallelRolloutManager
+from ragen.rollout.backends.parallel import ParallelRolloutManager, ParallelSettings
 from ragen.rollout.progress import RolloutProgress
 from ragen.rollout.workers.dispatch import FINISHED, announced, report_finished
 from ragen.rollout.batching import Lockstep, stream_count
 from ragen.rollout.scheduler import KeptEnvs, run_envs
 from ragen.rollout.types import rollout_digest
 
+from tests.fault_envs import exiting_group
 from tests.rollout_helpers import custom_envs, loop_config, specs_for
 from tests.test_agent_loop import config
 
@@ -68,7 +69,7 @@ def test_a_sequential_rollout_ends_with_every_env_and_turn_counted():
 def test_a_parallel_rollout_ends_with_every_env_and_turn_counted(mixed_specs):
     total = len(mixed_specs)
     with SharedLLMInferenceManager(ScriptedEngine(malformed_rate=0.1), coalesce_wait_s=0.005) as shared, \
-            ParallelRolloutManager(shared, n_jobs=2, backend="loky") as prm:
+            ParallelRolloutManager(shared, ParallelSettings(n_jobs=2, backend="loky")) as prm:
         plain = prm.rollout(mixed_specs, loop_config())
         progress = RecordingProgress(total)
         result = prm.rollout(mixed_specs, loop_config(), progress=progress)
@@ -81,12 +82,13 @@ def test_a_parallel_rollout_ends_with_every_env_and_turn_counted(mixed_specs):
 
 
 @pytest.mark.timeout(240)
-def test_a_shard_rerun_after_a_dead_worker_still_ends_at_the_total(mixed_specs):
+def test_a_shard_rerun_after_a_dead_worker_still_ends_at_the_total(mixed_specs, tmp_path):
     total = len(mixed_specs)
+    exiting = exiting_group(mixed_specs, 0, at_step=2, marker=str(tmp_path / "exited"))
     with SharedLLMInferenceManager(ScriptedEngine(malformed_rate=0.1)) as shared, \
-            ParallelRolloutManager(shared, n_jobs=2) as prm:
+            ParallelRolloutManager(shared, ParallelSettings(n_jobs=2)) as prm:
         progress = RecordingProgress(total)
-        result = prm.rollout(mixed_specs, loop_config(), fault={"worker": 0, "exit_at_turn": 2}, progress=progress)
+        result = prm.rollout(exiting, loop_config(), progress=progress)
     assert result.metrics["parallel/retried_tasks"] >= 1
     assert progress.finished == total
     assert progress.turns >= turns_of(result.trajectories)  # the dead worker's answered turns count too
@@ -205,7 +207,7 @@ def test_rollouts_at_once_keep_their_counts_apart(mixed_specs):
     progresses = [RecordingProgress(total), RecordingProgress(total)]
     results: list = [None, None]
     with SharedLLMInferenceManager(ScriptedEngine(malformed_rate=0.1), coalesce_wait_s=0.005) as shared, \
-            ParallelRolloutManager(shared, n_jobs=2, backend="threading") as prm:
+            ParallelRolloutManager(shared, ParallelSettings(n_jobs=2, backend="threading")) as prm:
         start = threading.Barrier(2)
 
         def run(i: int) -> None:

@@ -16,7 +16,7 @@ from ragen.env.code.harness import extract_code
 from ragen.env.code.pool import scripted_answer as code_answer
 from ragen.env.code.problems import problem
 from ragen.llm.scripted import ScriptedEngine
-from ragen.rollout.backends.parallel import ParallelRolloutManager
+from ragen.rollout.backends.parallel import ParallelRolloutManager, ParallelSettings
 from ragen.rollout.types import StopReason
 from ragen.serving import SharedLLMInferenceManager
 
@@ -65,7 +65,7 @@ def _deepcoder_rows(n: int) -> list[dict]:
 
 def _parallel(specs, loop, engine_answers: str):
     with SharedLLMInferenceManager(ScriptedEngine(answers=engine_answers)) as shared, \
-            ParallelRolloutManager(shared, n_jobs=2, backend="loky") as prm:
+            ParallelRolloutManager(shared, ParallelSettings(n_jobs=2, backend="loky")) as prm:
         result = prm.rollout(specs, loop)
     assert result.metrics["parallel/fallbacks"] == 0
     return result.trajectories

@@ -21,7 +21,7 @@ from ragen.env import make_env, make_env_config
 from ragen.env.base import BaseDiscreteActionEnv, BaseEnv
 from ragen.llm.scripted import ScriptedEngine
 from ragen.rollout.envs import EnvSpecMaker
-from ragen.rollout.backends.parallel import ParallelRolloutManager
+from ragen.rollout.backends.parallel import ParallelRolloutManager, ParallelSettings
 from ragen.serving import SharedLLMInferenceManager
 from ragen.rollout.types import StopReason
 
@@ -174,7 +174,7 @@ def test_every_ragen_tag_plays_to_a_clean_end(ragen_reference):
 def test_ragen_config_parallel_equals_sequential(backend, n_jobs, ragen_reference):
     specs, reference = ragen_reference
     with SharedLLMInferenceManager(ScriptedEngine(malformed_rate=0.1), coalesce_wait_s=0.005) as shared, \
-            ParallelRolloutManager(shared, n_jobs=n_jobs, backend=backend) as prm:
+            ParallelRolloutManager(shared, ParallelSettings(n_jobs=n_jobs, backend=backend)) as prm:
         result = prm.rollout(specs, loop_config())
     assert result.trajectories == reference
     assert result.metrics["parallel/fallbacks"] == 0
@@ -189,7 +189,8 @@ def test_global_rng_env_is_identical_on_threads():
     specs = specs_for(["GymSokoban"], [12], 1, envs, seed=100)
     reference = sequential(specs, loop_config(max_turn=2), ScriptedEngine())
     with SharedLLMInferenceManager(ScriptedEngine()) as shared, \
-            ParallelRolloutManager(shared, n_jobs=6, backend="threading", max_env_num_per_worker=1) as prm:
+            ParallelRolloutManager(shared, ParallelSettings(n_jobs=6, backend="threading",
+                                   max_env_num_per_worker=1)) as prm:
         result = prm.rollout(specs, loop_config(max_turn=2))
     assert [t.turns[0].observation for t in result.trajectories] == [t.turns[0].observation for t in reference]
     assert result.trajectories == reference

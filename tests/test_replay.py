@@ -18,7 +18,7 @@ import yaml
 from ragen.llm.scripted import ScriptedEngine
 from ragen.rollout.dump import read_dump, write_dump
 from ragen.serving import DirectClient, SharedLLMInferenceManager
-from ragen.rollout.backends.parallel import ParallelRolloutManager
+from ragen.rollout.backends.parallel import ParallelRolloutManager, ParallelSettings
 from ragen.rollout.scheduler import KeptEnvs, run_envs
 from ragen.rollout.types import RolloutResult
 from ragen.env.allowed import EnvTypeNotAllowed, allowed_env_types
@@ -47,7 +47,7 @@ def parallel_dump(tmp_path_factory):
     """A dump of a parallel (loky) rollout with malformed answers and a failing env."""
     specs, config = _specs(), loop_config(max_turn=5)
     with SharedLLMInferenceManager(ScriptedEngine(**ENGINE), coalesce_wait_s=0.005) as shared, \
-            ParallelRolloutManager(shared, n_jobs=2, backend="loky") as prm:
+            ParallelRolloutManager(shared, ParallelSettings(n_jobs=2, backend="loky")) as prm:
         result = prm.rollout(specs, config)
     return write_dump(tmp_path_factory.mktemp("dump"), "step_000001", result, config, split="train", step=1)
 

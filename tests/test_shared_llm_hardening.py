@@ -234,7 +234,7 @@ def test_idle_unauthenticated_connections_never_hold_workers_out():
     closes the oldest unauthenticated one: with three times the cap idle, a
     real rollout goes through at once, and the manager holds at most
     ``max_pending_handshakes`` unauthenticated sockets."""
-    from ragen.rollout.backends.parallel import ParallelRolloutManager
+    from ragen.rollout.backends.parallel import ParallelRolloutManager, ParallelSettings
     from tests.rollout_helpers import fault_tag, loop_config, sequential, specs_for
 
     cap = 4
@@ -242,7 +242,7 @@ def test_idle_unauthenticated_connections_never_hold_workers_out():
     reference = [(t.env_id, [x.response for x in t.turns]) for t in sequential(specs, loop_config(), ScriptedEngine())]
     idle: list[socket.socket] = []
     with SharedLLMInferenceManager(ScriptedEngine(), max_pending_handshakes=cap, handshake_timeout_s=30) as shared, \
-            ParallelRolloutManager(shared, n_jobs=2, backend="threading") as prm:
+            ParallelRolloutManager(shared, ParallelSettings(n_jobs=2, backend="threading")) as prm:
         fds_before = _open_fds()
         try:
             for wave in range(2):

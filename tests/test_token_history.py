@@ -164,7 +164,7 @@ def test_parallel_equals_sequential_ids_included(engine_name, tiny_model_path):
     """Workers get each prompt's ids back (sent as the ids after the request's history), so
     their next prompts append as the sequential loop's do: the same ids, turn by turn."""
     from ragen.llm.hf import HFEngine
-    from ragen.rollout.backends.parallel import ParallelRolloutManager
+    from ragen.rollout.backends.parallel import ParallelRolloutManager, ParallelSettings
     from ragen.serving import SharedLLMInferenceManager
 
     config = loop_config(max_turn=4)
@@ -180,7 +180,7 @@ def test_parallel_equals_sequential_ids_included(engine_name, tiny_model_path):
     assert all(t.prompt_ids and t.response_ids for traj in reference for t in traj.turns)
     assert_appended(reference)  # the ids of each answer, as sampled, lead the next prompt
     with SharedLLMInferenceManager(engine, coalesce_wait_s=0.005) as shared, \
-            ParallelRolloutManager(shared, n_jobs=2, backend="loky") as prm:
+            ParallelRolloutManager(shared, ParallelSettings(n_jobs=2, backend="loky")) as prm:
         result = prm.rollout(specs, config)
     assert result.trajectories == reference
     assert token_fields(result.trajectories) == token_fields(reference)

@@ -7,7 +7,7 @@ from ragen.rollout.proxy import AgentSetup, LLMAgentProxy
 from ragen.rollout.context import ContextConfig, ContextManager
 from ragen.rollout.env_state import EnvStateManager
 from ragen.rollout.envs import compute_metrics
-from ragen.rollout.backends.parallel import ParallelRolloutManager, RolloutError
+from ragen.rollout.backends.parallel import ParallelRolloutManager, ParallelSettings, RolloutError
 from ragen.rollout.env_calls import KeptEnvs
 from ragen.rollout.loop_config import LoopConfig
 from ragen.rollout.scheduler import run_envs
@@ -16,6 +16,6 @@ from ragen.rollout.types import EnvSpec, RolloutResult, StopReason, Trajectory, 
 
 __all__ = [
     "AgentSetup", "LLMAgentProxy", "ContextConfig", "ContextManager", "EnvStateManager", "compute_metrics",
-    "ParallelRolloutManager", "RolloutError", "DirectClient", "KeptEnvs", "LoopConfig", "run_envs",
+    "ParallelRolloutManager", "ParallelSettings", "RolloutError", "DirectClient", "KeptEnvs", "LoopConfig", "run_envs",
     "SharedLLMClient", "SharedLLMInferenceManager", "EnvSpec", "RolloutResult", "StopReason", "Trajectory", "Turn",
 ]

@@ -111,6 +111,27 @@ def cap_n_jobs(n_jobs: Any, cores: int | None = None, key: str = "agent_proxy.pa
     return cap
 
 
+AHEAD = ("none", "batches", "groups")  # RolloutPlan.ahead
+
+
+@dataclass(frozen=True)
+class RolloutPlan:
+    """RAGEN's three rollout knobs read once (``AgentProxyConfig.plan``): where episodes run,
+    ``workers`` (``use_parallel_rollout``) or the calling thread, and how far generation runs
+    ahead of the trainer, ``ahead``: ``none``; whole ``batches`` (``async_generation_ratio: k >
+    0``); or ``groups`` kept in flight (``rollout_mode: fully_async``), at most ``bound``
+    policy versions ahead."""
+
+    workers: bool = False
+    ahead: str = "none"
+    bound: int = 0
+
+    @property
+    def serves(self) -> bool:
+        """Whether episodes ask a shared manager for answers (workers, or groups in flight)."""
+        return self.workers or self.ahead == "groups"
+
+
 @dataclass(frozen=True)
 class AgentProxyConfig:
     """``agent_proxy.*``: the turn loop, prompts, and the rollout engine."""
@@ -175,21 +196,30 @@ class AgentProxyConfig:
     unfinished: str = setting("carry", choices=UNFINISHED)
     max_carry_staleness: int = setting(1, minimum=1)
 
+    @property
+    def plan(self) -> RolloutPlan:
+        """``use_parallel_rollout``, ``rollout_mode`` and ``async_generation_ratio`` as one plan."""
+        if self.rollout_mode == "fully_async":
+            return RolloutPlan(self.use_parallel_rollout, "groups", max(1, self.async_generation_ratio))
+        if self.async_generation_ratio > 0:
+            return RolloutPlan(self.use_parallel_rollout, "batches", self.async_generation_ratio)
+        return RolloutPlan(self.use_parallel_rollout)
+
     def __post_init__(self) -> None:
         check_n_jobs(self.parallel_n_jobs)
         check_env_level_async(self.env_level_async)
         wire.check_max_message_bytes(self.max_message_bytes, "agent_proxy.max_message_bytes", least=1 << 16)
         for key in TIMEOUT_KEYS:
             check_time_limit(key, getattr(self, key))
-        if self.rollout_mode == "fully_async" and self.parallel_backend not in FULLY_ASYNC_BACKENDS:
+        if self.plan.ahead == "groups" and self.parallel_backend not in FULLY_ASYNC_BACKENDS:
             raise ConfigError(f"agent_proxy.parallel_backend={self.parallel_backend!r}: rollout_mode fully_async "
                               f"keeps its groups in flight on this machine, on one of {FULLY_ASYNC_BACKENDS}")
-        if self.max_refill and (self.rollout_mode != "sync" or self.async_generation_ratio):
+        if self.max_refill and self.plan.ahead != "none":
             raise ConfigError(f"agent_proxy.max_refill={self.max_refill}: refilled groups are played at once, with "
                               f"the trainer's weights; rollout_mode={self.rollout_mode} and async_generation_ratio="
                               f"{self.async_generation_ratio} play batches in the background: set max_refill=0, or "
                               f"rollout_mode=sync and async_generation_ratio=0")
-        if self.over_sample > 1 and (self.rollout_mode != "sync" or self.async_generation_ratio):
+        if self.over_sample > 1 and self.plan.ahead != "none":
             raise ConfigError(f"agent_proxy.over_sample={self.over_sample:g}: over-sampling cuts the tail of a "
                               f"synchronous rollout; rollout_mode={self.rollout_mode} and async_generation_ratio="
                               f"{self.async_generation_ratio} generate in the background, where no rollout waits for "

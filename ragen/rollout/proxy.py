@@ -78,7 +78,7 @@ class AgentSetup:
                               env_level_async=ap.env_level_async,
                               engine_timeout_s=ap.engine_timeout_s)
 
-        if ap.use_parallel_rollout:
+        if ap.plan.workers:
             check_installed(ap.parallel_backend)  # dask's and ray's packages are extras
         custom_envs = cfg.get("custom_envs")
         if not isinstance(custom_envs, Mapping) or not custom_envs:
@@ -178,8 +178,8 @@ class LLMAgentProxy:
         """Held around every engine call; the trainer holds it to swap weights."""
         return self.backend.engine_lock
 
-    def rollout(self, split: str = "train", fault: dict[str, Any] | None = None,
-                rollout_index: int | None = None, progress: RolloutProgress | None = None) -> RolloutResult:
+    def rollout(self, split: str = "train", rollout_index: int | None = None,
+                progress: RolloutProgress | None = None) -> RolloutResult:
         """The next rollout of ``split`` (or the one numbered ``rollout_index``:
         same index, same seeds), played now. ``progress``: the one to tell (the
         rollout closes it); by default a bar on a terminal, log lines elsewhere."""
@@ -189,7 +189,7 @@ class LLMAgentProxy:
         loop = self.setup.loop if split == "train" else self.setup.val_loop
         if progress is None:
             progress = RolloutProgress(len(specs), split)
-        result = self.backend.rollout(specs, loop, progress=progress, fault=fault)
+        result = self.backend.rollout(specs, loop, progress=progress)
         self._record(split, result)
         return result
 

@@ -14,7 +14,6 @@ another. ``KeptEnvs`` keeps env instances between rollouts.
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 from dataclasses import dataclass, field
@@ -45,7 +44,6 @@ def run_envs(
     batching: Batching | None = None,
     take: Callable[[], list[EnvSpec]] | None = None,
     on_finished: Callable[[int], None] | None = None,
-    fault: dict[str, int] | None = None,
     groups_done: Callable[[int], bool] | None = None,
 ) -> tuple[list[Trajectory], LoopStats]:
     """Play every spec to the end over ``LLMClient(transport)``; one trajectory per
@@ -60,9 +58,7 @@ def run_envs(
     specs of one more chunk of whole groups, a stream of its own already
     opened by the manager, until it returns none; their trajectories follow
     the specs'. ``on_finished(n)``: ``n`` more envs ended (for progress); it
-    must not raise. ``fault``: ``{"exit_at_turn": k}`` makes the calling
-    process exit at turn k, with ``"group_id": g`` only when it plays group g
-    (fault injection for benchmarks and tests). ``groups_done(n)``: ``n`` more
+    must not raise. ``groups_done(n)``: ``n`` more
     groups ended whole, none of their envs in error, timeout or aborted; it
     returns whether the rollout has enough of them (over-sampling), and then
     every episode still playing ends ``aborted``, its request cancelled. An
@@ -71,7 +67,7 @@ def run_envs(
     """
     client = LLMClient(transport)
     turns = EnvTurns(config, kept_envs if kept_envs is not None else KeptEnvs(), isolate_errors)
-    scheduler = Scheduler(client, turns, batching or choose_batching(config, client.streams), on_finished, fault,
+    scheduler = Scheduler(client, turns, batching or choose_batching(config, client.streams), on_finished,
                           groups_done)
     episodes = [Playing(EnvSlot(s), turns) for s in specs]
     try:
@@ -97,7 +93,6 @@ class Scheduler:
     turns: EnvTurns
     batching: Batching
     on_finished: Callable[[int], None] | None = None
-    fault: dict[str, int] | None = None
     groups_done: Callable[[int], bool] | None = None
     inflight: dict[Stream, list[Playing]] = field(default_factory=dict)
     deadlines: dict[Stream, float] = field(default_factory=dict)  # bounded waits: when each stream's ends
@@ -256,7 +251,6 @@ class Scheduler:
         batches, answered = [], []
         for stream, completions in answers:
             batch = self.inflight.pop(stream)
-            self.inject_fault(batch)
             for episode, completion in zip(batch, completions):
                 if completion.finish_reason == ABORTED:  # the driver counted enough groups over the workers
                     self.stopping = True
@@ -274,13 +268,6 @@ class Scheduler:
         for batch in batches:
             self.ended(batch)
         return batches
-
-    def inject_fault(self, batch: list[Playing]) -> None:
-        """With ``fault``, the process exits before the turn it names (in the group it names)."""
-        if self.fault and batch and len(batch[0].slot.traj.turns) + 1 >= self.fault.get("exit_at_turn", 1 << 30) \
-                and self.fault.get("group_id", batch[0].slot.traj.group_id) in {e.slot.traj.group_id for e in batch}:
-            logger.warning("fault injection: process %d exits now", os.getpid())
-            os._exit(3)
 
     def submit(self, stream: Stream, batch: list[Playing], rider: bool) -> None:
         """The next requests of the batch's playing episodes, on ``stream``; the stream closes

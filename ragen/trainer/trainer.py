@@ -254,7 +254,7 @@ class AgentTrainer:
         lag = staleness(result.trajectories, version)
         metrics["train/policy_lag"] = float(lag)
         setup = self.proxy.setup
-        if lag and setup.agent_proxy.async_generation_ratio == 0 and setup.agent_proxy.rollout_mode == "sync":
+        if lag and setup.agent_proxy.plan.ahead == "none":
             logger.warning("step %d: the rollout was answered by policy version %d, %d behind the trainer's %d",
                            step, version - lag, lag, version)
         t1 = time.perf_counter()

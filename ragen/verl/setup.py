@@ -54,7 +54,7 @@ class VerlEnvs:
         self.makers = setup.es  # the env sets of es_manager, by split (the dataset builder's rows)
         self.custom_envs = cfg["custom_envs"]
         ap = setup.agent_proxy
-        parallel = ap.use_parallel_rollout and ap.parallel_backend != "sequential"
+        parallel = ap.plan.workers and ap.parallel_backend != "sequential"
         self.env_workers = env_workers(parallel, ap.parallel_n_jobs, agent_workers)
         self.env_backend = ap.parallel_backend if parallel else "loky"
         if self.env_workers and self.env_backend not in ENV_BACKENDS:

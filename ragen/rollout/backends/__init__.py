@@ -1,4 +1,7 @@
-"""The rollout backends, siblings behind ``RolloutBackend``, and ``make_backend``, which picks one from the config.
+"""The rollout backends, siblings behind ``RolloutBackend``, and ``make_backend``, which picks one from
+the config's ``RolloutPlan`` and builds it with its frozen settings (``SequentialSettings``,
+``ParallelSettings``, ``FullyAsyncSettings``, each cut from the ``agent_proxy`` section by ``of``)
+and its serving.
 
 - ``SequentialRollout`` (``use_parallel_rollout: false``): RAGEN's loop in
   the calling thread.
@@ -16,27 +19,27 @@ from ragen.llm import STREAMING_ENGINES
 from ragen.llm.types import Engine
 from ragen.rollout.backends.ahead import GenerateAhead
 from ragen.rollout.backends.base import RolloutBackend, SyncBackend
-from ragen.rollout.backends.fully_async import FullyAsync
-from ragen.rollout.backends.parallel import ParallelRolloutManager, RolloutError
-from ragen.rollout.backends.sequential import SequentialRollout
+from ragen.rollout.backends.fully_async import FullyAsync, FullyAsyncSettings
+from ragen.rollout.backends.parallel import ParallelRolloutManager, ParallelSettings, RolloutError
+from ragen.rollout.backends.sequential import SequentialRollout, SequentialSettings
 from ragen.rollout.config import AgentProxyConfig, LlmServerConfig, env_level_for
 from ragen.rollout.workers.cluster import ClusterConfig
 from ragen.serving import SharedLLMInferenceManager
-from ragen.serving.gate import EngineGate
 from ragen.utils import closed_on_failure
 
-__all__ = ["FullyAsync", "GenerateAhead", "ParallelRolloutManager", "RolloutBackend", "RolloutError",
-           "SequentialRollout", "SyncBackend", "make_backend"]
+__all__ = ["FullyAsync", "FullyAsyncSettings", "GenerateAhead", "ParallelRolloutManager", "ParallelSettings",
+           "RolloutBackend", "RolloutError", "SequentialRollout", "SequentialSettings", "SyncBackend", "make_backend"]
 
 
 def make_backend(ap: AgentProxyConfig, engine: Engine, server: LlmServerConfig = LlmServerConfig(),
                  cluster: ClusterConfig = ClusterConfig()) -> RolloutBackend:
-    """The backend the ``agent_proxy`` section asks for, around ``engine``.
-    Its ``serving`` is the shared manager its workers talk to (parallel or
-    fully-async), built here and stopped by the backend's ``close()``."""
+    """The backend of the ``agent_proxy`` section's plan (``AgentProxyConfig.plan``), around
+    ``engine``. Where episodes ask a shared manager (workers, groups in flight), it is built
+    here and handed to the backend, whose ``close()`` stops it."""
     env_level_for(ap.env_level_async, engine.streams, engine.name, STREAMING_ENGINES)  # refuses true on a batch engine
+    plan = ap.plan
     serving = None
-    if ap.use_parallel_rollout or ap.rollout_mode == "fully_async":
+    if plan.serves:
         serving = SharedLLMInferenceManager(
             engine, max_batch_size=ap.max_batch_size, coalesce_wait_s=ap.coalesce_wait_s,
             host=server.host, port=server.port, max_message_bytes=ap.max_message_bytes,
@@ -44,23 +47,12 @@ def make_backend(ap: AgentProxyConfig, engine: Engine, server: LlmServerConfig =
     # any failure, an interrupt too: the manager it started is closed, then re-raised
     with closed_on_failure(serving.close if serving is not None else None):
         sync: SyncBackend
-        if ap.use_parallel_rollout:
-            sync = ParallelRolloutManager(
-                serving, n_jobs=ap.parallel_n_jobs, backend=ap.parallel_backend,
-                max_env_num_per_worker=ap.max_env_num_per_worker, fallback_to_sequential=ap.fallback_to_sequential,
-                rollout_timeout_s=ap.rollout_timeout_s, engine_timeout_s=ap.engine_timeout_s, cluster=cluster,
-                max_concurrent_rollouts=ap.max_concurrent_rollouts, pipeline_depth=ap.pipeline_depth)
+        if plan.workers:
+            sync = ParallelRolloutManager(serving, ParallelSettings.of(ap), cluster, owns_serving=True)
         else:
-            sync = SequentialRollout(engine, serving.engine_lock if serving is not None else
-                                     EngineGate.for_requests(ap.engine_timeout_s),
-                                     max_concurrent_rollouts=ap.max_concurrent_rollouts)
-        sync.serving = sync.owned_serving = serving
-        if ap.rollout_mode == "fully_async":
-            return FullyAsync(sync, max(1, ap.async_generation_ratio),
-                              max_inflight_groups=ap.max_inflight_groups,
-                              n_jobs=-1 if ap.parallel_n_jobs == "auto" else ap.parallel_n_jobs,
-                              backend=ap.parallel_backend,
-                              partial_rollout=ap.partial_rollout, engine_timeout_s=ap.engine_timeout_s)
-        if ap.async_generation_ratio > 0:
-            return GenerateAhead(sync, ap.async_generation_ratio)
+            sync = SequentialRollout(engine, SequentialSettings.of(ap), serving, owns_serving=True)
+        if plan.ahead == "groups":
+            return FullyAsync(sync, FullyAsyncSettings.of(ap))
+        if plan.ahead == "batches":
+            return GenerateAhead(sync, plan.bound)
         return sync

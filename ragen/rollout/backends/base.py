@@ -31,7 +31,7 @@ class RolloutBackend(ABC):
     """Plays env specs to trajectories; sequential, parallel, generate-ahead and
     fully-async are its implementations, built by ``make_backend``.
 
-    - ``rollout(specs, loop, progress=, policy_version=, fault=, enough=)``: a
+    - ``rollout(specs, loop, progress=, policy_version=, enough=)``: a
       list of specs is played as given; an env set gives its next batch (which
       an asynchronous backend may have played ahead, with older weights:
       ``policy_version`` is the trainer's, to bound that). ``enough``: a
@@ -49,8 +49,7 @@ class RolloutBackend(ABC):
 
     @abstractmethod
     def rollout(self, specs: Specs, loop: LoopConfig, *, progress: RolloutProgress | None = None,
-                policy_version: int = 0, fault: dict[str, Any] | None = None,
-                enough: int | None = None) -> RolloutResult:
+                policy_version: int = 0, enough: int | None = None) -> RolloutResult:
         ...
 
     @property
@@ -82,14 +81,18 @@ class SyncBackend(RolloutBackend):
     Around each rollout: at most ``max_concurrent_rollouts`` at once, a
     progress display (a bar on a terminal, log lines elsewhere), the engine's
     prompt-token counts, its per-episode caches freed once no rollout runs,
-    and one summary line. Subclasses play the specs in ``_play``.
+    and one summary line. Subclasses play the specs in ``_play``. ``serving``:
+    the shared manager its episodes ask, if any; with ``owns_serving``
+    (``make_backend`` built it for this backend), ``close()`` stops it last.
     """
 
     engine: Engine
     keeps_episodes = False  # episodes run outside ``rollout`` (fully-async groups): the engine keeps their caches
-    owned_serving: Any = None  # a shared manager built for this backend (make_backend): closed with it
 
-    def __init__(self, max_concurrent_rollouts: int | None = None) -> None:
+    def __init__(self, max_concurrent_rollouts: int | None = None, serving: Any = None,
+                 owns_serving: bool = False) -> None:
+        self.serving = serving
+        self._owned_serving = serving if owns_serving else None
         self._semaphore = (threading.BoundedSemaphore(max_concurrent_rollouts) if max_concurrent_rollouts
                            else contextlib.nullcontext())
         self._running = 0
@@ -97,18 +100,17 @@ class SyncBackend(RolloutBackend):
 
     @abstractmethod
     def _play(self, specs: Sequence[EnvSpec], loop: LoopConfig, progress: RolloutProgress,
-              fault: dict[str, Any] | None, enough: int | None = None) -> RolloutResult:
+              enough: int | None = None) -> RolloutResult:
         ...
 
     def _close_owned(self) -> None:
         """The end of ``close()``: the shared manager built for this backend stops after its workers."""
-        serving, self.owned_serving = self.owned_serving, None
+        serving, self._owned_serving = self._owned_serving, None
         if serving is not None:
             serving.close()
 
     def rollout(self, specs: Specs, loop: LoopConfig, *, progress: RolloutProgress | None = None,
-                policy_version: int = 0, fault: dict[str, Any] | None = None,
-                enough: int | None = None) -> RolloutResult:
+                policy_version: int = 0, enough: int | None = None) -> RolloutResult:
         label = progress.split if progress is not None else "rollout"
         if isinstance(specs, EnvSpecMaker):
             label, specs = specs.split, specs.make_specs()
@@ -121,7 +123,7 @@ class SyncBackend(RolloutBackend):
                 with progress if progress is not None else RolloutProgress(len(specs), label) as shown:
                     # the answers of a long engine call grow before it returns
                     shown.watch_tokens(lambda: self.engine.stats().tokens_sampled - before.tokens_sampled)
-                    result = self._play(specs, loop, shown, fault, enough)
+                    result = self._play(specs, loop, shown, enough)
                 after = self.engine.stats()
                 counts = _engine_counts(before, after)
                 cache_mb = after.turn_cache_bytes / 2**20 if after.turn_cache_bytes is not None else None
@@ -170,10 +172,9 @@ class AsyncBackend(RolloutBackend):
         """The next training batch of ``envs``."""
 
     def rollout(self, specs: Specs, loop: LoopConfig, *, progress: RolloutProgress | None = None,
-                policy_version: int = 0, fault: dict[str, Any] | None = None,
-                enough: int | None = None) -> RolloutResult:
+                policy_version: int = 0, enough: int | None = None) -> RolloutResult:
         if not isinstance(specs, EnvSpecMaker):
-            return self.inner.rollout(specs, loop, progress=progress, fault=fault, enough=enough)
+            return self.inner.rollout(specs, loop, progress=progress, enough=enough)
         if enough is not None:
             raise ValueError(f"{type(self).__name__} generates whole batches: over-sampling (enough={enough}) "
                              "cuts the tail of a synchronous rollout")

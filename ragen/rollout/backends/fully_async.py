@@ -18,7 +18,7 @@ from typing import Any
 
 from ragen.rollout.backends.ahead import StalenessBound, response_tokens
 from ragen.rollout.backends.base import AsyncBackend, SyncBackend
-from ragen.rollout.config import cap_n_jobs
+from ragen.rollout.config import AgentProxyConfig, cap_n_jobs
 from ragen.rollout.envs import EnvSpecMaker, compute_metrics
 from ragen.rollout.loop_config import LoopConfig
 from ragen.rollout.progress import RolloutProgress
@@ -31,15 +31,26 @@ logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class FullyAsyncSettings:
-    """The settings of ``GroupsInFlight``: how many groups fly at once, on which workers,
-    how often one may restart, and whether weight updates may land mid-group."""
+    """The settings of ``FullyAsync`` and its ``GroupsInFlight``: how many groups fly at once,
+    on which workers, how often one may restart, how many policy versions a group may lag
+    (``max_version_span``: the staleness bound, and without ``partial_rollout`` the versions a
+    group's turns may span), and how long a worker waits for an answer; ``of`` cuts them from
+    the ``agent_proxy`` section."""
 
     max_inflight_groups: int = 8
     n_jobs: Any = -1
     backend: str = "loky"
     max_restarts: int = 3
-    max_version_span: int = 1  # without partial_rollout: the versions a group's turns may span
+    max_version_span: int = 1
     partial_rollout: bool = True
+    engine_timeout_s: float | None = None
+
+    @classmethod
+    def of(cls, ap: AgentProxyConfig) -> "FullyAsyncSettings":
+        return cls(max_inflight_groups=ap.max_inflight_groups,
+                   n_jobs=-1 if ap.parallel_n_jobs == "auto" else ap.parallel_n_jobs, backend=ap.parallel_backend,
+                   max_version_span=ap.plan.bound, partial_rollout=ap.partial_rollout,
+                   engine_timeout_s=ap.engine_timeout_s)
 
 
 class GroupsInFlight:
@@ -200,13 +211,10 @@ class FullyAsync(AsyncBackend):
     group restarted from its start that is more than ``bound`` versions old
     is dropped. Lists of specs are played by ``inner``."""
 
-    def __init__(self, inner: SyncBackend, bound: int, *, max_inflight_groups: int, n_jobs: Any, backend: str,
-                 partial_rollout: bool, engine_timeout_s: float | None) -> None:
+    def __init__(self, inner: SyncBackend, settings: FullyAsyncSettings = FullyAsyncSettings()) -> None:
         super().__init__(inner)
-        self.bound = StalenessBound(bound)
-        self._flight = FullyAsyncSettings(max_inflight_groups=max_inflight_groups, n_jobs=n_jobs, backend=backend,
-                                          max_version_span=bound, partial_rollout=partial_rollout)
-        self._engine_timeout_s = engine_timeout_s
+        self.bound = StalenessBound(settings.max_version_span)
+        self._flight = settings
         self._groups: GroupsInFlight | None = None
         inner.keeps_episodes = True  # the groups in flight run episodes between rollouts
 
@@ -215,7 +223,7 @@ class FullyAsync(AsyncBackend):
         if self._groups is None:
             # `bound` batches drawn ahead of the trainer: a group drawn while it trains on version v
             # is taken, in order, at version v + bound at the latest
-            self._groups = GroupsInFlight(envs, self.serving.client(timeout_s=self._engine_timeout_s), loop,
+            self._groups = GroupsInFlight(envs, self.serving.client(timeout_s=self._flight.engine_timeout_s), loop,
                                           self._flight, ahead_groups=self.bound.bound * envs.env_groups)
         t0 = time.perf_counter()
         groups = []

@@ -33,22 +33,22 @@ class ExecutorLease:
         none is started for groups that do not exist. It is built again, larger,
         when a rollout has more (its workers' kept envs are lost then, once)."""
         m = self.manager
-        if m.backend in LOCAL_POOLS and self._size < min(tasks, m.n_workers):
+        if m.settings.backend in LOCAL_POOLS and self._size < min(tasks, m.n_workers):
             self._size = min(tasks, m.n_workers)
             self.workers.close(wait=False)
         return self.workers.get()
 
     def _build_workers(self):
         m = self.manager
-        if m.backend in LOCAL_POOLS:
-            return local_pool(m.backend, self._size, "ragen-worker")
+        if m.settings.backend in LOCAL_POOLS:
+            return local_pool(m.settings.backend, self._size, "ragen-worker")
         parallel = joblib.Parallel(
-            n_jobs=1 if m.backend == "sequential" else (-1 if m._auto is not None else m.n_jobs),
+            n_jobs=1 if m.settings.backend == "sequential" else (-1 if m._auto is not None else m.n_jobs),
             backend=m._joblib_backend(), batch_size=1,
             # results as tasks finish, so a failure keeps the finished ones; the
             # ray backend returns all at once
-            return_as="list" if m.backend == "ray" else "generator_unordered",
-            pre_dispatch="all", timeout=m.rollout_timeout_s,
+            return_as="list" if m.settings.backend == "ray" else "generator_unordered",
+            pre_dispatch="all", timeout=m.settings.rollout_timeout_s,
         )
         parallel.__enter__()
         return parallel

@@ -19,12 +19,12 @@ import contextlib
 import logging
 import threading
 import time
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any, Iterator, Sequence
 
 import joblib
 
-from ragen.errors import RagenError
+from ragen.errors import ConfigError, RagenError
 from ragen.rollout.backends.base import SyncBackend
 from ragen.rollout.backends.lease import ExecutorLease
 from ragen.rollout.config import BACKENDS, AgentProxyConfig, cap_n_jobs, check_n_jobs, check_time_limit
@@ -62,49 +62,60 @@ def worker_wait_s(engine_timeout_s: float | None, manager_times_out: bool) -> fl
     return engine_timeout_s + max(1.0, 0.1 * engine_timeout_s)
 
 
+@dataclass(frozen=True)
+class ParallelSettings:
+    """What a ``ParallelRolloutManager`` is built with: the ``agent_proxy`` keys of its name
+    (``of``), and ``fallback_env_timeout_s``, the fallback's bound on an env call where
+    ``env_timeout_s`` sets none. Checked here, as the config reader checks them."""
+
+    n_jobs: int | str = -1  # agent_proxy.parallel_n_jobs
+    backend: str = "loky"  # agent_proxy.parallel_backend
+    max_env_num_per_worker: int | None = None
+    fallback_to_sequential: bool = True
+    rollout_timeout_s: float | None = None
+    fallback_env_timeout_s: float = 60.0
+    engine_timeout_s: float | None = None
+    max_concurrent_rollouts: int | None = None
+    pipeline_depth: int = AgentProxyConfig.pipeline_depth
+
+    def __post_init__(self) -> None:
+        if self.backend not in BACKENDS:
+            raise ConfigError(f"agent_proxy.parallel_backend: unknown {self.backend!r}; choose one of {BACKENDS}")
+        check_n_jobs(self.n_jobs)
+        for key in ("rollout_timeout_s", "engine_timeout_s", "fallback_env_timeout_s"):
+            check_time_limit(key, getattr(self, key))
+        if self.max_env_num_per_worker is not None and self.max_env_num_per_worker < 1:
+            raise ConfigError(f"agent_proxy.max_env_num_per_worker must be >= 1, got {self.max_env_num_per_worker}")
+
+    @classmethod
+    def of(cls, ap: AgentProxyConfig) -> "ParallelSettings":
+        return cls(n_jobs=ap.parallel_n_jobs, backend=ap.parallel_backend,
+                   max_env_num_per_worker=ap.max_env_num_per_worker, fallback_to_sequential=ap.fallback_to_sequential,
+                   rollout_timeout_s=ap.rollout_timeout_s, engine_timeout_s=ap.engine_timeout_s,
+                   max_concurrent_rollouts=ap.max_concurrent_rollouts, pipeline_depth=ap.pipeline_depth)
+
+
 class ParallelRolloutManager(SyncBackend):
     """``use_parallel_rollout: true``: a rollout's envs played by joblib workers
     that take whole groups as they free up, all asking ``shared`` (one engine
     in the driver) for generations. Keeps its executors and the workers' envs
     between rollouts; groups a worker did not bring back are re-run by the
-    fallback, so every spec gets its trajectory."""
+    fallback, so every spec gets its trajectory. ``owns_serving``: ``close()``
+    stops ``shared`` too (``make_backend`` built it for this manager)."""
 
-    def __init__(
-        self,
-        shared: SharedLLMInferenceManager,
-        n_jobs: int | str = -1,
-        backend: str = "loky",
-        max_env_num_per_worker: int | None = None,
-        fallback_to_sequential: bool = True,
-        rollout_timeout_s: float | None = None,
-        fallback_env_timeout_s: float = 60.0,
-        engine_timeout_s: float | None = None,
-        cluster: ClusterConfig | None = None,
-        max_concurrent_rollouts: int | None = None,
-        pipeline_depth: int = AgentProxyConfig.pipeline_depth,
-    ) -> None:
-        super().__init__(max_concurrent_rollouts)
-        if backend not in BACKENDS:
-            raise ValueError(f"agent_proxy.parallel_backend: unknown {backend!r}; choose one of {BACKENDS}")
-        check_n_jobs(n_jobs)
-        for key, value in (("rollout_timeout_s", rollout_timeout_s), ("engine_timeout_s", engine_timeout_s),
-                           ("fallback_env_timeout_s", fallback_env_timeout_s)):
-            check_time_limit(key, value)
-        if max_env_num_per_worker is not None and max_env_num_per_worker < 1:
-            raise ValueError(f"agent_proxy.max_env_num_per_worker must be >= 1, got {max_env_num_per_worker}")
+    def __init__(self, shared: SharedLLMInferenceManager, settings: ParallelSettings = ParallelSettings(),
+                 cluster: ClusterConfig | None = None, *, owns_serving: bool = False) -> None:
+        super().__init__(settings.max_concurrent_rollouts, shared, owns_serving)
+        self.settings = settings
+        n_jobs, backend = settings.n_jobs, settings.backend
         if backend in LOCAL_POOLS or (backend == "dask" and not (cluster and cluster.dask_scheduler_address)):
             n_jobs = cap_n_jobs(n_jobs)  # processes (or threads) on this machine
-        self.shared = self.serving = shared
+        self.shared = shared
         self.engine = shared.engine
-        self.backend = backend
         self.n_jobs = n_jobs
-        self.max_env_num_per_worker = max_env_num_per_worker
-        self.fallback_to_sequential = fallback_to_sequential
-        self.rollout_timeout_s = rollout_timeout_s
-        self.fallback_env_timeout_s = fallback_env_timeout_s
-        self.pipeline_depth = pipeline_depth  # a worker's streams; with auto, each rollout's choice
+        self.pipeline_depth = settings.pipeline_depth  # a worker's streams; with auto, each rollout's choice
         manager_times_out = shared.streamer is not None and shared.streamer.request_timeout_s is not None
-        self._client = shared.client(timeout_s=worker_wait_s(engine_timeout_s, manager_times_out))
+        self._client = shared.client(timeout_s=worker_wait_s(settings.engine_timeout_s, manager_times_out))
         # executors kept between rollouts; one rollout at a time on each (see ExecutorLease)
         self._lock = threading.Lock()
         self._idle: list[ExecutorLease] = []
@@ -125,7 +136,7 @@ class ParallelRolloutManager(SyncBackend):
         self._group_s: float | None = None  # env time of a group, measured on the last rollout (chunk sizes)
 
     def _joblib_backend(self):
-        return self._cluster.joblib_backend() if self._cluster is not None else self.backend
+        return self._cluster.joblib_backend() if self._cluster is not None else self.settings.backend
 
     # ----- executors ------------------------------------------------------------
     @contextlib.contextmanager
@@ -157,7 +168,8 @@ class ParallelRolloutManager(SyncBackend):
             yield from executor(joblib.delayed(run_worker)(task) for task in calls)
             return
         pending = {executor.submit(run_worker, task) for task in calls}
-        deadline = None if self.rollout_timeout_s is None else time.monotonic() + self.rollout_timeout_s
+        limit = self.settings.rollout_timeout_s
+        deadline = None if limit is None else time.monotonic() + limit
         try:
             while pending:
                 timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
@@ -176,11 +188,8 @@ class ParallelRolloutManager(SyncBackend):
 
     # ----- rollout ---------------------------------------------------------------
     def _play(self, specs: Sequence[EnvSpec], config: LoopConfig, progress: RolloutProgress | None,
-              fault: dict[str, Any] | None, enough: int | None = None) -> RolloutResult:
-        """``fault``: ``{"worker": i, "exit_at_turn": k}`` kills, at turn k, the
-        process of the worker that plays the rollout's i-th chunk (fault
-        injection; a chunk, not a task: which task takes which chunk is a race). ``progress``: told how far the
-        rollout has got (the caller closes it)."""
+              enough: int | None = None) -> RolloutResult:
+        """``progress``: told how far the rollout has got (the caller closes it)."""
         t_start = time.perf_counter()
         t_start_mono = time.monotonic()
         stats_before = self.shared.stats.snapshot()
@@ -191,7 +200,7 @@ class ParallelRolloutManager(SyncBackend):
             choice = self._auto.choice
             workers, depth = choice.workers, choice.depth or depth
         with self._lease() as lease:
-            played = self._run_parallel(lease, groups, config, fault, progress, workers, depth, enough)
+            played = self._run_parallel(lease, groups, config, progress, workers, depth, enough)
             results, failures, retried = self._retry_crashed(lease, groups, config, progress, workers, depth, *played)
             fallback_s = self._fall_back(lease, groups, results, failures, config, progress)
         t_merge = time.perf_counter()
@@ -216,13 +225,13 @@ class ParallelRolloutManager(SyncBackend):
         what fails again is left to the sequential fallback. -> (results, failures, tasks
         retried)."""
         missing = _missing(groups, results)
-        if not (crashed and missing and self.fallback_to_sequential and not timed_out):
+        if not (crashed and missing and self.settings.fallback_to_sequential and not timed_out):
             failures.update(crashed)
             return results, failures, 0
         logger.warning("[Retry] a worker died (%s); re-running the %d groups not played (its own and "
                        "the other workers' unfinished ones) in parallel", next(iter(crashed.values())),
                        len(missing))
-        again, failed, crashed_again, _ = self._run_parallel(lease, missing, config, None, progress, workers, depth)
+        again, failed, crashed_again, _ = self._run_parallel(lease, missing, config, progress, workers, depth)
         failures.update({f"retry {k}": v for k, v in {**failed, **crashed_again}.items()})
         return results + again, failures, len(crashed)
 
@@ -236,7 +245,7 @@ class ParallelRolloutManager(SyncBackend):
         if not failures:  # a cluster re-ran a lost worker's task, which found its groups taken
             failures["lost"] = "a worker was lost; the cluster ran its task again, but its groups were taken"
         causes = "; ".join(f"worker {i}: {c}" for i, c in sorted(failures.items(), key=str))
-        if not self.fallback_to_sequential:
+        if not self.settings.fallback_to_sequential:
             raise RolloutError(f"{sum(map(len, missing))} envs were not played ({causes})")
         t0 = time.perf_counter()
         rest = [s for g in missing for s in g]
@@ -268,7 +277,7 @@ class ParallelRolloutManager(SyncBackend):
     def _check_picklable(self, specs: Sequence[EnvSpec]) -> None:
         """Env configs travel to worker processes: say which key cannot, once
         per config, instead of joblib's anonymous pickling error."""
-        if self.backend in IN_PROCESS_BACKENDS:
+        if self.settings.backend in IN_PROCESS_BACKENDS:
             return
         from ragen.pickling import describe_unpicklable
 
@@ -284,8 +293,7 @@ class ParallelRolloutManager(SyncBackend):
             self._picklable.add(spec.reuse_key)
 
     def _run_parallel(self, lease: ExecutorLease, groups: list[list[EnvSpec]], config: LoopConfig,
-                      fault: dict[str, Any] | None, progress: RolloutProgress | None, workers: int, depth: int,
-                      enough: int | None = None):
+                      progress: RolloutProgress | None, workers: int, depth: int, enough: int | None = None):
         """The groups played by ``workers`` workers, each taking chunks of them from
         the rollout's queue as it frees up (with ``enough``, until that many groups ended
         whole: the workers tell the driver each one, and the manager answers the rest
@@ -297,10 +305,11 @@ class ParallelRolloutManager(SyncBackend):
         failed: dict[int, str] = {}
         crashed: dict[int, str] = {}
         max_groups = max_live = None
-        if self.max_env_num_per_worker:  # no worker holds more envs than this at once
+        cap = self.settings.max_env_num_per_worker
+        if cap:  # no worker holds more envs than this at once
             per_group = max(len(g) for g in groups)
-            max_groups = max(1, self.max_env_num_per_worker // per_group)
-            max_live = max(1, self.max_env_num_per_worker - max_groups * per_group + 1)
+            max_groups = max(1, cap // per_group)
+            max_live = max(1, cap - max_groups * per_group + 1)
         n_tasks = min(workers, len(groups))
         queue = GroupQueue(len(groups), n_tasks, depth, max_groups, min_chunk_groups(self._group_s))
         # The manager waits for the streams (chunks) not taken yet, within its budget.
@@ -316,8 +325,7 @@ class ParallelRolloutManager(SyncBackend):
             # Workers isolate env errors: a failing env is retried alone and, if it
             # keeps failing, ends its own trajectory; its worker goes on.
             calls = [WorkerTask(i, [], client, config, isolate_errors=True, groups=groups, max_live_envs=max_live,
-                                pipeline_depth=depth, fault=_task_fault(fault, queue, groups),
-                                report_groups=enough is not None)
+                                pipeline_depth=depth, report_groups=enough is not None)
                      for i in range(n_tasks)]
             try:
                 for res in self._results(lease, calls):
@@ -327,7 +335,7 @@ class ParallelRolloutManager(SyncBackend):
                         results.append(res)
             except Exception as exc:  # a dead worker, a timeout: the executor is gone
                 if isinstance(exc, TimeoutError):
-                    cause = f"no result within agent_proxy.rollout_timeout_s={self.rollout_timeout_s} s"
+                    cause = f"no result within agent_proxy.rollout_timeout_s={self.settings.rollout_timeout_s} s"
                 else:  # its first line: loky adds a paragraph on what may kill a worker
                     lines = str(exc).strip().splitlines()
                     cause = f"{type(exc).__name__}: {lines[0]}" if lines else type(exc).__name__
@@ -342,7 +350,8 @@ class ParallelRolloutManager(SyncBackend):
 
     def _fallback(self, lease: ExecutorLease, task: int, specs: list[EnvSpec],
                   config: LoopConfig) -> WorkerResult:
-        if self.backend in IN_PROCESS_BACKENDS:
+        limit_s = self.settings.fallback_env_timeout_s
+        if self.settings.backend in IN_PROCESS_BACKENDS:
             # The task ran in this process: its env configs need not pickle and envs
             # registered here (register_env) are known only here; an env that can kill
             # its process would have done so already. Env calls are bounded by
@@ -350,10 +359,10 @@ class ParallelRolloutManager(SyncBackend):
             # A fresh connection: the failure may have left this thread's out of step.
             self._client.reset()
             result = run_worker(WorkerTask(task, specs, self._client,
-                                           with_env_limit(config, self.fallback_env_timeout_s), isolate_errors=True))
+                                           with_env_limit(config, limit_s), isolate_errors=True))
         else:
-            result = run_isolated(lease.spare, task, specs, self._client, config, self.fallback_env_timeout_s)
-        if result.error:  # not an env's fault (the engine, the manager): nothing to isolate
+            result = run_isolated(lease.spare, task, specs, self._client, config, limit_s)
+        if result.error:  # not an env's failure (the engine, the manager): nothing to isolate
             raise RolloutError(f"worker task {task} failed again in the fallback: {result.error}")
         return result
 
@@ -401,17 +410,6 @@ class ParallelRolloutManager(SyncBackend):
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
-
-
-def _task_fault(fault: dict[str, Any] | None, queue: GroupQueue,
-                groups: list[list[EnvSpec]]) -> dict[str, int] | None:
-    """``fault`` (``{"worker": i, "exit_at_turn": k}``) as every task's: the process
-    that plays the first group of the queue's chunk i exits at turn k."""
-    chunk = (fault or {}).get("worker", 0)
-    if not fault or not 0 <= chunk < len(queue.sizes):
-        return None
-    first = groups[sum(queue.sizes[:chunk])][0]
-    return {"exit_at_turn": fault["exit_at_turn"], "group_id": first.group_id}
 
 
 def _mean(values: Sequence[float]) -> float:

@@ -3,30 +3,46 @@
 from __future__ import annotations
 
 import time
-from typing import Any, Sequence
+from dataclasses import dataclass
+from typing import Sequence
 
 from ragen.llm.types import Engine
 from ragen.rollout.backends.base import SyncBackend
+from ragen.rollout.config import AgentProxyConfig
 from ragen.rollout.env_calls import KeptEnvs
 from ragen.rollout.loop_config import LoopConfig
 from ragen.rollout.scheduler import GroupCount, run_envs
 from ragen.rollout.metrics import EngineUse, rollout_metrics
 from ragen.rollout.progress import RolloutProgress
 from ragen.rollout.types import EnvSpec, RolloutResult
-from ragen.serving import DirectClient, StreamingDirectClient
+from ragen.serving import DirectClient, SharedLLMInferenceManager, StreamingDirectClient
 from ragen.serving.gate import EngineGate
+
+
+@dataclass(frozen=True)
+class SequentialSettings:
+    """What a ``SequentialRollout`` is built with: the ``agent_proxy`` keys of its name (``of``)."""
+
+    max_concurrent_rollouts: int | None = None
+    engine_timeout_s: float | None = None  # bounds the engine gate's wait for streamed requests
+
+    @classmethod
+    def of(cls, ap: AgentProxyConfig) -> "SequentialSettings":
+        return cls(max_concurrent_rollouts=ap.max_concurrent_rollouts, engine_timeout_s=ap.engine_timeout_s)
 
 
 class SequentialRollout(SyncBackend):
     """``use_parallel_rollout: false``: the reference loop, and the one to debug
     with. Envs are kept between rollouts; an env that fails ends its own
-    trajectory in ``error`` or ``timeout``, the others go on."""
+    trajectory in ``error`` or ``timeout``, the others go on. With ``serving``
+    (the shared manager of groups in flight), its engine calls share that
+    manager's engine lock."""
 
-    def __init__(self, engine: Engine, engine_lock: EngineGate | None = None,
-                 max_concurrent_rollouts: int | None = None) -> None:
-        super().__init__(max_concurrent_rollouts)
+    def __init__(self, engine: Engine, settings: SequentialSettings = SequentialSettings(),
+                 serving: SharedLLMInferenceManager | None = None, *, owns_serving: bool = False) -> None:
+        super().__init__(settings.max_concurrent_rollouts, serving, owns_serving)
         self.engine = engine
-        self._lock = engine_lock or EngineGate()
+        self._lock = serving.engine_lock if serving is not None else EngineGate.for_requests(settings.engine_timeout_s)
         self._kept_envs = KeptEnvs()
 
     @property
@@ -34,9 +50,7 @@ class SequentialRollout(SyncBackend):
         return self._lock
 
     def _play(self, specs: Sequence[EnvSpec], loop: LoopConfig, progress: RolloutProgress,
-              fault: dict[str, Any] | None, enough: int | None = None) -> RolloutResult:
-        if fault is not None:
-            raise ValueError("fault injection kills a worker process: it needs use_parallel_rollout: true")
+              enough: int | None = None) -> RolloutResult:
         t0 = time.perf_counter()
         client: _LockedClient | _StreamingClient = (_StreamingClient if self.engine.streams else _LockedClient)(
             self.engine, self._lock, progress)

@@ -66,16 +66,13 @@ class WorkerTask:
     rollout's queue (``dispatch.take_chunk``) as it frees up, each chunk a stream of its own
     once ``pipeline_depth`` streams play (``batching.Lockstep``); at most ``max_live_envs``
     envs at once (None: no limit). ``isolate_errors``: an env's failure ends its own
-    trajectory (the fallback's), else the task's. ``fault``: ``{"exit_at_turn": k}`` kills
-    the worker's process at turn k, with ``"group_id": g`` only when it plays group g
-    (fault injection)."""
+    trajectory (the fallback's), else the task's."""
 
     task: int
     specs: list[EnvSpec]
     client: SharedLLMClient
     config: LoopConfig
     isolate_errors: bool = False
-    fault: dict[str, int] | None = None
     groups: list[list[EnvSpec]] | None = None
     max_live_envs: int | None = None
     pipeline_depth: int = 1
@@ -100,7 +97,6 @@ def run_worker(task: WorkerTask) -> WorkerResult:
     try:
         trajectories, stats = run_envs(task.specs, client, task.config, _worker_envs(), task.isolate_errors,
                                        batching=batching, take=take, on_finished=partial(report_finished, client),
-                                       fault=task.fault,
                                        groups_done=partial(report_groups_done, client) if task.report_groups else None)
         for t in trajectories:
             t.worker = os.getpid()
