@@ -10,6 +10,7 @@ import pwd
 import secrets
 import shutil
 import subprocess
+import sys
 import tempfile
 
 import pytest
@@ -209,3 +210,34 @@ def test_an_attack_stays_in_its_box_as_an_ordinary_user(name):
 def test_an_ordinary_user_without_bubblewrap_is_refused_naming_the_fix():
     out = _as_user("no_backend", "")
     assert "apt-get install bubblewrap" in out["refused"] and "sandbox: none" in out["refused"]
+
+
+_FROM_TMP = """
+import sys
+import ragen
+assert ragen.__file__.startswith(sys.argv[1]), ragen.__file__
+from ragen.env import make_env
+env = make_env("reasoning_gym", {"dataset": "chain_sum", "sandbox": sys.argv[2]})
+env.reset(seed=0)
+_, reward, _, info = env.step(env.item["answer"])
+print("scored", reward)
+env.close()
+"""
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("name", ["bwrap", "unshare"])
+def test_a_scorer_runs_where_ragen_is_imported_from_a_folder_under_tmp(name, tmp_path):
+    """A checkout (or a venv) under /tmp, which the sandbox replaces with a private one: the scorer
+    process still imports ragen's modules from it (they are bound on top, read-only)."""
+    pytest.importorskip("reasoning_gym")
+    if name == "bwrap" and NO_BWRAP:
+        pytest.skip("bubblewrap is not installed (apt-get install bubblewrap)")
+    if name == "unshare" and os.geteuid() != 0:
+        pytest.skip("the unshare backend is root's")
+    checkout = tmp_path / "checkout"
+    shutil.copytree(os.path.dirname(os.path.dirname(os.path.abspath(sandbox.__file__))), checkout / "ragen",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    proc = subprocess.run([sys.executable, "-c", _FROM_TMP, str(checkout), name], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=200, env={**os.environ, "PYTHONPATH": str(checkout)})
+    assert proc.returncode == 0 and "scored 1.0" in proc.stdout, proc.stderr[-3000:]

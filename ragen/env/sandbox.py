@@ -33,6 +33,7 @@ import logging
 import os
 import resource
 import select
+import shlex
 import selectors
 import shutil
 import signal
@@ -422,8 +423,9 @@ def _command(name: str, folder: str, target: list[str], limits: Limits, uid: int
         return [*setpriv, _BWRAP, "--unshare-all", "--die-with-parent", "--new-session", "--as-pid-1", "--cap-drop", "ALL",
                 "--clearenv",
                 "--setenv", "PATH", "/usr/bin:/bin", "--setenv", "LANG", "C.UTF-8", "--setenv", "HOME", "/tmp",
-                *_binds(python, packages), "--proc", "/proc", "--dev", "/dev",
-                *_tmpfs(limits), "--ro-bind", folder, _INSIDE, "--chdir", "/tmp", *inner]
+                # the private /tmp first: a package folder under it (a checkout or venv in /tmp) is bound on top
+                *_tmpfs(limits), *_binds(python, packages), "--proc", "/proc", "--dev", "/dev",
+                "--ro-bind", folder, _INSIDE, "--chdir", "/tmp", *inner]
     # unshare: a root shell in the new namespaces mounts the private folders, then drops to the run's uid
     # (or, for a Python only root may run, stays uid 0 without a capability, on a read-only file system)
     setpriv = [_SETPRIV, "--inh-caps=-all", "--bounding-set=-all", "--no-new-privs"]
@@ -438,20 +440,25 @@ def _unshare_script(folder: str, limits: Limits, python: str, packages: bool) ->
     way of /tmp's tmpfs, since / is not writable), private tmpfs at /tmp, /var/tmp and /dev/shm, the
     folders a run must not read hidden under empty ones; then the run's command ("$@")."""
     size = f"size={limits.tmp_mb}m,mode=1777"
+    # with packages: the folders it imports from that lie under a private one (a checkout or venv in /tmp)
+    kept = [shlex.quote(p) for p in _package_folders() if p.startswith(_PRIVATE)] if packages else []
     lines = [
         "set -e",
         # every mount read-only in this namespace (the machine's stay as they are); then the private ones
         "awk '{print $2}' /proc/self/mounts | while read -r m; do mount -o remount,bind,ro \"$m\" 2>/dev/null "
         "|| true; done",
-        "mount -t tmpfs -o size=1m,mode=755 tmpfs /run",  # a place to hold the folder while /tmp is replaced
+        "mount -t tmpfs -o size=1m,mode=755 tmpfs /run",  # a place to hold folders while /tmp is replaced
         "mkdir /run/inside",
         f"mount --bind {folder} /run/inside",
         "mount -o remount,bind,ro /run/inside",
+        *[line for i, path in enumerate(kept) for line in (
+            f"mkdir /run/kept{i}", f"mount --bind {path} /run/kept{i}", f"mount -o remount,bind,ro /run/kept{i}")],
         f"mount -t tmpfs -o {size} tmpfs /tmp",
         f"mount -t tmpfs -o {size} tmpfs /var/tmp",
         f"mount -t tmpfs -o {size} tmpfs /dev/shm",
         f"mkdir {_INSIDE}",
         f"mount --move /run/inside {_INSIDE}",
+        *[line for i, path in enumerate(kept) for line in (f"mkdir -p {path}", f"mount --move /run/kept{i} {path}")],
         *[f"mount -t tmpfs -o size=4k,mode=755 tmpfs '{path}'" for path in _hidden(python, packages)],
         "cd /tmp",
         'exec "$@"',
@@ -493,9 +500,8 @@ def _binds(python: str, packages: bool) -> list[str]:
             args += ["--ro-bind", top, top]
     prefixes = {os.path.realpath(sys.base_prefix)} if os.path.realpath(python) == os.path.realpath(
         sys.executable) else set()
-    if packages:  # an editable install imports ragen from its source folder
-        prefixes |= {os.path.realpath(sys.prefix), _ragen_root()}
-        prefixes |= {os.path.realpath(p) for p in sys.path if p and os.path.isdir(p)}
+    if packages:
+        prefixes |= set(_package_folders())
     for prefix in sorted(prefixes):
         if not prefix.startswith(("/usr/", "/lib")) and prefix != "/":
             args += ["--ro-bind", prefix, prefix]
@@ -510,6 +516,17 @@ def _binds(python: str, packages: bool) -> list[str]:
             if os.path.isdir(path) and any(path.startswith(p + "/") for p in prefixes):
                 args += ["--tmpfs", path]
     return args
+
+
+_PRIVATE = ("/tmp/", "/var/tmp/", "/dev/shm/")  # private (empty) in a sandbox: what it needs under them is bound
+
+
+def _package_folders() -> list[str]:
+    """The folders a run with packages imports from: this Python's prefix, ragen's source (an editable
+    install imports ragen from it) and sys.path's folders."""
+    folders = {os.path.realpath(sys.prefix), _ragen_root()} | {os.path.realpath(p) for p in sys.path
+                                                                 if p and os.path.isdir(p)}
+    return sorted(folders)
 
 
 def _tmpfs(limits: Limits) -> list[str]:
