@@ -74,6 +74,19 @@ def test_auto_takes_mimalloc_before_tcmalloc_and_tcmalloc_where_mimalloc_is_miss
     assert preloads == ["/lib/libmimalloc.so", "/lib/libtcmalloc.so"]
 
 
+def test_mimalloc_gives_freed_memory_back_at_once_unless_the_environment_says_otherwise(monkeypatch):
+    monkeypatch.setattr(allocator, "loaded", lambda: None)
+    monkeypatch.setattr(allocator, "find_library", _found("mimalloc"))
+    monkeypatch.delenv(allocator._RELAUNCHED, raising=False)
+    monkeypatch.delenv("MIMALLOC_PURGE_DELAY", raising=False)
+    delays = []
+    monkeypatch.setattr(os, "execve", lambda path, argv, env: delays.append(env.get("MIMALLOC_PURGE_DELAY")))
+    allocator.relaunch_with("auto")
+    monkeypatch.setenv("MIMALLOC_PURGE_DELAY", "10")
+    allocator.relaunch_with("mimalloc")
+    assert delays == ["0", "10"]
+
+
 def test_a_running_allocator_that_auto_would_take_is_kept(monkeypatch):
     monkeypatch.setattr(allocator, "find_library", _found("mimalloc", "tcmalloc"))
     monkeypatch.setattr(os, "execve", lambda *a: pytest.fail("relaunched an allocator already in use"))
