@@ -1,4 +1,4 @@
-"""The memory allocator of the training process (``trainer.allocator``): mimalloc, which ragen ships.
+"""The memory allocator of the training process (``trainer.allocator``): tcmalloc or mimalloc (ragen ships it).
 
 glibc's malloc keeps most of what an update frees in its heap instead of
 giving it back, so a training step's peak RSS is several times the tensors it
@@ -7,13 +7,12 @@ mimalloc comes with ragen on Linux (the ``cmeel-mimalloc`` wheel, a
 dependency); tcmalloc is a system package (gperftools' ``libtcmalloc_minimal``).
 An allocator is chosen before a process starts (``LD_PRELOAD``), so
 ``relaunch_with`` runs the same command again, once, with the library
-preloaded (``os.execve``), before the trainer builds anything; mimalloc with
-``MIMALLOC_PURGE_DELAY=0`` (unless set), so that what is freed goes back at once. The processes
+preloaded (``os.execve``), before the trainer builds anything. The processes
 it starts (rollout workers, engines) inherit it; the sandbox's do not (they
 start with an empty environment).
 
-- ``auto``: mimalloc where found, else tcmalloc where installed, else the
-  system's malloc, with a warning on Linux (where one of them should be);
+- ``auto``: tcmalloc where installed (the fastest), else mimalloc, else the
+  system's malloc, with a warning on Linux (where mimalloc should be);
 - ``mimalloc`` / ``tcmalloc``: that one, or a ValueError naming the key where it is missing;
 - ``system``: the C library's malloc.
 """
@@ -30,10 +29,7 @@ from pathlib import Path
 logger = logging.getLogger(__name__)
 
 CHOICES = ("auto", "mimalloc", "tcmalloc", "system")
-AUTO_ORDER = ("mimalloc", "tcmalloc")  # the fastest that holds the memory bound first (BENCHMARKS.md)
-# each allocator's settings where the environment sets none: mimalloc gives freed memory back at once
-# (by default it waits, and a validation rollout's caches stayed in the training step's peak)
-_TUNING = {"mimalloc": {"MIMALLOC_PURGE_DELAY": "0"}}
+AUTO_ORDER = ("tcmalloc", "mimalloc")  # the fastest that holds the memory bound first (BENCHMARKS.md)
 # set in the relaunched process: a preload that did not take is reported, not tried again
 _RELAUNCHED = "RAGEN_ALLOCATOR_RELAUNCHED"
 _INSTALL = {
@@ -80,6 +76,22 @@ def loaded() -> str | None:
     return next((name for name in AUTO_ORDER if f"lib{name}" in maps), None)
 
 
+def give_back() -> None:
+    """Return the memory freed so far to the system, where the allocator holds on to it: between a
+    step's phases (a validation rollout's caches, a rollout's, before the update), so that one
+    phase's freed memory does not stay in the next one's peak. A millisecond or so."""
+    try:
+        lib = ctypes.CDLL(None)
+    except OSError:
+        return
+    for symbol, args in (("mi_collect", (ctypes.c_bool(True),)), ("MallocExtension_ReleaseFreeMemory", ()),
+                         ("malloc_trim", (ctypes.c_size_t(0),))):
+        function = getattr(lib, symbol, None)
+        if function is not None:
+            function(*args)
+            return
+
+
 def relaunch_with(choice: str) -> None:
     """Run this process's command again with ``choice``'s allocator preloaded, where it is not
     in force yet; returns where nothing is to be done (``system``, already loaded, none found
@@ -107,7 +119,7 @@ def relaunch_with(choice: str) -> None:
                        choice, library)
         return
     preload = " ".join(p for p in (library, os.environ.get("LD_PRELOAD", "")) if p)
-    env = {**_TUNING.get(name, {}), **os.environ, "LD_PRELOAD": preload, _RELAUNCHED: name}
+    env = {**os.environ, "LD_PRELOAD": preload, _RELAUNCHED: name}
     sys.stdout.flush()
     sys.stderr.flush()
     os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], env)  # does not return

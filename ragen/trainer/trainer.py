@@ -19,6 +19,7 @@ from typing import Any, Callable, Mapping
 
 import torch
 
+from ragen.allocator import give_back
 from ragen.env import make_env_config
 from ragen.errors import RagenError
 from ragen.llm.chat_tokens import ChatTokens
@@ -241,6 +242,7 @@ class AgentTrainer:
 
     def train_step(self, step: int) -> dict[str, float]:
         version = self.engine.policy_version
+        give_back()  # what validation freed stays out of this step's peak
         self.memory.start()
         t0 = time.perf_counter()
         # synchronous, generated ahead (async_generation_ratio) or fully async, as configured
@@ -264,6 +266,7 @@ class AgentTrainer:
             lags = [version - s.policy_version for s in samples]
             metrics["off_policy/version_lag_mean"] = sum(lags) / len(lags)
             metrics["off_policy/version_lag_max"] = float(max(lags))
+        give_back()  # the rollout's caches, freed at its end, before the update's activations
         t2 = time.perf_counter()
         metrics.update(self.actor.update(samples, step))
         t3 = time.perf_counter()
