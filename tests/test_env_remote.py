@@ -27,6 +27,7 @@ from ragen.rollout.envs import tag_spec
 from ragen.rollout.types import StopReason, rollout_digest
 
 from tests.rollout_helpers import custom_envs, loop_config, sequential, specs_for
+from tests.unread_peer import kernel_buffers
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -252,17 +253,6 @@ class _BigAnswers:
 OBSERVATION_BYTES = 64 << 10
 
 
-def _kernel_buffers() -> int:
-    """About what the kernel holds of a session that is not read: the server's
-    largest send buffer and the client's receive buffer (set small)."""
-    try:
-        with open("/proc/sys/net/ipv4/tcp_wmem") as f:
-            wmem = int(f.read().split()[2])
-    except (OSError, ValueError, IndexError):
-        wmem = 4 << 20
-    return wmem + (256 << 10)
-
-
 def _raw_session(srv, tag="S"):
     """A session opened by hand on a socket that reads nothing after the handshake."""
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
@@ -306,7 +296,7 @@ def test_a_client_that_never_reads_loses_its_session_and_frees_its_slot(caplog):
     with a warning naming it, and its slot goes to the next client, where
     its session used to hold the only slot for as long as it kept still."""
     bound = 1 << 20
-    resets = (_kernel_buffers() + bound) // OBSERVATION_BYTES + 16  # answers past the kernel's buffers and the bound
+    resets = (kernel_buffers() + bound) // OBSERVATION_BYTES + 16  # answers past the kernel's buffers and the bound
     with caplog.at_level(logging.WARNING), \
             env_server({"S": _BigAnswers}, max_sessions=1, max_send_queue_bytes=bound) as srv:
         stuck = _raw_session(srv)
@@ -338,7 +328,7 @@ def test_a_client_that_stops_reading_and_sending_is_closed_when_idle():
     """Answers past what the kernel holds, under the bound, and then nothing:
     the session's thread is not stuck sending them, so the idle timeout
     closes the session and frees its slot."""
-    resets = _kernel_buffers() // OBSERVATION_BYTES + 16
+    resets = kernel_buffers() // OBSERVATION_BYTES + 16
     with env_server({"S": _BigAnswers}, max_sessions=1, idle_timeout_s=0.5, max_send_queue_bytes=64 << 20) as srv:
         stuck = _raw_session(srv)
         try:
@@ -359,7 +349,7 @@ def test_a_client_that_reads_late_gets_every_answer_in_order():
     once it does; its session goes on and closes cleanly."""
     from websockets.sync.client import connect
 
-    resets = _kernel_buffers() // OBSERVATION_BYTES + 32  # the client's own queue holds 16 of them
+    resets = kernel_buffers() // OBSERVATION_BYTES + 32  # the client's own queue holds 16 of them
     with env_server({"S": _BigAnswers}, max_send_queue_bytes=64 << 20) as srv:
         sock = socket.create_connection((srv.host, srv.port), timeout=10)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 64 << 10)

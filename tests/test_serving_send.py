@@ -17,6 +17,7 @@ from ragen.llm.types import Completion, GenerationRequest, SamplingParams
 from ragen.serving import SharedLLMInferenceManager, messages, wire
 
 from tests.inference_helpers import ask
+from tests.unread_peer import kernel_buffers
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -36,17 +37,6 @@ class BigAnswers(ScriptedEngine):
 def _requests(n, env0=0):
     return [GenerationRequest(messages=[{"role": "user", "content": "Available actions: Up, Down"}],
                               env_id=env0 + i, turn=0, seed=1) for i in range(n)]
-
-
-def _kernel_buffers() -> int:
-    """About what the kernel holds of a connection that is not read: the
-    sender's largest send buffer and the stuck peer's receive buffer (set small)."""
-    try:
-        with open("/proc/sys/net/ipv4/tcp_wmem") as f:
-            wmem = int(f.read().split()[2])
-    except (OSError, ValueError, IndexError):
-        wmem = 4 << 20
-    return wmem + (256 << 10)
 
 
 def _stuck_peer(shared) -> socket.socket:
@@ -85,7 +75,7 @@ def test_a_peer_that_stops_reading_delays_only_its_own_answers(caplog):
     peer's queue passes ``max_send_queue_bytes`` it is dropped, named in a
     warning, and the worker goes on being answered."""
     bound = 32 << 20
-    stuck_first = _kernel_buffers() + 4 * ANSWER_BYTES  # more than the kernel holds, less than the bound
+    stuck_first = kernel_buffers() + 4 * ANSWER_BYTES  # more than the kernel holds, less than the bound
     assert stuck_first + 2 * ANSWER_BYTES < bound
     with caplog.at_level(logging.WARNING, logger="ragen.serving"), \
             SharedLLMInferenceManager(BigAnswers(), max_send_queue_bytes=bound) as shared:
@@ -115,7 +105,7 @@ def test_close_ends_the_sends_to_a_stuck_peer():
     close() returns, and no thread of the send path is left."""
     with SharedLLMInferenceManager(BigAnswers()) as shared:
         stuck = _stuck_peer(shared)
-        n = _kernel_buffers() // ANSWER_BYTES + 4
+        n = kernel_buffers() // ANSWER_BYTES + 4
         _ask_big(stuck, n, 1)
         _wait_for(lambda: shared.stats.requests >= n)
         _wait_for(lambda: _send_threads(), timeout_s=10)  # answers wait in its queue
