@@ -149,3 +149,21 @@ def test_an_env_config_that_cannot_be_built_is_a_config_error():
         make_env_config("sokoban", {"sizee": 3}, tag="t")
     with pytest.raises(EnvImportError, match="cannot import"):
         make_env_config("no_such_module_xyz:Env", {}, tag="t")
+
+
+def test_the_trainer_sections_and_the_engines_options_raise_config_errors_naming_the_key():
+    from ragen.llm.hf_options import HFOptions
+    from ragen.llm.scripted import ScriptedEngine
+    from ragen.llm.vllm_engine import VLLMEngine
+    from ragen.trainer.config import OptimSection, TrainerSection
+
+    with pytest.raises(ConfigError, match="actor_rollout_ref.actor.optim.lr is 0"):
+        OptimSection(lr=0.0)
+    with pytest.raises(ConfigError, match="trainer.logger: unknown logger 'nope'"):
+        TrainerSection(default_local_dir="run", logger="nope")
+    with pytest.raises(ConfigError, match="engine.max_batch_size=0"):
+        HFOptions.check_options({"max_batch_size": 0})
+    with pytest.raises(ConfigError, match="engine.malformed_rate=2"):
+        ScriptedEngine.check_options({"malformed_rate": 2})
+    with pytest.raises(ConfigError, match="engine.data_parallel_size must be an integer"):
+        VLLMEngine.check_options({"data_parallel_size": 0})

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from ragen.errors import ConfigError
 from ragen.llm.types import Engine
 
 
@@ -19,10 +20,10 @@ class HFOptions(Engine):
     def check_options(cls, options: dict[str, Any]) -> None:
         max_batch_size = options.get("max_batch_size", 64)
         if isinstance(max_batch_size, bool) or not isinstance(max_batch_size, int) or max_batch_size < 1:
-            raise ValueError(f"engine.max_batch_size={max_batch_size!r} must be an integer >= 1")
+            raise ConfigError(f"engine.max_batch_size={max_batch_size!r} must be an integer >= 1")
         prefix_cache = options.get("prefix_cache", True)
         if not isinstance(prefix_cache, bool):
-            raise ValueError(f"engine.prefix_cache must be true or false, got {prefix_cache!r}")
+            raise ConfigError(f"engine.prefix_cache must be true or false, got {prefix_cache!r}")
         turn_cache_mb = options.get("turn_cache_mb", 2048)
         if isinstance(turn_cache_mb, bool) or not isinstance(turn_cache_mb, (int, float)) or turn_cache_mb < 0:
-            raise ValueError(f"engine.turn_cache_mb must be a number >= 0 (0: off), got {turn_cache_mb!r}")
+            raise ConfigError(f"engine.turn_cache_mb must be a number >= 0 (0: off), got {turn_cache_mb!r}")

@@ -86,6 +86,7 @@ import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Mapping, Sequence
 
+from ragen.errors import ConfigError
 from ragen.llm.chat_tokens import ChatTokens
 from ragen.llm.default_model import resolve_model_path
 from ragen.llm.openai_http import (SESSION_HEADER, HTTPTransport, MalformedReply, RefusedError, ServerUnavailable,
@@ -140,13 +141,13 @@ class OpenAIEngine(StreamingEngine):
         if tokenizer is None or isinstance(tokenizer, str):
             self.check_options({"tokenizer": tokenizer})
         if not isinstance(logprobs, bool):
-            raise ValueError(f"engine.logprobs must be true or false, got {logprobs!r}")
+            raise ConfigError(f"engine.logprobs must be true or false, got {logprobs!r}")
         if int(max_concurrency) < 1:
-            raise ValueError(f"engine.max_concurrency={max_concurrency} must be >= 1")
+            raise ConfigError(f"engine.max_concurrency={max_concurrency} must be >= 1")
         if float(timeout_s) <= 0:
-            raise ValueError(f"engine.timeout_s={timeout_s} must be > 0")
+            raise ConfigError(f"engine.timeout_s={timeout_s} must be > 0")
         if int(max_retries) < 0:
-            raise ValueError(f"engine.max_retries={max_retries} must be >= 0")
+            raise ConfigError(f"engine.max_retries={max_retries} must be >= 0")
         self.base_url = checked_url(base_url, "engine.base_url")
         self.http = HTTPTransport(self.base_url, api_key, float(timeout_s), int(max_retries), float(backoff_s))
         # one of several servers (engine.base_urls): a request the server does not answer within
@@ -180,13 +181,13 @@ class OpenAIEngine(StreamingEngine):
         if value is None:
             return
         if not isinstance(value, str) or not value.strip():
-            raise ValueError(f"engine.tokenizer must be null, 'default', a local model folder or a cached model id, "
-                             f"got {value!r}")
+            raise ConfigError(f"engine.tokenizer must be null, 'default', a local model folder or a cached model id, "
+                              f"got {value!r}")
         if value != "default":
             try:
                 resolve_model_path(value)
             except ValueError:
-                raise ValueError(
+                raise ConfigError(
                     f"engine.tokenizer={value!r} is not 'default', not a local folder, and not a model id in the "
                     f"local Hugging Face cache (nothing is downloaded): set it to the model the server runs, or "
                     f"null to send chat messages") from None
@@ -199,10 +200,10 @@ class OpenAIEngine(StreamingEngine):
         if urls is None:
             return [(str(options.get("base_url", "")), options)]
         if isinstance(urls, str) or not isinstance(urls, (list, tuple)) or not urls:
-            raise ValueError(f"engine.base_urls must be null or a non-empty list of server URLs, got {urls!r}")
+            raise ConfigError(f"engine.base_urls must be null or a non-empty list of server URLs, got {urls!r}")
         checked = [checked_url(url, f"engine.base_urls[{i}]") for i, url in enumerate(urls)]
         if len(set(checked)) < len(checked):
-            raise ValueError(f"engine.base_urls lists a server twice: {list(urls)!r}")
+            raise ConfigError(f"engine.base_urls lists a server twice: {list(urls)!r}")
         if len(checked) == 1:
             return [(checked[0], {**options, "base_url": checked[0]})]
         return [(url, {**options, "base_url": url, "fail_over": True}) for url in checked]

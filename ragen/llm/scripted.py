@@ -61,6 +61,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
 from ragen.config_reader import read, setting
+from ragen.errors import ConfigError
 from ragen.llm.chat_tokens import ChatTokens
 from ragen.llm.pending import PendingFutures, fail_closed
 from ragen.llm.tool_calls import CALL_OPEN, tools_system_text
@@ -97,10 +98,10 @@ def _import_answers(path: str | None) -> Any:
     try:
         fn = getattr(importlib.import_module(module), name) if sep and module and name else None
     except (ImportError, AttributeError) as exc:
-        raise ValueError(f"engine.answers={path!r}: cannot import it: {type(exc).__name__}: {exc}") from None
+        raise ConfigError(f"engine.answers={path!r}: cannot import it: {type(exc).__name__}: {exc}") from None
     if not callable(fn):
-        raise ValueError(f"engine.answers={path!r}: expected 'package.module:function', a function of the prompt "
-                         "text and a random.Random that returns (answer, log-probability) or None")
+        raise ConfigError(f"engine.answers={path!r}: expected 'package.module:function', a function of the prompt "
+                          "text and a random.Random that returns (answer, log-probability) or None")
     return fn
 
 
@@ -174,17 +175,17 @@ class ScriptedEngine(Engine):
     def check_options(cls, options: dict[str, Any]) -> None:
         malformed_rate = options.get("malformed_rate", 0.0)
         if not 0.0 <= float(malformed_rate) <= 1.0:
-            raise ValueError(f"engine.malformed_rate={malformed_rate} must be within [0, 1]")
+            raise ConfigError(f"engine.malformed_rate={malformed_rate} must be within [0, 1]")
         max_actions = options.get("max_actions", 5)
         if isinstance(max_actions, bool) or not isinstance(max_actions, int) or max_actions < 1:
-            raise ValueError(f"engine.max_actions={max_actions!r} must be an integer >= 1")
+            raise ConfigError(f"engine.max_actions={max_actions!r} must be an integer >= 1")
         base_s, per_token_s = options.get("base_s", 0.0), options.get("per_token_s", 0.0)
         if base_s < 0 or per_token_s < 0:
-            raise ValueError(f"engine.base_s={base_s} and engine.per_token_s={per_token_s} must be >= 0")
+            raise ConfigError(f"engine.base_s={base_s} and engine.per_token_s={per_token_s} must be >= 0")
         if options.get("continuous_batching") is not None:
             if base_s or per_token_s:
-                raise ValueError("engine.base_s and engine.per_token_s time whole calls; with "
-                                 "engine.continuous_batching the decode steps time each request: set one of the two")
+                raise ConfigError("engine.base_s and engine.per_token_s time whole calls; with "
+                                  "engine.continuous_batching the decode steps time each request: set one of the two")
             decode = options["continuous_batching"]
             if not isinstance(decode, DecodeModel):
                 read(DecodeModel, decode, "engine.continuous_batching")

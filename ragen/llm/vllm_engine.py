@@ -50,6 +50,7 @@ import time
 from concurrent.futures import Future
 from typing import Any, Iterable, Mapping, Sequence
 
+from ragen.errors import ConfigError
 from ragen.llm.chat_tokens import ChatTokens, stop_token_ids
 from ragen.llm.default_model import resolve_model_path
 from ragen.llm.pending import PendingFutures, fail_closed
@@ -129,16 +130,16 @@ class VLLMEngine(Engine):
     def check_options(cls, options: dict[str, Any]) -> None:
         for key in ("streaming", "exact_lengths"):
             if not isinstance(options.get(key, False), bool):
-                raise ValueError(f"engine.{key} must be true or false, got {options[key]!r}")
+                raise ConfigError(f"engine.{key} must be true or false, got {options[key]!r}")
         parallel = options.get("data_parallel_size", 1)
         if isinstance(parallel, bool) or not isinstance(parallel, int) or parallel < 1:
-            raise ValueError(f"engine.data_parallel_size must be an integer >= 1, got {parallel!r}")
+            raise ConfigError(f"engine.data_parallel_size must be an integer >= 1, got {parallel!r}")
         if parallel > 1 and options.get("streaming", True) is False:
-            raise ValueError(f"engine.data_parallel_size={parallel} needs engine.streaming=true: vllm.LLM refuses "
-                             f"data parallelism in one process, vLLM's async engine runs it")
+            raise ConfigError(f"engine.data_parallel_size={parallel} needs engine.streaming=true: vllm.LLM refuses "
+                              f"data parallelism in one process, vLLM's async engine runs it")
         budget = options.get("max_num_batched_tokens")
         if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int) or budget < 1):
-            raise ValueError(f"engine.max_num_batched_tokens must be null or an integer >= 1, got {budget!r}")
+            raise ConfigError(f"engine.max_num_batched_tokens must be null or an integer >= 1, got {budget!r}")
 
     @classmethod
     def streams_with(cls, options: dict[str, Any]) -> bool:

@@ -35,6 +35,7 @@ from typing import Mapping
 
 from ragen.allocator import CHOICES as ALLOCATORS
 from ragen.config_reader import check_keys, read, setting, to_plain
+from ragen.errors import ConfigError
 from ragen.llm.transformers_compat import checkpointable_layer
 from ragen.rollout.config import ROLLOUT_SECTIONS, SeedConfig
 
@@ -76,15 +77,15 @@ class TrainerSection:
 
     def __post_init__(self) -> None:
         if not self.default_local_dir or self.default_local_dir == "None":
-            raise ValueError("trainer.default_local_dir must name the run folder")
+            raise ConfigError("trainer.default_local_dir must name the run folder")
         names = [self.logger] if isinstance(self.logger, str) else self.logger
         for name in names:
             if name not in LOGGERS:
-                raise ValueError(f"trainer.logger: unknown logger {name!r}; choose from {LOGGERS}")
+                raise ConfigError(f"trainer.logger: unknown logger {name!r}; choose from {LOGGERS}")
         for name, module in (("tensorboard", "torch.utils.tensorboard"), ("wandb", "wandb")):
             if name in names and not _importable(module):
-                raise ValueError(f"trainer.logger asks for {name!r} but {module} is not installed; "
-                                 f"install it or remove {name!r} from trainer.logger")
+                raise ConfigError(f"trainer.logger asks for {name!r} but {module} is not installed; "
+                                  f"install it or remove {name!r} from trainer.logger")
 
 
 @dataclass(frozen=True)
@@ -97,9 +98,9 @@ class OptimSection:
 
     def __post_init__(self) -> None:
         if not all(0 <= b < 1 for b in self.betas):
-            raise ValueError(f"actor_rollout_ref.actor.optim.betas must be two numbers in [0, 1), got {self.betas!r}")
+            raise ConfigError(f"actor_rollout_ref.actor.optim.betas must be two numbers in [0, 1), got {self.betas!r}")
         if self.lr == 0.0:
-            raise ValueError("actor_rollout_ref.actor.optim.lr is 0: nothing would be trained")
+            raise ConfigError("actor_rollout_ref.actor.optim.lr is 0: nothing would be trained")
 
 
 @dataclass(frozen=True)
@@ -143,9 +144,9 @@ class ActorSection:
         a = "actor_rollout_ref.actor"
         low = self.clip_range[0]
         if low >= 1.0:
-            raise ValueError(f"{a}.clip_ratio_low (or clip_ratio) must be < 1, got {low}")
+            raise ConfigError(f"{a}.clip_ratio_low (or clip_ratio) must be < 1, got {low}")
         if self.ppo_micro_batch_size_per_gpu > self.ppo_mini_batch_size:
-            raise ValueError(
+            raise ConfigError(
                 f"{a}.ppo_micro_batch_size_per_gpu ({self.ppo_micro_batch_size_per_gpu}) is larger than "
                 f"{a}.ppo_mini_batch_size ({self.ppo_mini_batch_size}); make it <= the mini-batch"
             )
@@ -165,13 +166,13 @@ class ModelSection:
 
     def __post_init__(self) -> None:
         if self.enable_gradient_checkpointing not in (True, False, "auto"):
-            raise ValueError("actor_rollout_ref.model.enable_gradient_checkpointing must be true, false or auto, "
-                             f"got {self.enable_gradient_checkpointing!r}")
+            raise ConfigError("actor_rollout_ref.model.enable_gradient_checkpointing must be true, false or auto, "
+                              f"got {self.enable_gradient_checkpointing!r}")
         if self.enable_gradient_checkpointing is True:
             checkpointable_layer()
         if isinstance(self.target_modules, list) and not self.target_modules:
-            raise ValueError("actor_rollout_ref.model.target_modules must be 'all-linear' or a list of module "
-                             "names, got []")
+            raise ConfigError("actor_rollout_ref.model.target_modules must be 'all-linear' or a list of module "
+                              "names, got []")
 
 
 @dataclass(frozen=True)
@@ -269,23 +270,23 @@ class TrainerConfig:
         from it where the off-policy correction cannot do without them."""
         a, actor = "actor_rollout_ref.actor", self.actor
         if actor.ppo_mini_batch_size > train_batch_size:
-            raise ValueError(
+            raise ConfigError(
                 f"{a}.ppo_mini_batch_size ({actor.ppo_mini_batch_size}) is larger than the train batch "
                 f"(es_manager.train.env_groups x group_size = {train_batch_size} episodes); make it <= "
                 f"{train_batch_size}"
             )
         if actor.ppo_micro_batch_size_per_gpu > train_batch_size:
-            raise ValueError(
+            raise ConfigError(
                 f"{a}.ppo_micro_batch_size_per_gpu ({actor.ppo_micro_batch_size_per_gpu}) is larger than the "
                 f"train batch ({train_batch_size} episodes)"
             )
         if engine_name not in TRAINABLE_ENGINES:
-            raise ValueError(
+            raise ConfigError(
                 f"engine.name={engine_name!r} cannot be trained (its weights are out of reach); "
                 f"train with one of {TRAINABLE_ENGINES} (e.g. engine=hf)"
             )
         if actor.off_policy_correction == "decoupled" and not engine_returns_logprobs:
-            raise ValueError(
+            raise ConfigError(
                 f"{a}.off_policy_correction=decoupled needs the log-prob of every sampled token, and "
                 f"engine {engine_name!r} returns none; use tis or none"
             )
