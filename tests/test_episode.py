@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 
 from ragen.llm.scripted import ScriptedEngine
-from ragen.rollout.env_calls import EnvSlot, KeptEnvs
-from ragen.rollout.episode import EnvTurns, Playing, play_episode
+from ragen.rollout.env_calls import KeptEnvs
+from ragen.rollout.episode import EnvTurns
 from ragen.rollout.types import StopReason
 
 from tests.rollout_helpers import custom_envs, fault_tag, loop_config, sequential, specs_for
@@ -17,7 +17,7 @@ from tests.rollout_helpers import custom_envs, fault_tag, loop_config, sequentia
 def drive(spec, config, engine):
     """The episode of ``spec`` played alone, each request answered by ``engine``."""
     turns = EnvTurns(config, KeptEnvs(), isolate=True)
-    episode = play_episode(EnvSlot(spec), turns)
+    episode = turns.start(spec).run
     requests = []
     try:
         request = next(episode)
@@ -48,15 +48,15 @@ def test_closing_an_episode_ends_it_where_it_stands():
     spec = specs_for(["FrozenLake"], [1], 1, custom_envs(), seed=3)[0]
     turns = EnvTurns(loop_config(max_turn=5), KeptEnvs(), isolate=True)
     try:
-        playing = Playing(EnvSlot(spec), turns)
+        playing = turns.start(spec)
         playing.advance()
         assert playing.request is not None and playing.request.turn == 0
         playing.advance(ScriptedEngine().generate([playing.request], turns.config.sampling)[0])
         assert playing.request.turn == 1
-        turns.end(playing.slot, StopReason.TIMEOUT, "no answer")
+        turns.end(playing, StopReason.TIMEOUT, "no answer")
         playing.close()
         assert playing.request is None
-        assert playing.slot.traj.stop_reason == StopReason.TIMEOUT and len(playing.slot.traj.turns) == 1
+        assert playing.traj.stop_reason == StopReason.TIMEOUT and len(playing.traj.turns) == 1
         assert playing.run.gi_frame is None  # the generator has finished
     finally:
         turns.close()

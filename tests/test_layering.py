@@ -167,7 +167,13 @@ EPISODE_DOES_NOT_IMPORT = {
     "ragen.rollout.episode": ("ragen.serving", "ragen.rollout.scheduler", "ragen.rollout.batching",
                               "ragen.rollout.backends", "ragen.rollout.workers"),
     "ragen.rollout.env_calls": ("ragen.serving", "ragen.rollout.scheduler", "ragen.rollout.batching",
-                                "ragen.rollout.episode", "ragen.rollout.backends"),
+                                "ragen.rollout.episode", "ragen.rollout.turn", "ragen.rollout.backends"),
+    # the turn applies an answer; the episode, not the turn, decides that it ends
+    "ragen.rollout.turn": ("ragen.serving", "ragen.rollout.scheduler", "ragen.rollout.batching",
+                           "ragen.rollout.episode", "ragen.rollout.backends"),
+    "ragen.rollout.episode_state": ("ragen.serving", "ragen.rollout.scheduler", "ragen.rollout.batching",
+                                    "ragen.rollout.episode", "ragen.rollout.env_calls", "ragen.rollout.turn",
+                                    "ragen.rollout.backends"),
     "ragen.rollout.batching": ("ragen.serving.client", "ragen.serving.transport", "ragen.rollout.scheduler", "ragen.rollout.episode",
                                "ragen.rollout.backends"),
 }
@@ -179,6 +185,25 @@ def test_an_episode_knows_nothing_of_its_scheduler():
     wrong = [f"{module} -> {dep}" for module, banned in EPISODE_DOES_NOT_IMPORT.items()
              for dep in sorted(graph[module]) if any(_in(dep, b) for b in banned)]
     assert wrong == []
+
+
+# The functions allowed past LONGEST lines: the env checker's list of checks, read top to
+# bottom, and the Sokoban searches, each one loop over a search's state.
+LONGEST = 60
+LONG_BY_NATURE = {"ragen.env.check.checker._run_checks", "ragen.env.sokoban.ragen_rooms._reverse_search",
+                  "ragen.env.sokoban.solver.solve", "ragen.env.sokoban.generator._reverse_search"}
+
+
+@pytest.mark.timeout(60)
+def test_no_function_of_ragen_is_longer_than_sixty_lines():
+    long = []
+    for module, (path, _) in _modules(ROOT).items():
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                lines = node.end_lineno - node.lineno + 1
+                if lines > LONGEST and f"{module}.{node.name}" not in LONG_BY_NATURE:
+                    long.append(f"{module}.{node.name}: {lines} lines")
+    assert long == []
 
 
 @pytest.mark.timeout(60)

@@ -103,7 +103,7 @@ def stream_count(specs: Sequence[EnvSpec], depth: int) -> int:
 
 
 def split_streams(episodes: Sequence[T], depth: int,
-                  group_id: Callable[[Any], int] = attrgetter("slot.spec.group_id")) -> list[list[T]]:
+                  group_id: Callable[[Any], int] = attrgetter("spec.group_id")) -> list[list[T]]:
     """``depth`` streams of whole groups (fewer when there are fewer groups),
     dealt out in turn so that each gets a share of every tag."""
     members = groups_of(episodes, group_id)

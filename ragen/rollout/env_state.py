@@ -18,7 +18,7 @@ thread, as RAGEN's does:
   "llm_raw_response"}`` (an env_id not in ``envs``, or of an env that ended
   since the last reset, is a ValueError naming it, and then no env steps);
   the actions are applied as the rollout applies an answer's
-  (``env_calls.apply_actions``): those the env's lookup names (any case) run,
+  (``turn.apply_actions``): those the env's lookup names (any case) run,
   within the env's action budget; an answer with no valid action, or with
   invalid ones, adds ``es_manager.format_penalty``. Returns the caches of the
   envs that play on.
@@ -41,10 +41,12 @@ from typing import Any, Mapping
 from ragen.config_reader import to_plain
 from ragen.llm.types import Completion
 from ragen.rollout.config import read_rollout_sections
-from ragen.rollout.env_calls import EnvSlot, KeptEnvs, apply_actions, reset_env
+from ragen.rollout.env_calls import KeptEnvs, reset_env
 from ragen.rollout.envs import EnvSpecMaker
-from ragen.rollout.episode import EnvTurns, Playing
+from ragen.rollout.episode import EnvTurns
+from ragen.rollout.episode_state import Episode
 from ragen.rollout.loop_config import LoopConfig
+from ragen.rollout.turn import Played, apply_actions
 from ragen.rollout.types import StopReason
 
 
@@ -88,7 +90,7 @@ class EnvStateManager:
         self._turns = _GivenActions(LoopConfig(format_penalty=self.format_penalty,
                                                max_abs_reward=sections["es_manager"].max_abs_reward,
                                                env_timeout_s=None, env_retries=0), KeptEnvs(), isolate=False)
-        self._episodes: list[Playing] = []  # each env's episode since the last reset
+        self._episodes: list[Episode] = []  # each env's episode since the last reset
         self.rollout_cache: list[dict[str, Any]] | None = None
 
     def reset(self, seed: int | None = None) -> list[dict[str, Any]]:
@@ -103,9 +105,8 @@ class EnvStateManager:
         cache, self._episodes = [], []
         for spec, entry in zip(self._specs, self.envs):
             env_seed = seed + entry["group_id"]
-            slot = EnvSlot(dataclasses.replace(spec, seed=env_seed))  # the spec's mode is self.mode
-            slot.env = entry["env"]
-            episode = Playing(slot, self._turns)
+            episode = self._turns.start(dataclasses.replace(spec, seed=env_seed))  # the spec's mode is self.mode
+            episode.env = entry["env"]
             episode.advance()  # reset
             self._episodes.append(episode)
             entry["status"] = EnvStatus(seed=env_seed)
@@ -131,23 +132,23 @@ class EnvStateManager:
         actions)."""
         env_id = env_input["env_id"]
         entry, cache, episode = self.envs[env_id], self.rollout_cache[env_id], self._episodes[env_id]
-        status, slot = entry["status"], episode.slot
+        status = entry["status"]
         episode.advance(env_input)
-        turn = slot.traj.turns[-1]
+        turn = episode.traj.turns[-1]
         cache["penalty"] += turn.penalty
         status.num_actions += len(turn.executed_actions)
         status.rewards.append(turn.reward)
-        if not slot.active:  # done (truncated unless a success), or out of actions (truncated)
+        if not episode.active:  # done (truncated unless a success), or out of actions (truncated)
             status.terminated = True
-            status.truncated = slot.traj.stop_reason != StopReason.DONE or not turn.info.get("success", False)
-        executed = [slot.lookup[a.lower()] for a in turn.executed_actions] if slot.lookup is not None \
+            status.truncated = episode.traj.stop_reason != StopReason.DONE or not turn.info.get("success", False)
+        executed = [episode.lookup[a.lower()] for a in turn.executed_actions] if episode.lookup is not None \
             else list(turn.executed_actions)  # RAGEN's history holds the ids stepped
         cache["history"][-1].update({"actions": executed, "reward": turn.reward, "info": turn.info,
                                      "llm_response": env_input.get("llm_response"),
                                      "llm_raw_response": env_input.get("llm_raw_response")})
         cache["history"].append({"state": entry["env"].render(),
                                  "actions_left": entry["max_actions_per_traj"] - status.num_actions})
-        return not slot.active
+        return not episode.active
 
     def _check_env_id(self, env_id: Any) -> None:
         """ValueError naming ``env_id`` unless it is one of the envs' ids (their index in ``envs``;
@@ -195,15 +196,16 @@ class _GivenActions(EnvTurns):
     (RAGEN's ``ContextManager`` builds the prompts, so the episode asks for none); an env's
     exception reaches the caller, as in RAGEN's."""
 
-    def reset(self, slot: EnvSlot) -> None:
-        reset_env(slot, self.call)
+    max_turn = None  # RAGEN's proxy decides how many turns it asks for
 
-    def request(self, slot: EnvSlot) -> None:  # type: ignore[override]
+    def reset(self, episode: Episode) -> None:
+        reset_env(episode, self.call)
+
+    def request(self, episode: Episode) -> None:  # type: ignore[override]
         return None
 
-    def apply(self, slot: EnvSlot, env_input: dict[str, Any]) -> None:  # type: ignore[override]
+    def apply(self, episode: Episode, env_input: dict[str, Any]) -> Played:  # type: ignore[override]
         answer = Completion(text=env_input.get("llm_response") or "", prompt_token_ids=[], response_token_ids=[],
                             finish_reason="stop", policy_version=0, env_id=int(env_input["env_id"]))
-        # no turn limit: RAGEN's proxy decides how many turns it asks for
-        apply_actions(slot, list(env_input.get("actions", [])), answer, self.config.format_penalty, self.call,
-                      max_turn=None, max_abs_reward=self.config.max_abs_reward)
+        return apply_actions(episode, list(env_input.get("actions", [])), answer, self.config.format_penalty,
+                             self.call, max_abs_reward=self.config.max_abs_reward)

@@ -21,8 +21,9 @@ from typing import Callable, Sequence
 
 from ragen.llm.types import ABORTED, Completion
 from ragen.rollout.batching import Batching, choose_batching
-from ragen.rollout.env_calls import EnvError, EnvSlot, EnvThreads, KeptEnvs
-from ragen.rollout.episode import EnvTurns, Playing
+from ragen.rollout.env_calls import EnvError, EnvThreads, KeptEnvs
+from ragen.rollout.episode import EnvTurns
+from ragen.rollout.episode_state import Episode
 from ragen.rollout.loop_config import LoopConfig, LoopStats
 from ragen.rollout.types import EnvSpec, StopReason, Trajectory
 from ragen.serving.client import LLMClient, Stream
@@ -69,10 +70,10 @@ def run_envs(
     turns = EnvTurns(config, kept_envs if kept_envs is not None else KeptEnvs(), isolate_errors)
     scheduler = Scheduler(client, turns, batching or choose_batching(config, client.streams), on_finished,
                           groups_done)
-    episodes = [Playing(EnvSlot(s), turns) for s in specs]
+    episodes = [turns.start(s) for s in specs]
     try:
         scheduler.play(episodes, take)
-        return [e.slot.traj for e in episodes], turns.stats
+        return [e.traj for e in episodes], turns.stats
     except BaseException:  # any failure, an interrupt too: answers in flight would be stale
         client.reset()
         raise
@@ -94,23 +95,23 @@ class Scheduler:
     batching: Batching
     on_finished: Callable[[int], None] | None = None
     groups_done: Callable[[int], bool] | None = None
-    inflight: dict[Stream, list[Playing]] = field(default_factory=dict)
+    inflight: dict[Stream, list[Episode]] = field(default_factory=dict)
     deadlines: dict[Stream, float] = field(default_factory=dict)  # bounded waits: when each stream's ends
     riders: set[Stream] = field(default_factory=set)
     stopping: bool = False  # enough groups are done: what still plays ends aborted
-    groups: dict[int, list[EnvSlot]] = field(default_factory=dict)  # with groups_done: the members of each
+    groups: dict[int, list[Episode]] = field(default_factory=dict)  # with groups_done: the members of each
 
     def __post_init__(self) -> None:
         self.stats = self.turns.stats
         self.threads = EnvThreads()
 
-    def add(self, episodes: list[Playing]) -> None:
+    def add(self, episodes: list[Episode]) -> None:
         """Episodes to play; with ``groups_done``, counted in their groups."""
         if self.groups_done is not None:
             for e in episodes:
-                self.groups.setdefault(e.slot.spec.group_id, []).append(e.slot)
+                self.groups.setdefault(e.spec.group_id, []).append(e)
 
-    def play(self, episodes: list[Playing], take: Callable[[], list[EnvSpec]] | None) -> None:
+    def play(self, episodes: list[Episode], take: Callable[[], list[EnvSpec]] | None) -> None:
         """Every episode, and those of the chunks ``take`` gives (added to ``episodes``), to its end."""
         created = self.turns.kept_envs.created
         self.add(episodes)
@@ -129,13 +130,13 @@ class Scheduler:
             self.client.close()  # the streams left open, and held closes and cancels
         self.release_ended(episodes)
 
-    def take_chunks(self, episodes: list[Playing], take: Callable[[], list[EnvSpec]]) -> None:
+    def take_chunks(self, episodes: list[Episode], take: Callable[[], list[EnvSpec]]) -> None:
         """Chunks from ``take``, each started as the policy's streams, until it gives none."""
         limit = self.batching.max_live_envs
         while True:
-            while self.inflight and limit is not None and sum(e.slot.active for e in episodes) >= limit:
+            while self.inflight and limit is not None and sum(e.active for e in episodes) >= limit:
                 self.wait_some()  # no room for another chunk until envs end
-            taken = [] if self.stopping else [Playing(EnvSlot(s), self.turns) for s in take()]
+            taken = [] if self.stopping else [self.turns.start(s) for s in take()]
             if not taken:
                 return
             self.stats.chunks += 1
@@ -145,12 +146,12 @@ class Scheduler:
             for stream, (batch, rider) in zip(self.client.open(len(batches), opened=1), batches):
                 self.start(stream, batch, rider)
 
-    def start(self, stream: Stream, batch: list[Playing], rider: bool = False) -> None:
+    def start(self, stream: Stream, batch: list[Episode], rider: bool = False) -> None:
         """The batch's envs reset and its first request sent; answers that
         arrive meanwhile are handled between two resets."""
         for chunk in _reset_chunks(batch):
             t0 = time.perf_counter()
-            self.threads.run([(e.slot, e.job()) for e in chunk])
+            self.threads.run([(e, e.job()) for e in chunk])
             self.stats.env_reset_s += time.perf_counter() - t0
             while self.inflight and (answered := self.client.wait(block=False)):
                 self.handle(self.answers(answered))  # keep the model busy while later envs reset
@@ -205,13 +206,13 @@ class Scheduler:
         self.ended(batch)
         stream.close()
 
-    def end(self, episode: Playing, reason: StopReason, message: str) -> None:
+    def end(self, episode: Episode, reason: StopReason, message: str) -> None:
         """The episode ended from outside: the engine at fault (``EnvTurns.end``), or enough groups
         done (``aborted``)."""
         if reason is StopReason.ABORTED:
-            self.turns.abort(episode.slot)
+            self.turns.abort(episode)
         else:
-            self.turns.end(episode.slot, reason, message)
+            self.turns.end(episode, reason, message)
         episode.close()
 
     def abort_waiting(self) -> None:
@@ -229,9 +230,9 @@ class Scheduler:
         when the coalescer does not wait for them all."""
         answers = sorted(answers, key=lambda a: a[0] not in self.riders)  # stable: riders first
         hosts = sum(s not in self.riders for s, _ in answers)
-        joined: list[Playing] = []
+        joined: list[Episode] = []
         # envs on threads step together across streams; others each before its stream's next request
-        together = any(e.slot.spec.env_threads > 1 for s, _ in answers for e in self.inflight[s])
+        together = any(e.spec.env_threads > 1 for s, _ in answers for e in self.inflight[s])
         batches = self.step(answers) if together else None
         for i, (stream, completions) in enumerate(answers):
             rider = stream in self.riders
@@ -244,7 +245,7 @@ class Scheduler:
                 self.submit(stream, batch + joined, rider)
                 joined = []
 
-    def step(self, answers: list[tuple[Stream, list[Completion]]]) -> list[list[Playing]]:
+    def step(self, answers: list[tuple[Stream, list[Completion]]]) -> list[list[Episode]]:
         """The answered streams' episodes played to their next request, all of them in one
         ``EnvThreads.run`` (so that the envs of a ``parallel_friendly`` tag step at once even
         when each is a stream of its own, as with env-level turns); returns each stream's."""
@@ -257,10 +258,10 @@ class Scheduler:
                     self.end(episode, StopReason.ABORTED, "")
                 elif completion.finish_reason == "error":
                     self.end(episode, StopReason.ERROR, (
-                        f"the engine could not answer its request of turn {len(episode.slot.traj.turns)}"
+                        f"the engine could not answer its request of turn {len(episode.traj.turns)}"
                         + (f": {completion.text}" if completion.text else " (its warning above says why)")))
                 else:
-                    answered.append((episode.slot, episode.job(completion)))
+                    answered.append((episode, episode.job(completion)))
             batches.append(batch)
         t0 = time.perf_counter()
         self.threads.run(answered)
@@ -269,7 +270,7 @@ class Scheduler:
             self.ended(batch)
         return batches
 
-    def submit(self, stream: Stream, batch: list[Playing], rider: bool) -> None:
+    def submit(self, stream: Stream, batch: list[Episode], rider: bool) -> None:
         """The next requests of the batch's playing episodes, on ``stream``; the stream closes
         when none of them plays on. An episode whose request would take the message past the
         manager's limit ends in ``error`` (the largest first, until the rest fit). Once enough
@@ -285,7 +286,7 @@ class Scheduler:
                 break
             except MessageTooLarge as exc:
                 for i in exc.refused:
-                    self.turns.refuse(active[i].slot, (
+                    self.turns.refuse(active[i], (
                         f"MessageTooLarge: its request to the LLM manager ({exc.request_sizes.get(i, 0)} bytes) "
                         f"takes a message of {exc.size} bytes past the limit of {exc.limit} bytes; raise "
                         f"agent_proxy.max_message_bytes or make the env's observations shorter"))
@@ -303,30 +304,30 @@ class Scheduler:
         if rider:
             self.riders.add(stream)
 
-    def ended(self, batch: list[Playing]) -> None:
+    def ended(self, batch: list[Episode]) -> None:
         """The batch's episodes that ended since last looked at: told to ``on_finished``
         and their envs given back to ``kept_envs`` at once (a chunk taken later reuses them)."""
         self.report_finished(batch)
         self.release_ended(batch)
 
-    def release_ended(self, batch: list[Playing]) -> None:
-        for slot in (e.slot for e in batch):
-            if not slot.active and not slot.timed:
-                slot.timed = True
+    def release_ended(self, batch: list[Episode]) -> None:
+        for episode in batch:
+            if not episode.active and not episode.timed:
+                episode.timed = True
                 self.stats.env_done(time.monotonic())
-            if not slot.active and slot.env is not None:
-                self.turns.kept_envs.release(slot.spec, slot.env)
-                slot.env = None
+            if not episode.active and episode.env is not None:
+                self.turns.kept_envs.release(episode.spec, episode.env)
+                episode.env = None
 
-    def report_finished(self, batch: list[Playing]) -> None:
+    def report_finished(self, batch: list[Episode]) -> None:
         """The envs that ended told to ``on_finished``, and the groups they complete to ``groups_done``."""
-        ended = [slot for slot in (e.slot for e in batch) if not slot.active and not slot.reported]
-        for slot in ended:
-            slot.reported = True
+        ended = [e for e in batch if not e.active and not e.reported]
+        for episode in ended:
+            episode.reported = True
         if ended and self.on_finished is not None:
             self.on_finished(len(ended))
         if ended and self.groups_done is not None and not self.stopping:
-            complete = {s.spec.group_id for s in ended}
+            complete = {e.spec.group_id for e in ended}
             # each group once: when its last member is reported
             whole = sum(all(map(_ended_whole, self.groups[g])) for g in complete)
             if whole and self.groups_done(whole):
@@ -352,20 +353,20 @@ class GroupCount:
             return self.done >= self.enough
 
 
-def _ended_whole(slot: EnvSlot) -> bool:
+def _ended_whole(episode: Episode) -> bool:
     """The env's end was reported, and it neither failed nor was aborted (one a rollout has enough of)."""
-    stop = slot.traj.stop_reason
-    return slot.reported and not stop.failed and stop is not StopReason.ABORTED
+    stop = episode.traj.stop_reason
+    return episode.reported and not stop.failed and stop is not StopReason.ABORTED
 
 
-def _reset_chunks(stream: list[Playing]) -> list[list[Playing]]:
+def _reset_chunks(stream: list[Episode]) -> list[list[Episode]]:
     """The stream's episodes in the order their envs are reset: one at a time, except
     the envs of a tag with ``env_threads > 1``, reset together (at the place of the
     tag's first env)."""
-    chunks: list[list[Playing]] = []
-    together: dict[str, list[Playing]] = {}
+    chunks: list[list[Episode]] = []
+    together: dict[str, list[Episode]] = {}
     for episode in stream:
-        spec = episode.slot.spec
+        spec = episode.spec
         if spec.env_threads <= 1:
             chunks.append([episode])
         elif spec.tag in together:

@@ -30,8 +30,9 @@ from functools import partial
 from typing import Any, Callable
 
 from ragen.llm.types import Completion, GenerationRequest
-from ragen.rollout.env_calls import EnvSlot, KeptEnvs
-from ragen.rollout.episode import EnvTurns, Playing
+from ragen.rollout.env_calls import KeptEnvs
+from ragen.rollout.episode import EnvTurns
+from ragen.rollout.episode_state import Episode
 from ragen.rollout.loop_config import LoopConfig
 from ragen.rollout.types import EnvSpec, StopReason, Trajectory
 
@@ -51,14 +52,14 @@ class EpisodeRunner:
 
     def __init__(self) -> None:
         self._turns: dict[str, EnvTurns] = {}  # by repr(LoopConfig): one per rollout setting
-        self._playing: dict[str, tuple[Playing, EnvTurns]] = {}
+        self._playing: dict[str, tuple[Episode, EnvTurns]] = {}
         self._kept = KeptEnvs()
 
     def start(self, key: str, spec: EnvSpec, config: LoopConfig) -> EpisodeStep:
         turns = self._turns.get(repr(config))
         if turns is None:
             turns = self._turns[repr(config)] = EnvTurns(config, self._kept, isolate=True)
-        episode = Playing(EnvSlot(spec), turns)
+        episode = turns.start(spec)
         self._playing[key] = (episode, turns)
         episode.advance()
         return self._step(key, episode)
@@ -73,28 +74,27 @@ class EpisodeRunner:
         (the engine's reply at fault), or without (a budget ran out)."""
         episode, turns = self._episode(key)
         if message is None:
-            episode.slot.finish(reason)
+            episode.finish(reason)
         else:
-            turns.end(episode.slot, reason, message)
+            turns.end(episode, reason, message)
         episode.close()
         return self._step(key, episode)
 
-    def _episode(self, key: str) -> tuple[Playing, EnvTurns]:
+    def _episode(self, key: str) -> tuple[Episode, EnvTurns]:
         found = self._playing.get(key)
         if found is None:
             raise KeyError(f"episode {key!r} is not on this process (pid {os.getpid()}): its process was "
                            "restarted after a failure, or it ended already")
         return found
 
-    def _step(self, key: str, episode: Playing) -> EpisodeStep:
+    def _step(self, key: str, episode: Episode) -> EpisodeStep:
         if episode.request is not None:
             return EpisodeStep(episode.request)
         del self._playing[key]
-        slot = episode.slot
-        if slot.env is not None:  # a later episode of the tag reuses it
-            self._kept.release(slot.spec, slot.env)
-            slot.env = None
-        return EpisodeStep(None, slot.traj)
+        if episode.env is not None:  # a later episode of the tag reuses it
+            self._kept.release(episode.spec, episode.env)
+            episode.env = None
+        return EpisodeStep(None, episode.traj)
 
     def __len__(self) -> int:
         return len(self._playing)
