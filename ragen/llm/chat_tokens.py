@@ -137,7 +137,10 @@ class ChatTokens:
 
     def request_ids(self, request: Any) -> tuple[list[int], bool]:
         """A ``GenerationRequest``'s prompt ids and whether the template diverged: its
-        messages ``full`` without history ids, else ``append``ed to them."""
+        ``prompt_token_ids`` where given, its messages ``full`` without history ids, else
+        ``append``ed to them."""
+        if request.prompt_token_ids is not None:
+            return list(request.prompt_token_ids), False
         if request.history_token_ids is None:
             return self.full(request.messages, request.answer_prefix, request.tools), False
         return self.append(request.history_token_ids, request.messages, request.history_messages,

@@ -225,16 +225,18 @@ class HFEngine(HFOptions):
         return [refused[i] if i in refused else next(done) for i in range(len(requests))]
 
     def _refused(self, requests: Sequence[GenerationRequest]) -> dict[int, Completion]:
-        """Error completions, by index, of the requests whose history ids the model has no
-        embedding for: in the batch, one would fail every request of the call (IndexError)."""
+        """Error completions, by index, of the requests whose given ids (prompt or history) the
+        model has no embedding for: in the batch, one would fail every request of the call (IndexError)."""
         refused = {}
         for i, request in enumerate(requests):
-            problem = token_id_error(request.history_token_ids or (), self.vocab_size)
-            if problem is not None:
-                logger.warning("HFEngine: request for env %s turn %s refused: its history_token_ids: %s",
-                               request.env_id, request.turn, problem)
-                refused[i] = Completion.answering(request, f"its history_token_ids: {problem}", [], [], "error",
-                                                  self.policy_version)
+            for name in ("prompt_token_ids", "history_token_ids"):
+                problem = token_id_error(getattr(request, name) or (), self.vocab_size)
+                if problem is not None:
+                    logger.warning("HFEngine: request for env %s turn %s refused: its %s: %s",
+                                   request.env_id, request.turn, name, problem)
+                    refused[i] = Completion.answering(request, f"its {name}: {problem}", [], [], "error",
+                                                      self.policy_version)
+                    break
         return refused
 
     def _generate(self, requests: Sequence[GenerationRequest], sampling: SamplingParams) -> list[Completion]:

@@ -7,7 +7,9 @@
   generation prompt (the completion holds only what follows it);
   ``history_token_ids`` are the ids of the conversation so far, as the engine
   saw and sampled them: the prompt is those ids and the template's tokens of
-  the messages after ``history_messages`` (``ChatTokens.append``); ``tools``
+  the messages after ``history_messages`` (``ChatTokens.append``);
+  ``prompt_token_ids``, where given, are the prompt itself, neither rendered
+  nor appended to (the gateway's, which builds each call's ids); ``tools``
   are the env's tools (OpenAI function schemas) for the template.
 - ``SamplingParams``: how to decode (``temperature == 0`` means greedy).
 - ``Completion``: the answer text, prompt and response token ids, the log-prob
@@ -132,6 +134,9 @@ class GenerationRequest(_PlainData):
     history_messages: int = 0
     # the env's tools as OpenAI function schemas, passed to the chat template (None: no tools)
     tools: list[dict[str, Any]] | None = None
+    # the prompt as ids, given whole: the engine samples after them, rendering nothing (None: the
+    # messages rendered, or appended to history_token_ids)
+    prompt_token_ids: list[int] | None = None
 
     @property
     def key(self) -> tuple[int, int, int]:
@@ -178,8 +183,9 @@ class Completion(_PlainData):
     # log p of each response token under the distribution it was sampled from (temperature,
     # top-k, top-p applied); None: the engine gives none
     logprobs: list[float] | None = None
-    # > 0: the prompt is the first ``prompt_start`` ids of the request's ``history_token_ids``, then
-    # ``prompt_token_ids`` (what crosses to a worker: it holds the history already)
+    # > 0: the prompt is the first ``prompt_start`` ids of the request's ``prompt_token_ids`` (where
+    # given, else of its ``history_token_ids``), then ``prompt_token_ids`` (what crosses to a worker:
+    # it holds those ids already)
     prompt_start: int = 0
     replica: int = 0  # which of the engine's replicas answered (ragen.llm.replicas); 0 for one engine
     # the tool calls a server parsed from the answer (OpenAI's ``tool_calls``); None: not parsed by the engine
@@ -226,9 +232,11 @@ class Engine(ABC):
         return dataclasses.replace(self._stats, replicas=dict(self._stats.replicas))
 
     def prompt_ids(self, request: GenerationRequest) -> list[int]:
-        """The request's prompt ids: its history ids and the template's tokens of the
-        messages after them, or all its messages rendered. A template that rewrites the
+        """The request's prompt ids: its ``prompt_token_ids`` where given, else its history
+        ids and the template's tokens of the messages after them, or all its messages rendered. A template that rewrites the
         history is counted and named once in a warning; the ids sampled still lead."""
+        if request.prompt_token_ids is not None:
+            return list(request.prompt_token_ids)
         if self.chat is None:
             raise RuntimeError(f"engine {self.name!r} has no chat template to build prompt ids with")
         ids, diverged = self.chat.request_ids(request)

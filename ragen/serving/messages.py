@@ -138,10 +138,12 @@ _REQUEST_FIELDS = {
     "answer_prefix": (lambda v: isinstance(v, str), "a string"),
     # decoded from bytes (request_for_wire), so every item is an integer >= 0
     "history_token_ids": (lambda v: v is None or isinstance(v, list), "null or 4 bytes an id"),
+    "prompt_token_ids": (lambda v: v is None or isinstance(v, list), "null or 4 bytes an id"),
     "history_messages": (lambda v: _is_int(v) and v >= 0, "an integer >= 0"),
     "tools": (lambda v: v is None or (isinstance(v, list) and all(isinstance(t, dict) for t in v)),
               "null or a list of objects"),
 }
+_ID_FIELDS = ("history_token_ids", "prompt_token_ids")  # token ids, which cross as bytes
 _SAMPLING_FIELDS = {
     "temperature": (lambda v: _is_number(v) and v >= 0, "a number >= 0"),
     "top_p": (lambda v: _is_number(v) and 0 < v <= 1, "a number in (0, 1]"),
@@ -292,14 +294,15 @@ def _gen_requests(raw: Any, size: int, vocab_size: int | None, room: _Room) -> l
                          "this one carries more")
     if not all(isinstance(r, dict) for r in raw):
         raise ValueError("'requests' must be a list of objects")
-    history = sum(len(h) for r in raw if isinstance(h := r.get("history_token_ids"), bytes))
-    if history > size:
-        raise ValueError(f"the requests' history ids total {history} bytes, more than the {size} bytes of the "
-                         "message that carries them: each request's history_token_ids must be bytes of its own")
+    given = sum(len(h) for r in raw for name in _ID_FIELDS if isinstance(h := r.get(name), bytes))
+    if given > size:
+        raise ValueError(f"the requests' history and prompt ids total {given} bytes, more than the {size} bytes of "
+                         "the message that carries them: each request's history_token_ids and prompt_token_ids "
+                         "must be bytes of its own")
     requests = []
     for i, r in enumerate(raw):
-        if "history_token_ids" in r:  # a copy: the dict may be named by other requests too
-            r = {**r, "history_token_ids": _history_from_wire(r["history_token_ids"], f"requests[{i}]")}
+        if any(name in r for name in _ID_FIELDS):  # a copy: the dict may be named by other requests too
+            r = {**r, **{name: _ids_from_wire(r[name], f"requests[{i}].{name}") for name in _ID_FIELDS if name in r}}
         request = GenerationRequest.from_dict(r)
         _check_request(request, f"requests[{i}]", vocab_size)
         requests.append(request)
@@ -317,31 +320,33 @@ def _check_request(r: GenerationRequest, where: str, vocab_size: int | None) -> 
     if r.history_messages > len(r.messages):
         raise ValueError(f"{where}.history_messages must be at most its {len(r.messages)} messages, "
                          f"got {r.history_messages}")
-    ids = r.history_token_ids
-    # max() first: the helper's checks of each id cost more, and these ids are ints >= 0 (4 bytes each)
-    if vocab_size is not None and ids and max(ids) >= vocab_size:
-        raise ValueError(f"{where} (env_id {r.env_id}, turn {r.turn}).history_token_ids: "
-                         f"{token_id_error(ids, vocab_size)}")
+    for name in _ID_FIELDS:
+        ids = getattr(r, name)
+        # max() first: the helper's checks of each id cost more, and these ids are ints >= 0 (4 bytes each)
+        if vocab_size is not None and ids and max(ids) >= vocab_size:
+            raise ValueError(f"{where} (env_id {r.env_id}, turn {r.turn}).{name}: {token_id_error(ids, vocab_size)}")
 
 
 def request_for_wire(request: GenerationRequest) -> dict[str, Any]:
-    """A request as plain data for the manager: its history ids as bytes (4 little-endian
-    bytes an id), which pickle as one string where a list of ints pickles id by id."""
+    """A request as plain data for the manager: its history and prompt ids as bytes (4
+    little-endian bytes an id), which pickle as one string where a list of ints pickles id by id."""
     d = request.to_dict()
-    if request.history_token_ids is not None:
-        ids = array("I", request.history_token_ids)
-        if sys.byteorder == "big":
-            ids.byteswap()
-        d["history_token_ids"] = ids.tobytes()
+    for name in _ID_FIELDS:
+        given = getattr(request, name)
+        if given is not None:
+            ids = array("I", given)
+            if sys.byteorder == "big":
+                ids.byteswap()
+            d[name] = ids.tobytes()
     return d
 
 
-def _history_from_wire(value: Any, where: str) -> list[int] | None:
-    """A request's history ids from their bytes; ValueError naming ``where`` for anything else."""
+def _ids_from_wire(value: Any, where: str) -> list[int] | None:
+    """Token ids from their bytes; ValueError naming ``where`` for anything else."""
     if value is None:
         return None
     if not isinstance(value, bytes) or len(value) % 4:
-        raise ValueError(f"{where}.history_token_ids must be null or 4 bytes an id, got {repr(value)[:80]}")
+        raise ValueError(f"{where} must be null or 4 bytes an id, got {repr(value)[:80]}")
     ids = array("I")
     ids.frombytes(value)
     if sys.byteorder == "big":
@@ -355,13 +360,14 @@ def completion_for_wire(completion: Completion, request: GenerationRequest) -> d
         raise TypeError(f"the engine returned {type(completion).__name__}, not a Completion, for the request "
                         f"of env_id {request.env_id}, turn {request.turn}")
     # The worker keeps the prompt's ids with its turn (the trainer trains them). A prompt that
-    # appends to the request's history ids crosses as the ids after them: the worker has those.
+    # starts with the request's given ids (its prompt ids, or the history it appends to) crosses
+    # as the ids after them: the worker has those.
     d = completion.to_dict()
-    history = request.history_token_ids
+    given = request.prompt_token_ids if request.prompt_token_ids is not None else request.history_token_ids
     prompt = completion.prompt_token_ids
-    if history and not completion.prompt_start and prompt[:len(history)] == history:
-        d["prompt_token_ids"] = prompt[len(history):]
-        d["prompt_start"] = len(history)
+    if given and not completion.prompt_start and prompt[:len(given)] == given:
+        d["prompt_token_ids"] = prompt[len(given):]
+        d["prompt_start"] = len(given)
     return d
 
 

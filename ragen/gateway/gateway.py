@@ -1,0 +1,131 @@
+"""``Gateway``: a session's calls played on the engine, each with its exact tokens recorded.
+
+A chat call's prompt is built by the session's ``SessionTokens`` (appended to the
+segment's ids where the call extends the previous one) and sent to the engine as
+ids, sampled with the rollout's settings: its temperature, top-p and the seed of
+the request's key win over the client's, and its ``max_tokens`` caps the
+client's, which is cut further to the room the model's context leaves. What the
+rollout's settings overrode is recorded on each call and logged once a session.
+Every call is audited: the engine must have sampled after exactly the ids sent
+(``drift`` counts any that did not), and ``retokenize_drift`` counts the answers
+whose text would not encode back to the ids sampled (what a gateway that
+re-tokenizes would have trained on wrongly).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from ragen.gateway.api_error import ApiError
+from ragen.gateway.calls import ChatCall, Sampling, TextCall
+from ragen.gateway.link import ManagerLink
+from ragen.gateway.record import CallRecord
+from ragen.gateway.replies import Answer, read_answer
+from ragen.gateway.segments import Prompt, said_answer
+from ragen.gateway.session import Session, Sessions
+from ragen.llm.types import Completion, GenerationRequest, SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class GatewaySettings:
+    """The gateway's bounds (``gateway.*`` of the config)."""
+
+    max_sessions: int = 256  # open at once; the next is a 429 with Retry-After
+    session_ttl_s: float = 600.0  # a session idle this long is closed (0: never)
+    max_calls_per_session: int = 8  # in flight at once; the next is a 429
+    max_messages: int = 2048  # in one chat call
+    max_body_bytes: int = 8 << 20  # of one request; a larger one is a 413
+    max_connections: int = 512  # open HTTP connections; the next is refused with a 503
+    call_timeout_s: float = 600.0  # one call's wait for the engine; a 504 past it
+    max_context: int | None = None  # prompt and answer tokens; None: the model's where it says
+    io_timeout_s: float = 60.0  # a client that sends or reads nothing this long is dropped
+
+
+class Gateway:
+    """Sessions and their calls over one engine link, sampled with the rollout's ``sampling``."""
+
+    def __init__(self, link: ManagerLink, sampling: SamplingParams, settings: GatewaySettings = GatewaySettings(),
+                 sessions: Sessions | None = None) -> None:
+        self.link = link
+        self.sampling = sampling
+        self.settings = settings
+        self.max_context = settings.max_context or link.max_context
+        self.sessions = sessions or Sessions(link.chat, settings.max_sessions, settings.session_ttl_s)
+
+    def chat(self, session: Session, call: ChatCall, record: CallRecord) -> Answer:
+        """The chat call played: its prompt, the engine's answer, its record filled."""
+        prompt = session.tokens.prompt(call)
+        completion = self._generate(session, record, prompt, call.sampling, call.shown, call.tools)
+        content, calls, finish = read_answer(completion.text, completion.finish_reason, call.tools,
+                                             call.tool_choice)
+        session.tokens.answered(call, prompt, completion.response_token_ids, said_answer(content, calls))
+        record.finish_reason = finish
+        call_ids = tuple(f"call_{session.id}_{record.index}_{j}" for j in range(len(calls)))
+        return Answer(f"chatcmpl-{session.id}-{record.index}", call.model or self.link.served_name, content, calls,
+                      finish, len(prompt.ids), tuple(completion.response_token_ids),
+                      None if completion.logprobs is None else tuple(completion.logprobs), call_ids)
+
+    def text(self, session: Session, call: TextCall, record: CallRecord) -> Answer:
+        """The completions call played: its prompt ids (the text encoded as it is, no template)."""
+        ids = call.prompt_ids if call.prompt_ids is not None else self.link.chat.encode(call.prompt_text or "")
+        if not ids:
+            raise ApiError(400, "prompt encodes to no tokens", param="prompt", code="invalid_value")
+        prompt = session.tokens.text_prompt(ids)
+        messages = [{"role": "user", "content": call.prompt_text or ""}]
+        completion = self._generate(session, record, prompt, call.sampling, messages, None)
+        session.tokens.answered_text(prompt, completion.response_token_ids)
+        record.finish_reason = completion.finish_reason
+        return Answer(f"cmpl-{session.id}-{record.index}", call.model or self.link.served_name, completion.text, (),
+                      completion.finish_reason, len(prompt.ids), tuple(completion.response_token_ids),
+                      None if completion.logprobs is None else tuple(completion.logprobs))
+
+    def _generate(self, session: Session, record: CallRecord, prompt: Prompt, asked: Sampling,
+                  messages: list[dict[str, str]], tools: list[dict[str, Any]] | None) -> Completion:
+        """The engine's completion of ``prompt``, audited, with the record's prompt and answer filled."""
+        record.segment, record.cause, record.prompt_start = prompt.segment, prompt.cause, prompt.start
+        record.prompt_added = prompt.added
+        sampling = self._sampling(session, record, asked, len(prompt.ids))
+        request = GenerationRequest(messages=messages, env_id=session.env_id, turn=record.index, seed=session.seed,
+                                    tools=tools, prompt_token_ids=prompt.ids)
+        t0 = time.perf_counter()
+        completion = self.link.generate(request, sampling)
+        record.engine_s = time.perf_counter() - t0
+        if completion.prompt_token_ids != prompt.ids:
+            session.counts["drift"] += 1
+            logger.warning("gateway session %s call %d: the engine sampled after other ids than the %d sent",
+                           session.id, record.index, len(prompt.ids))
+        if self.link.chat.encode(completion.text) != list(completion.response_token_ids):
+            session.counts["retokenize_drift"] += 1
+        record.response_ids = list(completion.response_token_ids)
+        record.logprobs = None if completion.logprobs is None else list(completion.logprobs)
+        record.policy_version, record.replica = completion.policy_version, completion.replica
+        return completion
+
+    def _sampling(self, session: Session, record: CallRecord, asked: Sampling, prompt_tokens: int) -> SamplingParams:
+        """The rollout's sampling for this call: its answer capped by the client's max_tokens and the
+        context's room; what the client asked that it overrides recorded (and logged once a session)."""
+        base = self.sampling
+        room = None if self.max_context is None else self.max_context - prompt_tokens
+        if room is not None and room < 1:
+            raise ApiError(400, f"the prompt has {prompt_tokens} tokens, leaving no room in the model's context of "
+                           f"{self.max_context} tokens (gateway.max_context)", param="messages",
+                           code="context_length_exceeded")
+        limit = min(x for x in (base.max_tokens, asked.max_tokens, room) if x is not None)
+        overrides = {k: v for k, v in (("temperature", asked.temperature), ("top_p", asked.top_p),
+                                       ("seed", asked.seed)) if v is not None and v != getattr(base, k)}
+        if asked.max_tokens is not None and asked.max_tokens > base.max_tokens:
+            overrides["max_tokens"] = asked.max_tokens
+        record.overrides = overrides
+        if overrides and not session.overrides_logged:
+            session.overrides_logged = True
+            logger.info("gateway session %s: the rollout's sampling wins over the client's %s (temperature %g, "
+                        "top_p %g, at most %d tokens, the seed of each request's key)", session.id,
+                        ", ".join(f"{k}={v}" for k, v in overrides.items()), base.temperature, base.top_p,
+                        base.max_tokens)
+        return dataclasses.replace(base, max_tokens=limit, stop=list(base.stop) + list(asked.stop))

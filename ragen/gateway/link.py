@@ -1,0 +1,90 @@
+"""How gateway calls reach the engine: ``ManagerLink``, through the ``SharedLLMInferenceManager``.
+
+A call is one ``GenerationRequest`` whose prompt is given as ids, sent on the
+calling thread's own connection to the manager, so it is coalesced with every
+other request in flight (the rollout workers' too), routed over replicas with
+their failover, and waits at the weight-swap gate and for ``abort`` as theirs do.
+The link also holds what the gateway needs of the engine's model: its chat
+template and tokenizer (``ChatTokens``), a decoder for token texts, its context
+length and its served name.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any, Callable
+
+from ragen.gateway.api_error import ApiError
+from ragen.llm.chat_tokens import ChatTokens
+from ragen.llm.types import Completion, EngineError, GenerationRequest, SamplingParams
+
+
+class ManagerLink:
+    """The engine of ``manager``, reached as a worker reaches it. ``timeout_s`` bounds each
+    call's wait for its answer (a 504 past it)."""
+
+    def __init__(self, manager: Any, timeout_s: float = 600.0, served_name: str | None = None) -> None:
+        engine = manager.engine
+        chat = getattr(engine, "chat", None)
+        if not isinstance(chat, ChatTokens):
+            raise ApiError(500, f"the engine {getattr(engine, 'name', type(engine).__name__)!r} has no chat template "
+                           "and tokenizer here, which the gateway builds each call's token ids with (an "
+                           "OpenAI-compatible engine needs engine.tokenizer)", code="no_tokenizer")
+        self.manager = manager
+        self.chat = chat
+        self.timeout_s = timeout_s
+        self.served_name = served_name or str(getattr(engine, "model_name", None) or engine.name)
+        self.max_context = engine_context(engine)
+        self.decode = token_decoder(engine)
+        self._client = manager.client(timeout_s)
+
+    @property
+    def policy_version(self) -> int:
+        return int(self.manager.engine.policy_version)
+
+    def generate(self, request: GenerationRequest, sampling: SamplingParams) -> Completion:
+        """The engine's completion of ``request`` (its ``prompt_token_ids`` given), with its whole
+        prompt ids; ``ApiError`` 502 for an engine failure, 504 past ``timeout_s``."""
+        client = self._client
+        ticket = client.submit([request], sampling)
+        deadline = time.monotonic() + self.timeout_s
+        try:
+            while True:
+                got = client.wait_any(max(0.0, deadline - time.monotonic()))
+                if got is None:
+                    client.abandon(ticket)
+                    raise ApiError(504, f"the engine gave no answer within {self.timeout_s:g} s "
+                                   "(gateway.call_timeout_s)", code="engine_timeout")
+                if got[0] == ticket:
+                    break
+        except EngineError as exc:
+            raise ApiError(504 if exc.timed_out else 502, f"the engine failed on the call: {exc}",
+                           code="engine_error") from None
+        completion = got[1][0]
+        if completion.finish_reason == "error":
+            raise ApiError(502, f"the engine failed on the call: {completion.text or 'no reason given'}",
+                           code="engine_error")
+        if completion.prompt_start:  # the ids after those the request gave
+            completion = dataclasses.replace(
+                completion, prompt_token_ids=list(request.prompt_token_ids[:completion.prompt_start]) +
+                list(completion.prompt_token_ids), prompt_start=0)
+        return completion
+
+
+def engine_context(engine: Any) -> int | None:
+    """The most tokens a prompt and its answer may hold on ``engine``'s model, where it says."""
+    for owner, name in ((getattr(getattr(engine, "model", None), "config", None), "max_position_embeddings"),
+                        (engine, "max_model_len")):
+        value = getattr(owner, name, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
+
+
+def token_decoder(engine: Any) -> Callable[[list[int]], str]:
+    """Token ids as text on ``engine``'s tokenizer (the scripted engine's: utf-8 bytes)."""
+    tokenizer = getattr(engine, "tokenizer", None)
+    if tokenizer is not None and hasattr(tokenizer, "decode"):
+        return lambda ids: tokenizer.decode(ids, skip_special_tokens=False)
+    return lambda ids: bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")

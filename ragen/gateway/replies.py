@@ -1,0 +1,132 @@
+"""The gateway's answers in OpenAI's shapes: chat completions, their stream chunks, and completions.
+
+``Answer`` is what a call came to: the text the client sees as ``content``, the tool
+calls read from the model's text by the Hermes parser (the arguments as a JSON
+string), the finish reason (``stop``, ``length`` or ``tool_calls``), the token
+counts and the log-prob of each sampled token.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator, Sequence
+
+from ragen.llm.tool_calls import CALL_OPEN, ToolCall, parse_hermes
+
+
+@dataclass(frozen=True)
+class Answer:
+    """One call's answer."""
+
+    id: str  # chatcmpl-... / cmpl-...
+    model: str
+    content: str
+    calls: tuple[tuple[str, dict[str, Any]], ...]  # (name, arguments)
+    finish_reason: str
+    prompt_tokens: int
+    response_ids: tuple[int, ...]
+    logprobs: tuple[float, ...] | None
+    call_ids: tuple[str, ...] = ()
+
+    @property
+    def usage(self) -> dict[str, int]:
+        n = len(self.response_ids)
+        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": n, "total_tokens": self.prompt_tokens + n}
+
+
+def read_answer(text: str, finish_reason: str, tools: Sequence[dict[str, Any]] | None,
+                tool_choice: Any) -> tuple[str, tuple[tuple[str, dict[str, Any]], ...], str]:
+    """The model's text as the client's content, tool calls and finish reason: with tools (and a
+    tool choice other than none), the valid Hermes calls, the content then the text before
+    the first; a call that is not valid stays in the content as the model wrote it."""
+    if not tools or tool_choice == "none" or CALL_OPEN not in text:
+        return text, (), finish_reason
+    valid = [c for c in parse_hermes(text, tools) if isinstance(c, ToolCall)]
+    if not valid or len(valid) != text.count(CALL_OPEN):
+        return text, (), finish_reason
+    content = text[:text.find(CALL_OPEN)].rstrip()
+    return content, tuple((c.name, c.arguments) for c in valid), "tool_calls"
+
+
+def chat_completion(answer: Answer, decode: Callable[[list[int]], str] | None) -> dict[str, Any]:
+    """A ``chat.completion`` object."""
+    message: dict[str, Any] = {"role": "assistant", "content": answer.content if answer.content or not answer.calls
+                               else None}
+    if answer.calls:
+        message["tool_calls"] = _tool_calls(answer)
+    return {"id": answer.id, "object": "chat.completion", "created": int(time.time()), "model": answer.model,
+            "choices": [{"index": 0, "message": message, "logprobs": _chat_logprobs(answer, decode),
+                         "finish_reason": answer.finish_reason}],
+            "usage": answer.usage}
+
+
+def chat_chunks(answer: Answer | None, model: str, chunk_id: str, include_usage: bool,
+                decode: Callable[[list[int]], str] | None) -> Iterator[dict[str, Any]]:
+    """The ``chat.completion.chunk`` objects of a streamed answer: the role first (``answer`` None:
+    only that, sent before the answer is there), then its content, its tool calls, and the
+    finish reason; with ``include_usage``, a last chunk with the usage and no choices."""
+    base = {"id": chunk_id, "object": "chat.completion.chunk", "created": int(time.time()), "model": model}
+    usage = {"usage": None} if include_usage else {}
+    if answer is None:
+        yield {**base, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                                    "finish_reason": None}], **usage}
+        return
+    if answer.content:
+        yield {**base, "choices": [{"index": 0, "delta": {"content": answer.content},
+                                    "logprobs": _chat_logprobs(answer, decode), "finish_reason": None}], **usage}
+    if answer.calls:
+        calls = [{"index": j, **c} for j, c in enumerate(_tool_calls(answer))]
+        yield {**base, "choices": [{"index": 0, "delta": {"tool_calls": calls}, "logprobs": None,
+                                    "finish_reason": None}], **usage}
+    yield {**base, "choices": [{"index": 0, "delta": {}, "logprobs": None, "finish_reason": answer.finish_reason}],
+           **usage}
+    if include_usage:
+        yield {**base, "choices": [], "usage": answer.usage}
+
+
+def text_completion(answer: Answer, decode: Callable[[list[int]], str] | None) -> dict[str, Any]:
+    """A ``text_completion`` object."""
+    return {"id": answer.id, "object": "text_completion", "created": int(time.time()), "model": answer.model,
+            "choices": [{"index": 0, "text": answer.content, "logprobs": _text_logprobs(answer, decode),
+                         "finish_reason": answer.finish_reason}],
+            "usage": answer.usage}
+
+
+def text_chunks(answer: Answer, include_usage: bool,
+                decode: Callable[[list[int]], str] | None) -> Iterator[dict[str, Any]]:
+    """A streamed completion: its text, then (with ``include_usage``) the usage."""
+    base = {"id": answer.id, "object": "text_completion", "created": int(time.time()), "model": answer.model}
+    yield {**base, "choices": [{"index": 0, "text": answer.content, "logprobs": _text_logprobs(answer, decode),
+                                "finish_reason": answer.finish_reason}]}
+    if include_usage:
+        yield {**base, "choices": [], "usage": answer.usage}
+
+
+def _tool_calls(answer: Answer) -> list[dict[str, Any]]:
+    return [{"id": call_id, "type": "function",
+             "function": {"name": name, "arguments": json.dumps(arguments, ensure_ascii=False)}}
+            for call_id, (name, arguments) in zip(answer.call_ids, answer.calls)]
+
+
+def _chat_logprobs(answer: Answer, decode: Callable[[list[int]], str] | None) -> dict[str, Any] | None:
+    if answer.logprobs is None or decode is None:
+        return None
+    content = []
+    for token_id, logprob in zip(answer.response_ids, answer.logprobs):
+        text = decode([token_id])
+        content.append({"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8")),
+                        "top_logprobs": []})
+    return {"content": content}
+
+
+def _text_logprobs(answer: Answer, decode: Callable[[list[int]], str] | None) -> dict[str, Any] | None:
+    if answer.logprobs is None or decode is None:
+        return None
+    tokens = [decode([i]) for i in answer.response_ids]
+    offsets, at = [], 0
+    for t in tokens:
+        offsets.append(at)
+        at += len(t)
+    return {"tokens": tokens, "token_logprobs": list(answer.logprobs), "top_logprobs": None, "text_offset": offsets}

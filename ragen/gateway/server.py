@@ -1,0 +1,296 @@
+"""``GatewayServer``: the gateway over HTTP, speaking the OpenAI API, a base URL per session.
+
+Routes (every one answers JSON; a refusal is OpenAI's error body):
+
+- ``POST /sessions`` (the server's key): a new session, ``{"id", "base_url", "api_key"}``;
+  ``DELETE /sessions/<id>`` (the server's or the session's key) closes it.
+- ``GET /sessions/<id>/v1/models``; ``POST /sessions/<id>/v1/chat/completions`` and
+  ``POST /sessions/<id>/v1/completions``, each with the session's key as the bearer token.
+  ``stream: true`` answers with server-sent events, the first chunk sent before the
+  engine's answer, ending with ``data: [DONE]``.
+
+One thread serves each connection, at most ``max_connections`` at once (the next
+gets a 503); a client that sends or reads nothing for ``io_timeout_s`` is dropped, so
+one that stops reading its stream holds only its own thread.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import logging
+import re
+import secrets
+import socket
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any, Callable, Iterable
+
+from ragen.gateway.api_error import ApiError
+from ragen.gateway.calls import read_chat, read_text
+from ragen.gateway.gateway import Gateway
+from ragen.gateway.record import CallRecord
+from ragen.gateway.replies import Answer, chat_chunks, chat_completion, text_chunks, text_completion
+from ragen.gateway.session import Session
+from ragen.serving.address import check_listen_address, is_loopback
+
+logger = logging.getLogger(__name__)
+
+_SESSION_PATH = re.compile(r"^/sessions/([0-9a-f]{1,64})(/v1/[a-z/]+)?$")
+
+
+class GatewayServer:
+    """``gateway`` served on ``host:port`` (0: a free port). ``key``: the server's own key, for
+    opening and closing sessions; a host beyond loopback needs one given."""
+
+    def __init__(self, gateway: Gateway, host: str = "127.0.0.1", port: int = 0, key: str | None = None) -> None:
+        check_listen_address(host, port)
+        if key is None and not is_loopback(host):
+            raise ValueError(f"gateway.host={host!r} is beyond this machine: give the server a key "
+                             "(gateway.key, or RAGEN_GATEWAY_KEY) so that strangers cannot open sessions")
+        self.gateway = gateway
+        self.key = key or "sk-ragen-server-" + secrets.token_urlsafe(24)
+        self._http = _HTTPServer((host, port), _Handler, self)
+        self.host, self.port = self._http.server_address[:2]
+        self._thread = threading.Thread(target=self._http.serve_forever, name="ragen-gateway", daemon=True)
+        self._thread.start()
+        logger.info("gateway listening on http://%s:%d", self.host, self.port)
+
+    def base_url(self, session: Session) -> str:
+        return f"http://{self.host}:{self.port}/sessions/{session.id}/v1"
+
+    def open_session(self, seed: int | None = None, env_id: int | None = None) -> Session:
+        return self.gateway.sessions.open(seed, env_id)
+
+    def close(self) -> None:
+        self._http.shutdown()
+        self._http.server_close()
+
+
+class _HTTPServer(ThreadingHTTPServer):
+    daemon_threads = True
+
+    def __init__(self, address: tuple[str, int], handler: type, owner: GatewayServer) -> None:
+        self.owner = owner
+        self.active = 0
+        self._active_lock = threading.Lock()
+        super().__init__(address, handler)
+
+    def process_request(self, request: socket.socket, client_address: Any) -> None:
+        with self._active_lock:
+            full = self.active >= self.owner.gateway.settings.max_connections
+            if not full:
+                self.active += 1
+        if full:
+            _refuse_connection(request, self.owner.gateway.settings.max_connections)
+            self.shutdown_request(request)
+            return
+        super().process_request(request, client_address)
+
+    def process_request_thread(self, request: socket.socket, client_address: Any) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            with self._active_lock:
+                self.active -= 1
+
+
+def _refuse_connection(sock: socket.socket, limit: int) -> None:
+    body = json.dumps(ApiError(503, f"the gateway serves {limit} connections at once (gateway.max_connections)",
+                               code="too_many_connections").body()).encode()
+    try:
+        sock.settimeout(1.0)
+        sock.sendall(b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\nRetry-After: 1\r\n"
+                     b"Connection: close\r\nContent-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+    except OSError:
+        pass  # the client went away: nothing to tell it
+
+
+class _Handler(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+    server: _HTTPServer
+
+    def setup(self) -> None:
+        super().setup()
+        self.connection.settimeout(self.server.owner.gateway.settings.io_timeout_s)
+
+    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - BaseHTTPRequestHandler's name
+        logger.debug("gateway %s: " + format, self.address_string(), *args)
+
+    def do_GET(self) -> None:  # noqa: N802 - http.server's names
+        self._serve("GET")
+
+    def do_POST(self) -> None:  # noqa: N802
+        self._serve("POST")
+
+    def do_DELETE(self) -> None:  # noqa: N802
+        self._serve("DELETE")
+
+    def _serve(self, method: str) -> None:
+        try:
+            self._route(method)
+        except ApiError as exc:
+            self._json(exc.status, exc.body(), exc.headers())
+        except (BrokenPipeError, ConnectionResetError, socket.timeout):
+            self.close_connection = True  # the client went away or stopped reading
+        except Exception as exc:  # noqa: BLE001 - a bug here answers this request alone, the server goes on
+            logger.exception("gateway: %s %s failed", method, self.path)
+            self._json(500, ApiError(500, f"the gateway failed: {type(exc).__name__}: {exc}").body())
+
+    def _route(self, method: str) -> None:
+        gateway = self.server.owner.gateway
+        path = self.path.split("?", 1)[0].rstrip("/")
+        if path == "/sessions" and method == "POST":
+            self._server_key()
+            body = self._body() if self.headers.get("Content-Length", "0") != "0" else {}
+            session = self.server.owner.open_session(*_seed_and_env(body))
+            self._json(200, {"id": session.id, "base_url": self.server.owner.base_url(session),
+                             "api_key": session.key})
+            return
+        match = _SESSION_PATH.match(path)
+        if match is None:
+            raise ApiError(404, f"no route {method} {path}: a session's API is under /sessions/<id>/v1",
+                           code="not_found")
+        session_id, api = match.group(1), match.group(2)
+        if api is None and method == "DELETE":
+            self._close(session_id)
+            return
+        session = gateway.sessions.get(session_id, self._bearer())
+        if (method, api) == ("GET", "/v1/models"):
+            self._json(200, {"object": "list", "data": [{"id": gateway.link.served_name, "object": "model",
+                                                         "created": 0, "owned_by": "ragen"}]})
+        elif (method, api) == ("POST", "/v1/chat/completions"):
+            self._chat(gateway, session)
+        elif (method, api) == ("POST", "/v1/completions"):
+            self._text(gateway, session)
+        else:
+            raise ApiError(404 if method in ("GET", "POST") else 405, f"no route {method} {api} for a session",
+                           code="not_found")
+
+    def _chat(self, gateway: Gateway, session: Session) -> None:
+        call = read_chat(self._body(), gateway.settings.max_messages)
+        decode = gateway.link.decode if call.sampling.logprobs else None
+        self._play(session, "chat.completions", lambda record: gateway.chat(session, call, record),
+                   lambda answer: chat_completion(answer, decode), call.stream,
+                   lambda answer, record: chat_chunks(answer, call.model or gateway.link.served_name,
+                                                      f"chatcmpl-{session.id}-{record.index}", call.include_usage,
+                                                      decode))
+
+    def _text(self, gateway: Gateway, session: Session) -> None:
+        call = read_text(self._body())
+        decode = gateway.link.decode if call.sampling.logprobs else None
+        self._play(session, "completions", lambda record: gateway.text(session, call, record),
+                   lambda answer: text_completion(answer, decode), call.stream,
+                   lambda answer, record: text_chunks(answer, call.include_usage, decode) if answer else ())
+
+    def _play(self, session: Session, endpoint: str, play: Callable[[CallRecord], Answer],
+              whole: Callable[[Answer], dict[str, Any]], stream: bool,
+              chunks: Callable[[Answer | None, CallRecord], Iterable[dict[str, Any]]]) -> None:
+        """One call of ``session``: played, recorded, answered whole or as a stream."""
+        t0 = time.perf_counter()
+        record = session.begin(endpoint, self.server.owner.gateway.settings.max_calls_per_session)
+        try:
+            if stream:
+                self._stream_head()
+                self._events(chunks(None, record))
+            try:
+                answer = play(record)
+            except ApiError as exc:
+                record.error, record.finish_reason = exc.message, "error"
+                if not stream:
+                    raise
+                self._events([exc.body()])
+                self._end_stream()
+                return
+            except Exception as exc:
+                record.error, record.finish_reason = f"{type(exc).__name__}: {exc}", "error"
+                raise
+            if stream:
+                self._events(chunks(answer, record))
+                self._end_stream()
+            else:
+                self._json(200, whole(answer))
+        finally:
+            record.total_s = time.perf_counter() - t0
+            session.end(record)
+
+    def _close(self, session_id: str) -> None:
+        sessions = self.server.owner.gateway.sessions
+        key = self._bearer()
+        if not (key is not None and hmac.compare_digest(key.encode(), self.server.owner.key.encode())):
+            sessions.get(session_id, key)  # the session's own key closes it too (401/404 otherwise)
+        if sessions.close(session_id) is None:
+            raise ApiError(404, f"session {session_id} is not open", code="session_not_found")
+        self._json(200, {"id": session_id, "closed": True})
+
+    def _server_key(self) -> None:
+        key = self._bearer()
+        if key is None or not hmac.compare_digest(key.encode(), self.server.owner.key.encode()):
+            raise ApiError(401, "opening a session needs the gateway server's key as the bearer token",
+                           code="invalid_api_key")
+
+    def _bearer(self) -> str | None:
+        value = self.headers.get("Authorization", "")
+        return value[7:].strip() or None if value[:7].lower() == "bearer " else None
+
+    def _body(self) -> Any:
+        """The request's JSON body, within ``max_body_bytes`` (413 past it, 411 without a length)."""
+        limit = self.server.owner.gateway.settings.max_body_bytes
+        length = self.headers.get("Content-Length")
+        if length is None or not length.isdigit():
+            self.close_connection = True
+            raise ApiError(411, "the request needs a Content-Length", code="length_required")
+        if int(length) > limit:
+            self.close_connection = True  # its body is left unread
+            raise ApiError(413, f"the request body has {length} bytes, more than this gateway's bound of {limit} "
+                           "(gateway.max_body_bytes)", code="body_too_large")
+        raw = self.rfile.read(int(length))
+        try:
+            return json.loads(raw)
+        except (ValueError, UnicodeDecodeError) as exc:
+            raise ApiError(400, f"the request body is not JSON: {exc}", code="invalid_json") from None
+
+    def _json(self, status: int, body: Any, headers: dict[str, str] | None = None) -> None:
+        data = json.dumps(body).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        for name, value in (headers or {}).items():
+            self.send_header(name, value)
+        if self.close_connection:
+            self.send_header("Connection", "close")
+        self.end_headers()
+        self.wfile.write(data)
+
+    def _stream_head(self) -> None:
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.send_header("Cache-Control", "no-cache")
+        self.send_header("Transfer-Encoding", "chunked")
+        self.end_headers()
+
+    def _events(self, events: Iterable[dict[str, Any]]) -> None:
+        for event in events:
+            self._chunk(b"data: " + json.dumps(event).encode() + b"\n\n")
+
+    def _end_stream(self) -> None:
+        self._chunk(b"data: [DONE]\n\n")
+        self.wfile.write(b"0\r\n\r\n")
+
+    def _chunk(self, data: bytes) -> None:
+        self.wfile.write(f"{len(data):x}\r\n".encode() + data + b"\r\n")
+        self.wfile.flush()
+
+
+def _seed_and_env(body: Any) -> tuple[int | None, int | None]:
+    """A new session's request key (its seed and env id), where ``POST /sessions`` gives them."""
+    if not isinstance(body, dict):
+        raise ApiError(400, "the body of POST /sessions must be a JSON object", code="invalid_json")
+    out = []
+    for name in ("seed", "env_id"):
+        value = body.get(name)
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool)):
+            raise ApiError(400, f"{name} must be an integer", param=name, code="invalid_value")
+        out.append(value)
+    return out[0], out[1]
