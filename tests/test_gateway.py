@@ -269,6 +269,7 @@ def test_malformed_requests_leave_the_server_serving(gateway):
     url = gateway.base_url(session) + "/chat/completions"
     for i in range(300):
         assert _post(url, b'{"messages": [' * (i % 7) + b"\xff", session.key)[0] == 400
+    assert _post(url, b"[" * 100_000, session.key)[0] == 400  # nested past what json reads: not a 500
     reply = client_of(gateway, session).chat.completions.create(model="m", messages=[SYSTEM, {"role": "user",
                                                                                           "content": "Go."}])
     assert reply.choices[0].message.content

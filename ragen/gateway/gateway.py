@@ -60,6 +60,10 @@ class Gateway:
 
     def chat(self, session: Session, call: ChatCall, record: CallRecord) -> Answer:
         """The chat call played: its prompt, the engine's answer, its record filled."""
+        with self.link.expecting():
+            return self._chat(session, call, record)
+
+    def _chat(self, session: Session, call: ChatCall, record: CallRecord) -> Answer:
         prompt = session.tokens.prompt(call)
         completion = self._generate(session, record, prompt, call.sampling, call.shown, call.tools)
         content, calls, finish = read_answer(completion.text, completion.finish_reason, call.tools,
@@ -73,6 +77,10 @@ class Gateway:
 
     def text(self, session: Session, call: TextCall, record: CallRecord) -> Answer:
         """The completions call played: its prompt ids (the text encoded as it is, no template)."""
+        with self.link.expecting():
+            return self._text(session, call, record)
+
+    def _text(self, session: Session, call: TextCall, record: CallRecord) -> Answer:
         ids = call.prompt_ids if call.prompt_ids is not None else self.link.chat.encode(call.prompt_text or "")
         if not ids:
             raise ApiError(400, "prompt encodes to no tokens", param="prompt", code="invalid_value")

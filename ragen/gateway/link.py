@@ -11,9 +11,10 @@ length and its served name.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 from ragen.gateway.api_error import ApiError
 from ragen.llm.chat_tokens import ChatTokens
@@ -38,6 +39,17 @@ class ManagerLink:
         self.max_context = engine_context(engine)
         self.decode = token_decoder(engine)
         self._client = manager.client(timeout_s)
+
+    @contextlib.contextmanager
+    def expecting(self) -> Iterator[None]:
+        """A call is being read and rendered: its request is on its way. The manager's coalescer
+        counts it as an open stream, so an engine call about to start waits for it (within the
+        coalescer's budget) rather than leaving it for the next call."""
+        self._client.open_streams(1)
+        try:
+            yield
+        finally:
+            self._client.close_stream()  # at once: a held close would keep the next engine call waiting for it
 
     @property
     def policy_version(self) -> int:
