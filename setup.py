@@ -47,7 +47,9 @@ setup(
         # datasets: RAGEN's own deepcoder and search modules load their (local) data with it
         "dev": ["pytest>=8", "pytest-timeout", "hypothesis>=6", "dask[distributed]", "ray",
                 "gymnasium>=1.0", "gym==0.26.2", "gym-sokoban==0.0.6", "setuptools<81", "pandas", "pyarrow",
-                "reasoning-gym==0.1.25", "textarena==0.7.4", "bm25s==0.3.16", "datasets"],
+                "reasoning-gym==0.1.25", "textarena==0.7.4", "bm25s==0.3.16", "datasets",
+                # clients of the gateway (tests/test_gateway*.py): the openai client and three agent frameworks
+                "openai", "openai-agents", "langgraph", "langchain-openai", "smolagents"],
         # env libraries as env types, and the retrieval server's BM25 (docs/envs.md); the tests skip
         # theirs, naming the package, without
         "envs": ["reasoning-gym==0.1.25", "textarena==0.7.4", "bm25s==0.3.16"],

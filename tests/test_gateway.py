@@ -294,3 +294,41 @@ def test_prompt_ids_given_cross_the_manager_as_sent_and_ids_past_the_vocabulary_
             client.wait_any(30)
     finally:
         manager.close()
+
+
+RESPONSES_TOOLS = [{"type": "function", "name": "get_weather", "description": "The weather in a city.",
+                    "parameters": TOOLS[0]["function"]["parameters"]}]
+
+
+@pytest.mark.timeout(60)
+def test_the_responses_api_answers_calls_and_streams_and_a_round_trip_extends_the_segment(gateway):
+    session = gateway.open_session()
+    client = client_of(gateway, session)
+    question = [{"role": "user", "content": "What is the weather in Paris?"}]
+    first = client.responses.create(model="m", input=question, instructions="Be brief.", tools=RESPONSES_TOOLS)
+    (call,) = [item for item in first.output if item.type == "function_call"]
+    assert call.name == "get_weather" and json.loads(call.arguments) == {"city": "Paris"}
+    items = question + [item.model_dump(exclude_none=True) for item in first.output] + [
+        {"type": "function_call_output", "call_id": call.call_id, "output": "weather_result: sunny"}]
+    second = client.responses.create(model="m", input=items, instructions="Be brief.", tools=RESPONSES_TOOLS)
+    assert second.output_text.endswith("It is sunny in Paris.</answer>") and second.status == "completed"
+    assert second.usage.output_tokens == len(session.records[1].response_ids)
+    assert [(r.endpoint, r.cause) for r in session.records] == [("responses", "first"), ("responses", None)]
+    with client.responses.stream(model="m", input=items, instructions="Be brief.", tools=RESPONSES_TOOLS) as stream:
+        kinds = [event.type for event in stream]
+        streamed = stream.get_final_response()
+    assert kinds[:2] == ["response.created", "response.in_progress"] and kinds[-1] == "response.completed"
+    assert "response.output_text.delta" in kinds and streamed.output_text == second.output_text
+
+
+@pytest.mark.timeout(60)
+def test_the_responses_api_refuses_what_it_does_not_serve_naming_the_field(gateway):
+    session = gateway.open_session()
+    url = gateway.base_url(session) + "/responses"
+    for body, param in [({"input": "hi", "previous_response_id": "resp_1"}, "previous_response_id"),
+                        ({"input": "hi", "tools": [{"type": "web_search"}]}, "tools[0]"),
+                        ({"input": [{"type": "function_call_output", "call_id": "c", "output": 3}]}, "input[0].output"),
+                        ({"input": [{"role": "robot", "content": "x"}]}, "input[0].role"),
+                        ({"input": "hi", "max_output_tokens": 0}, "max_output_tokens")]:
+        status, answer, _ = _post(url, json.dumps(body).encode(), session.key)
+        assert status == 400 and answer["error"]["param"] == param, answer

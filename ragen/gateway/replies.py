@@ -55,7 +55,7 @@ def chat_completion(answer: Answer, decode: Callable[[list[int]], str] | None) -
     message: dict[str, Any] = {"role": "assistant", "content": answer.content if answer.content or not answer.calls
                                else None}
     if answer.calls:
-        message["tool_calls"] = _tool_calls(answer)
+        message["tool_calls"] = tool_call_objects(answer)
     return {"id": answer.id, "object": "chat.completion", "created": int(time.time()), "model": answer.model,
             "choices": [{"index": 0, "message": message, "logprobs": _chat_logprobs(answer, decode),
                          "finish_reason": answer.finish_reason}],
@@ -77,7 +77,7 @@ def chat_chunks(answer: Answer | None, model: str, chunk_id: str, include_usage:
         yield {**base, "choices": [{"index": 0, "delta": {"content": answer.content},
                                     "logprobs": _chat_logprobs(answer, decode), "finish_reason": None}], **usage}
     if answer.calls:
-        calls = [{"index": j, **c} for j, c in enumerate(_tool_calls(answer))]
+        calls = [{"index": j, **c} for j, c in enumerate(tool_call_objects(answer))]
         yield {**base, "choices": [{"index": 0, "delta": {"tool_calls": calls}, "logprobs": None,
                                     "finish_reason": None}], **usage}
     yield {**base, "choices": [{"index": 0, "delta": {}, "logprobs": None, "finish_reason": answer.finish_reason}],
@@ -104,7 +104,7 @@ def text_chunks(answer: Answer, include_usage: bool,
         yield {**base, "choices": [], "usage": answer.usage}
 
 
-def _tool_calls(answer: Answer) -> list[dict[str, Any]]:
+def tool_call_objects(answer: Answer) -> list[dict[str, Any]]:
     return [{"id": call_id, "type": "function",
              "function": {"name": name, "arguments": json.dumps(arguments, ensure_ascii=False)}}
             for call_id, (name, arguments) in zip(answer.call_ids, answer.calls)]

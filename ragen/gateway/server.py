@@ -4,10 +4,10 @@ Routes (every one answers JSON; a refusal is OpenAI's error body):
 
 - ``POST /sessions`` (the server's key): a new session, ``{"id", "base_url", "api_key"}``;
   ``DELETE /sessions/<id>`` (the server's or the session's key) closes it.
-- ``GET /sessions/<id>/v1/models``; ``POST /sessions/<id>/v1/chat/completions`` and
-  ``POST /sessions/<id>/v1/completions``, each with the session's key as the bearer token.
-  ``stream: true`` answers with server-sent events, the first chunk sent before the
-  engine's answer, ending with ``data: [DONE]``.
+- ``GET /sessions/<id>/v1/models``; ``POST /sessions/<id>/v1/chat/completions``,
+  ``POST /sessions/<id>/v1/completions`` and ``POST /sessions/<id>/v1/responses``, each with
+  the session's key as the bearer token. ``stream: true`` answers with server-sent events,
+  the first sent before the engine's answer, ending with ``data: [DONE]``.
 
 One thread serves each connection, at most ``max_connections`` at once (the next
 gets a 503); a client that sends or reads nothing for ``io_timeout_s`` is dropped, so
@@ -16,7 +16,9 @@ one that stops reading its stream holds only its own thread.
 
 from __future__ import annotations
 
+import dataclasses
 import hmac
+import itertools
 import json
 import logging
 import re
@@ -32,6 +34,7 @@ from ragen.gateway.calls import read_chat, read_text
 from ragen.gateway.gateway import Gateway
 from ragen.gateway.record import CallRecord
 from ragen.gateway.replies import Answer, chat_chunks, chat_completion, text_chunks, text_completion
+from ragen.gateway.responses import read_responses, response_events, response_object
 from ragen.gateway.session import Session
 from ragen.serving.address import check_listen_address, is_loopback
 
@@ -166,6 +169,8 @@ class _Handler(BaseHTTPRequestHandler):
             self._chat(gateway, session)
         elif (method, api) == ("POST", "/v1/completions"):
             self._text(gateway, session)
+        elif (method, api) == ("POST", "/v1/responses"):
+            self._responses(gateway, session)
         else:
             raise ApiError(404 if method in ("GET", "POST") else 405, f"no route {method} {api} for a session",
                            code="not_found")
@@ -186,30 +191,44 @@ class _Handler(BaseHTTPRequestHandler):
                    lambda answer: text_completion(answer, decode), call.stream,
                    lambda answer, record: text_chunks(answer, call.include_usage, decode) if answer else ())
 
+    def _responses(self, gateway: Gateway, session: Session) -> None:
+        call = read_responses(self._body(), gateway.settings.max_messages)
+
+        def play(record: CallRecord) -> Answer:
+            answer = gateway.chat(session, call, record)
+            return dataclasses.replace(answer, id=f"resp_{session.id}_{record.index}")
+
+        numbers = itertools.count()  # the stream's events are numbered across its two parts
+        self._play(session, "responses", play, lambda answer: response_object(answer, call), call.stream,
+                   lambda answer, record: ({**event, "sequence_number": next(numbers)} for event in
+                                           response_events(answer, call, f"resp_{session.id}_{record.index}")),
+                   named=True)
+
     def _play(self, session: Session, endpoint: str, play: Callable[[CallRecord], Answer],
               whole: Callable[[Answer], dict[str, Any]], stream: bool,
-              chunks: Callable[[Answer | None, CallRecord], Iterable[dict[str, Any]]]) -> None:
-        """One call of ``session``: played, recorded, answered whole or as a stream."""
+              chunks: Callable[[Answer | None, CallRecord], Iterable[dict[str, Any]]], named: bool = False) -> None:
+        """One call of ``session``: played, recorded, answered whole or as a stream (``named``: each
+        event's line names its type, as the Responses API's stream does)."""
         t0 = time.perf_counter()
         record = session.begin(endpoint, self.server.owner.gateway.settings.max_calls_per_session)
         try:
             if stream:
                 self._stream_head()
-                self._events(chunks(None, record))
+                self._events(chunks(None, record), named)
             try:
                 answer = play(record)
             except ApiError as exc:
                 record.error, record.finish_reason = exc.message, "error"
                 if not stream:
                     raise
-                self._events([exc.body()])
+                self._events([{"type": "error", **exc.body()}] if named else [exc.body()], named)
                 self._end_stream()
                 return
             except Exception as exc:
                 record.error, record.finish_reason = f"{type(exc).__name__}: {exc}", "error"
                 raise
             if stream:
-                self._events(chunks(answer, record))
+                self._events(chunks(answer, record), named)
                 self._end_stream()
             else:
                 self._json(200, whole(answer))
@@ -274,9 +293,10 @@ class _Handler(BaseHTTPRequestHandler):
         self.send_header("Transfer-Encoding", "chunked")
         self.end_headers()
 
-    def _events(self, events: Iterable[dict[str, Any]]) -> None:
+    def _events(self, events: Iterable[dict[str, Any]], named: bool = False) -> None:
         for event in events:
-            self._chunk(b"data: " + json.dumps(event).encode() + b"\n\n")
+            head = f"event: {event['type']}\n".encode() if named else b""
+            self._chunk(head + b"data: " + json.dumps(event).encode() + b"\n\n")
 
     def _end_stream(self) -> None:
         self._chunk(b"data: [DONE]\n\n")
