@@ -22,6 +22,7 @@ import yaml
 from omegaconf import OmegaConf
 
 from ragen.config_reader import read, section_keys, setting, to_plain
+from ragen.gateway.gateway import GatewaySettings
 from ragen.llm import ENGINE_CLASSES
 from ragen.llm_agent import AgentSetup
 from ragen.rollout.config import ROLLOUT_SECTIONS
@@ -29,7 +30,7 @@ from ragen.trainer.config import TRAINER_SECTIONS
 
 from tests.rollout_helpers import ROOT, custom_envs
 
-SECTIONS = {**ROLLOUT_SECTIONS, **TRAINER_SECTIONS}
+SECTIONS = {**ROLLOUT_SECTIONS, **TRAINER_SECTIONS, "gateway": GatewaySettings}
 CONFIG = ROOT / "config"
 
 # Keys that config/base.yaml and trainer_defaults.yaml set to something other
@@ -52,6 +53,7 @@ DEFAULT_JOB = {
     "actor_rollout_ref.actor.optim.lr": "an lr for LoRA; the code default is for full fine-tuning",
     "actor_rollout_ref.rollout.max_model_len": "bounds memory on a CPU; the code default does not cut",
     "algorithm.norm_adv_by_std_in_grpo": "Dr. GRPO suits Bandit (see the comment in trainer_defaults.yaml)",
+    "gateway.port": "python -m ragen.tools.gateway listens on a port to remember; the code default (0) is a free one",
 }
 # Keys without a code default: every config must set them.
 REQUIRED = {"trainer.default_local_dir", "es_manager.train.env_groups", "es_manager.train.group_size",

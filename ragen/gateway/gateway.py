@@ -16,10 +16,13 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import re
 import time
 from dataclasses import dataclass
 from typing import Any
 
+from ragen.config_reader import setting
+from ragen.errors import ConfigError
 from ragen.gateway.api_error import ApiError
 from ragen.gateway.calls import ChatCall, Sampling, TextCall
 from ragen.gateway.link import ManagerLink
@@ -28,35 +31,57 @@ from ragen.gateway.replies import Answer, read_answer
 from ragen.gateway.segments import Prompt, said_answer
 from ragen.gateway.session import Session, Sessions
 from ragen.llm.types import Completion, GenerationRequest, SamplingParams
+from ragen.serving.address import check_listen_address
 
 logger = logging.getLogger(__name__)
 
 
+GATEWAY_KEY_ENV = "RAGEN_GATEWAY_KEY"  # gateway.key_env's default
+
+
 @dataclass(frozen=True)
 class GatewaySettings:
-    """The gateway's bounds (``gateway.*`` of the config)."""
+    """``gateway.*`` of the config: where the gateway listens, its key, its served name and its
+    bounds. ``read(GatewaySettings, cfg["gateway"], "gateway")`` checks every value (a
+    ``ConfigError`` naming the key); the fields' defaults are the keys' defaults."""
 
-    max_sessions: int = 256  # open at once; the next is a 429 with Retry-After
-    session_ttl_s: float = 600.0  # a session idle this long is closed (0: never)
-    max_calls_per_session: int = 8  # in flight at once; the next is a 429
-    max_messages: int = 2048  # in one chat call
-    max_body_bytes: int = 8 << 20  # of one request; a larger one is a 413
-    max_connections: int = 512  # open HTTP connections; the next is refused with a 503
-    call_timeout_s: float = 600.0  # one call's wait for the engine; a 504 past it
-    max_context: int | None = None  # prompt and answer tokens; None: the model's where it says
-    io_timeout_s: float = 60.0  # a client that sends or reads nothing this long is dropped
+    host: str = "127.0.0.1"  # 0.0.0.0: other machines too, which needs the key given (key_env)
+    port: int = setting(0, minimum=0, maximum=65535)  # 0: a free port (config/base.yaml: 8400, the command line's)
+    # the environment variable holding the server's key (the one that opens sessions); unset: a new
+    # key, on loopback only. Never the key itself: a config and a command line are readable by others.
+    key_env: str = GATEWAY_KEY_ENV
+    served_name: str | None = None  # the model name /v1/models lists; None: the engine's
+    max_sessions: int = setting(256, minimum=1)  # open at once; the next is a 429 with Retry-After
+    session_ttl_s: float = setting(600.0, minimum=0.0)  # a session idle this long is closed (0: never)
+    max_calls_per_session: int = setting(8, minimum=1)  # in flight at once; the next is a 429
+    max_messages: int = setting(2048, minimum=1)  # in one chat call
+    max_body_bytes: int = setting(8 << 20, minimum=1)  # of one request; a larger one is a 413
+    max_connections: int = setting(512, minimum=1)  # open HTTP connections; the next is refused with a 503
+    call_timeout_s: float = setting(600.0, above=0.0)  # one call's wait for the engine; a 504 past it
+    # prompt and answer tokens; None: the model's where it says
+    max_context: int | None = setting(None, minimum=2)
+    io_timeout_s: float = setting(60.0, above=0.0)  # a client that sends or reads nothing this long is dropped
+
+    def __post_init__(self) -> None:
+        check_listen_address(self.host, self.port, "gateway")
+        if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", self.key_env):
+            raise ConfigError(f"gateway.key_env must name an environment variable (letters, digits and _), "
+                              f"got {self.key_env!r}")
 
 
 class Gateway:
     """Sessions and their calls over one engine link, sampled with the rollout's ``sampling``."""
 
-    def __init__(self, link: ManagerLink, sampling: SamplingParams, settings: GatewaySettings = GatewaySettings(),
+    def __init__(self, link: ManagerLink, sampling: SamplingParams, settings: GatewaySettings | None = None,
                  sessions: Sessions | None = None) -> None:
+        settings = settings if settings is not None else GatewaySettings()
         self.link = link
         self.sampling = sampling
         self.settings = settings
         self.max_context = settings.max_context or link.max_context
-        self.sessions = sessions or Sessions(link.chat, settings.max_sessions, settings.session_ttl_s)
+        # not `sessions or`: Sessions has a length, and none open reads as false
+        self.sessions = sessions if sessions is not None else Sessions(link.chat, settings.max_sessions,
+                                                                       settings.session_ttl_s)
 
     def chat(self, session: Session, call: ChatCall, record: CallRecord) -> Answer:
         """The chat call played: its prompt, the engine's answer, its record filled."""

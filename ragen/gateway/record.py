@@ -8,8 +8,8 @@ rebuilds any call's whole prompt from the records of its segment.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
-from typing import Any, Sequence
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any, Mapping, Sequence
 
 
 @dataclass
@@ -39,6 +39,18 @@ class CallRecord:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "CallRecord":
+        """The record ``to_dict`` wrote; ValueError naming a key it does not know or a missing one."""
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(f"a call record has keys {unknown} that CallRecord does not know")
+        missing = sorted({"index", "endpoint"} - set(data))
+        if missing:
+            raise ValueError(f"a call record lacks {missing}")
+        return cls(**data)
 
 
 def prompt_ids(records: Sequence[CallRecord], index: int) -> list[int]:

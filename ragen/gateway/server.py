@@ -48,10 +48,10 @@ class GatewayServer:
     opening and closing sessions; a host beyond loopback needs one given."""
 
     def __init__(self, gateway: Gateway, host: str = "127.0.0.1", port: int = 0, key: str | None = None) -> None:
-        check_listen_address(host, port)
+        check_listen_address(host, port, "gateway")
         if key is None and not is_loopback(host):
-            raise ValueError(f"gateway.host={host!r} is beyond this machine: give the server a key "
-                             "(gateway.key, or RAGEN_GATEWAY_KEY) so that strangers cannot open sessions")
+            raise ValueError(f"gateway.host={host!r} is beyond this machine: give the server a key (in the "
+                             "environment variable gateway.key_env names) so that strangers cannot open sessions")
         self.gateway = gateway
         self.key = key or "sk-ragen-server-" + secrets.token_urlsafe(24)
         self._http = _HTTPServer((host, port), _Handler, self)

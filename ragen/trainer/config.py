@@ -208,8 +208,10 @@ TRAINER_SECTIONS: dict[str, type] = {
 }
 
 # The top-level keys of a training config: the typed sections, and those read elsewhere
-# (engine: ragen.llm.make_engine; custom_envs: the env registry; benchmark: test_parallel_rollout.py).
-TOP_LEVEL_KEYS = (*ROLLOUT_SECTIONS, *TRAINER_SECTIONS, "engine", "custom_envs", "model_path", "benchmark")
+# (engine: ragen.llm.make_engine; custom_envs: the env registry; benchmark: test_parallel_rollout.py;
+# gateway: ragen.gateway.GatewaySettings, read by python -m ragen.tools.gateway).
+TOP_LEVEL_KEYS = (*ROLLOUT_SECTIONS, *TRAINER_SECTIONS, "engine", "custom_envs", "model_path", "benchmark",
+                  "gateway")
 
 
 def check_top_level(cfg: Mapping) -> None:

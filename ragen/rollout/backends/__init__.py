@@ -1,7 +1,8 @@
 """The rollout backends, siblings behind ``RolloutBackend``, and ``make_backend``, which picks one from
 the config's ``RolloutPlan`` and builds it with its frozen settings (``SequentialSettings``,
 ``ParallelSettings``, ``FullyAsyncSettings``, each cut from the ``agent_proxy`` section by ``of``)
-and its serving.
+and its serving (``make_serving``: the shared manager the config describes, which the gateway's
+command line serves too).
 
 - ``SequentialRollout`` (``use_parallel_rollout: false``): RAGEN's loop in
   the calling thread.
@@ -28,7 +29,18 @@ from ragen.serving import SharedLLMInferenceManager
 from ragen.utils import closed_on_failure
 
 __all__ = ["FullyAsync", "FullyAsyncSettings", "GenerateAhead", "ParallelRolloutManager", "ParallelSettings",
-           "RolloutBackend", "RolloutError", "SequentialRollout", "SequentialSettings", "SyncBackend", "make_backend"]
+           "RolloutBackend", "RolloutError", "SequentialRollout", "SequentialSettings", "SyncBackend", "make_backend",
+           "make_serving"]
+
+
+def make_serving(ap: AgentProxyConfig, engine: Engine,
+                 server: LlmServerConfig = LlmServerConfig()) -> SharedLLMInferenceManager:
+    """The ``SharedLLMInferenceManager`` of ``engine`` as the config sets it: its batches and
+    wait (``agent_proxy``), its address (``llm_server``). The caller closes it."""
+    return SharedLLMInferenceManager(
+        engine, max_batch_size=ap.max_batch_size, coalesce_wait_s=ap.coalesce_wait_s,
+        host=server.host, port=server.port, max_message_bytes=ap.max_message_bytes,
+        request_timeout_s=ap.engine_timeout_s)
 
 
 def make_backend(ap: AgentProxyConfig, engine: Engine, server: LlmServerConfig = LlmServerConfig(),
@@ -38,12 +50,7 @@ def make_backend(ap: AgentProxyConfig, engine: Engine, server: LlmServerConfig =
     here and handed to the backend, whose ``close()`` stops it."""
     env_level_for(ap.env_level_async, engine.streams, engine.name, STREAMING_ENGINES)  # refuses true on a batch engine
     plan = ap.plan
-    serving = None
-    if plan.serves:
-        serving = SharedLLMInferenceManager(
-            engine, max_batch_size=ap.max_batch_size, coalesce_wait_s=ap.coalesce_wait_s,
-            host=server.host, port=server.port, max_message_bytes=ap.max_message_bytes,
-            request_timeout_s=ap.engine_timeout_s)
+    serving = make_serving(ap, engine, server) if plan.serves else None
     # any failure, an interrupt too: the manager it started is closed, then re-raised
     with closed_on_failure(serving.close if serving is not None else None):
         sync: SyncBackend
