@@ -201,6 +201,10 @@ def test_every_refusal_has_its_status_and_names_what_is_at_fault(gateway):
     assert _post(f"http://{gateway.host}:{gateway.port}/sessions/{session.id}", b"", session.key, "DELETE")[0] == 200
     status, answer, _ = _post(url, good, session.key)
     assert status == 404 and "closed" in answer["error"]["message"]  # and never brought back
+    metrics = json.loads(urllib.request.urlopen(urllib.request.Request(
+        f"http://{gateway.host}:{gateway.port}/metrics", headers={"Authorization": f"Bearer {gateway.key}"}),
+        timeout=30).read())
+    assert metrics["sessions_closed"] >= 1 and metrics["calls"] >= 1 and metrics["sessions_open"] >= 1
     assert _post(gateway.base_url(other) + "/chat/completions", good, other.key)[0] == 200
 
 

@@ -166,7 +166,8 @@ def test_serving_closes_and_writes_the_sessions_idle_past_their_ttl(base, tmp_pa
         while not (tmp_path / f"{session.id}.jsonl").exists() and time.monotonic() < deadline:
             time.sleep(0.05)
         assert read_session(tmp_path / f"{session.id}.jsonl").header["calls"] == 0
-        assert served.sessions.counts() == {"open": 0, "expired": 1}
+        metrics = served.sessions.metrics()
+        assert (metrics["sessions_open"], metrics["sessions_expired"]) == (0, 1)
     finally:
         stop.set()
         serving.join()

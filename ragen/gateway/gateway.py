@@ -130,11 +130,11 @@ class Gateway:
         completion = self.link.generate(request, sampling)
         record.engine_s = time.perf_counter() - t0
         if completion.prompt_token_ids != prompt.ids:
-            session.counts["drift"] += 1
+            session.count("drift")
             logger.warning("gateway session %s call %d: the engine sampled after other ids than the %d sent",
                            session.id, record.index, len(prompt.ids))
         if self.link.chat.encode(completion.text) != list(completion.response_token_ids):
-            session.counts["retokenize_drift"] += 1
+            session.count("retokenize_drift")
         record.response_ids = list(completion.response_token_ids)
         record.logprobs = None if completion.logprobs is None else list(completion.logprobs)
         record.policy_version, record.replica = completion.policy_version, completion.replica

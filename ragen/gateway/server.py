@@ -3,7 +3,8 @@
 Routes (every one answers JSON; a refusal is OpenAI's error body):
 
 - ``POST /sessions`` (the server's key): a new session, ``{"id", "base_url", "api_key"}``;
-  ``DELETE /sessions/<id>`` (the server's or the session's key) closes it.
+  ``DELETE /sessions/<id>`` (the server's or the session's key) closes it; ``GET /metrics``
+  (the server's key): every session's counts summed (``Sessions.metrics``).
 - ``GET /sessions/<id>/v1/models``; ``POST /sessions/<id>/v1/chat/completions``,
   ``POST /sessions/<id>/v1/completions`` and ``POST /sessions/<id>/v1/responses``, each with
   the session's key as the bearer token. ``stream: true`` answers with server-sent events,
@@ -152,6 +153,10 @@ class _Handler(BaseHTTPRequestHandler):
             session = self.server.owner.open_session(*_seed_and_env(body))
             self._json(200, {"id": session.id, "base_url": self.server.owner.base_url(session),
                              "api_key": session.key})
+            return
+        if path == "/metrics" and method == "GET":
+            self._server_key()
+            self._json(200, gateway.sessions.metrics())
             return
         match = _SESSION_PATH.match(path)
         if match is None:

@@ -74,6 +74,10 @@ class Session:
             self.counts["tokens_in"] += len(record.prompt_added)
             self.counts["tokens_out"] += len(record.response_ids)
 
+    def count(self, name: str) -> None:
+        with self.lock:
+            self.counts[name] += 1
+
     def metrics(self) -> dict[str, int]:
         with self.lock:
             return dict(self.counts)
@@ -90,6 +94,8 @@ class Sessions:
         self.on_close = on_close  # told of every session that closes (the --record writer)
         self._open: dict[str, Session] = {}
         self._closed: dict[str, None] = {}  # insertion-ordered: the oldest forgotten first
+        self._totals: Counter = Counter()  # the counts of the sessions closed
+        self.closed_count = 0
         self._numbers = itertools.count()
         self._lock = threading.Lock()
         self.expired = 0
@@ -134,6 +140,9 @@ class Sessions:
                 del self._closed[next(iter(self._closed))]
         with session.lock:
             session.closed = True
+        with self._lock:
+            self._totals.update(session.metrics())
+            self.closed_count += 1
         if self.on_close is not None:
             self.on_close(session)
         return session
@@ -159,5 +168,13 @@ class Sessions:
         with self._lock:
             return list(self._open.values())
 
-    def counts(self) -> dict[str, Any]:
-        return {"open": len(self._open), "expired": self.expired}
+    def metrics(self) -> dict[str, int]:
+        """Every session's counts summed (calls, segments, breaks by cause, tokens in and out, errors,
+        the audits), closed ones too, with how many sessions are open, closed and expired."""
+        with self._lock:
+            total = Counter(self._totals)
+            sessions = list(self._open.values())
+        for session in sessions:
+            total.update(session.metrics())
+        return {**total, "sessions_open": len(sessions), "sessions_closed": self.closed_count,
+                "sessions_expired": self.expired}
