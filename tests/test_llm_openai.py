@@ -862,16 +862,54 @@ def test_a_request_refused_as_messages_too_is_an_error_not_a_switch(tiny_model_p
         server.stop()
 
 
-def test_other_prompt_ids_from_the_server_warn_once(tiny_model_path, tiny_tokenizer, caplog):
+def test_other_prompt_ids_from_the_server_are_the_completions_and_warn_once(tiny_model_path, tiny_tokenizer,
+                                                                           caplog):
     server = FakeServer(tokenizer=tiny_tokenizer, shifted_prompt_ids=True)
     engine = OpenAIEngine(server.base_url, model="m", tokenizer=tiny_model_path)
     try:
         with caplog.at_level("WARNING", logger="ragen.llm.openai_engine"):
             completions = engine.generate([req(f"q{i}", env_id=i) for i in range(3)], SamplingParams())
-        assert [c.prompt_token_ids for c in completions] == [engine.chat.full(req(f"q{i}").messages)
-                                                             for i in range(3)]  # the ids sent
+        sent = [body["prompt"] for body in server.token_bodies]
+        assert sorted(sent) == sorted(engine.chat.full(req(f"q{i}").messages) for i in range(3))
+        # the ids the server says it sampled after (its last one changed), not those sent
+        assert sorted(c.prompt_token_ids for c in completions) == sorted(ids[:-1] + [ids[-1] + 1] for ids in sent)
         warnings = [r.getMessage() for r in caplog.records]
         assert len(warnings) == 1 and "other prompt ids than those sent" in warnings[0]
+    finally:
+        engine.close()
+        server.stop()
+
+
+def test_given_prompt_ids_go_as_those_ids_with_or_without_a_tokenizer(tiny_tokenizer):
+    """A request whose prompt ids are given (the gateway's) goes to /completions as them, even where
+    every other request goes as messages (no engine.tokenizer here)."""
+    server = FakeServer(tokenizer=tiny_tokenizer)
+    engine = OpenAIEngine(server.base_url, model="m")
+    ids = tiny_tokenizer.apply_chat_template(CHAT, tokenize=False, add_generation_prompt=True)
+    ids = tiny_tokenizer(ids, add_special_tokens=False)["input_ids"]
+    try:
+        given = GenerationRequest(CHAT, env_id=2, prompt_token_ids=ids)
+        plain, first = engine.generate([req("q"), given], SamplingParams())
+        assert len(server.bodies) == 1 and [b["prompt"] for b in server.token_bodies] == [ids]
+        assert first.prompt_token_ids == ids and first.response_token_ids and first.finish_reason == "stop"
+        assert first.logprobs == token_logprobs(len(first.response_token_ids))
+        assert engine.stats().token_prompt_fallbacks == 1  # the plain request alone went as messages
+    finally:
+        engine.close()
+        server.stop()
+
+
+@pytest.mark.parametrize("mode", ["refuse", "no_ids"])
+def test_given_prompt_ids_a_server_takes_no_token_prompt_for_are_an_error_never_messages(mode, tiny_model_path,
+                                                                                        tiny_tokenizer):
+    server = FakeServer(tokenizer=tiny_tokenizer, token_prompts=mode)
+    engine = OpenAIEngine(server.base_url, model="m", tokenizer=tiny_model_path)
+    try:
+        ids = engine.chat.full(CHAT)
+        (c,) = engine.generate([GenerationRequest(CHAT, prompt_token_ids=ids)], SamplingParams())
+        assert c.finish_reason == "error" and "prompt_token_ids" in c.text and "never as messages" in c.text
+        assert not server.bodies and [b["prompt"] for b in server.token_bodies] == [ids]
+        assert engine.stats().token_prompt_fallbacks == 0
     finally:
         engine.close()
         server.stop()

@@ -44,11 +44,15 @@ completion is handed back as soon as its reply is in.
   names them; a server that ignores them answers a new turn instead, so use a
   server that supports them.
 - *Token prompts* (``ragen.llm.openai_tokens``): with ``tokenizer``, each
-  prompt goes as the ids ``prompt_ids(request)`` to ``/completions``.
-- *Fallback to messages, never a silent mix*: without a tokenizer, or once the
-  server refused token prompts (an HTTP 4xx on ``/completions`` where the same
-  request as messages is answered, or a reply without token ids), requests go
-  to ``/chat/completions`` as messages. One warning per engine names the server
+  prompt goes as the ids ``prompt_ids(request)`` to ``/completions``; the
+  completion's prompt ids are those the server reports it sampled after. A
+  request whose ``prompt_token_ids`` are given (the gateway's) goes as those
+  ids with or without a tokenizer, and never as messages: where the server
+  takes no token prompt, it is an error completion whose text says so.
+- *Fallback to messages, never a silent mix* (requests without given prompt
+  ids): without a tokenizer, or once the server refused token prompts (an HTTP
+  4xx on ``/completions`` where the same request as messages is answered, or a
+  reply without token ids), requests go to ``/chat/completions`` as messages. One warning per engine names the server
   and why, and ``stats().token_prompt_fallbacks`` counts each request sent so (the
   rollout metric ``engine/token_prompt_fallbacks``). A refusal is remembered:
   later requests go straight to the chat path. There, prompts are the server's
@@ -264,7 +268,8 @@ class OpenAIEngine(StreamingEngine):
 
     def _complete(self, request: GenerationRequest, sampling: SamplingParams, model: str, version: int) -> Completion:
         limit = request.token_limit(sampling)
-        as_ids = self._messages_why is None  # read once: another request's refusal may change it meanwhile
+        given = request.prompt_token_ids is not None  # the caller built the ids (the gateway): as ids or not at all
+        as_ids = given or self._messages_why is None  # read once: another request's refusal may change it meanwhile
         ids: list[int] = []
         if as_ids:
             with self._prompt_lock:
@@ -278,6 +283,8 @@ class OpenAIEngine(StreamingEngine):
                                     self._sampling_fields(request, sampling, limit, model), self.returns_logprobs,
                                     version)
             except NoTokenPrompts as exc:
+                if given:
+                    return self._refused_ids(request, exc, version)
                 completion = self._complete_messages(request, sampling, limit, model, version)
                 if completion.finish_reason == "error":  # refused as messages too: the request is at fault
                     return completion
@@ -367,6 +374,15 @@ class OpenAIEngine(StreamingEngine):
             "OpenAIEngine: requests to %s go as chat messages, not token ids: %s. Their prompts are the server's "
             "render of the messages, not the ids sampled so far (engine/token_prompt_fallbacks counts them; said "
             "once per engine)", self.base_url, self._messages_why)
+
+    def _refused_ids(self, request: GenerationRequest, why: NoTokenPrompts, version: int) -> Completion:
+        """The error completion of a request whose prompt ids were given (``prompt_token_ids``)
+        and which the server took no token prompt for: as messages, the server would sample after
+        its own render of them, not the ids given. Its text says why."""
+        text = (f"the server at {self.base_url} takes no token prompt ({why}); this request's prompt is given "
+                f"as token ids (prompt_token_ids), which are sent as ids or not at all, never as messages")
+        self._warn_failed(request, text)
+        return Completion.answering(request, text, [], [], "error", version)
 
     @staticmethod
     def _warn_failed(request: GenerationRequest, error: Any) -> None:
