@@ -97,7 +97,9 @@ def test_on_hf_a_growing_chat_is_one_segment_of_the_ids_the_model_sampled_after(
     seen.clear()
     session = server.open_session()
     client = client_of(server, session)
+    reused = engine.stats().tokens_reused
     sent = grow_chat(client)
+    assert engine.stats().tokens_reused > reused  # later calls computed only what their segment added
     records = session.records
     assert [r.segment for r in records] == [0, 0, 0] and [r.cause for r in records] == ["first", None, None]
     assert len(seen) == 3 and session.metrics().get("drift", 0) == 0
