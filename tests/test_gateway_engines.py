@@ -210,6 +210,18 @@ def test_an_upstream_that_samples_after_other_ids_is_counted_as_drift(upstream):
     assert session.metrics()["drift"] == 1
 
 
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("upstream", [{"max_model_len": 300}], indirect=True)
+def test_the_upstreams_context_bounds_a_prompt_before_it_is_sent(upstream):
+    fake, engine, server = upstream
+    assert server.gateway.link.max_context == 300
+    session = server.open_session()
+    body = json.dumps({"messages": [{"role": "user", "content": "Up Down " * 300}]}).encode()
+    status, answer, _ = _post(server.base_url(session) + "/chat/completions", body, session.key)
+    assert status == 400 and answer["error"]["code"] == "context_length_exceeded" and "300" in answer["error"]["message"]
+    assert not fake.token_bodies and not fake.bodies
+
+
 def test_the_gateway_refuses_an_openai_engine_without_a_tokenizer():
     engine = OpenAIEngine("http://127.0.0.1:9/v1", model="m")
     manager = SharedLLMInferenceManager(engine)
@@ -243,3 +255,27 @@ def test_an_engine_that_samples_after_other_ids_is_counted_as_drift():
         assert session.metrics()["drift"] == 2
     finally:
         shut(manager, server)
+
+
+# -- opt-in: a real `vllm serve` of the default model (docs/vllm_cpu.md shows how to start one) -------
+REAL_URL = __import__("os").environ.get("RAGEN_OPENAI_TEST_URL")
+
+
+@pytest.mark.skipif(not REAL_URL, reason="set RAGEN_OPENAI_TEST_URL to a vllm server of the default model")
+@pytest.mark.timeout(300)
+def test_over_a_real_vllm_server_a_growing_chat_is_one_segment_of_the_ids_it_sampled_after():
+    engine = OpenAIEngine(REAL_URL, tokenizer="default")
+    manager, server = served(engine, SamplingParams(max_tokens=16, seed=3))
+    try:
+        assert server.gateway.link.max_context > 0  # vllm serve lists its max_model_len
+        session = server.open_session()
+        sent = grow_chat(client_of(server, session))
+        records = session.records
+        # the server reported the ids it sampled after: those sent (no drift), each the rollout's
+        assert [r.cause for r in records] == ["first", None, None] and session.metrics().get("drift", 0) == 0
+        assert [prompt_ids(records, i) for i in range(3)] == rollout_prompts(engine.chat, sent, records)
+        assert all(len(r.logprobs) == len(r.response_ids) > 0 for r in records)
+        assert engine.stats().token_prompt_fallbacks == 0
+    finally:
+        shut(manager, server)
+        engine.close()

@@ -72,6 +72,8 @@ class FakeServer:
     text prompts only), ``"no_ids"`` answers without token ids (a server
     without ``return_token_ids``).
 
+    ``max_model_len``: listed in the ``/models`` entry, as ``vllm serve`` lists its context.
+
     ``bad_reply`` spoils every answer of either route (``BAD_REPLIES``: not JSON,
     no choices, token ids out of range, ...). While ``failing`` is set, every
     POST gets an HTTP 500 (counted in ``failures``).
@@ -80,7 +82,7 @@ class FakeServer:
     def __init__(self, lifetime_s: float = 60.0, policy: ScriptedEngine | None = None,
                  drop_seeds: frozenset[int] = frozenset(), refuse_continue: bool = False,
                  tokenizer=None, token_prompts: str = "take", shifted_prompt_ids: bool = False,
-                 bad_reply: str = ""):
+                 bad_reply: str = "", max_model_len: int | None = None):
         assert not bad_reply or bad_reply in BAD_REPLIES, bad_reply
         self.bad_reply = bad_reply
         self.failing = False
@@ -117,7 +119,10 @@ class FakeServer:
 
             def do_GET(self):
                 if self.path.endswith("/models"):
-                    self._send(200, {"object": "list", "data": [{"id": "fake-model"}]})
+                    entry = {"id": "fake-model"}
+                    if max_model_len is not None:
+                        entry["max_model_len"] = max_model_len
+                    self._send(200, {"object": "list", "data": [entry]})
                 else:
                     self._send(404, {"error": "not found"})
 
@@ -913,6 +918,16 @@ def test_given_prompt_ids_a_server_takes_no_token_prompt_for_are_an_error_never_
     finally:
         engine.close()
         server.stop()
+
+
+def test_the_context_is_the_servers_max_model_len_where_it_lists_one(server):
+    listing = FakeServer(max_model_len=300)
+    try:
+        assert OpenAIEngine(listing.base_url).max_model_len == 300
+        assert OpenAIEngine(server.base_url, model="m").max_model_len is None  # not listed
+        assert OpenAIEngine("http://127.0.0.1:9/v1", max_retries=0).max_model_len is None  # no server
+    finally:
+        listing.stop()
 
 
 def test_the_tokenizer_option_is_checked(tmp_path):

@@ -75,7 +75,9 @@ completion is handed back as soon as its reply is in.
   completion has None.
 - *Model name*: ``model``, else ``model_path`` (when not ``default``), else
   the server's first model from ``GET {base_url}/models``, asked by the first
-  ``submit`` (which waits for it) and kept.
+  ``submit`` (which waits for it) and kept. ``max_model_len``: the context that
+  model's entry there lists (``vllm serve`` does), asked once; None where
+  the server does not say.
 
 The policy version is the caller's bookkeeping: the engine cannot see the
 server's weights, so whoever updates them calls ``bump_policy_version()``.
@@ -176,6 +178,7 @@ class OpenAIEngine(StreamingEngine):
         self._warn_lock = threading.Lock()
         self._pool = ThreadPoolExecutor(max_workers=self.max_concurrency, thread_name_prefix="openai-engine")
         self._model_lock = threading.Lock()
+        self._context_asked, self._context = False, None  # the server's max_model_len, asked once
         # the futures handed out and not yet resolved; close() cancels them
         self._pending = PendingFutures("the OpenAIEngine is closed")
 
@@ -377,9 +380,9 @@ class OpenAIEngine(StreamingEngine):
 
     def _refused_ids(self, request: GenerationRequest, why: NoTokenPrompts, version: int) -> Completion:
         """The error completion of a request whose prompt ids were given (``prompt_token_ids``)
-        and which the server took no token prompt for: as messages, the server would sample after
-        its own render of them, not the ids given. Its text says why."""
-        text = (f"the server at {self.base_url} takes no token prompt ({why}); this request's prompt is given "
+        and whose token prompt the server refused: as messages, the server would sample after its
+        own render of them, not the ids given. Its text says why."""
+        text = (f"the server at {self.base_url} refused this request's token prompt ({why}); its prompt is given "
                 f"as token ids (prompt_token_ids), which are sent as ids or not at all, never as messages")
         self._warn_failed(request, text)
         return Completion.answering(request, text, [], [], "error", version)
@@ -405,6 +408,27 @@ class OpenAIEngine(StreamingEngine):
                 self.model = str(models[0]["id"])
                 logger.info("OpenAIEngine: using the server's model %r", self.model)
             return self.model
+
+    @property
+    def max_model_len(self) -> int | None:
+        """The server's context: the ``max_model_len`` of its model's ``GET /models`` entry (``vllm serve``
+        lists it), asked once; None where the server does not say (or cannot be asked)."""
+        with self._model_lock:
+            if not self._context_asked:
+                self._context_asked = True
+                self._context = self._ask_context()
+            return self._context
+
+    def _ask_context(self) -> int | None:
+        try:
+            models = self.http.call_with_retries("GET", "/models", None)["data"]
+        except Exception as exc:  # the context is a bound the gateway checks early; the server still checks it
+            logger.info("OpenAIEngine: no context length from %s/models (%s)", self.base_url, exc)
+            return None
+        entries = [m for m in models if isinstance(m, dict)] if isinstance(models, list) else []
+        entry = next((m for m in entries if m.get("id") == self.model), entries[0] if entries else {})
+        value = entry.get("max_model_len")
+        return value if type(value) is int and value > 0 else None
 
     def close(self) -> None:
         """Cancel every future not yet resolved and stop the pool, without waiting for the server."""
