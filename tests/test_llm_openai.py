@@ -72,6 +72,8 @@ class FakeServer:
     text prompts only), ``"no_ids"`` answers without token ids (a server
     without ``return_token_ids``).
 
+    ``max_model_len``: listed in the ``/models`` entry, as ``vllm serve`` lists its context.
+
     ``bad_reply`` spoils every answer of either route (``BAD_REPLIES``: not JSON,
     no choices, token ids out of range, ...). While ``failing`` is set, every
     POST gets an HTTP 500 (counted in ``failures``).
@@ -80,7 +82,7 @@ class FakeServer:
     def __init__(self, lifetime_s: float = 60.0, policy: ScriptedEngine | None = None,
                  drop_seeds: frozenset[int] = frozenset(), refuse_continue: bool = False,
                  tokenizer=None, token_prompts: str = "take", shifted_prompt_ids: bool = False,
-                 bad_reply: str = ""):
+                 bad_reply: str = "", max_model_len: int | None = None):
         assert not bad_reply or bad_reply in BAD_REPLIES, bad_reply
         self.bad_reply = bad_reply
         self.failing = False
@@ -117,7 +119,10 @@ class FakeServer:
 
             def do_GET(self):
                 if self.path.endswith("/models"):
-                    self._send(200, {"object": "list", "data": [{"id": "fake-model"}]})
+                    entry = {"id": "fake-model"}
+                    if max_model_len is not None:
+                        entry["max_model_len"] = max_model_len
+                    self._send(200, {"object": "list", "data": [entry]})
                 else:
                     self._send(404, {"error": "not found"})
 
@@ -862,19 +867,67 @@ def test_a_request_refused_as_messages_too_is_an_error_not_a_switch(tiny_model_p
         server.stop()
 
 
-def test_other_prompt_ids_from_the_server_warn_once(tiny_model_path, tiny_tokenizer, caplog):
+def test_other_prompt_ids_from_the_server_are_the_completions_and_warn_once(tiny_model_path, tiny_tokenizer,
+                                                                           caplog):
     server = FakeServer(tokenizer=tiny_tokenizer, shifted_prompt_ids=True)
     engine = OpenAIEngine(server.base_url, model="m", tokenizer=tiny_model_path)
     try:
         with caplog.at_level("WARNING", logger="ragen.llm.openai_engine"):
             completions = engine.generate([req(f"q{i}", env_id=i) for i in range(3)], SamplingParams())
-        assert [c.prompt_token_ids for c in completions] == [engine.chat.full(req(f"q{i}").messages)
-                                                             for i in range(3)]  # the ids sent
+        sent = [body["prompt"] for body in server.token_bodies]
+        assert sorted(sent) == sorted(engine.chat.full(req(f"q{i}").messages) for i in range(3))
+        # the ids the server says it sampled after (its last one changed), not those sent
+        assert sorted(c.prompt_token_ids for c in completions) == sorted(ids[:-1] + [ids[-1] + 1] for ids in sent)
         warnings = [r.getMessage() for r in caplog.records]
         assert len(warnings) == 1 and "other prompt ids than those sent" in warnings[0]
     finally:
         engine.close()
         server.stop()
+
+
+def test_given_prompt_ids_go_as_those_ids_with_or_without_a_tokenizer(tiny_tokenizer):
+    """A request whose prompt ids are given (the gateway's) goes to /completions as them, even where
+    every other request goes as messages (no engine.tokenizer here)."""
+    server = FakeServer(tokenizer=tiny_tokenizer)
+    engine = OpenAIEngine(server.base_url, model="m")
+    ids = tiny_tokenizer.apply_chat_template(CHAT, tokenize=False, add_generation_prompt=True)
+    ids = tiny_tokenizer(ids, add_special_tokens=False)["input_ids"]
+    try:
+        given = GenerationRequest(CHAT, env_id=2, prompt_token_ids=ids)
+        plain, first = engine.generate([req("q"), given], SamplingParams())
+        assert len(server.bodies) == 1 and [b["prompt"] for b in server.token_bodies] == [ids]
+        assert first.prompt_token_ids == ids and first.response_token_ids and first.finish_reason == "stop"
+        assert first.logprobs == token_logprobs(len(first.response_token_ids))
+        assert engine.stats().token_prompt_fallbacks == 1  # the plain request alone went as messages
+    finally:
+        engine.close()
+        server.stop()
+
+
+@pytest.mark.parametrize("mode", ["refuse", "no_ids"])
+def test_given_prompt_ids_a_server_takes_no_token_prompt_for_are_an_error_never_messages(mode, tiny_model_path,
+                                                                                        tiny_tokenizer):
+    server = FakeServer(tokenizer=tiny_tokenizer, token_prompts=mode)
+    engine = OpenAIEngine(server.base_url, model="m", tokenizer=tiny_model_path)
+    try:
+        ids = engine.chat.full(CHAT)
+        (c,) = engine.generate([GenerationRequest(CHAT, prompt_token_ids=ids)], SamplingParams())
+        assert c.finish_reason == "error" and "prompt_token_ids" in c.text and "never as messages" in c.text
+        assert not server.bodies and [b["prompt"] for b in server.token_bodies] == [ids]
+        assert engine.stats().token_prompt_fallbacks == 0
+    finally:
+        engine.close()
+        server.stop()
+
+
+def test_the_context_is_the_servers_max_model_len_where_it_lists_one(server):
+    listing = FakeServer(max_model_len=300)
+    try:
+        assert OpenAIEngine(listing.base_url).max_model_len == 300
+        assert OpenAIEngine(server.base_url, model="m").max_model_len is None  # not listed
+        assert OpenAIEngine("http://127.0.0.1:9/v1", max_retries=0).max_model_len is None  # no server
+    finally:
+        listing.stop()
 
 
 def test_the_tokenizer_option_is_checked(tmp_path):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import importlib.util
+import json
 import os
 import subprocess
 import sys
@@ -66,11 +67,14 @@ class FakeEngineArgs:
 
 class FakeLLM:
     with_logprobs = True  # False: outputs without log-probs
+    reported_prefix: tuple[int, ...] = ()  # ids the outputs' prompt_token_ids have before the prompt sent
 
     def __init__(self, model, **kwargs):
         from transformers import AutoTokenizer
 
         self.model_path, self.kwargs = model, kwargs
+        # vLLM's context, where LLM keeps it (llm_engine.model_config)
+        self.llm_engine = SimpleNamespace(model_config=SimpleNamespace(max_model_len=kwargs.get("max_model_len")))
         self.tokenizer = AutoTokenizer.from_pretrained(model)
         self.worker = SimpleNamespace(model_runner=SimpleNamespace(model=FakeModel()))
         self.generate_calls = []
@@ -89,7 +93,8 @@ class FakeLLM:
                         for token, lp in zip(tokens, FAKE_LOGPROBS)] if self.with_logprobs else None
             sample = SimpleNamespace(text=f"s{p.seed}", token_ids=tokens, logprobs=logprobs,
                                      finish_reason="length" if p.max_tokens <= 2 else "stop")
-            outputs.append(SimpleNamespace(prompt_token_ids=prompt["prompt_token_ids"], outputs=[sample]))
+            outputs.append(SimpleNamespace(prompt_token_ids=[*self.reported_prefix, *prompt["prompt_token_ids"]],
+                                           outputs=[sample]))
         return outputs
 
     def collective_rpc(self, method, timeout=None, args=(), kwargs=None):
@@ -122,11 +127,13 @@ class FakeAsyncLLM:
     (``max_tokens=999``: until cancelled), then one cumulative output."""
 
     built: list = []
+    reported_prefix: tuple[int, ...] = ()  # as FakeLLM's
 
     def __init__(self, args):
         from transformers import AutoTokenizer
 
         self.args = args
+        self.model_config = SimpleNamespace(max_model_len=args.kwargs["max_model_len"])  # AsyncLLM's
         self.tokenizer = AutoTokenizer.from_pretrained(args.kwargs["model"])
         self.worker = SimpleNamespace(model_runner=SimpleNamespace(model=FakeModel()))
         self.prefix_resets, self.shutdowns, self.request_ids = [], 0, []
@@ -146,7 +153,7 @@ class FakeAsyncLLM:
         tokens = (params.seed % 97, 5)
         logprobs = [{t: SimpleNamespace(logprob=lp)} for t, lp in zip(tokens, FAKE_LOGPROBS)]
         sample = SimpleNamespace(text=f"s{params.seed}", token_ids=tokens, logprobs=logprobs, finish_reason="stop")
-        yield SimpleNamespace(prompt_token_ids=prompt["prompt_token_ids"], outputs=[sample])
+        yield SimpleNamespace(prompt_token_ids=[*self.reported_prefix, *prompt["prompt_token_ids"]], outputs=[sample])
 
     async def collective_rpc(self, method, timeout=None, args=(), kwargs=None):
         assert all(isinstance(a, (bytes, str)) for a in args)  # msgpack-native only
@@ -283,6 +290,43 @@ def test_the_answer_prefix_ends_the_prompt_sent_to_vllm(fake_async_vllm, tiny_mo
         seed = request_seed(1, reqs[0].key)
         assert out[0].text == f"s{seed}" and out[0].response_token_ids == [seed % 97, 5]
     finally:
+        engine.close()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("streaming", [False, True])
+def test_the_gateway_on_vllm_reads_its_context_and_tokenizer_and_audits_its_prompt_ids(fake_async_vllm,
+                                                                                      tiny_model_path, streaming):
+    """The gateway's link reads vLLM's context (its model config's max_model_len) and decodes token
+    texts with vLLM's tokenizer; the completion's prompt ids are those vLLM reports, so a prompt
+    vLLM changed is counted as drift."""
+    from tests.test_gateway_engines import _post, client_of, served, shut, SYSTEM
+
+    engine = make_engine({"name": "vllm", "streaming": streaming, "max_model_len": 512}, tiny_model_path)
+    manager, server = served(engine)
+    try:
+        assert engine.max_model_len == 512 and server.gateway.link.max_context == 512
+        session = server.open_session()
+        client = client_of(server, session)
+        messages = [SYSTEM, {"role": "user", "content": "Go."}]
+        reply = client.chat.completions.create(model="m", messages=messages, logprobs=True)
+        (record,) = session.records
+        assert [c.token for c in reply.choices[0].logprobs.content] == [engine.tokenizer.decode([i])
+                                                                       for i in record.response_ids]
+        assert record.logprobs == FAKE_LOGPROBS and record.prompt_added == engine.chat.full(messages)
+        messages += [{"role": "assistant", "content": reply.choices[0].message.content},
+                     {"role": "user", "content": "On."}]
+        client.chat.completions.create(model="m", messages=messages)
+        assert session.records[1].cause is None and session.metrics().get("drift", 0) == 0
+        long = json.dumps({"messages": [{"role": "user", "content": "Up Down " * 512}]}).encode()
+        status, answer, _ = _post(server.base_url(session) + "/chat/completions", long, session.key)
+        assert status == 400 and "512" in answer["error"]["message"]
+        type(engine.llm).reported_prefix = (1,)  # vLLM samples after one more id than those sent
+        client.chat.completions.create(model="m", messages=messages[:2])
+        assert session.metrics()["drift"] == 1
+    finally:
+        type(engine.llm).reported_prefix = ()
+        shut(manager, server)
         engine.close()
 
 
@@ -902,6 +946,42 @@ def test_real_second_turn_appends_to_the_sampled_ids(real_engine, monkeypatch):
     assert seen == {0: answer.prompt_token_ids, 1: appended}
     assert reply.prompt_token_ids == appended and appended[: len(history)] == history
     assert len(appended) > len(history) and reply.response_token_ids
+
+
+@real
+@pytest.mark.timeout(600)
+def test_real_gateway_chat_is_one_segment_of_the_ids_vllm_sampled_after(real_engine, monkeypatch):
+    """The gateway (``ragen.gateway``) in front of vLLM with the ``openai`` client: a 3-turn chat that
+    only grows is one segment whose prompts are the ids vLLM reports it sampled after, each the
+    rollout's ``token_history: append`` prompt; every sampled token has a log-prob and a text."""
+    pytest.importorskip("openai", reason="the openai client (pip install openai; the dev extra has it)")
+    from ragen.gateway.record import prompt_ids
+    from tests.test_gateway_engines import client_of, grow_chat, rollout_prompts, served, shut
+
+    seen = []
+    completion = real_engine._completion
+
+    def recording(request, prompt, output):
+        if output is not None:
+            seen.append(list(output.prompt_token_ids))
+        return completion(request, prompt, output)
+
+    monkeypatch.setattr(real_engine, "_completion", recording)
+    manager, server = served(real_engine, SamplingParams(temperature=1.0, max_tokens=16, seed=3))
+    try:
+        link = server.gateway.link
+        assert link.max_context == ENGINE_CFG["max_model_len"]
+        session = server.open_session()
+        sent = grow_chat(client_of(server, session))
+        records = session.records
+        assert [r.cause for r in records] == ["first", None, None] and session.metrics().get("drift", 0) == 0
+        whole = [prompt_ids(records, i) for i in range(3)]
+        assert seen == whole == rollout_prompts(real_engine.chat, sent, records)
+        for r in records:
+            assert len(r.logprobs) == len(r.response_ids) > 0
+            assert all(isinstance(link.decode([i]), str) for i in r.response_ids)
+    finally:
+        shut(manager, server)
 
 
 @real

@@ -44,11 +44,15 @@ completion is handed back as soon as its reply is in.
   names them; a server that ignores them answers a new turn instead, so use a
   server that supports them.
 - *Token prompts* (``ragen.llm.openai_tokens``): with ``tokenizer``, each
-  prompt goes as the ids ``prompt_ids(request)`` to ``/completions``.
-- *Fallback to messages, never a silent mix*: without a tokenizer, or once the
-  server refused token prompts (an HTTP 4xx on ``/completions`` where the same
-  request as messages is answered, or a reply without token ids), requests go
-  to ``/chat/completions`` as messages. One warning per engine names the server
+  prompt goes as the ids ``prompt_ids(request)`` to ``/completions``; the
+  completion's prompt ids are those the server reports it sampled after. A
+  request whose ``prompt_token_ids`` are given (the gateway's) goes as those
+  ids with or without a tokenizer, and never as messages: where the server
+  takes no token prompt, it is an error completion whose text says so.
+- *Fallback to messages, never a silent mix* (requests without given prompt
+  ids): without a tokenizer, or once the server refused token prompts (an HTTP
+  4xx on ``/completions`` where the same request as messages is answered, or a
+  reply without token ids), requests go to ``/chat/completions`` as messages. One warning per engine names the server
   and why, and ``stats().token_prompt_fallbacks`` counts each request sent so (the
   rollout metric ``engine/token_prompt_fallbacks``). A refusal is remembered:
   later requests go straight to the chat path. There, prompts are the server's
@@ -71,7 +75,9 @@ completion is handed back as soon as its reply is in.
   completion has None.
 - *Model name*: ``model``, else ``model_path`` (when not ``default``), else
   the server's first model from ``GET {base_url}/models``, asked by the first
-  ``submit`` (which waits for it) and kept.
+  ``submit`` (which waits for it) and kept. ``max_model_len``: the context that
+  model's entry there lists (``vllm serve`` does), asked once; None where
+  the server does not say.
 
 The policy version is the caller's bookkeeping: the engine cannot see the
 server's weights, so whoever updates them calls ``bump_policy_version()``.
@@ -172,6 +178,7 @@ class OpenAIEngine(StreamingEngine):
         self._warn_lock = threading.Lock()
         self._pool = ThreadPoolExecutor(max_workers=self.max_concurrency, thread_name_prefix="openai-engine")
         self._model_lock = threading.Lock()
+        self._context_asked, self._context = False, None  # the server's max_model_len, asked once
         # the futures handed out and not yet resolved; close() cancels them
         self._pending = PendingFutures("the OpenAIEngine is closed")
 
@@ -264,7 +271,8 @@ class OpenAIEngine(StreamingEngine):
 
     def _complete(self, request: GenerationRequest, sampling: SamplingParams, model: str, version: int) -> Completion:
         limit = request.token_limit(sampling)
-        as_ids = self._messages_why is None  # read once: another request's refusal may change it meanwhile
+        given = request.prompt_token_ids is not None  # the caller built the ids (the gateway): as ids or not at all
+        as_ids = given or self._messages_why is None  # read once: another request's refusal may change it meanwhile
         ids: list[int] = []
         if as_ids:
             with self._prompt_lock:
@@ -278,6 +286,8 @@ class OpenAIEngine(StreamingEngine):
                                     self._sampling_fields(request, sampling, limit, model), self.returns_logprobs,
                                     version)
             except NoTokenPrompts as exc:
+                if given:
+                    return self._refused_ids(request, exc, version)
                 completion = self._complete_messages(request, sampling, limit, model, version)
                 if completion.finish_reason == "error":  # refused as messages too: the request is at fault
                     return completion
@@ -368,6 +378,15 @@ class OpenAIEngine(StreamingEngine):
             "render of the messages, not the ids sampled so far (engine/token_prompt_fallbacks counts them; said "
             "once per engine)", self.base_url, self._messages_why)
 
+    def _refused_ids(self, request: GenerationRequest, why: NoTokenPrompts, version: int) -> Completion:
+        """The error completion of a request whose prompt ids were given (``prompt_token_ids``)
+        and whose token prompt the server refused: as messages, the server would sample after its
+        own render of them, not the ids given. Its text says why."""
+        text = (f"the server at {self.base_url} refused this request's token prompt ({why}); its prompt is given "
+                f"as token ids (prompt_token_ids), which are sent as ids or not at all, never as messages")
+        self._warn_failed(request, text)
+        return Completion.answering(request, text, [], [], "error", version)
+
     @staticmethod
     def _warn_failed(request: GenerationRequest, error: Any) -> None:
         """The warning that names the env and turn whose request ended in error."""
@@ -389,6 +408,27 @@ class OpenAIEngine(StreamingEngine):
                 self.model = str(models[0]["id"])
                 logger.info("OpenAIEngine: using the server's model %r", self.model)
             return self.model
+
+    @property
+    def max_model_len(self) -> int | None:
+        """The server's context: the ``max_model_len`` of its model's ``GET /models`` entry (``vllm serve``
+        lists it), asked once; None where the server does not say (or cannot be asked)."""
+        with self._model_lock:
+            if not self._context_asked:
+                self._context_asked = True
+                self._context = self._ask_context()
+            return self._context
+
+    def _ask_context(self) -> int | None:
+        try:
+            models = self.http.call_with_retries("GET", "/models", None)["data"]
+        except Exception as exc:  # the context is a bound the gateway checks early; the server still checks it
+            logger.info("OpenAIEngine: no context length from %s/models (%s)", self.base_url, exc)
+            return None
+        entries = [m for m in models if isinstance(m, dict)] if isinstance(models, list) else []
+        entry = next((m for m in entries if m.get("id") == self.model), entries[0] if entries else {})
+        value = entry.get("max_model_len")
+        return value if type(value) is int and value > 0 else None
 
     def close(self) -> None:
         """Cancel every future not yet resolved and stop the pool, without waiting for the server."""

@@ -96,17 +96,21 @@ class ReplyReader:
             )
         return None
 
-    def check_prompt_ids(self, request: GenerationRequest, sent: list[int], echoed: Any, route: str) -> None:
-        """Warn once when the server reports other prompt ids (``echoed``) than those sent:
-        the tokenizer and the server's model disagree; the completion keeps the ids sent."""
-        if not echoed or self.ids(echoed, route, "prompt_token_ids") == sent or not self._first("prompt_ids"):
-            return
-        logger.warning(
-            "OpenAIEngine: the server at %s reports other prompt ids than those sent for env %s turn %s "
-            "(%d sent, %d reported; first difference at %d): engine.tokenizer and the server's model may "
-            "disagree; completions keep the ids sent (said once per engine)",
-            self.base_url, request.env_id, request.turn, len(sent), len(echoed),
-            next((i for i, (a, b) in enumerate(zip(sent, echoed)) if a != int(b)), min(len(sent), len(echoed))))
+    def prompt_ids(self, request: GenerationRequest, sent: list[int], echoed: Any, route: str) -> list[int]:
+        """The ids the server sampled after: those it reports (``echoed``), else the ids ``sent``.
+        Reported ids other than those sent warn once: the server changed the prompt (or the
+        tokenizer and the server's model disagree), and the completion says what it sampled after."""
+        if not echoed:
+            return sent
+        echoed = self.ids(echoed, route, "prompt_token_ids")
+        if echoed != sent and self._first("prompt_ids"):
+            logger.warning(
+                "OpenAIEngine: the server at %s reports other prompt ids than those sent for env %s turn %s "
+                "(%d sent, %d reported; first difference at %d): completions carry the ids it reports, those it "
+                "sampled after; engine.tokenizer and the server's model may disagree (said once per engine)",
+                self.base_url, request.env_id, request.turn, len(sent), len(echoed),
+                next((i for i, (a, b) in enumerate(zip(sent, echoed)) if a != b), min(len(sent), len(echoed))))
+        return echoed
 
     def _first(self, warning: str) -> bool:
         """Whether ``warning`` is said now for the first time (it is not said again)."""

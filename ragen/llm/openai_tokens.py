@@ -8,11 +8,12 @@ and the template's tokens of its new messages, ending with its answer prefix.
 as a prompt) with the sampling fields, seed and ``"return_token_ids": true``;
 log-probs are asked as ``"logprobs": 0`` (the sampled tokens only). The
 completion is ``choices[0].text``, its ``token_ids`` and
-``logprobs.token_logprobs``; its prompt ids are the ids sent (a server that
-reports other prompt ids is named in one warning: the server and the tokenizer
-disagree). A server that refuses token prompts (an HTTP 4xx) or answers
-without the sampled ids raises ``NoTokenPrompts``: the engine sends the
-request as messages. ``vocab_size`` is the larger of ``len(tokenizer)`` and
+``logprobs.token_logprobs``; its prompt ids are those the server reports it
+sampled after, else the ids sent (a server that reports other ids than those
+sent is named in one warning). A server that refuses token prompts (an HTTP
+4xx) or answers without the sampled ids raises ``NoTokenPrompts``: the engine
+sends the request as messages, unless its prompt ids were given
+(``prompt_token_ids``), which go as ids or not at all. ``vocab_size`` is the larger of ``len(tokenizer)`` and
 the ``vocab_size`` of the ``config.json`` beside it: models pad their
 embedding past the tokenizer, and a server may sample a padded id.
 """
@@ -53,13 +54,13 @@ def complete_ids(http: HTTPTransport, replies: ReplyReader, request: GenerationR
         raise NoTokenPrompts(f"its reply from {http.base_url}{route} carries no token ids "
                              f"(choices[0].token_ids, asked with return_token_ids)")
     response_ids = replies.ids(choice["token_ids"], route, "choices[0].token_ids")
-    replies.check_prompt_ids(request, ids, choice.get("prompt_token_ids") or reply.get("prompt_token_ids"), route)
+    prompt = replies.prompt_ids(request, ids, choice.get("prompt_token_ids") or reply.get("prompt_token_ids"), route)
     values = None
     if logprobs:
         raw = choice.get("logprobs")
         values = replies.checked_logprobs(raw.get("token_logprobs") if isinstance(raw, dict) else None,
                                           response_ids, raw)
-    return Completion.answering(request, text, ids, response_ids, finish_reason(choice), version, values)
+    return Completion.answering(request, text, prompt, response_ids, finish_reason(choice), version, values)
 
 
 def load_tokenizer(tokenizer: Any) -> Any:

@@ -20,7 +20,9 @@ tokenizer) and its ``answer_prefix`` after the generation prompt (the
 completion is what follows the prefix), passes token prompts, and gives every request its own
 ``vllm.SamplingParams`` (``n=1``, ``seed=request_seed(sampling.seed, key)``, its
 own ``max_tokens``, the chat end token as a stop token), so a request's sample
-does not depend on the batch. It returns vLLM's token ids and finish reasons.
+does not depend on the batch. It returns vLLM's token ids (the prompt's as vLLM
+reports them) and finish reasons. ``max_model_len`` is the context vLLM runs
+with, read from its model config.
 
 *Log-probs*: every request asks for the sampled token's (``logprobs=0``), and
 vLLM is started so that they are the sampling distribution's
@@ -103,6 +105,7 @@ class VLLMEngine(Engine):
         path = resolve_model_path(model_path)
         os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
         self.llm: Any = None
+        self._asked_model_len = int(max_model_len)
         self._start(dict(
             model=path,
             dtype=dtype,
@@ -125,6 +128,16 @@ class VLLMEngine(Engine):
         """Build vLLM (``self.llm``) and ``self.tokenizer``."""
         self.llm = self._vllm.LLM(**engine_args)
         self.tokenizer = self.llm.get_tokenizer()
+
+    @property
+    def max_model_len(self) -> int:
+        """The most tokens a prompt and its answer may hold: vLLM's model config's (``LLM.llm_engine``'s,
+        ``AsyncLLM``'s), else ``engine.max_model_len`` as asked."""
+        for owner in (self.llm, getattr(self.llm, "llm_engine", None)):
+            value = getattr(getattr(owner, "model_config", None), "max_model_len", None)
+            if isinstance(value, int) and value > 0:
+                return value
+        return self._asked_model_len
 
     @classmethod
     def check_options(cls, options: dict[str, Any]) -> None:
@@ -173,6 +186,9 @@ class VLLMEngine(Engine):
         """The completion of ``request`` from vLLM's ``RequestOutput`` (None: not sent, no tokens asked)."""
         text, response_ids, finish_reason, logprobs = "", [], "length", []
         if output is not None:
+            # the ids vLLM sampled after, as it reports them (the gateway audits them against those sent)
+            reported = getattr(output, "prompt_token_ids", None)
+            prompt_ids = list(reported) if reported is not None else prompt_ids
             sample = output.outputs[0]
             text, response_ids = sample.text, list(sample.token_ids)
             logprobs = sampled_logprobs(sample)
