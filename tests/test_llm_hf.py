@@ -459,3 +459,27 @@ def test_the_turn_cache_reuses_a_prefixed_turn(tiny_model_path):
     for a, b in zip(first, second):
         assert b.prompt_token_ids[:len(a.prompt_token_ids)] == a.prompt_token_ids
     assert kept.stats().tokens_reused - reused >= sum(len(c.prompt_token_ids) for c in first)
+
+
+def test_streaming_rows_are_told_each_token_as_it_is_sampled_and_the_answers_stay_the_same(engine):
+    """``generate_reporting``: each decode step tells the requests that stream their new token;
+    what a request was told joins to its response ids; the others are never told; the
+    completions are those of ``generate``."""
+    sampling = SamplingParams(temperature=1.0, max_tokens=10, seed=3)
+    plain = requests(4, seed=5)
+    reqs = [replace(r, stream_tokens=i % 2 == 0) for i, r in enumerate(plain)]
+    reqs.insert(1, replace(reqs[0], prompt_token_ids=[engine.vocab_size + 1]))  # refused: never told
+    told = []
+    got = engine.generate_reporting(reqs, sampling, told.append)
+    assert got[1].finish_reason == "error"
+    del got[1]
+    assert [c.response_token_ids for c in got] == ids(engine.generate(plain, sampling))
+    by_request = {}
+    for report in told:
+        for index, new in report.items():
+            by_request.setdefault(index, []).append(new)
+    assert set(by_request) == {0, 3}  # the calls' indices of the two that stream
+    for index, parts in by_request.items():
+        answer = got[0 if index == 0 else 2]
+        assert len(parts) == len(answer.response_token_ids) > 1
+        assert [i for part in parts for i in part] == answer.response_token_ids

@@ -19,7 +19,7 @@ import logging
 import re
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 from ragen.config_reader import setting
 from ragen.errors import ConfigError
@@ -34,6 +34,8 @@ from ragen.llm.types import Completion, GenerationRequest, SamplingParams
 from ragen.serving.address import check_listen_address
 
 logger = logging.getLogger(__name__)
+
+OnTokens = Callable[[list[int]], None]  # a streamed call's new ids, as the engine samples them
 
 
 GATEWAY_KEY_ENV = "RAGEN_GATEWAY_KEY"  # gateway.key_env's default
@@ -83,14 +85,15 @@ class Gateway:
         self.sessions = sessions if sessions is not None else Sessions(link.chat, settings.max_sessions,
                                                                        settings.session_ttl_s)
 
-    def chat(self, session: Session, call: ChatCall, record: CallRecord) -> Answer:
-        """The chat call played: its prompt, the engine's answer, its record filled."""
+    def chat(self, session: Session, call: ChatCall, record: CallRecord, on_tokens: OnTokens | None = None) -> Answer:
+        """The chat call played: its prompt, the engine's answer, its record filled; ``on_tokens``:
+        told the answer's ids as they are sampled (a streamed call)."""
         with self.link.expecting():
-            return self._chat(session, call, record)
+            return self._chat(session, call, record, on_tokens)
 
-    def _chat(self, session: Session, call: ChatCall, record: CallRecord) -> Answer:
+    def _chat(self, session: Session, call: ChatCall, record: CallRecord, on_tokens: OnTokens | None) -> Answer:
         prompt = session.tokens.prompt(call)
-        completion = self._generate(session, record, prompt, call.sampling, call.shown, call.tools)
+        completion = self._generate(session, record, prompt, call.sampling, call.shown, call.tools, on_tokens)
         content, calls, finish = read_answer(completion.text, completion.finish_reason, call.tools,
                                              call.tool_choice)
         session.tokens.answered(call, prompt, completion.response_token_ids, said_answer(content, calls))
@@ -100,18 +103,18 @@ class Gateway:
                       finish, len(prompt.ids), tuple(completion.response_token_ids),
                       None if completion.logprobs is None else tuple(completion.logprobs), call_ids)
 
-    def text(self, session: Session, call: TextCall, record: CallRecord) -> Answer:
+    def text(self, session: Session, call: TextCall, record: CallRecord, on_tokens: OnTokens | None = None) -> Answer:
         """The completions call played: its prompt ids (the text encoded as it is, no template)."""
         with self.link.expecting():
-            return self._text(session, call, record)
+            return self._text(session, call, record, on_tokens)
 
-    def _text(self, session: Session, call: TextCall, record: CallRecord) -> Answer:
+    def _text(self, session: Session, call: TextCall, record: CallRecord, on_tokens: OnTokens | None) -> Answer:
         ids = call.prompt_ids if call.prompt_ids is not None else self.link.chat.encode(call.prompt_text or "")
         if not ids:
             raise ApiError(400, "prompt encodes to no tokens", param="prompt", code="invalid_value")
         prompt = session.tokens.text_prompt(ids)
         messages = [{"role": "user", "content": call.prompt_text or ""}]
-        completion = self._generate(session, record, prompt, call.sampling, messages, None)
+        completion = self._generate(session, record, prompt, call.sampling, messages, None, on_tokens)
         session.tokens.answered_text(prompt, completion.response_token_ids)
         record.finish_reason = completion.finish_reason
         return Answer(f"cmpl-{session.id}-{record.index}", call.model or self.link.served_name, completion.text, (),
@@ -119,7 +122,8 @@ class Gateway:
                       None if completion.logprobs is None else tuple(completion.logprobs))
 
     def _generate(self, session: Session, record: CallRecord, prompt: Prompt, asked: Sampling,
-                  messages: list[dict[str, str]], tools: list[dict[str, Any]] | None) -> Completion:
+                  messages: list[dict[str, str]], tools: list[dict[str, Any]] | None,
+                  on_tokens: OnTokens | None) -> Completion:
         """The engine's completion of ``prompt``, audited, with the record's prompt and answer filled."""
         record.segment, record.cause, record.prompt_start = prompt.segment, prompt.cause, prompt.start
         record.prompt_added = prompt.added
@@ -127,7 +131,7 @@ class Gateway:
         request = GenerationRequest(messages=messages, env_id=session.env_id, turn=record.index, seed=session.seed,
                                     tools=tools, prompt_token_ids=prompt.ids)
         t0 = time.perf_counter()
-        completion = self.link.generate(request, sampling)
+        completion = self.link.generate(request, sampling, on_tokens)
         record.engine_s = time.perf_counter() - t0
         if completion.prompt_token_ids != prompt.ids:
             session.count("drift")
@@ -161,4 +165,8 @@ class Gateway:
                         "top_p %g, at most %d tokens, the seed of each request's key)", session.id,
                         ", ".join(f"{k}={v}" for k, v in overrides.items()), base.temperature, base.top_p,
                         base.max_tokens)
-        return dataclasses.replace(base, max_tokens=limit, stop=list(base.stop) + list(asked.stop))
+        return dataclasses.replace(base, max_tokens=limit, stop=self.stops(asked))
+
+    def stops(self, asked: Sampling) -> list[str]:
+        """The stop strings of a call: the rollout's, then the client's."""
+        return list(self.sampling.stop) + list(asked.stop)

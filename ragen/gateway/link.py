@@ -4,9 +4,12 @@ A call is one ``GenerationRequest`` whose prompt is given as ids, sent on the
 calling thread's own connection to the manager, so it is coalesced with every
 other request in flight (the rollout workers' too), routed over replicas with
 their failover, and waits at the weight-swap gate and for ``abort`` as theirs do.
+A streamed call asks for its ids as they are sampled (``on_tokens``): the
+manager's partials reach that callback on the calling thread while it waits.
 The link also holds what the gateway needs of the engine's model: its chat
-template and tokenizer (``ChatTokens``), a decoder for token texts, its context
-length and its served name.
+template and tokenizer (``ChatTokens``), a decoder for token texts
+(``decode``), one for answers as the engine writes their text (``decode_text``:
+special tokens left out), its context length and its served name.
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ class ManagerLink:
         self.served_name = served_name or str(getattr(engine, "model_name", None) or engine.name)
         self.max_context = engine_context(engine)
         self.decode = token_decoder(engine)
+        self.decode_text = token_decoder(engine, skip_special_tokens=True)
         self._client = manager.client(timeout_s)
 
     @contextlib.contextmanager
@@ -55,11 +59,15 @@ class ManagerLink:
     def policy_version(self) -> int:
         return int(self.manager.engine.policy_version)
 
-    def generate(self, request: GenerationRequest, sampling: SamplingParams) -> Completion:
+    def generate(self, request: GenerationRequest, sampling: SamplingParams,
+                 on_tokens: Callable[[list[int]], None] | None = None) -> Completion:
         """The engine's completion of ``request`` (its ``prompt_token_ids`` given), with its whole
-        prompt ids; ``ApiError`` 502 for an engine failure, 504 past ``timeout_s``."""
+        prompt ids; ``ApiError`` 502 for an engine failure, 504 past ``timeout_s``. ``on_tokens``:
+        told the answer's new ids as the engine samples them (on this thread; what it raises
+        abandons the call and comes out of here)."""
         client = self._client
-        ticket = client.submit([request], sampling)
+        told = None if on_tokens is None else (lambda _index, ids: on_tokens(ids))
+        ticket = client.submit([request], sampling, on_tokens=told)
         deadline = time.monotonic() + self.timeout_s
         try:
             while True:
@@ -73,6 +81,9 @@ class ManagerLink:
         except EngineError as exc:
             raise ApiError(504 if exc.timed_out else 502, f"the engine failed on the call: {exc}",
                            code="engine_error") from None
+        except BaseException:  # on_tokens failed (its client went away): nobody reads the answer
+            client.abandon(ticket)
+            raise
         completion = got[1][0]
         if completion.finish_reason == "error":
             raise ApiError(502, f"the engine failed on the call: {completion.text or 'no reason given'}",
@@ -94,9 +105,9 @@ def engine_context(engine: Any) -> int | None:
     return None
 
 
-def token_decoder(engine: Any) -> Callable[[list[int]], str]:
+def token_decoder(engine: Any, skip_special_tokens: bool = False) -> Callable[[list[int]], str]:
     """Token ids as text on ``engine``'s tokenizer (the scripted engine's: utf-8 bytes)."""
     tokenizer = getattr(engine, "tokenizer", None)
     if tokenizer is not None and hasattr(tokenizer, "decode"):
-        return lambda ids: tokenizer.decode(ids, skip_special_tokens=False)
+        return lambda ids: tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
     return lambda ids: bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")

@@ -1,9 +1,11 @@
-"""The gateway's answers in OpenAI's shapes: chat completions, their stream chunks, and completions.
+"""The gateway's answers in OpenAI's shapes: chat completions and completions, whole or as stream chunks.
 
 ``Answer`` is what a call came to: the text the client sees as ``content``, the tool
 calls read from the model's text by the Hermes parser (the arguments as a JSON
 string), the finish reason (``stop``, ``length`` or ``tool_calls``), the token
-counts and the log-prob of each sampled token.
+counts and the log-prob of each sampled token. A streamed call's chunks
+(``ChatChunks``, ``TextChunks``) carry its text as it is sampled, then the
+rest of the answer once it is whole.
 """
 
 from __future__ import annotations
@@ -62,28 +64,45 @@ def chat_completion(answer: Answer, decode: Callable[[list[int]], str] | None) -
             "usage": answer.usage}
 
 
-def chat_chunks(answer: Answer | None, model: str, chunk_id: str, include_usage: bool,
-                decode: Callable[[list[int]], str] | None) -> Iterator[dict[str, Any]]:
-    """The ``chat.completion.chunk`` objects of a streamed answer: the role first (``answer`` None:
-    only that, sent before the answer is there), then its content, its tool calls, and the
-    finish reason; with ``include_usage``, a last chunk with the usage and no choices."""
-    base = {"id": chunk_id, "object": "chat.completion.chunk", "created": int(time.time()), "model": model}
-    usage = {"usage": None} if include_usage else {}
-    if answer is None:
-        yield {**base, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                                    "finish_reason": None}], **usage}
-        return
-    if answer.content:
-        yield {**base, "choices": [{"index": 0, "delta": {"content": answer.content},
-                                    "logprobs": _chat_logprobs(answer, decode), "finish_reason": None}], **usage}
-    if answer.calls:
-        calls = [{"index": j, **c} for j, c in enumerate(tool_call_objects(answer))]
-        yield {**base, "choices": [{"index": 0, "delta": {"tool_calls": calls}, "logprobs": None,
-                                    "finish_reason": None}], **usage}
-    yield {**base, "choices": [{"index": 0, "delta": {}, "logprobs": None, "finish_reason": answer.finish_reason}],
-           **usage}
-    if include_usage:
-        yield {**base, "choices": [], "usage": answer.usage}
+class ChatChunks:
+    """The ``chat.completion.chunk`` objects of one streamed call: ``head`` (the role, sent before
+    the engine answers), ``delta`` (content as the engine samples it), then ``tail`` (the rest
+    of the content with the answer's log-probs, its tool calls, the finish reason and, with
+    ``include_usage``, a last chunk with the usage and no choices); ``error`` (the error body in
+    place of the tail)."""
+
+    named = False  # an event's line is its data alone
+
+    def __init__(self, model: str, chunk_id: str, include_usage: bool,
+                 decode: Callable[[list[int]], str] | None) -> None:
+        self.base = {"id": chunk_id, "object": "chat.completion.chunk", "created": int(time.time()), "model": model}
+        self.usage: dict[str, Any] = {"usage": None} if include_usage else {}
+        self.include_usage = include_usage
+        self.decode = decode
+
+    def _chunk(self, delta: dict[str, Any], logprobs: Any = None, finish_reason: str | None = None) -> dict[str, Any]:
+        return {**self.base, "choices": [{"index": 0, "delta": delta, "logprobs": logprobs,
+                                          "finish_reason": finish_reason}], **self.usage}
+
+    def head(self) -> list[dict[str, Any]]:
+        return [self._chunk({"role": "assistant", "content": ""})]
+
+    def delta(self, text: str) -> list[dict[str, Any]]:
+        return [self._chunk({"content": text})] if text else []
+
+    def tail(self, answer: Answer, rest: str) -> Iterator[dict[str, Any]]:
+        logprobs = _chat_logprobs(answer, self.decode)
+        if rest or logprobs is not None:
+            yield self._chunk({"content": rest}, logprobs)
+        if answer.calls:
+            yield self._chunk({"tool_calls": [{"index": j, **c} for j, c in enumerate(tool_call_objects(answer))]})
+        yield self._chunk({}, finish_reason=answer.finish_reason)
+        if self.include_usage:
+            yield {**self.base, "choices": [], "usage": answer.usage}
+
+    @staticmethod
+    def error(body: dict[str, Any]) -> list[dict[str, Any]]:
+        return [body]
 
 
 def text_completion(answer: Answer, decode: Callable[[list[int]], str] | None) -> dict[str, Any]:
@@ -94,14 +113,36 @@ def text_completion(answer: Answer, decode: Callable[[list[int]], str] | None) -
             "usage": answer.usage}
 
 
-def text_chunks(answer: Answer, include_usage: bool,
-                decode: Callable[[list[int]], str] | None) -> Iterator[dict[str, Any]]:
-    """A streamed completion: its text, then (with ``include_usage``) the usage."""
-    base = {"id": answer.id, "object": "text_completion", "created": int(time.time()), "model": answer.model}
-    yield {**base, "choices": [{"index": 0, "text": answer.content, "logprobs": _text_logprobs(answer, decode),
-                                "finish_reason": answer.finish_reason}]}
-    if include_usage:
-        yield {**base, "choices": [], "usage": answer.usage}
+class TextChunks:
+    """The ``text_completion`` objects of one streamed completions call: ``delta`` (text as the
+    engine samples it), then ``tail`` (the rest of the text with the answer's log-probs and
+    finish reason, then, with ``include_usage``, the usage); ``error`` (the error body in place
+    of the tail)."""
+
+    named = False
+
+    def __init__(self, model: str, chunk_id: str, include_usage: bool,
+                 decode: Callable[[list[int]], str] | None) -> None:
+        self.base = {"id": chunk_id, "object": "text_completion", "created": int(time.time()), "model": model}
+        self.include_usage = include_usage
+        self.decode = decode
+
+    def head(self) -> list[dict[str, Any]]:
+        return []
+
+    def delta(self, text: str) -> list[dict[str, Any]]:
+        return [{**self.base, "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": None}]}] \
+            if text else []
+
+    def tail(self, answer: Answer, rest: str) -> Iterator[dict[str, Any]]:
+        yield {**self.base, "choices": [{"index": 0, "text": rest, "logprobs": _text_logprobs(answer, self.decode),
+                                         "finish_reason": answer.finish_reason}]}
+        if self.include_usage:
+            yield {**self.base, "choices": [], "usage": answer.usage}
+
+    @staticmethod
+    def error(body: dict[str, Any]) -> list[dict[str, Any]]:
+        return [body]
 
 
 def tool_call_objects(answer: Answer) -> list[dict[str, Any]]:

@@ -7,14 +7,16 @@ as its tool calls, and ``function_call_output`` items, as tool messages); tools 
 Responses form (``{"type": "function", "name", "parameters"}``). A call that repeats the
 previous response's output items therefore extends its segment, as a chat call does.
 ``previous_response_id`` is refused (nothing is stored: send the whole input).
-``response_object`` and ``response_events`` give the answer back as a ``response`` and
-as its stream of events (``response.created`` ... ``response.completed``).
+``response_object`` and ``ResponseEvents`` give the answer back as a ``response`` and
+as its stream of events (``response.created`` ... ``response.completed``), its text
+streamed as the engine samples it.
 """
 
 from __future__ import annotations
 
+import itertools
 import time
-from typing import Any, Iterator
+from typing import Any, Iterable, Iterator
 
 from ragen.gateway.api_error import ApiError, bad_field
 from ragen.gateway.calls import ChatCall, read_chat
@@ -137,34 +139,82 @@ def output_items(answer: Answer) -> list[dict[str, Any]]:
     return items
 
 
-def response_events(answer: Answer | None, call: ChatCall, response_id: str) -> Iterator[dict[str, Any]]:
-    """The stream of a response: ``response.created`` and ``response.in_progress`` first (``answer``
-    None: only those, sent before the answer is there), then each output item added, its text or
-    arguments, and done, then ``response.completed`` with the whole response."""
-    if answer is None:
-        shell = Answer(response_id, call.model, "", (), "stop", 0, (), None)
-        for kind in ("response.created", "response.in_progress"):
-            yield {"type": kind, "response": response_object(shell, call, "in_progress")}
-        return
-    for index, item in enumerate(output_items(answer)):
-        yield from _item_events(index, item)
-    yield {"type": "response.completed", "response": response_object(answer, call)}
+class ResponseEvents:
+    """The events of one streamed response, numbered: ``head`` (``response.created`` and
+    ``response.in_progress``, sent before the engine answers), ``delta`` (the message item
+    opened at its first text, then its text as the engine samples it), then ``tail`` (the
+    rest of its text and the message done, each function call item, ``response.completed``
+    with the whole response); ``error`` (an error event in place of the tail)."""
+
+    named = True  # each event's line names its type, as the Responses API's stream does
+
+    def __init__(self, call: ChatCall, response_id: str) -> None:
+        self.call = call
+        self.id = response_id
+        self._numbers = itertools.count()
+        self._opened = False  # the message item is open: its text is streaming
+
+    def _numbered(self, events: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
+        return [{**event, "sequence_number": next(self._numbers)} for event in events]
+
+    def head(self) -> list[dict[str, Any]]:
+        shell = response_object(Answer(self.id, self.call.model, "", (), "stop", 0, (), None), self.call, "in_progress")
+        return self._numbered({"type": kind, "response": shell} for kind in ("response.created",
+                                                                                "response.in_progress"))
+
+    def delta(self, text: str) -> list[dict[str, Any]]:
+        if not text:
+            return []
+        opening = [] if self._opened else list(_message_opened(0, f"msg_{self.id}"))
+        self._opened = True
+        return self._numbered(opening + [_text_delta(0, f"msg_{self.id}", text)])
+
+    def tail(self, answer: Answer, rest: str) -> list[dict[str, Any]]:
+        events: list[dict[str, Any]] = []
+        for index, item in enumerate(output_items(answer)):
+            if item["type"] == "message" and self._opened:
+                events += [_text_delta(index, item["id"], rest)] if rest else []
+                events += _message_closed(index, item)
+            else:
+                events += _item_events(index, item)
+        events.append({"type": "response.completed", "response": response_object(answer, self.call)})
+        return self._numbered(events)
+
+    def error(self, body: dict[str, Any]) -> list[dict[str, Any]]:
+        return self._numbered([{"type": "error", **body}])
+
+
+def _message_opened(index: int, item_id: str) -> Iterator[dict[str, Any]]:
+    yield {"type": "response.output_item.added", "output_index": index,
+           "item": {"type": "message", "id": item_id, "status": "in_progress", "role": "assistant", "content": []}}
+    yield {"type": "response.content_part.added", "output_index": index, "item_id": item_id, "content_index": 0,
+           "part": {"type": "output_text", "text": "", "annotations": []}}
+
+
+def _text_delta(index: int, item_id: str, text: str) -> dict[str, Any]:
+    return {"type": "response.output_text.delta", "output_index": index, "item_id": item_id, "content_index": 0,
+            "delta": text}
+
+
+def _message_closed(index: int, item: dict[str, Any]) -> Iterator[dict[str, Any]]:
+    where = {"output_index": index, "item_id": item["id"]}
+    text = item["content"][0]["text"]
+    yield {"type": "response.output_text.done", **where, "content_index": 0, "text": text}
+    yield {"type": "response.content_part.done", **where, "content_index": 0,
+           "part": {"type": "output_text", "text": text, "annotations": []}}
+    yield {"type": "response.output_item.done", "output_index": index, "item": item}
 
 
 def _item_events(index: int, item: dict[str, Any]) -> Iterator[dict[str, Any]]:
-    where = {"output_index": index, "item_id": item["id"]}
+    """A whole output item's events: added, its text or arguments, done."""
     if item["type"] == "message":
-        text = item["content"][0]["text"]
-        yield {"type": "response.output_item.added", "output_index": index,
-               "item": {**item, "status": "in_progress", "content": []}}
-        part = {"type": "output_text", "text": "", "annotations": []}
-        yield {"type": "response.content_part.added", **where, "content_index": 0, "part": part}
-        yield {"type": "response.output_text.delta", **where, "content_index": 0, "delta": text}
-        yield {"type": "response.output_text.done", **where, "content_index": 0, "text": text}
-        yield {"type": "response.content_part.done", **where, "content_index": 0, "part": {**part, "text": text}}
-    else:
-        yield {"type": "response.output_item.added", "output_index": index,
-               "item": {**item, "arguments": "", "status": "in_progress"}}
-        yield {"type": "response.function_call_arguments.delta", **where, "delta": item["arguments"]}
-        yield {"type": "response.function_call_arguments.done", **where, "arguments": item["arguments"]}
+        yield from _message_opened(index, item["id"])
+        yield _text_delta(index, item["id"], item["content"][0]["text"])
+        yield from _message_closed(index, item)
+        return
+    where = {"output_index": index, "item_id": item["id"]}
+    yield {"type": "response.output_item.added", "output_index": index,
+           "item": {**item, "arguments": "", "status": "in_progress"}}
+    yield {"type": "response.function_call_arguments.delta", **where, "delta": item["arguments"]}
+    yield {"type": "response.function_call_arguments.done", **where, "arguments": item["arguments"]}
     yield {"type": "response.output_item.done", "output_index": index, "item": item}

@@ -8,7 +8,9 @@ Routes (every one answers JSON; a refusal is OpenAI's error body):
 - ``GET /sessions/<id>/v1/models``; ``POST /sessions/<id>/v1/chat/completions``,
   ``POST /sessions/<id>/v1/completions`` and ``POST /sessions/<id>/v1/responses``, each with
   the session's key as the bearer token. ``stream: true`` answers with server-sent events,
-  the first sent before the engine's answer, ending with ``data: [DONE]``.
+  the first sent before the engine's answer, then the answer's text as the engine samples
+  it (``TextStream``: what may not be content, such as a tool call, held back), then the
+  rest of the answer (its tool calls, finish reason and usage), ending with ``data: [DONE]``.
 
 One thread serves each connection, at most ``max_connections`` at once (the next
 gets a 503); a client that sends or reads nothing for ``io_timeout_s`` is dropped, so
@@ -19,7 +21,6 @@ from __future__ import annotations
 
 import dataclasses
 import hmac
-import itertools
 import json
 import logging
 import re
@@ -31,15 +32,19 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Callable, Iterable
 
 from ragen.gateway.api_error import ApiError
-from ragen.gateway.calls import read_chat, read_text
-from ragen.gateway.gateway import Gateway
+from ragen.gateway.calls import ChatCall, read_chat, read_text
+from ragen.gateway.gateway import Gateway, OnTokens
 from ragen.gateway.record import CallRecord
-from ragen.gateway.replies import Answer, chat_chunks, chat_completion, text_chunks, text_completion
-from ragen.gateway.responses import read_responses, response_events, response_object
+from ragen.gateway.replies import Answer, ChatChunks, TextChunks, chat_completion, text_completion
+from ragen.gateway.responses import ResponseEvents, read_responses, response_object
 from ragen.gateway.session import Session
+from ragen.gateway.streaming import TextStream
+from ragen.llm.tool_calls import CALL_OPEN
 from ragen.serving.address import check_listen_address, is_loopback
 
 logger = logging.getLogger(__name__)
+
+Chunks = ChatChunks | TextChunks | ResponseEvents  # a stream's events: head, delta, tail, error
 
 _SESSION_PATH = re.compile(r"^/sessions/([0-9a-f]{1,64})(/v1/[a-z/]+)?$")
 
@@ -183,63 +188,63 @@ class _Handler(BaseHTTPRequestHandler):
     def _chat(self, gateway: Gateway, session: Session) -> None:
         call = read_chat(self._body(), gateway.settings.max_messages)
         decode = gateway.link.decode if call.sampling.logprobs else None
-        self._play(session, "chat.completions", lambda record: gateway.chat(session, call, record),
-                   lambda answer: chat_completion(answer, decode), call.stream,
-                   lambda answer, record: chat_chunks(answer, call.model or gateway.link.served_name,
-                                                      f"chatcmpl-{session.id}-{record.index}", call.include_usage,
-                                                      decode))
+        self._play(session, "chat.completions",
+                   lambda record, on_tokens: gateway.chat(session, call, record, on_tokens),
+                   lambda answer: chat_completion(answer, decode),
+                   (lambda record: ChatChunks(call.model or gateway.link.served_name,
+                                              f"chatcmpl-{session.id}-{record.index}", call.include_usage, decode))
+                   if call.stream else None, _chat_text(gateway, call))
 
     def _text(self, gateway: Gateway, session: Session) -> None:
         call = read_text(self._body())
         decode = gateway.link.decode if call.sampling.logprobs else None
-        self._play(session, "completions", lambda record: gateway.text(session, call, record),
-                   lambda answer: text_completion(answer, decode), call.stream,
-                   lambda answer, record: text_chunks(answer, call.include_usage, decode) if answer else ())
+        self._play(session, "completions", lambda record, on_tokens: gateway.text(session, call, record, on_tokens),
+                   lambda answer: text_completion(answer, decode),
+                   (lambda record: TextChunks(call.model or gateway.link.served_name,
+                                              f"cmpl-{session.id}-{record.index}", call.include_usage, decode))
+                   if call.stream else None,
+                   TextStream(gateway.link.decode_text, gateway.stops(call.sampling)))
 
     def _responses(self, gateway: Gateway, session: Session) -> None:
         call = read_responses(self._body(), gateway.settings.max_messages)
 
-        def play(record: CallRecord) -> Answer:
-            answer = gateway.chat(session, call, record)
+        def play(record: CallRecord, on_tokens: OnTokens | None) -> Answer:
+            answer = gateway.chat(session, call, record, on_tokens)
             return dataclasses.replace(answer, id=f"resp_{session.id}_{record.index}")
 
-        numbers = itertools.count()  # the stream's events are numbered across its two parts
-        self._play(session, "responses", play, lambda answer: response_object(answer, call), call.stream,
-                   lambda answer, record: ({**event, "sequence_number": next(numbers)} for event in
-                                           response_events(answer, call, f"resp_{session.id}_{record.index}")),
-                   named=True)
+        self._play(session, "responses", play, lambda answer: response_object(answer, call),
+                   (lambda record: ResponseEvents(call, f"resp_{session.id}_{record.index}")) if call.stream else None,
+                   _chat_text(gateway, call))
 
-    def _play(self, session: Session, endpoint: str, play: Callable[[CallRecord], Answer],
-              whole: Callable[[Answer], dict[str, Any]], stream: bool,
-              chunks: Callable[[Answer | None, CallRecord], Iterable[dict[str, Any]]], named: bool = False) -> None:
-        """One call of ``session``: played, recorded, answered whole or as a stream (``named``: each
-        event's line names its type, as the Responses API's stream does)."""
+    def _play(self, session: Session, endpoint: str, play: Callable[[CallRecord, OnTokens | None], Answer],
+              whole: Callable[[Answer], dict[str, Any]], chunks: Callable[[CallRecord], Chunks] | None,
+              text: TextStream) -> None:
+        """One call of ``session``: played, recorded, and answered whole, or (``chunks``: those of its
+        stream, given its record) streamed, its ``text`` sent as the engine samples it."""
         t0 = time.perf_counter()
         record = session.begin(endpoint, self.server.owner.gateway.settings.max_calls_per_session)
         try:
-            if stream:
-                self._stream_head()
-                self._events(chunks(None, record), named)
-            try:
-                answer = play(record)
-            except ApiError as exc:
-                record.error, record.finish_reason = exc.message, "error"
-                if not stream:
-                    raise
-                self._events([{"type": "error", **exc.body()}] if named else [exc.body()], named)
-                self._end_stream()
-                return
-            except Exception as exc:
-                record.error, record.finish_reason = f"{type(exc).__name__}: {exc}", "error"
-                raise
-            if stream:
-                self._events(chunks(answer, record), named)
-                self._end_stream()
+            if chunks is None:
+                self._json(200, whole(_played(record, play, None)))
             else:
-                self._json(200, whole(answer))
+                self._stream(record, play, chunks(record), text)
         finally:
             record.total_s = time.perf_counter() - t0
             session.end(record)
+
+    def _stream(self, record: CallRecord, play: Callable[[CallRecord, OnTokens | None], Answer], chunks: Chunks,
+                text: TextStream) -> None:
+        """A streamed call: its first events before the engine answers, then its text as the engine
+        samples it (held back where it may not be content), then the rest of the answer."""
+        self._stream_head()
+        self._events(chunks.head(), chunks.named)
+        try:
+            answer = _played(record, play, lambda ids: self._events(chunks.delta(text.push(ids)), chunks.named))
+        except ApiError as exc:
+            self._events(chunks.error(exc.body()), chunks.named)
+        else:
+            self._events(chunks.tail(answer, text.rest(answer.content)), chunks.named)
+        self._end_stream()
 
     def _close(self, session_id: str) -> None:
         sessions = self.server.owner.gateway.sessions
@@ -310,6 +315,27 @@ class _Handler(BaseHTTPRequestHandler):
     def _chunk(self, data: bytes) -> None:
         self.wfile.write(f"{len(data):x}\r\n".encode() + data + b"\r\n")
         self.wfile.flush()
+
+
+def _chat_text(gateway: Gateway, call: ChatCall) -> TextStream:
+    """A chat call's streamed text: with tools, none from a call's opening on, nor the white space
+    before it (the content is what comes before the calls, stripped)."""
+    tools = bool(call.tools) and call.tool_choice != "none"
+    return TextStream(gateway.link.decode_text, gateway.stops(call.sampling) + ([CALL_OPEN] if tools else []),
+                      strip_end=tools)
+
+
+def _played(record: CallRecord, play: Callable[[CallRecord, OnTokens | None], Answer],
+            on_tokens: OnTokens | None) -> Answer:
+    """``play``'s answer; its failure recorded on ``record``, and raised."""
+    try:
+        return play(record, on_tokens)
+    except ApiError as exc:
+        record.error, record.finish_reason = exc.message, "error"
+        raise
+    except Exception as exc:
+        record.error, record.finish_reason = f"{type(exc).__name__}: {exc}", "error"
+        raise
 
 
 def _seed_and_env(body: Any) -> tuple[int | None, int | None]:

@@ -33,6 +33,10 @@ the ids) -> ``"stop"``; at ``max_tokens`` (the smaller of the request's and the 
 -> ``"length"``. The final EOS token is kept in ``response_token_ids`` (the
 policy learns to stop) and left out of the text.
 
+*Streaming* (``generate_reporting``): each decode step tells the call's
+``TokenSink`` the token just chosen for every running request that asked
+(``stream_tokens``); rows that do not stream cost nothing more.
+
 *Bad ids*: a request whose history ids the model has no embedding for
 (``vocab_size``: the input embedding's rows) is answered alone with an error
 completion naming the id; the other requests of the call are generated.
@@ -52,7 +56,7 @@ import inspect
 import logging
 import threading
 import time
-from typing import Any, Iterable, Iterator, Mapping, Sequence
+from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
 
 import torch
 
@@ -64,7 +68,8 @@ from ragen.llm.hf_sampling import choose, request_uniforms
 from ragen.llm.stats import EngineStats
 from ragen.llm.transformers_compat import dtype_kwarg
 from ragen.llm.turn_cache import Hit, TurnCache
-from ragen.llm.types import Completion, Engine, GenerationRequest, SamplingParams, request_seed, token_id_error
+from ragen.llm.types import (Completion, Engine, GenerationRequest, SamplingParams, TokenSink, request_seed,
+                             token_id_error)
 from ragen.utils import common_prefix_length
 
 logger = logging.getLogger(__name__)
@@ -92,6 +97,28 @@ def _vocab_size(model: Any) -> int | None:
     except (AttributeError, NotImplementedError, TypeError):
         size = getattr(getattr(model, "config", None), "vocab_size", None)
         return size if isinstance(size, int) else None
+
+
+class _Reports:
+    """A call's ``TokenSink`` as the decode loop of each chunk tells it: by row of the chunk, kept
+    to the rows that stream and told by their index in the call (``good``: the call's index of
+    each request generated)."""
+
+    def __init__(self, sink: TokenSink, good: list[int]) -> None:
+        self.sink = sink
+        self.good = good
+
+    def of_chunk(self, requests: Sequence[GenerationRequest],
+                 chunk: list[int]) -> Callable[[dict[int, list[int]]], None] | None:
+        rows = {row: self.good[i] for row, i in enumerate(chunk) if requests[i].stream_tokens}
+        if not rows:
+            return None
+
+        def tell(new: dict[int, list[int]]) -> None:
+            told = {rows[row]: ids for row, ids in new.items() if row in rows}
+            if told:
+                self.sink(told)
+        return tell
 
 
 class HFEngine(HFOptions):
@@ -216,12 +243,21 @@ class HFEngine(HFOptions):
         return self.chat.full(messages, answer_prefix)
 
     def generate(self, requests: Sequence[GenerationRequest], sampling: SamplingParams) -> list[Completion]:
+        return self.generate_reporting(requests, sampling, None)
+
+    def generate_reporting(self, requests: Sequence[GenerationRequest], sampling: SamplingParams,
+                           on_tokens: TokenSink | None) -> list[Completion]:
+        """``generate``; each decode step tells ``on_tokens`` the token it chose for every request
+        with ``stream_tokens`` still running."""
         if not requests:
             return []
         refused = self._refused(requests)
-        good = [r for i, r in enumerate(requests) if i not in refused]
+        good = [i for i in range(len(requests)) if i not in refused]
+        report = None
+        if on_tokens is not None and any(requests[i].stream_tokens for i in good):
+            report = _Reports(on_tokens, good)
         with self._lock:
-            done = iter(self._generate(good, sampling) if good else ())
+            done = iter(self._generate([requests[i] for i in good], sampling, report) if good else ())
         return [refused[i] if i in refused else next(done) for i in range(len(requests))]
 
     def _refused(self, requests: Sequence[GenerationRequest]) -> dict[int, Completion]:
@@ -239,7 +275,8 @@ class HFEngine(HFOptions):
                     break
         return refused
 
-    def _generate(self, requests: Sequence[GenerationRequest], sampling: SamplingParams) -> list[Completion]:
+    def _generate(self, requests: Sequence[GenerationRequest], sampling: SamplingParams,
+                  report: _Reports | None = None) -> list[Completion]:
         began = time.perf_counter()
         prompts = [self.prompt_ids(r) for r in requests]
         limits = [max(0, r.token_limit(sampling)) for r in requests]
@@ -258,7 +295,8 @@ class HFEngine(HFOptions):
                 chunk = order[first : first + self.max_batch_size]
                 outputs = self._generate_chunk([prompts[i] for i in chunk], [limits[i] for i in chunk],
                                                [seeds[i] for i in chunk], [episodes[i] for i in chunk],
-                                               [last[i] for i in chunk], sampling)
+                                               [last[i] for i in chunk], sampling,
+                                               None if report is None else report.of_chunk(requests, chunk))
                 for i, output in zip(chunk, outputs):
                     results[i] = output
         completions = []
@@ -301,8 +339,11 @@ class HFEngine(HFOptions):
                 module.training = training
 
     def _generate_chunk(self, prompts: list[list[int]], limits: list[int], seeds: list[int],
-                        episodes: list[tuple[int, int]], last: list[bool],
-                        sampling: SamplingParams) -> list[tuple[list[int], str, list[float]]]:
+                        episodes: list[tuple[int, int]], last: list[bool], sampling: SamplingParams,
+                        report: Callable[[dict[int, list[int]]], None] | None = None,
+                        ) -> list[tuple[list[int], str, list[float]]]:
+        """Each row's (ids, finish reason, log-probs); ``report``: told each step's new token of every
+        row still running, by row (it keeps those of the rows that stream)."""
         batch = len(prompts)
         responses: list[list[int]] = [[] for _ in range(batch)]
         logprobs: list[list[float]] = [[] for _ in range(batch)]
@@ -323,8 +364,9 @@ class HFEngine(HFOptions):
                 past = out.past_key_values
                 logits = out.logits[:, -1, :].float()
             tokens, token_logprobs = choose(logits, sampling, None if uniforms is None else uniforms[:, step])
+            running = [r is None for r in reasons]
             # counted as sampled: a rollout's progress reads it while this call runs
-            self._stats.tokens_sampled += sum(r is None for r in reasons)
+            self._stats.tokens_sampled += sum(running)
             for row, (token, logprob) in enumerate(zip(tokens.tolist(), token_logprobs.tolist())):
                 if reasons[row] is not None:
                     continue
@@ -336,6 +378,8 @@ class HFEngine(HFOptions):
                     reasons[row] = "stop"
                 elif len(responses[row]) >= limits[row]:
                     reasons[row] = "length"
+            if report is not None:
+                report({row: responses[row][-1:] for row, n in enumerate(running) if n})
             if all(r is not None for r in reasons):
                 break
             # Finished rows keep decoding (their tokens are ignored): cheaper than

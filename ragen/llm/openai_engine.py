@@ -73,6 +73,9 @@ completion is handed back as soon as its reply is in.
   ``ragen.llm.openai_replies``. For a server that rejects the field (an HTTP
   400 naming it), set ``engine.logprobs=false``: nothing is asked, every
   completion has None.
+- *Streamed ids*: the server is asked for whole answers (no ``"stream": true``),
+  so a request with ``stream_tokens`` gets no partials (``submit_reporting`` is
+  ``submit``): its completion carries every id.
 - *Model name*: ``model``, else ``model_path`` (when not ``default``), else
   the server's first model from ``GET {base_url}/models``, asked by the first
   ``submit`` (which waits for it) and kept. ``max_model_len``: the context that

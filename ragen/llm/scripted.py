@@ -46,6 +46,9 @@ without torch:
   ``tokens_sigma``, at most ``tokens_max``). The steps are waits, not work;
   ``steps`` and ``running_sum`` count the steps run and the requests running
   summed over them (their ratio: the mean batch decoded).
+- *Streaming* (``stream_tokens``, told to a ``TokenSink``): the answer's ids in
+  ``PIECES`` parts, the call's wait spread between them; on the continuous
+  engine, each part at its share of the request's decode steps.
 """
 
 from __future__ import annotations
@@ -66,11 +69,12 @@ from ragen.llm.chat_tokens import ChatTokens
 from ragen.llm.pending import PendingFutures, fail_closed
 from ragen.llm.tool_calls import CALL_OPEN, tools_system_text
 from ragen.llm.types import (Completion, Engine, GenerationRequest, SamplingParams,
-                              StreamingEngine, request_seed)
+                              StreamingEngine, TokenSink, request_seed)
 
 logger = logging.getLogger(__name__)
 
 ACTION_SEPARATOR = " || "
+PIECES = 4  # the parts in which a streaming request's answer is told (stream_tokens)
 MALFORMED_KINDS = ("no_tags", "empty_answer", "unknown_action", "unclosed_tag", "nested_tags")
 
 # "Available actions: A, B" on one line, or RAGEN's "Your available actions are:" and the
@@ -205,12 +209,26 @@ class ScriptedEngine(Engine):
         return cls(**cfg)
 
     def generate(self, requests: Sequence[GenerationRequest], sampling: SamplingParams) -> list[Completion]:
+        return self.generate_reporting(requests, sampling, None)
+
+    def generate_reporting(self, requests: Sequence[GenerationRequest], sampling: SamplingParams,
+                           on_tokens: TokenSink | None) -> list[Completion]:
+        """``generate``; the answers of the requests with ``stream_tokens`` told to ``on_tokens`` in
+        ``PIECES`` parts, the call's wait spread between them."""
         if self._closed:
             raise RuntimeError("the engine is closed")
         completions = [self._complete(r, sampling) for r in requests]
         n_tokens = sum(len(c.response_token_ids) for c in completions)
         delay = self.base_s + self.per_token_s * n_tokens
-        if delay > 0:
+        told = {} if on_tokens is None else {i: c.response_token_ids for i, (r, c) in
+                                             enumerate(zip(requests, completions)) if r.stream_tokens}
+        if told:
+            for k in range(PIECES):
+                if delay > 0:
+                    time.sleep(delay / PIECES)
+                part = {i: piece(ids, k, k + 1) for i, ids in told.items()}
+                on_tokens({i: ids for i, ids in part.items() if ids})
+        elif delay > 0:
             time.sleep(delay)
         self._stats.tokens_sampled += n_tokens
         return completions
@@ -342,12 +360,34 @@ class DecodeModel:
         return max(1, min(self.tokens_max, round(draw)))
 
 
+def piece(ids: list[int], start: int, end: int) -> list[int]:
+    """Parts ``start`` to ``end`` of the ``PIECES`` parts of ``ids``."""
+    return ids[len(ids) * start // PIECES: len(ids) * end // PIECES]
+
+
 @dataclass(eq=False)
 class _Running:
     future: Future
     request: GenerationRequest
     sampling: SamplingParams
     left: int  # decode steps still to run
+    # a request that streams: its sink, its index in its submit and its answer's ids (told by parts)
+    sink: TokenSink | None = None
+    index: int = 0
+    ids: list[int] | None = None
+    steps: int = 0  # its decode steps in all
+    told: int = 0  # the parts told
+
+    def due(self) -> int:
+        """The parts of its answer that its steps run so far have reached."""
+        return (self.steps - self.left) * PIECES // self.steps
+
+    def until_part(self) -> int:
+        """The steps until its next part is due (its steps left, when it does not stream)."""
+        if self.sink is None:
+            return self.left
+        ran = self.steps - self.left
+        return min(self.left, max(1, -(-(self.told + 1) * self.steps // PIECES) - ran))
 
 
 class ScriptedStreamingEngine(ScriptedEngine, StreamingEngine):
@@ -373,9 +413,20 @@ class ScriptedStreamingEngine(ScriptedEngine, StreamingEngine):
         self._thread.start()
 
     generate = StreamingEngine.generate  # submit and wait: not ScriptedEngine's timed call
+    generate_reporting = StreamingEngine.generate_reporting
 
     def submit(self, requests: Sequence[GenerationRequest], sampling: SamplingParams) -> list[Future]:
+        return self.submit_reporting(requests, sampling, None)
+
+    def submit_reporting(self, requests: Sequence[GenerationRequest], sampling: SamplingParams,
+                         on_tokens: TokenSink | None) -> list[Future]:
+        """``submit``; each request with ``stream_tokens`` tells ``on_tokens`` its answer in ``PIECES``
+        parts, each at its share of the request's decode steps, the last before its future resolves."""
         entries = [_Running(Future(), r, sampling, self.decode_steps(r, sampling)) for r in requests]
+        for i, e in enumerate(entries):
+            if on_tokens is not None and e.request.stream_tokens:
+                e.sink, e.index, e.steps = on_tokens, i, e.left
+                e.ids = self._complete(e.request, sampling).response_token_ids
         with self._cond:
             if self._closed:
                 raise RuntimeError("the engine is closed")
@@ -399,7 +450,7 @@ class ScriptedStreamingEngine(ScriptedEngine, StreamingEngine):
                 self._running += self._waiting
                 self._waiting = []
                 running = len(self._running)
-                steps = self._run_steps(self.decode.step_cost(running), min(e.left for e in self._running))
+                steps = self._run_steps(self.decode.step_cost(running), min(e.until_part() for e in self._running))
                 if self._closed:
                     return
                 self.steps += steps
@@ -412,6 +463,9 @@ class ScriptedStreamingEngine(ScriptedEngine, StreamingEngine):
                     if e.left > 0 and e.future.cancelled():
                         self._pending.discard(e.future)
                 self._running = [e for e in self._running if e.left > 0 and not e.future.cancelled()]
+                told = [(e, e.due()) for e in self._running if e.sink is not None and e.due() > e.told]
+            for e, due in told:  # outside the lock, as the futures' callbacks
+                self._tell(e, due)
             for e in done:  # outside the lock: a future's callbacks may submit again
                 self._resolve(e)
 
@@ -433,10 +487,20 @@ class ScriptedStreamingEngine(ScriptedEngine, StreamingEngine):
             self._cond.wait(end - now)
         return 0
 
+    @staticmethod
+    def _tell(entry: _Running, due: int) -> None:
+        """The parts of a streaming request's answer up to ``due``, to its sink."""
+        ids = piece(entry.ids or [], entry.told, due)
+        entry.told = due
+        if ids and entry.sink is not None:
+            entry.sink({entry.index: ids})
+
     def _resolve(self, entry: _Running) -> None:
         if entry.future.cancelled():  # by whoever gave up on it
             self._pending.discard(entry.future)
             return
+        if entry.sink is not None:
+            self._tell(entry, PIECES)
         try:
             completion: Completion = self._complete(entry.request, entry.sampling)
         except Exception as exc:  # handed to whoever waits for this request

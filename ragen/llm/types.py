@@ -10,7 +10,9 @@
   the messages after ``history_messages`` (``ChatTokens.append``);
   ``prompt_token_ids``, where given, are the prompt itself, neither rendered
   nor appended to (the gateway's, which builds each call's ids); ``tools``
-  are the env's tools (OpenAI function schemas) for the template.
+  are the env's tools (OpenAI function schemas) for the template;
+  ``stream_tokens`` asks for the answer's ids as they are sampled (the
+  gateway's streamed calls), besides its completion.
 - ``SamplingParams``: how to decode (``temperature == 0`` means greedy).
 - ``Completion``: the answer text, prompt and response token ids, the log-prob
   of each response token under the distribution it was sampled from, why it
@@ -20,6 +22,12 @@
 - ``StreamingEngine``: an engine that batches continuously, whose
   ``submit(requests, sampling)`` returns a future per request, resolved as
   soon as that request is done.
+- ``TokenSink``: what ``Engine.generate_reporting`` and
+  ``StreamingEngine.submit_reporting`` tell, for one call, as the requests
+  that asked (``stream_tokens``) grow: ``{index of the request in the call:
+  its new ids}``, every id before the request's completion is out, so that
+  what a request was told joins to its ``response_token_ids``. An engine
+  that cannot tell sooner tells nothing: the completion carries every id.
 
 All three data classes are plain, JSON-able data: they cross process
 boundaries (``to_dict`` / ``from_dict``); the engine itself never does.
@@ -38,7 +46,7 @@ import logging
 from concurrent.futures import Future, InvalidStateError
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Any, Self, Sequence
+from typing import Any, Callable, Self, Sequence
 
 from ragen.errors import RagenError
 from ragen.llm.chat_tokens import ChatTokens
@@ -137,6 +145,9 @@ class GenerationRequest(_PlainData):
     # the prompt as ids, given whole: the engine samples after them, rendering nothing (None: the
     # messages rendered, or appended to history_token_ids)
     prompt_token_ids: list[int] | None = None
+    # its ids told as they are sampled (TokenSink), besides its completion; False: the
+    # completion alone (what crosses the wire for the rollout is then as it always was)
+    stream_tokens: bool = False
 
     @property
     def key(self) -> tuple[int, int, int]:
@@ -200,6 +211,10 @@ class Completion(_PlainData):
                    request.turn, logprobs)
 
 
+# {the request's index in the engine call: the ids it sampled since it was last told}
+TokenSink = Callable[[dict[int, list[int]]], None]
+
+
 class Engine(ABC):
     """One language model behind ``generate``.
 
@@ -253,6 +268,12 @@ class Engine(ABC):
     @abstractmethod
     def generate(self, requests: Sequence[GenerationRequest], sampling: SamplingParams) -> list[Completion]:
         """One completion per request, in request order."""
+
+    def generate_reporting(self, requests: Sequence[GenerationRequest], sampling: SamplingParams,
+                           on_tokens: TokenSink) -> list[Completion]:
+        """``generate``, telling ``on_tokens`` the new ids of the requests with ``stream_tokens``
+        while they are sampled. This engine tells none: each completion carries its ids."""
+        return self.generate(requests, sampling)
 
     @classmethod
     def check_options(cls, options: dict[str, Any]) -> None:
@@ -327,10 +348,21 @@ class StreamingEngine(Engine):
     def submit(self, requests: Sequence[GenerationRequest], sampling: SamplingParams) -> list[Future]:
         """One future per request, in request order."""
 
+    def submit_reporting(self, requests: Sequence[GenerationRequest], sampling: SamplingParams,
+                         on_tokens: TokenSink) -> list[Future]:
+        """``submit``, telling ``on_tokens`` the new ids of the requests with ``stream_tokens``
+        while they are sampled, each before its future is resolved. This engine tells none."""
+        return self.submit(requests, sampling)
+
     def generate(self, requests: Sequence[GenerationRequest], sampling: SamplingParams) -> list[Completion]:
         futures = self.checked(self.submit(requests, sampling), len(requests))
         # Unbounded wait on each future: an engine resolves every future it hands out, with
         # its completion or an error (close() fails the ones still running).
+        return [f.result() for f in futures]
+
+    def generate_reporting(self, requests: Sequence[GenerationRequest], sampling: SamplingParams,
+                           on_tokens: TokenSink) -> list[Completion]:
+        futures = self.checked(self.submit_reporting(requests, sampling, on_tokens), len(requests))
         return [f.result() for f in futures]
 
     def checked(self, got: Any, n: int) -> list[Future]:

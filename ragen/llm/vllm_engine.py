@@ -5,6 +5,10 @@ runs vLLM's ``AsyncLLM`` on an asyncio loop in a thread of its own; ``submit``
 schedules one ``generate`` coroutine per request and returns a future per
 request, resolved with its completion as soon as that request is done, so the
 turn loop can play each env as its own stream. ``generate`` submits and waits.
+A request that streams its ids (``stream_tokens``, ``submit_reporting``) tells
+its sink the new ids of each output vLLM yields as the answer grows; the batch
+``VLLMEngine`` tells none (``vllm.LLM.generate`` returns whole answers), and
+its completions carry every id.
 ``AsyncLLM`` always runs its engine core in a process of its own, so weights
 go by ``collective_rpc`` (route 2 below). ``engine.streaming: false``:
 ``VLLMEngine``, ``vllm.LLM`` behind a batch ``generate``. Both build the same
@@ -57,7 +61,7 @@ from ragen.llm.chat_tokens import ChatTokens, stop_token_ids
 from ragen.llm.default_model import resolve_model_path
 from ragen.llm.pending import PendingFutures, fail_closed
 from ragen.llm.types import (CLOSED_BEFORE_ANSWER, Completion, Engine, GenerationRequest, SamplingParams,
-                              StreamingEngine, request_seed)
+                              StreamingEngine, TokenSink, request_seed)
 from ragen.llm.vllm_logprobs import logprobs_mode_kwargs, sampled_logprobs
 from ragen.llm.vllm_weights import apply_weights, check_fused_parts, push_weights_by_rpc
 from ragen.utils import closed_on_failure
@@ -289,6 +293,20 @@ RPC_TIMEOUT_S = 600.0
 CLOSE_WAIT_S = 30.0
 
 
+class _Told:
+    """What a streaming request told its sink: the ids of vLLM's cumulative output past those."""
+
+    def __init__(self, sink: TokenSink, index: int) -> None:
+        self.sink = sink
+        self.index = index
+        self.count = 0
+
+    def grown(self, ids: Sequence[int]) -> None:
+        if len(ids) > self.count:
+            new, self.count = list(ids[self.count:]), len(ids)
+            self.sink({self.index: new})
+
+
 class VLLMStreamingEngine(VLLMEngine, StreamingEngine):
     """vLLM's ``AsyncLLM`` on an asyncio loop in a thread of its own: a future per
     request, resolved as soon as that request is done; see the module docstring.
@@ -335,15 +353,22 @@ class VLLMStreamingEngine(VLLMEngine, StreamingEngine):
         self._in_flight, self._since = self._in_flight + change, now
 
     def submit(self, requests: Sequence[GenerationRequest], sampling: SamplingParams) -> list[Future]:
-        entries = [(Future(), request, sampling) for request in requests]
+        return self.submit_reporting(requests, sampling, None)
+
+    def submit_reporting(self, requests: Sequence[GenerationRequest], sampling: SamplingParams,
+                         on_tokens: TokenSink | None) -> list[Future]:
+        """``submit``; each request with ``stream_tokens`` tells ``on_tokens`` the ids of each output
+        vLLM yields as its answer grows."""
+        entries = [(Future(), request, sampling, _Told(on_tokens, i) if on_tokens is not None and
+                    request.stream_tokens else None) for i, request in enumerate(requests)]
         self._pending.add(entry[0] for entry in entries)
         if entries:
             self._loop.call_soon_threadsafe(self._start_tasks, entries)  # one wake-up a submit
         return [entry[0] for entry in entries]
 
-    def _start_tasks(self, entries: list[tuple[Future, GenerationRequest, SamplingParams]]) -> None:
+    def _start_tasks(self, entries: list[tuple[Future, GenerationRequest, SamplingParams, _Told | None]]) -> None:
         """On the loop (where vLLM detokenizes too: one thread uses the tokenizer): one task a request."""
-        for future, request, sampling in entries:
+        for future, request, sampling, told in entries:
             try:
                 prompt = self.prompt_ids(request)
                 limit = request.token_limit(sampling)
@@ -357,18 +382,21 @@ class VLLMStreamingEngine(VLLMEngine, StreamingEngine):
             if future not in self._pending:  # closed meanwhile
                 continue
             # a task started after close() took the futures is cancelled by close()'s shutdown, on this loop
-            task = self._loop.create_task(self._answer(future, request, prompt, params))
+            task = self._loop.create_task(self._answer(future, request, prompt, params, told))
             # a caller that cancels its future aborts the request in vLLM
             future.add_done_callback(
                 lambda f, task=task: f.cancelled() and self._loop.call_soon_threadsafe(task.cancel))
 
-    async def _answer(self, future: Future, request: GenerationRequest, prompt: list[int], params: Any) -> None:
+    async def _answer(self, future: Future, request: GenerationRequest, prompt: list[int], params: Any,
+                      told: _Told | None = None) -> None:
         final = None
         try:
             # output_kind stays vLLM's default (cumulative): the last output holds every token
             async for output in self.llm.generate({"prompt_token_ids": prompt}, params,
                                                   f"ragen-{next(self._request_ids)}"):
                 final = output
+                if told is not None:
+                    told.grown(output.outputs[0].token_ids)
             if final is None:
                 raise RuntimeError(f"vLLM gave no output for env {request.env_id} turn {request.turn}")
             completion = self._completion(request, prompt, final)

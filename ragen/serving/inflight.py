@@ -14,7 +14,7 @@ import time
 from concurrent.futures import Future
 from typing import Callable, Hashable
 
-from ragen.llm.types import GenerationRequest, SamplingParams, StreamingEngine
+from ragen.llm.types import GenerationRequest, SamplingParams, StreamingEngine, TokenSink
 from ragen.serving.gate import EngineGate
 
 
@@ -48,12 +48,16 @@ class InFlight:
             self._count += n
             self._holding[key] = set(range(n))
 
-    def submit(self, key: Hashable, requests: list[GenerationRequest], sampling: SamplingParams) -> list[Future]:
+    def submit(self, key: Hashable, requests: list[GenerationRequest], sampling: SamplingParams,
+               on_tokens: TokenSink | None = None) -> list[Future]:
         """The engine's futures for ``requests`` (entered under ``key``), one a request
-        (``StreamingEngine.checked``). When the engine refuses them or breaks its contract,
-        every request of ``key`` leaves and the error is raised."""
+        (``StreamingEngine.checked``); ``on_tokens``: where the new ids of those that stream
+        go. When the engine refuses them or breaks its contract, every request of ``key``
+        leaves and the error is raised."""
         try:
-            return self.engine.checked(self.engine.submit(requests, sampling), len(requests))
+            got = self.engine.submit(requests, sampling) if on_tokens is None else \
+                self.engine.submit_reporting(requests, sampling, on_tokens)
+            return self.engine.checked(got, len(requests))
         except BaseException:  # whatever it is, the requests must not hold the gate
             self.leave(key)
             raise

@@ -24,7 +24,12 @@
   prompts' token ids: those stay in the driver) or ``{"ticket": t, "error":
   msg}`` (with ``"timed_out": True`` when the engine did not answer within the
   manager's time limit, ``"unavailable": True`` when it can answer no request
-  at all).
+  at all). A request that asked for its tokens as they are sampled
+  (``stream_tokens``) gets, before its answer, partials in frames of their own:
+  ``{"ticket": t, "index": i, "partial": ids}``, the ids the request at index i
+  of the ticket's list sampled since its last partial (4 little-endian bytes an
+  id); its completion still carries every id and log-prob (``read_partial``
+  checks a partial where the client reads it).
 """
 
 from __future__ import annotations
@@ -142,6 +147,7 @@ _REQUEST_FIELDS = {
     "history_messages": (lambda v: _is_int(v) and v >= 0, "an integer >= 0"),
     "tools": (lambda v: v is None or (isinstance(v, list) and all(isinstance(t, dict) for t in v)),
               "null or a list of objects"),
+    "stream_tokens": (lambda v: isinstance(v, bool), "true or false"),
 }
 _ID_FIELDS = ("history_token_ids", "prompt_token_ids")  # token ids, which cross as bytes
 _SAMPLING_FIELDS = {
@@ -327,17 +333,24 @@ def _check_request(r: GenerationRequest, where: str, vocab_size: int | None) -> 
             raise ValueError(f"{where} (env_id {r.env_id}, turn {r.turn}).{name}: {token_id_error(ids, vocab_size)}")
 
 
+def ids_for_wire(ids: list[int]) -> bytes:
+    """Token ids as 4 little-endian bytes an id (one string to pickle, not an int an id)."""
+    packed = array("I", ids)
+    if sys.byteorder == "big":
+        packed.byteswap()
+    return packed.tobytes()
+
+
 def request_for_wire(request: GenerationRequest) -> dict[str, Any]:
     """A request as plain data for the manager: its history and prompt ids as bytes (4
     little-endian bytes an id), which pickle as one string where a list of ints pickles id by id."""
     d = request.to_dict()
+    if not request.stream_tokens:
+        del d["stream_tokens"]  # its default: a request that does not stream crosses as it always did
     for name in _ID_FIELDS:
         given = getattr(request, name)
         if given is not None:
-            ids = array("I", given)
-            if sys.byteorder == "big":
-                ids.byteswap()
-            d[name] = ids.tobytes()
+            d[name] = ids_for_wire(given)
     return d
 
 
@@ -384,6 +397,27 @@ def completions_answer(ticket: int, transit_in: float | None, completions: list[
         error = f"{type(exc).__name__}: {exc}"
         return {"ticket": ticket, "error": error if engine_label is None else
                 f"the {engine_label} broke its contract: {error}"}
+
+
+def partials_frame(partials: list[tuple[int, int, list[int]]]) -> bytes:
+    """The frame of one connection's partials, each ``(ticket, index, new ids)``."""
+    return wire.frame({"answers": [{"ticket": t, "index": i, "partial": ids_for_wire(ids)} for t, i, ids in partials],
+                       "sent": time.monotonic()})
+
+
+def read_partial(answer: dict[str, Any]) -> tuple[int, int, list[int]]:
+    """A partial as the client reads it: ``(ticket, index, new ids)``; ValueError naming the field
+    at fault."""
+    ticket, index = answer.get("ticket"), answer.get("index")
+    if not _is_int(ticket):
+        raise ValueError(f"a partial's 'ticket' must be an integer, got {repr(ticket)[:80]}")
+    if not _is_int(index) or not 0 <= index < wire.MAX_REQUESTS:
+        raise ValueError(f"a partial's 'index' must be an integer from 0 to {wire.MAX_REQUESTS - 1}, "
+                         f"got {repr(index)[:80]}")
+    ids = _ids_from_wire(answer["partial"], "a partial's 'partial'")
+    if not ids:
+        raise ValueError("a partial's 'partial' must be 4 bytes an id, at least one id")
+    return ticket, index, ids
 
 
 def answers_frame(answers: list[dict[str, Any]]) -> bytes:

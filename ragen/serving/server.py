@@ -17,7 +17,9 @@ enough groups) is ``abort``ed: its requests are answered ``aborted``.
 Answers are told to the observers just before they are sent, so a worker
 cannot end its work before its answers are counted. An engine that batches
 continuously (``Engine.streams``) gets each request list as it arrives,
-through the ``Streamer``, instead of the coalescer.
+through the ``Streamer``, instead of the coalescer. The requests that ask for
+their ids as they are sampled (``stream_tokens``) get them as partials
+(``partials``) during the engine call that samples them.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from ragen.serving.coalescer import Coalescer, Pending
 from ragen.serving.connections import Connection, Connections
 from ragen.serving.gate import EngineGate
 from ragen.serving.hooks import Hooks, Observer, Reply
+from ragen.serving.partials import PartialSink, partial_sink
 from ragen.serving.shared_client import SharedLLMClient
 from ragen.serving.stats import ManagerStats
 from ragen.serving.streamer import Streamer
@@ -287,7 +290,7 @@ class SharedLLMInferenceManager(Connections):
                 turns = sorted({r.turn for r in requests})
                 logger.debug("engine call: %d requests from %d streams, turns %s, %.4f s after the first arrived",
                              len(requests), len(batch), turns, time.monotonic() - batch[0].arrived)
-            completions = self.generate(requests, batch[0].sampling)
+            completions = self.generate(requests, batch[0].sampling, partial_sink(batch, self.stats))
         except Exception as exc:  # the engine failed: every waiting client hears it
             logger.exception("engine call failed for %d requests", len(requests))
             for p in batch:
@@ -310,8 +313,10 @@ class SharedLLMInferenceManager(Connections):
             counts[conn.tag] = counts.get(conn.tag, 0) + n
         self._observe(counts)
 
-    def generate(self, requests: list[GenerationRequest], sampling: SamplingParams) -> list[Completion]:
-        """One engine call (in chunks of ``max_batch_size``) under the engine lock."""
+    def generate(self, requests: list[GenerationRequest], sampling: SamplingParams,
+                 on_tokens: PartialSink | None = None) -> list[Completion]:
+        """One engine call (in chunks of ``max_batch_size``) under the engine lock; ``on_tokens``:
+        where the new ids of the requests that stream go (None: nobody streams)."""
         out: list[Completion] = []
         with self.engine_lock:
             start = time.monotonic()
@@ -319,7 +324,8 @@ class SharedLLMInferenceManager(Connections):
             sizes = []
             for i in range(0, len(requests), self.max_batch_size):
                 chunk = requests[i: i + self.max_batch_size]
-                got = self.engine.generate(chunk, sampling)
+                got = self.engine.generate(chunk, sampling) if on_tokens is None else \
+                    self.engine.generate_reporting(chunk, sampling, on_tokens.shifted(i))
                 if not isinstance(got, (list, tuple)):
                     raise TypeError(f"the engine returned {type(got).__name__}, not a list of completions")
                 if len(got) != len(chunk):

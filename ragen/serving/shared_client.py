@@ -4,11 +4,15 @@ It is small and picklable (address, key and the tag it works under), and each
 process and thread opens its own connection on first use. Besides generating
 (the ``Transport`` protocol), it makes ``call``s that the hooks announced with
 its tag answer, and gathers ``note`` counts that ride on its next message
-(``server.Hooks``). Held messages (env-level turns) share frames.
+(``server.Hooks``). Held messages (env-level turns) share frames. A request
+list submitted with ``on_tokens`` asks for its ids as they are sampled: the
+manager's partials for its ticket reach that callback, on the thread that
+waits (``wait_any``), before the ticket's answer is returned.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import select
 import socket
@@ -16,7 +20,7 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 from ragen.llm.types import Completion, EngineError, GenerationRequest, SamplingParams
 from ragen.serving import messages, wire
@@ -57,8 +61,9 @@ class SharedLLMClient:
         if state is None:
             # transit: seconds its messages spent on the wire, summed, and how many (transit())
             # held: messages kept back to share a frame (submit(hold=True)), sent by flush()
+            # on_tokens: by ticket, the callback of a request list that asked for its ids as sampled
             state = {"sock": self._connect(), "ticket": 0, "outstanding": set(), "inbox": deque(), "notes": {},
-                     "transit": [0.0, 0], "held": [], "held_since": 0.0, "flushed_at": 0.0}
+                     "transit": [0.0, 0], "held": [], "held_since": 0.0, "flushed_at": 0.0, "on_tokens": {}}
             cache[key] = state
         return state
 
@@ -167,13 +172,25 @@ class SharedLLMClient:
             msg["notes"], state["notes"] = state["notes"], {}
         return msg
 
-    def submit(self, requests: list[GenerationRequest], sampling: SamplingParams, hold: bool = False) -> int:
+    def submit(self, requests: list[GenerationRequest], sampling: SamplingParams, hold: bool = False,
+               on_tokens: Callable[[int, list[int]], None] | None = None) -> int:
         """The requests' ticket; ``wire.MessageTooLarge`` naming the requests to
         leave out (the largest first) when their message is longer than the
         manager reads: nothing is sent then, and the connection goes on.
         ``hold``: kept back, for at most ``HOLD_S``, to share a frame with the
-        messages after it."""
+        messages after it. ``on_tokens(index, ids)``: the requests stream their ids
+        (``stream_tokens``), each new part told with the request's index in
+        ``requests`` while ``wait_any`` waits, before the ticket's answer."""
         state = self._state()
+        if on_tokens is not None:
+            requests = [r if r.stream_tokens else dataclasses.replace(r, stream_tokens=True) for r in requests]
+        ticket = self._send_gen(state, requests, sampling, hold)
+        if on_tokens is not None:
+            state["on_tokens"][ticket] = on_tokens
+        return ticket
+
+    def _send_gen(self, state: dict[str, Any], requests: list[GenerationRequest], sampling: SamplingParams,
+                  hold: bool) -> int:
         raw = [messages.request_for_wire(r) for r in requests]
         msg = {"op": "gen", "ticket": state["ticket"] + 1, "sent": time.monotonic(), "requests": raw,
                "sampling": sampling.to_dict()}
@@ -289,9 +306,13 @@ class SharedLLMClient:
         state = getattr(_LOCAL, "conns", {}).get(self._key())
         if state is not None and ticket in state["outstanding"]:
             state["outstanding"].discard(ticket)
+            state["on_tokens"].pop(ticket, None)
             self._hold(state, wire.frame({"op": "cancel", "ticket": ticket})[wire.HEADER_BYTES:])
 
     def wait_any(self, timeout: float | None = None) -> tuple[int, list[Completion]] | None:
+        """The next answer: its ticket and completions (None past ``timeout``); ``EngineError`` for
+        a failed one. Partials that come meanwhile go to their ticket's ``on_tokens``; what that
+        callback raises comes out of here, its ticket still outstanding."""
         self.flush()
         state = self._state()
         inbox = state["inbox"]
@@ -309,10 +330,26 @@ class SharedLLMClient:
                 inbox.extend(reply["answers"])
             msg = inbox.popleft()
             ticket = msg.get("ticket")
+            if "partial" in msg:
+                self._partial(state, msg)
+                continue
             if ticket not in state["outstanding"]:
                 continue  # an answer to a request abandoned after a failure
             state["outstanding"].discard(ticket)
+            state["on_tokens"].pop(ticket, None)
             if "error" in msg:
                 raise EngineError(msg["error"], ticket, timed_out=msg.get("timed_out") is True,
                                        unavailable=msg.get("unavailable") is True)
             return ticket, [Completion.from_dict(c) for c in msg["completions"]]
+
+    def _partial(self, state: dict[str, Any], msg: dict[str, Any]) -> None:
+        """A partial, to its ticket's ``on_tokens`` (none: a ticket answered or abandoned, let go);
+        a malformed one is refused as a bad reply is."""
+        try:
+            ticket, index, ids = messages.read_partial(msg)
+        except ValueError as exc:
+            self.reset()
+            raise wire.ProtocolError(f"bad reply from the LLM manager at {self.address}: {exc}") from None
+        callback = state["on_tokens"].get(ticket)
+        if callback is not None and ticket in state["outstanding"]:
+            callback(index, ids)

@@ -12,7 +12,9 @@ the engine cannot drop them (a future already running), as do those of a
 request list its worker cancelled. An engine whose ``submit`` breaks its
 contract (``StreamingEngine.checked``), or whose future resolves to something other
 than a ``Completion``, fails that request list alone, with an error naming
-the engine and what it returned.
+the engine and what it returned. The requests that stream their ids
+(``stream_tokens``) go through ``submit_reporting``, which tells their new ids
+(``partials``) before their futures resolve.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from ragen.serving import messages
 from ragen.serving.coalescer import Pending
 from ragen.serving.gate import EngineGate, GateTimeout
 from ragen.serving.inflight import InFlight
+from ragen.serving.partials import partial_sink
 from ragen.serving.stats import ManagerStats
 
 logger = logging.getLogger(__name__)
@@ -92,7 +95,7 @@ class Streamer:
             self._cond.notify_all()  # a new deadline
         self.stats.record_submit(n)
         try:
-            futures = self.flight.submit(entry, p.requests, p.sampling)
+            futures = self.flight.submit(entry, p.requests, p.sampling, partial_sink([p], self.stats))
         except Exception as exc:  # refused, or the engine broke its contract: their worker hears why, the others go on
             logger.exception("the %s refused %d requests", self.engine.label, n)
             self._fail(entry, messages.error_answer(p.ticket, exc))
