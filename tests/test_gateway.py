@@ -131,11 +131,77 @@ def test_a_stream_ends_with_done_and_its_usage_and_matches_the_answer_whole(gate
                                                  stream_options={"include_usage": True}))
     assert chunks[0].choices[0].delta.role == "assistant"
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    # the text as the engine samples it (the scripted engine tells its answer in parts), not whole at the end
+    assert sum(bool(c.choices and c.choices[0].delta.content) for c in chunks) > 1
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == len(session.records[0].response_ids)
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] in ("stop", "length")
     again = gateway.open_session(seed=7, env_id=3)  # the same request key: the same sample
     whole = client_of(gateway, again).chat.completions.create(model="m", messages=messages)
     assert whole.choices[0].message.content == text
+
+
+def _streamed_chat(client, messages, **kw):
+    """A streamed chat call: its content chunks' texts, its tool calls (by index, the arguments
+    joined) and its finish reason."""
+    texts, calls, finish = [], {}, None
+    for chunk in client.chat.completions.create(model="m", messages=messages, stream=True, **kw):
+        if not chunk.choices:
+            continue
+        delta = chunk.choices[0].delta
+        if delta.content:
+            texts.append(delta.content)
+        for call in delta.tool_calls or ():
+            name, args = calls.get(call.index, ("", ""))
+            calls[call.index] = (name + (call.function.name or ""), args + (call.function.arguments or ""))
+        finish = chunk.choices[0].finish_reason or finish
+    return texts, calls, finish
+
+
+@pytest.mark.timeout(60)
+def test_a_streamed_tool_call_never_shows_its_text_as_content(gateway):
+    """With tools, the text from ``<tool_call>`` on is held back and the parsed calls come as
+    ``tool_calls`` deltas at the end: the streamed content is the answer's content whole."""
+    messages = [{"role": "user", "content": "What is the weather in Paris?"}]
+    texts, calls, finish = _streamed_chat(client_of(gateway, gateway.open_session(seed=2, env_id=5)), messages,
+                                          tools=TOOLS)
+    whole = client_of(gateway, gateway.open_session(seed=2, env_id=5)).chat.completions.create(
+        model="m", messages=messages, tools=TOOLS).choices[0]
+    assert finish == whole.finish_reason == "tool_calls" and len(texts) > 1
+    assert "".join(texts) == whole.message.content and all("<tool_call>" not in t and "{" not in t for t in texts)
+    (call,) = whole.message.tool_calls
+    assert calls == {0: (call.function.name, call.function.arguments)}
+
+
+@pytest.mark.timeout(60)
+def test_a_streamed_completion_comes_in_parts_that_join_to_the_answer_whole(gateway):
+    prompt = "Available actions: Up, Down."
+    session = gateway.open_session(seed=3, env_id=1)
+    chunks = list(client_of(gateway, session).completions.create(model="m", prompt=prompt, stream=True,
+                                                                 stream_options={"include_usage": True}))
+    texts = [c.choices[0].text for c in chunks if c.choices and c.choices[0].text]
+    whole = client_of(gateway, gateway.open_session(seed=3, env_id=1)).completions.create(model="m", prompt=prompt)
+    assert len(texts) > 1 and "".join(texts) == whole.choices[0].text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == whole.choices[0].finish_reason
+    assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+
+
+@pytest.mark.timeout(120)
+def test_a_stream_on_the_hf_engine_shows_the_content_of_the_same_call_whole(tiny_model_path):
+    """The tiny model, token by token: the streamed text joins to the content of the same call
+    unstreamed (the engine's text, special tokens left out)."""
+    from ragen.llm import make_engine
+
+    manager, server = serve(make_engine({"name": "hf", "device": "cpu"}, tiny_model_path),
+                            SamplingParams(max_tokens=24))
+    try:
+        messages = [{"role": "user", "content": "Available actions: Up, Down. Go."}]
+        texts, _, finish = _streamed_chat(client_of(server, server.open_session(seed=1, env_id=1)), messages)
+        whole = client_of(server, server.open_session(seed=1, env_id=1)).chat.completions.create(
+            model="m", messages=messages).choices[0]
+        assert len(texts) > 1 and "".join(texts) == whole.message.content and finish == whole.finish_reason
+    finally:
+        server.close()
+        manager.close()
 
 
 @pytest.mark.timeout(60)

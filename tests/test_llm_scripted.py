@@ -327,3 +327,24 @@ def test_malformed_answers_carry_the_malformed_draw_in_their_logprob():
             assert b.logprobs[0] == pytest.approx(a.logprobs[0] + math.log(0.75))
         else:  # drawn malformed: times 0.25, times 1/5 for its kind
             assert b.logprobs[0] == pytest.approx(a.logprobs[0] + math.log(0.25) - math.log(5))
+
+
+def test_a_streaming_request_is_told_its_answer_in_parts_that_join_to_its_ids():
+    """``generate_reporting``: the requests with ``stream_tokens`` are told their answers in
+    ``PIECES`` parts (the call's wait spread between them); the others are never told; the
+    completions are ``generate``'s."""
+    from dataclasses import replace
+
+    from ragen.llm.scripted import PIECES
+
+    engine = ScriptedEngine(seed=1)
+    sampling = SamplingParams(seed=2)
+    plain = requests(3)
+    reqs = [replace(r, stream_tokens=i != 1) for i, r in enumerate(plain)]
+    told = []
+    got = engine.generate_reporting(reqs, sampling, told.append)
+    assert [c.response_token_ids for c in got] == [c.response_token_ids for c in engine.generate(plain, sampling)]
+    assert len(told) == PIECES > 1
+    for index in (0, 2):
+        assert [i for report in told for i in report.get(index, [])] == got[index].response_token_ids
+    assert all(1 not in report for report in told)

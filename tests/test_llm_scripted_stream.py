@@ -140,3 +140,24 @@ def test_close_fails_what_is_still_running_and_stops_the_engine():
 def test_bad_settings_name_the_key(options, message):
     with pytest.raises(ValueError, match=message):
         make_engine({"name": "scripted", **options})
+
+
+@pytest.mark.timeout(60)
+def test_a_streaming_request_is_told_its_answer_in_parts_before_its_future_resolves():
+    """``submit_reporting``: each request with ``stream_tokens`` is told its answer in parts at its
+    share of its decode steps, every part before its future resolves; the parts join to its ids."""
+    from dataclasses import replace
+
+    engine = streaming(tokens_median=40, tokens_sigma=0.0)
+    try:
+        reqs = [replace(r, stream_tokens=i == 0) for i, r in enumerate(requests(2))]
+        events = []
+        futures = engine.submit_reporting(reqs, SAMPLING, lambda new: events.append(dict(new)))
+        futures[0].add_done_callback(lambda _: events.append("done"))
+        got = [f.result(timeout=30) for f in futures]
+        assert events[-1] == "done" and len(events) > 2
+        assert all(set(report) == {0} for report in events[:-1])  # the other request is never told
+        assert [i for report in events[:-1] for i in report[0]] == got[0].response_token_ids
+        assert [c.response_token_ids for c in got] == [c.response_token_ids for c in engine.generate(reqs, SAMPLING)]
+    finally:
+        engine.close()

@@ -40,16 +40,18 @@ class TextStream:
         self.ids += ids
         before = self.decode(self.ids[self._prefix_at:self._read_at])
         after = self.decode(self.ids[self._prefix_at:])
-        if len(after) <= len(before) or after.endswith(_INCOMPLETE) or not after.startswith(before):
+        if not after.startswith(before):
             return ""
-        self.text += after[len(before):]
+        new = after[len(before):]
+        if new.endswith(_INCOMPLETE):  # the ids so far end inside a character: the text before it
+            return self._show(self.text + new.rstrip(_INCOMPLETE))
+        self.text += new
         self._prefix_at, self._read_at = self._read_at, len(self.ids)
-        return self._show()
+        return self._show(self.text)
 
-    def _show(self) -> str:
+    def _show(self, text: str) -> str:
         if self._closed:
             return ""
-        text = self.text
         cuts = [text.find(m) for m in self.held if m in text]
         if cuts:
             text, self._closed = text[:min(cuts)], True
