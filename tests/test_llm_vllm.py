@@ -124,7 +124,7 @@ def fake_vllm(monkeypatch):
 
 class FakeAsyncLLM:
     """vLLM's AsyncLLM as the streaming engine uses it: a request lasts ``max_tokens`` x 10 ms
-    (``max_tokens=999``: until cancelled), then one cumulative output."""
+    (``max_tokens=999``: until cancelled), then two cumulative outputs (its first token, then both)."""
 
     built: list = []
     reported_prefix: tuple[int, ...] = ()  # as FakeLLM's
@@ -152,6 +152,8 @@ class FakeAsyncLLM:
         await asyncio.sleep(3600 if params.max_tokens == 999 else params.max_tokens * 0.01)
         tokens = (params.seed % 97, 5)
         logprobs = [{t: SimpleNamespace(logprob=lp)} for t, lp in zip(tokens, FAKE_LOGPROBS)]
+        first = SimpleNamespace(text="", token_ids=tokens[:1], logprobs=logprobs[:1], finish_reason=None)
+        yield SimpleNamespace(prompt_token_ids=prompt["prompt_token_ids"], outputs=[first])
         sample = SimpleNamespace(text=f"s{params.seed}", token_ids=tokens, logprobs=logprobs, finish_reason="stop")
         yield SimpleNamespace(prompt_token_ids=[*self.reported_prefix, *prompt["prompt_token_ids"]], outputs=[sample])
 
@@ -210,6 +212,23 @@ def test_streaming_engine_answers_each_request_when_done(fake_async_vllm, tiny_m
         assert llm.worker.model_runner.model.loaded == ["lm_head.weight"]
         assert llm.prefix_resets == [True]  # requests in flight are recomputed with the new weights
         assert engine.generate([req("x")], sampling)[0].policy_version == 1
+    finally:
+        engine.close()
+
+
+def test_a_streaming_request_is_told_each_output_as_it_grows(fake_async_vllm, tiny_model_path):
+    """``submit_reporting``: a request with ``stream_tokens`` is told the new ids of each cumulative
+    output vLLM yields, all before its future resolves; one without is never told."""
+    from dataclasses import replace
+
+    engine = make_engine({"name": "vllm"}, tiny_model_path)
+    try:
+        events = []
+        reqs = [req("a", env_id=1, max_tokens=2), replace(req("b", env_id=2, max_tokens=2), stream_tokens=True)]
+        futures = engine.submit_reporting(reqs, SamplingParams(seed=4), lambda new: events.append(dict(new)))
+        futures[1].add_done_callback(lambda _: events.append("done"))
+        out = [f.result(timeout=10) for f in futures]
+        assert events == [{1: out[1].response_token_ids[:1]}, {1: out[1].response_token_ids[1:]}, "done"]
     finally:
         engine.close()
 

@@ -6,6 +6,7 @@
 - ``session``: sessions, their keys, bounds and expiry; ``record``: what each call keeps;
 - ``link``: calls through the ``SharedLLMInferenceManager``; ``gateway``: a call played
   (the rollout's sampling, the context's room, the drift audit); ``replies``: OpenAI's shapes;
+- ``streaming``: a streamed answer's ids shown as text as the engine samples them;
 - ``server``: the HTTP server, a base URL per session; ``recording``: each session's calls
   written as JSON lines when it closes (``python -m ragen.tools.gateway --record``).
 """
