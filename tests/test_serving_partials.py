@@ -5,6 +5,7 @@ malformed ``stream_tokens`` or partial is refused, naming it."""
 
 from __future__ import annotations
 
+import logging
 import socket
 import threading
 from dataclasses import replace
@@ -15,6 +16,10 @@ from ragen.llm.scripted import ScriptedEngine, ScriptedStreamingEngine
 from ragen.llm.types import GenerationRequest, SamplingParams
 from ragen.serving import SharedLLMInferenceManager, messages, wire
 from ragen.serving.shared_client import SharedLLMClient
+
+from tests.inference_helpers import ask
+from tests.test_serving_send import _stuck_peer, _wait_for
+from tests.unread_peer import kernel_buffers
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -103,3 +108,41 @@ def test_a_malformed_partial_is_refused_by_the_client_naming_its_field(partial, 
         client.reset()
         thread.join(5)
         listener.close()
+
+
+PARTIAL_IDS = 1 << 18  # 1 MiB of ids in each partial of BigPartials
+
+
+class BigPartials(ScriptedEngine):
+    """Tells each streaming request 1 MiB of ids ``reports`` times, then answers as the scripted policy."""
+
+    def __init__(self, reports):
+        super().__init__()
+        self.reports = reports
+
+    def generate_reporting(self, requests, sampling, on_tokens):
+        for _ in range(self.reports if on_tokens is not None else 0):
+            on_tokens({i: [65] * PARTIAL_IDS for i, r in enumerate(requests) if r.stream_tokens})
+        return super().generate_reporting(requests, sampling, None)
+
+
+def test_a_peer_that_does_not_read_its_partials_is_dropped_and_the_others_are_answered(caplog):
+    """Partials go through the connection's bounded queue: a peer that asks for them and never
+    reads is dropped once they pass ``max_send_queue_bytes``, named in a warning, and the engine
+    call and a worker's answers go on."""
+    bound = kernel_buffers() + (4 << 20)
+    with caplog.at_level(logging.WARNING, logger="ragen"), \
+            SharedLLMInferenceManager(BigPartials(bound // (4 * PARTIAL_IDS) + 4),
+                                      max_send_queue_bytes=bound) as shared:
+        stuck = _stuck_peer(shared)
+        try:
+            request = replace(_requests(1)[0], stream_tokens=True)
+            wire.send_frame(stuck, {"op": "gen", "ticket": 1, "requests": [messages.request_for_wire(request)],
+                                    "sampling": SAMPLING.to_dict()})
+            _wait_for(lambda: shared.stats.requests >= 1)  # the engine call ended
+            warnings = [r.getMessage() for r in caplog.records if "dropped" in r.getMessage()]
+            assert len(warnings) == 1 and "%s:%d" % stuck.getsockname()[:2] in warnings[0]
+            assert "max_send_queue_bytes" in warnings[0]
+            assert [c.env_id for c in ask(shared.client(timeout_s=15), _requests(2), SAMPLING)] == [0, 1]
+        finally:
+            stuck.close()

@@ -15,6 +15,8 @@
   last error.
 
 A completion records the replica that produced it (``Completion.replica``).
+Replicas tell no streamed ids (``stream_tokens``: the base ``generate_reporting``
+and ``submit_reporting``): each completion carries every id.
 ``make_engine`` builds these from ``engine.replicas`` (hf, scripted) or
 ``engine.base_urls`` (openai); see docs/engines.md.
 """
