@@ -392,6 +392,27 @@ def test_the_responses_api_answers_calls_and_streams_and_a_round_trip_extends_th
 
 
 @pytest.mark.timeout(60)
+def test_a_streamed_response_sends_its_text_in_parts_and_its_calls_whole(gateway):
+    """The Responses API's stream: the message's text in several deltas as the engine samples it,
+    joining to the unstreamed response's text, never a tool call's; the calls as items at the end."""
+    question = [{"role": "user", "content": "What is the weather in Paris?"}]
+    for tools in (None, RESPONSES_TOOLS):
+        kw = {"tools": tools} if tools else {}
+        whole = client_of(gateway, gateway.open_session(seed=4, env_id=2)).responses.create(
+            model="m", input=question, **kw)
+        with client_of(gateway, gateway.open_session(seed=4, env_id=2)).responses.stream(
+                model="m", input=question, **kw) as stream:
+            events = list(stream)
+            streamed = stream.get_final_response()
+        deltas = [e.delta for e in events if e.type == "response.output_text.delta"]
+        assert len(deltas) > 1 and "".join(deltas) == whole.output_text == streamed.output_text
+        assert all("<tool_call>" not in d for d in deltas)
+        assert [e.sequence_number for e in events] == list(range(len(events)))
+        assert [i.type for i in streamed.output] == [i.type for i in whole.output] == \
+            ["message"] + ["function_call"] * bool(tools)
+
+
+@pytest.mark.timeout(60)
 def test_the_responses_api_refuses_what_it_does_not_serve_naming_the_field(gateway):
     session = gateway.open_session()
     url = gateway.base_url(session) + "/responses"
