@@ -70,7 +70,7 @@ def _many_requests():
 
 
 FRAMES = {
-    "shared_history": (_shared_history, "history ids .* more than the .* bytes of the message"),
+    "shared_history": (_shared_history, "history and prompt ids .* more than the .* bytes of the message"),
     "shared_batch_item": (_shared_batch_item, "'msgs' .* more than the .* bytes of the frame"),
     "many_requests": (_many_requests, r"at most \d+ requests .*MAX_REQUESTS"),
 }
