@@ -9,7 +9,9 @@ rollout's settings overrode is recorded on each call and logged once a session.
 Every call is audited: the engine must have sampled after exactly the ids sent
 (``drift`` counts any that did not), and ``retokenize_drift`` counts the answers
 whose text would not encode back to the ids sampled (what a gateway that
-re-tokenizes would have trained on wrongly).
+re-tokenizes would have trained on wrongly). A streamed call passes ``on_tokens``,
+told the answer's ids as the engine samples them; its answer is read from the
+completion as any call's is.
 """
 
 from __future__ import annotations

@@ -7,7 +7,8 @@
 - ``server``: ``SharedLLMInferenceManager``, which owns the engine and its
   lock and runs the coalescer's decisions; ``connections``: its accept loop,
   handshakes and the messages of each connection; ``address``: where it may
-  listen; ``stats``: its counters (``ManagerStats``).
+  listen; ``stats``: its counters (``ManagerStats``); ``partials``: the sink of
+  an engine call that sends the requests that stream their tokens their new ids.
 - ``hooks``: what the work the manager is told of (``announce``) brings: its
   calls, notes and observer (``Hooks``).
 - ``client``: the ``LLMClient`` the scheduler talks to: streams that submit
