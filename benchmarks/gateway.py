@@ -14,7 +14,11 @@ clients run in other processes, as agents would.
    session), each playing a growing chat of 8 turns, twice; the engine takes
    ``--engine-ms`` a call. The mean engine batch against the gateway's calls waiting
    (read and not yet answered) as each engine call starts.
-3. Malformed requests: ``--malformed`` of them (bad JSON, wrong types, unknown roles,
+3. Where the gateway runs: in the driver (beside the manager and the engine) or in a
+   rollout worker's process (``ManagerLink.remote`` over the worker's own connection):
+   ``--calls`` calls from another process each way; the median call, and the driver's
+   CPU time per call (what the driver's process spends beyond the engine's call).
+4. Malformed requests: ``--malformed`` of them (bad JSON, wrong types, unknown roles,
    oversized bodies, no key), then a good call; the server's RSS before and after.
 """
 
@@ -108,6 +112,77 @@ def _chatters(host: str, port: int, sessions: list[tuple[str, str]], turns: int,
     out.put((time.perf_counter() - t0, errors))
 
 
+def _http_calls(host: str, port: int, path: str, key: str, calls: int, out: Any) -> None:
+    """Child process: ``calls`` chat calls on one keep-alive connection, each timed."""
+    conn = http.client.HTTPConnection(host, port, timeout=30)
+    body = json.dumps({"model": "m", "messages": MESSAGES}).encode()
+    times = []
+    for _ in range(calls):
+        t0 = time.perf_counter()
+        status, _ = _post(conn, path, body, key)
+        assert status == 200
+        times.append(time.perf_counter() - t0)
+    out.put(times)
+
+
+def _worker_gateway(client: Any, opened: Any, stop: Any) -> None:
+    """Child process: a rollout worker's gateway over its own connection to the driver's manager."""
+    from ragen.gateway.gateway import Gateway
+    from ragen.gateway.link import ManagerLink
+    from ragen.gateway.server import GatewayServer
+    from ragen.llm.scripted import byte_chat
+    from ragen.llm.types import SamplingParams
+
+    server = GatewayServer(Gateway(ManagerLink.remote(client, byte_chat(), "scripted", timeout_s=60),
+                                   SamplingParams(max_tokens=64)))
+    session = server.open_session()
+    opened.put((server.host, server.port, f"/sessions/{session.id}/v1/chat/completions", session.key))
+    stop.wait(900)
+    server.close()
+
+
+def _cpu_s() -> float:
+    usage = os.times()
+    return usage.user + usage.system
+
+
+def placement(calls: int) -> dict[str, Any]:
+    from ragen.llm.scripted import ScriptedEngine
+    from ragen.serving.server import SharedLLMInferenceManager
+
+    ctx = mp.get_context("spawn")
+    result = {}
+    for where in ("driver", "worker"):
+        manager, server, worker = None, None, None
+        stop, out = ctx.Event(), ctx.Queue()
+        if where == "driver":
+            manager, server = _serve()
+            session = server.open_session()
+            target = (server.host, server.port, f"/sessions/{session.id}/v1/chat/completions", session.key)
+        else:
+            manager = SharedLLMInferenceManager(ScriptedEngine())
+            worker = ctx.Process(target=_worker_gateway, args=(manager.client(60), out, stop))
+            worker.start()
+            target = out.get(timeout=120)
+        try:
+            child = ctx.Process(target=_http_calls, args=(*target, calls, out))
+            cpu0 = _cpu_s()
+            child.start()
+            times = out.get(timeout=900)
+            cpu = _cpu_s() - cpu0
+            child.join()
+        finally:
+            stop.set()
+            if worker is not None:
+                worker.join(60)
+            if server is not None:
+                server.close()
+            manager.close()
+        result[where] = {"median_ms": round(statistics.median(times) * 1e3, 3),
+                         "driver_cpu_ms_per_call": round(cpu / calls * 1e3, 3)}
+    return result
+
+
 def _malformed(host: str, port: int, path: str, key: str, n: int, out: Any) -> None:
     conn = http.client.HTTPConnection(host, port, timeout=30)
     bodies = [b"{not json", json.dumps({"messages": "hi"}).encode(),
@@ -140,7 +215,7 @@ def main() -> None:
     parser.add_argument("--malformed", type=int, default=10000)
     args = parser.parse_args()
     print(json.dumps({"overhead": overhead(args.calls), "coalescing": coalescing(args.sessions, args.engine_ms),
-                      "malformed": malformed(args.malformed)}, indent=1))
+                      "placement": placement(args.calls), "malformed": malformed(args.malformed)}, indent=1))
 
 
 def _serve(engine_s: float = 0.0) -> tuple[Any, Any]:

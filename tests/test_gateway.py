@@ -423,3 +423,56 @@ def test_the_responses_api_refuses_what_it_does_not_serve_naming_the_field(gatew
                         ({"input": "hi", "max_output_tokens": 0}, "max_output_tokens")]:
         status, answer, _ = _post(url, json.dumps(body).encode(), session.key)
         assert status == 400 and answer["error"]["param"] == param, answer
+
+
+def _gateway_in_a_worker(client, opened, stop) -> None:
+    """A rollout worker's gateway: in its own process, over its own connection to the driver's manager."""
+    from ragen.llm.scripted import byte_chat
+
+    link = ManagerLink.remote(client, byte_chat(), served_name="scripted", timeout_s=30)
+    server = GatewayServer(Gateway(link, SamplingParams(max_tokens=256)))
+    session = server.open_session()
+    opened.put((server.base_url(session), session.key))
+    stop.wait(60)
+    opened.put([(r.cause, prompt_ids(session.records, i), r.response_ids) for i, r in enumerate(session.records)])
+    server.close()
+
+
+@pytest.mark.timeout(120)
+def test_a_gateway_in_another_process_reaches_the_drivers_engine_with_exact_tokens():
+    import multiprocessing
+
+    manager = SharedLLMInferenceManager(ScriptedEngine())
+    ctx = multiprocessing.get_context("spawn")
+    opened, stop = ctx.Queue(), ctx.Event()
+    worker = ctx.Process(target=_gateway_in_a_worker, args=(manager.client(30), opened, stop))
+    worker.start()
+    try:
+        base_url, key = opened.get(timeout=60)
+        client = openai.OpenAI(base_url=base_url, api_key=key, max_retries=0, timeout=30)
+        messages = [SYSTEM, {"role": "user", "content": "Go."}]
+        answer = client.chat.completions.create(model="m", messages=messages).choices[0].message.content
+        client.chat.completions.create(model="m", messages=messages + [{"role": "assistant", "content": answer},
+                                                                       {"role": "user", "content": "Again."}])
+        stop.set()
+        (cause0, ids0, sampled0), (cause1, ids1, _) = opened.get(timeout=60)
+        assert (cause0, cause1) == ("first", None) and ids1[:len(ids0) + len(sampled0)] == ids0 + sampled0
+        assert manager.stats.requests == 2  # both calls went through the driver's manager
+    finally:
+        stop.set()
+        worker.join(30)
+        manager.close()
+
+
+@pytest.mark.timeout(60)
+def test_an_engine_that_reports_no_prompt_ids_is_unaudited_not_drift():
+    manager, server = serve(engine=ScriptedEngine(return_prompt_ids=False))
+    try:
+        session = server.open_session()
+        client_of(server, session).chat.completions.create(model="m", messages=[SYSTEM, {"role": "user",
+                                                                                      "content": "Go."}])
+        assert session.metrics().get("unaudited") == 1 and "drift" not in session.metrics()
+        assert prompt_ids(session.records, 0)  # the record keeps the ids sent
+    finally:
+        server.close()
+        manager.close()

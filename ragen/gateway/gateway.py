@@ -7,7 +7,8 @@ the request's key win over the client's, and its ``max_tokens`` caps the
 client's, which is cut further to the room the model's context leaves. What the
 rollout's settings overrode is recorded on each call and logged once a session.
 Every call is audited: the engine must have sampled after exactly the ids sent
-(``drift`` counts any that did not), and ``retokenize_drift`` counts the answers
+(``drift`` counts any that did not; ``unaudited`` the calls of an engine that
+reports no prompt ids), and ``retokenize_drift`` counts the answers
 whose text would not encode back to the ids sampled (what a gateway that
 re-tokenizes would have trained on wrongly). A streamed call passes ``on_tokens``,
 told the answer's ids as the engine samples them; its answer is read from the
@@ -135,7 +136,9 @@ class Gateway:
         t0 = time.perf_counter()
         completion = self.link.generate(request, sampling, on_tokens)
         record.engine_s = time.perf_counter() - t0
-        if completion.prompt_token_ids != prompt.ids:
+        if not completion.prompt_token_ids:  # an engine that reports no prompt ids cannot be audited
+            session.count("unaudited")
+        elif completion.prompt_token_ids != prompt.ids:
             session.count("drift")
             logger.warning("gateway session %s call %d: the engine sampled after other ids than the %d sent",
                            session.id, record.index, len(prompt.ids))

@@ -35,14 +35,31 @@ class ManagerLink:
             raise ApiError(500, f"the engine {getattr(engine, 'name', type(engine).__name__)!r} has no chat template "
                            "and tokenizer here, which the gateway builds each call's token ids with (an "
                            "OpenAI-compatible engine needs engine.tokenizer)", code="no_tokenizer")
-        self.manager = manager
+        self._setup(manager.client(timeout_s), chat, timeout_s,
+                    served_name or str(getattr(engine, "model_name", None) or engine.name), engine_context(engine),
+                    token_decoder(getattr(engine, "tokenizer", None)),
+                    token_decoder(getattr(engine, "tokenizer", None), skip_special_tokens=True))
+
+    @classmethod
+    def remote(cls, client: Any, chat: ChatTokens, served_name: str, max_context: int | None = None,
+               tokenizer: Any = None, timeout_s: float = 600.0) -> ManagerLink:
+        """A link from another process than the manager's (a rollout worker's): over ``client``,
+        that process's ``SharedLLMClient``, with the engine's ``chat`` tokens and ``tokenizer`` built
+        there (None: utf-8 bytes, the scripted engine's)."""
+        link = cls.__new__(cls)
+        link._setup(client, chat, timeout_s, served_name, max_context, token_decoder(tokenizer),
+                    token_decoder(tokenizer, skip_special_tokens=True))
+        return link
+
+    def _setup(self, client: Any, chat: ChatTokens, timeout_s: float, served_name: str, max_context: int | None,
+               decode: Callable[[list[int]], str], decode_text: Callable[[list[int]], str]) -> None:
+        self._client = client
         self.chat = chat
         self.timeout_s = timeout_s
-        self.served_name = served_name or str(getattr(engine, "model_name", None) or engine.name)
-        self.max_context = engine_context(engine)
-        self.decode = token_decoder(engine)
-        self.decode_text = token_decoder(engine, skip_special_tokens=True)
-        self._client = manager.client(timeout_s)
+        self.served_name = served_name
+        self.max_context = max_context
+        self.decode = decode
+        self.decode_text = decode_text
 
     @contextlib.contextmanager
     def expecting(self) -> Iterator[None]:
@@ -54,10 +71,6 @@ class ManagerLink:
             yield
         finally:
             self._client.close_stream()  # at once: a held close would keep the next engine call waiting for it
-
-    @property
-    def policy_version(self) -> int:
-        return int(self.manager.engine.policy_version)
 
     def generate(self, request: GenerationRequest, sampling: SamplingParams,
                  on_tokens: Callable[[list[int]], None] | None = None) -> Completion:
@@ -105,9 +118,8 @@ def engine_context(engine: Any) -> int | None:
     return None
 
 
-def token_decoder(engine: Any, skip_special_tokens: bool = False) -> Callable[[list[int]], str]:
-    """Token ids as text on ``engine``'s tokenizer (the scripted engine's: utf-8 bytes)."""
-    tokenizer = getattr(engine, "tokenizer", None)
+def token_decoder(tokenizer: Any, skip_special_tokens: bool = False) -> Callable[[list[int]], str]:
+    """Token ids as text on an engine's ``tokenizer`` (None, the scripted engine's: utf-8 bytes)."""
     if tokenizer is not None and hasattr(tokenizer, "decode"):
         return lambda ids: tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
     return lambda ids: bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
