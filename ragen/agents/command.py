@@ -103,8 +103,8 @@ def _signal_group(pgid: int, sig: int) -> bool:
 
 def _feed(pipe: BinaryIO, text: str) -> None:
     try:
-        pipe.write(text.encode("utf-8"))
-        pipe.close()
+        with pipe:
+            pipe.write(text.encode("utf-8"))
     except OSError:  # BrokenPipeError: a program that does not read its task is free not to
         pass
 

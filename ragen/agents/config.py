@@ -6,10 +6,10 @@ import dataclasses
 import shutil
 from typing import Any, Callable
 
+from ragen.agents.tasks import TaskSet, is_function_path
 from ragen.config_reader import read, setting
 from ragen.env import import_object
 from ragen.errors import ConfigError
-from ragen.agents.tasks import TaskSet, is_function_path
 
 DEFAULT_TIMEOUT_S = 300.0
 
