@@ -127,3 +127,6 @@ LEAVES_CHILD = python("import os, subprocess, sys\nsubprocess.Popen([sys.executa
 SHOWS_ENV = python("import json, os\nseen = {k: v for k, v in os.environ.items() if k.startswith(('OPENAI_', 'RAGEN_'))}\n"
                    "print(json.dumps({'reward': 1.0, 'env': seen}))\n")
 FLOODS = python("import sys\nfor i in range(200000):\n    sys.stdout.write('x' * 20 + '\\n')\nprint(0.75)\n")
+CLEANS_UP = python("import signal, sys, time\n"
+                   "def end(*_):\n    sys.stderr.write('cleaned up\\n')\n    sys.stderr.flush()\n    sys.exit(0)\n"
+                   "signal.signal(signal.SIGTERM, end)\nprint('ready', flush=True)\ntime.sleep(60)\n")

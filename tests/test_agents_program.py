@@ -248,9 +248,16 @@ def _gone(pgid: int) -> bool:
 def test_a_command_that_ignores_sigterm_is_killed_with_its_whole_group(tasks_file):
     result = play_program(command(tasks_file, programs.IGNORES_TERM, timeout_s=1.0), TASK, LLM_OFF, grace_s=0.5)
     assert result.timed_out and result.reward == 0.0
-    assert "ran past timeout_s=1" in result.error and "killed" in result.error
+    assert "ran past timeout_s=1" in result.error and result.error.endswith("then SIGKILL after 0.5 s)")
     pgid = int(result.stdout.split()[0])
     assert _gone(pgid)
+
+
+@pytest.mark.timeout(30)
+def test_a_command_that_handles_sigterm_has_its_grace_to_end(tasks_file):
+    result = play_program(command(tasks_file, programs.CLEANS_UP, timeout_s=3.0), TASK, LLM_OFF, grace_s=20)
+    assert result.timed_out and result.stderr == "cleaned up\n"
+    assert result.error.endswith("was killed (SIGTERM to its process group)")
 
 
 @pytest.mark.timeout(30)

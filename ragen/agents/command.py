@@ -51,7 +51,10 @@ def run_command(config: AgentConfig, task: dict[str, Any], llm: LLM, max_abs_rew
     for pump in pumps:
         pump.start()
     timed_out = not _exited(proc.pid, config.timeout_s)
-    stubborn = timed_out and (_signal_group(proc.pid, signal.SIGTERM) or not _exited(proc.pid, grace_s))
+    stubborn = False  # still running grace_s after SIGTERM
+    if timed_out:
+        _signal_group(proc.pid, signal.SIGTERM)
+        stubborn = not _exited(proc.pid, grace_s)
     # The leader is not reaped yet, so its group id is not reused: kill what it left in its group.
     _signal_group(proc.pid, signal.SIGKILL)
     status = proc.wait()
