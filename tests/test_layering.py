@@ -3,7 +3,7 @@
 Every ``import`` of a ``ragen`` module is read with ``ast``, lazy ones inside
 functions included, so a cycle hidden behind a function-level import counts.
 Layers (docs/layout.md), bottom first: ``ragen.env`` and ``ragen.llm``, then
-``ragen.serving``, ``ragen.gateway``, ``ragen.rollout``, ``ragen.viewer``, ``ragen.trainer``,
+``ragen.serving``, ``ragen.gateway``, ``ragen.agents``, ``ragen.rollout``, ``ragen.viewer``, ``ragen.trainer``,
 ``ragen.tools`` and ``ragen.llm_agent`` (RAGEN's names); a layer never imports
 one above it. And one name per thing: ``ContextManager`` in ``ragen`` is
 ``ragen.rollout.context.ContextManager``, never ``typing.ContextManager``.
@@ -132,18 +132,19 @@ def test_no_import_cycle_among_ragen_modules():
 
 
 # Each layer, bottom first, and the packages above it that it never imports.
-LAYERS = ["ragen.env", "ragen.llm", "ragen.serving", "ragen.gateway", "ragen.rollout", "ragen.viewer",
-          "ragen.trainer", "ragen.verl", "ragen.tools", "ragen.llm_agent"]
+LAYERS = ["ragen.env", "ragen.llm", "ragen.serving", "ragen.gateway", "ragen.agents", "ragen.rollout",
+          "ragen.viewer", "ragen.trainer", "ragen.verl", "ragen.tools", "ragen.llm_agent"]
 ABOVE = {
     "ragen.env": LAYERS[2:],
     "ragen.llm": LAYERS[2:],
     "ragen.serving": LAYERS[3:],
     "ragen.gateway": LAYERS[4:],  # the OpenAI-compatible gateway on the shared engine
-    "ragen.rollout": LAYERS[5:],
-    "ragen.viewer": LAYERS[6:],
-    "ragen.trainer": LAYERS[7:],
-    "ragen.verl": LAYERS[8:],
-    "ragen.tools": LAYERS[9:],
+    "ragen.agents": LAYERS[5:],  # agent programs: their contract and the runner of one episode
+    "ragen.rollout": LAYERS[6:],
+    "ragen.viewer": LAYERS[7:],
+    "ragen.trainer": LAYERS[8:],
+    "ragen.verl": LAYERS[9:],
+    "ragen.tools": LAYERS[10:],
 }
 
 

@@ -62,6 +62,7 @@ __all__ = [
     "FrozenLakeEnvConfig",
     "SokobanEnv",
     "SokobanEnvConfig",
+    "import_object",
     "make_env",
     "make_env_config",
     "register_env",
@@ -103,13 +104,13 @@ class EnvImportError(ImportError, ConfigError):
     same path whatever the imported module raised."""
 
 
-def _import_object(path: str, key: str, tag: str | None) -> Any:
+def import_object(path: str, where: str, form: str = "package.module:ClassName") -> Any:
+    """The object an import path ``package.module:name`` names (``form`` says what is expected); a
+    ``ConfigError`` naming ``where`` (the config key) when it is not such a path, ``EnvImportError``
+    when its module or attribute cannot be imported."""
     module_name, sep, attr = path.partition(":")
     if not sep or not module_name.strip() or not attr.strip():
-        raise ConfigError(
-            f"{_where(tag, key)}: {path!r} is neither a registered name nor an import path "
-            "of the form 'package.module:ClassName'"
-        )
+        raise ConfigError(f"{where}: {path!r} is not an import path of the form {form!r}")
     module_name = module_name.strip()
     try:
         obj = importlib.import_module(module_name)
@@ -119,16 +120,19 @@ def _import_object(path: str, key: str, tag: str | None) -> Any:
             fix = "; is it installed, or its folder on PYTHONPATH?"
         else:
             fix = f" (raised by module {module_name!r} while it was imported); fix that module"
-        raise EnvImportError(
-            f"{_where(tag, key)}: cannot import {path!r}: {type(exc).__name__}: {exc}{fix}"
-        ) from exc
+        raise EnvImportError(f"{where}: cannot import {path!r}: {type(exc).__name__}: {exc}{fix}") from exc
     for part in attr.strip().split("."):
         try:
             obj = getattr(obj, part)
         except AttributeError as exc:
             raise EnvImportError(
-                f"{_where(tag, key)}: cannot import {path!r}: module {module_name!r} has no attribute {attr!r}"
+                f"{where}: cannot import {path!r}: module {module_name!r} has no attribute {attr!r}"
             ) from exc
+    return obj
+
+
+def _import_object(path: str, key: str, tag: str | None) -> Any:
+    obj = import_object(path, _where(tag, key))
     if not isinstance(obj, type):
         raise ConfigError(f"{_where(tag, key)}: {path!r} is not a class, got {obj!r}")
     return obj

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 from ragen.config_reader import read, setting
+from ragen.env.reward_bound import DEFAULT_MAX_ABS_REWARD
 from ragen.errors import ConfigError
 from ragen.llm.types import SamplingParams
 from ragen.rollout.context import ContextConfig
@@ -290,7 +291,7 @@ class EsManagerConfig:
     format_penalty: float = -0.1
     # a step's reward beyond +-this (or not finite) ends its env in error: one such reward in a
     # group's sum makes the group's advantages NaN or swamps every other
-    max_abs_reward: float = setting(1.0e6, above=0.0)
+    max_abs_reward: float = setting(DEFAULT_MAX_ABS_REWARD, above=0.0)
 
     def __post_init__(self) -> None:
         for name in SPLITS:

@@ -20,6 +20,7 @@ from collections import defaultdict
 from typing import Any, Callable, Iterator, Sequence, TypeVar
 
 from ragen.env.base import action_lookup, reset_takes_mode
+from ragen.env.reward_bound import EnvOutputError, checked_reward
 from ragen.errors import RagenError
 from ragen.llm.types import Completion
 from ragen.rollout.episode_state import Episode
@@ -292,40 +293,12 @@ def reset_env(episode: Episode, call: EnvCaller) -> None:
         episode.lookup = {str(v).lower(): k for k, v in lookup.items()}
 
 
-class EnvOutputError(RagenError):
-    """An env returned a value the loop cannot use (an observation that is not
-    text, a reward that is not a finite number or is beyond
-    ``es_manager.max_abs_reward``): it ends that env in ``error``, as an
-    exception raised by the env would."""
-
-
 def checked_observation(obs: Any, method: str) -> str:
     """``obs`` as the loop takes it: text, never ``str()`` of another object (the model would see its repr)."""
     if not isinstance(obs, str):
         raise EnvOutputError(f"{method} returned an observation of type {type(obs).__name__} "
                              f"({reprlib.repr(obs)}), not str: return the text the agent sees (e.g. self.render())")
     return obs
-
-
-def checked_reward(r: Any, max_abs: float, where: str) -> float:
-    """A step's reward as a number: a Python int or float as it is (a prompt shows the sum as RAGEN
-    does, ``0`` or ``0.0``), anything else as a float. A string, a non-number, a NaN/infinite one or
-    one beyond +-``max_abs`` (``es_manager.max_abs_reward``) is refused, naming ``where`` (the tag
-    and the step): one of these in a sum makes the group's advantages and the rollout's reward
-    metrics NaN, or swamps every other reward."""
-    try:
-        value = None if isinstance(r, (str, bytes)) else float(r)
-    except (TypeError, ValueError, OverflowError):  # OverflowError: an int too large for a float
-        value = None
-    if value is None:
-        raise EnvOutputError(f"step returned a reward of type {type(r).__name__} ({reprlib.repr(r)}), "
-                             f"not a number ({where}): return the reward as a float")
-    if not math.isfinite(value):
-        raise EnvOutputError(f"step returned the reward {value}, not a finite number ({where})")
-    if abs(value) > max_abs:
-        raise EnvOutputError(f"step returned the reward {value:g}, beyond es_manager.max_abs_reward={max_abs:g} "
-                             f"({where}): return a smaller reward, or raise the bound")
-    return r if type(r) in (int, float) else value
 
 
 def step_where(episode: Episode, turn: int, step: int) -> str:
