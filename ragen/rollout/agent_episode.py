@@ -1,0 +1,72 @@
+"""``play_agent``: one episode of an ``env_type: agent`` tag, on a gateway, to its ``Trajectory``.
+
+The episode opens a session of its own on the gateway (its request key the spec's seed and
+env id, so its sampling replays), plays the tag's program on the task its seed picks (the
+members of a group share a seed, so a task), closes the session (an entry abandoned at its
+timeout is refused on every later call), and makes the trajectory from the session's records:
+a turn per call the engine answered, its prompt ids as the gateway recorded them (``prompt_start``:
+the ids of its segment before it, as an env episode's turn under ``token_history: append``), the
+ids sampled with their log-probs, and the episode's reward on the last turn. It ends ``done``;
+``error`` where the program failed or made no call (nothing to train), ``timeout`` past its time.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+from typing import Any
+
+from ragen.agents.config import AgentConfig
+from ragen.agents.llm import LLM
+from ragen.agents.program import ProgramResult, play_program
+from ragen.agents.tasks import TaskSet
+from ragen.gateway.record import CallRecord
+from ragen.gateway.server import GatewayServer
+from ragen.rollout.types import EnvSpec, StopReason, Trajectory, Turn
+
+AGENT_ENV_TYPE = "agent"
+
+
+@functools.lru_cache(maxsize=64)
+def _program(tag: str, env_config: str) -> tuple[AgentConfig, TaskSet]:
+    """A tag's program and tasks, read once a process (its tasks file read once)."""
+    config = AgentConfig.read(tag, json.loads(env_config))
+    return config, TaskSet.load(config.tasks, f"{config.where}.tasks")
+
+
+def play_agent(spec: EnvSpec, server: GatewayServer, max_abs_reward: float) -> Trajectory:
+    """The agent episode of ``spec`` (an ``agent`` tag's) played on ``server``'s engine."""
+    config, tasks = _program(spec.tag, json.dumps(spec.env_config, sort_keys=True))
+    session = server.open_session(seed=spec.seed, env_id=spec.env_id)
+    try:
+        llm = LLM(server.base_url(session), session.key, server.gateway.link.served_name)
+        result = play_program(config, tasks.task(spec.seed), llm, max_abs_reward=max_abs_reward)
+    finally:
+        server.gateway.sessions.close(session.id)
+    return trajectory_of(spec, session.records, result, server.gateway.link.decode_text)
+
+
+def trajectory_of(spec: EnvSpec, records: list[CallRecord], result: ProgramResult, decode: Any) -> Trajectory:
+    """The trajectory of an agent episode: a turn per answered call, the reward on the last."""
+    turns = [_turn(r, decode) for r in records if r.error is None and r.finish_reason not in (None, "error")]
+    traj = Trajectory(env_id=spec.env_id, group_id=spec.group_id, tag=spec.tag, seed=spec.seed, turns=turns)
+    if result.error is not None:
+        traj.stop_reason = StopReason.TIMEOUT if result.timed_out else StopReason.ERROR
+        traj.error = result.error
+    elif not turns:
+        traj.stop_reason, traj.error = StopReason.ERROR, "the agent made no call to its session: nothing to train"
+    else:
+        last = turns[-1]
+        turns[-1] = dataclasses.replace(last, reward=result.reward, info=dict(result.info))
+        traj.success = bool(result.info.get("success", result.reward > 0))
+    return traj
+
+
+def _turn(record: CallRecord, decode: Any) -> Turn:
+    return Turn(observation="", actions_left=0, response=decode(list(record.response_ids)), actions=[],
+                executed_actions=[], reward=0.0, penalty=0.0, info={}, policy_version=record.policy_version or 0,
+                finish_reason=record.finish_reason or "stop", env_s=max(0.0, record.total_s - record.engine_s),
+                response_ids=tuple(record.response_ids),
+                logprobs=None if record.logprobs is None else tuple(record.logprobs),
+                prompt_ids=tuple(record.prompt_added), prompt_start=record.prompt_start)
