@@ -476,3 +476,38 @@ def test_an_engine_that_reports_no_prompt_ids_is_unaudited_not_drift():
     finally:
         server.close()
         manager.close()
+
+
+def long_answer(prompt: str, rng) -> tuple[str, float] | None:
+    """An answer of 4 MB where the prompt asks for one (past any socket's buffers), else the script's."""
+    return ("word " * 800_000, -1.0) if "LONG" in prompt else None
+
+
+@pytest.mark.timeout(120)
+def test_a_client_that_stops_reading_its_stream_delays_only_itself():
+    import socket
+    import time
+
+    manager, server = serve(engine=ScriptedEngine(answers="tests.test_gateway:long_answer"),
+                            sampling=SamplingParams(max_tokens=5_000_000), io_timeout_s=2.0)
+    try:
+        stalled, other = server.open_session(), server.open_session()
+        body = json.dumps({"model": "m", "stream": True, "messages": [{"role": "user", "content": "LONG"}]}).encode()
+        sock = socket.create_connection((server.host, server.port))
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        sock.sendall(f"POST /sessions/{stalled.id}/v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
+                     f"Authorization: Bearer {stalled.key}\r\nContent-Type: application/json\r\n"
+                     f"Content-Length: {len(body)}\r\n\r\n".encode() + body)  # and never reads
+        deadline = time.monotonic() + 30
+        while not stalled.records and time.monotonic() < deadline:
+            time.sleep(0.02)
+        reply = client_of(server, other).chat.completions.create(model="m", messages=[SYSTEM, {"role": "user",
+                                                                                              "content": "Go."}])
+        assert reply.choices[0].message.content and stalled.in_flight == 1  # served while the other is stuck
+        while stalled.in_flight and time.monotonic() < deadline:  # dropped past io_timeout_s
+            time.sleep(0.05)
+        assert stalled.in_flight == 0 and stalled.records[0].total_s > 0
+        sock.close()
+    finally:
+        server.close()
+        manager.close()
