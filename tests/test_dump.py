@@ -3,12 +3,14 @@ read back exactly; bad files are refused with the file and line."""
 
 from __future__ import annotations
 
+import dataclasses
 import gzip
 import json
 import tracemalloc
 
 import pytest
 
+from ragen.agents.result import ProgramResult
 from ragen.llm.scripted import ScriptedEngine
 from ragen.llm.types import request_seed
 from ragen.rollout import dump as dump_module
@@ -240,3 +242,60 @@ def test_sequential_and_parallel_dumps_are_identical_apart_from_timings_and_work
         return rows
 
     assert without_timings(seq) == without_timings(par)
+
+
+# ----------------------------------------------------------------------------- an agent episode's program output
+
+
+def _with_program(played):
+    """``played``'s result with program output on its first and its failed trajectories, as an agent
+    episode's; the others left as env episodes."""
+    result, config, _ = played
+    failed = ProgramResult(error="boom", stdout="<script>alert(1)</script>\nworking\n", stderr="é warn\n",
+                           traceback="Traceback (most recent call last):\n  ...\nRuntimeError: boom\n")
+    outputs = {0: ProgramResult(reward=1.0, info={"answer": [4, {"steps": 2}], "note": None}).output()}
+    outputs.update({i: failed.output() for i, t in enumerate(result.trajectories) if t.stop_reason.failed})
+    trajectories = [dataclasses.replace(t, program=outputs.get(i)) for i, t in enumerate(result.trajectories)]
+    return RolloutResult(trajectories, result.specs), config
+
+
+def test_an_agent_episodes_program_output_reads_back_and_an_envs_line_has_none(played, tmp_path):
+    result, config = _with_program(played)
+    path = write_dump(tmp_path, "d", result, config, split="train", step=1)
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [r.get("program") for r in rows] == [t.program for t in result.trajectories]
+    assert sum("program" in r for r in rows) == sum(t.program is not None for t in result.trajectories) >= 2
+    records = read_dump(path)
+    assert [r.trajectory.program for r in records] == [t.program for t in result.trajectories]
+    assert [r.trajectory for r in records] == result.trajectories
+
+
+def test_a_dump_without_program_output_reads_as_env_episodes(played, tmp_path):
+    result, config = _with_program(played)
+    rows = [json.loads(line) for line in
+            write_dump(tmp_path, "d", result, config, split="train", step=1).read_text().splitlines()]
+    for row in rows:  # as a dump written before agent programs
+        row.pop("program", None)
+    old = tmp_path / "old.jsonl"
+    old.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert [r.trajectory.program for r in read_dump(old)] == [None] * len(rows)
+
+
+@pytest.mark.parametrize("program, message", [
+    ("stdout", "program: expected ProgramOutput | None, got str 'stdout'"),
+    ({"info": {}, "traceback": None, "stdout": 5, "stderr": ""}, "program.stdout: expected str, got int 5"),
+    ({"info": [1], "traceback": None, "stdout": "", "stderr": ""}, "program.info: expected dict[str, Any]"),
+    ({"info": {}, "traceback": 3, "stdout": "", "stderr": ""}, "program.traceback: expected str | None, got int 3"),
+    ({"info": {}, "stdout": "", "stderr": ""}, "program: missing key(s) ['traceback'], unknown key(s) []"),
+    ({"info": {}, "traceback": None, "stdout": "", "stderr": "", "pid": 7}, "unknown key(s) ['pid']"),
+])
+def test_a_malformed_program_output_is_refused_naming_it(played, tmp_path, program, message):
+    result, config = _with_program(played)
+    rows = [json.loads(line) for line in
+            write_dump(tmp_path, "d", result, config, split="train", step=1).read_text().splitlines()]
+    rows[1]["program"] = program
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    with pytest.raises(DumpError) as err:
+        read_dump(bad)
+    assert f"{bad} line 2: " in str(err.value) and message in str(err.value), str(err.value)

@@ -26,6 +26,11 @@ class ProgramResult:
     stderr: str = ""
     traceback: str | None = None
 
+    def output(self) -> dict[str, Any]:
+        """What an agent episode's trajectory keeps of it beside the reward and error
+        (``ragen.rollout.types.ProgramOutput``): its info, traceback, stdout and stderr."""
+        return {"info": self.info, "traceback": self.traceback, "stdout": self.stdout, "stderr": self.stderr}
+
 
 def read_result(value: Any, max_abs: float, source: str, where: str) -> tuple[float, dict[str, Any]]:
     """(reward, info) of ``value``, what ``source`` (an entry, a command) gave back: a number, or a

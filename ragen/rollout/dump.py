@@ -11,7 +11,9 @@ version and the request's sampling seed, and the tokens as the engine saw and
 sampled them (``Turn.prompt_ids`` and ``prompt_start``: only the prompt's ids
 added since the previous turn, so a dump stays linear in turns;
 ``response_ids`` and ``logprobs``); then the stop reason, error text, timings
-and the worker that ran it.
+and the worker that ran it; an agent episode's program output
+(``Trajectory.program``: its info, traceback, stdout and stderr; absent for an
+env's episode).
 
 - ``write_dump(directory, name, result, loop, split=, step=)``: the driver
   writes one file after a rollout (never the workers): ``<name>.jsonl``, or
@@ -195,6 +197,8 @@ def _record_row(traj: Trajectory, spec: EnvSpec, ctx: ContextManager, loop: Loop
         turns.append(row)
     row = {"format": FORMAT, "version": VERSION, "split": split, "step": step}
     row.update({f.name: getattr(traj, f.name) for f in dataclasses.fields(traj)})
+    if traj.program is None:  # an env's episode: its line as before agent programs
+        del row["program"]
     row.update(turns=turns, stop_reason=traj.stop_reason.value, reward=traj.reward, num_actions=traj.num_actions,
                spec={k: v for k, v in spec.__dict__.items() if k != "resume"}, loop=loop_row)
     # shallow: a spec holds plain data, and asdict's deep copy is the largest cost of a dump; a carried

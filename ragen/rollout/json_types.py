@@ -1,7 +1,7 @@
 """Whether a value read from JSON has the type a dataclass field is annotated with
-(``is_a``, ``check_fields``), for files that are input (``ragen.rollout.dump``):
-a field of the wrong type, or lists and dicts nested past ``MAX_NESTING``, is a
-``BadField`` naming it."""
+(``is_a``, ``check_fields``; a ``TypedDict``'s keys: ``check_keys``), for files
+that are input (``ragen.rollout.dump``): a field of the wrong type, or lists
+and dicts nested past ``MAX_NESTING``, is a ``BadField`` naming it."""
 
 from __future__ import annotations
 
@@ -42,7 +42,24 @@ def check_fields(obj: Any, prefix: str) -> None:
             name = f"{prefix}.{f.name}" if prefix else f.name
             if depth(value) > MAX_NESTING:
                 raise BadField(f"{name}: lists and dicts nested more than {MAX_NESTING} deep")
+            check_keys(value, hints[f.name], name)
             raise BadField(f"{name}: expected {type_name(hints[f.name])}, got {short(value)}")
+
+
+def check_keys(value: Any, hint: Any, name: str) -> None:
+    """Where ``hint`` is a ``TypedDict`` (or one or None) and ``value`` a dict: raise ``BadField``
+    naming the key of ``value`` that is missing, unknown or not of its type."""
+    typed = next((h for h in (hint, *typing.get_args(hint)) if typing.is_typeddict(h)), None)
+    if typed is None or not isinstance(value, dict):
+        return
+    hints = _hints(typed)
+    missing, unknown = [k for k in hints if k not in value], [k for k in value if k not in hints]
+    if missing or unknown:
+        raise BadField(f"{name}: missing key(s) {missing}, unknown key(s) {unknown}; expected the keys "
+                       f"{list(hints)}")
+    for key, item_hint in hints.items():
+        if not is_a(value[key], item_hint):
+            raise BadField(f"{name}.{key}: expected {type_name(item_hint)}, got {short(value[key])}")
 
 
 _SCALARS = {str: {str}, int: {int}, float: {int, float}, bool: {bool}}  # the JSON types each one reads from
@@ -50,7 +67,8 @@ _SCALARS = {str: {str}, int: {int}, float: {int, float}, bool: {bool}}  # the JS
 
 def is_a(value: Any, hint: Any) -> bool:
     """Whether ``value`` (read from JSON) has type ``hint``: str, int, float
-    (an int too), bool, None, unions, list/tuple/dict of those, classes."""
+    (an int too), bool, None, unions, list/tuple/dict of those, ``TypedDict``s
+    (exactly their keys), classes."""
     return _checker(hint)(value)
 
 
@@ -60,6 +78,9 @@ def _checker(hint: Any) -> Callable[[Any], bool]:
     origin, args = typing.get_origin(hint), typing.get_args(hint)
     if hint is Any:
         return lambda v: depth(v) <= MAX_NESTING
+    if typing.is_typeddict(hint):  # a dict with exactly its keys, each of its type
+        items = {k: _checker(h) for k, h in _hints(hint).items()}
+        return lambda v: isinstance(v, dict) and v.keys() == items.keys() and all(c(v[k]) for k, c in items.items())
     if hint in _SCALARS:
         types_ = _SCALARS[hint]
         return lambda v: type(v) in types_
@@ -101,4 +122,6 @@ def depth(value: Any) -> int:
 
 
 def type_name(hint: Any) -> str:
+    if typing.get_origin(hint) in (Union, types.UnionType):  # a TypedDict's name without its module
+        return " | ".join("None" if a is type(None) else type_name(a) for a in typing.get_args(hint))
     return hint.__name__ if isinstance(hint, type) and not typing.get_args(hint) else str(hint).replace("typing.", "")

@@ -9,7 +9,8 @@
   under the policy that sampled it. ``episode_ids`` puts them together.
 - ``Step``: one ``env.step`` within a turn: the action and what the env gave
   back (observation, reward, done); what a replay checks against.
-- ``Trajectory``: one env's episode: its turns and a ``StopReason``.
+- ``Trajectory``: one env's episode: its turns and a ``StopReason``; an agent
+  episode's also its program's output (``ProgramOutput``).
 - ``StopReason``: why an episode ended; also used in metric names
   (``rollout/stop/<reason>``).
 - ``RolloutResult``: the trajectories of one rollout, in env_id order, with
@@ -22,7 +23,7 @@ import hashlib
 import json
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import Any, Iterator, Sequence
+from typing import Any, Iterator, Sequence, TypedDict
 
 from ragen.utils import common_prefix_length
 
@@ -167,6 +168,17 @@ def prompt_delta(previous: Sequence[int], prompt: Sequence[int]) -> tuple[int, t
     return start, tuple(prompt[start:])
 
 
+class ProgramOutput(TypedDict):
+    """What an agent episode's program gave beside its reward (``Trajectory.program``): the
+    ``info`` of a dict result (JSON), the ``traceback`` where an entry raised, and the ``stdout``
+    and ``stderr`` it wrote (their captured last part: ``ragen.agents.result.ProgramResult``)."""
+
+    info: dict[str, Any]
+    traceback: str | None
+    stdout: str
+    stderr: str
+
+
 @dataclass
 class Trajectory:
     """One env's episode: its turns and why it ended."""
@@ -186,6 +198,10 @@ class Trajectory:
     # where and how long it ran: records for people, not part of the result (not compared)
     reset_s: float = field(default=0.0, compare=False)
     worker: int | None = field(default=None, compare=False)  # the worker process's pid; None: the driver
+    # an agent episode's program output (None: an env's episode). Not compared: its captured text
+    # depends on the process it ran in (a warning is printed once a process); ``rollout_digest``
+    # covers its info
+    program: ProgramOutput | None = field(default=None, compare=False)
 
     @property
     def reward(self) -> float:
@@ -229,11 +245,14 @@ class RolloutResult:
 
 def rollout_digest(trajectories: list[Trajectory]) -> str:
     """sha256 over a canonical serialization of every trajectory's env_id,
-    actions, rewards, observations and stop reason: equal digests, equal
-    rollouts."""
-    rows = [
-        [t.env_id, t.stop_reason.value, t.final_observation,
-         [[x.observation, x.response, x.actions, x.executed_actions, x.reward, x.penalty] for x in t.turns]]
-        for t in sorted(trajectories, key=lambda t: t.env_id)
-    ]
+    actions, rewards, observations and stop reason, and an agent episode's
+    program info (what it returned beside its reward; not its captured output,
+    a record for people as an error's text is): equal digests, equal rollouts."""
+    rows = []
+    for t in sorted(trajectories, key=lambda t: t.env_id):
+        row = [t.env_id, t.stop_reason.value, t.final_observation,
+               [[x.observation, x.response, x.actions, x.executed_actions, x.reward, x.penalty] for x in t.turns]]
+        if t.program is not None:  # an env's episode digests as it always has
+            row.append(t.program["info"])
+        rows.append(row)
     return hashlib.sha256(json.dumps(rows, sort_keys=True, ensure_ascii=False).encode()).hexdigest()
