@@ -19,7 +19,7 @@ import pytest
 from ragen.rollout.dump import DumpRecord, read_dump, write_dump
 from ragen.rollout.types import RolloutResult, StopReason
 from ragen.viewer import default_output, render_html, write_viewer
-from ragen.viewer.page import split_response
+from ragen.viewer.page import PROGRAM_TEXT_CHARS, split_response
 from tests.dump_cases import BAD_DUMPS, write_as_version_2, write_bad_dump
 from tests.rollout_helpers import (
     custom_envs,
@@ -508,3 +508,25 @@ def _record(traj, spec, cfg):
 def test_default_output_names():
     assert default_output("/a/step_000001.jsonl") == Path("/a/step_000001.html")
     assert default_output("/a/val_step_000002.jsonl.gz") == Path("/a/val_step_000002.html")
+
+
+def test_an_agent_episodes_program_output_is_shown_escaped_collapsed_and_bounded(records, page):
+    evil = "<script>alert(1)</script>&"
+    r = records[0]
+    long_err = "e" * (PROGRAM_TEXT_CHARS + 10) + "END"
+    program = {"info": {"answer": evil, "steps": 2}, "traceback": f"Traceback ...\nRuntimeError: {evil}\n",
+               "stdout": f"printed {evil}\n", "stderr": long_err}
+    shown = render_html([dataclasses.replace(r, trajectory=dataclasses.replace(r.trajectory, program=program))])
+    assert "<script>alert" not in shown
+    escaped = html.escape(evil)
+    section = shown[shown.index('<div class="program">'):]
+    for name, text in (("traceback", f"RuntimeError: {escaped}"), ("stdout", f"printed {escaped}"),
+                       ("info", html.escape(f'"answer": "{evil}"'))):
+        part = section[section.index(f'<details class="program-{name}">'):]
+        assert text in part[:part.index("</details>")], name
+    # long text: its end, and how much was cut; every part collapsed
+    part = section[section.index('<details class="program-stderr">'):]
+    assert f"the last {PROGRAM_TEXT_CHARS} of {len(long_err)} characters" in part and "eEND</pre>" in part
+    assert part.index("</details>") < PROGRAM_TEXT_CHARS + 500 and "<details open" not in shown
+    # an env's episode has none
+    assert 'class="program"' not in page

@@ -4,7 +4,8 @@
   learning curve (when metrics rows are given) with what its reward and success
   measure, a table of episodes filtered by tag, success and stop reason, the
   legend of the maps (when episodes draw any), and each episode turn by turn,
-  collapsed.
+  collapsed (an agent episode's program output first: its info, traceback,
+  stdout and stderr).
 - ``split_response(text, think)``: a model answer's ``<think>`` and
   ``<answer>`` parts, or None when it does not follow the format (the raw
   answer is shown then).
@@ -22,14 +23,19 @@ from collections import Counter
 from html import escape
 from typing import Any
 
+from ragen.agents.capture import LIMIT_CHARS
 from ragen.env.allowed import AllowedEnvTypes
 from ragen.rollout.context import ContextConfig, ContextManager
 from ragen.rollout.dump import DumpRecord
-from ragen.rollout.types import StopReason, Turn
+from ragen.rollout.types import ProgramOutput, StopReason, Turn
 from ragen.utils import common_prefix_length
 from ragen.viewer.curve import curve_notes, curve_svg
 from ragen.viewer.grid import Cell, GridPicture, Symbols, env_config, picture, symbols_for
 
+
+# the most of a program's text (its stdout, stderr, traceback, info) an episode shows: its end, as much
+# as an agent's capture keeps (a dump is input, and may hold more)
+PROGRAM_TEXT_CHARS = LIMIT_CHARS
 
 
 def split_response(text: str, think: bool = True) -> tuple[str | None, str] | None:
@@ -280,6 +286,31 @@ def _turn(r: DumpRecord, i: int, symbols: Symbols | None) -> str:
         f'<details class="info"><summary>info</summary><pre>{escape(info)}</pre></details></li>')
 
 
+def _tail(text: str, limit: int = PROGRAM_TEXT_CHARS) -> tuple[str, str]:
+    """The last ``limit`` characters of ``text``, and a note of how many were cut before them."""
+    if len(text) <= limit:
+        return text, f"{len(text)} characters"
+    return text[-limit:], f"the last {limit} of {len(text)} characters"
+
+
+def _program(program: ProgramOutput | None) -> str:
+    """An agent episode's program output, each part collapsed: the info it returned beside its
+    reward, the traceback where it raised, and its stdout and stderr; nothing for an env's episode."""
+    if program is None:
+        return ""
+    parts = [("info", json.dumps(program["info"], ensure_ascii=False, indent=1, default=str)),
+             ("traceback", program["traceback"]), ("stdout", program["stdout"]), ("stderr", program["stderr"])]
+    shown = []
+    for name, text in parts:
+        if not text:
+            shown.append(f'<p class="program-{name}"><b>{name}</b> <em>none</em></p>')
+            continue
+        kept, note = _tail(text)
+        shown.append(f'<details class="program-{name}"><summary>{name} ({note})</summary>'
+                     f"<pre>{escape(kept)}</pre></details>")
+    return f'<div class="program"><b>program output</b>{"".join(shown)}</div>'
+
+
 def _episode(r: DumpRecord, symbols: Symbols | None) -> str:
     t = r.trajectory
     failed = t.stop_reason.failed
@@ -299,7 +330,7 @@ def _episode(r: DumpRecord, symbols: Symbols | None) -> str:
     return (f'<details class="episode{" failed" if failed else ""}" id="ep-{r.env_id}" {_data(r)}>'
             f"<summary>env {r.env_id} · {escape(t.tag)} · {'success' if t.success else 'no success'} · "
             f"{escape(t.stop_reason.value)} · reward {t.reward:.3f} · {len(t.turns)} turns</summary>"
-            f'{meta}{error}<ol class="turns">{turns}</ol>{final}</details>')
+            f'{meta}{error}{_program(t.program)}<ol class="turns">{turns}</ol>{final}</details>')
 
 
 _CSS = """
@@ -312,6 +343,8 @@ pre{white-space:pre-wrap;word-break:break-word;background:#f6f6f6;padding:.3em .
 tr.failed td,.episode.failed>summary{background:#fde2e2}
 .error,.error-box pre{color:#a00;background:#fff0f0}.error-box{border-left:4px solid #c00;padding-left:.5em}
 .msg.tool{border-left:4px solid #2a6;padding-left:.5em}
+.program{border-left:4px solid #68a;padding-left:.5em}.program>b{display:block;font-size:.85em;color:#555}
+.program pre{max-height:30em;overflow:auto}.program p{margin:.2em 0}
 .episode{border:1px solid #ccc;margin:.4em 0;padding:.2em .6em}.episode>summary{cursor:pointer;font-weight:600}
 .turns{padding-left:1.5em}.turn{margin:.6em 0;border-top:1px solid #eee}
 .response b,.before b,.final b{display:block;font-size:.85em;color:#555}
