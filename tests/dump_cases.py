@@ -48,6 +48,8 @@ BAD_DUMPS = {
                       "turns[0].logprobs: expected a list of float or null, got list ['-0.5']"),
     "prompt_start_past_the_ids": (_set(["turns", 0, "prompt_start"], 3), 0,
                                   "turns[0].prompt_start: 3, but the turns before it hold 0 token ids"),
+    "program_stdout_int": (_set(["program"], {"info": {}, "traceback": None, "stdout": 5, "stderr": ""}), 0,
+                           "program.stdout: expected str, got int 5"),
     "deep_json": (None, 0, "JSON nested too deeply"),  # 100000 nested lists: the decoder's own limit
     "deep_env_config": (_deep_config, 0, "spec.env_config: lists and dicts nested more than"),
     "duplicate_env_id": (_duplicate, 1, "env_id {env_id} again (first at line {first})"),

@@ -4,6 +4,7 @@ reported where it is."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -22,7 +23,7 @@ from ragen.rollout.backends.parallel import ParallelRolloutManager, ParallelSett
 from ragen.rollout.scheduler import KeptEnvs, run_envs
 from ragen.rollout.types import RolloutResult
 from ragen.env.allowed import EnvTypeNotAllowed, allowed_env_types
-from ragen.tools.replay import main, replay
+from ragen.tools.replay import first_difference, main, replay
 
 from tests.dump_cases import BAD_DUMPS, write_bad_dump
 from tests.fault_envs import FaultEnv
@@ -437,3 +438,16 @@ def test_a_trained_steps_dump_replays_with_its_checkpoint_and_the_base_model_say
     assert "is not a checkpoint folder" in capsys.readouterr().err
     assert main([str(path), "--engine", "scripted", "--checkpoint", str(folder)]) == 2
     assert "--checkpoint loads a checkpoint's weights into the hf engine" in capsys.readouterr().err
+
+
+def test_a_programs_info_is_compared_and_its_captured_output_is_not(parallel_dump):
+    record = read_dump(parallel_dump)[0]
+    program = {"info": {"answer": 4}, "traceback": None, "stdout": "thinking\n", "stderr": ""}
+    dumped = dataclasses.replace(record, trajectory=dataclasses.replace(record.trajectory, program=program))
+    assert first_difference(record, record.trajectory) is None  # an env's episode: none on either side
+    same_info = dataclasses.replace(record.trajectory, program={**program, "stdout": "", "stderr": "warning\n"})
+    assert first_difference(dumped, same_info) is None
+    other_info = dataclasses.replace(record.trajectory, program={**program, "info": {"answer": 5}})
+    assert first_difference(dumped, other_info) == \
+        "end of episode: program info: dump {'answer': 4}, replay {'answer': 5}"
+    assert first_difference(dumped, record.trajectory).startswith("end of episode: program info: ")

@@ -27,7 +27,10 @@ training checkpoint's policy: its weights, or its LoRA adapter on ``--model``.
   again and compared; ``env_types`` (``AllowedEnvTypes``, default: the
   registered names only) says which env types it may build.
 - ``first_difference(record, trajectory, prompts)``: where a replayed
-  trajectory first differs from its record, as a sentence; ``None`` if nowhere.
+  trajectory first differs from its record, as a sentence; ``None`` if nowhere
+  (of an agent program's output, only its info is compared, as
+  ``rollout_digest`` does: its stdout, stderr and traceback are records for
+  people).
 - ``version_note(record, engine)``: that the dump's answers came from another
   policy version than the engine's, and how to load that version.
 
@@ -240,6 +243,10 @@ def first_difference(record: DumpRecord, replayed: Trajectory,
         x, y = getattr(dumped, name), getattr(replayed, name)
         if x != y:
             return f"end of episode: {name}: {_diff(x, y)}"
+    # an agent program's info is part of its result; its captured output is a record for people
+    x, y = (dumped.program or {}).get("info"), (replayed.program or {}).get("info")
+    if x != y:
+        return f"end of episode: program info: {_diff(x, y)}"
     return None
 
 
