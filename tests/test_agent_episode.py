@@ -24,6 +24,7 @@ def two_turns(task: dict, llm) -> dict:
     messages += [{"role": "assistant", "content": first.choices[0].message.content},
                  {"role": "user", "content": "Again."}]
     llm.client.chat.completions.create(model=llm.model, messages=messages)
+    print(f"<b>added {task['a']}</b>")
     return {"reward": 0.5, "calls": 2}
 
 
@@ -58,6 +59,7 @@ def test_an_agent_episode_is_a_trajectory_of_its_calls_trained_exactly(gateway, 
     assert (traj.env_id, traj.group_id, traj.tag, traj.seed) == (5, 2, "Calc", 3)
     first, second = traj.turns
     assert (first.reward, second.reward, second.info) == (0.0, 0.5, {"calls": 2})
+    assert traj.program == {"info": {"calls": 2}, "traceback": None, "stdout": "<b>added 3</b>\n", "stderr": ""}
     assert first.prompt_start == 0 and second.prompt_start == len(first.prompt_ids) + len(first.response_ids)
     assert all(len(t.logprobs) == len(t.response_ids) > 0 for t in traj.turns)
     chat = gateway.gateway.link.chat
@@ -81,4 +83,6 @@ def test_the_members_of_a_group_get_the_same_task_and_sample_alike(gateway, tmp_
 def test_an_agent_that_fails_or_never_calls_ends_in_error(gateway, tmp_path, entry, error):
     traj = play_agent(spec(tmp_path, entry), gateway, max_abs_reward=100.0)
     assert traj.stop_reason == StopReason.ERROR and error in traj.error
+    # what the program left goes with its trajectory (and the dump): the traceback where it raised
+    assert (traj.program["traceback"] or "").endswith("RuntimeError: the agent fell over\n") == (entry == "raises")
     assert len(gateway.gateway.sessions) == 0  # every episode's session is closed with it

@@ -6,7 +6,8 @@ members of a group share a seed, so a task), closes the session (an entry abando
 timeout is refused on every later call), and makes the trajectory from the session's records:
 a turn per call the engine answered, its prompt ids as the gateway recorded them (``prompt_start``:
 the ids of its segment before it, as an env episode's turn under ``token_history: append``), the
-ids sampled with their log-probs, and the episode's reward on the last turn. It ends ``done``;
+ids sampled with their log-probs, and the episode's reward on the last turn; the program's output
+(its info, traceback, stdout and stderr) as ``Trajectory.program``. It ends ``done``;
 ``error`` where the program failed or made no call (nothing to train), ``timeout`` past its time.
 """
 
@@ -50,7 +51,8 @@ def play_agent(spec: EnvSpec, server: GatewayServer, max_abs_reward: float) -> T
 def trajectory_of(spec: EnvSpec, records: list[CallRecord], result: ProgramResult, decode: Any) -> Trajectory:
     """The trajectory of an agent episode: a turn per answered call, the reward on the last."""
     turns = [_turn(r, decode) for r in records if r.error is None and r.finish_reason not in (None, "error")]
-    traj = Trajectory(env_id=spec.env_id, group_id=spec.group_id, tag=spec.tag, seed=spec.seed, turns=turns)
+    traj = Trajectory(env_id=spec.env_id, group_id=spec.group_id, tag=spec.tag, seed=spec.seed, turns=turns,
+                      program=result.output())
     if result.error is not None:
         traj.stop_reason = StopReason.TIMEOUT if result.timed_out else StopReason.ERROR
         traj.error = result.error
