@@ -108,8 +108,8 @@ def test_hf_multi_turn_prompts_are_the_ids_the_model_was_fed(tiny_model_path, ta
     sampled: dict = {}
     chunk = engine._generate_chunk
 
-    def recording(prompts, limits, seeds, episodes, last, sampling):
-        outputs = chunk(prompts, limits, seeds, episodes, last, sampling)
+    def recording(prompts, limits, seeds, episodes, last, sampling, *more):
+        outputs = chunk(prompts, limits, seeds, episodes, last, sampling, *more)
         for prompt, episode, (ids, _, logprobs) in zip(prompts, episodes, outputs):
             fed.setdefault(episode, []).append(list(prompt))
             sampled.setdefault(episode, []).append((list(ids), list(logprobs)))

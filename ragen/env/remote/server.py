@@ -26,6 +26,7 @@ import logging
 import numbers
 import socket
 import threading
+import weakref
 from http import HTTPStatus
 from typing import Any, Callable, Mapping
 
@@ -110,6 +111,7 @@ class EnvServer(BackgroundServer):
         self.sessions = 0
         self.sessions_served = 0
         self._lock = threading.Lock()
+        self._connections: weakref.WeakSet = weakref.WeakSet()  # closed at shutdown (websockets < 17 leaves them)
         self._server = serve(self._session, host, port, process_request=self._route, max_size=max_message_bytes,
                              compression=None, server_header=None, close_timeout=2,
                              create_connection=self._connection)
@@ -119,13 +121,26 @@ class EnvServer(BackgroundServer):
         self._server.serve_forever()
 
     def _stop(self) -> None:
-        self._server.shutdown()  # also closes the open sessions
+        self._server.shutdown()
+        # websockets 17's shutdown closes the open sessions, 16's does not: close them here, at once
+        # (each waits for its client's close frame up to close_timeout, so on threads of their own)
+        with self._lock:
+            open_ = list(self._connections)
+        closers = [threading.Thread(target=conn.close, args=(1001, "the env server is shutting down"), daemon=True)
+                   for conn in open_]
+        for closer in closers:
+            closer.start()
+        for closer in closers:
+            closer.join(timeout=5)
 
     def _connection(self, sock: socket.socket, *args: Any, **kwargs: Any) -> Any:
         """websockets' connection of a new client, sending through a bounded queue of its own."""
         from websockets.sync.server import ServerConnection
 
-        return ServerConnection(_QueuedSocket(sock, self.max_send_queue_bytes), *args, **kwargs)
+        conn = ServerConnection(_QueuedSocket(sock, self.max_send_queue_bytes), *args, **kwargs)
+        with self._lock:
+            self._connections.add(conn)
+        return conn
 
     # HTTP: which path, health, key, capacity ----------------------------------------------------------------
 
