@@ -15,7 +15,7 @@ clients run in other processes, as agents would.
    ``--engine-ms`` a call. The mean engine batch against the gateway's calls waiting
    (read and not yet answered) as each engine call starts.
 3. Where the gateway runs: in the driver (beside the manager and the engine) or in a
-   rollout worker's process (``ManagerLink.remote`` over the worker's own connection):
+   rollout worker's process (a ``ManagerLink`` over the worker's own connection):
    ``--calls`` calls from another process each way; the median call, and the driver's
    CPU time per call (what the driver's process spends beyond the engine's call).
 4. Malformed requests: ``--malformed`` of them (bad JSON, wrong types, unknown roles,
@@ -133,7 +133,7 @@ def _worker_gateway(client: Any, opened: Any, stop: Any) -> None:
     from ragen.llm.scripted import byte_chat
     from ragen.llm.types import SamplingParams
 
-    server = GatewayServer(Gateway(ManagerLink.remote(client, byte_chat(), "scripted", timeout_s=60),
+    server = GatewayServer(Gateway(ManagerLink(client, byte_chat(), "scripted", timeout_s=60),
                                    SamplingParams(max_tokens=64)))
     session = server.open_session()
     opened.put((server.host, server.port, f"/sessions/{session.id}/v1/chat/completions", session.key))
@@ -227,7 +227,7 @@ def _serve(engine_s: float = 0.0) -> tuple[Any, Any]:
     from ragen.serving.server import SharedLLMInferenceManager
 
     manager = SharedLLMInferenceManager(ScriptedEngine(base_s=engine_s))
-    return manager, GatewayServer(Gateway(ManagerLink(manager, timeout_s=60), SamplingParams(max_tokens=64)))
+    return manager, GatewayServer(Gateway(ManagerLink.of(manager, timeout_s=60), SamplingParams(max_tokens=64)))
 
 
 def overhead(calls: int) -> dict[str, Any]:

@@ -83,7 +83,7 @@ def main() -> None:
     args = ap.parse_args()
     engine = build(args.engine)
     manager = SharedLLMInferenceManager(engine)
-    server = GatewayServer(Gateway(ManagerLink(manager), SamplingParams(max_tokens=args.max_tokens)))
+    server = GatewayServer(Gateway(ManagerLink.of(manager), SamplingParams(max_tokens=args.max_tokens)))
     try:
         timed_call(server, -1)  # warm up
         times = [timed_call(server, i) for i in range(args.calls)]

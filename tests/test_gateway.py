@@ -39,7 +39,7 @@ def tool_answer(prompt: str, rng) -> tuple[str, float] | None:
 def serve(engine=None, sampling=SamplingParams(max_tokens=256), **settings):
     engine = engine or ScriptedEngine(answers="tests.test_gateway:tool_answer")
     manager = SharedLLMInferenceManager(engine)
-    server = GatewayServer(Gateway(ManagerLink(manager, timeout_s=30), sampling, GatewaySettings(**settings)))
+    server = GatewayServer(Gateway(ManagerLink.of(manager, timeout_s=30), sampling, GatewaySettings(**settings)))
     return manager, server
 
 
@@ -429,7 +429,7 @@ def _gateway_in_a_worker(client, opened, stop) -> None:
     """A rollout worker's gateway: in its own process, over its own connection to the driver's manager."""
     from ragen.llm.scripted import byte_chat
 
-    link = ManagerLink.remote(client, byte_chat(), served_name="scripted", timeout_s=30)
+    link = ManagerLink(client, byte_chat(), served_name="scripted", timeout_s=30)
     server = GatewayServer(Gateway(link, SamplingParams(max_tokens=256)))
     session = server.open_session()
     opened.put((server.base_url(session), session.key))

@@ -32,7 +32,7 @@ def served(engine, sampling=SamplingParams(max_tokens=12), **settings):
     """``engine`` behind a manager and a gateway server; close both with ``shut``."""
     manager = SharedLLMInferenceManager(engine)
     try:
-        return manager, GatewayServer(Gateway(ManagerLink(manager, timeout_s=60), sampling,
+        return manager, GatewayServer(Gateway(ManagerLink.of(manager, timeout_s=60), sampling,
                                               GatewaySettings(**settings)))
     except BaseException:
         manager.close()
@@ -227,7 +227,7 @@ def test_the_gateway_refuses_an_openai_engine_without_a_tokenizer():
     manager = SharedLLMInferenceManager(engine)
     try:
         with pytest.raises(ApiError, match="engine.tokenizer") as caught:
-            ManagerLink(manager)
+            ManagerLink.of(manager)
         assert "'openai'" in caught.value.message and "token" in caught.value.message
     finally:
         manager.close()

@@ -29,7 +29,7 @@ SYSTEM = {"role": "system", "content": "You are a helper. Available actions: Up,
 def recorded(tmp_path):
     """A gateway whose sessions are written to tmp_path/records as they close (idle ones expire fast)."""
     manager = SharedLLMInferenceManager(ScriptedEngine())
-    link = ManagerLink(manager, timeout_s=30)
+    link = ManagerLink.of(manager, timeout_s=30)
     recorder = SessionRecorder(tmp_path / "records")
     settings = GatewaySettings(session_ttl_s=0.2)
     sessions = Sessions(link.chat, settings.max_sessions, settings.session_ttl_s, on_close=recorder)

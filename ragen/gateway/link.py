@@ -25,41 +25,35 @@ from ragen.llm.types import Completion, EngineError, GenerationRequest, Sampling
 
 
 class ManagerLink:
-    """The engine of ``manager``, reached as a worker reaches it. ``timeout_s`` bounds each
-    call's wait for its answer (a 504 past it)."""
+    """The engine behind a ``SharedLLMInferenceManager``, reached over ``client`` (a
+    ``SharedLLMClient``: its connections are the calling threads' own) as a worker reaches it, with
+    the engine's ``chat`` tokens and ``tokenizer`` (None: utf-8 bytes, the scripted engine's) built
+    in the process the link lives in; ``ManagerLink.of(manager)`` builds one in the manager's own
+    process. ``timeout_s`` bounds each call's wait for its answer (a 504 past it)."""
 
-    def __init__(self, manager: Any, timeout_s: float = 600.0, served_name: str | None = None) -> None:
+    def __init__(self, client: Any, chat: ChatTokens, served_name: str, max_context: int | None = None,
+                 tokenizer: Any = None, timeout_s: float = 600.0) -> None:
+        self._client = client
+        self.chat = chat
+        self.timeout_s = timeout_s
+        self.served_name = served_name
+        self.max_context = max_context
+        self.decode = token_decoder(tokenizer)
+        self.decode_text = token_decoder(tokenizer, skip_special_tokens=True)
+
+    @classmethod
+    def of(cls, manager: Any, timeout_s: float = 600.0, served_name: str | None = None) -> ManagerLink:
+        """The link of ``manager``'s engine, in the manager's process (its chat tokens, tokenizer,
+        context and name read from the engine)."""
         engine = manager.engine
         chat = getattr(engine, "chat", None)
         if not isinstance(chat, ChatTokens):
             raise ApiError(500, f"the engine {getattr(engine, 'name', type(engine).__name__)!r} has no chat template "
                            "and tokenizer here, which the gateway builds each call's token ids with (an "
                            "OpenAI-compatible engine needs engine.tokenizer)", code="no_tokenizer")
-        self._setup(manager.client(timeout_s), chat, timeout_s,
-                    served_name or str(getattr(engine, "model_name", None) or engine.name), engine_context(engine),
-                    token_decoder(getattr(engine, "tokenizer", None)),
-                    token_decoder(getattr(engine, "tokenizer", None), skip_special_tokens=True))
-
-    @classmethod
-    def remote(cls, client: Any, chat: ChatTokens, served_name: str, max_context: int | None = None,
-               tokenizer: Any = None, timeout_s: float = 600.0) -> ManagerLink:
-        """A link from another process than the manager's (a rollout worker's): over ``client``,
-        that process's ``SharedLLMClient``, with the engine's ``chat`` tokens and ``tokenizer`` built
-        there (None: utf-8 bytes, the scripted engine's)."""
-        link = cls.__new__(cls)
-        link._setup(client, chat, timeout_s, served_name, max_context, token_decoder(tokenizer),
-                    token_decoder(tokenizer, skip_special_tokens=True))
-        return link
-
-    def _setup(self, client: Any, chat: ChatTokens, timeout_s: float, served_name: str, max_context: int | None,
-               decode: Callable[[list[int]], str], decode_text: Callable[[list[int]], str]) -> None:
-        self._client = client
-        self.chat = chat
-        self.timeout_s = timeout_s
-        self.served_name = served_name
-        self.max_context = max_context
-        self.decode = decode
-        self.decode_text = decode_text
+        return cls(manager.client(timeout_s), chat,
+                   served_name or str(getattr(engine, "model_name", None) or engine.name), engine_context(engine),
+                   getattr(engine, "tokenizer", None), timeout_s)
 
     @contextlib.contextmanager
     def expecting(self) -> Iterator[None]:

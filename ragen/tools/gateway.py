@@ -92,7 +92,7 @@ class ServedGateway:
         s = run.settings
         self.manager = make_serving(run.setup.agent_proxy, engine, run.setup.llm_server)
         with closed_on_failure(self.manager.close):
-            link = ManagerLink(self.manager, s.call_timeout_s, s.served_name)
+            link = ManagerLink.of(self.manager, s.call_timeout_s, s.served_name)
             self.recorder = SessionRecorder(record) if record is not None else None
             self.sessions = Sessions(link.chat, s.max_sessions, s.session_ttl_s, on_close=self.recorder)
             gateway = Gateway(link, run.setup.loop.sampling, s, self.sessions)
