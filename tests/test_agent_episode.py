@@ -39,10 +39,8 @@ def never_calls(task: dict, llm) -> float:
 
 @pytest.fixture(scope="module")
 def gateway():
-    manager, server = serve(engine=ScriptedEngine())
-    yield server
-    server.close()
-    manager.close()
+    with serve(engine=ScriptedEngine()) as server:
+        yield server
 
 
 def spec(tmp_path, entry: str, seed: int = 3) -> EnvSpec:

@@ -293,10 +293,8 @@ def gateway():
     pytest.importorskip("openai", reason="the openai client (pip install openai; the dev extra has it)")
     from tests.test_gateway import serve
 
-    manager, server = serve()
-    yield server
-    server.close()
-    manager.close()
+    with serve() as server:
+        yield server
 
 
 def llm_of(server, session) -> LLM:

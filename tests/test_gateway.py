@@ -3,6 +3,7 @@ streaming, tools and every refusal with its status and the field it names."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import urllib.error
 import urllib.request
@@ -36,19 +37,25 @@ def tool_answer(prompt: str, rng) -> tuple[str, float] | None:
     return None
 
 
+@contextlib.contextmanager
 def serve(engine=None, sampling=SamplingParams(max_tokens=256), **settings):
+    """A gateway over a manager of ``engine`` (the tests' tool policy by default), both closed after."""
     engine = engine or ScriptedEngine(answers="tests.test_gateway:tool_answer")
     manager = SharedLLMInferenceManager(engine)
-    server = GatewayServer(Gateway(ManagerLink.of(manager, timeout_s=30), sampling, GatewaySettings(**settings)))
-    return manager, server
+    try:
+        server = GatewayServer(Gateway(ManagerLink.of(manager, timeout_s=30), sampling, GatewaySettings(**settings)))
+        try:
+            yield server
+        finally:
+            server.close()
+    finally:
+        manager.close()
 
 
 @pytest.fixture(scope="module")
 def gateway():
-    manager, server = serve()
-    yield server
-    server.close()
-    manager.close()
+    with serve() as server:
+        yield server
 
 
 def client_of(server, session):
@@ -191,17 +198,13 @@ def test_a_stream_on_the_hf_engine_shows_the_content_of_the_same_call_whole(tiny
     unstreamed (the engine's text, special tokens left out)."""
     from ragen.llm import make_engine
 
-    manager, server = serve(make_engine({"name": "hf", "device": "cpu"}, tiny_model_path),
-                            SamplingParams(max_tokens=24))
-    try:
+    with serve(make_engine({"name": "hf", "device": "cpu"}, tiny_model_path),
+               SamplingParams(max_tokens=24)) as server:
         messages = [{"role": "user", "content": "Available actions: Up, Down. Go."}]
         texts, _, finish = _streamed_chat(client_of(server, server.open_session(seed=1, env_id=1)), messages)
         whole = client_of(server, server.open_session(seed=1, env_id=1)).chat.completions.create(
             model="m", messages=messages).choices[0]
         assert len(texts) > 1 and "".join(texts) == whole.message.content and finish == whole.finish_reason
-    finally:
-        server.close()
-        manager.close()
 
 
 @pytest.mark.timeout(60)
@@ -276,8 +279,7 @@ def test_every_refusal_has_its_status_and_names_what_is_at_fault(gateway):
 
 @pytest.mark.timeout(60)
 def test_bounds_body_sessions_and_context():
-    manager, server = serve(max_sessions=2, max_body_bytes=2000, max_context=300)
-    try:
+    with serve(max_sessions=2, max_body_bytes=2000, max_context=300) as server:
         root = f"http://{server.host}:{server.port}/sessions"
         first = _post(root, b"{}", server.key)[1]
         assert _post(root, b"{}", "sk-wrong")[0] == 401
@@ -294,9 +296,6 @@ def test_bounds_body_sessions_and_context():
         fits = json.dumps({"messages": [{"role": "user", "content": "y" * 250}]}).encode()
         status, answer, _ = _post(url, fits, first["api_key"])
         assert status == 200 and answer["usage"]["total_tokens"] <= 300  # max_tokens cut to the room left
-    finally:
-        server.close()
-        manager.close()
 
 
 class _FailingEngine(ScriptedEngine):
@@ -306,31 +305,23 @@ class _FailingEngine(ScriptedEngine):
 
 @pytest.mark.timeout(60)
 def test_an_engine_failure_is_a_5xx_naming_it_and_the_session_records_it():
-    manager, server = serve(engine=_FailingEngine())
-    try:
+    with serve(engine=_FailingEngine()) as server:
         session = server.open_session()
         with pytest.raises(openai.InternalServerError) as caught:
             client_of(server, session).chat.completions.create(model="m", messages=[{"role": "user", "content": "x"}])
         assert caught.value.status_code == 502 and "fell over" in caught.value.body["message"]
         assert "fell over" in session.records[0].error and session.metrics()["errors"] == 1
-    finally:
-        server.close()
-        manager.close()
 
 
 @pytest.mark.timeout(60)
 def test_idle_sessions_expire_counted_and_refuse_later_calls():
-    manager, server = serve(session_ttl_s=0.05)
-    try:
+    with serve(session_ttl_s=0.05) as server:
         session = server.open_session()
         import time
         time.sleep(0.1)
         assert server.gateway.sessions.expire() == 1 and server.gateway.sessions.expired == 1
         with pytest.raises(openai.NotFoundError):
             client_of(server, session).models.list()
-    finally:
-        server.close()
-        manager.close()
 
 
 @pytest.mark.timeout(120)
@@ -466,16 +457,12 @@ def test_a_gateway_in_another_process_reaches_the_drivers_engine_with_exact_toke
 
 @pytest.mark.timeout(60)
 def test_an_engine_that_reports_no_prompt_ids_is_unaudited_not_drift():
-    manager, server = serve(engine=ScriptedEngine(return_prompt_ids=False))
-    try:
+    with serve(engine=ScriptedEngine(return_prompt_ids=False)) as server:
         session = server.open_session()
         client_of(server, session).chat.completions.create(model="m", messages=[SYSTEM, {"role": "user",
                                                                                       "content": "Go."}])
         assert session.metrics().get("unaudited") == 1 and "drift" not in session.metrics()
         assert prompt_ids(session.records, 0)  # the record keeps the ids sent
-    finally:
-        server.close()
-        manager.close()
 
 
 def long_answer(prompt: str, rng) -> tuple[str, float] | None:
@@ -488,9 +475,8 @@ def test_a_client_that_stops_reading_its_stream_delays_only_itself():
     import socket
     import time
 
-    manager, server = serve(engine=ScriptedEngine(answers="tests.test_gateway:long_answer"),
-                            sampling=SamplingParams(max_tokens=5_000_000), io_timeout_s=2.0)
-    try:
+    with serve(engine=ScriptedEngine(answers="tests.test_gateway:long_answer"),
+               sampling=SamplingParams(max_tokens=5_000_000), io_timeout_s=2.0) as server:
         stalled, other = server.open_session(), server.open_session()
         body = json.dumps({"model": "m", "stream": True, "messages": [{"role": "user", "content": "LONG"}]}).encode()
         sock = socket.create_connection((server.host, server.port))
@@ -508,6 +494,3 @@ def test_a_client_that_stops_reading_its_stream_delays_only_itself():
             time.sleep(0.05)
         assert stalled.in_flight == 0 and stalled.records[0].total_s > 0
         sock.close()
-    finally:
-        server.close()
-        manager.close()

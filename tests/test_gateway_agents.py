@@ -42,10 +42,8 @@ def get_weather(city: str) -> str:
 def gateway():
     from ragen.llm.scripted import ScriptedEngine
 
-    manager, server = serve(engine=ScriptedEngine(answers="tests.test_gateway_agents:weather_policy"))
-    yield server
-    server.close()
-    manager.close()
+    with serve(engine=ScriptedEngine(answers="tests.test_gateway_agents:weather_policy")) as server:
+        yield server
 
 
 def _check_records(session, calls: int) -> None:
