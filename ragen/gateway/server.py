@@ -119,7 +119,7 @@ def _refuse_connection(sock: socket.socket, limit: int) -> None:
 
 class _Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
-    disable_nagle_algorithm = True  # a reply's head and body go out at once (Nagle + delayed ACK: 40 ms a call)
+    disable_nagle_algorithm = True  # a reply's head and body go out at once, not the body held for the client's delayed ACK
     server: _HTTPServer
 
     def setup(self) -> None:
