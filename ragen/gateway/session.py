@@ -16,7 +16,7 @@ import threading
 import time
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Callable
 
 from ragen.gateway.api_error import ApiError
 from ragen.gateway.record import CallRecord

@@ -68,7 +68,7 @@ from ragen.llm.hf_sampling import choose, request_uniforms
 from ragen.llm.stats import EngineStats
 from ragen.llm.transformers_compat import dtype_kwarg
 from ragen.llm.turn_cache import Hit, TurnCache
-from ragen.llm.types import (Completion, Engine, GenerationRequest, SamplingParams, TokenSink, request_seed,
+from ragen.llm.types import (Completion, GenerationRequest, SamplingParams, TokenSink, request_seed,
                              token_id_error)
 from ragen.utils import common_prefix_length
 
