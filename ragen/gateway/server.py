@@ -26,6 +26,7 @@ import logging
 import re
 import secrets
 import socket
+import sys
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -97,6 +98,15 @@ class _HTTPServer(ThreadingHTTPServer):
             self.shutdown_request(request)
             return
         super().process_request(request, client_address)
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        """A connection's failure outside a request's handling: a client that went away or went quiet
+        (between keep-alive requests) is usual, logged at debug; anything else is logged with its
+        traceback (socketserver prints it to stderr)."""
+        if isinstance(sys.exc_info()[1], (ConnectionError, TimeoutError)):
+            logger.debug("gateway: connection from %s ended: %s", client_address, sys.exc_info()[1])
+            return
+        logger.exception("gateway: connection from %s failed", client_address)
 
     def process_request_thread(self, request: socket.socket, client_address: Any) -> None:
         try:
