@@ -6,8 +6,10 @@ members of a group share a seed, so a task), closes the session (an entry abando
 timeout is refused on every later call), and makes the trajectory from the session's records:
 a turn per call the engine answered, its prompt ids as the gateway recorded them (``prompt_start``:
 the ids of its segment before it, as an env episode's turn under ``token_history: append``), the
-ids sampled with their log-probs, and the episode's reward on the last turn; the program's output
-(its info, traceback, stdout and stderr) as ``Trajectory.program``. It ends ``done``;
+ids sampled with their log-probs, its ``info`` where it stands in the session (``call``, its number;
+``segment`` and the ``cause`` that started it, None where it extends the segment; ``endpoint``), and
+the episode's reward on the last turn; the program's output (its info, traceback, stdout and stderr)
+as ``Trajectory.program``. It ends ``done``;
 ``error`` where the program failed or made no call (nothing to train), ``timeout`` past its time.
 """
 
@@ -59,16 +61,20 @@ def trajectory_of(spec: EnvSpec, records: list[CallRecord], result: ProgramResul
     elif not turns:
         traj.stop_reason, traj.error = StopReason.ERROR, "the agent made no call to its session: nothing to train"
     else:
-        last = turns[-1]
-        turns[-1] = dataclasses.replace(last, reward=result.reward, info=dict(result.info))
+        turns[-1] = dataclasses.replace(turns[-1], reward=result.reward)
         traj.success = bool(result.info.get("success", result.reward > 0))
     return traj
 
 
 def _turn(record: CallRecord, decode: Any) -> Turn:
     return Turn(observation="", actions_left=0, response=decode(list(record.response_ids)), actions=[],
-                executed_actions=[], reward=0.0, penalty=0.0, info={}, policy_version=record.policy_version or 0,
+                executed_actions=[], reward=0.0, penalty=0.0, info=call_info(record), policy_version=record.policy_version or 0,
                 finish_reason=record.finish_reason or "stop", env_s=max(0.0, record.total_s - record.engine_s),
                 response_ids=tuple(record.response_ids),
                 logprobs=None if record.logprobs is None else tuple(record.logprobs),
                 prompt_ids=tuple(record.prompt_added), prompt_start=record.prompt_start)
+
+
+def call_info(record: CallRecord) -> dict[str, Any]:
+    """Where a call stands in its session: an agent turn's ``info``."""
+    return {"call": record.index, "segment": record.segment, "cause": record.cause, "endpoint": record.endpoint}

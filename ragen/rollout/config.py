@@ -21,7 +21,7 @@ from ragen.config_reader import read, setting
 from ragen.env.reward_bound import DEFAULT_MAX_ABS_REWARD
 from ragen.errors import ConfigError
 from ragen.llm.types import SamplingParams
-from ragen.rollout.context import ContextConfig
+from ragen.rollout.context import SAMPLE_SHAPES, ContextConfig
 from ragen.serving import wire
 from ragen.serving.address import check_listen_address
 
@@ -367,6 +367,18 @@ class RayConfig:
     address: str | None = None
 
 
+@dataclass(frozen=True)
+class AgentSection:
+    """``agent``: how the episodes of ``env_type: agent`` tags run and train (docs/agents.md).
+
+    ``sample_shape``: segment, a training sample per segment of an episode (its calls that extend
+    one token sequence), sharing the episode's advantage; call, a sample per call.
+    ``max_concurrent``: agent episodes running at once in a rollout, over all its workers."""
+
+    sample_shape: str = setting(ContextConfig.agent_sample_shape, choices=SAMPLE_SHAPES)
+    max_concurrent: int = setting(64, minimum=1)
+
+
 # section name -> its dataclass
 ROLLOUT_SECTIONS: dict[str, type] = {
     "agent_proxy": AgentProxyConfig,
@@ -376,6 +388,7 @@ ROLLOUT_SECTIONS: dict[str, type] = {
     "seed": SeedConfig,
     "dask": DaskConfig,
     "ray": RayConfig,
+    "agent": AgentSection,
 }
 
 
@@ -404,4 +417,5 @@ def context_config(sections: Mapping[str, Any]) -> ContextConfig:
         token_history=ctx.token_history,
         train_end_after_cut=ctx.train_end_after_cut,
         tool_parser=ctx.tool_parser,
+        agent_sample_shape=sections["agent"].sample_shape if "agent" in sections else ContextConfig.agent_sample_shape,
     )

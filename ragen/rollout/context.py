@@ -56,6 +56,7 @@ GROUPINGS = ("state", "inductive", "batch")
 METHODS = ("identity", "mean", "mean_std", "asym_clip")
 WINDOW_MODES = ("full", "limited_multi_turn", "single_turn")
 TOKEN_HISTORIES = ("append", "rerender")
+SAMPLE_SHAPES = ("segment", "call")  # agent.sample_shape
 
 
 @dataclass(frozen=True)
@@ -82,6 +83,8 @@ class ContextConfig:
     # how a tool env's calls are read: "hermes" (<tool_call>{json}</tool_call> in the answer's text),
     # "server" (the tool_calls an OpenAI-compatible server parsed)
     tool_parser: str = "hermes"
+    # agent.sample_shape: an agent episode's training samples, one per segment or one per call
+    agent_sample_shape: str = "segment"
 
     def __post_init__(self) -> None:
         # the one check of these keys, wherever a ContextConfig is built (a config, a dump, code)
@@ -92,6 +95,7 @@ class ContextConfig:
         check_setting("agent_proxy.max_context_window", self.max_context_window, minimum=-1)
         check_setting("ctx_manager.token_history", self.token_history, choices=TOKEN_HISTORIES)
         check_setting("ctx_manager.tool_parser", self.tool_parser, choices=PARSERS)
+        check_setting("agent.sample_shape", self.agent_sample_shape, choices=SAMPLE_SHAPES)
         if self.token_history == "append" and self.context_window_mode != "full":
             raise ValueError(
                 f"ctx_manager.token_history=append keeps every earlier turn's tokens in the prompt, and "
