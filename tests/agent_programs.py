@@ -130,3 +130,13 @@ FLOODS = python("import sys\nfor i in range(200000):\n    sys.stdout.write('x' *
 CLEANS_UP = python("import signal, sys, time\n"
                    "def end(*_):\n    sys.stderr.write('cleaned up\\n')\n    sys.stderr.flush()\n    sys.exit(0)\n"
                    "signal.signal(signal.SIGTERM, end)\nprint('ready', flush=True)\ntime.sleep(60)\n")
+
+
+def counts(task: dict, llm) -> dict:
+    """Two calls of a growing chat; its reward reads the second answer (deterministic on the scripted engine)."""
+    messages = [{"role": "user", "content": f"Count to {task['a']}."}]
+    first = llm.client.chat.completions.create(model=llm.model, messages=messages)
+    messages += [{"role": "assistant", "content": first.choices[0].message.content},
+                 {"role": "user", "content": "More."}]
+    second = llm.client.chat.completions.create(model=llm.model, messages=messages)
+    return {"reward": float(len(second.choices[0].message.content) % 3), "seen": task["a"]}

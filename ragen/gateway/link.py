@@ -60,7 +60,7 @@ class ManagerLink:
         """A call is being read and rendered: its request is on its way. The manager's coalescer
         counts it as an open stream, so an engine call about to start waits for it (within the
         coalescer's budget) rather than leaving it for the next call."""
-        self._client.open_streams(1)
+        self._client.open_streams(1, announced=False)  # the rollout announced its env streams only
         try:
             yield
         finally:

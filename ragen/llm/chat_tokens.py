@@ -56,35 +56,30 @@ class ChatTokens:
 
     def __init__(self, render: Callable[[Messages, bool], str], encode: Callable[[str], list[int]],
                  end_texts: Mapping[int, str], name: str = "",
-                 render_tools: Callable[[Messages, bool, Tools], str] | None = None) -> None:
+                 render_tools: Callable[[Messages, bool, Tools], str] | None = None,
+                 source: tuple[Callable[..., "ChatTokens"], tuple[Any, ...]] | None = None) -> None:
         self.render = render
         self.encode = encode
         self.end_texts = dict(end_texts)
         self.name = name
         self.render_tools = render_tools
+        # how to build it again in another process (a function and its picklable arguments): its
+        # functions are closures, which do not pickle
+        self.source = source
         self._probes: dict[str, tuple[list[dict[str, str]], str, str] | None] = {}
+
+    def __reduce__(self) -> tuple[Callable[..., "ChatTokens"], tuple[Any, ...]]:
+        if self.source is None:
+            raise TypeError(f"ChatTokens {self.name!r} was built from functions and cannot be sent to another "
+                            "process: build it with ChatTokens.of(tokenizer) there")
+        return self.source
 
     @classmethod
     def of(cls, tokenizer: Any, model: Any = None) -> "ChatTokens":
         """The ``ChatTokens`` of a transformers tokenizer (and the model's extra end ids)."""
-        vocab = tokenizer.get_vocab()
-        names = {i: t for t, i in vocab.items()}
-
-        def render(messages: Messages, add_generation_prompt: bool) -> str:
-            return tokenizer.apply_chat_template(list(messages), tokenize=False,
-                                                 add_generation_prompt=add_generation_prompt)
-
-        def render_tools(messages: Messages, add_generation_prompt: bool, tools: Tools) -> str:
-            return tokenizer.apply_chat_template(list(messages), tokenize=False, tools=list(tools),
-                                                 add_generation_prompt=add_generation_prompt)
-
-        def encode(text: str) -> list[int]:
-            # the template already holds its special tokens: no BOS added again
-            return list(tokenizer(text, add_special_tokens=False)["input_ids"])
-
+        names = {i: t for t, i in tokenizer.get_vocab().items()}
         ends = stop_token_ids(tokenizer, model)
-        return cls(render, encode, {i: names.get(i, "") for i in ends}, str(getattr(tokenizer, "name_or_path", "")),
-                   render_tools)
+        return _of_tokenizer(tokenizer, {i: names.get(i, "") for i in ends})
 
     def text(self, messages: Messages, add_generation_prompt: bool, tools: Tools | None = None) -> str:
         """The template's text of ``messages``, with ``tools`` where given (module docstring)."""
@@ -171,6 +166,25 @@ class ChatTokens:
                 break
         self._probes[key] = found
         return found
+
+
+def _of_tokenizer(tokenizer: Any, end_texts: Mapping[int, str]) -> ChatTokens:
+    """``ChatTokens.of``'s result from the tokenizer and its end ids (what it is rebuilt from when it
+    is unpickled: a transformers tokenizer pickles)."""
+    def render(messages: Messages, add_generation_prompt: bool) -> str:
+        return tokenizer.apply_chat_template(list(messages), tokenize=False,
+                                             add_generation_prompt=add_generation_prompt)
+
+    def render_tools(messages: Messages, add_generation_prompt: bool, tools: Tools) -> str:
+        return tokenizer.apply_chat_template(list(messages), tokenize=False, tools=list(tools),
+                                             add_generation_prompt=add_generation_prompt)
+
+    def encode(text: str) -> list[int]:
+        # the template already holds its special tokens: no BOS added again
+        return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    return ChatTokens(render, encode, end_texts, str(getattr(tokenizer, "name_or_path", "")), render_tools,
+                      source=(_of_tokenizer, (tokenizer, dict(end_texts))))
 
 
 def with_tools_in_system(messages: Messages, tools: Tools) -> list[Mapping[str, str]]:

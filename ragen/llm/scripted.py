@@ -117,7 +117,11 @@ def render_messages(messages: Sequence[Mapping[str, str]], add_generation_prompt
 
 def byte_chat() -> ChatTokens:
     """The scripted engine's template (``render_messages``) and byte tokenizer (utf-8 bytes)."""
-    return ChatTokens(render_messages, lambda text: list(text.encode("utf-8")), {}, "scripted")
+    return ChatTokens(render_messages, _utf8, {}, "scripted", source=(byte_chat, ()))
+
+
+def _utf8(text: str) -> list[int]:
+    return list(text.encode("utf-8"))
 
 
 def last_user_message(messages: Sequence[Mapping[str, str]]) -> str:

@@ -28,9 +28,6 @@ from ragen.gateway.record import CallRecord
 from ragen.gateway.server import GatewayServer
 from ragen.rollout.types import EnvSpec, StopReason, Trajectory, Turn
 
-AGENT_ENV_TYPE = "agent"
-
-
 @functools.lru_cache(maxsize=64)
 def _program(tag: str, env_config: str) -> tuple[AgentConfig, TaskSet]:
     """A tag's program and tasks, read once a process (its tasks file read once)."""

@@ -24,10 +24,11 @@ from collections import Counter, defaultdict
 from typing import Any, Mapping, Sequence
 
 from ragen.config_reader import read, to_plain
+from ragen.errors import ConfigError
 from ragen.llm.tool_calls import declared_tools
 from ragen.rollout.config import EnvSplitConfig, EnvTagConfig
 from ragen.rollout.context import ContextConfig
-from ragen.rollout.types import EnvSpec, StopReason, Trajectory
+from ragen.rollout.types import AGENT_ENV_TYPE, EnvSpec, StopReason, Trajectory
 
 logger = logging.getLogger(__name__)
 
@@ -83,6 +84,22 @@ class EnvSpecMaker:
                 raise ValueError(f"custom_envs.{tag} declares tools, whose results are tool messages in the whole "
                                  f"conversation: set agent_proxy.context_window_mode=full (it is "
                                  f"{context.context_window_mode})")
+
+    def check_agents(self, ap: Any) -> None:
+        """``ConfigError`` naming the key where ``agent_proxy`` (an ``AgentProxyConfig``) asks of this
+        split's agent tags what they do not do: be carried unfinished to the next rollout
+        (over-sampling), or stream as groups in flight (fully-async)."""
+        agents = sorted(tag for tag, ts in self.tag_specs.items() if ts["env_type"] == AGENT_ENV_TYPE)
+        if not agents:
+            return
+        if ap.rollout_mode == "fully_async":
+            raise ConfigError(f"agent_proxy.rollout_mode=fully_async: the agent tags {agents} of es_manager."
+                              f"{self.split} play whole rollouts; use rollout_mode=sync (async_generation_ratio "
+                              "generates batches ahead with them)")
+        if ap.over_sample > 1 and self.split == "train":
+            raise ConfigError(f"agent_proxy.over_sample={ap.over_sample:g}: an agent program cannot be stopped and "
+                              f"carried into the next rollout, and es_manager.train plays the agent tags {agents}; "
+                              "set over_sample=1.0")
 
     @property
     def num_envs(self) -> int:
@@ -177,6 +194,8 @@ def _validate_tag(tag: str, spec: Any, custom_envs: Mapping[str, Any]) -> dict[s
         spec = {**{k: v for k, v in served.items() if k not in ("env_type", "config_type", "env_config")}, **spec}
     cfg = read(EnvTagConfig, spec, key)
     env_config = cfg.env_config or {}
+    if cfg.env_type == AGENT_ENV_TYPE:
+        return _agent_tag(tag, cfg, env_config)
     # Builds (and so validates) the config now, before any model loads.
     built = make_env_config(cfg.env_type, env_config, config_type=cfg.config_type, tag=tag)
     if served is not None:
@@ -210,6 +229,22 @@ def _validate_tag(tag: str, spec: Any, custom_envs: Mapping[str, Any]) -> dict[s
         "env_threads": cfg.max_workers if cfg.parallel_friendly else 1,
         "tools": tools,
     }
+
+
+def _agent_tag(tag: str, cfg: EnvTagConfig, env_config: Mapping[str, Any]) -> dict[str, Any]:
+    """An ``env_type: agent`` tag's spec fields, its program and tasks checked now (a ``ConfigError``
+    naming the key: an entry that does not import, a tasks file missing, empty or with a bad line)."""
+    from ragen.agents.config import AgentConfig
+
+    if cfg.max_tokens is not None:
+        raise ConfigError(f"custom_envs.{tag}.max_tokens: an agent's answers are bounded by the max_tokens of its "
+                          "own calls and ctx_manager.generation.response_length; leave this key out")
+    agent = AgentConfig.read(tag, env_config)
+    # the tasks file as the driver found it: workers may run in another folder
+    env_config = {**env_config, "tasks": agent.tasks}
+    return {"format_example": None, "env_type": AGENT_ENV_TYPE, "config_type": None, "env_config": env_config,
+            "max_actions_per_traj": cfg.max_actions_per_traj, "env_instruction": "", "state_legend": "",
+            "action_names": None, "max_tokens": cfg.max_tokens, "env_threads": 1, "tools": None}
 
 
 def _served_tag(spec: Any, custom_envs: Mapping[str, Any]) -> dict[str, Any] | None:

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from ragen.llm.types import SamplingParams
-from ragen.rollout.config import AgentProxyConfig, EsManagerConfig, check_env_level_async, check_time_limit
+from ragen.rollout.config import AgentProxyConfig, AgentSection, EsManagerConfig, check_env_level_async, check_time_limit
 from ragen.rollout.context import ContextConfig
 
 
@@ -29,6 +29,8 @@ class LoopConfig:
     env_level_async: Any = AgentProxyConfig.env_level_async
     # env-level turns: the longest wait for one env's answer (it then ends in timeout); None: none
     engine_timeout_s: float | None = AgentProxyConfig.engine_timeout_s
+    # agent.max_concurrent: agent episodes at once in a rollout, over all its workers
+    agent_max_concurrent: int = AgentSection.max_concurrent
 
     def __post_init__(self) -> None:
         check_time_limit("env_timeout_s", self.env_timeout_s)

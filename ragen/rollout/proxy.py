@@ -76,7 +76,8 @@ class AgentSetup:
                               format_penalty=es_cfg.format_penalty, max_abs_reward=es_cfg.max_abs_reward,
                               env_timeout_s=ap.env_timeout_s, env_retries=ap.env_retries,
                               env_level_async=ap.env_level_async,
-                              engine_timeout_s=ap.engine_timeout_s)
+                              engine_timeout_s=ap.engine_timeout_s,
+                              agent_max_concurrent=sections["agent"].max_concurrent)
 
         if ap.plan.workers:
             check_installed(ap.parallel_backend)  # dask's and ray's packages are extras
@@ -87,6 +88,7 @@ class AgentSetup:
               for split in ("train", "val")}
         for split, maker in es.items():
             maker.check_context(context)
+            maker.check_agents(ap)
             if ap.quarantine_after is not None:
                 maker.quarantine = Quarantine(ap.quarantine_after, ap.quarantine_rollouts, split)
         server: LlmServerConfig = sections["llm_server"]

@@ -28,6 +28,9 @@ from typing import Any, Iterator, Sequence, TypedDict
 from ragen.utils import common_prefix_length
 
 
+AGENT_ENV_TYPE = "agent"  # custom_envs.<tag>.env_type of an agent program (ragen.agents)
+
+
 class StopReason(StrEnum):
     """Why an episode ended; also used in metric names (``rollout/stop/<reason>``)."""
 
@@ -79,6 +82,11 @@ class EnvSpec:
     # a carried episode (ragen.rollout.oversample): its trajectory so far, which the env is brought
     # back to by stepping its actions again; an ended one is handed back as it is
     resume: "Trajectory | None" = field(default=None, compare=False, repr=False)
+
+    @property
+    def is_agent(self) -> bool:
+        """An agent program's episode (``env_type: agent``), played on a gateway session, not a turn loop."""
+        return self.env_type == AGENT_ENV_TYPE
 
     @property
     def reuse_key(self) -> tuple:

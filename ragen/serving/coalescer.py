@@ -181,12 +181,12 @@ class Coalescer:
         self.clocks.pop(conn, None)
         self.pending = deque(p for p in self.pending if p.conn != conn)
 
-    def open(self, conn: Hashable, n: int, tag: int | None, now: float) -> None:
-        """``n`` streams open on ``conn`` under ``tag`` (counted against its announcement)."""
+    def open(self, conn: Hashable, n: int, tag: int | None, now: float, announced: bool = True) -> None:
+        """``n`` streams open on ``conn`` under ``tag`` (``announced``: counted against its announcement)."""
         clock = self.clocks[conn]
         clock.streams += n
         clock.tag = tag
-        if tag in self.announced:
+        if announced and tag in self.announced:
             self.announced[tag] -= n
         clock.idle.extend([(now, False)] * n)
 

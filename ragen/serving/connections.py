@@ -172,6 +172,8 @@ class Connections:
         except messages.BadMessage as exc:
             self._bad(conn, [exc])
             return
+        if isinstance(msg, messages.StreamsMessage) and msg.op == "open":
+            conn.tag = msg.tag  # its notes are the tag's
         if msg.notes:
             self._take_notes(conn, msg.notes)
         if not isinstance(msg, messages.BatchMessage):
@@ -227,7 +229,7 @@ class Connections:
             with self._cond:
                 if msg.op == "open":
                     conn.tag = msg.tag
-                    self.coalescer.open(conn, msg.n, msg.tag, time.monotonic())
+                    self.coalescer.open(conn, msg.n, msg.tag, time.monotonic(), msg.announced)
                 else:
                     self.coalescer.close(conn, msg.n)
                 self._cond.notify_all()

@@ -71,6 +71,7 @@ class StreamsMessage:
     n: int
     tag: int | None
     notes: dict[str, int] = field(default_factory=dict)  # counts gathered since the worker's last message
+    announced: bool = True  # opened streams count against the tag's announced ones (not a gateway call's)
 
 
 @dataclass(frozen=True)
@@ -222,7 +223,10 @@ def _parse(data: bytes, vocab_size: int | None, room: _Room, in_batch: bool
             n = msg.get("n")
             if not _is_int(n) or not 0 <= n <= 1 << 16:
                 raise ValueError(f"'n' must be a small non-negative integer, got {n!r}")
-            return StreamsMessage(op, n, _tag(msg), notes)
+            announced = msg.get("announced", True)
+            if not isinstance(announced, bool):
+                raise ValueError(f"'announced' must be true or false, got {announced!r}")
+            return StreamsMessage(op, n, _tag(msg), notes, announced)
         if op == "call":
             kind = msg.get("kind")
             if not _is_name(kind):

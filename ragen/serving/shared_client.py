@@ -114,8 +114,19 @@ class SharedLLMClient:
         if closed:
             self.reset()
 
-    def open_streams(self, n: int) -> None:
-        wire.send_frame(self._state()["sock"], {"op": "open", "n": n, "tag": self.tag})
+    def open_streams(self, n: int, announced: bool = True) -> None:
+        """``n`` streams open under the client's tag; ``announced``: counted against the streams the
+        rollout announced (its chunks), not for a gateway call, which the announcement does not hold."""
+        msg: dict[str, Any] = {"op": "open", "n": n, "tag": self.tag}
+        if not announced:
+            msg["announced"] = False
+        state = self._state()
+        wire.send_frame(state["sock"], self._with_notes(state, msg))
+
+    def send_notes(self) -> None:
+        """The counts noted so far, sent now in a message of their own (a thread that sends nothing else)."""
+        if self._state()["notes"]:
+            self.open_streams(0, announced=False)
 
     def close_stream(self, hold: bool = False) -> None:
         state = self._state()

@@ -47,7 +47,7 @@ class Transport(Protocol):
     def flush(self) -> None:
         """Send what ``hold`` kept back."""
 
-    def open_streams(self, n: int) -> None: ...
+    def open_streams(self, n: int, announced: bool = True) -> None: ...
 
     def close_stream(self, hold: bool = False) -> None: ...
 
@@ -72,7 +72,7 @@ class _InProcess:
     def flush(self) -> None:
         pass
 
-    def open_streams(self, n: int) -> None:
+    def open_streams(self, n: int, announced: bool = True) -> None:
         pass
 
     def close_stream(self, hold: bool = False) -> None:

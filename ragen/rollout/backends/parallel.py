@@ -25,6 +25,7 @@ from typing import Any, Iterator, Sequence
 import joblib
 
 from ragen.errors import ConfigError, RagenError
+from ragen.rollout.agent_play import AgentModel
 from ragen.rollout.backends.base import SyncBackend
 from ragen.rollout.backends.lease import ExecutorLease
 from ragen.rollout.config import BACKENDS, AgentProxyConfig, cap_n_jobs, check_n_jobs, check_time_limit
@@ -134,6 +135,15 @@ class ParallelRolloutManager(SyncBackend):
                 self.n_workers = 1 if backend == "sequential" else joblib.effective_n_jobs(-1 if auto else n_jobs)
         self._auto = AutoSizer(self.n_workers) if auto else None
         self._group_s: float | None = None  # env time of a group, measured on the last rollout (chunk sizes)
+        self._agent_model: AgentModel | None = None  # read from the engine at the first rollout with agent tags
+
+    def _agent_model_for(self, specs: Sequence[EnvSpec]) -> AgentModel | None:
+        """What the workers serve the agent episodes' calls with, where ``specs`` hold any."""
+        if not any(s.is_agent for s in specs):
+            return None
+        if self._agent_model is None:
+            self._agent_model = AgentModel.of(self.engine)
+        return self._agent_model
 
     def _joblib_backend(self):
         return self._cluster.joblib_backend() if self._cluster is not None else self.settings.backend
@@ -199,10 +209,12 @@ class ParallelRolloutManager(SyncBackend):
         if self._auto is not None:
             choice = self._auto.choice
             workers, depth = choice.workers, choice.depth or depth
+        agents = self._agent_model_for(specs)
         with self._lease() as lease:
-            played = self._run_parallel(lease, groups, config, progress, workers, depth, enough)
-            results, failures, retried = self._retry_crashed(lease, groups, config, progress, workers, depth, *played)
-            fallback_s = self._fall_back(lease, groups, results, failures, config, progress)
+            played = self._run_parallel(lease, groups, config, progress, workers, depth, enough, agents)
+            results, failures, retried = self._retry_crashed(lease, groups, config, progress, workers, depth, agents,
+                                                             *played)
+            fallback_s = self._fall_back(lease, groups, results, failures, config, progress, agents)
         t_merge = time.perf_counter()
         trajectories = sorted((t for r in results for t in r.trajectories), key=lambda t: t.env_id)
         _check_complete(specs, trajectories)
@@ -217,7 +229,8 @@ class ParallelRolloutManager(SyncBackend):
         return RolloutResult(trajectories=trajectories, specs=sorted(specs, key=lambda s: s.env_id), metrics=metrics)
 
     def _retry_crashed(self, lease: ExecutorLease, groups: list[list[EnvSpec]], config: LoopConfig,
-                       progress: RolloutProgress | None, workers: int, depth: int, results: list[WorkerResult],
+                       progress: RolloutProgress | None, workers: int, depth: int, agents: AgentModel | None,
+                       results: list[WorkerResult],
                        failures: dict[Any, str], crashed: dict[int, str],
                        timed_out: bool) -> tuple[list[WorkerResult], dict[Any, str], int]:
         """A dead worker takes the executor down with the groups in flight on the other
@@ -231,12 +244,14 @@ class ParallelRolloutManager(SyncBackend):
         logger.warning("[Retry] a worker died (%s); re-running the %d groups not played (its own and "
                        "the other workers' unfinished ones) in parallel", next(iter(crashed.values())),
                        len(missing))
-        again, failed, crashed_again, _ = self._run_parallel(lease, missing, config, progress, workers, depth)
+        again, failed, crashed_again, _ = self._run_parallel(lease, missing, config, progress, workers, depth,
+                                                             agents=agents)
         failures.update({f"retry {k}": v for k, v in {**failed, **crashed_again}.items()})
         return results + again, failures, len(crashed)
 
     def _fall_back(self, lease: ExecutorLease, groups: list[list[EnvSpec]], results: list[WorkerResult],
-                   failures: dict[Any, str], config: LoopConfig, progress: RolloutProgress | None) -> float:
+                   failures: dict[Any, str], config: LoopConfig, progress: RolloutProgress | None,
+                   agents: AgentModel | None = None) -> float:
         """The groups no worker brought back re-run by the fallback (added to ``results``),
         or ``RolloutError`` when it is off; the seconds it took."""
         missing = _missing(groups, results)
@@ -252,7 +267,7 @@ class ParallelRolloutManager(SyncBackend):
         ids = [s.env_id for s in rest]
         logger.warning("[Fallback] %d envs (%d groups, env_id %d..%d) were not played (%s); re-running "
                        "them sequentially with the same seeds", len(ids), len(missing), min(ids), max(ids), causes)
-        result = replace(self._fallback(lease, -1, rest, config), cause=causes)
+        result = replace(self._fallback(lease, -1, rest, config, agents), cause=causes)
         results.append(result)
         if progress is not None:  # the fallback's client reports to no rollout
             progress.envs_finished(len(result.trajectories))
@@ -272,7 +287,9 @@ class ParallelRolloutManager(SyncBackend):
             self._auto.update(Measured(engine_s=metrics["timing/engine_s"], ipc_s=metrics["overhead/ipc_s"],
                                        busy_s=sum(max(0.0, r.wall_s - r.stats.wait_s) for r in workers_ran),
                                        workers=max(1, len(workers_ran))))
-        self._group_s = group_cost_s([t for r in workers_ran for t in r.trajectories]) or self._group_s
+        # the chunks are of env groups: an agent episode's time is not theirs
+        self._group_s = group_cost_s([t for r in workers_ran for t in r.trajectories if t.program is None]) \
+            or self._group_s
 
     def _check_picklable(self, specs: Sequence[EnvSpec]) -> None:
         """Env configs travel to worker processes: say which key cannot, once
@@ -293,9 +310,12 @@ class ParallelRolloutManager(SyncBackend):
             self._picklable.add(spec.reuse_key)
 
     def _run_parallel(self, lease: ExecutorLease, groups: list[list[EnvSpec]], config: LoopConfig,
-                      progress: RolloutProgress | None, workers: int, depth: int, enough: int | None = None):
-        """The groups played by ``workers`` workers, each taking chunks of them from
-        the rollout's queue as it frees up (with ``enough``, until that many groups ended
+                      progress: RolloutProgress | None, workers: int, depth: int, enough: int | None = None,
+                      agents: AgentModel | None = None):
+        """The groups played by ``workers`` workers, each taking chunks of the env groups from
+        the rollout's queue as it frees up, and playing its share of the agent groups (dealt
+        round-robin, at most ``agent.max_concurrent`` episodes at once over all workers) on a
+        gateway of its own beside them (with ``enough``, until that many groups ended
         whole: the workers tell the driver each one, and the manager answers the rest
         ``aborted``) -> (results of the workers that
         returned, failed: worker -> cause for those that returned an error,
@@ -304,13 +324,10 @@ class ParallelRolloutManager(SyncBackend):
         results: list[WorkerResult] = []
         failed: dict[int, str] = {}
         crashed: dict[int, str] = {}
-        max_groups = max_live = None
-        cap = self.settings.max_env_num_per_worker
-        if cap:  # no worker holds more envs than this at once
-            per_group = max(len(g) for g in groups)
-            max_groups = max(1, cap // per_group)
-            max_live = max(1, cap - max_groups * per_group + 1)
-        n_tasks = min(workers, len(groups))
+        agent_groups = [g for g in groups if g[0].is_agent]
+        groups = [g for g in groups if not g[0].is_agent]
+        max_groups, max_live = self._env_limits(groups)
+        n_tasks = min(workers, len(groups) + len(agent_groups))
         queue = GroupQueue(len(groups), n_tasks, depth, max_groups, min_chunk_groups(self._group_s))
         # The manager waits for the streams (chunks) not taken yet, within its budget.
         # The workers of a cluster (dask, ray) are shared by rollouts at once: the
@@ -324,8 +341,11 @@ class ParallelRolloutManager(SyncBackend):
             client = replace(self._client, tag=tag)
             # Workers isolate env errors: a failing env is retried alone and, if it
             # keeps failing, ends its own trajectory; its worker goes on.
-            calls = [WorkerTask(i, [], client, config, isolate_errors=True, groups=groups, max_live_envs=max_live,
-                                pipeline_depth=depth, report_groups=enough is not None)
+            concurrency = -(-config.agent_max_concurrent // n_tasks)
+            calls = [WorkerTask(i, [s for g in agent_groups[i::n_tasks] for s in g], client, config,
+                                isolate_errors=True, groups=groups, max_live_envs=max_live, pipeline_depth=depth,
+                                report_groups=enough is not None, agent_model=agents,
+                                agent_concurrency=concurrency)
                      for i in range(n_tasks)]
             try:
                 for res in self._results(lease, calls):
@@ -348,8 +368,18 @@ class ParallelRolloutManager(SyncBackend):
                     self._rollouts_running -= 1
         return results, failed, crashed, False
 
+    def _env_limits(self, groups: list[list[EnvSpec]]) -> tuple[int | None, int | None]:
+        """The most groups in a chunk and envs live in a worker at once, where
+        ``max_env_num_per_worker`` bounds what a worker holds (None: no bound)."""
+        cap = self.settings.max_env_num_per_worker
+        if not cap or not groups:
+            return None, None
+        per_group = max(len(g) for g in groups)
+        max_groups = max(1, cap // per_group)
+        return max_groups, max(1, cap - max_groups * per_group + 1)
+
     def _fallback(self, lease: ExecutorLease, task: int, specs: list[EnvSpec],
-                  config: LoopConfig) -> WorkerResult:
+                  config: LoopConfig, agents: AgentModel | None = None) -> WorkerResult:
         limit_s = self.settings.fallback_env_timeout_s
         if self.settings.backend in IN_PROCESS_BACKENDS:
             # The task ran in this process: its env configs need not pickle and envs
@@ -358,10 +388,11 @@ class ParallelRolloutManager(SyncBackend):
             # env_timeout_s (or fallback_env_timeout_s), each engine wait by engine_timeout_s.
             # A fresh connection: the failure may have left this thread's out of step.
             self._client.reset()
-            result = run_worker(WorkerTask(task, specs, self._client,
-                                           with_env_limit(config, limit_s), isolate_errors=True))
+            result = run_worker(WorkerTask(task, specs, self._client, with_env_limit(config, limit_s),
+                                           isolate_errors=True, agent_model=agents,
+                                           agent_concurrency=config.agent_max_concurrent))
         else:
-            result = run_isolated(lease.spare, task, specs, self._client, config, limit_s)
+            result = run_isolated(lease.spare, task, specs, self._client, config, limit_s, agents)
         if result.error:  # not an env's failure (the engine, the manager): nothing to isolate
             raise RolloutError(f"worker task {task} failed again in the fallback: {result.error}")
         return result

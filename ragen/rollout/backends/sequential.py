@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from ragen.llm.types import Engine
+from ragen.rollout.agent_play import AgentModel, EngineLinkClient, play_agents
 from ragen.rollout.backends.base import SyncBackend
 from ragen.rollout.config import AgentProxyConfig
 from ragen.rollout.env_calls import KeptEnvs
@@ -14,7 +15,7 @@ from ragen.rollout.loop_config import LoopConfig
 from ragen.rollout.scheduler import GroupCount, run_envs
 from ragen.rollout.metrics import EngineUse, rollout_metrics
 from ragen.rollout.progress import RolloutProgress
-from ragen.rollout.types import EnvSpec, RolloutResult
+from ragen.rollout.types import EnvSpec, RolloutResult, Trajectory
 from ragen.serving import DirectClient, SharedLLMInferenceManager, StreamingDirectClient
 from ragen.serving.gate import EngineGate
 
@@ -44,6 +45,7 @@ class SequentialRollout(SyncBackend):
         self.engine = engine
         self._lock = serving.engine_lock if serving is not None else EngineGate.for_requests(settings.engine_timeout_s)
         self._kept_envs = KeptEnvs()
+        self._agent_model: AgentModel | None = None  # read from the engine at the first agent episode
 
     @property
     def engine_lock(self) -> EngineGate:
@@ -56,13 +58,26 @@ class SequentialRollout(SyncBackend):
             self.engine, self._lock, progress)
         # one stream: one engine call per turn over all active envs; env-level turns on an engine that
         # streams (agent_proxy.env_level_async)
-        trajectories, stats = run_envs(specs, client, loop, kept_envs=self._kept_envs, isolate_errors=True,
-                                       on_finished=progress.envs_finished,
+        trajectories, stats = run_envs([s for s in specs if not s.is_agent], client, loop, kept_envs=self._kept_envs,
+                                       isolate_errors=True, on_finished=progress.envs_finished,
                                        groups_done=None if enough is None else GroupCount(enough).add)
+        if any(s.is_agent for s in specs):
+            played = {t.env_id: t for t in trajectories + self._play_agents([s for s in specs if s.is_agent], loop,
+                                                                             progress)}
+            trajectories = [played[s.env_id] for s in specs]
         engine = EngineUse(calls=client.engine_calls, requests=sum(client.batch_sizes),
                            time_s=client.engine_time_s, batch_sizes=client.batch_sizes)
         metrics = rollout_metrics(trajectories, stats, engine, fallbacks=0, wall_s=time.perf_counter() - t0)
         return RolloutResult(trajectories=trajectories, specs=list(specs), metrics=metrics)
+
+    def _play_agents(self, specs: list[EnvSpec], loop: LoopConfig, progress: RolloutProgress) -> list[Trajectory]:
+        """The agent episodes, one after another, on a gateway whose calls run on the engine here."""
+        if not specs:
+            return []
+        if self._agent_model is None:
+            self._agent_model = AgentModel.of(self.engine)
+        return play_agents(specs, EngineLinkClient(self.engine, self._lock), self._agent_model, loop.sampling,
+                           loop.max_abs_reward, 1, loop.engine_timeout_s, lambda _t: progress.envs_finished(1))
 
     def close(self) -> None:
         self._kept_envs.close()
