@@ -41,7 +41,7 @@ def make_samples(result: RolloutResult, ctx: ContextManager, chat: Any, cfg: Tra
     dropped = result.dropped_groups
     trajs = [(t, s) for t, s in zip(result.trajectories, result.specs) if t.turns and t.group_id not in dropped]
     if not trajs:
-        return [], {"batch/n_samples": 0.0, "batch/dropped_groups": float(len(dropped))}
+        return [], {"batch/n_samples": 0.0, "batch/n_episodes": 0.0, "batch/dropped_groups": float(len(dropped))}
     max_len = cfg.rollout.max_model_len
     rows = ctx.formulate_rollouts([(spec, t.turns) for t, spec in trajs], chat, max_len)
     metrics = _response_metrics([t for t, _ in trajs], rows)
