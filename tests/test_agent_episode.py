@@ -63,7 +63,7 @@ def test_an_agent_episode_is_a_trajectory_of_its_calls_trained_exactly(gateway, 
     assert first.prompt_start == 0 and second.prompt_start == len(first.prompt_ids) + len(first.response_ids)
     assert all(len(t.logprobs) == len(t.response_ids) > 0 for t in traj.turns)
     chat = gateway.gateway.link.chat
-    (sample,) = ContextManager(ContextConfig()).formulate_rollouts([(spec(tmp_path, "two_turns"), traj.turns)], chat)
+    ((sample,),) = ContextManager(ContextConfig()).formulate_rollouts([(spec(tmp_path, "two_turns"), traj.turns)], chat)
     assert sample["input_ids"] == episode_ids(traj.turns)  # the ids sampled and sent, as they were
     trained = [b for b, m in zip(sample["behaviour_logprobs"], sample["loss_mask"]) if m]
     assert len(trained) == sum(len(t.response_ids) for t in traj.turns) and not any(map(math.isnan, trained))

@@ -181,7 +181,7 @@ def _played(c, spec, turns, ends=True, history=True):
 def test_loss_mask_covers_exactly_the_sampled_tokens(turn_scores):
     c = ContextManager(ContextConfig(use_turn_scores=turn_scores))
     turns = _played(c, _spec(), [_turn(0), _turn(1)])
-    [ep] = c.formulate_rollouts([(_spec(), turns)], CHAT)
+    [[ep]] = c.formulate_rollouts([(_spec(), turns)], CHAT)
     masked = _decode(i for i, m in zip(ep["input_ids"], ep["loss_mask"]) if m)
     # the answer prefix <think> was the prompt's end: not the model's
     assert masked == "t0</think><answer>a0</answer><|im_end|>t1</think><answer>a1</answer><|im_end|>"
@@ -208,7 +208,7 @@ def test_the_sampled_ids_are_trained_even_where_their_text_encodes_otherwise():
     odd[odd.index(ord("a")):odd.index(ord("a")) + 2] = [5000]
     turns[0] = replace(turns[0], response_ids=tuple(odd), logprobs=tuple([-0.3] * len(odd)))
     turns = _played_after(c, turns)
-    [ep] = c.formulate_rollouts([(_spec(), turns)], CHAT)
+    [[ep]] = c.formulate_rollouts([(_spec(), turns)], CHAT)
     assert ep["input_ids"] == episode_ids(turns) and 5000 in ep["input_ids"]
     assert not any(math.isnan(x) for x, m in zip(ep["behaviour_logprobs"], ep["loss_mask"]) if m)
 
@@ -225,7 +225,7 @@ def _played_after(c, turns):
 def test_the_end_token_after_a_cut_answer_is_not_the_models_unless_asked(train_end):
     c = ContextManager(ContextConfig(train_end_after_cut=train_end))
     turns = _played(c, _spec(), [_turn(0), _turn(1)], ends=False)
-    [ep] = c.formulate_rollouts([(_spec(), turns)], CHAT)
+    [[ep]] = c.formulate_rollouts([(_spec(), turns)], CHAT)
     ids, mask = ep["input_ids"], ep["loss_mask"]
     ends = [i for i, t in enumerate(ids) if t == END and i > 0 and ids[i - 1] == ord(">")
             and _decode(ids[i - 9:i]) == "</answer>"]
@@ -239,12 +239,12 @@ def test_without_prompt_ids_the_template_builds_the_sequence_and_log_probs_are_u
     c = ContextManager(ContextConfig())
     played = _played(c, _spec(), [_turn(0), _turn(1)])
     bare = [replace(t, prompt_ids=(), prompt_start=0) for t in played]
-    [ep] = c.formulate_rollouts([(_spec(), bare)], CHAT)
+    [[ep]] = c.formulate_rollouts([(_spec(), bare)], CHAT)
     assert ep["input_ids"] == episode_ids(played)
     assert all(math.isnan(x) for x in ep["behaviour_logprobs"])
     # no ids at all: the answers' text is encoded
     text_only = [replace(t, response_ids=(), logprobs=None) for t in bare]
-    [ep2] = c.formulate_rollouts([(_spec(), text_only)], CHAT)
+    [[ep2]] = c.formulate_rollouts([(_spec(), text_only)], CHAT)
     assert _decode(i for i, m in zip(ep2["input_ids"], ep2["loss_mask"]) if m) == \
         "t0</think><answer>a0</answer>t1</think><answer>a1</answer>"
 
@@ -254,7 +254,7 @@ def test_rerendered_prompts_keep_log_probs_only_while_they_extend_the_sampled_id
     messy = replace(_turn(0), response=" t0 </think><answer>a0 || a1</answer>")  # shown tidied: another context
     for first, known in ((_turn(0), True), (messy, False)):
         turns = _played(c, _spec(), [first, _turn(1), _turn(2)], history=False)
-        [ep] = c.formulate_rollouts([(_spec(), turns)], CHAT)
+        [[ep]] = c.formulate_rollouts([(_spec(), turns)], CHAT)
         lp = [x for x, m in zip(ep["behaviour_logprobs"], ep["loss_mask"]) if m]
         n0 = len(turns[0].response_ids)
         assert not any(math.isnan(x) for x in lp[:n0])  # the first prompt is always the context
@@ -305,7 +305,7 @@ def test_format_example_is_shown_but_never_trained_on():
     prompt = c.build_messages(spec, [_turn(0)], "obs1", 9)
     assert [m["role"] for m in prompt] == ["system", "user", "assistant", "user", "assistant", "user"]
     assert "example state" in prompt[1]["content"] and prompt[2]["content"] == "<answer> wolf </answer>"
-    [ep] = c.formulate_rollouts([(spec, _played(c, spec, [_turn(0)]))], CHAT)
+    [[ep]] = c.formulate_rollouts([(spec, _played(c, spec, [_turn(0)]))], CHAT)
     masked = _decode(i for i, m in zip(ep["input_ids"], ep["loss_mask"]) if m)
     assert masked == "t0</think><answer>a0</answer><|im_end|>"  # the model's answer only, not the example's
     assert "wolf" in _decode(ep["input_ids"])

@@ -237,7 +237,7 @@ def test_the_training_sequence_of_a_scripted_rollout_is_its_ids_every_answer_tok
     ctx = ContextManager(config.context)
     rows = ctx.formulate_rollouts([(s, t.turns) for s, t in zip(specs, trajectories)], engine.chat)
     n_answer = 0
-    for row, traj in zip(rows, trajectories):
+    for (row,), traj in zip(rows, trajectories):
         assert row["input_ids"] == episode_ids(traj.turns)
         trained = [x for x, m in zip(row["behaviour_logprobs"], row["loss_mask"]) if m]
         assert trained == [x for t in traj.turns for x in t.logprobs]

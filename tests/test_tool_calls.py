@@ -347,7 +347,7 @@ def test_exact_tokens_hold_across_tool_turns():
     specs, loop, trajs = _counter_rollout()
     ctx, chat = ContextManager(loop.context), byte_chat()
     for spec, traj in zip(specs, trajs):
-        (row,) = ctx.formulate_rollouts([(spec, traj.turns)], chat)
+        ((row,),) = ctx.formulate_rollouts([(spec, traj.turns)], chat)
         assert row["input_ids"] == episode_ids(traj.turns)
         sampled = [lp for lp, m in zip(row["behaviour_logprobs"], row["loss_mask"]) if m]
         assert sampled and not any(math.isnan(lp) for lp in sampled)
@@ -361,7 +361,7 @@ def test_exact_tokens_hold_across_tool_turns():
     _, loop2, trajs2 = _counter_rollout()
     ctx2 = ContextManager(replace(loop2.context, token_history="rerender"))
     stripped = [replace(t, prompt_ids=(), prompt_start=0) for t in trajs2[0].turns]
-    (rerendered,) = ctx2.formulate_rollouts([(specs[0], stripped)], chat)
+    ((rerendered,),) = ctx2.formulate_rollouts([(specs[0], stripped)], chat)
     assert rerendered["input_ids"] == episode_ids(trajs2[0].turns)
 
 
@@ -466,7 +466,7 @@ def test_the_hf_engine_plays_a_tool_env_with_exact_tokens(tiny_model_and_tokeniz
     ctx = ContextManager(loop.context)
     for spec, traj in zip(specs, trajs):
         assert len(traj.turns) == 3
-        (row,) = ctx.formulate_rollouts([(spec, traj.turns)], engine.chat)
+        ((row,),) = ctx.formulate_rollouts([(spec, traj.turns)], engine.chat)
         assert row["input_ids"] == episode_ids(traj.turns)
         assert not any(math.isnan(lp) for lp, m in zip(row["behaviour_logprobs"], row["loss_mask"]) if m)
         assert '"name": "add"' in tokenizer.decode(row["input_ids"])

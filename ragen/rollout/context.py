@@ -20,10 +20,11 @@ trajectories to training tensors.
   messages; ``normalize_response`` is the answer as later
   prompts show it (RAGEN's tidied ``<think>..</think><answer>..</answer>``).
   Never raises.
-- ``formulate_rollouts``: the token ids of each whole episode as the engine saw
-  and sampled them, with a loss mask over the sampled tokens only, rewards at
-  the end of each answer (``use_turn_scores``) or at the last answer token, and
-  the log-prob each answer token was sampled with.
+- ``formulate_rollouts``: the training rows of each episode, the token ids as the
+  engine saw and sampled them, with a loss mask over the sampled tokens only,
+  rewards at the end of each answer (``use_turn_scores``) or at the last answer
+  token, and the log-prob each answer token was sampled with: an env's episode
+  is one row, an agent's one per segment or per call (``agent_samples``).
 - ``GROUPINGS`` / ``METHODS`` / ``WINDOW_MODES``: the config's choices;
   the trainer normalizes rewards (``ragen.trainer.core.normalize_rewards``).
 """
@@ -39,6 +40,7 @@ from ragen.config_reader import check_setting
 from ragen.llm.chat_tokens import ChatTokens
 from ragen.llm.tool_calls import CALL_FORMAT, FORMAT_TOOLS, PARSERS, BadCall, ToolCall, parse_hermes, read_server_calls
 from ragen.llm.types import Completion
+from ragen.rollout.agent_samples import agent_rows, is_agent
 from ragen.rollout.types import EnvSpec, Turn, turn_prompts
 
 FORMAT_THINK = "<think> [Your thoughts] </think> <answer> [your answer] </answer>"
@@ -302,10 +304,12 @@ class ContextManager:
 
     # ----- training ------------------------------------------------------------
     def formulate_rollouts(self, episodes: Sequence[tuple[EnvSpec, Sequence[Turn]]], chat: ChatTokens,
-                           max_length: int | None = None) -> list[dict[str, Any]]:
-        """Token ids, loss mask, per-token rewards and behaviour log-probs of each ``(spec, turns)`` episode.
+                           max_length: int | None = None) -> list[list[dict[str, Any]]]:
+        """The training rows of each ``(spec, turns)`` episode: per episode, a list of rows, each its
+        token ids, loss mask, per-token rewards, behaviour log-probs, and the indices of the turns it
+        trains (``turns``). Each row is cut at ``max_length`` on its own.
 
-        The sequence is the first prompt, then each answer's sampled ids (mask
+        An env's episode is one row. The sequence is the first prompt, then each answer's sampled ids (mask
         1), each followed by what the next prompt adds (mask 0). A turn whose
         prompt, as the engine saw it, starts with the sequence so far (always
         under ``token_history: append``) adds exactly those ids, and its answer
@@ -318,14 +322,24 @@ class ContextManager:
         not end with one (cut at its length) has mask 0, or 1 with
         ``train_end_after_cut``. Rewards sit on each answer's last token
         (``use_turn_scores``) or all on the last answer's.
+
+        An agent episode (``env_type: agent``) is a row per segment of its calls, or per call
+        (``agent_sample_shape``; ``ragen.rollout.agent_samples``): only the ids its calls sent and
+        sampled, never a template's render.
         """
         out = []
         for spec, turns in episodes:
-            ids, mask, rewards, behaviour = self._episode_tokens(spec, turns, chat)
-            if max_length is not None and len(ids) > max_length:
-                ids, mask, rewards, behaviour = (x[:max_length] for x in (ids, mask, rewards, behaviour))
-            out.append({"input_ids": ids, "loss_mask": mask, "token_rewards": rewards,
-                        "behaviour_logprobs": behaviour})
+            if is_agent(spec):
+                rows = agent_rows(turns, self.config.agent_sample_shape)
+            else:
+                ids, mask, rewards, behaviour = self._episode_tokens(spec, turns, chat)
+                rows = [{"input_ids": ids, "loss_mask": mask, "token_rewards": rewards,
+                         "behaviour_logprobs": behaviour, "turns": list(range(len(turns)))}]
+            if max_length is not None:
+                for row in rows:
+                    for key in ("input_ids", "loss_mask", "token_rewards", "behaviour_logprobs"):
+                        row[key] = row[key][:max_length]
+            out.append(rows)
         return out
 
     def _episode_tokens(self, spec: EnvSpec, turns: Sequence[Turn], chat: ChatTokens):
