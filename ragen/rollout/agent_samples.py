@@ -15,16 +15,7 @@ from typing import Any, Iterator, Sequence
 
 from ragen.rollout.types import EnvSpec, Turn
 
-__all__ = ["agent_rows", "call_prompts", "is_agent"]
-
-
-def is_agent(spec: EnvSpec) -> bool:
-    """The spec is an agent tag's episode (``env_type: agent``)."""
-    # imported here: the agent episode's module brings the gateway, which a process that only
-    # makes prompts and training rows of env episodes has no use for
-    from ragen.rollout.agent_episode import AGENT_ENV_TYPE
-
-    return spec.env_type == AGENT_ENV_TYPE
+__all__ = ["agent_rows", "call_prompts"]
 
 
 def call_prompts(turns: Sequence[Turn]) -> Iterator[list[int]]:

@@ -40,7 +40,7 @@ from ragen.config_reader import check_setting
 from ragen.llm.chat_tokens import ChatTokens
 from ragen.llm.tool_calls import CALL_FORMAT, FORMAT_TOOLS, PARSERS, BadCall, ToolCall, parse_hermes, read_server_calls
 from ragen.llm.types import Completion
-from ragen.rollout.agent_samples import agent_rows, is_agent
+from ragen.rollout.agent_samples import agent_rows
 from ragen.rollout.types import EnvSpec, Turn, turn_prompts
 
 FORMAT_THINK = "<think> [Your thoughts] </think> <answer> [your answer] </answer>"
@@ -329,7 +329,7 @@ class ContextManager:
         """
         out = []
         for spec, turns in episodes:
-            if is_agent(spec):
+            if spec.is_agent:
                 rows = agent_rows(turns, self.config.agent_sample_shape)
             else:
                 ids, mask, rewards, behaviour = self._episode_tokens(spec, turns, chat)

@@ -8,7 +8,6 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from ragen.rollout.agent_samples import is_agent
 from ragen.rollout.context import ContextConfig, ContextManager
 from ragen.rollout.types import RolloutResult
 from ragen.trainer.config import TrainerConfig
@@ -65,7 +64,7 @@ def make_samples(result: RolloutResult, ctx: ContextManager, chat: Any, cfg: Tra
             if behaviour is not None and any(not math.isnan(x) for x in behaviour):
                 sample.behaviour_logp = [behaviour[t] for t in loss_positions(sample)]
             samples.append(sample)
-    agents = [i for i in kept if is_agent(trajs[i][1])]
+    agents = [i for i in kept if trajs[i][1].is_agent]
     metrics.update({
         "batch/n_groups": float(len(set(group_ids))),
         "batch/dropped_groups": float(len(dropped)),  # by the rollout: a failed env, or no signal
