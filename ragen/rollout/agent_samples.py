@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 from typing import Any, Iterator, Sequence
 
-from ragen.rollout.types import EnvSpec, Turn
+from ragen.rollout.types import Turn
 
 __all__ = ["agent_rows", "call_prompts"]
 
