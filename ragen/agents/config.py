@@ -63,6 +63,12 @@ class AgentConfig:
             raise ConfigError(f"{self.where}.command[0]: no program {self.command[0]!r} on PATH or at that path "
                               "(or it is not executable)")
 
+    def reward_and_success(self) -> str:
+        """What a learning curve says of an agent tag's reward and success."""
+        tag = self.where.split(".")[1] if self.where.count(".") >= 2 else "agent"
+        return (f"{tag}: the reward is what the agent program returned; success is its info's 'success' "
+                "where it gives one, else a reward > 0")
+
     def entry_function(self) -> Callable[..., Any]:
         """The function ``entry`` names, imported; ``ConfigError`` naming the key when it cannot be."""
         fn = import_object(str(self.entry), f"{self.where}.entry", "package.module:function")

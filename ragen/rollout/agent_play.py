@@ -20,6 +20,7 @@ import dataclasses
 import itertools
 import logging
 import threading
+import time
 from typing import Any, Callable, Sequence
 
 from ragen.errors import ConfigError
@@ -30,6 +31,7 @@ from ragen.llm.chat_tokens import ChatTokens
 from ragen.llm.types import Completion, GenerationRequest, SamplingParams
 from ragen.rollout.agent_episode import play_agent
 from ragen.rollout.types import EnvSpec, StopReason, Trajectory
+from ragen.serving.transport import _InProcess
 
 logger = logging.getLogger(__name__)
 
@@ -59,22 +61,17 @@ class AgentModel:
                    getattr(engine, "tokenizer", None))
 
 
-class EngineLinkClient:
+class EngineLinkClient(_InProcess):
     """A ``ManagerLink``'s client over an engine in this process, for the sequential backend (no
     manager): each call on its caller's thread, under the engine ``gate``; a streamed call is told
-    its ids at the end."""
+    its ids at the end. Its engine calls are counted (``_InProcess``) and told to ``progress``."""
 
-    def __init__(self, engine: Any, gate: Any) -> None:
-        self.engine = engine
+    def __init__(self, engine: Any, gate: Any, progress: Any = None) -> None:
+        super().__init__(engine)
         self.gate = gate
+        self.progress = progress
         self._tickets = itertools.count(1)
         self._local = threading.local()
-
-    def open_streams(self, n: int, announced: bool = True) -> None:
-        pass
-
-    def close_stream(self, hold: bool = False) -> None:
-        pass
 
     def submit(self, requests: list[GenerationRequest], sampling: SamplingParams, hold: bool = False,
                on_tokens: Callable[[int, list[int]], None] | None = None) -> int:
@@ -86,7 +83,15 @@ class EngineLinkClient:
         ticket, requests, sampling, on_tokens = self._local.pending
         self._local.pending = None
         with self.gate:
+            if self.progress is not None:
+                self.progress.engine_batch(len(requests))
+            t0 = time.perf_counter()
             completions = self.engine.generate(requests, sampling)
+            self.engine_time_s += time.perf_counter() - t0
+            self.engine_calls += 1
+            self.batch_sizes.append(len(requests))
+        if self.progress is not None:
+            self.progress.answered(len(completions))
         if on_tokens is not None:
             for i, completion in enumerate(completions):
                 on_tokens(i, list(completion.response_token_ids))

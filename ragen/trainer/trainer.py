@@ -19,6 +19,7 @@ from typing import Any, Callable, Mapping
 
 import torch
 
+from ragen.agents.config import AgentConfig
 from ragen.allocator import give_back
 from ragen.env import make_env_config
 from ragen.errors import RagenError
@@ -415,8 +416,10 @@ class AgentTrainer:
         configs: dict[str, Any] = {}
         for maker in self.setup.es.values():
             for spec in maker.make_specs(0):
-                if spec.tag not in configs:
-                    configs[spec.tag] = make_env_config(spec.env_type, spec.env_config, spec.config_type, spec.tag)
+                if spec.tag in configs:
+                    continue
+                configs[spec.tag] = AgentConfig.read(spec.tag, spec.env_config) if spec.is_agent else \
+                    make_env_config(spec.env_type, spec.env_config, spec.config_type, spec.tag)
         return list(configs.values())
 
     def close(self) -> None:

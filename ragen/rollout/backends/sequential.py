@@ -61,22 +61,23 @@ class SequentialRollout(SyncBackend):
         trajectories, stats = run_envs([s for s in specs if not s.is_agent], client, loop, kept_envs=self._kept_envs,
                                        isolate_errors=True, on_finished=progress.envs_finished,
                                        groups_done=None if enough is None else GroupCount(enough).add)
+        agents = EngineLinkClient(self.engine, self._lock, progress)
         if any(s.is_agent for s in specs):
             played = {t.env_id: t for t in trajectories + self._play_agents([s for s in specs if s.is_agent], loop,
-                                                                             progress)}
+                                                                             agents, progress)}
             trajectories = [played[s.env_id] for s in specs]
-        engine = EngineUse(calls=client.engine_calls, requests=sum(client.batch_sizes),
-                           time_s=client.engine_time_s, batch_sizes=client.batch_sizes)
+        sizes = client.batch_sizes + agents.batch_sizes
+        engine = EngineUse(calls=client.engine_calls + agents.engine_calls, requests=sum(sizes),
+                           time_s=client.engine_time_s + agents.engine_time_s, batch_sizes=sizes)
         metrics = rollout_metrics(trajectories, stats, engine, fallbacks=0, wall_s=time.perf_counter() - t0)
         return RolloutResult(trajectories=trajectories, specs=list(specs), metrics=metrics)
 
-    def _play_agents(self, specs: list[EnvSpec], loop: LoopConfig, progress: RolloutProgress) -> list[Trajectory]:
+    def _play_agents(self, specs: list[EnvSpec], loop: LoopConfig, client: EngineLinkClient,
+                     progress: RolloutProgress) -> list[Trajectory]:
         """The agent episodes, one after another, on a gateway whose calls run on the engine here."""
-        if not specs:
-            return []
         if self._agent_model is None:
             self._agent_model = AgentModel.of(self.engine)
-        return play_agents(specs, EngineLinkClient(self.engine, self._lock), self._agent_model, loop.sampling,
+        return play_agents(specs, client, self._agent_model, loop.sampling,
                            loop.max_abs_reward, 1, loop.engine_timeout_s, lambda _t: progress.envs_finished(1))
 
     def close(self) -> None:
