@@ -4,6 +4,8 @@ trajectories whichever plays them."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from ragen.llm.scripted import ScriptedEngine
@@ -67,3 +69,13 @@ def test_a_bad_agent_tag_is_refused_at_start_up_naming_its_key(env_config, key):
         AgentSetup.from_config({"custom_envs": custom_envs(CountAgent={"env_type": "agent", "env_config": env_config}),
                                 "es_manager": {"train": {"env_groups": 1, "group_size": 1, "env_configs": {
                                     "tags": ["CountAgent"], "n_groups": [1]}}}})
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("backend, package", [("dask", "distributed"), ("ray", "ray")])
+def test_on_a_cluster_agent_episodes_are_the_sequential_ones(backend, package):
+    pytest.importorskip(package)
+    seq = rollout(use_parallel_rollout=False)
+    par = rollout(use_parallel_rollout=True, parallel_backend=backend, parallel_n_jobs=2)
+    assert rollout_digest(par.trajectories) == rollout_digest(seq.trajectories)
+    assert {t.worker for t in par.trajectories if t.tag == "CountAgent"}.isdisjoint({os.getpid()})
