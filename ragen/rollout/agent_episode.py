@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import time
 from typing import Any
 
 from ragen.agents.config import AgentConfig
@@ -41,17 +42,29 @@ def play_agent(spec: EnvSpec, server: GatewayServer, max_abs_reward: float) -> T
     session = server.open_session(seed=spec.seed, env_id=spec.env_id)
     try:
         llm = LLM(server.base_url(session), session.key, server.gateway.link.served_name)
+        started = time.time()
         result = play_program(config, tasks.task(spec.seed), llm, max_abs_reward=max_abs_reward)
+        ended = time.time()
     finally:
         server.gateway.sessions.close(session.id)
-    return trajectory_of(spec, session.records, result, server.gateway.link.decode_text)
+    return trajectory_of(spec, session.records, result, server.gateway.link.decode_text, (started, ended))
 
 
-def trajectory_of(spec: EnvSpec, records: list[CallRecord], result: ProgramResult, decode: Any) -> Trajectory:
-    """The trajectory of an agent episode: a turn per answered call, the reward on the last."""
-    turns = [_turn(r, decode) for r in records if r.error is None and r.finish_reason not in (None, "error")]
+def trajectory_of(spec: EnvSpec, records: list[CallRecord], result: ProgramResult, decode: Any,
+                  span: tuple[float, float] | None = None) -> Trajectory:
+    """The trajectory of an agent episode: a turn per answered call, the reward on the last.
+    ``span``: when the program started and ended (epoch seconds): the program's own time before its
+    first call is the trajectory's ``reset_s``, and after each call, until the next or its end, that
+    turn's ``env_s`` (an env's step after the answer)."""
+    answered = [r for r in records if r.error is None and r.finish_reason not in (None, "error")]
+    turns = [_turn(r, decode) for r in answered]
     traj = Trajectory(env_id=spec.env_id, group_id=spec.group_id, tag=spec.tag, seed=spec.seed, turns=turns,
                       program=result.output())
+    if span is not None and answered:
+        traj.reset_s = max(0.0, answered[0].started_at - span[0])
+        ends = [r.started_at for r in answered[1:]] + [span[1]]
+        turns[:] = [dataclasses.replace(t, env_s=max(0.0, end - r.started_at - r.total_s))
+                    for t, r, end in zip(turns, answered, ends)]
     if result.error is not None:
         traj.stop_reason = StopReason.TIMEOUT if result.timed_out else StopReason.ERROR
         traj.error = result.error
@@ -65,8 +78,9 @@ def trajectory_of(spec: EnvSpec, records: list[CallRecord], result: ProgramResul
 
 def _turn(record: CallRecord, decode: Any) -> Turn:
     return Turn(observation="", actions_left=0, response=decode(list(record.response_ids)), actions=[],
-                executed_actions=[], reward=0.0, penalty=0.0, info=call_info(record), policy_version=record.policy_version or 0,
-                finish_reason=record.finish_reason or "stop", env_s=max(0.0, record.total_s - record.engine_s),
+                executed_actions=[], reward=0.0, penalty=0.0, info=call_info(record),
+                policy_version=record.policy_version or 0,
+                finish_reason=record.finish_reason or "stop",
                 response_ids=tuple(record.response_ids),
                 logprobs=None if record.logprobs is None else tuple(record.logprobs),
                 prompt_ids=tuple(record.prompt_added), prompt_start=record.prompt_start)

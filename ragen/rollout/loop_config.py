@@ -8,7 +8,8 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from ragen.llm.types import SamplingParams
-from ragen.rollout.config import AgentProxyConfig, AgentSection, EsManagerConfig, check_env_level_async, check_time_limit
+from ragen.rollout.config import (AgentProxyConfig, AgentSection, EsManagerConfig, check_env_level_async,
+                                  check_time_limit)
 from ragen.rollout.context import ContextConfig
 
 
