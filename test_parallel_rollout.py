@@ -309,6 +309,9 @@ def summarize(mode: str, runs: list, warmup_s: float, setup, proxy) -> dict[str,
         # parallel only: frames the workers sent the manager (median over repeats)
         "messages": _median_metric(runs, "ipc/messages"),
         "mean_batch_size": m.get("engine/mean_batch_size", 0.0),
+        # parallel only: streams open as an engine call started (agent calls only: the calls in flight),
+        # of the median run, as the mean batch size is
+        "open_streams": m.get("engine/mean_open_streams"),
         "env_time_s": m.get("timing/env_s", 0.0),
         "engine_time_s": m.get("timing/engine_s", 0.0),
         "wait_time_s": m.get("timing/wait_llm_s", 0.0),
@@ -392,6 +395,7 @@ def print_report(report: dict[str, Any]) -> None:
         ("engine calls", "engine_calls", "{}"),
         ("messages to the manager", "messages", "{:.0f}"),
         ("mean batch size", "mean_batch_size", "{:.1f}"),
+        ("streams open at a call's start", "open_streams", "{:.1f}"),
         ("env time (s, CPU in envs)", "env_time_s", "{:.3f}"),
         ("engine time (s)", "engine_time_s", "{:.3f}"),
         ("waiting for model (s, summed)", "wait_time_s", "{:.3f}"),

@@ -16,7 +16,6 @@ metrics, checkpoints and learning curve went (the curve only where it was drawn)
 
 from __future__ import annotations
 
-import logging
 import sys
 from typing import TYPE_CHECKING
 
@@ -35,8 +34,6 @@ def run(checked: CheckedRun) -> dict:
     from ragen.trainer.trainer import TrainingFailed
 
     bar = None
-    # an agent episode's openai client logs each of its calls at info: the rollout's lines say as much
-    logging.getLogger("httpx").setLevel(logging.WARNING)
     terminal = sys.stderr.isatty()
     if not terminal:  # transformers' own bars (loading the weights) too
         from transformers.utils import logging as transformers_logging

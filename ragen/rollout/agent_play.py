@@ -30,10 +30,15 @@ from ragen.gateway.server import GatewayServer
 from ragen.llm.chat_tokens import ChatTokens
 from ragen.llm.types import Completion, GenerationRequest, SamplingParams
 from ragen.rollout.agent_episode import play_agent
+from ragen.rollout.loop_config import LoopStats
 from ragen.rollout.types import EnvSpec, StopReason, Trajectory
 from ragen.serving.transport import _InProcess
 
 logger = logging.getLogger(__name__)
+# the openai client (httpx) logs each call of every agent at info, which the rollout's own lines say as
+# much as; a level set before is kept
+if logging.getLogger("httpx").level == logging.NOTSET:
+    logging.getLogger("httpx").setLevel(logging.WARNING)
 
 # a call's wait for the engine where the rollout sets none (agent_proxy.engine_timeout_s: null)
 DEFAULT_CALL_TIMEOUT_S = 600.0
@@ -140,3 +145,12 @@ def _outcome(future: concurrent.futures.Future, spec: EnvSpec) -> Trajectory:
         return Trajectory(env_id=spec.env_id, group_id=spec.group_id, tag=spec.tag, seed=spec.seed,
                           stop_reason=StopReason.ERROR, error=f"the agent episode could not be played: "
                           f"{type(exc).__name__}: {exc}")
+
+
+def agent_stats(trajectories: Sequence[Trajectory]) -> LoopStats:
+    """What agent episodes add to a rollout's loop counts: the programs' own time before their first
+    call (as env resets) and between calls (as env steps), and the episodes in error or timeout."""
+    stats = LoopStats(env_reset_s=sum(t.reset_s for t in trajectories),
+                      env_step_s=sum(turn.env_s for t in trajectories for turn in t.turns),
+                      env_errors=sum(t.stop_reason in (StopReason.ERROR, StopReason.TIMEOUT) for t in trajectories))
+    return stats

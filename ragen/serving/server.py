@@ -251,7 +251,8 @@ class SharedLLMInferenceManager(Connections):
                 decision = self.coalescer.decide(now)
                 if decision.batch is not None:
                     held = now - max(decision.batch[0].arrived, self.coalescer.engine_free_at)
-                    self.stats.add(coalesce_wait_s=max(0.0, held))
+                    self.stats.add(coalesce_wait_s=max(0.0, held), streams_at_calls=self.coalescer.open_streams,
+                                   calls_started=1)
                     return decision.batch
                 # no bound needed: every change the decision depends on (a
                 # request, a stream, a connection, close()) notifies

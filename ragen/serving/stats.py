@@ -25,6 +25,10 @@ class ManagerStats:
     bytes_out: int = 0
     refused_clients: int = 0
     bad_messages: int = 0
+    # the streams open as each coalesced engine call started, summed, and those calls: a worker's
+    # stream with work left, and each gateway call read and not yet answered
+    streams_at_calls: int = 0
+    calls_started: int = 0
     _batch_sizes: deque = field(default_factory=lambda: deque(maxlen=8192), repr=False)  # the most recent calls'
     _call_spans: deque = field(default_factory=lambda: deque(maxlen=8192), repr=False)  # (start, end), monotonic
     _lock: Any = field(default_factory=threading.Lock, repr=False, compare=False)

@@ -410,6 +410,9 @@ class ParallelRolloutManager(SyncBackend):
             # (set in _play), the engine held for more requests, and a worker's messages in transit
             "overhead/coalesce_wait_s": after.coalesce_wait_s - before.coalesce_wait_s,
             "overhead/ipc_s": _mean([r.ipc_s for r in results if r.pid != -1]),
+            # streams open as an engine call started (with agent calls only: the calls in flight)
+            "engine/mean_open_streams": (after.streams_at_calls - before.streams_at_calls)
+            / max(1, after.calls_started - before.calls_started),
             "ipc/bytes_in": float(after.bytes_in - before.bytes_in),
             "ipc/bytes_out": float(after.bytes_out - before.bytes_out),
             "ipc/messages": float(after.messages_in - before.messages_in),

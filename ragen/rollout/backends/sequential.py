@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from ragen.llm.types import Engine
-from ragen.rollout.agent_play import AgentModel, EngineLinkClient, play_agents
+from ragen.rollout.agent_play import AgentModel, EngineLinkClient, agent_stats, play_agents
 from ragen.rollout.backends.base import SyncBackend
 from ragen.rollout.config import AgentProxyConfig
 from ragen.rollout.env_calls import KeptEnvs
@@ -63,9 +63,10 @@ class SequentialRollout(SyncBackend):
                                        groups_done=None if enough is None else GroupCount(enough).add)
         agents = EngineLinkClient(self.engine, self._lock, progress)
         if any(s.is_agent for s in specs):
-            played = {t.env_id: t for t in trajectories + self._play_agents([s for s in specs if s.is_agent], loop,
-                                                                             agents, progress)}
-            trajectories = [played[s.env_id] for s in specs]
+            played = self._play_agents([s for s in specs if s.is_agent], loop, agents, progress)
+            stats = stats + agent_stats(played)
+            by_id = {t.env_id: t for t in trajectories + played}
+            trajectories = [by_id[s.env_id] for s in specs]
         sizes = client.batch_sizes + agents.batch_sizes
         engine = EngineUse(calls=client.engine_calls + agents.engine_calls, requests=sum(sizes),
                            time_s=client.engine_time_s + agents.engine_time_s, batch_sizes=sizes)

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field, replace
 from functools import partial
 from typing import Any, Sequence
 
+from ragen.rollout.agent_play import agent_stats, play_agents
 from ragen.rollout.batching import choose_batching
 from ragen.rollout.env_calls import KeptEnvs
 from ragen.rollout.loop_config import LoopConfig, LoopStats
@@ -105,7 +106,8 @@ def run_worker(task: WorkerTask) -> WorkerResult:
                                        task.isolate_errors, batching=batching, take=take,
                                        on_finished=partial(report_finished, client),
                                        groups_done=partial(report_groups_done, client) if task.report_groups else None)
-        trajectories += agents.join()
+        played = agents.join()
+        trajectories, stats = trajectories + played, stats + agent_stats(played)
         for t in trajectories:
             t.worker = os.getpid()
         error = None
@@ -140,8 +142,6 @@ class _AgentRun:
             self._thread.start()
 
     def _run(self) -> None:
-        from ragen.rollout.agent_play import play_agents  # the gateway, only in a process that plays agents
-
         task = self._task
         try:
             self._result = play_agents(self._specs, task.client, task.agent_model, task.config.sampling,
