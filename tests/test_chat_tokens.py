@@ -220,3 +220,21 @@ def test_a_template_that_refuses_a_system_message_still_appends(tiny_tokenizer):
         assert decode(tokenizer, ids) == chat.render(messages, True)
     assert chat.closing() == "<|im_end|>\n"
 
+
+
+def test_chat_tokens_travel_to_another_process_by_their_source(tokenizer):
+    """A worker that serves agent calls gets the engine's chat tokens pickled: rebuilt from the
+    tokenizer and end ids (or the byte template), the same prompts; one built from bare functions
+    says it cannot travel."""
+    import pickle
+
+    from ragen.llm.scripted import byte_chat
+
+    chat = ChatTokens.of(tokenizer)
+    copy = pickle.loads(pickle.dumps(chat))
+    messages = [{"role": "system", "content": "s"}, {"role": "user", "content": "Add 2 and 3."}]
+    assert copy.full(messages, "<answer>") == chat.full(messages, "<answer>")
+    assert copy.end_texts == chat.end_texts and copy.name == chat.name
+    assert pickle.loads(pickle.dumps(byte_chat())).full(messages) == byte_chat().full(messages)
+    with pytest.raises(TypeError, match="cannot be sent to another process"):
+        pickle.dumps(ChatTokens(lambda m, g: "", lambda t: [], {}, "bare"))

@@ -242,3 +242,19 @@ def test_bad_settings_name_the_parameter(kw, key):
     coalescer built by hand names its own parameter."""
     with pytest.raises(ValueError, match=f"^{key} must be"):
         Coalescer(**kw)
+
+
+def test_a_stream_opened_unannounced_leaves_the_announcement_waited_for():
+    """A gateway call opens a stream under its worker's rollout tag that the rollout did not
+    announce: the chunks still to connect are waited for as before."""
+    c = Coalescer(coalesce_wait_s=0.0, max_coalesce_wait_s=5.0)
+    rollout = c.announce(1)
+    c.connect("gateway")
+    c.open("gateway", 1, rollout, 0.0, announced=False)
+    assert c.announced == {rollout: 1} and c.open_streams == 1
+    _arrive(c, "gateway", 1, 0.0)
+    assert c.decide(0.2).batch is None  # the announced chunk's worker has not connected
+    c.connect("late")
+    c.open("late", 1, rollout, 0.3)
+    _arrive(c, "late", 2, 0.3, env0=3)
+    assert _sizes(c.decide(0.3)) == [1, 2]

@@ -223,6 +223,28 @@ def test_calls_notes_and_the_observer_of_a_tag_reach_its_hooks():
     assert ("note", 5) not in seen.events
 
 
+def test_notes_sent_alone_from_a_fresh_connection_reach_its_tags_hooks_and_the_stats_count_streams():
+    """A thread that sends nothing else (a worker's agent episodes) sends its notes on their own,
+    under its client's tag, without opening a stream; each engine call counts the streams open."""
+    seen = _Recorder()
+    with SharedLLMInferenceManager(ScriptedEngine()) as shared:
+        tag = shared.announce(1, Hooks(notes={"done": seen.note}))
+        client = dataclasses.replace(shared.client(timeout_s=30), tag=tag)
+        client.note("done", 4)
+        client.send_notes()
+        client.send_notes()  # nothing noted since: nothing sent
+        client.open_streams(1, announced=False)
+        assert len(ask(client, _requests(2), SamplingParams())) == 2
+        assert shared.announced == {tag: 1}  # a stream not announced leaves the announcement
+        client.close_stream()
+        deadline = time.monotonic() + 10
+        while ("note", 4) not in seen.events and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert seen.events.count(("note", 4)) == 1
+        stats = shared.stats.snapshot()
+        assert stats.calls_started == 1 and stats.streams_at_calls == 1
+
+
 def test_a_call_that_cannot_be_answered_fails_alone():
     def broken(payload):
         raise RuntimeError("no chunk")
