@@ -18,6 +18,7 @@ from ragen.gateway.segments import BREAKS
 from ragen.llm.scripted import ScriptedEngine, byte_chat
 from ragen.rollout.agent_episode import play_agent
 from ragen.rollout.dump import DumpError, read_dump, write_dump
+from ragen.llm.types import SamplingParams
 from ragen.rollout.loop_config import LoopConfig
 from ragen.rollout.types import EnvSpec, RolloutResult, StopReason, rollout_digest
 from ragen.tools import replay as replay_tool
@@ -55,6 +56,17 @@ def weather_agent(task: dict, llm) -> dict:
     call(messages)
     print(f"done {EVIL}")
     return {"reward": 0.75, "sent": sent}
+
+
+def grow_then_rewrite(task: dict, llm) -> float:
+    """A chat that grows for two calls, then one whose first question is rewritten."""
+    messages = [SYSTEM, {"role": "user", "content": f"Weather in {task['city']}?"}]
+    for turn in range(2):
+        answer = llm.client.chat.completions.create(model=llm.model, messages=messages).choices[0].message
+        messages += [{"role": "assistant", "content": answer.content}, {"role": "user", "content": f"And {turn}?"}]
+    messages[1] = {"role": "user", "content": "Weather in Lyon?"}
+    llm.client.chat.completions.create(model=llm.model, messages=messages)
+    return 1.0
 
 
 @pytest.fixture(scope="module")
@@ -251,6 +263,25 @@ def test_a_template_drift_is_reported_naming_the_call(dumped):
                                                                           turns=[turns[0], changed, turns[2]]))
     result = replay_tool.replay_agent(tampered, plain)
     assert len(result.drifts) == 1 and result.drifts[0].startswith("call 1 (segment 0, extends it): prompt ids: ")
+
+
+@pytest.mark.timeout(300)
+def test_an_agent_episode_on_a_real_tokenizer_replays_with_the_models_template(tiny_model_path, tmp_path, capsys):
+    from ragen.llm import make_engine
+
+    (tmp_path / "tasks.jsonl").write_text(json.dumps({"city": "Paris"}) + "\n")
+    spec = EnvSpec(env_id=0, group_id=0, tag="Grow", seed=0, env_type="agent",
+                   env_config={"entry": "tests.test_agent_view:grow_then_rewrite",
+                               "tasks": str(tmp_path / "tasks.jsonl"), "timeout_s": 120})
+    with serve(engine=make_engine({"name": "hf", "device": "cpu"}, tiny_model_path),
+               sampling=SamplingParams(max_tokens=12)) as server:
+        traj = play_agent(spec, server, max_abs_reward=100.0)
+    assert traj.stop_reason == StopReason.DONE, traj.error
+    assert [t.info["cause"] for t in traj.turns] == ["first", None, "history_rewritten"]
+    path = write_dump(tmp_path, "step_000000", RolloutResult([traj], [spec]), LoopConfig(), "train", 0)
+    # --model alone: the model's tokenizer and chat template, no weights loaded
+    assert replay_tool.main([str(path), "--model", tiny_model_path]) == 0
+    assert capsys.readouterr().out == "env 0 (Grow, seed 0, 3 calls): tokens match the template (3 chat calls)\n"
 
 
 def test_the_replay_command_checks_an_agent_dump(dumped, tmp_path, capsys):
