@@ -69,6 +69,13 @@ def grow_then_rewrite(task: dict, llm) -> float:
     return 1.0
 
 
+def text_then_chat(task: dict, llm) -> float:
+    """A completions call (a text prompt), then a chat call."""
+    llm.client.completions.create(model=llm.model, prompt=f"Weather in {task['city']}?")
+    llm.client.chat.completions.create(model=llm.model, messages=[{"role": "user", "content": "Hi."}])
+    return 0.5
+
+
 @pytest.fixture(scope="module")
 def gateway():
     with serve() as server:
@@ -282,6 +289,23 @@ def test_an_agent_episode_on_a_real_tokenizer_replays_with_the_models_template(t
     # --model alone: the model's tokenizer and chat template, no weights loaded
     assert replay_tool.main([str(path), "--model", tiny_model_path]) == 0
     assert capsys.readouterr().out == "env 0 (Grow, seed 0, 3 calls): tokens match the template (3 chat calls)\n"
+
+
+@pytest.mark.timeout(60)
+def test_a_completions_call_keeps_no_messages_is_drawn_as_text_and_carried_by_the_replay(gateway, tmp_path):
+    (tmp_path / "tasks.jsonl").write_text(json.dumps({"city": "Paris"}) + "\n")
+    spec = EnvSpec(env_id=2, group_id=0, tag="Text", seed=0, env_type="agent",
+                   env_config={"entry": "tests.test_agent_view:text_then_chat",
+                               "tasks": str(tmp_path / "tasks.jsonl"), "timeout_s": 30})
+    traj = play_agent(spec, gateway, max_abs_reward=100.0)
+    text, chat = traj.turns
+    assert text.observation == "" and text.info["endpoint"] == "completions" and "content" not in text.info
+    assert chat.info["cause"] == "history_rewritten" and json.loads(chat.observation) == [
+        {"role": "user", "content": "Hi."}]
+    (record,) = read_dump(write_dump(tmp_path, "d", RolloutResult([traj], [spec]), LoopConfig(), "train", 0))
+    assert "a completions call: its prompt is text" in render_html([record])
+    result = replay_tool.replay_agent(record, byte_chat())
+    assert result.identical and result.calls == 1
 
 
 def test_the_replay_command_checks_an_agent_dump(dumped, tmp_path, capsys):
