@@ -57,8 +57,11 @@ def test_an_agent_episode_is_a_trajectory_of_its_calls_trained_exactly(gateway, 
     assert (traj.env_id, traj.group_id, traj.tag, traj.seed) == (5, 2, "Calc", 3)
     first, second = traj.turns
     assert (first.reward, second.reward) == (0.0, 0.5)
-    assert first.info == {"call": 0, "segment": 0, "cause": "first", "endpoint": "chat.completions"}
-    assert second.info == {"call": 1, "segment": 0, "cause": None, "endpoint": "chat.completions"}
+    # the answer's content as the client got it: with no tools, the text as sampled
+    assert first.info == {"call": 0, "segment": 0, "cause": "first", "endpoint": "chat.completions",
+                          "content": first.response}
+    assert second.info == {"call": 1, "segment": 0, "cause": None, "endpoint": "chat.completions",
+                           "content": second.response}
     assert traj.program == {"info": {"calls": 2}, "traceback": None, "stdout": "<b>added 3</b>\n", "stderr": ""}
     assert first.prompt_start == 0 and second.prompt_start == len(first.prompt_ids) + len(first.response_ids)
     assert all(len(t.logprobs) == len(t.response_ids) > 0 for t in traj.turns)

@@ -2,11 +2,13 @@
 and ``read_text`` (``/v1/completions``). Every field is checked; a wrong one is an ``ApiError``
 (400) naming it.
 
-Messages are read into two forms: ``shown`` (what the chat template renders: the role, the
+Messages are read into three forms: ``shown`` (what the chat template renders: the role, the
 content as text, an assistant's tool calls written in the Hermes form the model writes them
-in, a tool message's ``tool_call_id``), and ``said`` (what a call must repeat to extend the
+in, a tool message's ``tool_call_id``), ``said`` (what a call must repeat to extend the
 one before: each message's role, text and tool calls by name and arguments; tool call ids
-are left out, as clients renumber them).
+are left out, as clients renumber them), and ``kept`` (what a call's record keeps: an OpenAI
+chat message with the role, the content as text, an assistant's ``tool_calls`` and a tool
+message's ``tool_call_id``, which ``read_chat`` reads back to the same ``shown`` and ``said``).
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ class ChatCall:
     model: str
     shown: list[dict[str, str]]
     said: tuple[tuple[Any, ...], ...]
+    kept: list[dict[str, Any]]
     tools: list[dict[str, Any]] | None
     tool_choice: Any  # "auto" | "none" | "required" | a function's name (str in a one-item tuple)
     sampling: Sampling
@@ -75,7 +78,8 @@ def read_chat(body: Any, max_messages: int) -> ChatCall:
                        param="messages", code="too_many_messages")
     read = [_message(m, f"messages[{i}]") for i, m in enumerate(raw)]
     tools = _tools(body.get("tools"))
-    return ChatCall(model=_model(body), shown=[r[0] for r in read], said=tuple(r[1] for r in read), tools=tools,
+    return ChatCall(model=_model(body), shown=[r[0] for r in read], said=tuple(r[1] for r in read),
+                    kept=[r[2] for r in read], tools=tools,
                     tool_choice=_tool_choice(body.get("tool_choice"), tools), sampling=_sampling(body, chat=True),
                     stream=_stream(body), include_usage=_include_usage(body))
 
@@ -116,7 +120,7 @@ def _model(body: Mapping[str, Any]) -> str:
     return model
 
 
-def _message(m: Any, where: str) -> tuple[dict[str, str], tuple[Any, ...]]:
+def _message(m: Any, where: str) -> tuple[dict[str, str], tuple[Any, ...], dict[str, Any]]:
     if not isinstance(m, dict):
         raise bad_field(where, "an object with role and content", m)
     role = m.get("role")
@@ -132,7 +136,15 @@ def _message(m: Any, where: str) -> tuple[dict[str, str], tuple[Any, ...]]:
             raise bad_field(f"{where}.tool_call_id", "a string", call_id)
         shown["tool_call_id"] = call_id
     said = (role, text, tuple((n, json.dumps(a, sort_keys=True)) for n, a in calls))
-    return shown, said
+    kept: dict[str, Any] = {"role": role, "content": text}
+    if calls:
+        ids = [c.get("id") for c in m["tool_calls"]]
+        kept["tool_calls"] = [{**({"id": i} if isinstance(i, str) else {}), "type": "function",
+                               "function": {"name": n, "arguments": json.dumps(a, ensure_ascii=False)}}
+                              for i, (n, a) in zip(ids, calls)]
+    if role == "tool":
+        kept["tool_call_id"] = shown["tool_call_id"]
+    return shown, said, kept
 
 
 def _content(content: Any, where: str, optional: bool) -> str:

@@ -30,7 +30,7 @@ from ragen.gateway.api_error import ApiError
 from ragen.gateway.calls import ChatCall, Sampling, TextCall
 from ragen.gateway.link import ManagerLink
 from ragen.gateway.record import CallRecord
-from ragen.gateway.replies import Answer, read_answer
+from ragen.gateway.replies import Answer, answer_message, read_answer
 from ragen.gateway.segments import Prompt, said_answer
 from ragen.gateway.session import Session, Sessions
 from ragen.llm.types import Completion, GenerationRequest, SamplingParams
@@ -96,15 +96,21 @@ class Gateway:
 
     def _chat(self, session: Session, call: ChatCall, record: CallRecord, on_tokens: OnTokens | None) -> Answer:
         prompt = session.tokens.prompt(call)
+        record.messages = call.kept[prompt.held:]
+        record.tools = call.tools if prompt.cause is not None else None
         completion = self._generate(session, record, prompt, call.sampling, call.shown, call.tools, on_tokens)
         content, calls, finish = read_answer(completion.text, completion.finish_reason, call.tools,
                                              call.tool_choice)
         session.tokens.answered(call, prompt, completion.response_token_ids, said_answer(content, calls))
         record.finish_reason = finish
-        call_ids = tuple(f"call_{session.id}_{record.index}_{j}" for j in range(len(calls)))
-        return Answer(f"chatcmpl-{session.id}-{record.index}", call.model or self.link.served_name, content, calls,
-                      finish, len(prompt.ids), tuple(completion.response_token_ids),
-                      None if completion.logprobs is None else tuple(completion.logprobs), call_ids)
+        # named by the session's request key, not its random id: a client repeats them into its next messages,
+        # which the episode's record keeps, so an episode played again gives the same messages
+        call_ids = tuple(f"call_{session.seed}_{session.env_id}_{record.index}_{j}" for j in range(len(calls)))
+        answer = Answer(f"chatcmpl-{session.id}-{record.index}", call.model or self.link.served_name, content, calls,
+                        finish, len(prompt.ids), tuple(completion.response_token_ids),
+                        None if completion.logprobs is None else tuple(completion.logprobs), call_ids)
+        record.answer = answer_message(answer)
+        return answer
 
     def text(self, session: Session, call: TextCall, record: CallRecord, on_tokens: OnTokens | None = None) -> Answer:
         """The completions call played: its prompt ids (the text encoded as it is, no template)."""

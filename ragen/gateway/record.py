@@ -1,9 +1,13 @@
 """``CallRecord``: what the gateway keeps of one call, and the session's prompts rebuilt from them.
 
 A record holds what its call adds: the prompt ids after the ``prompt_start``
-its segment had before it, and the ids sampled with their log-probs, so a
-session's records grow with its tokens, not with their square. ``prompt_ids``
-rebuilds any call's whole prompt from the records of its segment.
+its segment had before it, and the ids sampled with their log-probs; a chat
+call's messages after those its segment held (all of them for a segment's
+first call; after the previous answer, as the client repeated it, for a call
+that extends), its segment's tools (on the segment's first call), and the
+answer as the client got it (the message a call that extends repeats). So a
+session's records grow with its tokens and messages, not with their square.
+``prompt_ids`` rebuilds any call's whole prompt from the records of its segment.
 """
 
 from __future__ import annotations
@@ -31,6 +35,10 @@ class CallRecord:
     engine_s: float = 0.0  # from the request sent to the engine to its answer
     total_s: float = 0.0  # from the request read to the answer written
     overrides: dict[str, Any] = field(default_factory=dict)  # what the client asked that the rollout's settings won
+    # a chat call's messages after those its segment held, as ``calls.ChatCall.kept`` (a completions call: none)
+    messages: list[dict[str, Any]] = field(default_factory=list)
+    tools: list[dict[str, Any]] | None = None  # the OpenAI function schemas, on a segment's first call only
+    answer: dict[str, Any] | None = None  # a chat call's answer as the client got it: role, content, tool_calls
     error: str | None = None
 
     @property

@@ -5,8 +5,10 @@ one line per call, ``CallRecord.to_dict()``, in call order. The header says
 which session it is and what came of it: ``{"kind": "ragen.gateway.session",
 "session", "seed", "env_id", "calls", "metrics", "closed_at"}`` (``calls``: how
 many lines follow; ``metrics``: ``Session.metrics()``). A call's record holds
-only what it adds to its segment, so ``record.prompt_ids(records, i)`` rebuilds
-any call's whole prompt from the records read back. The session's key is never
+only what it adds to its segment (its prompt ids and messages; its segment's
+tools on the segment's first call; its answer), so ``record.prompt_ids(records, i)``
+rebuilds any call's whole prompt from the records read back. A file written
+before records kept messages reads back with none. The session's key is never
 written. A file is written whole under a temporary name and then renamed, so
 a reader never sees half of one.
 """

@@ -52,12 +52,20 @@ def read_answer(text: str, finish_reason: str, tools: Sequence[dict[str, Any]] |
     return content, tuple((c.name, c.arguments) for c in valid), "tool_calls"
 
 
-def chat_completion(answer: Answer, decode: Callable[[list[int]], str] | None) -> dict[str, Any]:
-    """A ``chat.completion`` object."""
-    message: dict[str, Any] = {"role": "assistant", "content": answer.content if answer.content or not answer.calls
-                               else None}
+def answer_message(answer: Answer) -> dict[str, Any]:
+    """The answer as an assistant message (its content, and its tool calls where it made any): what
+    a call's record keeps, and what a call that extends it repeats."""
+    message: dict[str, Any] = {"role": "assistant", "content": answer.content}
     if answer.calls:
         message["tool_calls"] = tool_call_objects(answer)
+    return message
+
+
+def chat_completion(answer: Answer, decode: Callable[[list[int]], str] | None) -> dict[str, Any]:
+    """A ``chat.completion`` object."""
+    message = answer_message(answer)
+    if answer.calls and not answer.content:
+        message["content"] = None
     return {"id": answer.id, "object": "chat.completion", "created": int(time.time()), "model": answer.model,
             "choices": [{"index": 0, "message": message, "logprobs": _chat_logprobs(answer, decode),
                          "finish_reason": answer.finish_reason}],

@@ -32,12 +32,14 @@ BREAKS = {
 @dataclass(frozen=True)
 class Prompt:
     """One call's prompt: its ids, its segment, why that segment started with it (None: the call
-    extends the segment), and how many of its ids the segment had before it (``start``)."""
+    extends the segment), how many of its ids the segment had before it (``start``), and how many
+    of its messages (``held``: the previous call's and its answer; 0 for a new segment)."""
 
     ids: list[int]
     segment: int
     cause: str | None
     start: int
+    held: int = 0
 
     @property
     def added(self) -> list[int]:
@@ -72,7 +74,7 @@ class SessionTokens:
             if cause is None:
                 ids, diverged = self.chat.append(last.ids, call.shown, len(last.said), tools=call.tools)
                 if not diverged:
-                    return Prompt(ids, last.segment, None, len(last.ids))
+                    return Prompt(ids, last.segment, None, len(last.ids), len(last.said))
                 cause = "template_rewrites"
             self._segments += 1
             return Prompt(self.chat.full(call.shown, "", call.tools), self._segments - 1, cause, 0)

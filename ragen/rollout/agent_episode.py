@@ -27,7 +27,9 @@ from ragen.agents.program import ProgramResult, play_program
 from ragen.agents.tasks import TaskSet
 from ragen.gateway.record import CallRecord
 from ragen.gateway.server import GatewayServer
+from ragen.rollout.agent_call import AgentCall
 from ragen.rollout.types import EnvSpec, StopReason, Trajectory, Turn
+
 
 @functools.lru_cache(maxsize=64)
 def _program(tag: str, env_config: str) -> tuple[AgentConfig, TaskSet]:
@@ -77,15 +79,17 @@ def trajectory_of(spec: EnvSpec, records: list[CallRecord], result: ProgramResul
 
 
 def _turn(record: CallRecord, decode: Any) -> Turn:
-    return Turn(observation="", actions_left=0, response=decode(list(record.response_ids)), actions=[],
-                executed_actions=[], reward=0.0, penalty=0.0, info=call_info(record),
-                policy_version=record.policy_version or 0,
-                finish_reason=record.finish_reason or "stop",
+    """A call's turn: its messages, tools and answer as ``AgentCall`` holds them in a turn."""
+    call = AgentCall.of_record(record)
+    return Turn(observation=call.observation, actions_left=0, response=decode(list(record.response_ids)), actions=[],
+                executed_actions=[], reward=0.0, penalty=0.0, info=call.info,
+                policy_version=record.policy_version or 0, finish_reason=record.finish_reason or "stop",
                 response_ids=tuple(record.response_ids),
                 logprobs=None if record.logprobs is None else tuple(record.logprobs),
-                prompt_ids=tuple(record.prompt_added), prompt_start=record.prompt_start)
+                prompt_ids=tuple(record.prompt_added), prompt_start=record.prompt_start, tool_calls=call.tool_calls)
 
 
 def call_info(record: CallRecord) -> dict[str, Any]:
-    """Where a call stands in its session: an agent turn's ``info``."""
-    return {"call": record.index, "segment": record.segment, "cause": record.cause, "endpoint": record.endpoint}
+    """Where a call stands in its session, its segment's tools and its answer's content: an agent
+    turn's ``info`` (``ragen.rollout.agent_call``)."""
+    return AgentCall.of_record(record).info

@@ -13,7 +13,11 @@ added since the previous turn, so a dump stays linear in turns;
 ``response_ids`` and ``logprobs``); then the stop reason, error text, timings
 and the worker that ran it; an agent episode's program output
 (``Trajectory.program``: its info, traceback, stdout and stderr; absent for an
-env's episode).
+env's episode). An agent episode's turn is one call of its program
+(``ragen.rollout.agent_call``): its prompt is the call's messages as sent, its
+observation the messages it added (JSON), its info where it stands in the
+session, its segment's tools and the answer's content; a turn that is not one
+is refused as a field of the wrong type is.
 
 - ``write_dump(directory, name, result, loop, split=, step=)``: the driver
   writes one file after a rollout (never the workers): ``<name>.jsonl``, or
@@ -47,6 +51,7 @@ from typing import Any, Callable
 
 from ragen.errors import RagenError
 from ragen.llm.types import SamplingParams, request_seed
+from ragen.rollout.agent_call import AgentCall, call_messages
 from ragen.rollout.context import ContextConfig, ContextManager
 from ragen.rollout.json_types import BadField, check_fields, is_a, short
 from ragen.rollout.loop_config import LoopConfig
@@ -185,10 +190,14 @@ def _loop_row(loop: LoopConfig) -> dict[str, Any]:
 def _record_row(traj: Trajectory, spec: EnvSpec, ctx: ContextManager, loop: LoopConfig, loop_row: dict,
                 split: str, step: int) -> dict[str, Any]:
     turns, previous = [], []
+    # an agent episode's prompts are its calls' messages as sent; an env's, the context manager's
+    sent = call_messages([AgentCall.of_turn(t, f"turns[{i}]") for i, t in enumerate(traj.turns)]) \
+        if spec.is_agent else None
     for i, turn in enumerate(traj.turns):
         row = dict(turn.__dict__)
         row["steps"] = [s.__dict__ for s in turn.steps]
-        messages = ctx.build_messages(spec, traj.turns[:i], turn.observation, turn.actions_left)
+        messages = next(sent)[0] if sent is not None else \
+            ctx.build_messages(spec, traj.turns[:i], turn.observation, turn.actions_left)
         # a turn's prompt is mostly the previous one: only the messages after the common start are written
         kept = common_prefix_length([previous, messages])
         row["prompt"] = {"from_previous": kept, "messages": messages[kept:]}
@@ -352,6 +361,11 @@ def _check_types(spec: EnvSpec, loop: LoopConfig, traj: Trajectory, messages: li
     check_fields(traj, "")
     for i, turn in enumerate(traj.turns):
         check_fields(turn, f"turns[{i}]")
+        if spec.is_agent:
+            try:
+                AgentCall.of_turn(turn, f"turns[{i}]")
+            except ValueError as exc:
+                raise BadField(str(exc)) from None
         for j, step in enumerate(turn.steps):
             check_fields(step, f"turns[{i}].steps[{j}]")
         for m, message in enumerate(messages[i].new, messages[i].kept):  # the kept ones: checked before

@@ -1,6 +1,6 @@
 """Replay: play a dumped episode again, in this process, and check it.
 
-``python -m ragen.tools.replay DUMP.jsonl [--env-id N ...] [--engine NAME [--checkpoint DIR]]
+``python -m ragen.tools.replay DUMP.jsonl [--env-id N ...] [--engine NAME [--checkpoint DIR]] [--model MODEL]
 [--config FILE] [--allow-env-type MODULE:CLASS]``
 
 For each env asked for (every env of the dump when none is), the env is built
@@ -21,6 +21,15 @@ it): a model's replay that differs where the engine is at another version
 says so, and ``--checkpoint DIR`` (with ``--engine hf``) answers with a
 training checkpoint's policy: its weights, or its LoRA adapter on ``--model``.
 
+An agent tag's episode (``env_type: agent``) builds no env and runs no program:
+its recorded tokens are checked against the model's chat template (``--engine``'s,
+or, without one, ``--model``'s tokenizer). Each chat call's prompt is rendered
+again from the messages its turn keeps, by the gateway's own ``SessionTokens``
+(a segment's first call whole, a call that extends appended to the ids before
+it), and compared with the recorded prompt ids and cause: each call that differs
+is printed, naming the episode and the call (a template drift), or "tokens
+match the template".
+
 - ``RecordedEngine``: an ``Engine`` that answers each request with the dump's
   answer for its ``(env_id, turn)``.
 - ``replay(record, engine=None, env_types=None) -> Replay``: one env played
@@ -31,6 +40,8 @@ training checkpoint's policy: its weights, or its LoRA adapter on ``--model``.
   (of an agent program's output, only its info is compared, as
   ``rollout_digest`` does: its stdout, stderr and traceback are records for
   people).
+- ``replay_agent(record, chat) -> Replay``: an agent episode's calls checked
+  against a chat template; ``Replay.drifts`` names each call that differs.
 - ``version_note(record, engine)``: that the dump's answers came from another
   policy version than the engine's, and how to load that version.
 
@@ -42,10 +53,11 @@ folder's ``config.yaml`` or a Hydra config such as ``config/base.yaml``), and
 its module is imported. The env configs the file holds then go through their
 config class's checks, as a config's ``custom_envs`` do (``check_env_configs``).
 
-Exit status: 0 when every env replays identically, 1 when one differs, 2 for
-bad input (a missing, truncated or foreign file, an env id not in the dump, an
-env type the setup does not name, an env config that its class refuses, such
-as a size past its bound).
+Exit status: 0 when every env replays identically (an agent episode: its tokens
+match), 1 when one differs, 2 for bad input (a missing, truncated or foreign
+file, an env id not in the dump, an env type the setup does not name, an env
+config that its class refuses, such as a size past its bound, agent episodes
+and neither ``--engine`` nor ``--model``).
 """
 
 from __future__ import annotations
@@ -54,12 +66,17 @@ import argparse
 import dataclasses
 import logging
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 from ragen.env import make_env_config
 from ragen.env.allowed import AllowedEnvTypes, EnvTypeNotAllowed, add_allow_options, allowed_env_types
+from ragen.gateway.api_error import ApiError
+from ragen.gateway.calls import read_chat
+from ragen.gateway.segments import Prompt, SessionTokens
+from ragen.llm.chat_tokens import ChatTokens
 from ragen.llm.types import ABORTED, Completion, Engine, GenerationRequest, SamplingParams
+from ragen.rollout.agent_call import COMPLETIONS, AgentCall, call_messages
 from ragen.rollout.dump import DumpError, DumpRecord, read_dump
 from ragen.serving import DirectClient
 from ragen.rollout.scheduler import EnvError, KeptEnvs, run_envs
@@ -127,17 +144,64 @@ class _PromptsSeen(Engine):
 
 @dataclass
 class Replay:
-    """One dumped env played again: its record, the replayed trajectory, and where they first differ."""
+    """One dumped env played again: its record, the replayed trajectory, and where they first differ
+    (an agent episode's: its calls' prompts rendered again, and each call whose ids differ)."""
 
     record: DumpRecord
-    trajectory: Trajectory  # as played again
+    trajectory: Trajectory  # as played again (an agent episode's: as dumped, its program is not run)
     difference: str | None  # None: identical
     # why a model's answers may differ: the dump's were sampled by another policy version (version_note)
     note: str | None = None
+    calls: int = 0  # an agent episode's chat calls checked against the template
+    drifts: list[str] = field(default_factory=list)  # each call whose prompt the template does not give
 
     @property
     def identical(self) -> bool:
         return self.difference is None
+
+
+def is_agent(record: DumpRecord) -> bool:
+    """Whether ``record`` is an agent tag's episode: calls of a program, no env to build."""
+    return record.spec.is_agent
+
+
+def replay_agent(record: DumpRecord, chat: ChatTokens) -> Replay:
+    """An agent episode's recorded tokens checked against ``chat``, the model's chat template and
+    tokenizer: each chat call's prompt built again from the messages its turn keeps
+    (``ragen.rollout.agent_call``) by the gateway's own ``SessionTokens`` (a segment's first call
+    rendered whole, a call that extends appended to the ids before it and the ids sampled) and
+    compared with the recorded ids and cause. A difference is a template drift; the next call goes
+    on from the recorded ids, so each call is checked on its own. The program is not run. A
+    completions call's prompt is text that is not kept: it is carried, not checked."""
+    turns = record.trajectory.turns
+    calls = [AgentCall.of_turn(t, f"turn {i}") for i, t in enumerate(turns)]
+    tokens = SessionTokens(chat)
+    checked, drifts = 0, []
+    for call, turn, recorded, (messages, tools) in zip(calls, turns, turn_prompts(turns), call_messages(calls)):
+        recorded = recorded or []
+        if call.endpoint == COMPLETIONS:
+            tokens.answered_text(tokens.text_prompt(recorded), turn.response_ids)
+            continue
+        checked += 1
+        where = f"call {call.index} (segment {call.segment}, {call.cause or 'extends it'})"
+        try:
+            asked = read_chat({"messages": messages, "tools": tools}, max(1, len(messages)))
+            answer = read_chat({"messages": [call.answer]}, 1).said[0]  # as a call that repeats it says it
+            prompt = tokens.prompt(asked)
+        except ApiError as exc:
+            drifts.append(f"{where}: its messages are not a chat call's: {exc.message}")
+            continue
+        except Exception as exc:  # noqa: BLE001 - a template may raise on any message it refuses
+            drifts.append(f"{where}: the template cannot render its messages: {type(exc).__name__}: {exc}")
+            continue
+        if prompt.ids != recorded:
+            drifts.append(f"{where}: prompt ids: {_ids_diff(recorded, prompt.ids, 'template')}")
+        elif prompt.cause != call.cause:
+            drifts.append(f"{where}: the template makes it {prompt.cause or 'extend its segment'}")
+        # on from the recorded ids: the next call is checked on its own
+        tokens.answered(asked, Prompt(recorded, prompt.segment, call.cause, turn.prompt_start, prompt.held),
+                        turn.response_ids, answer)
+    return Replay(record, record.trajectory, drifts[0] if drifts else None, calls=checked, drifts=drifts)
 
 
 def replay(record: DumpRecord, engine: Engine | None = None, raise_errors: bool = False,
@@ -147,7 +211,14 @@ def replay(record: DumpRecord, engine: Engine | None = None, raise_errors: bool 
     ``raise_errors``: an exception in the env propagates (for a debugger)
     instead of ending the replay in ``error`` as the rollout did.
     ``env_types``: the env types it may build (default: registered names
-    only); any other raises ``EnvTypeNotAllowed`` before anything is imported."""
+    only); any other raises ``EnvTypeNotAllowed`` before anything is imported. An agent
+    episode's tokens are checked against ``engine``'s chat template (``replay_agent``)."""
+    if is_agent(record):
+        chat = getattr(engine, "chat", None)
+        if not isinstance(chat, ChatTokens):
+            raise ValueError(f"env {record.env_id} is an agent episode: its tokens are checked against the model's "
+                             "chat template, which this engine has none of")
+        return replay_agent(record, chat)
     check_env_types([record], env_types)
     check_env_configs([record])
     spec = dataclasses.replace(record.spec, env_threads=1)  # the calling thread steps it
@@ -186,6 +257,8 @@ def check_env_types(records: Sequence[DumpRecord], env_types: AllowedEnvTypes | 
     record whose env or config type ``env_types`` does not allow."""
     env_types = env_types if env_types is not None else AllowedEnvTypes()
     for r in records:
+        if is_agent(r):  # no env to build: its program is never run
+            continue
         try:
             env_types.check(r.spec.env_type, r.spec.config_type, r.spec.tag)
         except EnvTypeNotAllowed as exc:
@@ -199,6 +272,8 @@ def check_env_configs(records: Sequence[DumpRecord]) -> None:
     built from a refused config could take the machine's memory. Check the env types
     first (``check_env_types``): this imports the config's class."""
     for r in records:
+        if is_agent(r):
+            continue
         try:
             make_env_config(r.spec.env_type, r.spec.env_config, r.spec.config_type, r.spec.tag)
         except ValueError as exc:
@@ -250,10 +325,10 @@ def first_difference(record: DumpRecord, replayed: Trajectory,
     return None
 
 
-def _ids_diff(dumped: list[int], replayed: list[int]) -> str:
+def _ids_diff(dumped: list[int], replayed: list[int], other: str = "replay") -> str:
     k = common_prefix_length([dumped, replayed])
-    return (f"the dump has {len(dumped)} ids, the replay {len(replayed)}; from id {k}: "
-            f"{_diff(dumped[k:k + 8], replayed[k:k + 8])}")
+    return (f"the dump has {len(dumped)} ids, the {other} {len(replayed)}; from id {k}: "
+            f"dump {_short(dumped[k:k + 8])}, {other} {_short(replayed[k:k + 8])}")
 
 
 def _error(t: Trajectory) -> str:
@@ -328,6 +403,42 @@ def _engine_from_args(args: argparse.Namespace) -> Engine | None:
     return engine
 
 
+def _report(result: Replay) -> str:
+    """What the command prints of one replay: "identical" (an agent episode's: "tokens match"), or
+    where it differs (an agent episode's: each call, a line each)."""
+    t = result.record.trajectory
+    if is_agent(result.record):
+        where = f"env {t.env_id} ({t.tag}, seed {t.seed}, {len(t.turns)} calls)"
+        if result.identical:
+            return f"{where}: tokens match the template ({result.calls} chat calls)"
+        return "\n".join(f"{where}: differs at {d} (a template drift)" for d in result.drifts)
+    where = f"env {t.env_id} ({t.tag}, seed {t.seed}, {len(t.turns)} turns)"
+    if result.identical:
+        return f"{where}: identical"
+    return f"{where}: differs at {result.difference}" + (f" ({result.note})" if result.note else "")
+
+
+def _agent_chat(records: Sequence[DumpRecord], engine: Engine | None, model: str | None) -> ChatTokens | None:
+    """The chat template and tokenizer the agent episodes among ``records`` are checked against:
+    the engine's, else ``model``'s tokenizer (as the openai engine builds it); None without agent
+    episodes. ValueError when there is none to check them with."""
+    agents = [r.env_id for r in records if is_agent(r)]
+    if not agents:
+        return None
+    if engine is not None:
+        chat = getattr(engine, "chat", None)
+        if not isinstance(chat, ChatTokens):
+            raise ValueError(f"--engine {engine.name} has no chat template and tokenizer here, which the agent "
+                             f"episodes' (env {_id_list(agents)}) tokens are checked against: give --model")
+        return chat
+    if model is None:
+        raise ValueError(f"env {_id_list(agents)}: agent episodes, whose tokens are checked against the model's chat "
+                         "template: give --model (its tokenizer) or --engine")
+    from ragen.llm.openai_tokens import load_tokenizer
+
+    return ChatTokens.of(load_tokenizer(model))
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m ragen.tools.replay", description=__doc__.split("\n\n")[1],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -336,7 +447,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="an env of the dump to replay (repeatable); default: every env")
     parser.add_argument("--engine", help="re-generate the answers with this engine (hf, vllm, openai, scripted) "
                                          "instead of feeding the recorded ones")
-    parser.add_argument("--model", help="the engine's model (hf, vllm; default: the embedded default model)")
+    parser.add_argument("--model", help="the engine's model (hf, vllm; default: the embedded default model); "
+                                        "without --engine, the tokenizer agent episodes are checked with")
     parser.add_argument("--engine-opt", action="append", default=[], metavar="KEY=VALUE",
                         help="an engine option, as in config/engine/<name>.yaml (repeatable)")
     parser.add_argument("--checkpoint", metavar="DIR",
@@ -364,20 +476,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         except (EnvTypeNotAllowed, DumpError) as exc:
             raise type(exc)(f"{args.dump} {exc}") from None
         engine = _engine_from_args(args)
+        with closed_on_failure(engine.close if engine is not None else None):
+            chat = _agent_chat(chosen, engine, args.model)
     except (DumpError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     differ = 0
     try:
         for record in chosen:
-            result = replay(record, engine, raise_errors=args.raise_errors, env_types=env_types)
-            t = record.trajectory
-            where = f"env {t.env_id} ({t.tag}, seed {t.seed}, {len(t.turns)} turns)"
-            if result.identical:
-                print(f"{where}: identical")
-            else:
-                differ += 1
-                print(f"{where}: differs at {result.difference}" + (f" ({result.note})" if result.note else ""))
+            result = replay_agent(record, chat) if is_agent(record) else \
+                replay(record, engine, raise_errors=args.raise_errors, env_types=env_types)
+            print(_report(result))
+            differ += not result.identical
     finally:
         if engine is not None:
             engine.close()

@@ -8,7 +8,9 @@ writes the page (by default beside the dump, with ``.html`` for its suffix).
   prompt, the model's ``<think>`` and ``<answer>``, the actions parsed and
   executed, each step's reward and the state after it, the prompt tokens
   added and the tokens sampled; failed envs' errors
-  highlighted. Inline CSS and JS, no network.
+  highlighted. An agent episode (``agent.py``) call by call: where each
+  segment starts and why, the messages each call added, its answer and tool
+  calls, its trained tokens. Inline CSS and JS, no network.
 - Grid (``grid.py``): a grid env's text observation (Sokoban, FrozenLake, or
   any env whose config has a ``grid_vocab``) as cells with a kind each (wall,
   box, target, hole, goal, player, ...), with a legend of them; other envs are
@@ -28,7 +30,9 @@ A dump is data: the viewer builds no env, and builds an env's config class
 (for its ``grid_vocab``) only when the user's setup names its type
 (``env_types``: ``ragen.env.allowed``; default: the registered names). Any
 other type is never imported: its episodes are drawn with the default symbols,
-with a warning saying how to allow it (``--config``, ``--allow-env-type``).
+with a warning saying how to allow it (``--config``, ``--allow-env-type``). An
+agent tag's episode (``env_type: agent``) has no env and no config: its calls
+are drawn, with no warning.
 """
 
 from __future__ import annotations

@@ -4,8 +4,8 @@
   learning curve (when metrics rows are given) with what its reward and success
   measure, a table of episodes filtered by tag, success and stop reason, the
   legend of the maps (when episodes draw any), and each episode turn by turn,
-  collapsed (an agent episode's program output first: its info, traceback,
-  stdout and stderr).
+  collapsed; an agent episode's program output first (its info, traceback,
+  stdout and stderr), then its calls (``agent.py``).
 - ``split_response(text, think)``: a model answer's ``<think>`` and
   ``<answer>`` parts, or None when it does not follow the format (the raw
   answer is shown then).
@@ -29,6 +29,7 @@ from ragen.rollout.context import ContextConfig, ContextManager
 from ragen.rollout.dump import DumpRecord
 from ragen.rollout.types import ProgramOutput, StopReason, Turn
 from ragen.utils import common_prefix_length
+from ragen.viewer.agent import agent_turn
 from ragen.viewer.curve import curve_notes, curve_svg
 from ragen.viewer.grid import Cell, GridPicture, Symbols, env_config, picture, symbols_for
 
@@ -66,7 +67,8 @@ def render_html(records: list[DumpRecord], metrics: list[dict[str, Any]] | None 
     symbols: dict[tuple, Symbols | None] = {}
     for r in records:
         if r.spec.reuse_key not in symbols:
-            configs[r.spec.reuse_key] = env_config(r.spec, env_types)
+            # an agent tag's episode has no env to build a config of: its calls are drawn (viewer.agent)
+            configs[r.spec.reuse_key] = None if r.spec.is_agent else env_config(r.spec, env_types)
             symbols[r.spec.reuse_key] = symbols_for(r.spec, configs[r.spec.reuse_key])
     if title is None:
         first = records[0] if records else None
@@ -326,7 +328,8 @@ def _episode(r: DumpRecord, symbols: Symbols | None) -> str:
             f"{t.group_id} · seed {t.seed} · mode {escape(r.spec.mode)} · worker {worker} · reset "
             f"{t.reset_s:.3f} s · dump line {r.line}"
             f"{_tools(r.spec.tools)}</p>")
-    turns = "".join(_turn(r, i, symbols) for i in range(len(t.turns)))
+    agent = r.spec.is_agent
+    turns = "".join(agent_turn(r, i, _tools) if agent else _turn(r, i, symbols) for i in range(len(t.turns)))
     return (f'<details class="episode{" failed" if failed else ""}" id="ep-{r.env_id}" {_data(r)}>'
             f"<summary>env {r.env_id} · {escape(t.tag)} · {'success' if t.success else 'no success'} · "
             f"{escape(t.stop_reason.value)} · reward {t.reward:.3f} · {len(t.turns)} turns</summary>"
@@ -342,7 +345,10 @@ pre{white-space:pre-wrap;word-break:break-word;background:#f6f6f6;padding:.3em .
 #episode-table td.yes{color:#070;font-weight:600}
 tr.failed td,.episode.failed>summary{background:#fde2e2}
 .error,.error-box pre{color:#a00;background:#fff0f0}.error-box{border-left:4px solid #c00;padding-left:.5em}
-.msg.tool{border-left:4px solid #2a6;padding-left:.5em}
+.msg.tool,.msg.role-tool{border-left:4px solid #2a6;padding-left:.5em}
+.segment-start{margin:.2em 0;padding:.1em .5em;background:#eef3ff}.segment-start.prefix-break{background:#fff1cc}
+ul.tool-calls{margin:.2em 0;padding-left:1.2em}code.ids{display:block;font-size:.8em;word-break:break-all}
+code.ids.trained,pre.trained{background:#eefbe9}.reward{font-weight:700}
 .program{border-left:4px solid #68a;padding-left:.5em}.program>b{display:block;font-size:.85em;color:#555}
 .program pre{max-height:30em;overflow:auto}.program p{margin:.2em 0}
 .episode{border:1px solid #ccc;margin:.4em 0;padding:.2em .6em}.episode>summary{cursor:pointer;font-weight:600}
