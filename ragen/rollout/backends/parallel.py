@@ -17,6 +17,7 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import logging
+import pickle
 import threading
 import time
 from dataclasses import dataclass, replace
@@ -142,7 +143,15 @@ class ParallelRolloutManager(SyncBackend):
         if not any(s.is_agent for s in specs):
             return None
         if self._agent_model is None:
-            self._agent_model = AgentModel.of(self.engine)
+            model = AgentModel.of(self.engine)
+            if self.settings.backend not in IN_PROCESS_BACKENDS:
+                try:
+                    pickle.dumps(model)
+                except Exception as exc:  # noqa: BLE001 - whatever the tokenizer raises, said once, here
+                    raise RolloutError(f"the engine's tokenizer cannot be sent to the workers that serve the agent "
+                                       f"tags' calls ({type(exc).__name__}: {exc}); set agent_proxy.parallel_backend="
+                                       f"threading") from exc
+            self._agent_model = model
         return self._agent_model
 
     def _joblib_backend(self):
