@@ -79,3 +79,16 @@ def test_on_a_cluster_agent_episodes_are_the_sequential_ones(backend, package):
     par = rollout(use_parallel_rollout=True, parallel_backend=backend, parallel_n_jobs=2)
     assert rollout_digest(par.trajectories) == rollout_digest(seq.trajectories)
     assert {t.worker for t in par.trajectories if t.tag == "CountAgent"}.isdisjoint({os.getpid()})
+
+
+@pytest.mark.timeout(120)
+def test_a_tokenizer_that_cannot_travel_to_the_workers_is_said_once_naming_the_way_out():
+    from ragen.llm.chat_tokens import ChatTokens
+    from ragen.llm.scripted import render_messages
+    from ragen.rollout.backends.parallel import RolloutError
+
+    engine = ScriptedEngine()
+    engine.chat = ChatTokens(render_messages, lambda text: list(text.encode()), {}, "bare")  # closures only
+    with LLMAgentProxy(setup(use_parallel_rollout=True, parallel_n_jobs=2), engine) as proxy:
+        with pytest.raises(RolloutError, match="cannot be sent to the workers.*parallel_backend=threading"):
+            proxy.rollout("train")
