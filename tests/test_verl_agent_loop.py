@@ -259,7 +259,22 @@ COUNT_AGENT = textwrap.dedent('''
 ''')
 
 
-def test_verls_agent_loop_worker_plays_our_agent_programs_token_exact(setup):
+@pytest.fixture(scope="module")
+def agent_setup(setup):
+    """A dataset of an env tag's group (ragen_env) and an agent tag's (ragen_agent)."""
+    _, model, data = setup
+    (data.parent / "verl_count_agent.py").write_text(COUNT_AGENT)
+    cfg, agents = _dataset(data.parent / "agents", model, "+custom_envs.Counts.env_type=agent",
+                           "+custom_envs.Counts.env_config.entry=verl_count_agent:counts",
+                           "+custom_envs.Counts.env_config.tasks=verl_count_agent:task_of",
+                           "es_manager.train.env_groups=2", "es_manager.train.group_size=2",
+                           "es_manager.train.env_configs.tags=[Bandit,Counts]",
+                           "es_manager.train.env_configs.n_groups=[1,1]",
+                           "es_manager.val.env_groups=1", "es_manager.val.env_configs.n_groups=[1]")
+    return cfg, model, agents
+
+
+def test_verls_agent_loop_worker_plays_our_agent_programs_token_exact(agent_setup):
     """A batch of env rows (ragen_env) and agent rows (ragen_agent) through verl's AgentLoopWorker: each
     agent row is our own rollout's episode (play_agents on the hf engine), its first and only segment."""
     from dataclasses import replace
@@ -274,15 +289,7 @@ def test_verls_agent_loop_worker_plays_our_agent_programs_token_exact(setup):
     from ragen.verl.episode_tokens import METRIC_KEYS, record_of
     from ragen.verl.setup import load_envs
 
-    _, model, data = setup
-    (data.parent / "verl_count_agent.py").write_text(COUNT_AGENT)
-    cfg, agents = _dataset(data.parent / "agents", model, "+custom_envs.Counts.env_type=agent",
-                           "+custom_envs.Counts.env_config.entry=verl_count_agent:counts",
-                           "+custom_envs.Counts.env_config.tasks=verl_count_agent:task_of",
-                           "es_manager.train.env_groups=2", "es_manager.train.group_size=2",
-                           "es_manager.train.env_configs.tags=[Bandit,Counts]",
-                           "es_manager.train.env_configs.n_groups=[1,1]",
-                           "es_manager.val.env_groups=1", "es_manager.val.env_configs.n_groups=[1]")
+    cfg, model, agents = agent_setup
     worker = AgentLoopWorker(cfg, ServerClient(HFServer.remote(str(model))))
     batch = _batch(cfg, worker)
     assert list(batch.non_tensor_batch["agent_name"]) == ["ragen_env"] * 2 + ["ragen_agent"] * 2
@@ -319,3 +326,16 @@ def test_verls_agent_loop_worker_plays_our_agent_programs_token_exact(setup):
         assert float(scores.abs().sum()) == pytest.approx(abs(traj.reward))
         assert out.non_tensor_batch["ragen/turns"][i] == 2.0 and out.non_tensor_batch["__num_turns__"][i] == 5
     assert torch.equal(out.batch["prompts"][2], out.batch["prompts"][3])  # a group shares its task
+
+
+@pytest.mark.parametrize("row, loop, says", [(0, "ragen_agent", "tag 'Bandit' is an env, not an agent program"),
+                                             (2, "ragen_env", "tag 'Counts' is an agent program")])
+def test_a_row_under_the_other_loop_is_refused_naming_it(agent_setup, row, loop, says):
+    from verl.experimental.agent_loop.agent_loop import AgentLoopWorker
+
+    cfg, model, _ = agent_setup
+    worker = AgentLoopWorker(cfg, ServerClient(HFServer.remote(str(model))))
+    batch = _batch(cfg, worker)[row:row + 1]
+    batch.non_tensor_batch["agent_name"] = np.array([loop], dtype=object)
+    with pytest.raises(Exception, match=f"dataset row {row // 2}: {says}"):
+        asyncio.run(worker.generate_sequences(batch))

@@ -128,7 +128,7 @@ class ServerManagerClient:
             output = future.result(timeout)
         except concurrent.futures.TimeoutError:
             return None  # the link abandons the call
-        except BaseException as exc:  # noqa: BLE001 - the server manager's failure is this call's
+        except Exception as exc:  # noqa: BLE001 - the server manager's failure (or a cancel) is this call's
             self._local.pending = None
             raise EngineError(f"verl's server manager failed: {type(exc).__name__}: {exc}", ticket) from exc
         self._local.pending = None
