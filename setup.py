@@ -56,8 +56,9 @@ setup(
         "vllm": ["vllm"],
         # verl's trainer on ragen's envs (docs/verl.md); it pins transformers < 5.11 and
         # its own torch: install it in a venv of its own. cachetools, uvicorn, fastapi: verl
-        # 0.9.1's agent loop imports them and its package does not declare them
-        "verl": ["verl==0.9.1", "pandas", "pyarrow", "cachetools", "uvicorn", "fastapi"],
+        # 0.9.1's agent loop imports them and its package does not declare them; openai: the
+        # client agent programs call their gateway session with (the ragen_agent loop)
+        "verl": ["verl==0.9.1", "pandas", "pyarrow", "cachetools", "uvicorn", "fastapi", "openai"],
         "dask": ["dask[distributed]"],
         "ray": ["ray[default]"],
     },

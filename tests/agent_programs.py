@@ -140,3 +140,14 @@ def counts(task: dict, llm) -> dict:
                  {"role": "user", "content": "More."}]
     second = llm.client.chat.completions.create(model=llm.model, messages=messages)
     return {"reward": float(len(second.choices[0].message.content) % 3), "seen": task["a"]}
+
+
+def restarts(task: dict, llm) -> dict:
+    """Two chats: the second does not grow the first (a new segment), then a call that grows the second."""
+    first = [{"role": "user", "content": f"Count to {task['a']}."}]
+    llm.client.chat.completions.create(model=llm.model, messages=first)
+    second = [{"role": "user", "content": "Start again."}]
+    answer = llm.client.chat.completions.create(model=llm.model, messages=second)
+    second += [{"role": "assistant", "content": answer.choices[0].message.content}, {"role": "user", "content": "More."}]
+    llm.client.chat.completions.create(model=llm.model, messages=second)
+    return 1.0

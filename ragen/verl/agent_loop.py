@@ -31,11 +31,11 @@ from verl.utils.profiler import simple_timer
 from ragen.llm.chat_tokens import ChatTokens
 from ragen.verl.env_side import EnvSide
 from ragen.verl.episode_tokens import play_tokens
-from ragen.verl.setup import load_envs
+from ragen.verl.setup import ENV_LOOP, PROGRAM_LOOP, load_envs
 
 logger = logging.getLogger(__name__)
 
-AGENT_NAME = "ragen_env"
+AGENT_NAME = ENV_LOOP
 
 # One EnvSide and one ChatTokens per agent-loop worker process (verl builds an agent
 # loop per sample): the env processes and the template's probe outlive the samples.
@@ -43,7 +43,8 @@ _SHARED: dict[tuple, Any] = {}
 _LOCK = threading.Lock()
 
 
-def _shared(key: tuple, make) -> Any:
+def worker_shared(key: tuple, make) -> Any:
+    """The object ``make()`` built once in this agent-loop worker process under ``key``."""
     with _LOCK:
         if key not in _SHARED:
             _SHARED[key] = make()
@@ -66,16 +67,19 @@ class RagenEnvAgentLoop(AgentLoopBase):
         agent_workers = int(self.rollout_config.agent.get("num_workers", 1) or 1)
         overrides = tuple(str(o) for o in (ragen_overrides or ()))
         self.envs = load_envs(str(ragen_config), overrides, agent_workers)
-        self.env_side: EnvSide = _shared(("env_side", str(ragen_config), overrides),
-                                         lambda: EnvSide(self.envs.env_workers, self.envs.env_backend))
+        self.env_side: EnvSide = worker_shared(("env_side", str(ragen_config), overrides),
+                                               lambda: EnvSide(self.envs.env_workers, self.envs.env_backend))
         tokenizer = self.tokenizer
-        self.chat: ChatTokens = _shared(("chat", id(tokenizer)), lambda: ChatTokens.of(tokenizer))
+        self.chat: ChatTokens = worker_shared(("chat", id(tokenizer)), lambda: ChatTokens.of(tokenizer))
         self.prompt_length = int(self.rollout_config.prompt_length)
         self.response_length = int(self.rollout_config.response_length)
         self.vocab_size = len(tokenizer)
 
     async def run(self, sampling_params: dict[str, Any], **kwargs: Any) -> AgentLoopOutput:
         spec, config = self.envs.spec(kwargs)
+        if spec.is_agent:
+            raise ValueError(f"dataset row {kwargs.get('index', '?')}: tag {spec.tag!r} is an agent program "
+                             f"(env_type: agent): its rows take agent_name {PROGRAM_LOOP}")
         metrics: dict[str, Any] = {}
 
         async def generate(prompt_ids: list[int], max_tokens: int):

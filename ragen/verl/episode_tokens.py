@@ -14,6 +14,9 @@ record verl trains on:
 
 ``response_length`` bounds the whole record (verl pads every sample to it): an
 answer is capped to what is left, and the episode ends when nothing is.
+
+An agent program's episode has the same record (``agent_record``): its first
+segment's calls in place of turns.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from typing import Awaitable, Callable, Sequence
 
 from ragen.llm.chat_tokens import ChatTokens
 from ragen.llm.types import Completion, token_id_error
+from ragen.rollout.agent_samples import agent_rows, call_prompts
 from ragen.rollout.loop_config import LoopConfig
 from ragen.rollout.types import EnvSpec, StopReason, Trajectory, turn_prompts
 from ragen.verl.env_side import EnvSide
@@ -30,8 +34,9 @@ from ragen.verl.env_side import EnvSide
 # generate(prompt_ids, max_tokens) -> (token ids, their log-probs or None)
 Generate = Callable[[list[int], int], Awaitable[tuple[Sequence[int], Sequence[float] | None]]]
 
+# the same keys for every sample, env or agent episode: verl reads a batch's keys from its first sample
 METRIC_KEYS = ("ragen/success", "ragen/error", "ragen/timeout", "ragen/truncated", "ragen/turns", "ragen/actions",
-               "ragen/env_reward")
+               "ragen/env_reward", "ragen/untrained_calls")
 
 
 @dataclass
@@ -44,6 +49,7 @@ class EpisodeTokens:
     response_logprobs: list[float] | None = field(default_factory=list)
     trajectory: Trajectory | None = None
     truncated: bool = False  # the record reached response_length before the env ended
+    untrained_calls: int = 0  # an agent episode's calls outside the record (its later segments)
 
     def add_prompt(self, ids: Sequence[int]) -> bool:
         """A later turn's prompt: what it adds after the episode's ids so far (the first
@@ -74,8 +80,9 @@ class EpisodeTokens:
 
     @property
     def reward(self) -> float:
-        """The trajectory's reward (RAGEN's: env rewards and format penalties); 0 for an episode in error."""
-        return 0.0 if self.failed else float(self.trajectory.reward)
+        """The trajectory's reward (RAGEN's: env rewards and format penalties); 0 for an episode in error
+        or with no response (verl puts the reward at the last response token)."""
+        return 0.0 if self.failed or not self.response_ids else float(self.trajectory.reward)
 
     @property
     def num_turns(self) -> int:
@@ -92,6 +99,7 @@ class EpisodeTokens:
             "ragen/turns": float(len(t.turns)),
             "ragen/actions": float(t.num_actions),
             "ragen/env_reward": float(sum(turn.reward for turn in t.turns)),
+            "ragen/untrained_calls": float(self.untrained_calls),
         }
 
 
@@ -112,6 +120,30 @@ def record_of(trajectory: Trajectory) -> EpisodeTokens:
         record.add_answer(turn.response_ids, turn.logprobs)
     record = record or EpisodeTokens(prompt_ids=[])
     record.trajectory = trajectory
+    return record
+
+
+def agent_record(trajectory: Trajectory, prompt_length: int, response_length: int,
+                 truncated: bool = False) -> EpisodeTokens:
+    """An agent episode's record (``ragen.rollout.agent_episode``): its first segment, the first
+    sample ``agent_rows`` makes of it (its first call's prompt, then each call's sampled ids and
+    what the segment's next prompt adds); the calls of its other segments are counted in
+    ``untrained_calls``. A record past ``response_length`` is cut there; one whose prompt is past
+    ``prompt_length`` (calls of the first segment raced) is left empty. ``truncated``: a call
+    was refused or cut for the sample's room."""
+    turns = trajectory.turns
+    run = agent_rows(turns, "segment")[0]["turns"] if turns else []
+    prompts = list(call_prompts(turns))
+    record = EpisodeTokens(prompt_ids=prompts[run[0]] if run else [], truncated=truncated)
+    for k in run:
+        if k != run[0] and not record.add_prompt(prompts[k]):
+            raise AssertionError(f"call {k} of a segment does not extend its ids")  # agent_rows' runs do
+        record.add_answer(turns[k].response_ids, turns[k].logprobs)
+    if len(record.prompt_ids) > prompt_length:
+        record = EpisodeTokens(prompt_ids=[], truncated=True)
+    _cut(record, response_length)
+    record.trajectory = trajectory
+    record.untrained_calls = len(turns) - len(run)
     return record
 
 

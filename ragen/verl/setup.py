@@ -22,11 +22,17 @@ from typing import Any, Mapping, Sequence
 from ragen.config_reader import to_plain
 from ragen.rollout.envs import spec_of, tag_spec
 from ragen.rollout.loop_config import LoopConfig
-from ragen.rollout.types import EnvSpec
+from ragen.rollout.types import AGENT_ENV_TYPE, EnvSpec
 from ragen.verl.env_side import BACKENDS as ENV_BACKENDS
 
 # keys a ragen config must set for the agent loop, beyond what has a default
 REQUIRED = ("agent_proxy.max_turn", "custom_envs")
+
+# ragen's agent loops by their names in verl's registry: env tags', and env_type: agent tags'
+ENV_LOOP = "ragen_env"
+PROGRAM_LOOP = "ragen_agent"
+LOOP_CLASSES = {ENV_LOOP: "ragen.verl.agent_loop.RagenEnvAgentLoop",
+                PROGRAM_LOOP: "ragen.verl.agent_program_loop.RagenAgentLoop"}
 
 
 class VerlEnvs:
@@ -49,6 +55,12 @@ class VerlEnvs:
             raise ValueError(f"{source}: ctx_manager.token_history={token_history!r}: verl trains on one token "
                              "sequence per episode, which needs append (each prompt extends the ids so far)")
         setup = AgentSetup.from_config(cfg)
+        shape = setup.loop.context.agent_sample_shape
+        agents = sorted(tag for tag, spec in cfg["custom_envs"].items()
+                        if isinstance(spec, Mapping) and spec.get("env_type") == AGENT_ENV_TYPE)
+        if agents and shape != "segment":
+            raise ValueError(f"{source}: agent.sample_shape={shape!r}: verl trains one sequence a sample, an agent "
+                             f"episode's first segment (the agent tags {agents}); set agent.sample_shape=segment")
         self.source = source
         self.loops = {"train": setup.loop, "val": setup.val_loop}
         self.makers = setup.es  # the env sets of es_manager, by split (the dataset builder's rows)
