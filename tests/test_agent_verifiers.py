@@ -129,7 +129,9 @@ def test_a_tool_taskset_calls_its_mcp_tool_over_turns_and_is_scored_by_its_rubri
     ({"taskset": "ragen_vf_sums"}, "verifiers.taskset", "could not load its tasks"),
     ({"taskset": "ragen_vf_sums", "dataset": "BAD_ROW"}, "verifiers.dataset", "line 2: 'c' is not a field of SumData"),
     ({"taskset": "ragen_vf_sums", "dataset": str(SUMS), "env": {"agent": {"max_turnz": 3}}}, "verifiers.env",
-     "max_turnz"),
+     "verifiers.env.agent.max_turnz: Extra inputs are not permitted"),
+    ({"taskset": "ragen_vf_sums", "dataset": str(SUMS), "env": {"interception": {"type": "elastic"}}},
+     "verifiers.env.interception", "ragen serves each episode's model calls"),
 ])
 def test_a_verifiers_tag_that_does_not_load_is_refused_at_start_up_naming_its_key(tasksets, tmp_path, verifiers,
                                                                                   key, says):

@@ -36,9 +36,10 @@ class AgentConfig:
     @classmethod
     def read(cls, tag: str, env_config: Any) -> AgentConfig:
         """The tag's ``env_config`` read and checked: a ``ConfigError`` naming
-        ``custom_envs.<tag>.env_config.<key>`` for an unknown key, both or neither of entry and
-        command, an entry that does not import or is not callable, a command not found, a
-        tasks file missing, empty or with a bad line, a tasks function that does not import."""
+        ``custom_envs.<tag>.env_config.<key>`` for an unknown key, not one of entry, command and
+        verifiers, an entry that does not import or is not callable, a command not found, a
+        tasks file missing, empty or with a bad line, a tasks function that does not import, a
+        verifiers environment that does not load (``ragen.agents.verifiers``)."""
         where = f"custom_envs.{tag}.env_config"
         config = read(cls, env_config, where)
         object.__setattr__(config, "where", where)
@@ -46,7 +47,7 @@ class AgentConfig:
         if config.tasks is not None and not is_function_path(config.tasks):
             object.__setattr__(config, "tasks", TaskSet.absolute(config.tasks))
         if config.verifiers is not None:
-            object.__setattr__(config, "verifiers", config.verifiers.located(f"{where}.verifiers", TaskSet.absolute))
+            object.__setattr__(config, "verifiers", config.verifiers.located(f"{where}.verifiers"))
         config._check()
         return config
 

@@ -19,6 +19,7 @@ import functools
 import json
 from typing import Any
 
+from ragen.agents.tasks import TaskSet
 from ragen.config_reader import setting
 from ragen.errors import ConfigError
 
@@ -37,9 +38,10 @@ class VerifiersConfig:
     env: dict[str, Any] | None = None
     where: str = dataclasses.field(default="env_config.verifiers", init=False, compare=False)
 
-    def located(self, where: str, absolute: Any) -> VerifiersConfig:
-        """This section at config path ``where``, its dataset path made ``absolute``."""
-        config = dataclasses.replace(self, dataset=None if self.dataset is None else absolute(self.dataset))
+    def located(self, where: str) -> VerifiersConfig:
+        """This section at config path ``where``, its dataset path absolute (workers may run in
+        another folder than the driver)."""
+        config = dataclasses.replace(self, dataset=None if self.dataset is None else TaskSet.absolute(self.dataset))
         object.__setattr__(config, "where", where)
         return config
 
