@@ -123,6 +123,17 @@ def test_a_tool_taskset_calls_its_mcp_tool_over_turns_and_is_scored_by_its_rubri
     same_in_parallel("CalcVF", CALC_TAG, 2, 1, trajectories)
 
 
+@pytest.mark.timeout(120)
+def test_an_episode_verifiers_ends_not_ok_ends_in_error_naming_why(tasksets):
+    broken = {"taskset": {"task": {"rewards": {"broken": {"fn": "ragen_vf_sums:broken_reward"}}}}}
+    spec = {"env_type": "agent", "env_config": {"verifiers": {**SUM_TAG["env_config"]["verifiers"], "env": broken},
+                                                "timeout_s": 60}}
+    (t,) = rollout("SumVF", spec, groups=1, group_size=1)
+    assert t.stop_reason == StopReason.ERROR
+    assert "the verifiers episode was not ok" in t.error and "this reward cannot score" in t.error
+    assert "ValueError: this reward cannot score" in t.program["stderr"]  # its traceback
+
+
 @pytest.mark.parametrize("verifiers, key, says", [
     ({"taskset": "ragen_vf_nowhere"}, "verifiers.taskset", "is not a verifiers taskset"),
     ({"taskset": "ragen_vf_sums", "dataset": "/nonexistent/sums.jsonl"}, "verifiers.dataset", "no file"),

@@ -29,6 +29,11 @@ class SumTask(vf.Task[SumData, vf.State, vf.TaskConfig]):
         return float(len(trace.last_reply))
 
 
+async def broken_reward(trace: vf.Trace) -> float:
+    """A reward plugged by config (``taskset.task.rewards``) that fails: its episode ends in error."""
+    raise ValueError("this reward cannot score")
+
+
 class SumTaskset(vf.Taskset[SumTask, vf.TasksetConfig]):
     def load(self):
         raise RuntimeError("the tests give this taskset its tasks as verifiers.dataset")
