@@ -59,6 +59,9 @@ setup(
         # 0.9.1's agent loop imports them and its package does not declare them; openai: the
         # client agent programs call their gateway session with (the ragen_agent loop)
         "verl": ["verl==0.9.1", "pandas", "pyarrow", "cachetools", "uvicorn", "fastapi", "openai"],
+        # verifiers environments as agent tags (docs/agents.md, *verifiers environments*); it pins
+        # openai < 3 and the dev extra's openai-agents needs >= 3: install it in a venv of its own
+        "verifiers": ["verifiers==0.4.0"],
         "dask": ["dask[distributed]"],
         "ray": ["ray[default]"],
     },

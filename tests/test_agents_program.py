@@ -41,8 +41,8 @@ def entry(tasks_file, name: str, **keys) -> AgentConfig:
 
 @pytest.mark.timeout(30)
 @pytest.mark.parametrize("keys, message", [
-    ({"entry": "tests.agent_programs:add", "command": ["true"]}, r"custom_envs.Calc.env_config: give entry or command"),
-    ({}, r"custom_envs.Calc.env_config: give entry .* or command"),
+    ({"entry": "tests.agent_programs:add", "command": ["true"]}, r"custom_envs.Calc.env_config: give one of entry, command and verifiers, not entry and command"),
+    ({}, r"custom_envs.Calc.env_config: give entry .*, command .* or verifiers"),
     ({"entry": "tests.no_such_module:run"}, r"custom_envs.Calc.env_config.entry: cannot import 'tests.no_such_module:run'"),
     ({"entry": "tests.agent_programs:nope"}, r"custom_envs.Calc.env_config.entry: cannot import .* no attribute 'nope'"),
     ({"entry": "tests.agent_programs:NOT_CALLABLE"}, r"custom_envs.Calc.env_config.entry: .* is not callable, got 42"),

@@ -23,15 +23,15 @@ from ragen.errors import ConfigError
 
 
 def run_entry(config: AgentConfig, task: dict[str, Any], llm: LLM, max_abs_reward: float) -> ProgramResult:
-    """``config.entry`` played on ``task`` with ``llm``, to its ``ProgramResult``."""
-    source = f"entry {config.entry}"
+    """``config.entry`` (or its verifiers environment) played on ``task`` with ``llm``, to its ``ProgramResult``."""
+    source = config.program
     try:
         fn = config.entry_function()
     except ConfigError as exc:  # a worker whose path cannot import what the driver could
         return ProgramResult(error=str(exc))
     output, ended, box = Output(), threading.Event(), {}
     thread = threading.Thread(target=_play, args=(fn, task, llm, output, box, ended), daemon=True,
-                              name=f"ragen-agent-{config.entry}")
+                              name=f"ragen-agent-{config.program}")
     thread.start()
     if not ended.wait(config.timeout_s):
         return ProgramResult(error=f"{source} ran past timeout_s={config.timeout_s:g}", timed_out=True,

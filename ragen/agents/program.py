@@ -21,6 +21,6 @@ def play_program(config: AgentConfig, task: dict[str, Any], llm: LLM, *,
     no reward (or one beyond +-``max_abs_reward``) and a timeout are the result's ``error``. It
     returns at the timeout; the caller then closes the session, so that an entry's abandoned
     thread is refused on every later call. ``grace_s``: a command's time between SIGTERM and SIGKILL."""
-    if config.entry is not None:
+    if config.command is None:  # an entry, or a verifiers environment's episode: a function on a thread
         return run_entry(config, task, llm, max_abs_reward)
     return run_command(config, task, llm, max_abs_reward, grace_s)

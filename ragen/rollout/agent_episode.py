@@ -24,7 +24,6 @@ from typing import Any
 from ragen.agents.config import AgentConfig
 from ragen.agents.llm import LLM
 from ragen.agents.program import ProgramResult, play_program
-from ragen.agents.tasks import TaskSet
 from ragen.gateway.record import CallRecord
 from ragen.gateway.server import GatewayServer
 from ragen.rollout.agent_call import AgentCall
@@ -32,10 +31,10 @@ from ragen.rollout.types import EnvSpec, StopReason, Trajectory, Turn
 
 
 @functools.lru_cache(maxsize=64)
-def _program(tag: str, env_config: str) -> tuple[AgentConfig, TaskSet]:
+def _program(tag: str, env_config: str) -> tuple[AgentConfig, Any]:
     """A tag's program and tasks, read once a process (its tasks file read once)."""
     config = AgentConfig.read(tag, json.loads(env_config))
-    return config, TaskSet.load(config.tasks, f"{config.where}.tasks")
+    return config, config.task_set()
 
 
 def play_agent(spec: EnvSpec, server: GatewayServer, max_abs_reward: float) -> Trajectory:

@@ -240,8 +240,7 @@ def _agent_tag(tag: str, cfg: EnvTagConfig, env_config: Mapping[str, Any]) -> di
         raise ConfigError(f"custom_envs.{tag}.max_tokens: an agent's answers are bounded by the max_tokens of its "
                           "own calls and ctx_manager.generation.response_length; leave this key out")
     agent = AgentConfig.read(tag, env_config)
-    # the tasks file as the driver found it: workers may run in another folder
-    env_config = {**env_config, "tasks": agent.tasks}
+    env_config = agent.portable(env_config)  # its files as the driver found them
     return {"format_example": None, "env_type": AGENT_ENV_TYPE, "config_type": None, "env_config": env_config,
             "max_actions_per_traj": cfg.max_actions_per_traj, "env_instruction": "", "state_legend": "",
             "action_names": None, "max_tokens": cfg.max_tokens, "env_threads": 1, "tools": None}
