@@ -8,6 +8,7 @@ import os
 import re
 import sys
 import threading
+import time
 
 import pytest
 
@@ -229,9 +230,17 @@ def test_a_command_that_fails_ends_in_error_with_its_stderr_kept(tasks_file):
     assert "the last line of its stdout, 'the answer is four', is neither a number nor a JSON object" in result.error
 
 
-def _gone(pgid: int) -> bool:
-    """No live process in group ``pgid``: a killed member reparented to init may stay a zombie
-    (dead, holding nothing) until init reaps it."""
+def _gone(pgid: int, within_s: float = 5.0) -> bool:
+    """No live process in group ``pgid`` within ``within_s`` (a SIGKILL is delivered at once, but a
+    loaded machine may schedule the dying process a moment later): a killed member reparented to
+    init may stay a zombie (dead, holding nothing) until init reaps it."""
+    deadline = time.monotonic() + within_s
+    while _alive(pgid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return not _alive(pgid)
+
+
+def _alive(pgid: int) -> list[str]:
     alive = []
     for entry in os.listdir("/proc"):
         try:
@@ -241,7 +250,7 @@ def _gone(pgid: int) -> bool:
             continue
         if int(fields[2]) == pgid and fields[0] != "Z":
             alive.append(entry)
-    return alive == []
+    return alive
 
 
 @pytest.mark.timeout(30)
