@@ -8,6 +8,7 @@ import os
 import re
 import sys
 import threading
+import time
 
 import pytest
 
@@ -229,19 +230,24 @@ def test_a_command_that_fails_ends_in_error_with_its_stderr_kept(tasks_file):
     assert "the last line of its stdout, 'the answer is four', is neither a number nor a JSON object" in result.error
 
 
-def _gone(pgid: int) -> bool:
-    """No live process in group ``pgid``: a killed member reparented to init may stay a zombie
-    (dead, holding nothing) until init reaps it."""
-    alive = []
-    for entry in os.listdir("/proc"):
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                fields = f.read().rpartition(")")[2].split()
-        except (OSError, ValueError):  # not a process, or one that just ended
-            continue
-        if int(fields[2]) == pgid and fields[0] != "Z":
-            alive.append(entry)
-    return alive == []
+def _gone(pgid: int, within_s: float = 5.0) -> bool:
+    """No live process in group ``pgid`` once those killed have had ``within_s`` to finish dying (a
+    member killed by SIGKILL runs its exit for a moment after its pipes close); a killed member
+    reparented to init may stay a zombie (dead, holding nothing) until init reaps it."""
+    deadline = time.monotonic() + within_s
+    while True:
+        alive = []
+        for entry in os.listdir("/proc"):
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    fields = f.read().rpartition(")")[2].split()
+            except (OSError, ValueError):  # not a process, or one that just ended
+                continue
+            if int(fields[2]) == pgid and fields[0] != "Z":
+                alive.append(entry)
+        if not alive or time.monotonic() > deadline:
+            return alive == []
+        time.sleep(0.05)
 
 
 @pytest.mark.timeout(30)
