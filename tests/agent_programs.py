@@ -1,15 +1,19 @@
-"""Agent programs for the runner's tests (``tests/test_agents_program.py``): entries named
-``tests.agent_programs:<name>``, a tasks function, and command lines run with this Python.
+"""Agent programs for the runner's tests (``tests/test_agents_program.py``) and the agent fault
+matrix (``tests/test_agent_faults.py``): entries named ``tests.agent_programs:<name>``, a tasks
+function, and command lines run with this Python.
 
-``RELEASE`` holds ``hangs`` and ``calls_late`` until a test sets it, so the thread a timed-out
-episode abandons ends with its test; ``LATE`` keeps what ``calls_late``'s call met.
+``RELEASE`` holds ``hangs``, ``calls_late`` and ``calls_then_hangs`` until a test sets it, so the
+thread a timed-out episode abandons ends with its test; ``LATE`` keeps what ``calls_late``'s call met.
 """
 
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 import sys
 import threading
+import time
 
 RELEASE = threading.Event()
 LATE: dict = {}
@@ -151,3 +155,68 @@ def restarts(task: dict, llm) -> dict:
     second += [{"role": "assistant", "content": answer.choices[0].message.content}, {"role": "user", "content": "More."}]
     llm.client.chat.completions.create(model=llm.model, messages=second)
     return 1.0
+
+
+def never_calls(task: dict, llm) -> float:
+    """Returns a reward without a call: nothing to train."""
+    return 1.0
+
+
+def calls_then_hangs(task: dict, llm) -> float:
+    """One call (its client keeps the connection open), then waits past its timeout."""
+    llm.client.chat.completions.create(model=llm.model, messages=[{"role": "user", "content": "hello"}])
+    RELEASE.wait(60)
+    return 1.0
+
+
+def calls_after_its_end(task: dict, llm) -> float:
+    """Sleeps ``task['late_s']``, past its timeout, then calls once: its session is closed by then.
+    What the call met (an HTTP status, or the error's name) is appended as a line to the file
+    ``task['report']`` names (the episode may run in another process than the test)."""
+    time.sleep(task["late_s"])
+    import openai
+
+    try:
+        llm.client.with_options(max_retries=0).chat.completions.create(
+            model=llm.model, messages=[{"role": "user", "content": "late"}])
+        met = "200"
+    except openai.APIStatusError as exc:
+        met = str(exc.status_code)
+    except Exception as exc:  # whatever the client raises is what the test looks at
+        met = type(exc).__name__
+    with open(task["report"], "a", encoding="utf-8") as f:
+        f.write(met + "\n")
+    return 1.0
+
+
+def floods_calls(task: dict, llm) -> float:
+    """Bursts of 32 calls started together, none retried, until the gateway refuses one: raises what refused it."""
+    import openai
+
+    client = llm.client.with_options(max_retries=0)
+    refused: list = []
+
+    def call(start: threading.Barrier) -> None:
+        start.wait()
+        try:
+            client.chat.completions.create(model=llm.model, messages=[{"role": "user", "content": "flood"}])
+        except openai.APIStatusError as exc:
+            refused.append(exc)
+
+    while not refused:
+        start = threading.Barrier(32)
+        burst = [threading.Thread(target=call, args=(start,)) for _ in range(32)]
+        for t in burst:
+            t.start()
+        for t in burst:
+            t.join()
+    raise refused[0]
+
+
+def kills_its_process(task: dict, llm) -> float:
+    """SIGKILL to the process it runs in (a worker's: the rollout's fallback finds it)."""
+    os.kill(os.getpid(), signal.SIGKILL)
+    return 1.0
+
+
+KILLS_ITSELF = python("import os, signal\nos.kill(os.getpid(), signal.SIGKILL)\n")

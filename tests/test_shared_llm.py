@@ -282,3 +282,30 @@ def test_frames_carry_only_data_never_objects(tmp_path):
             client.wait_any()
         assert not target.exists()
         assert len(ask(client, _requests(2), SamplingParams())) == 2  # and it goes on serving
+
+
+@pytest.mark.timeout(60)
+def test_a_client_whose_socket_is_numbered_past_1024_waits_for_its_answer():
+    """A process with many connections (a worker whose gateway serves an agent flooding its session)
+    numbers its next sockets past 1024, where select() fails: the client's wait and ready() poll."""
+    import os
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < 1200:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (min(1200, hard), hard))
+    fillers = [os.open(os.devnull, os.O_RDONLY) for _ in range(1100)]
+    assert fillers[-1] >= 1024  # the sockets opened next are numbered past them
+    try:
+        with SharedLLMInferenceManager(ScriptedEngine()) as shared:
+            client = shared.client()
+            client.submit(_requests(2), SamplingParams())
+            deadline = time.monotonic() + 30
+            while not client.ready() and time.monotonic() < deadline:
+                time.sleep(0.01)
+            ticket, completions = client.wait_any(timeout=30)
+            assert len(completions) == 2
+            client.reset()
+    finally:
+        for fd in fillers:
+            os.close(fd)

@@ -14,11 +14,14 @@ Routes (every one answers JSON; a refusal is OpenAI's error body):
 
 One thread serves each connection, at most ``max_connections`` at once (the next
 gets a 503); a client that sends or reads nothing for ``io_timeout_s`` is dropped, so
-one that stops reading its stream holds only its own thread.
+one that stops reading its stream holds only its own thread. ``close`` ends every
+connection still open (a client's kept alive, an abandoned agent's), so no thread of
+the server outlives it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hmac
 import json
@@ -48,6 +51,7 @@ logger = logging.getLogger(__name__)
 Chunks = ChatChunks | TextChunks | ResponseEvents  # a stream's events: head, delta, tail, error
 
 _SESSION_PATH = re.compile(r"^/sessions/([0-9a-f]{1,64})(/v1/[a-z/]+)?$")
+CLOSE_GRACE_S = 5.0  # close() waits this long for a connection's call in flight to end
 
 
 class GatewayServer:
@@ -73,9 +77,19 @@ class GatewayServer:
     def open_session(self, seed: int | None = None, env_id: int | None = None) -> Session:
         return self.gateway.sessions.open(seed, env_id)
 
-    def close(self) -> None:
+    @property
+    def connections(self) -> int:
+        """The HTTP connections open now."""
+        return self._http.active
+
+    def close(self, grace_s: float = CLOSE_GRACE_S) -> None:
+        """Stops serving and ends every connection still open: a client's kept alive between its
+        calls, or an agent's thread abandoned at its timeout, holds no thread of the server after.
+        A connection's thread in the middle of a call ends once the engine answers it; it is waited
+        for within ``grace_s``."""
         self._http.shutdown()
         self._http.server_close()
+        self._http.end_connections(grace_s)
 
 
 class _HTTPServer(ThreadingHTTPServer):
@@ -84,20 +98,41 @@ class _HTTPServer(ThreadingHTTPServer):
 
     def __init__(self, address: tuple[str, int], handler: type, owner: GatewayServer) -> None:
         self.owner = owner
-        self.active = 0
+        self._open: dict[socket.socket, threading.Thread] = {}  # each connection's thread
         self._active_lock = threading.Lock()
         super().__init__(address, handler)
 
-    def process_request(self, request: socket.socket, client_address: Any) -> None:
+    @property
+    def active(self) -> int:
         with self._active_lock:
-            full = self.active >= self.owner.gateway.settings.max_connections
+            return len(self._open)
+
+    def process_request(self, request: socket.socket, client_address: Any) -> None:
+        """A thread of its own for the connection, kept (socketserver's daemon threads are not, and
+        its shutdown leaves their connections open)."""
+        thread = threading.Thread(target=self.process_request_thread, args=(request, client_address),
+                                  name="ragen-gateway-conn", daemon=True)
+        with self._active_lock:
+            full = len(self._open) >= self.owner.gateway.settings.max_connections
             if not full:
-                self.active += 1
+                self._open[request] = thread
         if full:
             _refuse_connection(request, self.owner.gateway.settings.max_connections)
             self.shutdown_request(request)
             return
-        super().process_request(request, client_address)
+        thread.start()
+
+    def end_connections(self, grace_s: float) -> None:
+        """Every open connection shut (a thread waiting for its next request reads its end), and
+        their threads joined within ``grace_s``."""
+        with self._active_lock:
+            connections = dict(self._open)
+        for sock in connections:
+            with contextlib.suppress(OSError):  # closed meanwhile
+                sock.shutdown(socket.SHUT_RDWR)
+        deadline = time.monotonic() + grace_s
+        for thread in connections.values():
+            thread.join(max(0.0, deadline - time.monotonic()))
 
     def handle_error(self, request: Any, client_address: Any) -> None:
         """A connection's failure outside a request's handling: a client that went away or went quiet
@@ -113,7 +148,7 @@ class _HTTPServer(ThreadingHTTPServer):
             super().process_request_thread(request, client_address)
         finally:
             with self._active_lock:
-                self.active -= 1
+                self._open.pop(request, None)
 
 
 def _refuse_connection(sock: socket.socket, limit: int) -> None:

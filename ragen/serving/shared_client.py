@@ -36,6 +36,15 @@ HOLD_S = 0.002
 _LOCAL = threading.local()
 
 
+def _readable(sock: socket.socket, timeout_s: float) -> bool:
+    """Whether ``sock`` has something to read (or its end) within ``timeout_s``. poll, not select:
+    select fails on a descriptor numbered past 1024, which a process with many connections reaches
+    (a worker whose gateway serves an agent that floods its session)."""
+    poller = select.poll()
+    poller.register(sock, select.POLLIN)
+    return bool(poller.poll(timeout_s * 1000.0))
+
+
 @dataclass(frozen=True)
 class SharedLLMClient:
     """Picklable handle on a manager; connections are per process and thread."""
@@ -242,7 +251,7 @@ class SharedLLMClient:
             self.flush()
         if state["inbox"]:
             return True
-        return bool(select.select([state["sock"]], [], [], 0)[0])
+        return _readable(state["sock"], 0.0)
 
     def transit(self) -> tuple[float, int]:
         """Seconds this thread's messages spent on the wire (encoding, sending,
@@ -330,8 +339,7 @@ class SharedLLMClient:
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             while not inbox:
-                if deadline is not None and not select.select([state["sock"]], [], [],
-                                                              max(0.0, deadline - time.monotonic()))[0]:
+                if deadline is not None and not _readable(state["sock"], max(0.0, deadline - time.monotonic())):
                     return None
                 reply = self._read_reply(state)
                 if "reply" in reply:  # only ever sent in reply to call(), which reads it itself
