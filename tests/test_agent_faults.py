@@ -75,7 +75,8 @@ FAULTS = {
     "KillsCommand": Fault({"command": programs.KILLS_ITSELF}, StopReason.ERROR, "was killed by SIGKILL"),
 }
 # the threads of entries left running at their timeout (a Python thread cannot be killed)
-ABANDONED = {"ragen-agent-tests.agent_programs:calls_then_hangs", "ragen-agent-tests.agent_programs:calls_after_its_end"}
+ABANDONED = {"ragen-agent-entry tests.agent_programs:calls_then_hangs",
+             "ragen-agent-entry tests.agent_programs:calls_after_its_end"}
 
 
 @pytest.fixture(scope="module")
