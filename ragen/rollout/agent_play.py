@@ -4,7 +4,7 @@ process serves for the call.
 
 - ``AgentModel``: what a process needs of the engine's model to serve the agents' calls: its chat
   template and tokenizer (``ChatTokens``, rebuilt where it is unpickled), its served name and context
-  length. The backend reads it from its engine once and sends it in the ``LoopConfig``.
+  length. The backend reads it from its engine once and sends it in each ``WorkerTask``.
 - ``play_agents``: a ``GatewayServer`` on loopback (a free port), its calls sent to the engine over
   ``client`` (the worker's tagged ``SharedLLMClient``: they are coalesced with every other request
   and answered ``aborted`` with the rollout's), at most ``max_concurrent`` episodes at once on a
@@ -32,7 +32,6 @@ from ragen.llm.types import Completion, GenerationRequest, SamplingParams
 from ragen.rollout.agent_episode import play_agent
 from ragen.rollout.loop_config import LoopStats
 from ragen.rollout.types import EnvSpec, StopReason, Trajectory
-from ragen.serving.transport import _InProcess
 
 logger = logging.getLogger(__name__)
 # the openai client (httpx) logs each call of every agent at info, which the rollout's own lines say as
@@ -66,17 +65,27 @@ class AgentModel:
                    getattr(engine, "tokenizer", None))
 
 
-class EngineLinkClient(_InProcess):
+class EngineLinkClient:
     """A ``ManagerLink``'s client over an engine in this process, for the sequential backend (no
     manager): each call on its caller's thread, under the engine ``gate``; a streamed call is told
-    its ids at the end. Its engine calls are counted (``_InProcess``) and told to ``progress``."""
+    its ids at the end. Its engine calls are counted (as a ``DirectClient``'s) and told to
+    ``progress``."""
 
     def __init__(self, engine: Any, gate: Any, progress: Any = None) -> None:
-        super().__init__(engine)
+        self.engine = engine
         self.gate = gate
         self.progress = progress
+        self.engine_time_s = 0.0
+        self.engine_calls = 0
+        self.batch_sizes: list[int] = []
         self._tickets = itertools.count(1)
         self._local = threading.local()
+
+    def open_streams(self, n: int, announced: bool = True) -> None:
+        pass
+
+    def close_stream(self, hold: bool = False) -> None:
+        pass
 
     def submit(self, requests: list[GenerationRequest], sampling: SamplingParams, hold: bool = False,
                on_tokens: Callable[[int, list[int]], None] | None = None) -> int:
