@@ -12,6 +12,7 @@ from __future__ import annotations
 import warnings
 from typing import Any
 
+import httpx
 from langchain_core.tools import tool
 from langchain_openai import ChatOpenAI
 from langgraph.errors import GraphRecursionError
@@ -30,13 +31,14 @@ def run(task: dict[str, Any], llm: Any) -> dict[str, Any]:
         calls += 1
         return calculate(expression)
 
-    model = ChatOpenAI(model=llm.model, base_url=llm.base_url, api_key=llm.api_key)
-    with warnings.catch_warnings():  # langgraph 1.x: "create_react_agent has been moved"; still its ReAct graph
-        warnings.filterwarnings("ignore", message="create_react_agent has been moved")
-        agent = create_react_agent(model, [calculator], prompt=INSTRUCTIONS)
-    try:
-        state = agent.invoke({"messages": [("user", task["question"])]},
-                             {"recursion_limit": 2 * MAX_TURNS})
-    except GraphRecursionError:
-        return score(task, "", calls, stopped="recursion_limit")
+    # an HTTP client of its own, closed as the episode ends (ChatOpenAI's default is cached per base URL)
+    with httpx.Client() as http:
+        model = ChatOpenAI(model=llm.model, base_url=llm.base_url, api_key=llm.api_key, http_client=http)
+        with warnings.catch_warnings():  # langgraph 1.x: "create_react_agent has been moved"; still its ReAct graph
+            warnings.filterwarnings("ignore", message="create_react_agent has been moved")
+            agent = create_react_agent(model, [calculator], prompt=INSTRUCTIONS)
+        try:
+            state = agent.invoke({"messages": [("user", task["question"])]}, {"recursion_limit": 2 * MAX_TURNS})
+        except GraphRecursionError:
+            return score(task, "", calls, stopped="recursion_limit")
     return score(task, str(state["messages"][-1].content), calls)
