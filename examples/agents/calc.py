@@ -6,7 +6,7 @@
 - ``score(task, final, tool_calls)``: the episode's result, reward 1.0 when the last number of
   the final answer is the task's answer, else 0.0, with what the agent did as info;
 - ``TOOL``: the calculator's OpenAI function schema; ``INSTRUCTIONS``: the system prompt;
-- ``python -m examples.agents.calc``: writes the tasks file ``calc.jsonl`` (64 tasks, seed 0).
+- ``python -m examples.agents.calc``: writes the tasks file ``calc.jsonl`` (``make_tasks(64)``, seed 0).
 """
 
 from __future__ import annotations
@@ -90,18 +90,26 @@ def score(task: dict[str, Any], final: str, tool_calls: int, **info: Any) -> dic
 
 
 def make_tasks(n: int, seed: int = 0) -> list[dict[str, Any]]:
-    """``n`` tasks ``{"question", "expression", "answer"}``: two operations on numbers below 100,
-    a division only where it is exact."""
+    """``n`` distinct tasks ``{"question", "expression", "answer"}`` of mixed difficulty, so that a
+    small model gets some right and a group's rewards differ: of every four, one adds and one
+    subtracts numbers up to 20 (the answer not negative), one applies + - or * to numbers below
+    100, one chains two operations (a division only where it is exact)."""
     rng = random.Random(seed)
-    tasks = []
+    tasks: list[dict[str, Any]] = []
     while len(tasks) < n:
-        a, b, c = rng.randint(2, 99), rng.randint(2, 99), rng.randint(2, 99)
-        op1, op2 = rng.choice("+-*/"), rng.choice("+-*")
-        if op1 == "/":
-            a = b * rng.randint(2, 20)
-        expression = f"{a} {op1} {b} {op2} {c}"
-        tasks.append({"question": f"What is {expression}?", "expression": expression,
-                      "answer": int(evaluate(expression))})
+        level = len(tasks) % 4
+        if level < 2:
+            a, b = sorted((rng.randint(1, 20), rng.randint(1, 20)), reverse=True)
+            expression = f"{a} {'+-'[level]} {b}"
+        elif level == 2:
+            expression = f"{rng.randint(2, 99)} {rng.choice('+-*')} {rng.randint(2, 99)}"
+        else:
+            b, c, op1, op2 = rng.randint(2, 99), rng.randint(2, 99), rng.choice("+-*/"), rng.choice("+-*")
+            a = b * rng.randint(2, 20) if op1 == "/" else rng.randint(2, 99)
+            expression = f"{a} {op1} {b} {op2} {c}"
+        if all(t["expression"] != expression for t in tasks):
+            tasks.append({"question": f"What is {expression}?", "expression": expression,
+                          "answer": int(evaluate(expression))})
     return tasks
 
 
