@@ -67,15 +67,6 @@ def solves(prompt: str, rng) -> tuple[str, float] | None:
     return call_text("calculator", {"expression": expression}), -0.5
 
 
-def miscounts(prompt: str, rng) -> tuple[str, float] | None:
-    """Calls the calculator, then answers one more than it said."""
-    expression = _question(prompt)
-    result = expression and re.search(re.escape(expression) + r" = (-?[\d.]+)", prompt)
-    if result:
-        return _answer(prompt, str(int(result.group(1)) + 1))
-    return solves(prompt, rng)
-
-
 def not_json(prompt: str, rng) -> tuple[str, float]:
     """A call whose arguments are not JSON: the gateway gives it back as text, as it does a call
     whose arguments do not match the tool's schema, or of a tool not listed."""
@@ -167,12 +158,12 @@ def rollout(config_name: str, policy: str, monkeypatch, group_size: int = 2):
 @pytest.mark.parametrize("config_name", EXAMPLES)
 def test_each_example_agent_scores_its_rollout_and_trains_the_gateways_records(config_name, monkeypatch):
     result, sessions, engine = rollout(config_name, "solves", monkeypatch)
-    [task] = {json.dumps(t.program["info"]["answer"]) for t in result.trajectories}  # a group, one task
+    [answer] = {t.program["info"]["answer"] for t in result.trajectories}  # a group, one task
     for traj in result.trajectories:
         assert traj.stop_reason == StopReason.DONE and traj.error is None, traj.program
         info = traj.program["info"]
         assert traj.reward == 1.0 and info["success"] and info["tool_calls"] == 1, info
-        assert float(info["given"]) == float(task)
+        assert float(info["given"]) == answer
         assert len(traj.turns) == len(sessions[traj.env_id].records) == 2  # a calculator call, then the answer
     context = agent_setup(config_name).loop.context
     ctx = ContextManager(context)
@@ -193,7 +184,7 @@ def test_each_example_agent_scores_its_rollout_and_trains_the_gateways_records(c
 @pytest.mark.timeout(120)
 @pytest.mark.filterwarnings("ignore:create_react_agent has been moved")
 @pytest.mark.parametrize("config_name", EXAMPLES)
-@pytest.mark.parametrize("policy", ["miscounts", "not_json", "never_answers"])
+@pytest.mark.parametrize("policy", ["not_json", "never_answers"])
 def test_a_model_that_answers_badly_scores_0_and_the_episode_still_trains(config_name, policy, monkeypatch):
     result, sessions, _ = rollout(config_name, policy, monkeypatch, group_size=1)
     [traj] = result.trajectories
