@@ -3,9 +3,9 @@
 through the SDK's default Responses API on the episode's session.
 
 The SDK answers a call with bad arguments with an error the model reads (its tool's
-``failure_error_function``); what it raises for a model that misbehaves otherwise (a call of a
-tool it does not have, no final answer within the turns) ends the run with reward 0, not in
-error: a bad answer is the model's to learn from.
+``failure_error_function``); what it raises for a model that misbehaves (``ModelBehaviorError``)
+or gives no final answer within the turns (``MaxTurnsExceeded``) ends the run with reward 0, not
+in error: a bad answer is the model's to learn from. Any other error is the episode's.
 """
 
 from __future__ import annotations
@@ -36,6 +36,6 @@ async def run(task: dict[str, Any], llm: Any) -> dict[str, Any]:
     agent = agents.Agent(name="calculator", instructions=INSTRUCTIONS, model=model, tools=[calculator])
     try:
         result = await agents.Runner.run(agent, task["question"], max_turns=MAX_TURNS)
-    except agents.AgentsException as exc:  # MaxTurnsExceeded, ModelBehaviorError: the model's doing
+    except (agents.MaxTurnsExceeded, agents.ModelBehaviorError) as exc:  # the model's doing
         return score(task, "", calls, stopped=type(exc).__name__)
     return score(task, str(result.final_output), calls)
