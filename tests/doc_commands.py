@@ -38,6 +38,7 @@ SKIPS = (
     ("engine.device=cuda", "needs a GPU"),
     ("+cluster=", "a Dask or Ray cluster (tests/test_cluster_dask.py, test_cluster_ray.py)"),
     ("--config-dir myconf", "the guide's own config folder, shown as a file"),
+    ("--config-name agent_", "an agent example: tests/test_agent_examples.py trains it on the tiny model"),
 )
 
 

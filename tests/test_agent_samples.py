@@ -76,6 +76,32 @@ def nan_free(xs):
     return [None if math.isnan(x) else x for x in xs]
 
 
+def recorded_row(records, turns):
+    """The training row the gateway's ``records`` give for the calls ``turns`` (one chain of a
+    segment, or one call): ``(input_ids, loss_mask, behaviour_logprobs)``, the first call's whole
+    prompt, then each call's sampled ids (mask 1, their log-probs) and what the next call's prompt
+    adds (mask 0, NaN)."""
+    ids, mask, behaviour = [], [], []
+    for k in turns:
+        prompt = prompt_ids(records, k)
+        assert prompt[:len(ids)] == ids, f"call {k}'s prompt does not extend the row before it"
+        added = prompt[len(ids):]
+        ids += added + list(records[k].response_ids)
+        mask += [0] * len(added) + [1] * len(records[k].response_ids)
+        behaviour += [math.nan] * len(added) + list(records[k].logprobs)
+    return ids, mask, behaviour
+
+
+def assert_rows_are_the_records(rows, records):
+    """Every row is exactly the ids, loss mask and behaviour log-probs the gateway recorded for its
+    calls, and the rows train every call's sampled ids once."""
+    for row in rows:
+        ids, mask, behaviour = recorded_row(records, row["turns"])
+        assert row["input_ids"] == ids and row["loss_mask"] == mask, row["turns"]
+        assert nan_free(row["behaviour_logprobs"]) == nan_free(behaviour), row["turns"]
+    assert sorted(k for row in rows for k in row["turns"]) == list(range(len(records)))
+
+
 def rows_of(chat, shape, episodes, max_length=None):
     ctx = ContextManager(ContextConfig(agent_sample_shape=shape))
     return ctx.formulate_rollouts([(spec, traj.turns) for spec, traj in episodes], chat, max_length)
@@ -196,9 +222,8 @@ def test_calls_in_flight_at_once_on_one_segment_each_train_their_own_sequence():
     traj = trajectory_of(spec, records, ProgramResult(reward=2.0), str)
     [rows] = rows_of(None, "segment", [(spec, traj)])
     assert [row["turns"] for row in rows] == [[0, 1], [2, 3], [4]]
+    assert_rows_are_the_records(rows, records)
     for row in rows:
         last = row["turns"][-1]
         assert row["input_ids"] == prompt_ids(records, last) + records[last].response_ids
-        trained = [i for i, m in zip(row["input_ids"], row["loss_mask"]) if m]
-        assert trained == [i for k in row["turns"] for i in records[k].response_ids]
     assert rows[1]["loss_mask"] == [0, 0, 0, 0, 1, 0, 1]  # call 0's answer is call 2's prompt here
