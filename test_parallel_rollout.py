@@ -414,7 +414,7 @@ def print_report(report: dict[str, Any]) -> None:
     header = f"{'':32}" + "".join(f"{r['mode'] + (' (' + r['backend'] + ' x' + str(r['n_jobs']) + ')' if r['backend'] != 'none' else ''):>26}" for r in runs)
     print(header)
     for label, key, fmt in rows:
-        print(f"{label:32}" + "".join(f" {_cell(fmt, r[key]):>25}" for r in runs))  # a space: long cells stay apart
+        print(f"{label:32}" + "".join(f" {_cell(fmt, r.get(key)):>25}" for r in runs))  # a space: long cells stay apart
     for name in sorted({k[:-len("_sum")] for r in runs for k in r.get("costs", {}) if k.endswith("_sum")}):
         ms = 1000 if name.endswith("_s") else 1  # a time in seconds is shown in ms
         unit = "ms" if ms == 1000 else ""

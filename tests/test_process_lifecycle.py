@@ -214,7 +214,7 @@ def test_train_py_terminated_shuts_down_and_leaves_no_worker(tiny_model_path, tm
         workers: list = []
         while time.monotonic() < deadline and proc.poll() is None:
             tree = psutil.Process(proc.pid).children(recursive=True)
-            workers = [p for p in tree if "popen_loky" in " ".join(p.cmdline())]
+            workers = [p for p in tree if "popen_loky" in " ".join(_cmdline(p))]
             if len(workers) >= 2:
                 break
             time.sleep(0.2)
@@ -234,3 +234,11 @@ def test_train_py_terminated_shuts_down_and_leaves_no_worker(tiny_model_path, tm
     left = [(p.pid, " ".join(p.cmdline())[:100]) for p in tree if alive(p)]
     kill_tree(tree)
     assert not left, f"processes left after train.py ended: {left}"
+
+
+def _cmdline(process) -> list[str]:
+    """A process's command line; none for one that ended since it was listed (a short-lived child)."""
+    try:
+        return process.cmdline()
+    except psutil.NoSuchProcess:
+        return []

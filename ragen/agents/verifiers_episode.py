@@ -27,12 +27,13 @@ from typing import Any
 
 from ragen.agents.llm import LLM
 from ragen.agents.verifiers import VerifiersConfig
+from ragen.errors import RagenError
 
 # the api_key_var of the client config: never set, the client is given the session's key
 UNSET_KEY_VAR = "RAGEN_VERIFIERS_KEY_NOT_FROM_ENVIRONMENT"
 
 
-class VerifiersEpisodeError(RuntimeError):
+class VerifiersEpisodeError(RagenError, RuntimeError):
     """verifiers ended the episode not ok (its harness, tools, scoring or env failed)."""
 
 
