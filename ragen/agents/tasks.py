@@ -69,15 +69,22 @@ class TaskSet:
 
 def _read_lines(path: str, where: str) -> list[str]:
     """The non-blank lines of the JSONL file ``path``, each checked to be a JSON object."""
+    return [line for _, line, _ in json_objects(path, where, "a JSON object", "a JSONL file (one JSON object a line) "
+                                                "or 'package.module:function' of the seed")]
+
+
+def json_objects(path: str, where: str, task: str, file: str) -> list[tuple[int, str, dict[str, Any]]]:
+    """Each non-blank line of the JSONL file ``path`` as (its number, its text, its JSON object); a
+    ``ConfigError`` naming ``where`` for a file missing or unreadable (``file``: what to give
+    instead), a line that is not JSON or not an object, or no line at all (``task``: what a line holds)."""
     try:
         with open(path, encoding="utf-8") as f:
             text = f.read()
     except FileNotFoundError:
-        raise ConfigError(f"{where}: no file {path!r}; give a JSONL file (one JSON object a line) or "
-                          "'package.module:function' of the seed") from None
+        raise ConfigError(f"{where}: no file {path!r}; give {file}") from None
     except (OSError, UnicodeDecodeError) as exc:
         raise ConfigError(f"{where}: cannot read {path!r}: {exc}") from None
-    lines = []
+    rows = []
     for number, line in enumerate(text.splitlines(), start=1):
         if not line.strip():
             continue
@@ -87,8 +94,8 @@ def _read_lines(path: str, where: str) -> list[str]:
             raise ConfigError(f"{where}: {path} line {number} is not JSON ({exc})") from None
         if not isinstance(value, dict):
             raise ConfigError(f"{where}: {path} line {number} is {_JSON_KINDS.get(type(value), 'not an object')}, "
-                              "not a JSON object; write one task a line as a JSON object")
-        lines.append(line)
-    if not lines:
-        raise ConfigError(f"{where}: {path} holds no task; write one task a line as a JSON object")
-    return lines
+                              f"not a JSON object; write one task a line as {task}")
+        rows.append((number, line, value))
+    if not rows:
+        raise ConfigError(f"{where}: {path} holds no task; write one task a line as {task}")
+    return rows

@@ -19,7 +19,7 @@ import functools
 import json
 from typing import Any
 
-from ragen.agents.tasks import TaskSet
+from ragen.agents.tasks import TaskSet, json_objects
 from ragen.config_reader import setting
 from ragen.errors import ConfigError
 
@@ -152,26 +152,11 @@ def _said(exc: Exception, where: str) -> str:
 
 def _read_dataset(path: str, data_type: Any, system_prompt: str | None, where: str) -> tuple[Any, ...]:
     """The ``TaskData`` of each non-blank line of the JSONL ``path``, each checked."""
-    try:
-        with open(path, encoding="utf-8") as f:
-            lines = f.read().splitlines()
-    except FileNotFoundError:
-        raise ConfigError(f"{where}: no file {path!r}; give a JSONL file of the taskset's tasks, one TaskData "
-                          "(a JSON object of its fields) a line") from None
-    except (OSError, UnicodeDecodeError) as exc:
-        raise ConfigError(f"{where}: cannot read {path!r}: {exc}") from None
     fields = set(data_type.model_fields)
     tasks = []
-    for number, line in enumerate(lines, start=1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except ValueError as exc:
-            raise ConfigError(f"{where}: {path} line {number} is not JSON ({exc})") from None
-        if not isinstance(row, dict):
-            raise ConfigError(f"{where}: {path} line {number} is not a JSON object; write one task a line as the "
-                              f"fields of {data_type.__name__}")
+    for number, _, row in json_objects(path, where, f"the fields of {data_type.__name__}",
+                                       "a JSONL file of the taskset's tasks, one TaskData (a JSON object of its "
+                                       "fields) a line"):
         unknown = sorted(set(row) - fields)
         if unknown:
             close = difflib.get_close_matches(unknown[0], sorted(fields), n=1)
@@ -185,9 +170,6 @@ def _read_dataset(path: str, data_type: Any, system_prompt: str | None, where: s
                               f"{_said(exc, data_type.__name__)}") from None
         update = {"idx": len(tasks)} if system_prompt is None else {"idx": len(tasks), "system_prompt": system_prompt}
         tasks.append(data.model_copy(update=update))
-    if not tasks:
-        raise ConfigError(f"{where}: {path} holds no task; write one task a line as the fields of "
-                          f"{data_type.__name__}")
     return tuple(tasks)
 
 
