@@ -51,29 +51,60 @@ def worker_shared(key: tuple, make) -> Any:
         return _SHARED[key]
 
 
-# Registered by the agent_loop_config_path file alone, never by verl's @register: verl
-# imports this module on its first sample, and @register would then replace the file's
-# entry (with its ragen_config) by a bare one for every later sample.
-class RagenEnvAgentLoop(AgentLoopBase):
-    """One ragen env episode per verl sample (see the module docstring)."""
+class RagenLoopBase(AgentLoopBase):
+    """What ragen's two agent loops share: the ragen config their entry in
+    ``agent_loop_config_path`` names (``ragen_config``, ``ragen_overrides``) read once a worker
+    (``envs``), the template's ``chat`` tokens, verl's prompt and response lengths, and the
+    ``AgentLoopOutput`` of an episode's record (``output``)."""
+
+    name = ""  # the agent_name a dataset row gives the loop
 
     def __init__(self, *args: Any, ragen_config: str | None = None, ragen_overrides: Any = (),
                  **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         if not ragen_config:
-            raise ValueError(f"agent loop {AGENT_NAME!r}: its entry in actor_rollout_ref.rollout.agent."
+            raise ValueError(f"agent loop {self.name!r}: its entry in actor_rollout_ref.rollout.agent."
                              "agent_loop_config_path has no ragen_config (a ragen config file, as "
                              "python -m ragen.tools.verl_data writes it, or a config name of ragen's config/)")
-        agent_workers = int(self.rollout_config.agent.get("num_workers", 1) or 1)
-        overrides = tuple(str(o) for o in (ragen_overrides or ()))
-        self.envs = load_envs(str(ragen_config), overrides, agent_workers)
-        self.env_side: EnvSide = worker_shared(("env_side", str(ragen_config), overrides),
-                                               lambda: EnvSide(self.envs.env_workers, self.envs.env_backend))
+        self.ragen_config = str(ragen_config)
+        self.agent_workers = int(self.rollout_config.agent.get("num_workers", 1) or 1)
+        self.overrides = tuple(str(o) for o in (ragen_overrides or ()))
+        self.envs = load_envs(self.ragen_config, self.overrides, self.agent_workers)
         tokenizer = self.tokenizer
         self.chat: ChatTokens = worker_shared(("chat", id(tokenizer)), lambda: ChatTokens.of(tokenizer))
         self.prompt_length = int(self.rollout_config.prompt_length)
         self.response_length = int(self.rollout_config.response_length)
-        self.vocab_size = len(tokenizer)
+
+    @staticmethod
+    def output(record: Any, sampling_params: dict[str, Any], metrics: dict[str, Any],
+               num_turns: int) -> AgentLoopOutput:
+        """verl's output of an episode's ``record`` (an ``EpisodeTokens``); ``num_turns``: verl's
+        count of messages (the first prompt, then a pair a trained answer)."""
+        return AgentLoopOutput(
+            prompt_ids=record.prompt_ids,
+            response_ids=record.response_ids,
+            response_mask=record.response_mask,
+            response_logprobs=record.response_logprobs if sampling_params.get("logprobs") else None,
+            reward_score=record.reward,
+            num_turns=num_turns,
+            metrics=AgentLoopMetrics(**metrics),
+            extra_fields={"reward_extra_info": record.metrics()},
+        )
+
+
+# Registered by the agent_loop_config_path file alone, never by verl's @register: verl
+# imports this module on its first sample, and @register would then replace the file's
+# entry (with its ragen_config) by a bare one for every later sample.
+class RagenEnvAgentLoop(RagenLoopBase):
+    """One ragen env episode per verl sample (see the module docstring)."""
+
+    name = AGENT_NAME
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.env_side: EnvSide = worker_shared(("env_side", self.ragen_config, self.overrides),
+                                               lambda: EnvSide(self.envs.env_workers, self.envs.env_backend))
+        self.vocab_size = len(self.tokenizer)
 
     async def run(self, sampling_params: dict[str, Any], **kwargs: Any) -> AgentLoopOutput:
         spec, config = self.envs.spec(kwargs)
@@ -97,14 +128,4 @@ class RagenEnvAgentLoop(AgentLoopBase):
         if record.failed:
             logger.warning("ragen_env: tag %s seed %s ended in %s: %s", spec.tag, spec.seed,
                            record.trajectory.stop_reason.value, record.trajectory.error)
-        logprobs = record.response_logprobs if sampling_params.get("logprobs") else None
-        return AgentLoopOutput(
-            prompt_ids=record.prompt_ids,
-            response_ids=record.response_ids,
-            response_mask=record.response_mask,
-            response_logprobs=logprobs,
-            reward_score=record.reward,
-            num_turns=2 * record.num_turns + 1,  # verl counts messages: the first prompt, then a pair a turn
-            metrics=AgentLoopMetrics(**metrics),
-            extra_fields={"reward_extra_info": record.metrics()},
-        )
+        return self.output(record, sampling_params, metrics, 2 * record.num_turns + 1)

@@ -23,15 +23,14 @@ import asyncio
 import logging
 from typing import Any
 
-from verl.experimental.agent_loop.agent_loop import AgentLoopBase, AgentLoopMetrics, AgentLoopOutput
+from verl.experimental.agent_loop.agent_loop import AgentLoopOutput
 from verl.utils.profiler import simple_timer
 
-from ragen.llm.chat_tokens import ChatTokens
 from ragen.verl.agent_gateway import AgentGateway
-from ragen.verl.agent_loop import worker_shared
+from ragen.verl.agent_loop import RagenLoopBase, worker_shared
 from ragen.verl.episode_tokens import agent_record
 from ragen.verl.server_link import VerlEpisode
-from ragen.verl.setup import ENV_LOOP, PROGRAM_LOOP, load_envs
+from ragen.verl.setup import ENV_LOOP, PROGRAM_LOOP
 
 logger = logging.getLogger(__name__)
 
@@ -39,30 +38,22 @@ AGENT_NAME = PROGRAM_LOOP
 _warned_segments = False
 
 
-class RagenAgentLoop(AgentLoopBase):
+class RagenAgentLoop(RagenLoopBase):
     """One ragen agent program's episode per verl sample (see the module docstring)."""
 
-    def __init__(self, *args: Any, ragen_config: str | None = None, ragen_overrides: Any = (),
-                 **kwargs: Any) -> None:
+    name = AGENT_NAME
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        if not ragen_config:
-            raise ValueError(f"agent loop {AGENT_NAME!r}: its entry in actor_rollout_ref.rollout.agent."
-                             "agent_loop_config_path has no ragen_config (a ragen config file, as "
-                             "python -m ragen.tools.verl_data writes it, or a config name of ragen's config/)")
-        agent_workers = int(self.rollout_config.agent.get("num_workers", 1) or 1)
-        overrides = tuple(str(o) for o in (ragen_overrides or ()))
-        self.envs = load_envs(str(ragen_config), overrides, agent_workers)
-        tokenizer = self.tokenizer
-        chat: ChatTokens = worker_shared(("chat", id(tokenizer)), lambda: ChatTokens.of(tokenizer))
+        tokenizer, chat = self.tokenizer, self.chat
         loop = self.envs.loops["train"]
         served_name = str(self.config.actor_rollout_ref.model.path)
         # agent.max_concurrent is over all of verl's agent-loop workers
+        workers = self.agent_workers
         self.gateway: AgentGateway = worker_shared(
-            ("agent_gateway", str(ragen_config), overrides, id(tokenizer)),
+            ("agent_gateway", self.ragen_config, self.overrides, id(tokenizer)),
             lambda: AgentGateway(chat, tokenizer, served_name, loop.sampling,
-                                 max(1, loop.agent_max_concurrent // agent_workers), loop.engine_timeout_s))
-        self.prompt_length = int(self.rollout_config.prompt_length)
-        self.response_length = int(self.rollout_config.response_length)
+                                 max(1, loop.agent_max_concurrent // workers), loop.engine_timeout_s))
 
     async def run(self, sampling_params: dict[str, Any], **kwargs: Any) -> AgentLoopOutput:
         global _warned_segments
@@ -84,15 +75,4 @@ class RagenAgentLoop(AgentLoopBase):
             logger.warning("ragen_agent: an episode of tag %s has calls outside its first segment (a call rewrote "
                            "its history); verl trains one sequence a sample, its first segment: the others are "
                            "counted in ragen/untrained_calls", spec.tag)
-        logprobs = record.response_logprobs if sampling_params.get("logprobs") else None
-        return AgentLoopOutput(
-            prompt_ids=record.prompt_ids,
-            response_ids=record.response_ids,
-            response_mask=record.response_mask,
-            response_logprobs=logprobs,
-            reward_score=record.reward,
-            # verl counts messages: the first prompt, then a pair a trained call
-            num_turns=2 * (record.num_turns - record.untrained_calls) + 1,
-            metrics=AgentLoopMetrics(**metrics),
-            extra_fields={"reward_extra_info": record.metrics()},
-        )
+        return self.output(record, sampling_params, metrics, 2 * (record.num_turns - record.untrained_calls) + 1)
