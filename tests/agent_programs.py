@@ -136,24 +136,24 @@ CLEANS_UP = python("import signal, sys, time\n"
                    "signal.signal(signal.SIGTERM, end)\nprint('ready', flush=True)\ntime.sleep(60)\n")
 
 
+def growing_chat(llm, first: str, then: str) -> tuple[str, str]:
+    """Two calls of one chat: ``first``, then its answer and ``then``; the two answers."""
+    messages = [{"role": "user", "content": first}]
+    answer = llm.client.chat.completions.create(model=llm.model, messages=messages).choices[0].message.content
+    messages += [{"role": "assistant", "content": answer}, {"role": "user", "content": then}]
+    return answer, llm.client.chat.completions.create(model=llm.model, messages=messages).choices[0].message.content
+
+
 def counts(task: dict, llm) -> dict:
     """Two calls of a growing chat; its reward reads the second answer (deterministic on the scripted engine)."""
-    messages = [{"role": "user", "content": f"Count to {task['a']}."}]
-    first = llm.client.chat.completions.create(model=llm.model, messages=messages)
-    messages += [{"role": "assistant", "content": first.choices[0].message.content},
-                 {"role": "user", "content": "More."}]
-    second = llm.client.chat.completions.create(model=llm.model, messages=messages)
-    return {"reward": float(len(second.choices[0].message.content) % 3), "seen": task["a"]}
+    _, second = growing_chat(llm, f"Count to {task['a']}.", "More.")
+    return {"reward": float(len(second) % 3), "seen": task["a"]}
 
 
 def restarts(task: dict, llm) -> dict:
     """Two chats: the second does not grow the first (a new segment), then a call that grows the second."""
-    first = [{"role": "user", "content": f"Count to {task['a']}."}]
-    llm.client.chat.completions.create(model=llm.model, messages=first)
-    second = [{"role": "user", "content": "Start again."}]
-    answer = llm.client.chat.completions.create(model=llm.model, messages=second)
-    second += [{"role": "assistant", "content": answer.choices[0].message.content}, {"role": "user", "content": "More."}]
-    llm.client.chat.completions.create(model=llm.model, messages=second)
+    llm.client.chat.completions.create(model=llm.model, messages=[{"role": "user", "content": f"Count to {task['a']}."}])
+    growing_chat(llm, "Start again.", "More.")
     return 1.0
 
 

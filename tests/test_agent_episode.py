@@ -12,6 +12,7 @@ from ragen.llm.scripted import ScriptedEngine
 from ragen.rollout.agent_episode import play_agent
 from ragen.rollout.context import ContextConfig, ContextManager
 from ragen.rollout.types import EnvSpec, StopReason, episode_ids
+from tests.agent_programs import growing_chat
 from tests.test_gateway import serve
 
 pytest.importorskip("openai", reason="the openai client (pip install openai; the dev extra has it)")
@@ -19,11 +20,7 @@ pytest.importorskip("openai", reason="the openai client (pip install openai; the
 
 def two_turns(task: dict, llm) -> dict:
     """A growing chat of two calls, then the reward with some information."""
-    messages = [{"role": "user", "content": f"Add {task['a']} and {task['b']}. Available actions: Up, Down."}]
-    first = llm.client.chat.completions.create(model=llm.model, messages=messages)
-    messages += [{"role": "assistant", "content": first.choices[0].message.content},
-                 {"role": "user", "content": "Again."}]
-    llm.client.chat.completions.create(model=llm.model, messages=messages)
+    growing_chat(llm, f"Add {task['a']} and {task['b']}. Available actions: Up, Down.", "Again.")
     print(f"<b>added {task['a']}</b>")
     return {"reward": 0.5, "calls": 2}
 

@@ -14,6 +14,7 @@ from ragen.rollout.agent_episode import play_agent
 from ragen.rollout.context import ContextConfig, ContextManager
 from ragen.rollout.types import EnvSpec, RolloutResult
 from ragen.trainer.config import TrainerConfig
+from tests.agent_programs import growing_chat
 from ragen.trainer.core import compute_advantages
 from ragen.trainer.samples import make_samples
 from tests.test_gateway import serve
@@ -29,22 +30,14 @@ def task(seed: int) -> dict:
 
 def grows(task: dict, llm) -> float:
     """One segment: a chat of two calls, the second extending the first."""
-    messages = [{"role": "user", "content": f"Add {task['a']} and {task['b']}. {ACTIONS}"}]
-    first = llm.client.chat.completions.create(model=llm.model, messages=messages)
-    messages += [{"role": "assistant", "content": first.choices[0].message.content},
-                 {"role": "user", "content": "Again."}]
-    llm.client.chat.completions.create(model=llm.model, messages=messages)
+    growing_chat(llm, f"Add {task['a']} and {task['b']}. {ACTIONS}", "Again.")
     return 0.0
 
 
 def rewrites(task: dict, llm) -> float:
     """Two segments: the chat of ``grows``, then a call that compacts its history into one message."""
-    messages = [{"role": "user", "content": f"Add {task['a']} and {task['b']}. {ACTIONS}"}]
-    first = llm.client.chat.completions.create(model=llm.model, messages=messages)
-    messages += [{"role": "assistant", "content": first.choices[0].message.content},
-                 {"role": "user", "content": "Again."}]
-    second = llm.client.chat.completions.create(model=llm.model, messages=messages)
-    summary = f"You answered {second.choices[0].message.content!r} so far. {ACTIONS} Go on."
+    _, second = growing_chat(llm, f"Add {task['a']} and {task['b']}. {ACTIONS}", "Again.")
+    summary = f"You answered {second!r} so far. {ACTIONS} Go on."
     llm.client.chat.completions.create(model=llm.model, messages=[{"role": "user", "content": summary}])
     return 1.0
 
