@@ -30,16 +30,20 @@ from ragen.rollout.agent_call import AgentCall
 from ragen.rollout.types import EnvSpec, StopReason, Trajectory, Turn
 
 
+def agent_program(spec: EnvSpec) -> tuple[AgentConfig, Any]:
+    """The program and tasks of ``spec``'s tag, read once a process (its tasks file read once)."""
+    return _program(spec.tag, json.dumps(spec.env_config, sort_keys=True))
+
+
 @functools.lru_cache(maxsize=64)
 def _program(tag: str, env_config: str) -> tuple[AgentConfig, Any]:
-    """A tag's program and tasks, read once a process (its tasks file read once)."""
     config = AgentConfig.read(tag, json.loads(env_config))
     return config, config.task_set()
 
 
 def play_agent(spec: EnvSpec, server: GatewayServer, max_abs_reward: float) -> Trajectory:
     """The agent episode of ``spec`` (an ``agent`` tag's) played on ``server``'s engine."""
-    config, tasks = _program(spec.tag, json.dumps(spec.env_config, sort_keys=True))
+    config, tasks = agent_program(spec)
     session = server.open_session(seed=spec.seed, env_id=spec.env_id)
     try:
         llm = LLM(server.base_url(session), session.key, server.gateway.link.served_name)

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field, replace
 from functools import partial
 from typing import Any, Sequence
 
+from ragen.rollout.agent_episode import agent_program
 from ragen.rollout.agent_play import agent_stats, play_agents
 from ragen.rollout.batching import choose_batching
 from ragen.rollout.env_calls import KeptEnvs
@@ -171,9 +172,7 @@ class _AgentRun:
 
 def agent_timeout_s(spec: EnvSpec) -> float:
     """How long an agent spec's episode may run (its tag's ``timeout_s``, and a grace to stop it)."""
-    from ragen.agents.config import AgentConfig
-
-    return AgentConfig.read(spec.tag, spec.env_config).timeout_s + 10.0
+    return agent_program(spec)[0].timeout_s + 10.0
 
 
 def run_isolated(spare: KeptExecutor, task: int, specs: list[EnvSpec], client: SharedLLMClient,
