@@ -130,7 +130,7 @@ def test_a_peer_that_does_not_read_its_partials_is_dropped_and_the_others_are_an
     """Partials go through the connection's bounded queue: a peer that asks for them and never
     reads is dropped once they pass ``max_send_queue_bytes``, named in a warning, and the engine
     call and a worker's answers go on. The partials pass what the kernel's buffers absorb too
-    (loopback here takes 4.2 MB of an unread connection)."""
+    (on loopback, about tcp_wmem's largest send buffer of an unread connection)."""
     bound = kernel_buffers() + (4 << 20)
     with caplog.at_level(logging.WARNING, logger="ragen"), \
             SharedLLMInferenceManager(BigPartials((kernel_buffers() + bound) // (4 * PARTIAL_IDS) + 4),
